@@ -1,0 +1,36 @@
+"""Shared fixtures: the production networks and the tiny test networks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NETWORKS = ROOT / "networks"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+NET6 = NETWORKS / "distributed_attention_example_6_swiglu_head.yml"
+NET8 = NETWORKS / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml"
+PRODUCTION = [NET6, NET8]
+TINY = FIXTURES / "tiny_2l.yml"
+TINY_FP32 = FIXTURES / "tiny_1l_fp32.yml"
+
+
+@pytest.fixture(scope="session")
+def net6():
+    from vgraph import load
+
+    return load(NET6)
+
+
+@pytest.fixture(scope="session")
+def net8():
+    from vgraph import load
+
+    return load(NET8)
+
+
+@pytest.fixture()
+def tiny():
+    from vgraph import load
+
+    return load(TINY)

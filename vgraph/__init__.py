@@ -1,0 +1,18 @@
+"""vgraph: a typed graph IR, optimisation passes and backends for network YAML.
+
+The core (this package) knows the IR, the op registry, YAML I/O, validation,
+analysis, the pass manager and plugin discovery.  Built-in passes live in
+`vgraph.passes` and backends in `vgraph.backends`; both depend on the core,
+never the reverse.
+"""
+from .diagnostics import Diagnostic, SourceLoc, VGraphError
+from .ir import Edge, Endpoint, Graph, GraphError, VNode
+from .ops import REGISTRY, OpDef, get_op, register_op
+from .types import ShapeError, TensorType
+from .verify import verify
+from .yamlio import dumps, load, loads, save
+
+__version__ = "0.1.0"
+__all__ = ["Diagnostic", "SourceLoc", "VGraphError", "Edge", "Endpoint", "Graph", "GraphError", "VNode",
+           "REGISTRY", "OpDef", "get_op", "register_op", "ShapeError", "TensorType", "verify",
+           "dumps", "load", "loads", "save"]

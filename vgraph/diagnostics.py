@@ -1,0 +1,80 @@
+"""Compiler-style diagnostics.
+
+Every problem vgraph finds in a user's network is a `Diagnostic` that names
+where it is (file, line) and which VNode it concerns, so a user can jump
+straight to it.  Validation collects all of them before failing: a user fixing
+a file wants the whole list, not one error per run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True, order=True)
+class SourceLoc:
+    """Where something was written: a file and a 1-based line."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    message: str
+    loc: SourceLoc | None = None
+    node: str | None = None
+    severity: str = "error"  # "error" | "warning"
+
+    def __str__(self) -> str:
+        where = f"{self.loc}: " if self.loc else "<network>: "
+        what = f"node '{self.node}': " if self.node is not None else "network: "
+        prefix = "warning: " if self.severity == "warning" else ""
+        return f"{where}{prefix}{what}{self.message}"
+
+
+class VGraphError(Exception):
+    """A user-facing failure carrying one or more diagnostics.
+
+    The CLI prints the diagnostics and exits 2; library callers can inspect
+    `.diagnostics`.  It is never used for internal bugs.
+    """
+
+    def __init__(self, diagnostics: Iterable[Diagnostic] | str):
+        if isinstance(diagnostics, str):
+            diagnostics = [Diagnostic(diagnostics)]
+        self.diagnostics: list[Diagnostic] = list(diagnostics)
+        super().__init__("\n".join(str(d) for d in self.diagnostics))
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.severity == "error"]
+
+
+class DiagnosticSink:
+    """Collects diagnostics while a pipeline stage keeps going."""
+
+    def __init__(self) -> None:
+        self.items: list[Diagnostic] = []
+
+    def error(self, message: str, loc: SourceLoc | None = None, node: str | None = None) -> None:
+        self.items.append(Diagnostic(message, loc, node, "error"))
+
+    def warning(self, message: str, loc: SourceLoc | None = None, node: str | None = None) -> None:
+        self.items.append(Diagnostic(message, loc, node, "warning"))
+
+    @property
+    def has_errors(self) -> bool:
+        return any(d.severity == "error" for d in self.items)
+
+    def raise_if_errors(self) -> None:
+        if self.has_errors:
+            raise VGraphError(sorted_diagnostics(self.items))
+
+
+def sorted_diagnostics(diags: Iterable[Diagnostic]) -> list[Diagnostic]:
+    """Order by file and line, keeping discovery order for ties (stable)."""
+    return sorted(diags, key=lambda d: (d.loc.file, d.loc.line) if d.loc else ("", 0))

@@ -1,0 +1,7 @@
+"""Op registry and the built-in catalog."""
+from .registry import REGISTRY, InferCtx, OpDef, OpRegistry, get_op, register_op, same_as_input
+from .schema import COMMON_FIELDS, ConfigError, F, Field, Schema
+from . import catalog as _catalog  # noqa: F401  (registers the built-in types)
+
+__all__ = ["REGISTRY", "InferCtx", "OpDef", "OpRegistry", "get_op", "register_op", "same_as_input",
+           "COMMON_FIELDS", "ConfigError", "F", "Field", "Schema"]

@@ -1,0 +1,385 @@
+"""The built-in node type catalog of ../shared/spec/network-yaml.md.
+
+Each op is one `OpDef`: schema, arity, inference, parameters, FLOPs per
+sample (forward; a training step costs about three times that).  Parameter
+counts follow the production networks: attention heads have Q/K/V biases, a
+tied linear (the LM head) has no bias of its own.
+"""
+from __future__ import annotations
+
+from math import prod
+from typing import Sequence
+
+from ..types import ShapeError, TensorType
+from .registry import Config, InferCtx, OpDef, register_op, same_as_input
+from .schema import F, Schema
+
+T = TensorType
+ROPE = ("rope", "none")
+
+
+def _lead(t: TensorType) -> int:
+    """Number of rows a per-row op processes: all dims but the last."""
+    return prod(t.shape[:-1]) if t.shape else 1
+
+
+def _elementwise(per_elem: int):
+    return lambda cfg, ins, outs: per_elem * outs[0].numel
+
+
+def _check_rank(t: TensorType, rank: int, what: str, slot: int = 0) -> None:
+    if len(t.shape) != rank:
+        raise ShapeError(f"input {slot} has shape {list(t.shape)} but {what} needs rank {rank}")
+
+
+# -- trainable layers ---------------------------------------------------------
+
+def _linear_infer(ctx: InferCtx) -> list[TensorType]:
+    ctx.require_last_dim(0, ctx.cfg["in_dim"], "in_dim")
+    x = ctx.single()
+    return [T(x.shape[:-1] + (ctx.cfg["out_dim"],), ctx.dtype)]
+
+
+def _linear_params(cfg: Config) -> dict[str, tuple[int, ...]]:
+    if cfg.get("tie_weight_alias"):
+        return {}
+    return {"weight": (cfg["out_dim"], cfg["in_dim"]), "bias": (cfg["out_dim"],)}
+
+
+def _tied_weight(cfg: Config) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A tied output projection reads the [out_dim, in_dim] (= [vocab, dim]) embedding."""
+    alias = cfg.get("tie_weight_alias")
+    return {"weight": (alias, (cfg["out_dim"], cfg["in_dim"]))} if alias else {}
+
+
+register_op(OpDef(
+    "linear", "layer", "y = x W^T + b; with tie_weight_alias, W is the aliased matrix and there is no bias",
+    aliases=("dense",),
+    schema=Schema((F("in_dim", "int", required=True, min=1), F("out_dim", "int", required=True, min=1))),
+    infer=_linear_infer, params=_linear_params, tied_params=_tied_weight,
+    flops=lambda cfg, ins, outs: 2 * _lead(ins[0]) * cfg["in_dim"] * cfg["out_dim"],
+))
+
+
+def _embedder_infer(ctx: InferCtx) -> list[TensorType]:
+    x = ctx.single()
+    if x.shape != (ctx.cfg["seq_len"],):
+        raise ShapeError(f"token ids have shape {list(x.shape)} but seq_len={ctx.cfg['seq_len']} "
+                         f"needs [{ctx.cfg['seq_len']}]")
+    return [T((ctx.cfg["seq_len"], ctx.cfg["dim"]), ctx.dtype)]
+
+
+def _embedder_params(cfg: Config) -> dict[str, tuple[int, ...]]:
+    p = {"weight": (cfg["vocab_size"], cfg["dim"])}
+    if cfg["position_encoding"] == "learned":
+        p["position"] = (cfg["seq_len"], cfg["dim"])
+    return p
+
+
+register_op(OpDef(
+    "embedder", "layer", "token ids [seq] -> vectors [seq, dim], optionally adding a position encoding",
+    schema=Schema((
+        F("vocab_size", "int", required=True, min=1), F("dim", "int", required=True, min=1),
+        F("seq_len", "int", required=True, min=1),
+        F("position_encoding", default="none", choices=("learned", "rope", "none")),
+        F("rope_theta", "float", 10000.0, min=1e-6),
+    )),
+    input_kind="int",
+    network_input=lambda cfg, slot, ins: T((cfg["seq_len"],), "int64"),
+    infer=_embedder_infer, params=_embedder_params,
+    flops=lambda cfg, ins, outs: outs[0].numel if cfg["position_encoding"] == "learned" else 0,
+))
+
+
+def _layernorm_infer(ctx: InferCtx) -> list[TensorType]:
+    ctx.require_last_dim(0, ctx.cfg["dim"], "dim")
+    return same_as_input(ctx)
+
+
+register_op(OpDef(
+    "layernorm", "layer", "layer normalisation over the last dimension with learned scale and shift",
+    schema=Schema((F("dim", "int", required=True, min=1), F("eps", "float", 1e-5, min=0.0))),
+    infer=_layernorm_infer,
+    params=lambda cfg: {"weight": (cfg["dim"],), "bias": (cfg["dim"],)},
+    flops=_elementwise(8),
+))
+
+_ATTN_COMMON = (
+    F("seq_len", "int", required=True, min=1),
+    F("causal", "bool", True),
+    F("position_encoding", default="none", choices=ROPE),
+    F("rope_theta", "float", 10000.0, min=1e-6),
+)
+
+
+def _check_rope(cfg: Config) -> None:
+    if cfg["position_encoding"] == "rope" and cfg["head_dim"] % 2:
+        raise ShapeError(f"position_encoding=rope needs an even head_dim, got {cfg['head_dim']}")
+
+
+def _attention_flops(seq: int, dim: int, heads: int, hd: int) -> int:
+    # Q/K/V projections + scores + weighted sum (full square; causal skips about half).
+    return 3 * 2 * seq * dim * heads * hd + 2 * 2 * seq * seq * heads * hd
+
+
+def _head_infer(ctx: InferCtx) -> list[TensorType]:
+    cfg = ctx.cfg
+    _check_rope(cfg)
+    x = ctx.single()
+    _check_rank(x, 2, "an attention head ([seq, input_dim])")
+    if x.shape != (cfg["seq_len"], cfg["input_dim"]):
+        raise ShapeError(f"input has shape {list(x.shape)} but seq_len={cfg['seq_len']}, "
+                         f"input_dim={cfg['input_dim']} need [{cfg['seq_len']}, {cfg['input_dim']}]")
+    return [T((cfg["seq_len"], cfg["head_dim"]), ctx.dtype)]
+
+
+def _head_params(cfg: Config) -> dict[str, tuple[int, ...]]:
+    hd, d = cfg["head_dim"], cfg["input_dim"]
+    return {"wq": (hd, d), "bq": (hd,), "wk": (hd, d), "bk": (hd,), "wv": (hd, d), "bv": (hd,)}
+
+
+register_op(OpDef(
+    "attention_head", "layer", "one attention head [seq, input_dim] -> [seq, head_dim] with its own Q, K, V",
+    aliases=("singleheadattention",),
+    schema=Schema((F("head_dim", "int", required=True, min=1),
+                   F("input_dim", "int", required=True, min=1), *_ATTN_COMMON)),
+    infer=_head_infer, params=_head_params,
+    flops=lambda cfg, ins, outs: _attention_flops(cfg["seq_len"], cfg["input_dim"], 1, cfg["head_dim"]),
+))
+
+
+def attention_dim(cfg: Config) -> int:
+    return cfg["dim"] if cfg.get("dim") else cfg["num_heads"] * cfg["head_dim"]
+
+
+def _mha_infer(ctx: InferCtx) -> list[TensorType]:
+    cfg = ctx.cfg
+    _check_rope(cfg)
+    dim = attention_dim(cfg)
+    x = ctx.single()
+    if x.shape != (cfg["seq_len"], dim):
+        raise ShapeError(f"input has shape {list(x.shape)} but seq_len={cfg['seq_len']}, dim={dim} "
+                         f"need [{cfg['seq_len']}, {dim}]")
+    width = dim if cfg["output_projection"] else cfg["num_heads"] * cfg["head_dim"]
+    return [T((cfg["seq_len"], width), ctx.dtype)]
+
+
+def _mha_params(cfg: Config) -> dict[str, tuple[int, ...]]:
+    inner, dim = cfg["num_heads"] * cfg["head_dim"], attention_dim(cfg)
+    p = {"qkv_weight": (3 * inner, dim), "qkv_bias": (3 * inner,)}
+    if cfg["output_projection"]:
+        p.update(out_weight=(dim, inner), out_bias=(dim,))
+    return p
+
+
+def _mha_flops(cfg: Config, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
+    inner, dim = cfg["num_heads"] * cfg["head_dim"], attention_dim(cfg)
+    proj = 2 * cfg["seq_len"] * inner * dim if cfg["output_projection"] else 0
+    return _attention_flops(cfg["seq_len"], dim, cfg["num_heads"], cfg["head_dim"]) + proj
+
+
+register_op(OpDef(
+    "attention", "layer", "all heads in one VNode: combined Q/K/V (and optional output) weights",
+    aliases=("multiheadattention",),
+    schema=Schema((F("num_heads", "int", required=True, min=1), F("head_dim", "int", required=True, min=1),
+                   F("dim", "int", min=1), *_ATTN_COMMON, F("output_projection", "bool", False))),
+    infer=_mha_infer, params=_mha_params, flops=_mha_flops,
+))
+
+
+def _token_targets(cfg: Config, slot: int, ins: Sequence[TensorType | None]) -> TensorType | None:
+    """Targets of a cross-entropy are token ids shaped like the logits' rows."""
+    if slot != 1 or ins[0] is None:
+        return None
+    pred = ins[0]
+    if cfg.get("cost_function", "ce") == "mse":
+        return T(pred.shape, pred.dtype)
+    return T(pred.shape[:-1], "int64")
+
+
+def _check_targets(ctx: InferCtx, rows: tuple[int, ...]) -> None:
+    tgt = ctx.inputs[1]
+    if tgt.shape != rows:
+        raise ShapeError(f"targets (input 1) have shape {list(tgt.shape)} but the predictions need "
+                         f"{list(rows)}")
+
+
+def _loss_dtype(ctx: InferCtx) -> str:
+    from .schema import DTYPE_OF_PRECISION
+
+    prec = ctx.cfg.get("cost_precision")
+    return DTYPE_OF_PRECISION[prec] if prec else ctx.dtype
+
+
+def _fused_ce_infer(ctx: InferCtx) -> list[TensorType]:
+    ctx.require_last_dim(0, ctx.cfg["in_dim"], "in_dim")
+    x = ctx.inputs[0]
+    _check_targets(ctx, x.shape[:-1])
+    return [T((), _loss_dtype(ctx)), T(x.shape[:-1] + (ctx.cfg["out_dim"],), ctx.dtype)]
+
+
+register_op(OpDef(
+    "tied_lm_head_ce", "layer",
+    "tied LM head fused with cross-entropy: the loss without materialising [batch, seq, vocab] logits; "
+    "output 1 gives the logits, computed only when read",
+    aliases=("fusedlmheadce",),
+    schema=Schema((F("in_dim", "int", required=True, min=1), F("out_dim", "int", required=True, min=1),
+                   F("tie_weight_alias", required=True), F("cost_precision", "precision"),
+                   F("ignore_index", "int", -100))),
+    num_inputs=2, num_outputs=2,
+    input_kind=lambda cfg, slot: "float" if slot == 0 else "int",
+    network_input=_token_targets,
+    infer=_fused_ce_infer, params=lambda cfg: {}, tied_params=_tied_weight,
+    flops=lambda cfg, ins, outs: 2 * _lead(ins[0]) * cfg["in_dim"] * cfg["out_dim"]
+    + 5 * _lead(ins[0]) * cfg["out_dim"],
+    is_cost=True,
+))
+
+# -- activations --------------------------------------------------------------
+
+for _name, _doc, _cost in (("relu", "max(x, 0)", 1), ("gelu", "Gaussian error linear unit (erf form)", 8),
+                           ("silu", "x * sigmoid(x)", 4)):
+    register_op(OpDef(_name, "activation", _doc, flops=_elementwise(_cost)))
+
+
+def _swiglu_infer(ctx: InferCtx) -> list[TensorType]:
+    x = ctx.single()
+    if not x.shape or x.shape[-1] % 2:
+        raise ShapeError(f"input has shape {list(x.shape)} but swiglu needs an even last dimension")
+    return [T(x.shape[:-1] + (x.shape[-1] // 2,), ctx.dtype)]
+
+
+register_op(OpDef("swiglu", "activation", "[.., 2n] -> [.., n]: value * silu(gate)",
+                  infer=_swiglu_infer, flops=_elementwise(5)))
+register_op(OpDef("dropout", "activation", "random dropout while training, identity otherwise",
+                  schema=Schema((F("rate", "float", 0.1, min=0.0, max=0.999999),)),
+                  flops=_elementwise(1)))
+
+# -- structural ---------------------------------------------------------------
+
+register_op(OpDef(
+    "broadcast", "structural", "copies its one input to N output slots",
+    schema=Schema((F("num_outputs", "int", 2, min=1),)),
+    num_outputs=lambda cfg: cfg["num_outputs"], input_kind="any",
+    infer=lambda ctx: [ctx.single()] * ctx.cfg["num_outputs"],
+))
+
+
+def _stack_infer(ctx: InferCtx) -> list[TensorType]:
+    first = ctx.inputs[0]
+    rank = len(first.shape)
+    axis = ctx.cfg["axis"]
+    if not -rank <= axis < rank:
+        raise ShapeError(f"axis={axis} is out of range for inputs of rank {rank}")
+    ax = axis % rank
+    total = 0
+    for i, t in enumerate(ctx.inputs):
+        others = t.shape[:ax] + t.shape[ax + 1:] if len(t.shape) == rank else None
+        if others != first.shape[:ax] + first.shape[ax + 1:]:
+            raise ShapeError(f"input {i} has shape {list(t.shape)} but input 0 has {list(first.shape)}; "
+                             f"they may differ only along axis {axis}")
+        total += t.shape[ax]
+    return [first.with_shape(first.shape[:ax] + (total,) + first.shape[ax + 1:])]
+
+
+register_op(OpDef(
+    "stack", "structural", "joins its inputs along a per-sample axis (N x [seq, hd] -> [seq, N*hd])",
+    schema=Schema((F("axis", "int", -1),)), num_inputs=(1, None), infer=_stack_infer,
+))
+
+
+def _add_infer(ctx: InferCtx) -> list[TensorType]:
+    a, b = ctx.inputs
+    if a.shape != b.shape:
+        raise ShapeError(f"input 0 has shape {list(a.shape)} but input 1 has {list(b.shape)}")
+    return [T(a.shape, ctx.dtype)]
+
+
+register_op(OpDef("add", "structural", "adds its two inputs (residual connection)",
+                  num_inputs=2, infer=_add_infer, flops=_elementwise(1)))
+
+
+def _reshape_infer(ctx: InferCtx) -> list[TensorType]:
+    x = ctx.single()
+    target = list(ctx.cfg["target_shape"])
+    known = prod(d for d in target if d != -1)
+    if -1 in target:
+        if x.numel % known:
+            raise ShapeError(f"cannot reshape {list(x.shape)} into {target}")
+        target[target.index(-1)] = x.numel // known
+    if prod(target) != x.numel:
+        raise ShapeError(f"cannot reshape {list(x.shape)} ({x.numel} elements) into {target} "
+                         f"({prod(target)} elements)")
+    return [x.with_shape(tuple(target))]
+
+
+register_op(OpDef("reshape", "structural", "reshapes to an explicit per-sample shape",
+                  schema=Schema((F("target_shape", "shape", required=True),)),
+                  input_kind="any", infer=_reshape_infer))
+
+
+def _mask_infer(ctx: InferCtx) -> list[TensorType]:
+    x = ctx.single()
+    if ctx.cfg["causal"] and (len(x.shape) < 2 or x.shape[-1] != x.shape[-2]):
+        raise ShapeError(f"input has shape {list(x.shape)} but a causal mask needs [.., seq, seq]")
+    return same_as_input(ctx)
+
+
+register_op(OpDef(
+    "mask", "structural", "causal and/or random masking of [.., seq, seq] scores",
+    schema=Schema((F("causal", "bool", True), F("mask_val", "float", -1e9),
+                   F("random_prob", "float", 0.0, min=0.0, max=1.0), F("seed", "int", 0))),
+    infer=_mask_infer, flops=_elementwise(1),
+))
+
+# -- text I/O -----------------------------------------------------------------
+
+register_op(OpDef(
+    "tokenizer", "text", "text -> token ids [pad_length] with a trained BPE vocabulary",
+    schema=Schema((F("vocab_size", "int", 50000, min=1), F("pad_length", "int", required=True, min=1),
+                   F("vocab_path"), F("use_word_boundary_tokens", "bool", False))),
+    input_kind="str", network_input=lambda cfg, slot, ins: T((), "string"),
+    infer=lambda ctx: [T((ctx.cfg["pad_length"],), "int64")],
+))
+
+
+def _detok_infer(ctx: InferCtx) -> list[TensorType]:
+    _check_rank(ctx.single(), 1, "a detokenizer ([seq] token ids)")
+    return [T((), "string")]
+
+
+register_op(OpDef(
+    "detokenizer", "text", "token ids -> text",
+    schema=Schema((F("vocab_size", "int", 50000, min=1), F("vocab_path"))),
+    input_kind="int", infer=_detok_infer,
+))
+
+# -- training -----------------------------------------------------------------
+
+
+def _cost_infer(ctx: InferCtx) -> list[TensorType]:
+    cfg, pred = ctx.cfg, ctx.inputs[0]
+    if cfg["cost_function"] == "mse":
+        if ctx.inputs[1].shape != pred.shape:
+            raise ShapeError(f"targets (input 1) have shape {list(ctx.inputs[1].shape)} but the "
+                             f"predictions have {list(pred.shape)}")
+    else:
+        if not pred.shape:
+            raise ShapeError("cross-entropy predictions need a class dimension")
+        if cfg.get("vocab_size") and pred.shape[-1] != cfg["vocab_size"]:
+            raise ShapeError(f"predictions have shape {list(pred.shape)} but vocab_size="
+                             f"{cfg['vocab_size']} needs a last dimension of {cfg['vocab_size']}")
+        _check_targets(ctx, pred.shape[:-1])
+    return [T((), _loss_dtype(ctx))]
+
+
+register_op(OpDef(
+    "cost", "training", "a loss node: mse, ce (from probabilities) or ce_logits (from raw logits)",
+    schema=Schema((F("cost_function", required=True, choices=("mse", "ce", "ce_logits")),
+                   F("vocab_size", "int", min=1), F("in_dim", "int", min=1),
+                   F("cost_precision", "precision"), F("ignore_index", "int", -100))),
+    num_inputs=2,
+    input_kind=lambda cfg, slot: "float" if slot == 0 or cfg["cost_function"] == "mse" else "int",
+    network_input=_token_targets, infer=_cost_infer,
+    flops=lambda cfg, ins, outs: 5 * ins[0].numel, is_cost=True,
+))
