@@ -1,0 +1,476 @@
+"""Crash-safe training checkpoints for the PyTorch backend.
+
+Layout of one checkpoint directory (e.g. ``run/step-00001000/``)::
+
+    model.safetensors      parameters, keys as given ("<vnode_id>.<param>")
+    optimizer.safetensors  every tensor found in the optimizer states
+    optimizer.json         the optimizer states' structure and scalars
+    state.safetensors      tensors from the RNG state and ``extra``
+    state.json             format, version, step, RNG state and ``extra``
+
+and next to it, in the run directory, a ``latest`` file holding the name of
+the newest complete checkpoint.
+
+Why this shape:
+
+* **safetensors** for tensors: no pickle, so loading a checkpoint cannot
+  execute code, and files are memory-mappable.  Everything else is JSON with
+  explicit type tags (tuples, integer dict keys, non-finite floats, numpy
+  arrays), so an ``Adam.state_dict()`` or ``random.getstate()`` comes back
+  with exactly the types it went in with.
+* **Atomicity**: files are written and fsynced into a fresh temporary
+  directory beside the target, which is then renamed into place; the
+  ``latest`` pointer is replaced atomically only afterwards.  A crash at any
+  moment leaves either the previous checkpoint or the new one, never a torn
+  one, and ``latest`` always names a complete checkpoint.
+* **Tied weights**: safetensors refuses tensors that share storage.  Exact
+  aliases (the same tensor under several keys, e.g. a tied embedding / LM
+  head) are stored *once*, under the alphabetically first key; the other keys
+  are recorded in the file metadata and on load point at the very same
+  tensor object, so the tie survives a round trip.  Tensors that merely
+  overlap (different views of one storage) are saved as independent copies.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+try:  # numpy is optional; only needed to (de)serialise numpy RNG state.
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with the supported torch wheels
+    np = None  # type: ignore[assignment]
+
+__all__ = [
+    "CheckpointError",
+    "Checkpoint",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "capture_rng_state",
+    "restore_rng_state",
+    "LATEST_POINTER",
+]
+
+FORMAT = "vgraph-checkpoint"
+VERSION = 1
+LATEST_POINTER = "latest"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
+OPTIMIZER_JSON_FILE = "optimizer.json"
+STATE_TENSORS_FILE = "state.safetensors"
+STATE_JSON_FILE = "state.json"
+_ALIASES_METADATA_KEY = "vgraph_aliases"
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, incomplete or in an unknown format."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint; fields mirror the arguments of :func:`save_checkpoint`."""
+
+    path: Path
+    step: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_states: dict[str, Any]
+    rng_state: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    model_state: Mapping[str, torch.Tensor],
+    optimizer_states: Mapping[str, Any],
+    rng_state: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+    update_latest: bool = True,
+) -> Path:
+    """Atomically write a checkpoint to ``directory`` and point ``latest`` at it.
+
+    ``model_state`` maps names to tensors (tied tensors allowed, see the
+    module docstring).  ``optimizer_states`` maps a name (e.g. a VNode id) to
+    an optimizer ``state_dict()``; ``rng_state`` is typically
+    :func:`capture_rng_state`; ``extra`` holds any further JSON-like data
+    (tensors and numpy arrays allowed).  Supported leaf types: tensors, numpy
+    arrays, ``None``, ``bool``, ``int``, ``float``, ``str``, numpy scalars
+    (restored as Python scalars); containers: dict (str or int keys), list,
+    tuple.
+
+    If ``directory`` already exists it is replaced (e.g. a step re-run after
+    resuming); the old copy is only removed once the new one is in place.
+    ``latest`` lives in ``directory``'s parent, the run directory.  Returns the
+    checkpoint path.
+    """
+    target = Path(directory).absolute()
+    if target.name in ("", LATEST_POINTER) or target.name.startswith("."):
+        raise ValueError(f"invalid checkpoint directory name: {target.name!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int; got {step!r}")
+
+    # Encode everything first: an unsupported value must fail before any
+    # file is touched.
+    model_tensors = {}
+    for key, value in model_state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise TypeError(f"model_state must map str to Tensor; got {key!r}: {type(value).__name__}")
+        model_tensors[key] = value
+    optimizer_tensors: dict[str, torch.Tensor] = {}
+    optimizer_json = {
+        "format": FORMAT,
+        "version": VERSION,
+        "states": _encode(dict(optimizer_states), ("optimizer",), optimizer_tensors),
+    }
+    state_tensors: dict[str, torch.Tensor] = {}
+    state_json = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": step,
+        "rng": _encode(dict(rng_state), ("rng",), state_tensors),
+        "extra": _encode(dict(extra or {}), ("extra",), state_tensors),
+    }
+
+    parent = target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        _write_tensors(tmp / MODEL_FILE, model_tensors)
+        _write_tensors(tmp / OPTIMIZER_TENSORS_FILE, optimizer_tensors)
+        _write_json(tmp / OPTIMIZER_JSON_FILE, optimizer_json)
+        _write_tensors(tmp / STATE_TENSORS_FILE, state_tensors)
+        # state.json last: its presence marks a complete checkpoint.
+        _write_json(tmp / STATE_JSON_FILE, state_json)
+        _fsync_dir(tmp)
+        _move_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if update_latest:
+        _write_pointer(parent / LATEST_POINTER, target.name)
+    return target
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str], *, map_location: str | torch.device = "cpu"
+) -> Checkpoint:
+    """Read a checkpoint written by :func:`save_checkpoint`.
+
+    Model and optimizer tensors are placed on ``map_location``; RNG and
+    ``extra`` tensors always load on the CPU (``torch.set_rng_state`` needs a
+    CPU byte tensor).  Tied model tensors come back as one shared object.
+    """
+    path = Path(directory)
+    state_file = path / STATE_JSON_FILE
+    if not state_file.is_file():
+        hint = ""
+        if (path / LATEST_POINTER).is_file():
+            hint = "; this looks like a run directory, use latest_checkpoint() to find its checkpoint"
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {STATE_JSON_FILE}){hint}")
+    state = _read_json(state_file)
+    optimizer = _read_json(path / OPTIMIZER_JSON_FILE)
+    device = str(map_location)
+    model_state = _read_tensors(path / MODEL_FILE, device)
+    optimizer_tensors = _read_tensors(path / OPTIMIZER_TENSORS_FILE, device)
+    state_tensors = _read_tensors(path / STATE_TENSORS_FILE, "cpu")
+    try:
+        return Checkpoint(
+            path=path,
+            step=int(state["step"]),
+            model_state=model_state,
+            optimizer_states=_decode(optimizer["states"], optimizer_tensors),
+            rng_state=_decode(state["rng"], state_tensors),
+            extra=_decode(state["extra"], state_tensors),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"malformed checkpoint {path}: {exc}") from exc
+
+
+def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint ``run_dir/latest`` points to, or ``None`` if there is none yet.
+
+    A pointer to a missing or incomplete directory raises
+    :class:`CheckpointError`: saving only moves the pointer after the
+    checkpoint is complete, so that state means files were removed by hand.
+    """
+    pointer = Path(run_dir) / LATEST_POINTER
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text(encoding="utf-8").strip()
+    if not name or Path(name).name != name:
+        raise CheckpointError(f"{pointer} holds an invalid checkpoint name {name!r}")
+    target = Path(run_dir) / name
+    if not (target / STATE_JSON_FILE).is_file():
+        raise CheckpointError(f"{pointer} points to {target}, which is not a complete checkpoint")
+    return target
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Snapshot every RNG a training step may draw from (python, numpy, torch, CUDA)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore a :func:`capture_rng_state` snapshot (missing entries are left alone)."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state:
+        if np is None:
+            raise CheckpointError("checkpoint holds numpy RNG state but numpy is not installed")
+        np.random.set_state(state["numpy"])
+    if "cuda" in state:
+        cuda_states = state["cuda"]
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
+            torch.cuda.set_rng_state_all([s.cpu() for s in cuda_states])
+        else:
+            warnings.warn(
+                f"checkpoint has CUDA RNG state for {len(cuda_states)} device(s) but "
+                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} are visible; "
+                "CUDA RNG not restored",
+                stacklevel=2,
+            )
+
+
+# --------------------------------------------------------------------------
+# Tagged JSON encoding
+# --------------------------------------------------------------------------
+
+
+def _encode(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -> Any:
+    """Turn ``obj`` into JSON data, moving tensors into ``tensors``.
+
+    Every JSON object produced is a tag (``__dict__``, ``__tuple__``,
+    ``__tensor__``, ...), so decoding is unambiguous whatever the user keys.
+    """
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, torch.Tensor):
+        return {"__tensor__": _add_tensor(tensors, path, obj)}
+    if np is not None and isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise TypeError(f"cannot checkpoint numpy object array at {'/'.join(path)}")
+        raw = torch.from_numpy(np.ascontiguousarray(obj).reshape(-1).view(np.uint8).copy())
+        key = _add_tensor(tensors, path, raw)
+        return {"__ndarray__": key, "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if np is not None and isinstance(obj, np.generic):
+        return _encode(obj.item(), path, tensors)
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, (*path, str(i)), tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return {"__list__": [_encode(v, (*path, str(i)), tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, Mapping):
+        items = []
+        for key, value in obj.items():
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise TypeError(f"cannot checkpoint dict key {key!r} at {'/'.join(path)}: only str and int keys")
+            items.append([key, _encode(value, (*path, str(key)), tensors)])
+        return {"__dict__": items}
+    raise TypeError(f"cannot checkpoint a value of type {type(obj).__name__} at {'/'.join(path)}")
+
+
+def _add_tensor(tensors: dict[str, torch.Tensor], path: tuple[str, ...], tensor: torch.Tensor) -> str:
+    key = "/".join(path)
+    unique, n = key, 1
+    while unique in tensors:  # e.g. keys 0 and "0" in one dict
+        unique, n = f"{key}#{n}", n + 1
+    tensors[unique] = tensor
+    return unique
+
+
+def _decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if not isinstance(obj, (dict, list)):
+        return obj
+    if isinstance(obj, list):
+        raise ValueError("untagged JSON list in checkpoint")
+    if "__dict__" in obj:
+        return {key: _decode(value, tensors) for key, value in obj["__dict__"]}
+    if "__list__" in obj:
+        return [_decode(v, tensors) for v in obj["__list__"]]
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__float__" in obj:
+        return float(obj["__float__"])
+    if "__ndarray__" in obj:
+        if np is None:
+            raise CheckpointError("checkpoint holds numpy arrays but numpy is not installed")
+        raw = tensors[obj["__ndarray__"]].numpy().tobytes()
+        return np.frombuffer(raw, dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+    raise ValueError(f"unknown tag in checkpoint JSON: {sorted(obj)}")
+
+
+# --------------------------------------------------------------------------
+# Tensor files
+# --------------------------------------------------------------------------
+
+
+def _view_identity(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """Identical for two tensors exactly when they are the same view of the same memory."""
+    if t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _dedupe(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Split into uniquely-stored tensors and ``alias -> canonical key`` pairs.
+
+    Exact aliases are collapsed onto the alphabetically first key.  Tensors
+    still sharing storage afterwards (overlapping views) are cloned, because
+    safetensors refuses to write shared storage.
+    """
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    canonical_of: dict[tuple[Any, ...], str] = {}
+    for key in sorted(tensors):
+        tensor = tensors[key].detach()
+        identity = _view_identity(tensor)
+        if identity is not None and identity in canonical_of:
+            aliases[key] = canonical_of[identity]
+            continue
+        if identity is not None:
+            canonical_of[identity] = key
+        unique[key] = tensor
+
+    by_storage: dict[tuple[Any, int], list[str]] = {}
+    for key, tensor in unique.items():
+        if tensor.numel():
+            by_storage.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(key)
+    shared = {key for keys in by_storage.values() if len(keys) > 1 for key in keys}
+    prepared = {}
+    for key, tensor in unique.items():
+        tensor = tensor.clone() if key in shared else tensor
+        prepared[key] = tensor.cpu().contiguous()
+    return prepared, aliases
+
+
+def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    unique, aliases = _dedupe(tensors)
+    metadata = {"format": "pt", _ALIASES_METADATA_KEY: json.dumps(aliases, sort_keys=True)}
+    save_file(unique, os.fspath(path), metadata=metadata)
+    _fsync_file(path)
+
+
+def _read_tensors(path: Path, device: str) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        with safe_open(os.fspath(path), framework="pt", device=device) as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+            metadata = f.metadata() or {}
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    for alias, canonical in json.loads(metadata.get(_ALIASES_METADATA_KEY, "{}")).items():
+        tensors[alias] = tensors[canonical]
+    return dict(sorted(tensors.items()))
+
+
+# --------------------------------------------------------------------------
+# Durable file system helpers
+# --------------------------------------------------------------------------
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        # Compact: RNG states alone are hundreds of integers.
+        json.dump(data, f, separators=(",", ":"), allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} file")
+    if data.get("version") != VERSION:
+        raise CheckpointError(f"{path} has format version {data.get('version')}; this code reads {VERSION}")
+    return data
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Persist a directory's entries (renames); not possible on Windows."""
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _move_into_place(tmp: Path, target: Path) -> None:
+    """Rename the finished ``tmp`` directory to ``target``.
+
+    A rename cannot replace a non-empty directory, so an existing target is
+    first renamed aside and deleted only once the new one is in place.
+    """
+    parent = target.parent
+    if target.exists():
+        old = parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+        os.rename(target, old)
+        os.rename(tmp, target)
+        _fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+        _fsync_dir(parent)
+
+
+def _write_pointer(pointer: Path, name: str) -> None:
+    tmp = pointer.with_name(f".{pointer.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, pointer)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(pointer.parent)

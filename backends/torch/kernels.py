@@ -1,0 +1,540 @@
+"""Pure tensor functions that define the semantics of vgraph ops in PyTorch.
+
+Everything here is stateless: parameters are passed in explicitly, so the
+same function serves the eager executor, the reference checks and any
+module wrapper built on top.  All activations carry the batch dimension
+first (``[B, ...]``); "per-sample" axes and shapes exclude it.
+
+Conventions fixed here (other backends must agree with them):
+
+* **RoPE** uses the rotate-half (GPT-NeoX / Llama) layout: the head
+  dimension is split into two halves ``x1 = x[..., :hd/2]`` and
+  ``x2 = x[..., hd/2:]`` and frequency ``i`` rotates the pair
+  ``(x1[i], x2[i])``.  It is *not* the interleaved GPT-J layout that
+  rotates ``(x[2i], x[2i+1])``.
+* **Fused QKV weight** ``[3*H*hd, D]`` holds all query heads, then all key
+  heads, then all value heads, each head a block of ``hd`` rows.
+* **Multi-head output** ``[B, S, H*hd]`` puts head ``h`` in columns
+  ``h*hd:(h+1)*hd``, i.e. the per-head outputs concatenated in head order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+__all__ = [
+    "rope_cos_sin",
+    "apply_rope",
+    "attention_head",
+    "multihead_attention",
+    "swiglu",
+    "apply_mask",
+    "TiedLMHeadCE",
+    "tied_lm_head_ce",
+    "default_ce_chunk_size",
+    "logits_chunk",
+    "stack",
+    "reshape",
+]
+
+#: Upper bound on the fp32 logits of one chunk in :func:`tied_lm_head_ce`.
+CE_CHUNK_BUDGET_BYTES = 32 * 1024 * 1024
+
+
+def _accum_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """Precision for reductions: float32, or float64 when an input is float64.
+
+    Softmax and cross-entropy sums lose accuracy in half precision, while
+    float64 inputs (gradcheck) must not be silently truncated to float32.
+    """
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+# --------------------------------------------------------------------------
+# Rotary position embedding
+# --------------------------------------------------------------------------
+
+
+def rope_cos_sin(
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the RoPE ``(cos, sin)`` tables, each of shape ``[seq_len, head_dim]``.
+
+    Convention (rotate-half, as in GPT-NeoX and Llama)::
+
+        inv_freq[i] = theta ** (-2 i / head_dim)        i in [0, head_dim / 2)
+        angle[p, i] = p * inv_freq[i]                    p in [0, seq_len)
+        cos[p]      = cat(cos(angle[p]), cos(angle[p]))  # duplicated halves
+        sin[p]      = cat(sin(angle[p]), sin(angle[p]))
+
+    The angles are computed in float64 on the CPU and only then cast, so the
+    tables are accurate to ``dtype`` precision even at large positions
+    (a float32 ``p * inv_freq`` loses ~1e-4 rad at p=4096) and work on devices
+    without float64 support.
+
+    Results are cached per ``(seq_len, head_dim, theta, device, dtype)``
+    because every attention layer of every step asks for the same tables.
+    The returned tensors are shared between callers: treat them as read-only.
+    Under ``torch.compile`` the cache is skipped and the tables are traced
+    into the graph instead.
+    """
+    if head_dim <= 0 or head_dim % 2 != 0:
+        raise ValueError(f"RoPE needs a positive, even head_dim; got head_dim={head_dim}")
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0; got {seq_len}")
+    if not theta > 0:
+        raise ValueError(f"RoPE theta must be > 0; got {theta}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    key = (int(seq_len), int(head_dim), float(theta), device, dtype)
+    if torch.compiler.is_compiling():
+        # The compiler traces the computation into its graph (where it is
+        # constant); a Python-level cache would only be bypassed with a warning.
+        return _build_rope_tables(*key)
+    return _rope_cos_sin_cached(*key)
+
+
+def _build_rope_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv_freq = theta**-exponents
+    positions = torch.arange(seq_len, dtype=torch.float64)
+    angles = torch.outer(positions, inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _rope_cos_sin_cached(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # inference_mode(False): a table first built during evaluation must still
+    # be usable (and savable for backward) when training later hits the cache.
+    with torch.inference_mode(False), torch.no_grad():
+        return _build_rope_tables(seq_len, head_dim, theta, device, dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x[..., S, hd]`` by position: ``x * cos + rotate_half(x) * sin``.
+
+    ``rotate_half(x) = cat(-x2, x1)`` with ``x1, x2`` the two halves of the
+    last dimension (see :func:`rope_cos_sin` for the convention).  ``cos`` and
+    ``sin`` are ``[S, hd]`` and broadcast over every leading dimension, so the
+    same call serves ``[B, S, hd]`` and ``[B, H, S, hd]`` layouts.
+    """
+    if x.shape[-1] % 2 != 0:
+        raise ValueError(f"RoPE needs an even last dimension; got shape {tuple(x.shape)}")
+    if cos.shape != sin.shape or cos.shape[-2:] != x.shape[-2:]:
+        raise ValueError(
+            f"RoPE tables {tuple(cos.shape)} / {tuple(sin.shape)} do not match the "
+            f"last two dims [S, hd] of x with shape {tuple(x.shape)}"
+        )
+    return x * cos + _rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------
+
+
+def attention_head(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    bq: torch.Tensor | None,
+    wk: torch.Tensor,
+    bk: torch.Tensor | None,
+    wv: torch.Tensor,
+    bv: torch.Tensor | None,
+    *,
+    causal: bool,
+    rope_theta: float | None,
+) -> torch.Tensor:
+    """One attention head, written out step by step: the reference path.
+
+    ``x`` is ``[B, S, D]``, ``w*`` are ``[hd, D]`` and ``b*`` are ``[hd]`` (or
+    ``None``).  Returns ``[B, S, hd]``.
+
+    The math is explicit (matmul, ``masked_fill(-inf)``, softmax) rather than
+    a fused kernel so that it is obviously correct and can be used to check
+    the fast paths.  Softmax runs in (at least) float32 and is cast back,
+    which keeps half-precision runs from losing the small attention weights.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"attention_head expects x of shape [B, S, D]; got {tuple(x.shape)}")
+    for name, w in (("wq", wq), ("wk", wk), ("wv", wv)):
+        if w.dim() != 2 or w.shape[1] != x.shape[-1]:
+            raise ValueError(
+                f"{name} must be [hd, D={x.shape[-1]}]; got {tuple(w.shape)}"
+            )
+    if not (wq.shape == wk.shape == wv.shape):
+        raise ValueError(
+            f"wq, wk, wv must share a shape; got {tuple(wq.shape)}, {tuple(wk.shape)}, {tuple(wv.shape)}"
+        )
+    head_dim = wq.shape[0]
+    seq_len = x.shape[1]
+
+    q = F.linear(x, wq, bq)
+    k = F.linear(x, wk, bk)
+    v = F.linear(x, wv, bv)
+    if rope_theta is not None:
+        cos, sin = rope_cos_sin(seq_len, head_dim, rope_theta, q.device, q.dtype)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))
+    if causal:
+        future = torch.ones(seq_len, seq_len, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores.to(_accum_dtype(scores)), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+def multihead_attention(
+    x: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    out_weight: torch.Tensor | None,
+    out_bias: torch.Tensor | None,
+    *,
+    num_heads: int,
+    head_dim: int,
+    causal: bool,
+    rope_theta: float | None,
+) -> torch.Tensor:
+    """All heads of an attention layer in one fused projection + SDPA call.
+
+    ``x`` is ``[B, S, D]``; ``qkv_weight`` is ``[3*H*hd, D]`` laid out as
+    ``[q_head0 .. q_head{H-1}, k_head0 .. k_head{H-1}, v_head0 .. v_head{H-1}]``
+    (each block ``hd`` rows), i.e. the per-head ``wq`` stacked in head order,
+    then all ``wk``, then all ``wv``; ``qkv_bias`` follows the same layout.
+    This makes the layer exactly equal to running :func:`attention_head` on
+    the corresponding weight slices and concatenating the outputs, which is
+    how a graph pass may merge per-head nodes into one.
+
+    The attention itself goes through
+    :func:`torch.nn.functional.scaled_dot_product_attention` so PyTorch can
+    pick a flash / memory-efficient kernel.  The result is ``[B, S, H*hd]``
+    with head ``h`` in columns ``h*hd:(h+1)*hd``, followed by the optional
+    output projection ``out_weight [D_out, H*hd]`` / ``out_bias [D_out]``.
+    """
+    if x.dim() != 3:
+        raise ValueError(f"multihead_attention expects x of shape [B, S, D]; got {tuple(x.shape)}")
+    if num_heads <= 0 or head_dim <= 0:
+        raise ValueError(f"num_heads and head_dim must be positive; got {num_heads}, {head_dim}")
+    width = num_heads * head_dim
+    expected = (3 * width, x.shape[-1])
+    if tuple(qkv_weight.shape) != expected:
+        raise ValueError(
+            f"qkv_weight must be [3*H*hd, D] = {list(expected)} for H={num_heads}, "
+            f"hd={head_dim}; got {list(qkv_weight.shape)}"
+        )
+    if qkv_bias is not None and tuple(qkv_bias.shape) != (3 * width,):
+        raise ValueError(f"qkv_bias must be [{3 * width}]; got {list(qkv_bias.shape)}")
+    if out_weight is None and out_bias is not None:
+        raise ValueError("out_bias given without out_weight")
+
+    batch, seq_len, _ = x.shape
+    qkv = F.linear(x, qkv_weight, qkv_bias)
+    # [B, S, 3, H, hd] -> [3, B, H, S, hd]: index 0/1/2 selects q/k/v, matching
+    # the row blocks of qkv_weight.
+    qkv = qkv.view(batch, seq_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    if rope_theta is not None:
+        cos, sin = rope_cos_sin(seq_len, head_dim, rope_theta, q.device, q.dtype)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    out = out.transpose(1, 2).reshape(batch, seq_len, width)
+    if out_weight is not None:
+        out = F.linear(out, out_weight, out_bias)
+    return out
+
+
+# --------------------------------------------------------------------------
+# Activations and masks
+# --------------------------------------------------------------------------
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU gate: split the last dim into ``value, gate`` and return ``value * silu(gate)``.
+
+    The first half is the value and the second the gate, so a single fused
+    up-projection of width ``2*F`` feeds it and the output has width ``F``.
+    """
+    if x.shape[-1] % 2 != 0:
+        raise ValueError(f"swiglu needs an even last dimension; got shape {tuple(x.shape)}")
+    value, gate = x.chunk(2, dim=-1)
+    return value * F.silu(gate)
+
+
+def apply_mask(
+    x: torch.Tensor,
+    *,
+    causal: bool,
+    mask_val: float,
+    random_prob: float = 0.0,
+    seed: int = 0,
+    training: bool = False,
+    keep_diagonal: bool = True,
+) -> torch.Tensor:
+    """Mask entries of score matrices ``x[..., Sq, Sk]`` with ``mask_val``.
+
+    * ``causal``: entries above the diagonal (key after query) are masked.
+    * ``random_prob > 0`` and ``training``: each entry is additionally
+      masked with probability ``random_prob``.  The draw uses a fresh
+      :class:`torch.Generator` seeded with ``seed`` on ``x``'s device, so the
+      mask is a pure function of ``(shape, seed, device)``: reproducible and
+      independent of the global RNG.  Callers wanting a new mask per step
+      must vary ``seed`` (e.g. mix in the step number).
+    * ``keep_diagonal`` (default) exempts the diagonal from random masking:
+      with ``mask_val=-inf`` a row with every entry masked turns into NaN
+      after softmax, and the diagonal is never causally masked, so keeping it
+      guarantees at least one live entry per row.
+
+    Outside training, random masking is off (like dropout).
+    """
+    if x.dim() < 2:
+        raise ValueError(f"apply_mask expects x of shape [..., Sq, Sk]; got {tuple(x.shape)}")
+    if not 0.0 <= random_prob < 1.0:
+        raise ValueError(f"random_prob must be in [0, 1); got {random_prob}")
+    sq, sk = x.shape[-2:]
+    mask: torch.Tensor | None = None
+    if causal:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=x.device).triu(1)
+    if training and random_prob > 0.0:
+        generator = torch.Generator(device=x.device)
+        generator.manual_seed(int(seed))
+        drop = torch.rand(x.shape, generator=generator, device=x.device) < random_prob
+        if keep_diagonal:
+            drop &= ~torch.eye(sq, sk, dtype=torch.bool, device=x.device)
+        mask = drop if mask is None else (mask | drop)
+    if mask is None:
+        return x
+    return x.masked_fill(mask, mask_val)
+
+
+# --------------------------------------------------------------------------
+# Tied LM head + cross-entropy without materialising the logits
+# --------------------------------------------------------------------------
+
+
+def default_ce_chunk_size(vocab_size: int, budget_bytes: int = CE_CHUNK_BUDGET_BYTES) -> int:
+    """Rows per chunk so that one chunk's fp32 logits ``[rows, V]`` fit ``budget_bytes``."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive; got {vocab_size}")
+    return max(1, budget_bytes // (4 * vocab_size))
+
+
+def logits_chunk(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits ``x @ weight.T`` in float32 (float64 for float64 inputs).
+
+    ``x`` is ``[..., D]`` and ``weight`` ``[V, D]``.  This is the single place
+    logits are formed: the fused loss calls it on row chunks, and a graph that
+    explicitly asks for a logits output calls it on the whole activation
+    (which does materialise ``[..., V]``, so only do that when the logits are
+    really needed).  Autocast is disabled so the product keeps full precision
+    even inside a mixed-precision region.
+    """
+    dtype = _accum_dtype(x, weight)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return F.linear(x.to(dtype), weight.to(dtype))
+
+
+class TiedLMHeadCE(torch.autograd.Function):
+    """Mean cross-entropy of ``x @ weight.T`` against ``targets``, chunked over rows.
+
+    The full logits ``[N, V]`` (N = B*S) dominate the memory of LM training
+    (e.g. 8k tokens x 128k vocab x 4 bytes = 4 GiB), and autograd would keep
+    them for backward.  This function never holds more than one chunk of
+    logits: forward keeps only the per-row logsumexp ``[N]``; backward
+    recomputes each chunk's logits (one extra matmul, the usual
+    recompute-for-memory trade), turns them into ``softmax - onehot`` and
+    accumulates ``grad_x`` rows and an fp32 ``grad_weight``.
+
+    Memory beyond the inputs: one fp32 copy of ``weight`` plus one fp32
+    ``[V, D]`` gradient accumulator and ``O(chunk_size * V)`` for the chunk.
+    Accumulation is float32 for every input dtype, float64 if an input is
+    float64 (which is what makes ``gradcheck`` meaningful).
+
+    Inputs: ``x [B, S, D]`` (any float dtype), ``weight [V, D]``,
+    ``targets [B, S]`` int64, ``chunk_size`` (rows), ``ignore_index``.
+    Output: a float32 scalar (float64 for float64 inputs), the mean over
+    non-ignored rows; like
+    :func:`torch.nn.functional.cross_entropy` it is NaN if every row is
+    ignored.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_size: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        flat_targets = targets.reshape(-1)
+        valid = flat_targets != ignore_index
+        safe_targets = torch.where(valid, flat_targets, torch.zeros_like(flat_targets))
+        weight32 = weight.to(_accum_dtype(x, weight))
+        lse = torch.empty(x2d.shape[0], dtype=weight32.dtype, device=x.device)
+        total = torch.zeros((), dtype=weight32.dtype, device=x.device)
+        for start in range(0, x2d.shape[0], chunk_size):
+            stop = min(start + chunk_size, x2d.shape[0])
+            logits = logits_chunk(x2d[start:stop], weight32)
+            chunk_lse = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(1, safe_targets[start:stop, None]).squeeze(1)
+            lse[start:stop] = chunk_lse
+            total += torch.where(valid[start:stop], chunk_lse - target_logit, 0.0).sum()
+            del logits
+        count = valid.sum()
+        ctx.save_for_backward(x, weight, targets, lse)
+        ctx.chunk_size = chunk_size
+        ctx.ignore_index = ignore_index
+        return total / count
+
+    @staticmethod
+    @once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
+        x, weight, targets, lse = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_x or need_w):
+            return None, None, None, None, None
+        chunk_size: int = ctx.chunk_size
+        x2d = x.reshape(-1, x.shape[-1])
+        flat_targets = targets.reshape(-1)
+        valid = flat_targets != ctx.ignore_index
+        safe_targets = torch.where(valid, flat_targets, torch.zeros_like(flat_targets))
+        weight32 = weight.to(_accum_dtype(x, weight))
+        # d(mean)/d(row loss) = grad_output / count for valid rows, 0 otherwise.
+        row_scale = valid.to(weight32.dtype) * (grad_output.to(weight32.dtype) / valid.sum())
+
+        grad_x = torch.empty_like(x2d) if need_x else None
+        grad_w32 = torch.zeros_like(weight32) if need_w else None
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            for start in range(0, x2d.shape[0], chunk_size):
+                stop = min(start + chunk_size, x2d.shape[0])
+                x_chunk = x2d[start:stop].to(weight32.dtype)
+                # softmax - onehot, built in place in the recomputed logits.
+                grad_logits = logits_chunk(x_chunk, weight32)
+                grad_logits.sub_(lse[start:stop, None]).exp_()
+                rows = torch.arange(stop - start, device=x.device)
+                grad_logits[rows, safe_targets[start:stop]] -= 1.0
+                grad_logits.mul_(row_scale[start:stop, None])
+                if grad_x is not None:
+                    grad_x[start:stop] = (grad_logits @ weight32).to(x.dtype)
+                if grad_w32 is not None:
+                    grad_w32.addmm_(grad_logits.t(), x_chunk)
+                del grad_logits
+        grad_x_out = grad_x.view_as(x) if grad_x is not None else None
+        grad_w_out = grad_w32.to(weight.dtype) if grad_w32 is not None else None
+        return grad_x_out, grad_w_out, None, None, None
+
+
+def tied_lm_head_ce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Fused tied LM head + mean cross-entropy; see :class:`TiedLMHeadCE`.
+
+    ``x [B, S, D]``, ``weight [V, D]`` (the tied embedding matrix),
+    ``targets [B, S]`` int64 with ``ignore_index`` marking rows that do not
+    count.  ``chunk_size`` defaults to :func:`default_ce_chunk_size` so that
+    one chunk of fp32 logits is at most ~32 MiB.  Returns a float32 scalar
+    (float64 if an input is float64).
+    """
+    if x.dim() < 2:
+        raise ValueError(f"x must be [B, S, D]; got {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, D={x.shape[-1]}]; got {tuple(weight.shape)}"
+        )
+    if tuple(targets.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal x's leading dims {tuple(x.shape[:-1])}"
+        )
+    if targets.dtype != torch.int64:
+        raise TypeError(f"targets must be int64; got {targets.dtype}")
+    if not (x.is_floating_point() and weight.is_floating_point()):
+        raise TypeError(f"x and weight must be floating point; got {x.dtype}, {weight.dtype}")
+    if chunk_size is None:
+        chunk_size = default_ce_chunk_size(weight.shape[0])
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive; got {chunk_size}")
+    return TiedLMHeadCE.apply(x, weight, targets, int(chunk_size), int(ignore_index))
+
+
+# --------------------------------------------------------------------------
+# Shape ops with per-sample axes
+# --------------------------------------------------------------------------
+
+
+def _batch_axis(axis: int, sample_ndim: int) -> int:
+    """Map a per-sample axis (batch excluded, negative from the end) to a tensor dim."""
+    if not -sample_ndim <= axis < sample_ndim:
+        raise ValueError(
+            f"per-sample axis {axis} is out of range for {sample_ndim} per-sample dims"
+        )
+    return axis + 1 if axis >= 0 else axis
+
+
+def stack(tensors: Sequence[torch.Tensor], axis: int) -> torch.Tensor:
+    """Join per-sample tensors along an *existing* per-sample axis.
+
+    Despite the IR name this concatenates (no new axis): ``N x [B, S, hd]``
+    with ``axis=-1`` gives ``[B, S, N*hd]``, which is how per-head outputs
+    become the model width.  ``axis`` counts per-sample dims (the batch dim
+    is excluded, so ``axis=0`` is the first dim after the batch; negative
+    values count from the end).
+    """
+    if len(tensors) == 0:
+        raise ValueError("stack needs at least one tensor")
+    ndim = tensors[0].dim()
+    if ndim < 2:
+        raise ValueError(f"stack inputs need a batch dim plus per-sample dims; got ndim={ndim}")
+    if any(t.dim() != ndim for t in tensors):
+        raise ValueError(f"stack inputs differ in rank: {[tuple(t.shape) for t in tensors]}")
+    return torch.cat(list(tensors), dim=_batch_axis(axis, ndim - 1))
+
+
+def reshape(x: torch.Tensor, target_shape: Sequence[int]) -> torch.Tensor:
+    """Reshape each sample to ``target_shape`` (batch dim kept; one ``-1`` allowed)."""
+    target = tuple(int(d) for d in target_shape)
+    per_sample = math.prod(x.shape[1:])
+    known = math.prod(d for d in target if d != -1)
+    wildcards = sum(1 for d in target if d == -1)
+    if wildcards > 1 or any(d < -1 for d in target):
+        raise ValueError(f"invalid target shape {list(target)}: at most one -1 and no other negatives")
+    fits = (per_sample % known == 0) if (wildcards and known) else (per_sample == known)
+    if not fits:
+        raise ValueError(
+            f"cannot reshape per-sample shape {list(x.shape[1:])} ({per_sample} elements) "
+            f"to {list(target)}"
+        )
+    return x.reshape(x.shape[0], *target)
