@@ -88,6 +88,67 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("optimize")
+def _optimize_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("optimize", help="run a pass pipeline and write the rewritten network")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.yml")
+    p.add_argument("--passes", metavar="SPEC", default=None,
+                   help="pipeline, e.g. 'fuse-heads,precision{target=cuda-sm80}' "
+                        "(default: the production pipeline)")
+    p.add_argument("--target", default=None, help="compile target for target-aware passes (cpu, cuda-smXY)")
+    p.add_argument("--dump-dir", metavar="DIR", help="write the graph after each pass as NN_pass.yml")
+    p.add_argument("--explain", action="store_true", help="say why rewrites did not match")
+    p.add_argument("--no-verify", action="store_true", help="skip IR verification between passes")
+    add_plugin_option(p)
+    p.set_defaults(func=_optimize)
+
+
+def _optimize(args: argparse.Namespace) -> int:
+    from .pipeline import DEFAULT_PIPELINE, run_pipeline
+    from .yamlio import load, save
+
+    load_plugins(args)
+    graph = load(args.file)
+    pm = run_pipeline(graph, args.passes, target=args.target, explain=args.explain,
+                      dump_dir=args.dump_dir, verify=not args.no_verify)
+    save(graph, args.output)
+    print(f"pipeline: {args.passes or DEFAULT_PIPELINE}")
+    print(pm.report())
+    for note in pm.ctx.notes:
+        print(f"note: {note}")
+    if args.explain:
+        print("explain:" if pm.ctx.explanations else "explain: every candidate was rewritten")
+        for line in pm.ctx.explanations:
+            print(f"  {line}")
+    print(f"wrote {args.output} ({len(graph)} VNodes)")
+    return 0
+
+
+@command("passes")
+def _passes_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("passes", help="list every available pass with its doc and origin")
+    add_plugin_option(p)
+    p.set_defaults(func=_passes)
+
+
+def _passes(args: argparse.Namespace) -> int:
+    from .pipeline import available_passes
+
+    load_plugins(args)
+    for name, info in available_passes().items():
+        cls = info.load()
+        print(f"{name}  [{info.origin}]")
+        print(f"    {cls.doc()}")
+        for key, opt in cls.options.items():
+            print(f"    option {key} (default {opt.default!r}): {opt.doc}")
+        deps = [f"{label} {', '.join(v)}" for label, v in
+                (("requires", cls.requires), ("after", cls.after), ("invalidates", cls.invalidates)) if v]
+        if deps:
+            print(f"    {'; '.join(deps)}")
+    return 0
+
+
 def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
     """Core commands, plus the plugin command `wanted` (only that one is imported)."""
     parser = argparse.ArgumentParser(prog="vgraph", description="Graph IR and passes for network YAML.")

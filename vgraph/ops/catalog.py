@@ -160,6 +160,8 @@ def _mha_infer(ctx: InferCtx) -> list[TensorType]:
     if x.shape != (cfg["seq_len"], dim):
         raise ShapeError(f"input has shape {list(x.shape)} but seq_len={cfg['seq_len']}, dim={dim} "
                          f"need [{cfg['seq_len']}, {dim}]")
+    if cfg.get("fused_from") and len(fused_ids(cfg)) != cfg["num_heads"]:
+        raise ShapeError(f"fused_from names {len(fused_ids(cfg))} heads but num_heads={cfg['num_heads']}")
     width = dim if cfg["output_projection"] else cfg["num_heads"] * cfg["head_dim"]
     return [T((cfg["seq_len"], width), ctx.dtype)]
 
@@ -170,6 +172,17 @@ def _mha_params(cfg: Config) -> dict[str, tuple[int, ...]]:
     if cfg["output_projection"]:
         p.update(out_weight=(dim, inner), out_bias=(dim,))
     return p
+
+
+def fused_ids(cfg: Config) -> list[str]:
+    return [x.strip() for x in (cfg.get("fused_from") or "").split(",") if x.strip()]
+
+
+def _mha_sources(cfg: Config) -> dict[str, list[tuple[str, int]]]:
+    """qkv rows are all heads' Q, then all K, then all V, in `fused_from` order."""
+    heads, hd = fused_ids(cfg), cfg["head_dim"]
+    return {"qkv_weight": [(f"{h}.w{x}", hd) for x in "qkv" for h in heads],
+            "qkv_bias": [(f"{h}.b{x}", hd) for x in "qkv" for h in heads]}
 
 
 def _mha_flops(cfg: Config, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
@@ -183,7 +196,7 @@ register_op(OpDef(
     aliases=("multiheadattention",),
     schema=Schema((F("num_heads", "int", required=True, min=1), F("head_dim", "int", required=True, min=1),
                    F("dim", "int", min=1), *_ATTN_COMMON, F("output_projection", "bool", False))),
-    infer=_mha_infer, params=_mha_params, flops=_mha_flops,
+    infer=_mha_infer, params=_mha_params, flops=_mha_flops, param_sources=_mha_sources,
 ))
 
 

@@ -57,6 +57,8 @@ class OpDef:
     tied_params: Callable[[Config], dict[str, tuple[str, tuple[int, ...]]]] | None = None
     flops: Callable[[Config, Sequence[TensorType], Sequence[TensorType]], int] | None = None
     network_input: Callable[[Config, int, Sequence[TensorType | None]], TensorType | None] | None = None
+    # For fused types: param -> [(unfused "<vnode>.<param>" key, rows along dim 0), ...].
+    param_sources: Callable[[Config], dict[str, list[tuple[str, int]]]] | None = None
     is_cost: bool = False
     origin: str = "vgraph"
 

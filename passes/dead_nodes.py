@@ -1,0 +1,47 @@
+"""dead-nodes: remove VNodes whose results reach no output, cost or metric.
+
+A node stays if an output, cost or metric depends on it, or if it publishes
+a weight that a live node ties to (the weight must keep its owner).  A
+network with no outputs, costs or metrics at all is left untouched rather
+than emptied.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import networkx as nx
+
+from vgraph.ir import Graph
+from vgraph.pass_api import Pass, PassContext
+
+
+def live_nodes(graph: Graph) -> set[str]:
+    roots = {ep.node for ep in graph.iter_endpoints() if ep.node in graph}
+    live: set[str] = set()
+    publishers = graph.publishers()
+    while roots:
+        for r in roots:
+            live.add(r)
+            live |= nx.ancestors(graph.nx, r)
+        tied = {pub.id for n in live for alias, _ in graph.node(n).op.tied(graph.node(n).cfg).values()
+                if (pub := publishers.get(alias)) is not None}
+        roots = tied - live
+    return live
+
+
+class DeadNodes(Pass):
+    """Remove VNodes that reach no output, cost or metric."""
+
+    name = "dead-nodes"
+
+    def run(self, graph: Graph, ctx: PassContext) -> Counter:
+        if not any(True for _ in graph.iter_endpoints()):
+            ctx.notes.append("dead-nodes: the network has no outputs, costs or metrics; left untouched")
+            return Counter()
+        live = live_nodes(graph)
+        dead = [n.id for n in reversed(graph.topo_order()) if n.id not in live]
+        for node_id in dead:
+            for e in graph.in_edges(node_id):
+                graph.remove_edge(e)
+            graph.remove_node(node_id)
+        return Counter(removed=len(dead))

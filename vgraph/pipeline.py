@@ -1,0 +1,257 @@
+"""The pass manager: pipelines as text, dependency order, verification, instruments.
+
+    fuse-heads,fuse-lm-head-ce,precision{target=cuda-sm80}
+
+Passes run in the order written unless a declared dependency says otherwise
+(a stable topological sort); a cycle or an unknown pass is an error before
+anything runs.  After every pass the IR is verified (a pass that breaks the
+graph is named), and instruments observe each run: timing, node counts and
+change counts by default, a YAML (and SVG) dump per pass on request.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Protocol, Sequence
+
+from .diagnostics import Diagnostic, VGraphError
+from .ir import Graph
+from .pass_api import LOCAL_PASSES, Pass, PassContext, PassError
+from .plugins import Plugin, discover
+
+DEFAULT_PIPELINE = "dead-nodes,precision,fuse-heads,fuse-lm-head-ce"
+APPLIED = "applied_passes"  # graph.meta key: names of passes whose results hold
+
+
+# -- finding passes -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PassInfo:
+    name: str
+    origin: str
+    plugin: Plugin | None = None
+    cls: type[Pass] | None = None
+
+    def load(self) -> type[Pass]:
+        if self.cls is not None:
+            return self.cls
+        assert self.plugin is not None
+        cls = self.plugin.load()
+        if not (isinstance(cls, type) and issubclass(cls, Pass)):
+            raise PassError(f"plugin {self.name!r} from {self.origin!r} is not a vgraph Pass class")
+        if cls.name != self.name:
+            raise PassError(f"plugin {self.name!r} from {self.origin!r} loads a pass named {cls.name!r}")
+        cls.origin = self.origin
+        return cls
+
+
+def available_passes() -> dict[str, PassInfo]:
+    """Every pass by name: entry points (not imported) and locally registered ones."""
+    found: dict[str, PassInfo] = {}
+    for plugin in discover("vgraph.passes"):
+        found.setdefault(plugin.name, PassInfo(plugin.name, plugin.origin, plugin=plugin))
+    for name, cls in LOCAL_PASSES.items():
+        found[name] = PassInfo(name, cls.origin or "local", cls=cls)
+    return dict(sorted(found.items()))
+
+
+def get_pass(name: str) -> type[Pass]:
+    passes = available_passes()
+    if name not in passes:
+        from .ops.schema import suggest
+
+        raise PassError(f"unknown pass {name!r}{suggest(name, passes)}; "
+                        f"available: {', '.join(passes) or 'none'}")
+    return passes[name].load()
+
+
+# -- pipeline text ----------------------------------------------------------------------
+
+_ITEM = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+
+
+def parse_pipeline(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """'a,b{k=v,k2=v2}' -> [('a', {}), ('b', {'k': 'v', 'k2': 'v2'})]."""
+    out: list[tuple[str, dict[str, str]]] = []
+    pos = 0
+    spec = spec.strip()
+    while pos < len(spec):
+        m = _ITEM.match(spec, pos)
+        if not m or m.end() == pos:
+            raise PassError(f"pipeline {spec!r}: cannot parse at column {pos + 1}: {spec[pos:]!r} "
+                            f"(expected name or name{{key=value,...}}, comma separated)")
+        opts: dict[str, str] = {}
+        for part in filter(None, (p.strip() for p in (m.group(2) or "").split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or not key.strip():
+                raise PassError(f"pipeline {spec!r}: option {part!r} of {m.group(1)!r} is not key=value")
+            opts[key.strip()] = value.strip()
+        out.append((m.group(1), opts))
+        pos = m.end()
+    return out
+
+
+def build_pipeline(spec: str | Sequence[str | Pass] | None) -> list[Pass]:
+    """Pass instances from text, names or instances (None: the default pipeline)."""
+    if spec is None:
+        spec = DEFAULT_PIPELINE
+    items: list[Pass] = []
+    if isinstance(spec, str):
+        for name, opts in parse_pipeline(spec):
+            items.append(get_pass(name)(**opts))
+    else:
+        for item in spec:
+            items.extend(build_pipeline(item) if isinstance(item, str) else [item])
+    return items
+
+
+def order_pipeline(passes: list[Pass], applied: Iterable[str] = ()) -> list[Pass]:
+    """Stable topological order by `requires`/`after`; errors for cycles and missing passes."""
+    names = [p.name for p in passes]
+    done = set(applied)
+    for p in passes:
+        missing = [r for r in p.requires if r not in names and r not in done]
+        if missing:
+            raise PassError(f"pass {p.name!r} requires {', '.join(map(repr, missing))}, which is "
+                            f"not in the pipeline: add it before {p.name!r}")
+    preds = {i: {j for j, q in enumerate(passes) if q.name in (*p.requires, *p.after) and j != i}
+             for i, p in enumerate(passes)}
+    order: list[int] = []
+    remaining = list(range(len(passes)))
+    while remaining:
+        ready = next((i for i in remaining if not preds[i] - set(order)), None)
+        if ready is None:
+            cycle = " -> ".join(passes[i].name for i in remaining)
+            raise PassError(f"pass dependencies form a cycle among: {cycle}")
+        order.append(ready)
+        remaining.remove(ready)
+    return [passes[i] for i in order]
+
+
+# -- running ---------------------------------------------------------------------------------
+
+@dataclass
+class PassRecord:
+    name: str
+    spec: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    changed: bool
+    changes: dict[str, int] = field(default_factory=dict)
+
+
+class Instrument(Protocol):
+    def before(self, index: int, p: Pass, graph: Graph) -> None: ...
+    def after(self, index: int, p: Pass, graph: Graph, record: PassRecord) -> None: ...
+
+
+class DumpInstrument:
+    """Writes the graph after each pass as DIR/NN_passname.yml (and .svg when Graphviz is there)."""
+
+    def __init__(self, directory: str | Path, svg: bool = True) -> None:
+        self.dir = Path(directory)
+        self.svg = svg
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def before(self, index: int, p: Pass, graph: Graph) -> None:
+        if index == 0:
+            self._write(graph, "00_input")
+
+    def after(self, index: int, p: Pass, graph: Graph, record: PassRecord) -> None:
+        self._write(graph, f"{index + 1:02d}_{p.name}")
+
+    def _write(self, graph: Graph, stem: str) -> None:
+        from .yamlio import save
+
+        save(graph, self.dir / f"{stem}.yml")
+        if self.svg:
+            try:
+                from .render import render_svg
+            except ImportError:
+                return
+            try:
+                (self.dir / f"{stem}.svg").write_text(render_svg(graph))
+            except VGraphError:
+                self.svg = False  # no Graphviz here: YAML dumps only
+
+
+def fingerprint(graph: Graph) -> str:
+    """A digest of everything a pass can change: nodes, config, annotations, edges, endpoints."""
+    h = hashlib.blake2b(digest_size=16)
+    for n in graph.nodes:
+        h.update(repr((n.id, n.type, sorted(n.config.items()), n.input_shapes, n.output_shapes,
+                       sorted(n.meta.items(), key=lambda kv: kv[0]))).encode())
+    h.update(repr(sorted((e.src, e.src_slot, e.dst, e.dst_slot) for e in graph.edges)).encode())
+    h.update(repr((graph.name, sorted(graph.attrs.items()), graph.endpoints,
+                   sorted((k, repr(v)) for k, v in graph.meta.items() if k != APPLIED))).encode())
+    return h.hexdigest()
+
+
+class PassManager:
+    def __init__(self, passes: str | Sequence[str | Pass] | None = None, *, verify: bool = True,
+                 instruments: Sequence[Instrument] = (), ctx: PassContext | None = None) -> None:
+        self.passes = build_pipeline(passes)
+        self.verify = verify
+        self.instruments = list(instruments)
+        self.ctx = ctx or PassContext()
+        self.records: list[PassRecord] = []
+
+    def run(self, graph: Graph) -> Graph:
+        """Run the pipeline in place; returns the graph for chaining."""
+        from .verify import verify as verify_graph
+
+        applied: list[str] = graph.meta.setdefault(APPLIED, [])
+        current_fp = fingerprint(graph)  # each pass's "after" is the next one's "before"
+        for index, p in enumerate(order_pipeline(self.passes, applied)):
+            for inst in self.instruments:
+                inst.before(index, p, graph)
+            before_fp, before_n = current_fp, len(graph)
+            start = time.perf_counter()
+            counts = p.run(graph, self.ctx) or {}
+            seconds = time.perf_counter() - start
+            if self.verify:
+                try:
+                    verify_graph(graph)
+                except VGraphError as exc:
+                    raise VGraphError([Diagnostic(f"pass {p.spec()!r} broke the graph:")]
+                                      + exc.diagnostics) from None
+            for gone in p.invalidates:
+                if gone in applied:
+                    applied.remove(gone)
+            if p.name not in applied:
+                applied.append(p.name)
+            current_fp = fingerprint(graph)
+            changed = current_fp != before_fp
+            record = PassRecord(p.name, p.spec(), seconds, before_n, len(graph), changed,
+                                {k: v for k, v in Counter(counts).items() if v})
+            self.records.append(record)
+            for inst in self.instruments:
+                inst.after(index, p, graph, record)
+        return graph
+
+    def report(self) -> str:
+        rows = [("pass", "time ms", "nodes", "changed", "changes")]
+        for r in self.records:
+            rows.append((r.spec, f"{r.seconds * 1e3:.2f}", f"{r.nodes_before} -> {r.nodes_after}",
+                         "yes" if r.changed else "no",
+                         ", ".join(f"{k}={v}" for k, v in sorted(r.changes.items())) or "-"))
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def run_pipeline(graph: Graph, passes: str | Sequence[str | Pass] | None = None, *,
+                 target: str | None = None, explain: bool = False, dump_dir: str | Path | None = None,
+                 verify: bool = True, data: dict | None = None) -> PassManager:
+    """Convenience: run a pipeline on `graph` in place and return the manager (records, report)."""
+    ctx = PassContext(target=target, explain=explain, data=dict(data or {}))
+    instruments: list[Instrument] = [DumpInstrument(dump_dir)] if dump_dir else []
+    pm = PassManager(passes, verify=verify, instruments=instruments, ctx=ctx)
+    pm.run(graph)
+    return pm
