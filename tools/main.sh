@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: set up .venv, then validate and analyze both production networks.
+# The main job: set up .venv, then validate, analyze and optimize both production networks.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/tools/setup_env.sh"
@@ -13,3 +13,5 @@ for net in "${NETS[@]}"; do
   echo "== analyze $net"
   "$VG" analyze "$net" | tail -n 14
 done
+echo "== optimize (production pipeline) the 8-layer network"
+"$VG" optimize "${NETS[1]}" -o "$ROOT/runs/optimized_8l.yml"

@@ -11,6 +11,7 @@ change counts by default, a YAML (and SVG) dump per pass on request.
 from __future__ import annotations
 
 import hashlib
+import pickle
 import re
 import time
 from collections import Counter
@@ -181,14 +182,19 @@ class DumpInstrument:
 
 
 def fingerprint(graph: Graph) -> str:
-    """A digest of everything a pass can change: nodes, config, annotations, edges, endpoints."""
+    """A digest of everything a pass can change: nodes, config, annotations, edges, endpoints.
+
+    Pickle serialises the node records in C (a repr-based digest cost a quarter
+    of the whole pipeline); edges are compared as a set, so re-adding the same
+    edge is not a change.
+    """
     h = hashlib.blake2b(digest_size=16)
-    for n in graph.nodes:
-        h.update(repr((n.id, n.type, sorted(n.config.items()), n.input_shapes, n.output_shapes,
-                       sorted(n.meta.items(), key=lambda kv: kv[0]))).encode())
-    h.update(repr(sorted((e.src, e.src_slot, e.dst, e.dst_slot) for e in graph.edges)).encode())
-    h.update(repr((graph.name, sorted(graph.attrs.items()), graph.endpoints,
-                   sorted((k, repr(v)) for k, v in graph.meta.items() if k != APPLIED))).encode())
+    h.update(pickle.dumps([(n.id, n.type, n.config, n.input_shapes, n.output_shapes, n.meta)
+                           for n in graph.nodes], protocol=pickle.HIGHEST_PROTOCOL))
+    edges = frozenset((e.src, e.src_slot, e.dst, e.dst_slot) for e in graph.edges)
+    h.update(hash(edges).to_bytes(8, "little", signed=True))
+    h.update(pickle.dumps((graph.name, graph.attrs, graph.endpoints,
+                           {k: v for k, v in graph.meta.items() if k != APPLIED})))
     return h.hexdigest()
 
 
