@@ -161,7 +161,9 @@ def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
         if plugin.name == wanted:
             plugin.load()(sub)
         else:
-            sub.add_parser(plugin.name, help=f"(from {plugin.distribution})", add_help=False)
+            # Listed without importing it (backends import torch): its own -h has the details.
+            sub.add_parser(plugin.name, help=f"[{plugin.distribution}] see 'vgraph {plugin.name} -h'",
+                           add_help=False)
     return parser
 
 

@@ -30,8 +30,8 @@ class Diagnostic:
     severity: str = "error"  # "error" | "warning"
 
     def __str__(self) -> str:
-        where = f"{self.loc}: " if self.loc else "<network>: "
-        what = f"node '{self.node}': " if self.node is not None else "network: "
+        where = f"{self.loc}: " if self.loc else ""
+        what = f"node '{self.node}': " if self.node is not None else ""
         prefix = "warning: " if self.severity == "warning" else ""
         return f"{where}{prefix}{what}{self.message}"
 

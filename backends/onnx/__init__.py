@@ -1,0 +1,21 @@
+"""ONNX backend: lower the vgraph IR (or one PNode's part of it) to ONNX, and check it.
+
+* ``lower``: IR -> ``onnx.ModelProto`` straight from the IR, one rule per op
+  type (``register_lowering`` adds a plugin op's rule); weights are a plain
+  ``{"<vnode>.<param>": numpy array}`` mapping, so lowering needs no torch.
+* ``subgraph``: any set of VNodes as its own model, boundary tensors named
+  ``"<producer>:<slot>"``; splitting a partition into runnable pieces.
+* ``check``: the torch backend vs onnxruntime on the same inputs.
+* ``cli``: ``vgraph export-onnx`` and ``vgraph check-onnx``.
+"""
+from __future__ import annotations
+
+from .lower import (BATCH_DIM, LOWERINGS, OPSET, NodeLowering, build_model, expected_param_shapes,
+                    input_name, lower_network, onnx_dims, param_key, register_lowering, value_name)
+from .subgraph import (Boundary, Piece, boundary, export_pieces, export_subgraph, run_in_sequence,
+                       split_topological, stages)
+
+__all__ = ["BATCH_DIM", "LOWERINGS", "OPSET", "NodeLowering", "build_model", "expected_param_shapes",
+           "input_name", "lower_network", "onnx_dims", "param_key", "register_lowering", "value_name",
+           "Boundary", "Piece", "boundary", "export_pieces", "export_subgraph", "run_in_sequence",
+           "split_topological", "stages"]

@@ -1,0 +1,721 @@
+"""Lower the vgraph IR straight to an ONNX ``ModelProto`` (no tracing of the torch module).
+
+Why lower from the IR: the ONNX file is an independent second implementation
+of vgraph's op semantics, so agreement with the torch backend (see
+``check.py``) is evidence that both are right, not that one was copied.
+
+Conventions of the produced model (a user finds every VNode in Netron):
+
+* The value of output slot ``k`` of VNode ``n`` is named ``"n:k"``; a network
+  input (an input slot no edge feeds, e.g. token ids) is the graph input
+  ``"n:in<k>"``; a value produced outside the lowered node set is the graph
+  input ``"src:slot"`` (what ``subgraph.py`` uses for per-PNode parts).
+* Every ONNX node is named after its VNode: ``"n"`` for the node that
+  produces an output slot, ``"n/<step>"`` for the inner steps; intermediate
+  values are ``"n/<step>"`` too.  A ``broadcast`` is pure fan-out and
+  produces no node: its outputs reuse the input value's name.
+* Parameters are initializers named like checkpoint keys ``"n.<param>"``; a
+  tied weight reads its publisher's initializer (one tensor, two readers).
+  With ``weights=None`` they become graph inputs of the same names instead,
+  so a model of a 45M-parameter network can be built, checked and
+  shape-inferred in milliseconds.
+* Every graph input/output has ``"batch"`` as its (symbolic) first dimension
+  and vgraph's per-sample shape after it; a cost's loss, a mean over the whole
+  batch, is a scalar.
+* Computation is in float32 whatever precision the YAML declares (costs are
+  float32 anyway): the export is for checking and running inference, and
+  float32 is the precision every runtime supports on every device.
+
+Lowering rules live in ``LOWERINGS``, keyed by canonical op name; a plugin op
+adds its own with :func:`register_lowering`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from vgraph import Graph, TensorType, VGraphError, VNode
+from vgraph.diagnostics import Diagnostic
+
+__all__ = [
+    "OPSET",
+    "BATCH_DIM",
+    "LOWERINGS",
+    "NodeLowering",
+    "register_lowering",
+    "lower_network",
+    "build_model",
+    "value_name",
+    "input_name",
+    "param_key",
+    "network_input_type",
+    "onnx_dims",
+    "expected_param_shapes",
+]
+
+#: ONNX opset of the produced models: 20 has the exact (erf) ``Gelu`` and
+#: ``LayerNormalization``; everything else needed is older.
+OPSET = 20
+#: Name of the symbolic batch dimension of every graph input and output.
+BATCH_DIM = "batch"
+
+_ELEM_TYPE = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "string": TensorProto.STRING}
+
+
+def value_name(node_id: str, slot: int) -> str:
+    """ONNX name of output ``slot`` of VNode ``node_id`` (also a boundary tensor's name)."""
+    return f"{node_id}:{slot}"
+
+
+def input_name(node_id: str, slot: int) -> str:
+    """ONNX name of the network input fed into input ``slot`` of VNode ``node_id``."""
+    return f"{node_id}:in{slot}"
+
+
+def param_key(node_id: str, param: str) -> str:
+    """Initializer / checkpoint key of a parameter."""
+    return f"{node_id}.{param}"
+
+
+def _error(node: VNode, message: str) -> VGraphError:
+    return VGraphError([Diagnostic(message, node.loc, node.id)])
+
+
+def network_input_type(graph: Graph, node: VNode, slot: int) -> TensorType:
+    """Per-sample type of an unconnected input slot, as vgraph's verifier infers it."""
+    if node.input_shapes is not None and slot < len(node.input_shapes):
+        kind = node.op.kind_of_input(node.cfg, slot)
+        dtype = {"int": "int64", "str": "string"}.get(kind, "float32")
+        return TensorType(tuple(node.input_shapes[slot]), dtype)
+    known: list[TensorType | None] = []
+    for s in range(slot):
+        edge = graph.input_edge(node.id, s)
+        if edge is not None:
+            known.append(graph.node(edge.src).outputs[edge.src_slot])
+        else:
+            known.append(network_input_type(graph, node, s))
+    t = node.op.network_input(node.cfg, slot, known) if node.op.network_input else None
+    if t is None:
+        raise _error(node, f"input {slot} is not connected and its type cannot be known")
+    return t
+
+
+def expected_param_shapes(graph: Graph, node_ids: Iterable[str] | None = None) -> dict[str, tuple[int, ...]]:
+    """Every parameter key the lowering of ``node_ids`` reads, with its shape.
+
+    Tied weights appear under their publisher's key (``"<publisher>.weight"``),
+    which is how checkpoints store them.
+    """
+    ids = [n.id for n in graph.nodes] if node_ids is None else list(node_ids)
+    publishers = graph.publishers()
+    out: dict[str, tuple[int, ...]] = {}
+    for node_id in ids:
+        node = graph.node(node_id)
+        for pname, shape in node.op.param_shapes(node.cfg).items():
+            out[param_key(node.id, pname)] = tuple(shape)
+        for pname, (alias, shape) in node.op.tied(node.cfg).items():
+            pub = publishers.get(alias)
+            if pub is not None:
+                out[param_key(pub.id, "weight")] = tuple(shape)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The per-node view a lowering rule works with
+# ---------------------------------------------------------------------------
+
+
+class NodeLowering:
+    """What a lowering rule sees of one VNode, and how it emits ONNX nodes.
+
+    A rule reads ``inputs`` (ONNX value names, one per input slot) and
+    ``input_types`` (per-sample vgraph types), emits nodes with :meth:`op`,
+    and returns one value name per output slot (``None`` for a slot nobody
+    reads, see :meth:`needs`).  Returning an existing name (e.g. an input) is
+    allowed: the value is simply shared.
+    """
+
+    def __init__(self, builder: _ModelBuilder, node: VNode, inputs: list[str],
+                 input_types: list[TensorType]) -> None:
+        self._b = builder
+        self.node = node
+        self.cfg = node.cfg
+        self.inputs = inputs
+        self.input_types = input_types
+        self.graph = builder.graph
+        self._named_main = False
+
+    # -- names ------------------------------------------------------------
+    def out(self, slot: int = 0) -> str:
+        """The canonical value name of output ``slot``: pass it as ``out=`` of the last op."""
+        return value_name(self.node.id, slot)
+
+    def needs(self, slot: int) -> bool:
+        """Whether output ``slot`` is read (by an edge in the lowered set or as a graph output)."""
+        return (self.node.id, slot) in self._b.needed
+
+    @property
+    def float_type(self) -> int:
+        """ONNX element type of activations (float32)."""
+        return TensorProto.FLOAT
+
+    # -- emitting ------------------------------------------------------------
+    def op(self, op_type: str, inputs: Sequence[str], tag: str | None = None, *, out: str | None = None,
+           outputs: int = 1, **attrs: Any) -> str | list[str]:
+        """Emit one ONNX node; returns its output name (a list when ``outputs > 1``).
+
+        ``out`` names the single output (use ``self.out(k)`` for an output
+        slot); otherwise values are named ``"<vnode>/<tag>"``.
+        """
+        tag = tag or op_type.lower()
+        if out is not None:
+            names = [out]
+        else:
+            base = self._b.unique(f"{self.node.id}/{tag}")
+            names = [base] if outputs == 1 else [f"{base}.{i}" for i in range(outputs)]
+        if out is not None and out.startswith(f"{self.node.id}:") and not self._named_main:
+            node_name = self._b.unique_node(self.node.id)
+            self._named_main = True
+        else:
+            node_name = self._b.unique_node(f"{self.node.id}/{tag}")
+        onnx_node = helper.make_node(op_type, list(inputs), names, name=node_name, **attrs)
+        onnx_node.doc_string = self._b.doc_of(self.node)
+        self._b.nodes.append(onnx_node)
+        return names[0] if outputs == 1 else names
+
+    def param(self, pname: str) -> str:
+        """Value name of a parameter this node owns or reads through a weight tie."""
+        tied = self.node.op.tied(self.cfg)
+        if pname in tied:
+            alias, shape = tied[pname]
+            pub = self._b.publishers.get(alias)
+            if pub is None:
+                raise _error(self.node, f"tie_weight_alias {alias!r} has no publisher")
+            return self._b.param(param_key(pub.id, "weight"), shape, self.node)
+        shapes = self.node.op.param_shapes(self.cfg)
+        if pname not in shapes:
+            raise _error(self.node, f"a {self.node.type} has no parameter {pname!r}")
+        return self._b.param(param_key(self.node.id, pname), shapes[pname], self.node)
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        """A constant shared graph-wide under ``name`` (RoPE tables, masks): same name, same value."""
+        return self._b.const(name, value)
+
+    def local_const(self, tag: str, value: np.ndarray) -> str:
+        """A constant of this node only, named ``"<vnode>/<tag>"``."""
+        return self._b.const(self._b.unique(f"{self.node.id}/{tag}"), value)
+
+    def float_const(self, name: str, value: Any) -> str:
+        return self.const(name, np.asarray(value, dtype=np.float32))
+
+    def int64s(self, tag: str, values: Sequence[int]) -> str:
+        """A node-local int64 vector (Reshape targets, axes)."""
+        return self.local_const(tag, np.asarray(list(values), dtype=np.int64))
+
+    # -- shared building blocks ----------------------------------------------
+    def linear(self, x: str, weight: str, bias: str | None, tag: str, *, out: str | None = None) -> str:
+        """``x @ weight.T + bias`` with ``weight`` stored ``[out, in]`` (the checkpoint layout)."""
+        wt = self.op("Transpose", [weight], f"{tag}_weight_t", perm=[1, 0])
+        if bias is None:
+            return self.op("MatMul", [x, wt], f"{tag}_matmul", out=out)
+        y = self.op("MatMul", [x, wt], f"{tag}_matmul")
+        return self.op("Add", [y, bias], f"{tag}_bias", out=out)
+
+    def rope(self, x: str, seq_len: int, head_dim: int, theta: float, tag: str) -> str:
+        """Rotate-half RoPE (GPT-NeoX / Llama) of ``x[..., S, hd]`` with float64-built tables."""
+        cos, sin = _rope_tables(seq_len, head_dim, theta)
+        key = f"rope_s{seq_len}_d{head_dim}_theta{theta:g}"
+        cos_name = self.const(f"{key}_cos", cos)
+        sin_name = self.const(f"{key}_sin", sin)
+        x1, x2 = self.op("Split", [x], f"{tag}_halves", outputs=2, axis=-1, num_outputs=2)
+        neg = self.op("Neg", [x2], f"{tag}_neg")
+        rotated = self.op("Concat", [neg, x1], f"{tag}_rotate_half", axis=-1)
+        a = self.op("Mul", [x, cos_name], f"{tag}_cos")
+        b = self.op("Mul", [rotated, sin_name], f"{tag}_sin")
+        return self.op("Add", [a, b], f"{tag}_rope")
+
+    def attend(self, q: str, k: str, v: str, *, seq_len: int, head_dim: int, causal: bool,
+               k_perm: list[int], out: str | None = None) -> str:
+        """softmax(q k^T / sqrt(hd) + causal_mask) v on ``[..., S, hd]`` operands."""
+        kt = self.op("Transpose", [k], "k_t", perm=k_perm)
+        scores = self.op("MatMul", [q, kt], "scores")
+        scale = self.float_const(f"attention_scale_d{head_dim}", 1.0 / math.sqrt(head_dim))
+        scores = self.op("Mul", [scores, scale], "scaled_scores")
+        if causal:
+            mask = self.const(f"causal_mask_s{seq_len}", _causal_additive_mask(seq_len))
+            scores = self.op("Add", [scores, mask], "masked_scores")
+        probs = self.op("Softmax", [scores], "probs", axis=-1)
+        return self.op("MatMul", [probs, v], "attend", out=out)
+
+    def cross_entropy(self, logits: str, targets: str, classes: int, *, from_probs: bool,
+                      ignore_index: int, out: str) -> str:
+        """Mean cross-entropy over all non-ignored rows of ``[B, ..., C]`` vs ``[B, ...]`` targets."""
+        rows = self.op("Reshape", [logits, self.int64s("rows_shape", [-1, classes])], "rows")
+        flat = self.op("Reshape", [targets, self.int64s("targets_shape", [-1])], "flat_targets")
+        if from_probs:  # clamped as the torch backend does: p = 0 gives a large finite loss
+            tiny = self.float_const("float32_tiny", np.finfo(np.float32).tiny)
+            logp = self.op("Log", [self.op("Max", [rows, tiny], "clamped")], "log_probs")
+            return self.op("NegativeLogLikelihoodLoss", [logp, flat], "nll", out=out,
+                           reduction="mean", ignore_index=ignore_index)
+        return self.op("SoftmaxCrossEntropyLoss", [rows, flat], "ce", out=out,
+                       reduction="mean", ignore_index=ignore_index)
+
+
+Lowering = Callable[[NodeLowering], Sequence[str | None]]
+
+#: canonical op name -> lowering rule.
+LOWERINGS: dict[str, Lowering] = {}
+
+
+def register_lowering(op_name: str, rule: Lowering | None = None, *, replace: bool = False):
+    """Register the ONNX lowering of a VNode type (usable as a decorator).
+
+    ``rule(n: NodeLowering)`` returns one value name per output slot.  A plugin
+    that adds an op type with ``vgraph.register_op`` registers its lowering
+    here under the same name.
+    """
+    def deco(fn: Lowering) -> Lowering:
+        from vgraph.ops import REGISTRY
+
+        canon = REGISTRY.canonical(op_name) or op_name
+        if canon in LOWERINGS and not replace:
+            raise ValueError(f"an ONNX lowering for {canon!r} is already registered")
+        LOWERINGS[canon] = fn
+        return fn
+
+    return deco(rule) if rule is not None else deco
+
+
+# ---------------------------------------------------------------------------
+# Building the model
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _ModelBuilder:
+    graph: Graph
+    weights: Mapping[str, np.ndarray] | None
+    needed: set[tuple[str, int]]
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    initializers: dict[str, onnx.TensorProto] = field(default_factory=dict)
+    inputs: dict[str, onnx.ValueInfoProto] = field(default_factory=dict)
+    used_names: set[str] = field(default_factory=set)
+    node_names: set[str] = field(default_factory=set)
+    const_values: dict[str, np.ndarray] = field(default_factory=dict)
+    publishers: dict[str, VNode] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.publishers = self.graph.publishers()
+
+    def unique(self, name: str) -> str:
+        candidate, i = name, 1
+        while candidate in self.used_names:
+            candidate, i = f"{name}_{i}", i + 1
+        self.used_names.add(candidate)
+        return candidate
+
+    def unique_node(self, name: str) -> str:
+        candidate, i = name, 1
+        while candidate in self.node_names:
+            candidate, i = f"{name}_{i}", i + 1
+        self.node_names.add(candidate)
+        return candidate
+
+    @staticmethod
+    def doc_of(node: VNode) -> str:
+        where = f" ({node.loc})" if node.loc else ""
+        return f"{node.type} '{node.id}'{where}"
+
+    def param(self, key: str, shape: tuple[int, ...], reader: VNode) -> str:
+        if key in self.initializers or key in self.inputs:
+            return key
+        shape = tuple(int(d) for d in shape)
+        if self.weights is None:
+            self.inputs[key] = helper.make_tensor_value_info(key, TensorProto.FLOAT, list(shape))
+            return key
+        if key not in self.weights:
+            raise _error(reader, f"no weights for parameter {key!r} (expected shape {list(shape)}); "
+                                 "the checkpoint does not match this network")
+        array = np.asarray(self.weights[key])
+        if tuple(array.shape) != shape:
+            raise _error(reader, f"weights for {key!r} have shape {list(array.shape)} but the network "
+                                 f"needs {list(shape)}")
+        self.initializers[key] = numpy_helper.from_array(np.ascontiguousarray(array, dtype=np.float32), key)
+        return key
+
+    def const(self, name: str, value: np.ndarray) -> str:
+        value = np.asarray(value)
+        if name in self.const_values:
+            if not np.array_equal(self.const_values[name], value):
+                raise ValueError(f"constant {name!r} defined twice with different values")
+            return name
+        self.const_values[name] = value
+        self.used_names.add(name)
+        self.initializers[name] = numpy_helper.from_array(value, name)
+        return name
+
+
+def onnx_dims(graph: Graph, node_id: str, slot: int, batch_dim: str = BATCH_DIM) -> list[int | str]:
+    """ONNX shape of output ``slot`` of ``node_id``: the batch dim, then the per-sample shape.
+
+    The one exception is a cost's loss: a scalar mean over the whole batch,
+    so it has no batch dimension.
+    """
+    node = graph.node(node_id)
+    t = node.outputs[slot]
+    if node.op.is_cost and t.shape == ():
+        return []
+    return [batch_dim, *t.shape]
+
+
+def _value_info(name: str, t: TensorType, dims: list[int | str], doc: str = "") -> onnx.ValueInfoProto:
+    dtype = t.dtype if t.kind != "float" else "float32"
+    vi = helper.make_tensor_value_info(name, _ELEM_TYPE[dtype], dims)
+    vi.doc_string = doc
+    return vi
+
+
+def build_model(
+    graph: Graph,
+    node_ids: Iterable[str] | None = None,
+    *,
+    weights: Mapping[str, np.ndarray] | None = None,
+    outputs: Sequence[tuple[str, int]] | None = None,
+    output_docs: Mapping[tuple[str, int], str] | None = None,
+    batch_dim: str = BATCH_DIM,
+    opset: int = OPSET,
+    model_name: str | None = None,
+) -> onnx.ModelProto:
+    """Lower the VNodes ``node_ids`` (default: all) of a verified ``graph`` to one ONNX model.
+
+    Inputs are derived, in this order: values produced by VNodes outside
+    ``node_ids`` (``"src:slot"``), unconnected input slots (``"n:in<k>"``),
+    then parameters when ``weights`` is None (``"n.<param>"``).  ``outputs``
+    lists the ``(node, slot)`` values to expose as graph outputs (named
+    ``"node:slot"``); default: the network's outputs and costs.
+    """
+    if opset < 18:
+        raise ValueError(f"the ONNX lowering needs opset >= 18; got {opset}")
+    ids = set(n.id for n in graph.nodes) if node_ids is None else set(node_ids)
+    unknown = ids - {n.id for n in graph.nodes}
+    if unknown:
+        raise VGraphError(f"no such VNode(s) in network {graph.name!r}: {', '.join(sorted(unknown))}")
+    order = [n for n in graph.topo_order() if n.id in ids]
+    for n in order:
+        if not n.outputs:
+            raise _error(n, "node has no inferred types; run vgraph.verify(graph) first")
+    if outputs is None:
+        outputs = [(ep.node, ep.slot) for ep in [*graph.outputs, *graph.costs]]
+    outputs = list(dict.fromkeys((str(n), int(s)) for n, s in outputs))
+    for node_id, slot in outputs:
+        if node_id not in ids:
+            raise VGraphError(f"output {node_id}:{slot} is produced by a VNode outside the exported set")
+
+    needed = set(outputs)
+    for n in order:
+        for e in graph.in_edges(n.id):
+            needed.add((e.src, e.src_slot))
+    b = _ModelBuilder(graph, weights, needed)
+    env: dict[tuple[str, int], str] = {}
+    boundary_inputs: dict[str, onnx.ValueInfoProto] = {}  # values made by VNodes outside the set
+    network_inputs: dict[str, onnx.ValueInfoProto] = {}  # unconnected input slots
+
+    for n in order:
+        ins: list[str] = []
+        types: list[TensorType] = []
+        for slot in range(graph.num_inputs(n.id)):
+            edge = graph.input_edge(n.id, slot)
+            if edge is None:
+                t = network_input_type(graph, n, slot)
+                name = input_name(n.id, slot)
+                if name not in network_inputs:
+                    network_inputs[name] = _value_info(name, t, [batch_dim, *t.shape],
+                                                     f"network input {slot} of {b.doc_of(n)}")
+                    b.used_names.add(name)
+            else:
+                t = graph.node(edge.src).outputs[edge.src_slot]
+                key = (edge.src, edge.src_slot)
+                if edge.src in ids:
+                    name = env[key]
+                else:
+                    name = value_name(*key)
+                    if name not in boundary_inputs:
+                        boundary_inputs[name] = _value_info(
+                            name, t, onnx_dims(graph, *key, batch_dim),
+                            f"boundary tensor: output {edge.src_slot} of '{edge.src}'")
+                        b.used_names.add(name)
+            ins.append(name)
+            types.append(t)
+        rule = LOWERINGS.get(n.type)
+        if rule is None:
+            raise _error(n, f"no ONNX lowering for node type {n.type!r}; a plugin registers one with "
+                            "vgraph.backends.onnx.register_lowering")
+        for slot in range(n.num_outputs):
+            b.used_names.add(value_name(n.id, slot))
+        results = list(rule(NodeLowering(b, n, ins, types)))
+        if len(results) != n.num_outputs:
+            raise AssertionError(f"lowering of {n.type} returned {len(results)} values for "
+                                 f"{n.num_outputs} outputs")
+        for slot, name in enumerate(results):
+            if name is None:
+                if (n.id, slot) in needed:
+                    raise AssertionError(f"lowering of {n.type} did not compute needed output {slot}")
+                continue
+            env[(n.id, slot)] = name
+
+    graph_outputs = []
+    docs = dict(output_docs or {})
+    for node_id, slot in outputs:
+        name = value_name(node_id, slot)
+        if env[(node_id, slot)] != name:  # a shared (aliased) value: give it its own name
+            node = helper.make_node("Identity", [env[(node_id, slot)]], [name],
+                                    name=b.unique_node(f"{node_id}/out{slot}"))
+            node.doc_string = b.doc_of(graph.node(node_id))
+            b.nodes.append(node)
+        graph_outputs.append(_value_info(name, graph.node(node_id).outputs[slot],
+                                         onnx_dims(graph, node_id, slot, batch_dim),
+                                         docs.get((node_id, slot), "")))
+
+    onnx_graph = helper.make_graph(
+        b.nodes, model_name or graph.name,
+        [*boundary_inputs.values(), *network_inputs.values(), *b.inputs.values()], graph_outputs,
+        initializer=list(b.initializers.values()))
+    opsets = [helper.make_opsetid("", opset)]
+    model = helper.make_model(onnx_graph, opset_imports=opsets, producer_name="vgraph",
+                              producer_version=_vgraph_version())
+    model.ir_version = helper.find_min_ir_version_for(opsets)
+    model.doc_string = f"network {graph.name!r} lowered by vgraph from its IR"
+    return model
+
+
+def _vgraph_version() -> str:
+    import vgraph
+
+    return vgraph.__version__
+
+
+def lower_network(
+    graph: Graph,
+    weights: Mapping[str, np.ndarray] | None = None,
+    *,
+    batch_dim: str = BATCH_DIM,
+    opset: int = OPSET,
+) -> onnx.ModelProto:
+    """The whole network as one ONNX model whose outputs are its outputs and costs.
+
+    Graph outputs are named ``"node:slot"``; the endpoint names (``logits``,
+    ``ce_loss``) are in each output's doc string and in the model metadata
+    ``vgraph.endpoints`` (JSON ``{name: value}``).  Metrics are training-side
+    quantities (learning rate, ...) and are not exported.
+    """
+    endpoints = {ep.name: value_name(ep.node, ep.slot) for ep in [*graph.outputs, *graph.costs]}
+    docs: dict[tuple[str, int], str] = {}
+    for ep in graph.outputs:
+        docs[(ep.node, ep.slot)] = f"output {ep.name!r}"
+    for ep in graph.costs:
+        docs[(ep.node, ep.slot)] = f"cost {ep.name!r}"
+    model = build_model(graph, weights=weights, output_docs=docs, batch_dim=batch_dim, opset=opset)
+    helper.set_model_props(model, {"vgraph.network": graph.name,
+                                   "vgraph.endpoints": json.dumps(endpoints, sort_keys=True),
+                                   "vgraph.compute_dtype": "float32"})
+    return model
+
+
+# ---------------------------------------------------------------------------
+# Constant tables (built in float64, as the torch kernels do)
+# ---------------------------------------------------------------------------
+
+
+def _rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin ``[S, hd]`` of the rotate-half convention (see backends/torch/kernels.py)."""
+    inv_freq = float(theta) ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq)
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+#: Added to scores of future keys.  Finite, so no runtime ever computes
+#: ``-inf - -inf``; after the row max is subtracted ``exp`` underflows to an
+#: exact 0 in float32, the same result as the reference's ``-inf`` fill.
+CAUSAL_MASK_VALUE = -1e9
+
+
+def _causal_additive_mask(seq_len: int) -> np.ndarray:
+    return np.triu(np.full((seq_len, seq_len), CAUSAL_MASK_VALUE, dtype=np.float32), k=1)
+
+# ---------------------------------------------------------------------------
+# Lowering rules of the built-in catalog
+# ---------------------------------------------------------------------------
+
+
+def _per_sample_axis(axis: int) -> int:
+    """A per-sample axis (batch excluded) as an axis of the batched tensor."""
+    return axis + 1 if axis >= 0 else axis
+
+
+@register_lowering("linear")
+def _lower_linear(n: NodeLowering) -> list[str]:
+    bias = n.param("bias") if "bias" in n.node.op.param_shapes(n.cfg) else None
+    return [n.linear(n.inputs[0], n.param("weight"), bias, "linear", out=n.out(0))]
+
+
+@register_lowering("embedder")
+def _lower_embedder(n: NodeLowering) -> list[str]:
+    if n.cfg["position_encoding"] != "learned":  # "rope" rotates inside the heads; "none" adds nothing
+        return [n.op("Gather", [n.param("weight"), n.inputs[0]], "lookup", out=n.out(0), axis=0)]
+    tokens = n.op("Gather", [n.param("weight"), n.inputs[0]], "lookup", axis=0)
+    return [n.op("Add", [tokens, n.param("position")], "add_position", out=n.out(0))]
+
+
+@register_lowering("layernorm")
+def _lower_layernorm(n: NodeLowering) -> list[str]:
+    return [n.op("LayerNormalization", [n.inputs[0], n.param("weight"), n.param("bias")], "layernorm",
+                 out=n.out(0), axis=-1, epsilon=float(n.cfg["eps"]))]
+
+
+@register_lowering("attention_head")
+def _lower_attention_head(n: NodeLowering) -> list[str]:
+    cfg, x = n.cfg, n.inputs[0]
+    seq, hd = cfg["seq_len"], cfg["head_dim"]
+    q = n.linear(x, n.param("wq"), n.param("bq"), "q")
+    k = n.linear(x, n.param("wk"), n.param("bk"), "k")
+    v = n.linear(x, n.param("wv"), n.param("bv"), "v")
+    if cfg["position_encoding"] == "rope":
+        q = n.rope(q, seq, hd, cfg["rope_theta"], "q")
+        k = n.rope(k, seq, hd, cfg["rope_theta"], "k")
+    return [n.attend(q, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 2, 1],
+                     out=n.out(0))]
+
+
+@register_lowering("attention")
+def _lower_attention(n: NodeLowering) -> list[str]:
+    """Fused heads: qkv rows are [q heads, k heads, v heads]; head h is columns h*hd:(h+1)*hd."""
+    cfg, x = n.cfg, n.inputs[0]
+    seq, heads, hd = cfg["seq_len"], cfg["num_heads"], cfg["head_dim"]
+    qkv = n.linear(x, n.param("qkv_weight"), n.param("qkv_bias"), "qkv")
+    parts = n.op("Split", [qkv], "qkv_split", outputs=3, axis=-1, num_outputs=3)
+    split_heads = n.int64s("heads_shape", [0, seq, heads, hd])
+    per_head = []
+    for name, part in zip("qkv", parts):
+        shaped = n.op("Reshape", [part, split_heads], f"{name}_heads")
+        per_head.append(n.op("Transpose", [shaped], f"{name}_bhsd", perm=[0, 2, 1, 3]))
+    q, k, v = per_head
+    if cfg["position_encoding"] == "rope":
+        q = n.rope(q, seq, hd, cfg["rope_theta"], "q")
+        k = n.rope(k, seq, hd, cfg["rope_theta"], "k")
+    ctx = n.attend(q, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 1, 3, 2])
+    ctx = n.op("Transpose", [ctx], "bshd", perm=[0, 2, 1, 3])
+    merged_shape = n.int64s("merged_shape", [0, seq, heads * hd])
+    if not cfg["output_projection"]:
+        return [n.op("Reshape", [ctx, merged_shape], "merge_heads", out=n.out(0))]
+    merged = n.op("Reshape", [ctx, merged_shape], "merge_heads")
+    return [n.linear(merged, n.param("out_weight"), n.param("out_bias"), "out", out=n.out(0))]
+
+
+@register_lowering("tied_lm_head_ce")
+def _lower_tied_lm_head_ce(n: NodeLowering) -> list[str | None]:
+    """Inference meaning: logits ``x W^T`` (tied W), mean cross-entropy; logits out only when read."""
+    x, targets = n.inputs
+    wt = n.op("Transpose", [n.param("weight")], "weight_t", perm=[1, 0])
+    want_logits = n.needs(1)
+    logits = n.op("MatMul", [x, wt], "logits", out=n.out(1) if want_logits else None)
+    loss = n.cross_entropy(logits, targets, n.cfg["out_dim"], from_probs=False,
+                           ignore_index=n.cfg["ignore_index"], out=n.out(0))
+    return [loss, logits if want_logits else None]
+
+
+@register_lowering("cost")
+def _lower_cost(n: NodeLowering) -> list[str]:
+    """The inference meaning of a loss: its value on the given predictions and targets."""
+    pred, targets = n.inputs
+    function = n.cfg["cost_function"]
+    if function == "mse":
+        diff = n.op("Sub", [pred, targets], "diff")
+        sq = n.op("Mul", [diff, diff], "squared")
+        return [n.op("ReduceMean", [sq], "mean", out=n.out(0), keepdims=0)]
+    classes = n.input_types[0].shape[-1]
+    return [n.cross_entropy(pred, targets, classes, from_probs=function == "ce",
+                            ignore_index=n.cfg["ignore_index"], out=n.out(0))]
+
+
+@register_lowering("relu")
+def _lower_relu(n: NodeLowering) -> list[str]:
+    return [n.op("Relu", [n.inputs[0]], out=n.out(0))]
+
+
+@register_lowering("gelu")
+def _lower_gelu(n: NodeLowering) -> list[str]:
+    return [n.op("Gelu", [n.inputs[0]], out=n.out(0), approximate="none")]
+
+
+@register_lowering("silu")
+def _lower_silu(n: NodeLowering) -> list[str]:
+    gate = n.op("Sigmoid", [n.inputs[0]], "sigmoid")
+    return [n.op("Mul", [n.inputs[0], gate], "silu", out=n.out(0))]
+
+
+@register_lowering("swiglu")
+def _lower_swiglu(n: NodeLowering) -> list[str]:
+    value, gate = n.op("Split", [n.inputs[0]], "halves", outputs=2, axis=-1, num_outputs=2)
+    sig = n.op("Sigmoid", [gate], "sigmoid")
+    silu = n.op("Mul", [gate, sig], "silu")
+    return [n.op("Mul", [value, silu], "gate", out=n.out(0))]
+
+
+@register_lowering("dropout")
+def _lower_dropout(n: NodeLowering) -> list[str]:
+    """Identity at inference; an explicit node so the VNode is visible in Netron."""
+    return [n.op("Identity", [n.inputs[0]], out=n.out(0))]
+
+
+@register_lowering("broadcast")
+def _lower_broadcast(n: NodeLowering) -> list[str]:
+    """Fan-out: every output is the input value itself (no ONNX node)."""
+    return [n.inputs[0]] * n.node.num_outputs
+
+
+@register_lowering("stack")
+def _lower_stack(n: NodeLowering) -> list[str]:
+    return [n.op("Concat", n.inputs, out=n.out(0), axis=_per_sample_axis(n.cfg["axis"]))]
+
+
+@register_lowering("add")
+def _lower_add(n: NodeLowering) -> list[str]:
+    return [n.op("Add", n.inputs, out=n.out(0))]
+
+
+@register_lowering("reshape")
+def _lower_reshape(n: NodeLowering) -> list[str]:
+    """Target = 0 (copy the batch dim) + the inferred per-sample shape (any -1 resolved)."""
+    shape = list(n.node.outputs[0].shape)
+    if 0 in shape:
+        raise _error(n.node, f"cannot export a reshape to an empty shape {shape}")
+    return [n.op("Reshape", [n.inputs[0], n.int64s("shape", [0, *shape])], out=n.out(0))]
+
+
+@register_lowering("mask")
+def _lower_mask(n: NodeLowering) -> list[str]:
+    """Causal: future keys get ``mask_val``; random masking is training-only, so off here."""
+    x, t = n.inputs[0], n.input_types[0]
+    if not n.cfg["causal"]:
+        return [n.op("Identity", [x], out=n.out(0))]
+    sq, sk = t.shape[-2:]
+    future = n.const(f"future_s{sq}x{sk}", np.triu(np.ones((sq, sk), dtype=bool), k=1))
+    fill = n.local_const("mask_val", np.asarray(n.cfg["mask_val"], dtype=np.float32))
+    return [n.op("Where", [future, fill, x], out=n.out(0))]
+
+
+def _text_io(n: NodeLowering) -> list[str]:
+    raise _error(n.node, f"a {n.node.type} is text I/O (BPE on strings) and has no ONNX lowering; "
+                         "export the network from its token ids on")
+
+
+register_lowering("tokenizer", _text_io)
+register_lowering("detokenizer", _text_io)

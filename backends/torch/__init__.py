@@ -1,0 +1,29 @@
+"""The PyTorch backend: compile network YAML to torch, train it, sample from it.
+
+    from vgraph.backends.torch import compile_network
+    module = compile_network(vgraph.load("net.yml"), device="cuda")
+    out = module({"embedder:in0": ids, "loss:in1": targets}, want=("ce_loss",))
+
+* `compile_network` / `VGraphModule` (lower.py): IR -> readable torch.fx code,
+  state_dict keys "<vnode_id>.<param>", tied weights shared.
+* `register_lowering` (ops.py): give a plugin op type its PyTorch meaning.
+* `interpret` (interpreter.py): the slow node-by-node reference.
+* `train` / `TrainConfig` (train.py) and the `train` / `generate` commands (cli.py).
+* `to_graph_layout` / `to_unfused_layout`: move weights between fused and unfused graphs.
+* `estimate_training_memory` / `check_memory` (memory.py): refuse what cannot fit.
+"""
+from __future__ import annotations
+
+from .interpreter import interpret
+from .lower import (VGraphModule, compile_network, compute_dtype, feed_name, init_state, to_graph_layout,
+                    to_unfused_layout)
+from .memory import MemoryEstimate, MemoryRefused, check_memory, estimate_training_memory
+from .ops import LOWERINGS, LowerCtx, register_lowering
+from .train import TrainConfig, TrainingError, TrainResult, load_trained, prepare_graph, train
+
+__all__ = [
+    "VGraphModule", "compile_network", "compute_dtype", "feed_name", "init_state", "to_graph_layout",
+    "to_unfused_layout", "interpret", "register_lowering", "LowerCtx", "LOWERINGS", "MemoryEstimate",
+    "MemoryRefused", "check_memory", "estimate_training_memory", "TrainConfig", "TrainResult",
+    "TrainingError", "train", "load_trained", "prepare_graph",
+]

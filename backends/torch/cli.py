@@ -1,0 +1,222 @@
+"""The `vgraph train` and `vgraph generate` commands (entry points of group `vgraph.commands`).
+
+    vgraph train NETWORK.yml [--data PATH] [--steps N] [--batch B] [--lr LR] [--out DIR] [--resume] ...
+    vgraph generate CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
+
+Also runnable without the entry points: `python -m vgraph.backends.torch.cli train ...`.
+A user's mistake is a VGraphError: its message is printed and the exit status is 2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from vgraph.diagnostics import VGraphError
+
+EXIT_INVALID = 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    """'512M', '2G', '1.5GiB' or a plain number of bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if scale > 1 else t) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 512M or 8G, got {text!r}") from None
+
+
+def register_train(subparsers: argparse._SubParsersAction) -> None:
+    """Add `train` to a `vgraph` subparser set."""
+    p = subparsers.add_parser(
+        "train", help="train a network YAML on text with PyTorch (checkpoints, metrics, resume)",
+        description="Train a network on a text corpus (default: the embedded standard-library "
+                    "docstrings) with the production precision policy. The run directory gets the "
+                    "network, tokenizer, metrics.jsonl/csv, loss_curve.png and checkpoints.")
+    p.add_argument("network", metavar="FILE", help="network YAML")
+    p.add_argument("--data", metavar="PATH", help="text file, directory (*.txt, *.md) or glob; default: "
+                   "the embedded corpus")
+    p.add_argument("--steps", type=_non_negative_int, default=1000, help="optimizer steps in all (default 1000)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--lr", type=float, default=6e-4, help="learning rate of nodes without their own "
+                   "learning_rate (default 6e-4)")
+    p.add_argument("--warmup", type=_non_negative_int, default=0, help="linear warmup steps (default 0)")
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                   help="after warmup: constant, or cosine decay to 0.1*lr at the last step")
+    p.add_argument("--seed", type=int, default=0, help="seed of initialisation, data order and dropout")
+    p.add_argument("--out", metavar="DIR", help="run directory (default runs/<network name>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest "
+                   "checkpoint (starts fresh if it has none yet)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--passes", metavar="SPEC", help="pass pipeline to run first (default: the production "
+                   "pipeline; '' for none)")
+    p.add_argument("--no-fuse", action="store_true", help="run the pipeline without fusion passes")
+    p.add_argument("--val-every", type=_non_negative_int, default=200, metavar="N",
+                   help="validation loss every N steps and at the end; 0: never (default 200)")
+    p.add_argument("--val-batches", type=_positive_int, default=8, metavar="N",
+                   help="validation batches per evaluation (default 8)")
+    p.add_argument("--checkpoint-every", type=_non_negative_int, default=500, metavar="N",
+                   help="checkpoint every N steps, and always at the end; 0: only at the end")
+    p.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="N",
+                   help="newest checkpoints kept (default 3)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one")
+    p.add_argument("--threads", type=_positive_int, help="CPU threads for torch")
+    p.add_argument("--log-every", type=_positive_int, metavar="N",
+                   help="read the loss back every N steps (default: 1 on CPU, 10 on GPU)")
+    p.add_argument("--grad-clip", type=float, metavar="NORM", help="clip the global gradient norm")
+    p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N",
+                   help="size cap of the embedded corpus")
+    p.add_argument("--memory-limit", type=_bytes, metavar="SIZE",
+                   help="refuse networks estimated above SIZE (e.g. 8G) instead of the device's free memory")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training step's graph")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .data import DEFAULT_CORPUS_MAX_BYTES
+    from .train import TrainConfig, train
+
+    config = TrainConfig(
+        network=args.network, data=args.data, steps=args.steps, batch=args.batch, lr=args.lr,
+        warmup=args.warmup, schedule=args.schedule, seed=args.seed, out=args.out, resume=args.resume,
+        device=args.device, passes=args.passes, fuse=not args.no_fuse, val_every=args.val_every,
+        val_batches=args.val_batches, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
+        log_every=args.log_every, grad_clip=args.grad_clip,
+        corpus_bytes=args.corpus_bytes or DEFAULT_CORPUS_MAX_BYTES, memory_limit=args.memory_limit,
+        compile=args.compile, progress=not args.quiet)
+    result = train(config)
+    parts = [f"step {result.step}"]
+    if result.loss is not None:
+        parts.append(f"loss {result.loss:.4f}")
+    if result.val_loss is not None:
+        parts.append(f"val loss {result.val_loss:.4f}")
+    if result.skipped_steps:
+        parts.append(f"{result.skipped_steps} steps skipped by the loss scaler")
+    print(f"{result.run_dir}: {', '.join(parts)}; checkpoint {result.checkpoint}")
+    return 0
+
+
+def register_generate(subparsers: argparse._SubParsersAction) -> None:
+    """Add `generate` to a `vgraph` subparser set."""
+    p = subparsers.add_parser("generate", help="sample text from a checkpoint of `vgraph train`",
+                              description="Continue a prompt with a trained network. CHECKPOINT is a "
+                                          "checkpoint directory or a run directory (its latest checkpoint).")
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    p.add_argument("--max-new-tokens", type=_non_negative_int, default=100)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--top-k", type=_non_negative_int, default=40, help="sample from the k likeliest; 0: all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    text = generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_k=args.top_k, seed=args.seed, device=args.device)
+    print(text)
+    return 0
+
+
+def generate(checkpoint: str, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8,
+             top_k: int = 40, seed: int = 0, device: str | None = None) -> str:
+    """The prompt followed by up to `max_new_tokens` sampled tokens (stops at end-of-text).
+
+    The network has a fixed sequence length S: the context is the last S
+    tokens, right-padded (causal attention never looks at the padding), and
+    the next token is drawn from the logits at the last real position.
+    """
+    import torch
+
+    from .data import EOT_TOKEN, PAD_TOKEN
+    from .train import load_trained
+
+    if temperature < 0:
+        raise VGraphError(f"--temperature must be >= 0, got {temperature}")
+    module, tokenizer, graph = load_trained(checkpoint, device=device)
+    embedder = graph.nodes_of_type("embedder")[0]
+    seq_len = int(embedder.cfg["seq_len"])
+    output = _logits_output(graph)
+    token_feed = f"{embedder.id}:in0"
+    if set(module.feeds_needed((output,))) != {token_feed}:
+        raise VGraphError(f"network {graph.name!r}: output {output!r} needs inputs besides token ids "
+                          f"({', '.join(module.feeds_needed((output,)))})")
+    eot = tokenizer.token_to_id(EOT_TOKEN)
+    pad = tokenizer.token_to_id(PAD_TOKEN) or 0
+    ids = tokenizer.encode(prompt).ids if prompt else [eot if eot is not None else pad]
+    prompt_len = len(ids) if prompt else 0
+    device_t = next(module.parameters()).device
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            context = ids[-seq_len:]
+            window = torch.full((1, seq_len), pad, dtype=torch.int64)
+            window[0, : len(context)] = torch.tensor(context, dtype=torch.int64)
+            logits = module({token_feed: window.to(device_t)}, want=(output,))[output]
+            last = logits[0, len(context) - 1].float().cpu()
+            if temperature == 0:
+                token = int(last.argmax())
+            else:
+                last = last / temperature
+                if 0 < top_k < last.numel():
+                    threshold = torch.topk(last, top_k).values[-1]
+                    last = last.masked_fill(last < threshold, float("-inf"))
+                token = int(torch.multinomial(torch.softmax(last, dim=-1), 1, generator=generator))
+            if token == eot:
+                break
+            ids.append(token)
+    new = tokenizer.decode(ids[prompt_len:] if prompt else ids[1:], skip_special_tokens=True)
+    return prompt + new
+
+
+def _logits_output(graph) -> str:
+    """The network output holding next-token logits: 'logits', else the only [S, vocab] output."""
+    names = [ep.name for ep in graph.outputs]
+    if "logits" in names:
+        return "logits"
+    vocab = int(graph.nodes_of_type("embedder")[0].cfg["vocab_size"])
+    candidates = [ep.name for ep in graph.outputs
+                  if graph.node(ep.node).outputs and graph.node(ep.node).outputs[ep.slot].shape[-1:] == (vocab,)]
+    if len(candidates) != 1:
+        raise VGraphError(f"network {graph.name!r}: cannot tell which output holds the logits "
+                          f"(outputs: {', '.join(names) or 'none'}); name it 'logits'")
+    return candidates[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m vgraph.backends.torch.cli train|generate ...`."""
+    parser = argparse.ArgumentParser(prog="vgraph", description="PyTorch backend commands.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    register_train(sub)
+    register_generate(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except VGraphError as exc:
+        for d in exc.diagnostics:
+            print(d, file=sys.stderr)
+        return EXIT_INVALID
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

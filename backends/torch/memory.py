@@ -1,0 +1,205 @@
+"""Estimate a training step's memory from the IR, and refuse what cannot fit before allocating.
+
+The estimate is computed from shapes alone (no tensor is created), so a
+network too large for the machine is refused in milliseconds with the
+numbers a user needs to act on (which term dominates, what batch would fit)
+instead of dying minutes later in the allocator or being OOM-killed.
+
+Terms, in bytes:
+
+* parameters: float32 master weights (every parameter, once; tied weights
+  count at their publisher);
+* gradients: float32, one per trainable parameter;
+* optimizer state: Adam keeps two float32 moments per parameter, plain SGD none;
+* activations: what autograd keeps for backward at the given batch, at the
+  compute dtype: every VNode's outputs (broadcast copies are free, a fused
+  LM-head loss keeps no logits), plus the internals the kernels save
+  (projected q/k/v and rotated q/k of attention, the float32 log-softmax of a
+  cross-entropy);
+* workspace: transient buffers, taken as twice the largest activation
+  (its gradient and one temporary) plus the fused loss's float32 weight copy,
+  weight-gradient accumulator and one logits chunk.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from vgraph.diagnostics import VGraphError
+from vgraph.ir import Graph
+
+from . import kernels as K
+
+__all__ = ["MemoryEstimate", "MemoryRefused", "estimate_training_memory", "available_memory", "check_memory"]
+
+_ITEM = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "string": 0}
+
+
+class MemoryRefused(VGraphError):
+    """The estimated memory of a training step exceeds what the device has."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    batch: int
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations_per_sample: int
+    workspace_per_sample: int
+    workspace_fixed: int
+
+    @property
+    def activations(self) -> int:
+        return self.activations_per_sample * self.batch
+
+    @property
+    def workspace(self) -> int:
+        return self.workspace_per_sample * self.batch + self.workspace_fixed
+
+    @property
+    def fixed(self) -> int:
+        """Bytes that do not depend on the batch."""
+        return self.parameters + self.gradients + self.optimizer + self.workspace_fixed
+
+    @property
+    def total(self) -> int:
+        return self.fixed + (self.activations_per_sample + self.workspace_per_sample) * self.batch
+
+    def largest_batch(self, available: int) -> int:
+        """The largest batch this estimate says fits in `available` bytes (0 if none)."""
+        per_sample = max(1, self.activations_per_sample + self.workspace_per_sample)
+        return max(0, (available - self.fixed) // per_sample)
+
+    def describe(self) -> str:
+        return (f"{_gib(self.total)} = parameters {_gib(self.parameters)} + gradients {_gib(self.gradients)}"
+                f" + optimizer state {_gib(self.optimizer)} + activations {_gib(self.activations)} at batch "
+                f"{self.batch} + workspace {_gib(self.workspace)}")
+
+
+def _activation_item(compute_dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=compute_dtype).element_size()
+
+
+def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.dtype = torch.float32,
+                             optimizers: Mapping[str, str] | None = None, train: bool = True,
+                             want_logits: bool = False) -> MemoryEstimate:
+    """Bytes a training step of `graph` at `batch` needs (see the module docstring).
+
+    `optimizers` maps VNode id -> "adam" | "sgd" | "none" (default: the node's
+    `optimizer` config, adam when unset).  With `train=False` only parameters
+    and the largest live activations count (inference).
+    """
+    item = _activation_item(compute_dtype)
+    params = grads = opt_state = 0
+    saved = 0  # per sample
+    largest = 0  # per sample
+    fixed_workspace = 0
+    for node in graph.topo_order():
+        cfg = node.cfg
+        numel = sum(prod(s) for s in node.op.param_shapes(cfg).values())
+        params += 4 * numel
+        kind = (optimizers or {}).get(node.id) or cfg.get("optimizer") or "adam"
+        if train and numel and kind != "none":
+            grads += 4 * numel
+            opt_state += 8 * numel if kind == "adam" else 0
+        if node.type == "broadcast":
+            continue
+        outs = list(node.outputs)
+        if node.type == "tied_lm_head_ce":
+            rows, vocab, dim = prod(outs[1].shape[:-1]), cfg["out_dim"], cfg["in_dim"]
+            if not want_logits:
+                outs = outs[:1]
+            chunk = min(rows * batch, K.default_ce_chunk_size(vocab))
+            fixed_workspace = max(fixed_workspace, 4 * (2 * vocab * dim + chunk * vocab))
+            saved += 4 * rows
+        for t in outs:
+            size = t.numel * (item if t.kind == "float" else _ITEM[t.dtype])
+            saved += size
+            largest = max(largest, size)
+        if node.type == "attention_head":
+            seq, hd = cfg["seq_len"], cfg["head_dim"]
+            saved += item * seq * hd * (5 if cfg["position_encoding"] == "rope" else 3) + 4 * seq
+        elif node.type == "attention":
+            seq, inner = cfg["seq_len"], cfg["num_heads"] * cfg["head_dim"]
+            saved += item * seq * inner * (6 if cfg["position_encoding"] == "rope" else 4)
+            saved += 4 * seq * cfg["num_heads"]
+        elif node.type == "cost" and cfg["cost_function"] in ("ce", "ce_logits") and outs:
+            logits = graph.producer(node.id, 0)
+            if logits is not None and logits.outputs:
+                size = 4 * logits.outputs[0].numel  # float32 log-softmax kept for backward
+                saved += size * (1 if compute_dtype == torch.float32 else 2)
+                largest = max(largest, size)
+    if not train:  # inference keeps nothing for backward: the largest live tensors only
+        return MemoryEstimate(batch, params, 0, 0, 2 * largest, 0, fixed_workspace)
+    return MemoryEstimate(batch, params, grads, opt_state, saved, 2 * largest, fixed_workspace)
+
+
+def _cgroup_available() -> int | None:
+    """Memory left under a cgroup v2 limit (containers), if one is set."""
+    base = Path("/sys/fs/cgroup")
+    try:
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((base / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory(device: str | torch.device) -> tuple[int | None, str]:
+    """(bytes the device can still give, where that number comes from); None if unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free), f"free memory of {device} (torch.cuda.mem_get_info)"
+    if device.type == "cpu":
+        found = None
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    found = int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            pass
+        if found is None and hasattr(os, "sysconf"):
+            try:
+                found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError):
+                found = None
+        cgroup = _cgroup_available()
+        if cgroup is not None and (found is None or cgroup < found):
+            return cgroup, "memory left under this container's cgroup limit"
+        return found, "MemAvailable in /proc/meminfo"
+    return None, f"unknown for device type {device.type!r}"
+
+
+def check_memory(graph: Graph, batch: int, device: str | torch.device, *,
+                 compute_dtype: torch.dtype = torch.float32, optimizers: Mapping[str, str] | None = None,
+                 limit: int | None = None) -> MemoryEstimate:
+    """Raise `MemoryRefused` (with the estimate) if a training step cannot fit; else return the estimate.
+
+    `limit` overrides the detected free memory (bytes), e.g. to leave room for
+    other jobs; it is also how tests exercise the refusal.
+    """
+    estimate = estimate_training_memory(graph, batch, compute_dtype=compute_dtype, optimizers=optimizers)
+    if limit is not None:
+        available, source = int(limit), "the given memory limit"
+    else:
+        available, source = available_memory(device)
+    if available is None or estimate.total <= available:
+        return estimate
+    fits = estimate.largest_batch(available)
+    advice = (f"a batch of at most {fits} might fit; lower --batch" if fits >= 1 else
+              "even batch 1 does not fit: use a smaller network or a device with more memory")
+    raise MemoryRefused(f"network {graph.name!r} needs an estimated {estimate.describe()}, but {device} has "
+                        f"only {_gib(available)} ({source}); {advice}. Nothing was allocated.")

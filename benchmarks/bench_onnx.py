@@ -1,0 +1,107 @@
+"""Inference time: onnxruntime on vgraph's ONNX export vs the torch backend in eager mode.
+
+Both run the same weights (the torch backend's seed-0 initialisation) on the
+same token batch in float32, computing every output and cost (logits and the
+mean cross-entropy), with the same number of threads.  The two are measured
+alternately in one run (the order flips every round) so machine noise hits
+both alike; the ratio is onnxruntime time / torch time (< 1: onnxruntime is
+faster).  GFLOP/s uses vgraph's forward FLOP count (the full S x S
+attention square, as ``vgraph analyze`` counts it).
+
+    .venv/bin/python benchmarks/bench_onnx.py [--batch 8] [--repeat 7] [--variants unfused,fused]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import vgraph  # noqa: E402
+from vgraph.analyze import analyze  # noqa: E402
+from vgraph.backends.onnx.check import _compile, _state_numpy, fp32_graph, random_feeds, session  # noqa: E402
+from vgraph.backends.onnx.lower import lower_network, value_name  # noqa: E402
+
+VARIANTS = {"unfused": "none", "fused": "fuse-heads,fuse-lm-head-ce"}
+NET6 = Path(__file__).resolve().parent.parent / "networks" / "distributed_attention_example_6_swiglu_head.yml"
+
+
+def measure(passes: str, batch: int, repeat: int, warmup: int) -> dict:
+    graph = vgraph.load(NET6)
+    if passes != "none":
+        from vgraph.pipeline import run_pipeline
+
+        run_pipeline(graph, passes)
+    graph = fp32_graph(graph)
+    module = _compile(graph, seed=0)
+    model = lower_network(graph, _state_numpy(module))
+    sess = session(model, threads=torch.get_num_threads())
+    feeds = random_feeds(graph, batch, seed=0)
+    torch_feeds = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    names = [o.name for o in sess.get_outputs()]
+
+    def run_torch():
+        with torch.inference_mode():
+            return module(torch_feeds)
+
+    def run_ort():
+        return sess.run(names, feeds)
+
+    for _ in range(warmup):
+        run_torch()
+        run_ort()
+    times = {"torch": [], "onnxruntime": []}
+    runners = [("torch", run_torch), ("onnxruntime", run_ort)]
+    for i in range(repeat):
+        for name, fn in runners if i % 2 == 0 else runners[::-1]:
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    # Sanity: the two agree (check-onnx's tolerance), so the same work was timed.
+    ref = run_torch()
+    got = dict(zip(names, run_ort()))
+    err = max(float(np.abs(got[value_name(ep.node, ep.slot)] - ref[ep.name].numpy()).max())
+              for ep in [*graph.outputs, *graph.costs])
+    t_torch = statistics.median(times["torch"])
+    t_ort = statistics.median(times["onnxruntime"])
+    tokens = batch * graph.node("embedder").cfg["seq_len"]
+    flops = analyze(graph).flops_per_sample * batch
+    return {"passes": passes, "torch": t_torch, "ort": t_ort, "ratio": t_ort / t_torch, "flops": flops,
+            "tokens": tokens, "err": err, "vnodes": len(graph), "onnx_nodes": len(model.graph.node)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=7, help="timed rounds per runtime (median reported)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--variants", default="unfused,fused",
+                    help="unfused (as written) and/or fused (after fuse-heads,fuse-lm-head-ce)")
+    args = ap.parse_args()
+    specs = [VARIANTS[v.strip()] for v in args.variants.split(",")]
+    rows = [measure(spec, args.batch, args.repeat, args.warmup) for spec in specs]
+    import onnxruntime
+
+    print(f"6-layer network, batch {args.batch}, float32 inference (logits + loss), "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
+          f"{platform.machine()}, {datetime.date.today()}")
+    print(f"| graph | VNodes | ONNX nodes | torch eager (ms) | onnxruntime (ms) | ratio ort/torch | "
+          f"torch GFLOP/s | ort GFLOP/s | max abs diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        label = "unfused" if r["passes"] == "none" else f"fused ({r['passes']})"
+        print(f"| {label} | {r['vnodes']} | {r['onnx_nodes']} | {r['torch'] * 1e3:.0f} | {r['ort'] * 1e3:.0f} | "
+              f"{r['ratio']:.2f} | {r['flops'] / r['torch'] / 1e9:.1f} | {r['flops'] / r['ort'] / 1e9:.1f} | "
+              f"{r['err']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
