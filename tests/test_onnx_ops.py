@@ -248,7 +248,8 @@ def test_text_io_ops_are_refused_with_the_node_named() -> None:
 def test_every_catalog_op_has_a_lowering_and_a_parity_case() -> None:
     from vgraph.backends.onnx import LOWERINGS
 
-    covered = {case.split("-")[0] for case in SINGLE_OP_CASES} | {"cost", "embedder", "tied_lm_head_ce"}
+    covered = {case.split("-")[0] for case in SINGLE_OP_CASES} | {
+        "cost", "embedder", "tied_lm_head_ce", "send", "receive", "weight_replica"}  # boundary: below
     text_io = {"tokenizer", "detokenizer"}
     for op in REGISTRY:
         if op.origin != "vgraph":
@@ -271,3 +272,18 @@ def test_tiny_network_parity(fixture: str) -> None:
     got = assert_parity(graph, batch=3)
     assert set(got) == {"lm_head:0", "loss:0"}
     assert got["loss:0"].shape == ()
+
+
+def test_boundary_ops_of_a_part_pass_tensors_through() -> None:
+    """receive -> relu -> send: the part's graph input comes out of the send, relu'd."""
+    b = NetBuilder("part")
+    b.node("rx", "receive", peer_pnode="a", peer_node="x", peer_slot=0, shape=f"[{S}, {D}]", dtype="float32")
+    b.node("act", "relu")
+    b.node("tx", "send", peer_pnode="b", peer_node="y", peer_slot=0)
+    b.chain("rx", "act", "tx")
+    b.output("tx", "tx")
+    model = lower_network(b.build(), {})
+    x = np.random.default_rng(0).standard_normal((2, S, D)).astype(np.float32)
+    got, _ = onnx_outputs(model, {"rx:in0": x})
+    (out,) = got.values()
+    np.testing.assert_array_equal(out, np.maximum(x, 0))

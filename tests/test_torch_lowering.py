@@ -92,7 +92,8 @@ def _grads(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_every_catalog_op_has_a_lowering() -> None:
-    assert {op.name for op in REGISTRY} <= set(LOWERINGS)
+    builtin = {op.name for op in REGISTRY if op.origin == "vgraph"}  # other tests register plugin ops
+    assert builtin - set(LOWERINGS) == set()
 
 
 def test_state_dict_has_one_namespace_per_vnode_and_tied_weight_once(tiny) -> None:

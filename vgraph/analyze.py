@@ -112,21 +112,42 @@ def human(n: float, unit: str = "") -> str:
     return f"{n:g}{unit}"
 
 
+def human_bytes(n: int) -> str:
+    """1.5e7 -> "15.00 MB" (decimal units, like the FLOP counts)."""
+    text = human(n)
+    return f"{text[:-1]} {text[-1]}B" if text[-1:].isalpha() else f"{text} B"
+
+
+def compact_types(types: list[str]) -> str:
+    """Output types with runs of equal ones counted: a broadcast to 8 heads shows
+    "8 x float16[128, 512]" instead of the same type eight times."""
+    parts: list[str] = []
+    i = 0
+    while i < len(types):
+        j = i
+        while j < len(types) and types[j] == types[i]:
+            j += 1
+        parts.append(types[i] if j - i == 1 else f"{j - i} x {types[i]}")
+        i = j
+    return ", ".join(parts) if parts else "-"
+
+
 def format_table(a: Analysis) -> str:
     rows = [("node", "type", "outputs", "params", "FLOPs/sample")]
-    rows += [(n.id, n.type, " ".join(n.outputs), f"{n.params:,}", human(n.flops)) for n in a.nodes]
+    rows += [(n.id, n.type, compact_types(n.outputs), f"{n.params:,}", human(n.flops)) for n in a.nodes]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = [f"network {a.name!r}: {len(a.nodes)} VNodes"]
+    lines = [f"network {a.name!r}: {len(a.nodes)} VNodes, {a.params:,} parameters, "
+             f"{human(a.flops_per_sample)} FLOPs per sample (forward)"]
     for i, r in enumerate(rows):
         lines.append("  ".join(c.ljust(w) if j < 3 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
     grows = [("colocation group", "vnodes", "params", "FLOPs/sample", "act bytes/sample")]
-    grows += [(g, str(s.vnodes), f"{s.params:,}", human(s.flops_per_sample), human(s.activation_bytes, "B"))
+    grows += [(g, str(s.vnodes), f"{s.params:,}", human(s.flops_per_sample), human_bytes(s.activation_bytes))
               for g, s in a.groups.items()]
     grows.append(("total", str(len(a.nodes)), f"{a.params:,}", human(a.flops_per_sample),
-                  human(a.activation_bytes, "B")))
+                  human_bytes(a.activation_bytes)))
     gw = [max(len(r[i]) for r in grows) for i in range(5)]
     for i, r in enumerate(grows):
         if i == len(grows) - 1:

@@ -65,7 +65,7 @@ def _validate(args: argparse.Namespace) -> int:
             continue
         for w in warnings:
             print(w, file=sys.stderr)
-        print(f"{path}: ok ({len(g)} VNodes, {g.nx.number_of_edges()} edges)")
+        print(f"{path}: ok ({len(g)} VNodes, {len(g.edges)} edges)")
     return EXIT_INVALID if failed else 0
 
 
@@ -74,8 +74,23 @@ def _analyze_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("analyze", help="shapes, parameters, FLOPs and memory per node and group")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
+    p.add_argument("--fleet", metavar="FLEET.yml",
+                   help="show the training-step cost model (bytes by kind, FLOPs per step) and the fleet")
+    p.add_argument("--batch", type=_positive_int, default=None,
+                   help="samples per step for the cost model (default 8; implies the cost model)")
+    p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step")
     add_plugin_option(p)
     p.set_defaults(func=_analyze)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _analyze(args: argparse.Namespace) -> int:
@@ -83,8 +98,122 @@ def _analyze(args: argparse.Namespace) -> int:
     from .yamlio import load
 
     load_plugins(args)
-    a = analyze(load(args.file))
-    print(json.dumps(a.to_json(), indent=2) if args.json else format_table(a))
+    graph = load(args.file)
+    if args.fleet is None and args.batch is None:
+        a = analyze(graph)
+        print(json.dumps(a.to_json(), indent=2) if args.json else format_table(a))
+        return 0
+    from .costmodel import DEFAULT_BATCH, cost_model, format_costs
+    from .fleet import load_fleet
+
+    fleet = load_fleet(args.fleet) if args.fleet else None
+    cm = cost_model(graph, batch=args.batch or DEFAULT_BATCH, micro_batches=args.micro_batches)
+    if args.json:
+        doc = cm.to_json()
+        if fleet is not None:
+            doc["fleet"] = {"name": fleet.name, "pnodes": [
+                {"id": p.id, "memory": p.memory, "flops": p.flops, "bandwidth": p.bandwidth,
+                 "accelerator": p.accelerator} for p in fleet]}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_costs(cm, graph, fleet))
+    return 0
+
+
+def _pipeline_with_partition(spec: str | None, batch: int, micro_batches: int) -> str:
+    """The user's pipeline, with `partition` added (at the batch asked for) unless it is there."""
+    from .pipeline import parse_pipeline
+
+    items = parse_pipeline(spec) if spec else []
+    if any(name == "partition" for name, _ in items):
+        return spec or ""
+    extra = f"partition{{batch={batch},micro_batches={micro_batches}}}"
+    return f"{spec},{extra}" if spec else extra
+
+
+@command("partition")
+def _partition_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("partition", help="place a network on a fleet; write one network per PNode")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--fleet", required=True, metavar="FLEET.yml", help="the PNodes (networks/fleets/*.yml)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="samples per training step (default 8)")
+    p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step")
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="writes DIR/<pnode>.yml per PNode and DIR/placement.json")
+    p.add_argument("--passes", metavar="SPEC", default=None,
+                   help="passes to run with the partition, e.g. 'precision{target=cuda-sm75},fuse-heads' "
+                        "(partition is added; fusions run after it, so they respect the placement)")
+    p.add_argument("--onnx", action="store_true", help="also DIR/<pnode>.onnx (needs the ONNX backend)")
+    add_plugin_option(p)
+    p.set_defaults(func=_partition)
+
+
+def _partition(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .fleet import load_fleet
+    from .partition_export import export_partition, format_report
+    from .pipeline import run_pipeline
+    from .yamlio import load
+
+    load_plugins(args)
+    fleet = load_fleet(args.fleet)
+    graph = load(args.file)
+    spec = _pipeline_with_partition(args.passes, args.batch, args.micro_batches)
+    pm = run_pipeline(graph, spec, data={"fleet": fleet})
+    report = export_partition(graph, fleet, args.output, batch=args.batch, micro_batches=args.micro_batches,
+                              formats=("onnx",) if args.onnx else ())
+    print(f"pipeline: {spec}")
+    print(format_report(report))
+    print(f"wrote {len(report['files'])} files to {args.output}/: "
+          f"{', '.join(Path(f).name for f in report['files'])}")
+    for note in pm.ctx.notes:
+        print(f"note: {note}")
+    return 0
+
+
+@command("render")
+def _render_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("render", help="draw a network as SVG (Graphviz): groups, PNodes, fused and cut edges")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.svg")
+    p.add_argument("--passes", metavar="SPEC", default=None, help="run a pipeline first, e.g. 'fuse-heads'")
+    p.add_argument("--fleet", metavar="FLEET.yml", help="partition onto this fleet first (adds 'partition')")
+    p.add_argument("--batch", type=_positive_int, default=8, help="batch for the partition and cut bytes")
+    p.add_argument("--group-by", choices=("colocate", "pnode"), default=None,
+                   help="clusters: colocation groups or PNodes (default: pnode when placed)")
+    p.add_argument("--collapse", action="store_true",
+                   help="draw runs of identical colocation groups (transformer blocks) once")
+    p.add_argument("--target", default=None, help="compile target for target-aware passes (cpu, cuda-smXY)")
+    add_plugin_option(p)
+    p.set_defaults(func=_render)
+
+
+def _render(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .pipeline import run_pipeline
+    from .render import render_svg
+    from .yamlio import load
+
+    load_plugins(args)
+    graph = load(args.file)
+    data = {}
+    spec = args.passes
+    if args.fleet:
+        from .fleet import load_fleet
+
+        data["fleet"] = load_fleet(args.fleet)
+        spec = _pipeline_with_partition(spec, args.batch, 1)
+    if spec:
+        run_pipeline(graph, spec, target=args.target, data=data)
+    placed = any("pnode" in n.meta for n in graph.nodes)
+    group_by = args.group_by or ("pnode" if placed else "colocate")
+    svg = render_svg(graph, group_by=group_by, collapse=args.collapse)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(svg, encoding="utf-8")
+    print(f"wrote {out} ({len(graph)} VNodes, clusters by {group_by}{', collapsed' if args.collapse else ''})")
     return 0
 
 

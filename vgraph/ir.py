@@ -5,15 +5,19 @@ methods, which keep the invariants that hold for every graph, valid or not
 yet: node ids are unique, an edge joins two existing nodes, and an input slot
 receives at most one edge.  Everything that depends on the op catalog (slot
 ranges, shapes, dtypes, aliases) is checked by `vgraph.verify`, which a pass
-manager runs after every pass.  The storage is a networkx MultiDiGraph so
-graph algorithms (cycles, reachability, partitioning) come for free.
+manager runs after every pass.  The storage is a few plain dicts (one lookup
+per question, which matters at 100k VNodes); `Graph.nx` gives the same graph
+as a networkx MultiDiGraph, kept in step, so graph algorithms (cycles,
+reachability, partitioning) come for free.
 """
 from __future__ import annotations
 
 import copy as _copy
+from heapq import heappop, heappush
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterable, Iterator
+from types import MappingProxyType
+from typing import Any, Iterable, Iterator, KeysView, Mapping
 
 import networkx as nx
 
@@ -121,14 +125,38 @@ class Graph:
         self.extra: dict[str, Any] = {}  # top-level keys vgraph does not interpret, kept verbatim
         self.meta: dict[str, Any] = {}  # network-wide annotations from passes (not written to YAML)
         self.endpoints: dict[str, list[Endpoint]] = {k: [] for k in ENDPOINT_KINDS}
-        self._g = nx.MultiDiGraph()
+        # Storage: plain dicts, read by a dict lookup where a networkx view costs
+        # microseconds (loading a 100k-node network makes millions of lookups).
+        #   _vnodes: id -> VNode, in insertion order
+        #   _in:     dst -> {input slot: edge}
+        #   _out:    src -> {dst -> [edges]}, networkx's adjacency layout, so edges
+        #            come out in the order networkx gives (a dst stays where its first
+        #            edge put it until its last edge goes)
+        # The networkx graph (`nx`) is built on first use and kept in step from then on.
+        self._vnodes: dict[str, VNode] = {}
+        self._in: dict[str, dict[int, Edge]] = {}
+        self._out: dict[str, dict[str, list[Edge]]] = {}
+        self._nx: nx.MultiDiGraph | None = None
 
     # -- nodes ------------------------------------------------------------------
     def add_node(self, node: VNode) -> VNode:
-        if node.id in self._g:
-            raise GraphError([Diagnostic("duplicate node id", node.loc, node.id)])
-        self._g.add_node(node.id, vnode=node)
+        self._add(node)
         return node
+
+    def _add(self, node: VNode) -> tuple[dict[int, Edge], dict[str, list[Edge]]]:
+        """`add_node`, returning the node's new (input slots, users) tables."""
+        vnodes = self._vnodes
+        count = len(vnodes)
+        vnodes.setdefault(node.id, node)  # one lookup to test and insert
+        if len(vnodes) == count:
+            raise GraphError([Diagnostic("duplicate node id", node.loc, node.id)])
+        inputs: dict[int, Edge] = {}
+        users: dict[str, list[Edge]] = {}
+        self._in[node.id] = inputs
+        self._out[node.id] = users
+        if self._nx is not None:
+            self._nx.add_node(node.id, vnode=node)
+        return inputs, users
 
     def remove_node(self, node_id: str) -> VNode:
         """Remove a node that nothing uses any more (its own input edges go with it)."""
@@ -138,25 +166,40 @@ class Graph:
         if users or refs:
             what = ", ".join([str(e) for e in users] + [f"{ep.name}" for ep in refs])
             raise GraphError([Diagnostic(f"cannot remove: still used by {what}", node.loc, node_id)])
-        self._g.remove_node(node_id)
+        for e in list(self._in[node_id].values()):
+            self.remove_edge(e)
+        del self._vnodes[node_id], self._in[node_id], self._out[node_id]
+        if self._nx is not None:
+            self._nx.remove_node(node_id)
         return node
 
     def node(self, node_id: str) -> VNode:
         try:
-            return self._g.nodes[node_id]["vnode"]
+            return self._vnodes[node_id]
         except KeyError:
             raise KeyError(f"no node {node_id!r} in network {self.name!r}") from None
 
     def __contains__(self, node_id: object) -> bool:
-        return node_id in self._g
+        try:
+            return node_id in self._vnodes
+        except TypeError:  # unhashable: certainly not a node id
+            return False
 
     def __len__(self) -> int:
-        return self._g.number_of_nodes()
+        return len(self._vnodes)
 
     @property
     def nodes(self) -> list[VNode]:
         """Nodes in insertion order (the file's order for a loaded graph)."""
-        return [d["vnode"] for _, d in self._g.nodes(data=True)]
+        return list(self._vnodes.values())
+
+    def node_ids(self) -> KeysView[str]:
+        """Node ids in insertion order (a live, read-only view)."""
+        return self._vnodes.keys()
+
+    def input_index(self) -> Mapping[str, Mapping[int, Edge]]:
+        """Read-only index node -> {input slot: edge}, for whole-graph sweeps that must be fast."""
+        return MappingProxyType(self._in)
 
     def nodes_of_type(self, type_name: str) -> list[VNode]:
         canon = REGISTRY.canonical(type_name) or type_name
@@ -167,42 +210,61 @@ class Graph:
                  loc: SourceLoc | None = None) -> Edge:
         edge = Edge(src, src_slot, dst, dst_slot, loc)
         for end in (src, dst):
-            if end not in self._g:
+            if end not in self._vnodes:
                 raise GraphError([Diagnostic(f"edge {edge} refers to unknown node {end!r}", loc,
                                              dst if end == src else src)])
-        busy = self.input_edge(dst, dst_slot)
+        busy = self._in[dst].get(dst_slot)
         if busy is not None:
             at = f" (first at line {busy.loc.line})" if busy.loc else ""
             raise GraphError([Diagnostic(f"input slot {dst_slot} already receives {busy}{at}; "
                                          f"an input takes at most one edge", loc, dst)])
-        self._g.add_edge(src, dst, key=(src_slot, dst_slot), edge=edge)
+        self._link(edge)
         return edge
 
+    def _link(self, edge: Edge, dst_inputs: dict[int, Edge] | None = None,
+              src_users: dict[str, list[Edge]] | None = None) -> None:
+        """Store an edge whose ends exist and whose input slot is free (callers checked;
+        one that holds `self._in[edge.dst]` or `self._out[edge.src]` passes them)."""
+        src, dst = edge.src, edge.dst
+        users = self._out[src] if src_users is None else src_users
+        parallel = users.get(dst)
+        if parallel is None:
+            users[dst] = [edge]
+        else:
+            parallel.append(edge)
+        (self._in[dst] if dst_inputs is None else dst_inputs)[edge.dst_slot] = edge
+        if self._nx is not None:
+            self._nx.add_edge(src, dst, key=(edge.src_slot, edge.dst_slot), edge=edge)
+
     def remove_edge(self, edge: Edge) -> None:
-        self._g.remove_edge(edge.src, edge.dst, key=(edge.src_slot, edge.dst_slot))
+        key = (edge.src_slot, edge.dst_slot)
+        parallel = self._out.get(edge.src, {}).get(edge.dst, ())
+        at = next((i for i, e in enumerate(parallel) if (e.src_slot, e.dst_slot) == key), None)
+        if at is None:
+            raise nx.NetworkXError(f"The edge {edge.src}-{edge.dst}-{key} not in graph.")
+        del parallel[at]  # type: ignore[attr-defined]
+        if not parallel:
+            del self._out[edge.src][edge.dst]
+        del self._in[edge.dst][edge.dst_slot]
+        if self._nx is not None:
+            self._nx.remove_edge(edge.src, edge.dst, key=key)
 
     @property
     def edges(self) -> list[Edge]:
-        return [d["edge"] for _, _, d in self._g.edges(data=True)]
+        """Every edge, in networkx's order: by source node, then first connection, then slots."""
+        return [e for dsts in self._out.values() for parallel in dsts.values() for e in parallel]
 
-    # The adjacency lookups below read networkx's public `pred`/`succ` mappings
-    # directly: edge views cost microseconds each, and validation of a 100k-node
-    # network makes hundreds of thousands of these lookups.
     def in_edges(self, node_id: str) -> list[Edge]:
         """Incoming edges ordered by input slot."""
-        return sorted((d["edge"] for keyed in self._g.pred[node_id].values() for d in keyed.values()),
-                      key=lambda e: e.dst_slot)
+        slots = self._in[node_id]
+        return [slots[s] for s in sorted(slots)]
 
     def out_edges(self, node_id: str) -> list[Edge]:
-        return sorted((d["edge"] for keyed in self._g.succ[node_id].values() for d in keyed.values()),
+        return sorted((e for parallel in self._out[node_id].values() for e in parallel),
                       key=lambda e: (e.src_slot, e.dst, e.dst_slot))
 
     def input_edge(self, node_id: str, slot: int) -> Edge | None:
-        for keyed in self._g.pred[node_id].values():
-            for key, data in keyed.items():
-                if key[1] == slot:
-                    return data["edge"]
-        return None
+        return self._in[node_id].get(slot)
 
     def producer(self, node_id: str, slot: int) -> VNode | None:
         edge = self.input_edge(node_id, slot)
@@ -214,8 +276,8 @@ class Graph:
     def num_inputs(self, node_id: str) -> int:
         """Connected or declared inputs: the op's minimum, or one past the highest edge."""
         lo, _ = self.node(node_id).op.input_range()
-        top = max((e.dst_slot + 1 for e in self.in_edges(node_id)), default=0)
-        return max(lo, top)
+        slots = self._in[node_id]
+        return max(lo, max(slots) + 1) if slots else lo
 
     def replace_uses(self, old: tuple[str, int], new: tuple[str, int]) -> int:
         """Point every edge and endpoint reading `old` (node, slot) at `new`; returns the count."""
@@ -247,8 +309,8 @@ class Graph:
     def network_inputs(self) -> list[tuple[str, int]]:
         """(node, slot) of every input slot no edge feeds: data the caller supplies.
 
-        Backends name these feeds "<node>:<slot>" (e.g. "embedder:0" for token
-        ids, "loss:1" for targets), as they name boundary tensors of a partition.
+        Backends name these feeds "<node>:in<slot>" (e.g. "embedder:in0" for token
+        ids, "loss:in1" for targets).
         """
         out = []
         for n in self.topo_order():
@@ -264,26 +326,61 @@ class Graph:
     # -- order and analysis --------------------------------------------------------
     def topo_order(self) -> list[VNode]:
         """Deterministic topological order: ties broken by insertion order."""
-        index = {n: i for i, n in enumerate(self._g)}
-        try:
-            order = nx.lexicographical_topological_sort(self._g, key=index.__getitem__)
-            return [self._g.nodes[n]["vnode"] for n in order]
-        except nx.NetworkXUnfeasible:
-            raise GraphError([self.cycle_diagnostic()]) from None
+        order = self._topo_ids()
+        if order is None:
+            raise GraphError([self.cycle_diagnostic()])
+        vnodes = self._vnodes
+        return [vnodes[n] for n in order]
+
+    def _topo_ids(self) -> list[str] | None:
+        """Node ids in `topo_order`; None on a cycle."""
+        order = list(self._topo_iter())
+        return order if len(order) == len(self._vnodes) else None
+
+    def _topo_iter(self) -> Iterator[str]:
+        """Node ids in topological order, always taking the earliest-inserted ready node
+        (what networkx's lexicographical_topological_sort gives with that key).
+
+        Stops early on a cycle: a caller that needs every node compares the count.
+        Do not change the graph while iterating.
+        """
+        ids = list(self._vnodes)
+        index = {n: i for i, n in enumerate(ids)}
+        inputs, out = self._in, self._out
+        indegree = [len(inputs[n]) for n in ids]
+        ready = [i for i, d in enumerate(indegree) if d == 0]  # ascending: already a heap
+        while ready:
+            node_id = ids[heappop(ready)]
+            yield node_id
+            for dst, parallel in out[node_id].items():
+                j = index[dst]
+                indegree[j] -= len(parallel)
+                if indegree[j] == 0:
+                    heappush(ready, j)
 
     def cycle_diagnostic(self) -> Diagnostic:
-        cycle = nx.find_cycle(self._g)
+        cycle = nx.find_cycle(self.nx)
         names = [u for u, *_ in cycle] + [cycle[0][0]]
         first = self.node(names[0])
         return Diagnostic(f"cycle: {' -> '.join(names)}", first.loc, first.id)
 
     def is_acyclic(self) -> bool:
-        return nx.is_directed_acyclic_graph(self._g)
+        return self._topo_ids() is not None
 
     @property
     def nx(self) -> nx.MultiDiGraph:
-        """The underlying networkx graph, for read-only algorithms."""
-        return self._g
+        """The graph as a networkx MultiDiGraph, for read-only algorithms.
+
+        Nodes carry their VNode as attribute `vnode`, edges their Edge as `edge`,
+        keyed (src_slot, dst_slot).  Built on first use, then kept in step with
+        every change made through this class.
+        """
+        if self._nx is None:
+            g = nx.MultiDiGraph()
+            g.add_nodes_from((node_id, {"vnode": v}) for node_id, v in self._vnodes.items())
+            g.add_edges_from((e.src, e.dst, (e.src_slot, e.dst_slot), {"edge": e}) for e in self.edges)
+            self._nx = g
+        return self._nx
 
     def activation_dtype(self, node: VNode) -> str:
         """Declared activation dtype: the node's own keys win over the network's."""
@@ -318,7 +415,7 @@ class Graph:
             new.add_node(VNode(n.id, n.type, dict(n.config), n.input_shapes, n.output_shapes,
                                n.loc, _copy.deepcopy(n.meta), n.outputs))
         for e in self.edges:
-            new._g.add_edge(e.src, e.dst, key=(e.src_slot, e.dst_slot), edge=e)
+            new._link(e)
         return new
 
     def __eq__(self, other: object) -> bool:
@@ -346,7 +443,7 @@ class Graph:
         return sorted(out)
 
     def __repr__(self) -> str:
-        return f"Graph({self.name!r}, {len(self)} vnodes, {self._g.number_of_edges()} edges)"
+        return f"Graph({self.name!r}, {len(self)} vnodes, {sum(map(len, self._in.values()))} edges)"
 
 
 def iter_params(graph: Graph) -> Iterable[tuple[VNode, str, Shape]]:

@@ -9,6 +9,7 @@ Groups:
 - `vgraph.passes`: name -> a Pass class (or an object with the Pass protocol)
 - `vgraph.ops`: name -> a callable that registers op types (called once)
 - `vgraph.commands`: name -> a callable `(subparsers) -> None` adding a CLI command
+- `vgraph.exporters`: name -> `fn(graph, node_ids, name=...)` serialising one part of a partition
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 
 from .diagnostics import VGraphError
 
-GROUPS = ("vgraph.passes", "vgraph.ops", "vgraph.commands")
+GROUPS = ("vgraph.passes", "vgraph.ops", "vgraph.commands", "vgraph.exporters")
 
 
 class PluginError(VGraphError):

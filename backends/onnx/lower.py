@@ -719,3 +719,26 @@ def _text_io(n: NodeLowering) -> list[str]:
 
 register_lowering("tokenizer", _text_io)
 register_lowering("detokenizer", _text_io)
+
+
+# ---------------------------------------------------------------------------
+# Boundary VNodes of a partitioned network's part (vgraph/ops/boundary.py)
+# ---------------------------------------------------------------------------
+
+
+@register_lowering("send")
+def _lower_send(n: NodeLowering) -> list[str]:
+    """The tensor handed to the peer PNode: the part's output under the send's id."""
+    return [n.op("Identity", [n.inputs[0]], out=n.out(0))]
+
+
+@register_lowering("receive")
+def _lower_receive(n: NodeLowering) -> list[str]:
+    """The tensor from the peer PNode arrives as this part's graph input "<id>:in0"."""
+    return [n.op("Identity", [n.inputs[0]], out=n.out(0))]
+
+
+@register_lowering("weight_replica")
+def _lower_weight_replica(n: NodeLowering) -> list[str]:
+    """No computation: tied readers resolve the alias to this node's `weight` initializer."""
+    return []

@@ -62,10 +62,13 @@ def _parse_bool(text: str) -> bool:
 
 def _parse_shape(text: str) -> tuple[int, ...]:
     body = text.strip()
-    if body.startswith("[") and body.endswith("]"):
+    bracketed = body.startswith("[") and body.endswith("]")
+    if bracketed:
         body = body[1:-1]
     parts = [p.strip() for p in body.replace("x", ",").split(",") if p.strip()]
     if not parts:
+        if bracketed and not body.strip():
+            return ()  # "[]", how a scalar's shape is written (and formatted)
         raise ConfigError(f"expected a shape like [128, 512], got {text!r}")
     dims = tuple(_parse_int(p) for p in parts)
     if any(d < 1 and d != -1 for d in dims) or dims.count(-1) > 1:

@@ -1,0 +1,1054 @@
+"""partition: assign every VNode to a PNode of a fleet (node.meta["pnode"]).
+
+The problem (what the heuristic and the exact ILP oracle both optimise)
+-----------------------------------------------------------------------
+*Units* are what is placed: a colocation group with policy `required` is one
+unit (never split); a VNode without a group is a unit of its own; a group
+without `required` (a preference) is one unit too, unless the fleet has more
+PNodes than there are units, in which case its VNodes become units (this is
+how attention heads spread over PNodes: only when the fleet has more PNodes
+than blocks, and only where no `required` group forbids it).
+
+For an assignment of units to PNodes, with the per-step costs of
+`vgraph.costmodel` at batch B:
+
+    compute(p)  = sum of training FLOPs (3 x forward x B) of the units on p
+    boundary(p) = bytes per step of every cut edge incident to p (activation
+                  + gradient), plus 2 x the weight for every tied weight whose
+                  publisher and user are on different PNodes (weight sync)
+    time(p)     = compute(p) / flops(p) + boundary(p) / bandwidth(p)
+    memory(p)   = parameters + gradients + optimizer state + resident
+                  activations of its units (+ a replica of a tied weight used
+                  away from its publisher) <= memory of p
+
+minimise, in this order, the bottleneck max_p time(p) and then the cut bytes
+(each cut edge counted once).  Memory is a hard constraint; an instance with
+no feasible assignment is an error naming the unit that does not fit, never
+a silent relaxation.
+
+The heuristic
+-------------
+Units are ordered along the network (by their first VNode in topological
+order), which makes the transformer blocks a chain.  For an order of the
+PNodes, the chain is cut into contiguous stages, one per PNode (a PNode may
+get nothing), minimising the bottleneck exactly with a dynamic programme over
+segment costs (O(k n^2), vectorised), then, among splits within that
+bottleneck, the cut bytes.  The cost of a segment is exact for any graph: a
+segment's boundary counts every edge with one end inside.  The production
+networks' embedding group holds both the first and the last VNodes, so the
+chain is really a ring: the DP runs over every rotation of the chain at once
+(up to `ROTATE_ALL` units; a few rotations beyond), so a stage may wrap around.
+For more than `EXACT_UNITS` units the split is found by bisection on the
+bottleneck with a greedy fill instead (O(k (n + edges)) per probe).
+
+PNode orders tried: the fleet's, fastest first (every order when there are at
+most 4 PNodes), then repeatedly the order given by an optimal bottleneck
+assignment of PNodes to the stages found (bisection over a matching); identical
+PNodes make orders equivalent and are tried once.  Up to `LOCAL_SEARCH_UNITS`
+units a local search then moves single units, runs of the chain and (small
+instances) swaps pairs while (bottleneck, PNodes at the bottleneck, cut)
+improves; instances with VNode-level units (up to `KICK_UNITS`) also get an
+iterated local search with seeded random kicks, which finds the non-contiguous
+placements (a block's heads on one PNode, its residual path on another) no
+stage split can express.  On the test instances (benchmarks/bench_partition.py)
+the result is within 3.1% of the ILP optimum, mostly equal to it.
+
+Every number lands in graph.meta["placement"] (see `Plan.summary`).
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from vgraph.costmodel import DEFAULT_BATCH, CostModel, cost_model
+from vgraph.diagnostics import Diagnostic, VGraphError
+from vgraph.fleet import Fleet, PNode, human_bytes, resolve_fleet
+from vgraph.ir import Graph
+from vgraph.pass_api import Option, Pass, PassContext, PassError
+
+EXACT_UNITS = 400  # up to this many units the stage split is an exact DP
+LOCAL_SEARCH_UNITS = 400  # local search on instances this small
+SWAP_UNITS = 80  # ... with pair swaps on instances this small
+RUN_LENGTH = 6  # longest chain run moved as one
+KICK_UNITS = 80  # ... and random restarts (iterated local search) on instances this small
+ROTATE_ALL = 40  # up to this many units every rotation of the chain is tried at once
+
+
+class PartitionError(VGraphError):
+    """No placement satisfies the hard constraints (`unit`: the unit that does not fit, if one)."""
+
+    unit: int | None = None
+
+
+# -- the problem -----------------------------------------------------------------------------
+
+@dataclass
+class Unit:
+    name: str  # the colocation group, or the VNode id
+    members: list[str]
+    kind: str  # "required" | "preferred" | "vnode"
+
+
+@dataclass
+class Problem:
+    """Units in chain order with their costs, the unit graph and the fleet."""
+
+    units: list[Unit]
+    pnodes: list[PNode]
+    compute: np.ndarray  # FLOPs per step, per unit
+    memory: np.ndarray  # bytes, per unit
+    breakdown: np.ndarray  # [n, 4]: params, gradients, optimizer state, activations
+    edge_p: np.ndarray  # unit edges, p < q (chain positions), sorted by p
+    edge_q: np.ndarray
+    edge_w: np.ndarray  # bytes per step (both directions of cut edges, weight sync included)
+    ties: list[tuple[int, int, int]]  # (publisher unit, user unit, replica bytes)
+    unit_of: dict[str, int]
+    view: str  # "groups" | "vnodes"
+    batch: int
+    micro_batches: int
+    resident_samples: int
+
+    @property
+    def n(self) -> int:
+        return len(self.units)
+
+    @property
+    def k(self) -> int:
+        return len(self.pnodes)
+
+    def speeds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.array([p.flops for p in self.pnodes], dtype=float),
+                np.array([p.bandwidth for p in self.pnodes], dtype=float),
+                np.array([p.memory for p in self.pnodes], dtype=float))
+
+    def adjacency(self) -> list[list[tuple[int, float]]]:
+        adj: list[list[tuple[int, float]]] = [[] for _ in range(self.n)]
+        for p, q, w in zip(self.edge_p.tolist(), self.edge_q.tolist(), self.edge_w.tolist()):
+            adj[p].append((q, w))
+            adj[q].append((p, w))
+        return adj
+
+
+def build_problem(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, micro_batches: int = 1,
+                  cm: CostModel | None = None, view: str | None = None) -> Problem:
+    """The placement problem of `graph` on `fleet` (see the module docstring).
+
+    `view` forces "groups" (preferred groups stay whole) or "vnodes" (they are
+    split); by default the rule of the module docstring picks it.
+    """
+    cm = cm or cost_model(graph, batch=batch, micro_batches=micro_batches)
+    nodes = graph.nodes
+    order = _chain_order(graph, nodes)
+    required: set[str] = set()
+    for n in nodes:
+        if n.config.get("colocate_policy") == "required" and n.config.get("colocate_group"):
+            required.add(n.config["colocate_group"])
+    groups_view = _units(graph, order, required, split_preferred=False)
+    preferred = any(u.kind == "preferred" and len(u.members) > 1 for u in groups_view[0])
+    if view is None:
+        view = "vnodes" if preferred and len(fleet) > len(groups_view[0]) else "groups"
+    if view == "groups" or not preferred:
+        units, unit_of = groups_view
+    else:
+        units, unit_of = _units(graph, order, required, split_preferred=True)
+    n = len(units)
+    depth = len(fleet)
+    resident = cm.resident_samples(depth)
+    ids = cm.node_columns["id"]
+    index = np.fromiter((unit_of[nid] for nid in ids), dtype=np.int64, count=len(ids))
+    flops = cm.array("flops").astype(float) * (3.0 * cm.batch)
+    columns = (cm.array("param_bytes"), cm.array("grad_bytes"), cm.array("master_bytes") + cm.array("adam_bytes"),
+               cm.array("activation_bytes") * resident)
+    compute = np.bincount(index, weights=flops, minlength=n)
+    breakdown = np.stack([np.bincount(index, weights=col.astype(float), minlength=n) for col in columns], axis=1)
+    memory = breakdown.sum(axis=1)
+    # unit graph: cut edges aggregated per unit pair, p < q
+    src = index[cm.array("edge:src").astype(np.int64)]
+    dst = index[cm.array("edge:dst").astype(np.int64)]
+    w = (cm.array("edge:bytes_per_sample").astype(float) * np.where(cm.array("edge:gradient"), 2.0, 1.0)
+         * cm.batch)
+    ties: list[tuple[int, int, int]] = []
+    for t in cm.ties:
+        a, b = unit_of[t.publisher], unit_of[t.user]
+        if a != b:
+            ties.append((a, b, t.replica_bytes))
+            src = np.append(src, a)
+            dst = np.append(dst, b)
+            w = np.append(w, float(t.sync_bytes_per_step))
+    keep = src != dst
+    p, q, w = np.minimum(src, dst)[keep], np.maximum(src, dst)[keep], w[keep]
+    key = p * n + q
+    uniq, inverse = np.unique(key, return_inverse=True)
+    weights = np.bincount(inverse, weights=w, minlength=len(uniq))
+    return Problem(units, list(fleet.pnodes), compute, memory, breakdown, uniq // n, uniq % n, weights,
+                   ties, unit_of, view, cm.batch, cm.micro_batches, resident)
+
+
+def _chain_order(graph: Graph, nodes: list) -> list[str]:
+    """Node ids in a topological order: the file's order when it is one (checked in O(E))."""
+    pos = {n.id: i for i, n in enumerate(nodes)}
+    for e in graph.edges:
+        if pos[e.src] > pos[e.dst]:
+            return [n.id for n in graph.topo_order()]
+    return list(pos)
+
+
+def _units(graph: Graph, order: list[str], required: set[str], *, split_preferred: bool
+           ) -> tuple[list[Unit], dict[str, int]]:
+    vnodes = {n.id: n for n in graph.nodes}
+    units: list[Unit] = []
+    by_name: dict[str, int] = {}
+    unit_of: dict[str, int] = {}
+    for nid in order:
+        group = vnodes[nid].config.get("colocate_group")
+        if group and (group in required or not split_preferred):
+            key = "g:" + group
+            u = by_name.get(key)
+            if u is None:
+                u = by_name[key] = len(units)
+                units.append(Unit(group, [], "required" if group in required else "preferred"))
+            units[u].members.append(nid)
+        else:
+            u = len(units)
+            units.append(Unit(nid, [nid], "vnode"))
+        unit_of[nid] = u
+    return units, unit_of
+
+
+# -- evaluating an assignment ------------------------------------------------------------------
+
+@dataclass
+class Evaluation:
+    bottleneck: float
+    cut: float
+    times: np.ndarray
+    compute: np.ndarray  # FLOPs per PNode
+    boundary: np.ndarray  # bytes per PNode
+    memory: np.ndarray  # bytes per PNode
+    feasible: bool
+
+    def key(self) -> tuple[float, float]:
+        return (self.bottleneck if self.feasible else math.inf, self.cut)
+
+
+def evaluate(problem: Problem, assign: np.ndarray) -> Evaluation:
+    """The objective and the per-PNode loads of `assign` (unit -> PNode index)."""
+    F, BW, M = problem.speeds()
+    k = problem.k
+    compute = np.bincount(assign, weights=problem.compute, minlength=k)
+    memory = np.bincount(assign, weights=problem.memory, minlength=k)
+    for pub, user, replica in problem.ties:
+        if assign[pub] != assign[user]:
+            memory[assign[user]] += replica
+    ap, aq = assign[problem.edge_p], assign[problem.edge_q]
+    cut = ap != aq
+    w = problem.edge_w[cut]
+    boundary = np.bincount(ap[cut], weights=w, minlength=k) + np.bincount(aq[cut], weights=w, minlength=k)
+    times = compute / F + boundary / BW
+    feasible = bool(np.all(memory <= M))
+    return Evaluation(float(times.max()), float(w.sum()), times, compute, boundary, memory, feasible)
+
+
+def better(a: tuple[float, float], b: tuple[float, float], tol: float = 1e-9) -> bool:
+    """Lexicographically smaller (bottleneck, cut), with a relative tolerance on each."""
+    if a[0] < b[0] * (1 - tol) - 1e-300:
+        return True
+    if a[0] <= b[0] * (1 + tol) + 1e-300:
+        return a[1] < b[1] * (1 - tol) - 1e-9
+    return False
+
+
+# -- stage splits on the chain ---------------------------------------------------------------------
+
+def _segment_matrices(problem: Problem, rotation: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Compute, boundary and memory of every segment [i, j) of the chain rotated to start at
+    unit `rotation`, as (n+1)^2 matrices.
+
+    boundary[i, j] = cross(i) + cross(j) - 2 span(i, j), where cross(t) sums the edges
+    over the cut before position t and span(i, j) those jumping over the whole segment.
+    """
+    n = problem.n
+    perm = (np.arange(n) + rotation) % n  # rotated position -> unit
+    pos = np.empty(n, dtype=np.int64)
+    pos[perm] = np.arange(n)
+    a, b = pos[problem.edge_p], pos[problem.edge_q]
+    P, Q, W = np.minimum(a, b), np.maximum(a, b), problem.edge_w
+    pc = np.concatenate([[0.0], np.cumsum(problem.compute[perm])])
+    pm = np.concatenate([[0.0], np.cumsum(problem.memory[perm])])
+    d = np.zeros(n + 2)
+    np.add.at(d, P + 1, W)
+    np.add.at(d, Q + 1, -W)
+    cross = np.cumsum(d)[: n + 1]
+    A = np.zeros((n + 1, n + 1))
+    np.add.at(A, (P + 1, Q), W)
+    S = np.cumsum(A, axis=0)[:, ::-1].cumsum(axis=1)[:, ::-1]  # edges with p < i and q >= j
+    boundary = np.maximum(cross[:, None] + cross[None, :] - 2 * S, 0.0)
+    compute = pc[None, :] - pc[:, None]
+    memory = pm[None, :] - pm[:, None]
+    if problem.ties:
+        i = np.arange(n + 1)[:, None]
+        j = np.arange(n + 1)[None, :]
+        for pub, user, replica in problem.ties:
+            pu, pp = pos[user], pos[pub]
+            away = (i <= pu) & (pu < j) & ~((i <= pp) & (pp < j))
+            memory = memory + np.where(away, replica, 0.0)
+    return compute, boundary, memory
+
+
+class _Segments:
+    """Segment matrices of the chain under several rotations, stacked: [R, n+1, n+1].
+
+    A rotation lets a stage wrap around the chain's ends: the production
+    networks' embedding group holds both the first and the last VNodes, so the
+    chain is really a ring.
+    """
+
+    def __init__(self, problem: Problem, rotations: Sequence[int]) -> None:
+        self.n = problem.n
+        self.rotations = list(rotations)
+        mats = [_segment_matrices(problem, r) for r in self.rotations]
+        self.compute = np.stack([m[0] for m in mats])
+        self.boundary = np.stack([m[1] for m in mats])
+        self.memory = np.stack([m[2] for m in mats])
+        self.upper = np.triu(np.ones((self.n + 1, self.n + 1), dtype=bool))
+        self._times: dict[tuple, np.ndarray] = {}
+
+    def times(self, pnode: PNode) -> np.ndarray:
+        """Stage time of every segment on `pnode` (inf: over memory; 0: empty)."""
+        key = (pnode.flops, pnode.bandwidth, pnode.memory)  # identical PNodes share it
+        t = self._times.get(key)
+        if t is None:
+            t = self.compute / pnode.flops + self.boundary / pnode.bandwidth
+            t = np.where(self.upper & (self.memory <= pnode.memory), t, np.inf)
+            idx = np.arange(self.n + 1)
+            t[:, idx, idx] = 0.0
+            self._times[key] = t
+        return t
+
+
+def _split_exact(seg: _Segments, problem: Problem, order: Sequence[int]
+                 ) -> tuple[int, list[int]] | None:
+    """(rotation, segment ends) for PNodes in `order`: min bottleneck over all rotations, then
+    min cut among the splits that reach it.  A DP over stages, vectorised over (rotation, i, j)."""
+    n, R = seg.n, len(seg.rotations)
+    times = [seg.times(problem.pnodes[p]) for p in order]
+    f = np.full((R, n + 1), np.inf)
+    f[:, 0] = 0.0
+    for t in times:
+        f = np.min(np.maximum(f[:, :, None], t), axis=1)
+    best = float(f[:, n].min())
+    if not np.isfinite(best):
+        return None
+    limit = best * (1 + 1e-9) + 1e-300
+    g = np.full((R, n + 1), np.inf)
+    g[:, 0] = 0.0
+    back = []
+    half = seg.boundary / 2
+    cols = np.arange(n + 1)
+    rows = np.arange(R)[:, None]
+    for t in times:
+        cost = np.where(t <= limit, g[:, :, None] + half, np.inf)
+        arg = np.argmin(cost, axis=1)  # [R, n+1]
+        g = cost[rows, arg, cols[None, :]]
+        back.append(arg)
+    r = int(np.argmin(g[:, n]))
+    ends = [n]
+    for arg in reversed(back[1:]):
+        ends.append(int(arg[r, ends[-1]]))
+    return seg.rotations[r], list(reversed(ends))
+
+
+class _Chain:
+    """Prefix sums that price the segments [i, j), j = i..n, of the unit chain in O(n + edges)."""
+
+    def __init__(self, problem: Problem) -> None:
+        n = problem.n
+        self.n = n
+        self.pc = np.concatenate([[0.0], np.cumsum(problem.compute)])
+        self.pm = np.concatenate([[0.0], np.cumsum(problem.memory)])
+        P, Q, W = problem.edge_p, problem.edge_q, problem.edge_w
+        d = np.zeros(n + 2)
+        np.add.at(d, P + 1, W)
+        np.add.at(d, Q + 1, -W)
+        self.cross = np.cumsum(d)[: n + 1]
+        order = np.argsort(P, kind="stable")
+        self.P, self.Q, self.W = P[order], Q[order], W[order]
+        self.ties = problem.ties
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        c = np.searchsorted(self.P, i, side="left")  # edges with p < i
+        span = np.bincount(self.Q[:c], weights=self.W[:c], minlength=self.n + 1)[::-1].cumsum()[::-1]
+        j = np.arange(i, self.n + 1)
+        boundary = self.cross[i] + self.cross[j] - 2 * span[j]
+        compute = self.pc[j] - self.pc[i]
+        memory = self.pm[j] - self.pm[i]
+        for pub, user, replica in self.ties:
+            if i <= user:
+                away = (user < j) & ~((i <= pub) & (pub < j))
+                memory = memory + np.where(away, replica, 0.0)
+        return compute, np.maximum(boundary, 0.0), memory
+
+
+def _split_greedy(chain: _Chain, problem: Problem, order: Sequence[int]) -> list[int] | None:
+    """Segment ends by bisection on the bottleneck with a greedy fill of each PNode in turn."""
+    F, BW, M = problem.speeds()
+    rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def fill(limit: float) -> list[int] | None:
+        i, ends = 0, []
+        for p in order:
+            if i < chain.n:
+                if i not in rows:
+                    rows[i] = chain.row(i)
+                c, b, m = rows[i]
+                ok = np.flatnonzero((c / F[p] + b / BW[p] <= limit) & (m <= M[p]))
+                i += int(ok[-1]) if len(ok) else 0
+            ends.append(i)
+        return ends if i == chain.n else None
+
+    lo = float(chain.pc[-1] / F.sum())
+    hi = max(lo, 1e-12)
+    for _ in range(200):
+        if fill(hi) is not None:
+            break
+        hi *= 2
+    else:
+        return None
+    for _ in range(40):
+        if hi - lo <= 1e-4 * hi:
+            break
+        mid = (lo + hi) / 2
+        if fill(mid) is not None:
+            hi = mid
+        else:
+            lo = mid
+    return fill(hi)
+
+
+def _assignment(problem: Problem, order: Sequence[int], ends: Sequence[int], rotation: int = 0) -> np.ndarray:
+    assign = np.empty(problem.n, dtype=np.int64)
+    perm = (np.arange(problem.n) + rotation) % problem.n
+    start = 0
+    for p, end in zip(order, ends):
+        assign[perm[start:end]] = p
+        start = end
+    return assign
+
+
+def _bottleneck_order(problem: Problem, assign: np.ndarray, order: Sequence[int]) -> list[int]:
+    """PNodes re-matched to the current stages so the slowest stage is as fast as possible."""
+    stages: list[np.ndarray] = []
+    for p in order:
+        members = np.flatnonzero(assign == p)
+        if len(members):
+            stages.append(members)
+    F, BW, M = problem.speeds()
+    k = problem.k
+    cost = np.full((len(stages), k), np.inf)
+    for s, members in enumerate(stages):
+        inside = np.zeros(problem.n, dtype=bool)
+        inside[members] = True
+        boundary = problem.edge_w[inside[problem.edge_p] != inside[problem.edge_q]].sum()
+        compute = problem.compute[members].sum()
+        mem = problem.memory[members].sum()
+        for pub, user, replica in problem.ties:
+            if inside[user] and not inside[pub]:
+                mem += replica
+        ok = mem <= M
+        cost[s, ok] = compute / F[ok] + boundary / BW[ok]
+    values = np.unique(cost[np.isfinite(cost)])
+    match = None
+    lo, hi = 0, len(values) - 1
+    while lo <= hi:  # smallest threshold with a perfect matching of stages
+        mid = (lo + hi) // 2
+        m = _match(cost <= values[mid])
+        if m is not None:
+            match, hi = m, mid - 1
+        else:
+            lo = mid + 1
+    if match is None:
+        return list(order)
+    used = [match[s] for s in range(len(stages))]
+    return used + [p for p in order if p not in used]
+
+
+def _match(allowed: np.ndarray) -> list[int] | None:
+    """Kuhn's augmenting paths: stage -> PNode, every stage matched, or None."""
+    stages, k = allowed.shape
+    owner = [-1] * k
+    options = [np.flatnonzero(allowed[s]).tolist() for s in range(stages)]
+
+    def augment(s: int, seen: list[bool]) -> bool:
+        for p in options[s]:
+            if not seen[p]:
+                seen[p] = True
+                if owner[p] < 0 or augment(owner[p], seen):
+                    owner[p] = s
+                    return True
+        return False
+
+    for s in range(stages):
+        if not augment(s, [False] * k):
+            return None
+    out = [0] * stages
+    for p, s in enumerate(owner):
+        if s >= 0:
+            out[s] = p
+    return out
+
+
+class _Loads:
+    """Per-PNode compute, boundary and memory of an assignment, updated move by move."""
+
+    def __init__(self, problem: Problem, assign: np.ndarray) -> None:
+        F, BW, M = problem.speeds()
+        self.F, self.BW, self.M = F.tolist(), BW.tolist(), M.tolist()
+        self.k = problem.k
+        self.adj = problem.adjacency()
+        self.unit_comp, self.unit_mem = problem.compute.tolist(), problem.memory.tolist()
+        self.ties_of: dict[int, list[tuple[int, int, int]]] = {}
+        for t in problem.ties:
+            self.ties_of.setdefault(t[0], []).append(t)
+            self.ties_of.setdefault(t[1], []).append(t)
+        ev = evaluate(problem, assign)
+        self.a = assign.tolist()
+        self.comp, self.bnd, self.mem = ev.compute.tolist(), ev.boundary.tolist(), ev.memory.tolist()
+        self.cut = ev.cut
+        self.feasible = ev.feasible
+
+    def key(self, comp, bnd, cut) -> tuple[float, int, float]:
+        """Search key: bottleneck, then how many PNodes sit at it (to leave plateaus), then cut."""
+        times = [comp[p] / self.F[p] + bnd[p] / self.BW[p] for p in range(self.k)]
+        top = max(times)
+        at_top = sum(1 for t in times if t >= top * (1 - 1e-9))
+        return (top, at_top, cut)
+
+    def moved(self, moves: list[tuple[int, int]]):
+        """Loads after moving each (unit, PNode) in turn, or None if memory overflows."""
+        a = self.a
+        comp, bnd, mem, cut = self.comp[:], self.bnd[:], self.mem[:], self.cut
+        undo = []
+        grown = set()  # PNodes whose memory grew: the only ones that can overflow
+        for u, dst in moves:
+            src = a[u]
+            grown.add(dst)
+            comp[src] -= self.unit_comp[u]
+            comp[dst] += self.unit_comp[u]
+            mem[src] -= self.unit_mem[u]
+            mem[dst] += self.unit_mem[u]
+            for v, w in self.adj[u]:
+                c = a[v]
+                if c != src:
+                    bnd[src] -= w
+                    bnd[c] -= w
+                    cut -= w
+                if c != dst:
+                    bnd[dst] += w
+                    bnd[c] += w
+                    cut += w
+            for pub, user, replica in self.ties_of.get(u, ()):
+                if a[user] != a[pub]:
+                    mem[a[user]] -= replica
+            undo.append((u, src))
+            a[u] = dst
+            for pub, user, replica in self.ties_of.get(u, ()):
+                if a[user] != a[pub]:
+                    mem[a[user]] += replica
+                    grown.add(a[user])
+        for u, src in reversed(undo):
+            a[u] = src
+        if any(mem[p] > self.M[p] * (1 + 1e-12) for p in grown):
+            return None
+        return comp, bnd, mem, cut
+
+    def apply(self, moves: list[tuple[int, int]], state) -> None:
+        for u, dst in moves:
+            self.a[u] = dst
+        self.comp, self.bnd, self.mem, self.cut = state
+
+
+def _local_search(problem: Problem, assign: np.ndarray, max_sweeps: int = 50, swaps: bool = True,
+                  runs: bool = True) -> np.ndarray:
+    """Single-unit moves, then moves of chain runs, then pair swaps, while the search key
+    improves (each accepted step lowers it, so this ends).
+
+    Only steps that can lower the key are priced: a step that touches no PNode at the
+    bottleneck can only help through the cut, so it must move a unit next to a neighbour;
+    of several empty identical PNodes only one is tried.
+    """
+    loads = _Loads(problem, assign)
+    if not loads.feasible:
+        return assign
+    n, k = problem.n, problem.k
+    kind: dict[tuple, int] = {}
+    cls = [kind.setdefault((p.flops, p.bandwidth, p.memory), len(kind)) for p in problem.pnodes]
+    count = [0] * k
+    for p in loads.a:
+        count[p] += 1
+    current = loads.key(loads.comp, loads.bnd, loads.cut)
+
+    def top() -> set[int]:
+        times = [loads.comp[p] / loads.F[p] + loads.bnd[p] / loads.BW[p] for p in range(k)]
+        peak = max(times)
+        return {p for p in range(k) if times[p] >= peak * (1 - 1e-9)}
+
+    def targets(units: Sequence[int], peak: set[int]) -> list[int]:
+        """PNodes worth moving `units` to."""
+        if any(loads.a[u] in peak for u in units):
+            seen_empty: set[int] = set()
+            out = []
+            for p in range(k):
+                if count[p] == 0:
+                    if cls[p] in seen_empty:
+                        continue
+                    seen_empty.add(cls[p])
+                out.append(p)
+            return out
+        return sorted({loads.a[v] for u in units for v, _ in loads.adj[u]})
+
+    def attempt(moves: list[tuple[int, int]]) -> bool:
+        nonlocal current
+        state = loads.moved(moves)
+        if state is None:
+            return False
+        key = loads.key(state[0], state[1], state[3])
+        if not _key_better(key, current):
+            return False
+        for u, dst in moves:
+            count[loads.a[u]] -= 1
+            count[dst] += 1
+        loads.apply(moves, state)
+        current = key
+        return True
+
+    for _ in range(max_sweeps):
+        improved = False
+        for u in range(n):
+            for dst in targets([u], top()):
+                if dst != loads.a[u] and attempt([(u, dst)]):
+                    improved = True
+        if not improved and runs:  # a run of the chain (a branch, half a block) to another PNode
+            for length in range(2, RUN_LENGTH + 1):
+                for first in range(0, n - length + 1):
+                    units = range(first, first + length)
+                    for dst in targets(units, top()):
+                        moves = [(u, dst) for u in units if loads.a[u] != dst]
+                        if moves and attempt(moves):
+                            improved = True
+        if not improved and swaps:
+            for u in range(n):
+                if loads.a[u] not in top():
+                    continue
+                for v in range(n):
+                    au, av = loads.a[u], loads.a[v]
+                    if au != av and attempt([(u, av), (v, au)]):
+                        improved = True
+                        break
+        if not improved:
+            break
+    return np.array(loads.a, dtype=np.int64)
+
+
+def _key_better(a: tuple[float, int, float], b: tuple[float, int, float]) -> bool:
+    if a[0] < b[0] * (1 - 1e-9):
+        return True
+    if a[0] > b[0] * (1 + 1e-9):
+        return False
+    if a[1] != b[1]:
+        return a[1] < b[1]
+    return a[2] < b[2] * (1 - 1e-9) - 1e-9
+
+
+def solve(problem: Problem, *, local_search: bool | None = None) -> tuple[np.ndarray, str]:
+    """The heuristic: best stage split over PNode orders (and chain rotations), then local search.
+
+    Returns (assignment, method)."""
+    n, k = problem.n, problem.k
+    exact = n <= EXACT_UNITS
+    F = problem.speeds()[0]
+    kind = {}
+    signature = [kind.setdefault((p.flops, p.bandwidth, p.memory), len(kind)) for p in problem.pnodes]
+    orders = [list(range(k)), sorted(range(k), key=lambda p: (-F[p], p))]
+    if k <= 4 and n <= ROTATE_ALL:  # few PNodes: every order (at most 24) is cheap to try
+        orders += [list(o) for o in itertools.permutations(range(k))]
+    seg = _Segments(problem, range(n) if n <= ROTATE_ALL else [0]) if exact else None
+    chain = None if exact else _Chain(problem)
+    found: list[tuple[tuple[float, float], np.ndarray, list[int]]] = []
+    tried: set[tuple[int, ...]] = set()
+    limit = max(8, len(orders))  # candidate orders, plus a few re-matched ones
+    while orders and len(tried) < limit:
+        order = orders.pop(0)
+        sig = tuple(signature[p] for p in order)
+        if sig in tried:
+            continue
+        tried.add(sig)
+        if exact:
+            split = _split_exact(seg, problem, order)
+            if split is None:
+                continue
+            assign = _assignment(problem, order, split[1], split[0])
+        else:
+            ends = _split_greedy(chain, problem, order)
+            if ends is None:
+                continue
+            assign = _assignment(problem, order, ends)
+        key = evaluate(problem, assign).key()
+        if not found or better(key, found[0][0]):
+            orders.append(_bottleneck_order(problem, assign, order))
+        found.append((key, assign, order))
+        found.sort(key=lambda f: f[0])
+    method = "dp" if exact else "bisect-greedy"
+    if exact and n > ROTATE_ALL and found:  # a few rotations: at the best plan's stage starts
+        best_assign, best_order = found[0][1], found[0][2]
+        starts = [u for u in range(1, n) if best_assign[u] != best_assign[u - 1]]
+        more = sorted(set(starts + [n // 4, n // 2, 3 * n // 4]) - {0})[:8]
+        split = _split_exact(_Segments(problem, more), problem, best_order) if more else None
+        if split is not None:
+            assign = _assignment(problem, best_order, split[1], split[0])
+            found.append((evaluate(problem, assign).key(), assign, best_order))
+            found.sort(key=lambda f: f[0])
+    if not found:
+        assign = _first_fit(problem)
+        if assign is None:
+            raise _infeasible(problem)
+        found = [(evaluate(problem, assign).key(), assign, list(range(k)))]
+        method = "first-fit"
+    best_key, best = found[0][0], found[0][1]
+    if local_search if local_search is not None else n <= LOCAL_SEARCH_UNITS:
+        starts, seen = [], set()
+        for _, assign, _ in found:
+            if assign.tobytes() not in seen:
+                seen.add(assign.tobytes())
+                starts.append(assign)
+        fine = any(u.kind == "vnode" for u in problem.units)
+        for start in starts[:3] if fine else starts[:1]:
+            improved = _local_search(problem, start, swaps=n <= SWAP_UNITS)
+            key = evaluate(problem, improved).key()
+            if better(key, best_key):
+                best_key, best = key, improved
+                method = method.split("+")[0] + "+local"
+        if n <= KICK_UNITS and k > 1 and fine:
+            kicked = _iterated_local_search(problem, best)
+            key = evaluate(problem, kicked).key()
+            if better(key, best_key):
+                best_key, best = key, kicked
+                method = method.split("+")[0] + "+kicks"
+    return best, method
+
+
+def _iterated_local_search(problem: Problem, start: np.ndarray, kicks: int = 60) -> np.ndarray:
+    """Perturb a few units at random and descend again, keeping the best (seeded: deterministic).
+
+    Small instances with VNode-level units only: it is what finds the non-contiguous
+    placements (a block's heads on one PNode, its residual path on another) that no stage
+    split of the chain can express; whole groups are placed well by the splits.
+    """
+    rng = np.random.default_rng(0)
+    current, current_key = start, evaluate(problem, start).key()
+    best, best_key = current, current_key
+    for _ in range(kicks):
+        trial = current.copy()
+        if rng.random() < 0.5:  # a run of the chain to one PNode (a branch, a half block) ...
+            first = int(rng.integers(0, problem.n))
+            trial[first:first + int(rng.integers(2, 7))] = int(rng.integers(0, problem.k))
+        else:  # ... or a few units anywhere
+            units = rng.choice(problem.n, size=min(problem.n, int(rng.integers(2, 5))), replace=False)
+            trial[units] = rng.integers(0, problem.k, size=len(units))
+        if not evaluate(problem, trial).feasible:
+            continue
+        trial = _local_search(problem, trial, swaps=False)
+        key = evaluate(problem, trial).key()
+        if not better(current_key, key):  # accept equal or better: lets the search drift on plateaus
+            current, current_key = trial, key
+            if better(key, best_key):
+                best, best_key = trial, key
+    return _local_search(problem, best, swaps=problem.n <= SWAP_UNITS)
+
+
+def _first_fit(problem: Problem) -> np.ndarray | None:
+    """Any assignment that fits memory: biggest units first, each on the emptiest PNode it fits."""
+    M = problem.speeds()[2]
+    free = M.copy()
+    assign = np.full(problem.n, -1, dtype=np.int64)
+    replica = Counter()
+    for pub, user, r in problem.ties:
+        replica[user] += r  # conservative: as if every tie were split
+    for u in np.argsort(-problem.memory, kind="stable"):
+        need = problem.memory[u] + replica[int(u)]
+        fits = np.flatnonzero(free >= need)
+        if not len(fits):
+            return None
+        p = fits[np.argmax(free[fits])]
+        assign[u] = p
+        free[p] -= need
+    return assign
+
+
+def _infeasible(problem: Problem) -> PartitionError:
+    largest = max(problem.pnodes, key=lambda p: p.memory)
+    names = ("params", "gradients", "optimizer state", "activations")
+
+    def breakdown(u: int) -> str:
+        parts = ", ".join(f"{name} {human_bytes(v)}" for name, v in zip(names, problem.breakdown[u]))
+        return parts
+
+    where = f"(batch {problem.batch}, activations of {problem.resident_samples} resident samples)"
+    u = int(np.argmax(problem.memory))
+    unit = problem.units[u]
+    if problem.memory[u] > largest.memory:
+        what = {"required": f"colocation group {unit.name!r} (colocate_policy: required, "
+                            f"{len(unit.members)} VNodes)",
+                "preferred": f"colocation group {unit.name!r} ({len(unit.members)} VNodes)",
+                "vnode": f"VNode {unit.name!r}"}[unit.kind]
+        msg = (f"{what} needs {human_bytes(problem.memory[u])} {where}: {breakdown(u)}; the largest "
+               f"PNode '{largest.id}' has {human_bytes(largest.memory)}, "
+               f"{human_bytes(problem.memory[u] - largest.memory)} short")
+        err = PartitionError(msg)
+        err.unit = u
+        return err
+    total = float(problem.memory.sum())
+    capacity = float(sum(p.memory for p in problem.pnodes))
+    sums = problem.breakdown.sum(axis=0)
+    parts = ", ".join(f"{name} {human_bytes(v)}" for name, v in zip(names, sums))
+    if total > capacity:
+        return PartitionError(f"the network needs {human_bytes(total)} {where}: {parts}; the fleet's "
+                              f"{problem.k} PNodes have {human_bytes(capacity)} together, "
+                              f"{human_bytes(total - capacity)} short")
+    return PartitionError(f"no assignment of the {problem.n} units fits the fleet's memory {where}: the "
+                          f"network needs {human_bytes(total)} ({parts}) of {human_bytes(capacity)}, and "
+                          f"the largest unit, {unit.name!r}, needs {human_bytes(problem.memory[u])} "
+                          f"({breakdown(u)}); largest PNode '{largest.id}' has {human_bytes(largest.memory)}")
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    problem: Problem
+    assign: np.ndarray  # unit -> PNode index
+    method: str
+    evaluation: Evaluation = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.evaluation = evaluate(self.problem, self.assign)
+
+    def pnode_of(self, node_id: str) -> str:
+        return self.problem.pnodes[int(self.assign[self.problem.unit_of[node_id]])].id
+
+    def summary(self, graph: Graph, cm: CostModel, fleet: Fleet) -> dict:
+        """graph.meta["placement"]: the plan in numbers (JSON-compatible)."""
+        ev, pr = self.evaluation, self.problem
+        counts = Counter(self.assign.tolist())
+        stages = []
+        for u in range(pr.n):
+            pid = pr.pnodes[int(self.assign[u])].id
+            if not stages or stages[-1] != pid:
+                stages.append(pid)
+        pnodes = {}
+        for i, p in enumerate(pr.pnodes):
+            pnodes[p.id] = {
+                "units": counts.get(i, 0),
+                "vnodes": int(sum(len(pr.units[u].members) for u in np.flatnonzero(self.assign == i))),
+                "memory_bytes": int(ev.memory[i]), "capacity_bytes": int(p.memory),
+                "flops_per_step": float(ev.compute[i]), "boundary_bytes_per_step": float(ev.boundary[i]),
+                "compute_seconds": float(ev.compute[i] / p.flops),
+                "comm_seconds": float(ev.boundary[i] / p.bandwidth), "seconds": float(ev.times[i])}
+        sync = []
+        for t in cm.ties:
+            a, b = self.pnode_of(t.publisher), self.pnode_of(t.user)
+            if a != b:
+                sync.append({"alias": t.alias, "publisher": t.publisher, "user": t.user, "from_pnode": a,
+                             "to_pnode": b, "bytes_per_step": t.sync_bytes_per_step})
+        return {
+            "fleet": fleet.name, "batch": pr.batch, "micro_batches": pr.micro_batches, "view": pr.view,
+            "units": pr.n, "method": self.method, "stages": stages,
+            "bottleneck_seconds": ev.bottleneck,
+            "bottleneck_pnode": pr.pnodes[int(np.argmax(ev.times))].id,
+            "cut_bytes_per_step": ev.cut, "pnodes": pnodes, "weight_sync": sync,
+        }
+
+
+def plan_partition(graph: Graph, fleet: Fleet | str, *, batch: int = DEFAULT_BATCH, micro_batches: int = 1,
+                   cm: CostModel | None = None) -> tuple[Plan, CostModel]:
+    """Solve the placement of `graph` on `fleet` without touching the graph."""
+    fleet = resolve_fleet(fleet)
+    with _paused_gc():
+        return _plan(graph, fleet, batch, micro_batches, cm)
+
+
+def _plan(graph: Graph, fleet: Fleet, batch: int, micro_batches: int, cm: CostModel | None
+          ) -> tuple[Plan, CostModel]:
+    cm = cm or cost_model(graph, batch=batch, micro_batches=micro_batches)
+    problem = build_problem(graph, fleet, batch=batch, micro_batches=micro_batches, cm=cm)
+    try:
+        assign, method = solve(problem)
+    except PartitionError as exc:  # point at the unit's first VNode in the user's file
+        if exc.unit is None:
+            raise
+        first = graph.node(problem.units[exc.unit].members[0])
+        raise PartitionError([Diagnostic(str(exc), first.loc, first.id)]) from None
+    plan = Plan(problem, assign, method)
+    if not plan.evaluation.feasible:  # never: every step keeps memory; but never silently either
+        raise _infeasible(problem)
+    if problem.view == "vnodes":  # keeping preferred groups whole is as good or better: prefer it
+        coarse = build_problem(graph, fleet, batch=batch, micro_batches=micro_batches, cm=cm, view="groups")
+        try:
+            c_assign, c_method = solve(coarse)
+        except PartitionError:
+            c_assign = None
+        if c_assign is not None:
+            expanded = np.array([c_assign[coarse.unit_of[m]] for u in problem.units for m in u.members[:1]])
+            candidate = Plan(problem, expanded, c_method + "+groups")
+            if not better(plan.evaluation.key(), candidate.evaluation.key(), 1e-6):
+                plan = candidate
+    return plan, cm
+
+
+@contextmanager
+def _paused_gc():
+    """Costing a large graph allocates hundreds of thousands of small acyclic objects; the cyclic
+    collector would rescan the whole heap again and again (it doubled the 100k-VNode time)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def apply_plan(graph: Graph, plan: Plan, cm: CostModel, fleet: Fleet) -> int:
+    """Write node.meta["pnode"] and graph.meta["placement"]; returns how many VNodes changed PNode."""
+    pr = plan.problem
+    ids = [p.id for p in pr.pnodes]
+    changed = 0
+    for u, unit in enumerate(pr.units):
+        pid = ids[int(plan.assign[u])]
+        for nid in unit.members:
+            meta = graph.node(nid).meta
+            if meta.get("pnode") != pid:
+                meta["pnode"] = pid
+                changed += 1
+    graph.meta["placement"] = plan.summary(graph, cm, fleet)
+    return changed
+
+
+class Partition(Pass):
+    """Place VNodes on a fleet's PNodes: required groups whole, memory fits, min bottleneck then cut."""
+
+    name = "partition"
+    after = ("dead-nodes", "precision")
+    options = {
+        "fleet": Option(str, None, "fleet spec file (default: the caller's ctx.data['fleet'])"),
+        "batch": Option(int, DEFAULT_BATCH, "samples per training step"),
+        "micro_batches": Option(int, 1, "micro-batches per step (1F1B pipeline: bounds resident activations)"),
+    }
+
+    def run(self, graph: Graph, ctx: PassContext) -> Counter:
+        fleet_spec = self.opts["fleet"] or ctx.data.get("fleet")
+        if fleet_spec is None:
+            raise PassError("pass 'partition' needs a fleet: give partition{fleet=FILE} or --fleet FILE")
+        batch, micro = self.opts["batch"], self.opts["micro_batches"]
+        if batch < 1 or micro < 1:
+            raise PassError(f"pass 'partition': batch and micro_batches must be >= 1, got {batch}, {micro}")
+        fleet = resolve_fleet(fleet_spec)
+        plan, cm = plan_partition(graph, fleet, batch=batch, micro_batches=micro)
+        changed = apply_plan(graph, plan, cm, fleet)
+        ev = plan.evaluation
+        ctx.notes.append(f"partition: {len(graph)} VNodes on {len(set(plan.assign.tolist()))} of "
+                         f"{len(fleet)} PNodes of {fleet.name!r}, bottleneck {ev.bottleneck:.4g} s "
+                         f"('{graph.meta['placement']['bottleneck_pnode']}'), "
+                         f"{human_bytes(ev.cut)} cut per step")
+        return Counter(placed=changed)
+
+
+# -- the exact oracle ------------------------------------------------------------------------------
+
+def solve_ilp(problem: Problem, *, time_limit: float = 60.0, cut_phase: bool = True,
+              warm_start: np.ndarray | None = None) -> tuple[np.ndarray, float, float, str]:
+    """The same objective solved exactly with PuLP/CBC: (assignment, bottleneck, cut, status).
+
+    Binary x[u,p] (unit u on PNode p), y[e,p] >= |x[a,p] - x[b,p]| (edge e
+    touches p and is cut), r[t,p] >= x[user,p] - x[pub,p] (a replica of a tied
+    weight on p).  Phase 1 minimises z >= time(p) for all p; phase 2 fixes
+    z <= z* (1 + 1e-6) and minimises the cut bytes (sum of w_e y[e,p] / 2).
+    Identical PNodes are symmetry-broken (unit j may use only the first j+1
+    PNodes of its class), which keeps every optimum reachable.  `warm_start`
+    (an assignment) gives CBC an incumbent; it cannot change the optimum.
+    """
+    import warnings
+
+    import pulp
+
+    with warnings.catch_warnings():  # PuLP 3.x announces its 4.0 API on every variable
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve_ilp(pulp, problem, time_limit, cut_phase, warm_start)
+
+
+def _solve_ilp(pulp, problem: Problem, time_limit: float, cut_phase: bool, warm_start: np.ndarray | None
+               ) -> tuple[np.ndarray, float, float, str]:
+    F, BW, M = problem.speeds()
+    n, k = problem.n, problem.k
+    classes: dict[tuple, list[int]] = {}
+    for p, pn in enumerate(problem.pnodes):
+        classes.setdefault((pn.memory, pn.flops, pn.bandwidth), []).append(p)
+    scale_t = max(float(problem.compute.sum() / F.max()), 1e-30)  # keep coefficients near 1
+    scale_w = max(float(problem.edge_w.max()) if len(problem.edge_w) else 1.0, 1.0)
+    lp = pulp.LpProblem("placement", pulp.LpMinimize)
+    x = {(u, p): pulp.LpVariable(f"x_{u}_{p}", cat="Binary") for u in range(n) for p in range(k)}
+    edges = list(zip(problem.edge_p.tolist(), problem.edge_q.tolist(), problem.edge_w.tolist()))
+    y = {(e, p): pulp.LpVariable(f"y_{e}_{p}", lowBound=0, upBound=1) for e in range(len(edges))
+         for p in range(k)}
+    r = {(t, p): pulp.LpVariable(f"r_{t}_{p}", lowBound=0, upBound=1) for t in range(len(problem.ties))
+         for p in range(k)}
+    z = pulp.LpVariable("z", lowBound=0)
+    lp += z
+    for u in range(n):
+        lp += pulp.lpSum(x[u, p] for p in range(k)) == 1
+    for members in classes.values():
+        for rank, p in enumerate(members):
+            for u in range(min(rank, n)):
+                lp += x[u, p] == 0
+    for e, (a, b, _) in enumerate(edges):
+        for p in range(k):
+            lp += y[e, p] >= x[a, p] - x[b, p]
+            lp += y[e, p] >= x[b, p] - x[a, p]
+    for t, (pub, user, _) in enumerate(problem.ties):
+        for p in range(k):
+            lp += r[t, p] >= x[user, p] - x[pub, p]
+    for p in range(k):
+        lp += (pulp.lpSum(float(problem.memory[u]) * x[u, p] for u in range(n))
+               + pulp.lpSum(float(rep) * r[t, p] for t, (_, _, rep) in enumerate(problem.ties))) <= float(M[p])
+        lp += (pulp.lpSum(float(problem.compute[u] / F[p] / scale_t) * x[u, p] for u in range(n))
+               + pulp.lpSum(float(w / BW[p] / scale_t) * y[e, p] for e, (_, _, w) in enumerate(edges))) <= z
+    if warm_start is not None:  # an incumbent only speeds up the proof; the optimum is CBC's own
+        for u in range(n):
+            for p in range(k):
+                x[u, p].setInitialValue(1 if warm_start[u] == p else 0)
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=1e-7, warmStart=warm_start is not None)
+    lp.solve(solver)
+    status = pulp.LpStatus[lp.status]
+    if status != "Optimal":
+        raise PartitionError(f"ILP: {status}")
+
+    def read() -> np.ndarray:
+        return np.array([max(range(k), key=lambda p: x[u, p].value()) for u in range(n)], dtype=np.int64)
+
+    assign = read()
+    if cut_phase and edges:
+        zstar = z.value()
+        lp += z <= zstar * (1 + 1e-6) + 1e-12
+        lp.setObjective(pulp.lpSum(float(w / scale_w) * y[e, p] for e, (_, _, w) in enumerate(edges)
+                                   for p in range(k)))
+        lp.solve(solver)
+        if pulp.LpStatus[lp.status] == "Optimal":
+            assign = read()
+    ev = evaluate(problem, assign)
+    return assign, ev.bottleneck, ev.cut, status
