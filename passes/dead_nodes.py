@@ -9,23 +9,26 @@ from __future__ import annotations
 
 from collections import Counter
 
-import networkx as nx
-
 from vgraph.ir import Graph
 from vgraph.pass_api import Pass, PassContext
 
 
 def live_nodes(graph: Graph) -> set[str]:
-    roots = {ep.node for ep in graph.iter_endpoints() if ep.node in graph}
-    live: set[str] = set()
+    """Everything an endpoint depends on, through edges and through weight ties."""
     publishers = graph.publishers()
-    while roots:
-        for r in roots:
-            live.add(r)
-            live |= nx.ancestors(graph.nx, r)
-        tied = {pub.id for n in live for alias, _ in graph.node(n).op.tied(graph.node(n).cfg).values()
-                if (pub := publishers.get(alias)) is not None}
-        roots = tied - live
+    inputs = graph.input_index()
+    live: set[str] = set()
+    todo = [ep.node for ep in graph.iter_endpoints() if ep.node in graph]
+    while todo:
+        node_id = todo.pop()
+        if node_id in live:
+            continue
+        live.add(node_id)
+        todo.extend(e.src for e in inputs[node_id].values())
+        node = graph.node(node_id)
+        for alias, _ in node.op.tied(node.cfg).values():
+            if (pub := publishers.get(alias)) is not None:
+                todo.append(pub.id)
     return live
 
 

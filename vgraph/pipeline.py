@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Protocol, Sequence
 
 from .diagnostics import Diagnostic, VGraphError
+from .gcpause import paused_gc
 from .ir import Graph
 from .pass_api import LOCAL_PASSES, Pass, PassContext, PassError
 from .plugins import Plugin, discover
@@ -209,6 +210,10 @@ class PassManager:
 
     def run(self, graph: Graph) -> Graph:
         """Run the pipeline in place; returns the graph for chaining."""
+        with paused_gc():
+            return self._run(graph)
+
+    def _run(self, graph: Graph) -> Graph:
         from .verify import verify as verify_graph
 
         applied: list[str] = graph.meta.setdefault(APPLIED, [])

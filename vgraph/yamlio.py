@@ -28,17 +28,16 @@ per sample, slots written only when not 0.
 """
 from __future__ import annotations
 
-import gc
 import json
 import re
 from collections.abc import Iterable
-from contextlib import contextmanager
 from pathlib import Path
 from sys import intern
 from typing import Any, NamedTuple
 
 import yaml
 
+from .gcpause import paused_gc
 from .diagnostics import Diagnostic, DiagnosticSink, SourceLoc, VGraphError, sorted_diagnostics
 from .ir import ENDPOINT_KINDS, Edge, Endpoint, Graph, GraphError, VNode
 from .ops import REGISTRY
@@ -706,7 +705,7 @@ def _loads(text: str, file: str, *, validate: bool = True, warnings: list[Diagno
     """
     from .verify import check
 
-    with _no_gc():
+    with paused_gc():
         sink = DiagnosticSink()
         build = _Builder(file, sink)
         if fast is False or not _read_fast(text, build):
@@ -724,35 +723,6 @@ def _loads(text: str, file: str, *, validate: bool = True, warnings: list[Diagno
         warnings.extend(d for d in sink.items if d.severity == "warning")
     assert graph is not None  # no graph means a reported error
     return graph
-
-
-_PROMOTE_AFTER = 50_000  # new container objects; a 1k-VNode network makes about 10k
-
-
-@contextmanager
-def _no_gc():
-    """Pause the cyclic GC while building a large graph.
-
-    Loading allocates millions of small acyclic objects; the generational
-    collector would rescan the growing heap again and again, which made load
-    time grow quadratically (10k VNodes: 1.9 s with GC, a tenth without).
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            if gc.get_count()[0] > _PROMOTE_AFTER:
-                # Move what was built straight into the oldest generation: the
-                # first young collection would otherwise walk every new object
-                # (7% of the load time at 100k VNodes) only to find it alive.
-                # freeze() + unfreeze() does that without a scan; it moves the
-                # process's other young objects too, which only means their
-                # garbage, if any, waits for the next full collection.
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def load(path: str | Path, *, validate: bool = True,

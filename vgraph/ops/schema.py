@@ -157,11 +157,13 @@ COMMON_FIELDS: tuple[Field, ...] = (
 class Schema:
     fields: tuple[Field, ...] = ()
     by_name: Mapping[str, Field] = field(init=False, repr=False, compare=False)
+    defaults: Mapping[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         table = {f.name: f for f in COMMON_FIELDS}
         table.update({f.name: f for f in self.fields})
         object.__setattr__(self, "by_name", table)
+        object.__setattr__(self, "defaults", {f.name: f.default for f in table.values()})
 
     def parse(self, raw: Mapping[str, str]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
         """Typed values of the keys present in `raw`, plus (key, problem) pairs.
@@ -187,9 +189,7 @@ class Schema:
 
     def resolve(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """Explicit values with every declared default filled in."""
-        out = {f.name: f.default for f in self.by_name.values()}
-        out.update(values)
-        return out
+        return {**self.defaults, **values}  # one C-level merge: passes resolve every node
 
     def format(self, values: Mapping[str, Any]) -> dict[str, str]:
         return {k: Field.format(v) for k, v in values.items()}
