@@ -14,8 +14,8 @@ from collections import Counter
 from itertools import groupby
 
 from vgraph.ir import Graph, VNode
-from vgraph.pass_api import Pass, PassContext
-from vgraph.rewrite import (Each, Match, P, Reject, Rule, RuleSet, fresh_id, inherited_config,
+from vgraph.pass_api import PassContext
+from vgraph.rewrite import (Each, Match, P, Reject, RewritePass, Rule, RuleSet, fresh_id, inherited_config,
                             only_feeds)
 
 
@@ -91,11 +91,10 @@ def fuse(graph: Graph, m: Match, ctx: PassContext) -> Counter | Reject:
 RULES = RuleSet([Rule("fuse-heads", HEADS, fuse)])
 
 
-class FuseHeads(Pass):
+class FuseHeads(RewritePass):
     """Fuse co-located attention heads (broadcast -> heads -> stack) into multi-head attention VNodes."""
 
     name = "fuse-heads"
     after = ("partition", "precision")
 
-    def run(self, graph: Graph, ctx: PassContext) -> Counter:
-        return RULES.apply(graph, ctx)
+    rules = RULES

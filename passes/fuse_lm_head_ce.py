@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import Counter
 
 from vgraph.ir import Graph, VNode
-from vgraph.pass_api import Pass, PassContext
-from vgraph.rewrite import Match, P, Reject, Rule, RuleSet, fresh_id, inherited_config
+from vgraph.pass_api import PassContext
+from vgraph.rewrite import Match, P, Reject, RewritePass, Rule, RuleSet, fresh_id, inherited_config
 
 
 def _ce_logits(cost: VNode) -> bool | str:
@@ -62,11 +62,10 @@ def fuse(graph: Graph, m: Match, ctx: PassContext) -> Counter | Reject:
 RULES = RuleSet([Rule("fuse-lm-head-ce", LM_HEAD_CE, fuse)])
 
 
-class FuseLMHeadCE(Pass):
+class FuseLMHeadCE(RewritePass):
     """Fuse a tied linear LM head and its ce_logits cost into tied_lm_head_ce (no logits in memory)."""
 
     name = "fuse-lm-head-ce"
     after = ("partition", "precision")
 
-    def run(self, graph: Graph, ctx: PassContext) -> Counter:
-        return RULES.apply(graph, ctx)
+    rules = RULES

@@ -299,8 +299,26 @@ def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     wanted = next((a for a in argv if not a.startswith("-")), None)
+    return run_parser(lambda: build_parser(wanted), argv)
+
+
+def run_commands(registrars: Sequence[Callable[[argparse._SubParsersAction], None]],
+                 argv: Sequence[str] | None = None, prog: str = "vgraph") -> int:
+    """Run a plugin's own commands (`python -m <module> ...`) exactly as `vgraph` runs them."""
+    def build() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog=prog)
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+        for register in registrars:
+            register(sub)
+        return parser
+
+    return run_parser(build, list(sys.argv[1:] if argv is None else argv))
+
+
+def run_parser(build: Callable[[], argparse.ArgumentParser], argv: list[str]) -> int:
+    """Parse and dispatch; a user's mistake prints its diagnostics and exits 2, no traceback."""
     try:
-        parser = build_parser(wanted)
+        parser = build()
         args = parser.parse_args(argv)
         if not getattr(args, "func", None):
             parser.print_help()

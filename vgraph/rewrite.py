@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence, Union
+from typing import Callable, ClassVar, Iterable, Sequence, Union
 
 from .ir import Graph, VNode
 from .ops import REGISTRY
-from .pass_api import PassContext
+from .pass_api import Pass, PassContext
 
 Predicate = Callable[[VNode], Union[bool, str, None]]
 """True/None: accept.  False or a string: refuse (the string is the reason)."""
@@ -171,6 +171,15 @@ class RuleSet:
                 counts.update(result or {})
                 break
         return counts
+
+
+class RewritePass(Pass):
+    """A pass that is a rule set: subclasses set `name`, a docstring and `rules`."""
+
+    rules: ClassVar[RuleSet]
+
+    def run(self, graph: Graph, ctx: PassContext) -> Counter:
+        return self.rules.apply(graph, ctx)
 
 
 def only_feeds(graph: Graph, node: VNode, consumers: Iterable[VNode]) -> str | None:

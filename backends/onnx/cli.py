@@ -130,20 +130,9 @@ def _check(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m vgraph.backends.onnx.cli {export-onnx,check-onnx} ...`` without the entry points."""
-    from vgraph.cli import EXIT_INVALID
-    from vgraph.diagnostics import VGraphError
+    from vgraph.cli import run_commands
 
-    parser = argparse.ArgumentParser(prog="python -m vgraph.backends.onnx.cli")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register_export(sub)
-    register_check(sub)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except VGraphError as exc:
-        for d in exc.diagnostics:
-            print(d, file=sys.stderr)
-        return EXIT_INVALID
+    return run_commands([register_export, register_check], argv, prog="python -m vgraph.backends.onnx.cli")
 
 
 if __name__ == "__main__":

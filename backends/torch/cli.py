@@ -14,7 +14,6 @@ from typing import Sequence
 
 from vgraph.diagnostics import VGraphError
 
-EXIT_INVALID = 2
 
 
 def _positive_int(text: str) -> int:
@@ -203,19 +202,9 @@ def _logits_output(graph) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m vgraph.backends.torch.cli train|generate ...`."""
-    parser = argparse.ArgumentParser(prog="vgraph", description="PyTorch backend commands.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    register_train(sub)
-    register_generate(sub)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except VGraphError as exc:
-        for d in exc.diagnostics:
-            print(d, file=sys.stderr)
-        return EXIT_INVALID
-    except KeyboardInterrupt:
-        return 130
+    from vgraph.cli import run_commands
+
+    return run_commands([register_train, register_generate], argv, prog="python -m vgraph.backends.torch.cli")
 
 
 if __name__ == "__main__":
