@@ -103,7 +103,7 @@ def test_a_real_browser_renders_it(net8, tmp_path: Path):
     browser = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)),
                    None)
     if browser is None:
-        pytest.skip("no Chromium here: see benchmarks/RESULTS_partition.md for the documented check")
+        pytest.skip("no Chromium here: see BENCHMARKS.md (partition section) for the documented check")
     import matplotlib.image as mpimg
 
     svg = tmp_path / "net8.svg"

@@ -34,7 +34,6 @@ from .costmodel import DEFAULT_BATCH, CostModel, cost_model
 from .diagnostics import Diagnostic, VGraphError
 from .fleet import Fleet, resolve_fleet
 from .ir import Endpoint, Graph, VNode
-from .ops import boundary as _boundary  # noqa: F401  (registers send / receive / weight_replica)
 from .ops.boundary import BOUNDARY_TYPES, shape_text
 from .verify import verify
 from .yamlio import save

@@ -119,7 +119,7 @@ def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.d
             rows, vocab, dim = prod(outs[1].shape[:-1]), cfg["out_dim"], cfg["in_dim"]
             if not want_logits:
                 outs = outs[:1]
-            chunk = min(rows * batch, K.default_ce_chunk_size(vocab))
+            chunk = min(rows * batch, K.default_ce_chunk_size(vocab, dim=dim))
             fixed_workspace = max(fixed_workspace, 4 * (2 * vocab * dim + chunk * vocab))
             saved += 4 * rows
         for t in outs:

@@ -33,6 +33,7 @@ from vgraph.diagnostics import Diagnostic, VGraphError
 from vgraph.ir import Graph, VNode
 
 from . import kernels as K
+from .dist_rng import keyed_dropout
 
 __all__ = [
     "Value",
@@ -322,11 +323,16 @@ def _lm_head_inputs(needed: frozenset[int], num_inputs: int) -> frozenset[int]:
 def _tied_lm_head_ce(ctx: LowerCtx):
     weight = ctx.tied("weight")
     loss = logits = None
-    if 0 in ctx.needed:  # chunked: the [B, S, V] logits never exist
-        loss = ctx.call(K.tied_lm_head_ce, ctx.inputs[0], weight, ctx.inputs[1],
-                        ignore_index=ctx.cfg["ignore_index"])
     if 1 in ctx.needed:
         logits = ctx.call(K.logits_chunk, ctx.inputs[0], weight)
+    if 0 in ctx.needed and logits is not None:
+        # Both read (e.g. an inference run returning every output): the logits
+        # exist anyway, so the loss comes from them instead of a second matmul.
+        loss = ctx.call(cost_loss, logits, ctx.inputs[1], function="ce_logits",
+                        ignore_index=ctx.cfg["ignore_index"])
+    elif 0 in ctx.needed:  # chunked: the [B, S, V] logits never exist
+        loss = ctx.call(K.tied_lm_head_ce, ctx.inputs[0], weight, ctx.inputs[1],
+                        ignore_index=ctx.cfg["ignore_index"])
     return [loss, logits]
 
 
@@ -345,7 +351,9 @@ def _dropout(ctx: LowerCtx):
     rate = ctx.cfg["rate"]
     if not ctx.training or rate == 0.0:
         return [ctx.inputs[0]]  # identity: nothing is emitted
-    return [ctx.call(F.dropout, ctx.inputs[0], p=rate, training=True)]
+    # Keyed by (seed, step, VNode, sample) when a trainer sets a key (dist_rng.py), so a
+    # micro-batched, partitioned step draws the same masks as the single-process one.
+    return [ctx.call(keyed_dropout, ctx.inputs[0], p=rate, node=ctx.node.id)]
 
 
 @register_lowering("broadcast")
@@ -386,3 +394,13 @@ def _tokenizer(ctx: LowerCtx):
 @register_lowering("detokenizer", make_module=_make_text_codec)
 def _detokenizer(ctx: LowerCtx):
     return [ctx.own_module(ctx.inputs[0])]
+
+
+# Boundary VNodes of a partitioned network's parts (vgraph/ops/boundary.py): a `send` is its
+# input (the part returns it as an output), a `receive` is the tensor fed as "<id>:in0", and a
+# `weight_replica` only owns the copy of a tied weight its part reads (`vgraph launch` keeps it
+# equal to the publisher's).
+register_lowering("send")(lambda ctx: [ctx.inputs[0]])
+register_lowering("receive")(lambda ctx: [ctx.inputs[0]])
+register_lowering("weight_replica")(lambda ctx: [])
+

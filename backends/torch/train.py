@@ -27,10 +27,12 @@ Design points:
 * **Precision**: autocast to the annotated compute dtype (fp16 with dynamic
   loss scaling via GradScaler, bf16 without), float32 master weights and
   float32 losses.  Without annotations (or on a CPU) everything is float32.
-* **Exact resume**: the data batches come from their own generator, dropout
-  from the global RNG; both are checkpointed, so a run killed at any moment
-  and resumed with `--resume` ends bitwise equal to an uninterrupted run
-  (CPU, `--deterministic`).  Metrics past the checkpoint are dropped on resume.
+* **Exact resume**: the data batches come from their own generator (its state
+  is checkpointed) and dropout masks are keyed by (seed, step, VNode, sample)
+  (dist_rng.py, which also makes `vgraph launch`'s micro-batched pipeline
+  draw the same masks), so a run killed at any moment and resumed with
+  `--resume` ends bitwise equal to an uninterrupted run (CPU,
+  `--deterministic`).  Metrics past the checkpoint are dropped on resume.
 * **Non-finite loss**: under fp16 loss scaling the scaler skips the step and
   lowers the scale; otherwise (or after too many skips in a row) training
   stops with a `TrainingError` naming the step, before that step's update.
@@ -64,6 +66,7 @@ from vgraph.yamlio import dumps, load, loads
 
 from . import checkpoint as ckpt
 from . import data as D
+from .dist_rng import clear_dropout_key, set_dropout_key
 from .lower import VGraphModule, compile_network, compute_dtype
 from .memory import check_memory
 
@@ -663,6 +666,7 @@ class _Run:
                     inputs = inputs.to(device, non_blocking=True)
                     targets = targets.to(device, non_blocking=True)
                 optimizers.set_factor(lr_factor(step, cfg))
+                set_dropout_key(cfg.seed, step)  # masks keyed by (seed, step, VNode, sample): dist_rng.py
                 with amp:
                     out = forward(*[inputs if is_tokens else targets for is_tokens in feed_is_tokens])
                 loss = out[costs[0]]
@@ -729,6 +733,7 @@ class _Run:
                     result.checkpoint = save(step)
                     last_flush = time.perf_counter()
         finally:
+            clear_dropout_key()
             bar.close()
         log.plot(run_dir / "loss_curve.png", source.name)
         result.step = step

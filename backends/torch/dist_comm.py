@@ -1,0 +1,84 @@
+"""Point-to-point tensor transport between the workers of a partitioned run (torch.distributed).
+
+A `Transport` carries one round (a training step's messages, a validation
+batch's, a weight sync) at a time.  `begin(expected)` tells it, per peer, the
+messages that peer will send this round in its sending order (from
+`dist_plan.message_order`) with their shapes and dtypes.  Then:
+
+* `send(dst, message, tensor)` posts a non-blocking `isend`; the tensor is
+  kept alive until `end()` waits for every send of the round.
+* `recv(src, message)` returns that message's tensor, receiving the peer's
+  earlier messages first (in their order) and buffering them, so the
+  receiver may consume messages in any order the schedule needs while the
+  wire sees exactly the sender's order.
+
+Bytes sent to other ranks are counted (`bytes_sent`), for comparison with the
+partition's prediction.  With `stage_through_cpu` (CUDA tensors over gloo,
+when several workers share one GPU) tensors go through host memory.
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Transport", "TransportError"]
+
+
+class TransportError(RuntimeError):
+    """The peers disagree about a round's messages (a bug, never a user's mistake)."""
+
+
+class Transport:
+    def __init__(self, device: torch.device, *, group: Any = None, stage_through_cpu: bool = False) -> None:
+        self.device = device
+        self.group = group
+        self.stage = stage_through_cpu
+        self.bytes_sent = 0
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._expected: dict[int, Sequence[tuple[Hashable, tuple[int, ...], torch.dtype]]] = {}
+        self._position: dict[int, int] = {}
+        self._buffer: dict[int, dict[Hashable, torch.Tensor]] = {}
+
+    def begin(self, expected: Mapping[int, Sequence[tuple[Hashable, tuple[int, ...], torch.dtype]]]) -> None:
+        """Start a round: `expected[src]` = (message, shape, dtype) src will send, in order."""
+        self._expected = dict(expected)
+        self._position = {src: 0 for src in self._expected}
+        self._buffer = {src: {} for src in self._expected}
+
+    def send(self, dst: int, message: Hashable, tensor: torch.Tensor) -> None:
+        wire = tensor.detach()
+        if self.stage and wire.device.type != "cpu":
+            wire = wire.cpu()
+        wire = wire.contiguous()
+        work = dist.isend(wire, dst, group=self.group)
+        self._pending.append((work, wire))
+        self.bytes_sent += wire.numel() * wire.element_size()
+
+    def recv(self, src: int, message: Hashable) -> torch.Tensor:
+        buffer = self._buffer.get(src)
+        if buffer is None:
+            raise TransportError(f"no messages from rank {src} are expected this round (wanted {message})")
+        while message not in buffer:
+            pos = self._position[src]
+            queue = self._expected[src]
+            if pos >= len(queue):
+                raise TransportError(f"rank {src} sends no {message} this round")
+            key, shape, dtype = queue[pos]
+            self._position[src] = pos + 1
+            device = torch.device("cpu") if self.stage else self.device
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(tensor, src, group=self.group)
+            buffer[key] = tensor.to(self.device) if self.stage else tensor
+        return buffer.pop(message)
+
+    def end(self) -> None:
+        """Wait for this round's sends; every expected message must have been read."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        for src, queue in self._expected.items():
+            if self._position[src] != len(queue) or self._buffer[src]:
+                left = [k for k, _, _ in queue[self._position[src]:]] + list(self._buffer[src])
+                raise TransportError(f"round ended with messages from rank {src} unread: {left[:4]}")

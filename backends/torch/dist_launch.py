@@ -1,0 +1,644 @@
+"""`vgraph launch`: train a network partitioned over a fleet, one torch.distributed worker per PNode.
+
+    vgraph launch NETWORK.yml --fleet FLEET.yml [train options] [--micro-batches M] [--pipeline 1f1b|gpipe]
+                  [--on-failure restart|repartition|stop] [--max-restarts N]
+                  [--nnodes N --node-rank R --master-addr HOST --master-port PORT]
+
+The launcher (this module) does what needs doing once: it runs the pass
+pipeline with the `partition` pass in it (before the fusions, so fusion
+respects the placement), tokenises the corpus once for everybody
+(run_dir/launch/tokens.safetensors), writes the run directory's files as
+`vgraph train` does (network.yml, tokenizer.json, run.json, placement.json),
+and a job file (run_dir/launch/job-<attempt>.json).  Then it starts one
+worker process per PNode that holds VNodes (dist_worker.py) with the
+torchrun environment on 127.0.0.1 and a free port (gloo on CPUs, nccl when
+every local worker has a GPU of its own, else gloo through host memory).
+Workers are forked from a multiprocessing forkserver that imported torch
+once, so starting (and restarting) them takes milliseconds, not seconds per
+process.  The launcher relays their output prefixed with `[<pnode>]` and
+supervises them:
+
+* all exit 0: done;
+* one exits 3 (a user-facing error: diverged loss, incompatible resume, an
+  input it cannot feed): the others are stopped and the error is raised;
+* one dies otherwise (killed, crashed, lost its peer): the others, typically
+  blocked in a receive from it, are terminated (SIGTERM, then SIGKILL), and
+  the run restarts from the last complete checkpoint, with the same
+  placement (`--on-failure restart`) or re-partitioned onto the PNodes that
+  survived (`--on-failure repartition`: the dead worker's PNode is dropped
+  from the fleet).  Checkpoints are in the unfused global layout and the
+  data generator state travels in them, so no step is lost or applied twice:
+  metrics past the checkpoint are dropped and recomputed.  At most
+  `--max-restarts` times.
+
+Several machines (the torchrun way): run the same command on every machine
+with `--nnodes N --node-rank R --master-addr <rank-0 machine> --master-port P`.
+The placement is computed identically everywhere; machine R hosts ranks
+R*k .. R*k+k-1 (k = ceil(ranks / N)), rank r being the r-th PNode in order of
+use along the network.  Rank 0 (machine 0) writes metrics and checkpoints and
+hands each rank its share of a checkpoint on resume, so only machine 0 needs
+the run directory.  A failure restarts every machine's workers from the last
+checkpoint (each launcher restarts its own; the rendezvous port moves to
+P + attempt); `repartition` is single-machine only.  The worker is a plain
+torchrun-style program, so
+`torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.dist_worker JOB.json`
+with the job file this command writes also works.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from vgraph.diagnostics import VGraphError
+from vgraph.fleet import Fleet, resolve_fleet
+from vgraph.ir import Graph
+from vgraph.partition_export import assignment_of, placement_report
+from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
+
+from . import checkpoint as ckpt
+from . import data as D
+from .dist_plan import PIPELINES
+from .dist_worker import EXIT_USER_ERROR, LAUNCH_DIR, apply_assignment
+from .train import (NO_FUSE_PIPELINE, TrainConfig, TrainingError, _atomic_write, _cache_dir, _clean_stale,
+                    _documents, _load_network, _resolve_device, _slug, _vocab_and_seq, build_tokenizer,
+                    device_target)
+
+__all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", "read_placement",
+           "register_launch", "main"]
+
+ON_FAILURE = ("restart", "repartition", "stop")
+TERMINATE_GRACE_S = 5.0
+
+
+@dataclass
+class LaunchConfig(TrainConfig):
+    """`TrainConfig` plus where and how to run it (the CLI options map one to one)."""
+
+    fleet: str | Path | Fleet | None = None
+    micro_batches: int | None = None  # default: min(batch, 2 x PNodes of the fleet)
+    pipeline: str = "1f1b"  # micro-batch schedule: 1f1b (bounded activations) | gpipe
+    on_failure: str = "restart"
+    max_restarts: int = 3
+    comm_timeout: float = 300.0  # seconds a worker waits on a peer before giving up
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # default: a free port (one machine), 29500 (several)
+    placement: dict[str, str] | str | Path | None = None  # VNode -> PNode, or a placement.json: no partition pass
+    hold: tuple[str, int] | None = None  # test hook: the worker of PNode [0] stops after step [1] (1st attempt)
+    log: Callable[[str], None] | None = None  # where status and worker lines go (default stderr)
+
+
+@dataclass
+class LaunchResult:
+    run_dir: Path
+    step: int
+    loss: float | None
+    val_loss: float | None
+    checkpoint: Path | None
+    restarts: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # per attempt: ranks, exit codes, outcome
+    placement: dict[str, Any] = field(default_factory=dict)  # placement_report of the last attempt
+
+
+# -- the graph --------------------------------------------------------------------------------------
+
+def split_pipeline(passes: str | None, fuse: bool, options: dict[str, str]) -> tuple[str, str, str]:
+    """(passes before the partition, the partition pass, passes after it) for a `vgraph train` pipeline.
+
+    The partition goes right after dead-nodes/precision (it prices effective
+    precisions) and before any fusion (fusion then respects the placement);
+    a pipeline that names `partition` itself keeps its place and options,
+    with the run's batch and micro-batches.
+    """
+    if passes is not None and not fuse:
+        raise VGraphError(f"give either --passes or --no-fuse, not both (--no-fuse means the pipeline "
+                          f"{NO_FUSE_PIPELINE!r})")
+    spec = passes if passes is not None else (DEFAULT_PIPELINE if fuse else NO_FUSE_PIPELINE)
+    items = parse_pipeline(spec) if spec.strip() else []
+    names = [name for name, _ in items]
+    if "partition" in names:
+        at = names.index("partition")
+        opts = {**items[at][1], **options}
+        items = items[:at] + items[at + 1:]
+    else:
+        at = max((i + 1 for i, name in enumerate(names) if name in ("dead-nodes", "precision")), default=0)
+        opts = dict(options)
+
+    def text(part: list[tuple[str, dict[str, str]]]) -> str:
+        return ",".join(name + ("{" + ",".join(f"{k}={v}" for k, v in o.items()) + "}" if o else "")
+                        for name, o in part)
+
+    return text(items[:at]), text([("partition", opts)]), text(items[at:])
+
+
+@dataclass
+class Placement:
+    graph: Graph  # placed and optimised, as every worker builds it
+    assignment: dict[str, str]  # VNode -> PNode right after the partition pass (pre-fusion ids)
+    final: dict[str, str]  # VNode -> PNode of `graph`
+    ranks: list[str]  # rank -> PNode, in order of use along the network
+    report: dict[str, Any]  # placement_report (placement.json)
+
+
+def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: str, target: str, batch: int,
+          micro_batches: int, assignment: dict[str, str] | None = None) -> Placement:
+    """Partition `source` onto `fleet` (or take `assignment`) and build the placed graph the workers build.
+
+    A given `assignment` names the VNodes as the partition pass would see them
+    (after the passes before it, i.e. before any fusion).
+    """
+    graph = source.copy()
+    if before:
+        run_pipeline(graph, before, target=target)
+    if assignment is None:
+        if "partition" not in available_passes():
+            raise VGraphError("the 'partition' pass is not installed: reinstall vgraph (pip install -e .) so "
+                              "its entry point is registered")
+        run_pipeline(graph, partition, target=target, data={"fleet": fleet})
+        assignment = {n.id: n.meta["pnode"] for n in graph.nodes}
+    else:
+        missing = [n.id for n in graph.nodes if n.id not in assignment]
+        unknown = sorted(set(assignment.values()) - set(fleet.ids))
+        problems = []
+        if missing:
+            problems.append(f"does not place VNode(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unknown:
+            problems.append(f"names PNode(s) {', '.join(unknown)} that fleet {fleet.name!r} does not have")
+        if problems:
+            raise VGraphError(f"the given placement {'; '.join(problems)}")
+        assignment = {n.id: assignment[n.id] for n in graph.nodes}
+    placed = apply_assignment(source, before, assignment, after, target)
+    final = assignment_of(placed)
+    ranks = list(dict.fromkeys(final[n.id] for n in placed.topo_order()))
+    report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches)
+    return Placement(placed, assignment, final, ranks, report)
+
+
+def read_placement(path: str | Path) -> dict[str, str]:
+    """The `assignment` of a placement.json (as `vgraph partition` and `vgraph launch` write)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        assignment = data["assignment"] if isinstance(data, dict) and "assignment" in data else data
+        if not isinstance(assignment, dict) or not all(isinstance(v, str) for v in assignment.values()):
+            raise ValueError("expected {'assignment': {vnode: pnode}}")
+    except (OSError, ValueError, KeyError) as exc:
+        raise VGraphError(f"{path}: not a placement: {exc}") from None
+    return assignment
+
+
+# -- processes --------------------------------------------------------------------------------------
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies, so no orphan keeps a port or a GPU.
+
+    A worker's parent is the forkserver, which exits when the launcher does."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _worker_process(job_path: str, env: dict[str, str], output: Any) -> None:
+    """A worker's entry point, forked from the forkserver (torch is already imported there).
+
+    Its stdout and stderr, Python's and C's alike, go into `output`, a pipe the
+    launcher reads and prefixes with the PNode id.
+    """
+    os.dup2(output.fileno(), 1)
+    os.dup2(output.fileno(), 2)
+    output.close()
+    os.environ.update(env)
+    _die_with_parent()
+    from .dist_worker import main as worker_main
+
+    sys.exit(worker_main([job_path]))
+
+
+def _context() -> Any:
+    """Workers fork from a forkserver that imported vgraph and torch once: a worker (and a restart)
+    starts in milliseconds instead of seconds, and nothing is forked from the launcher's threads."""
+    import multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo: the first optimizer built imports it (1-2 s), once here instead of in every worker.
+    ctx.set_forkserver_preload(["vgraph.backends.torch.dist_launch", "torch._dynamo"])
+    return ctx
+
+
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """multiprocessing re-runs the parent's main script in a child unless it is guarded by
+    `if __name__ == "__main__"`; a worker needs nothing from it, so it is hidden while starting one."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+@dataclass
+class _Worker:
+    rank: int
+    pnode: str
+    process: Any  # multiprocessing.Process
+    relay: threading.Thread
+
+
+class _Supervisor:
+    """Starts the local workers of one attempt, relays their output, and waits for the outcome."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self.workers: list[_Worker] = []
+
+    def start(self, job_path: Path, ranks: Sequence[int], pnodes: Sequence[str], world: int, addr: str, port: int,
+              threads: int) -> None:
+        ctx = _context()
+        for local_rank, rank in enumerate(ranks):
+            env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(len(ranks)), OMP_NUM_THREADS=str(threads),
+                       MKL_NUM_THREADS=str(threads), VGRAPH_PNODE=pnodes[rank])
+            reader, writer = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_worker_process, args=(str(job_path), env, writer),
+                                  name=f"vgraph-worker-{pnodes[rank]}", daemon=True)
+            with _main_module_hidden():
+                process.start()
+            writer.close()
+            relay = threading.Thread(target=self._relay, args=(pnodes[rank], reader), daemon=True)
+            relay.start()
+            self.workers.append(_Worker(rank, pnodes[rank], process, relay))
+
+    def _relay(self, pnode: str, reader: Any) -> None:
+        fd = reader.fileno()
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                self.emit(f"[{pnode}] {line.decode('utf-8', 'replace').rstrip()}")
+        if pending.strip():
+            self.emit(f"[{pnode}] {pending.decode('utf-8', 'replace').rstrip()}")
+        reader.close()
+
+    def pids(self) -> dict[str, int]:
+        return {w.pnode: w.process.pid for w in self.workers}
+
+    def wait(self, poll_s: float = 0.02) -> tuple[bool, dict[int, int], list[int]]:
+        """(all succeeded, exit code per rank, ranks that failed first)."""
+        while True:
+            codes = {w.rank: w.process.exitcode for w in self.workers}
+            failed = [r for r, c in codes.items() if c not in (None, 0)]
+            if failed:
+                first = {r: codes[r] for r in failed}
+                self.stop()
+                final = {w.rank: w.process.exitcode for w in self.workers}
+                # Ranks killed by a signal before we stopped anyone are the lost ones; else the first to exit.
+                lost = [r for r, c in first.items() if c is not None and c < 0] or failed
+                return False, final, lost
+            if all(c == 0 for c in codes.values()):
+                self._join()
+                return True, {r: 0 for r in codes}, []
+            time.sleep(poll_s)
+
+    def stop(self) -> None:
+        alive = [w for w in self.workers if w.process.exitcode is None]
+        for w in alive:
+            w.process.terminate()
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for w in alive:
+            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if w.process.exitcode is None:
+                w.process.kill()
+                w.process.join()
+        self._join()
+
+    def _join(self) -> None:
+        for w in self.workers:
+            w.relay.join(timeout=5)
+
+
+# -- the launch -------------------------------------------------------------------------------------
+
+def _validate(cfg: LaunchConfig) -> None:
+    if cfg.fleet is None:
+        raise VGraphError("vgraph launch needs a fleet: --fleet FLEET.yml (see networks/fleets/)")
+    if cfg.steps < 0 or cfg.batch < 1:
+        raise TrainingError(f"--steps must be >= 0 and --batch >= 1 (got {cfg.steps}, {cfg.batch})")
+    if cfg.schedule not in ("constant", "cosine"):
+        raise TrainingError(f"--schedule must be constant or cosine, not {cfg.schedule!r}")
+    if cfg.on_failure not in ON_FAILURE:
+        raise VGraphError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {cfg.on_failure!r}")
+    if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
+        raise VGraphError(f"--node-rank must be in 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), got {cfg.node_rank}")
+    if cfg.nnodes > 1 and cfg.on_failure == "repartition":
+        raise VGraphError("--on-failure repartition needs all workers on one machine; use restart with --nnodes")
+    if cfg.compile:
+        raise VGraphError("vgraph launch does not support --compile yet")
+    if cfg.pipeline not in PIPELINES:
+        raise VGraphError(f"--pipeline must be one of {', '.join(PIPELINES)}, not {cfg.pipeline!r}")
+    if cfg.max_restarts < 0:
+        raise VGraphError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
+
+
+def launch(config: LaunchConfig) -> LaunchResult:
+    """Partition, start the workers, supervise them through failures; see the module docstring."""
+    cfg = config
+    _validate(cfg)
+    lock = threading.Lock()
+
+    def emit(line: str) -> None:
+        with lock:
+            if cfg.log is not None:
+                cfg.log(line)
+            else:
+                print(line, file=sys.stderr, flush=True)
+
+    say = emit if cfg.progress else (lambda line: None)
+    fleet = resolve_fleet(cfg.fleet)
+    device = _resolve_device(cfg.device)
+    source, yaml_text = _load_network(cfg.network)
+    network_file = str(cfg.network) if not isinstance(cfg.network, Graph) else f"<{source.name}>"
+    vocab, seq_len = _vocab_and_seq(source)
+    micro = cfg.micro_batches or min(cfg.batch, 2 * len(fleet))
+    if not 1 <= micro <= cfg.batch:
+        raise TrainingError(f"--micro-batches must be between 1 and --batch {cfg.batch}, got {micro}")
+
+    run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / _slug(source.name)
+    launch_dir = run_dir / LAUNCH_DIR
+    launch_dir.mkdir(parents=True, exist_ok=True)
+    lead = cfg.node_rank == 0
+    resume = cfg.resume
+    if lead:
+        _clean_stale(run_dir)
+        try:
+            latest = ckpt.latest_checkpoint(run_dir)
+        except ckpt.CheckpointError as exc:
+            raise TrainingError(f"cannot resume {run_dir}: {exc}") from None
+        if latest is not None and not resume:
+            raise TrainingError(f"{run_dir} already holds a training run (checkpoint {latest.name}); pass "
+                                f"--resume to continue it or choose another --out")
+        for stale in [*launch_dir.glob("held-*"), *launch_dir.glob("error-*"), launch_dir / "release"]:
+            stale.unlink(missing_ok=True)
+
+    # Data, once for every worker: the same tokenizer and token streams `vgraph train` would use.
+    documents, data_desc = _documents(cfg)
+    tokenizer, tok_kind = build_tokenizer(documents, vocab, _cache_dir(cfg))
+    if tokenizer.get_vocab_size() > vocab:
+        raise TrainingError(f"tokenizer has {tokenizer.get_vocab_size()} tokens but the network's vocabulary is "
+                            f"{vocab}")
+    try:
+        dataset = D.TokenDataset(documents, tokenizer, seq_len=seq_len)
+    except D.DataError as exc:
+        raise TrainingError(f"training data ({data_desc}): {exc}") from None
+    from safetensors.torch import save_file
+
+    tokens_path = launch_dir / "tokens.safetensors"
+    save_file({"train": dataset.train_tokens.contiguous(), "val": dataset.val_tokens.contiguous()},
+              str(tokens_path))
+    tokenizer_path = launch_dir / "tokenizer.json"
+    _atomic_write(tokenizer_path, tokenizer.to_str())
+
+    target = device_target(device)
+    options = {"batch": str(cfg.batch), "micro_batches": str(micro)}
+    before, partition, after = split_pipeline(cfg.passes, cfg.fuse, options)
+    run_info: dict[str, Any] = {
+        "network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len, "data": data_desc,
+        "tokenizer": tok_kind, "vocab_size": vocab, "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device),
+        "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
+    }
+    if lead:
+        if not (run_dir / "network.yml").exists() or not resume:
+            _atomic_write(run_dir / "network.yml", yaml_text)
+            _atomic_write(run_dir / "tokenizer.json", tokenizer.to_str())
+
+    result = LaunchResult(run_dir, 0, None, None, None)
+    hold = cfg.hold
+    attempt = 0
+    base_port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)
+    while True:
+        given = cfg.placement if attempt == 0 or cfg.on_failure == "restart" else None
+        if isinstance(given, (str, Path)):
+            given = read_placement(given)
+        placement = place(source, fleet, before=before, partition=partition, after=after, target=target,
+                          batch=cfg.batch, micro_batches=micro, assignment=given)
+        ranks = placement.ranks
+        world = len(ranks)
+        per_node = math.ceil(world / cfg.nnodes)
+        local = list(range(cfg.node_rank * per_node, min(world, (cfg.node_rank + 1) * per_node)))
+        use_cuda = device.type == "cuda"
+        nccl = use_cuda and len(local) <= torch.cuda.device_count() and torch.distributed.is_nccl_available()
+        threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
+        info = dict(run_info, precision=dict(placement.graph.meta.get("precision") or {}),
+                    launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": micro, "attempt": attempt})
+        if lead:
+            _atomic_write(run_dir / "run.json", json.dumps(info, indent=2, default=str) + "\n")
+            _atomic_write(run_dir / "placement.json", json.dumps(placement.report, indent=2) + "\n")
+        job = {
+            "run_dir": str(run_dir.absolute()), "network_yaml": yaml_text, "network_file": network_file,
+            "pipeline_before": before, "pipeline_after": after, "target": target,
+            "assignment": placement.assignment, "final_assignment": placement.final, "ranks": ranks,
+            "device": "cuda" if use_cuda else "cpu", "backend": "nccl" if nccl else "gloo",
+            "stage_through_cpu": use_cuda and not nccl,
+            "tokens": str(tokens_path.absolute()), "tokenizer": str(tokenizer_path.absolute()),
+            "run_info": info, "predicted_cut_bytes": placement.report["cut_bytes_per_step"], "attempt": attempt,
+            "hold": ({"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None),
+            "config": _worker_config(cfg, micro, threads, resume),
+        }
+        job_path = launch_dir / f"job-{attempt}.json"
+        _atomic_write(job_path, json.dumps(job, default=str))
+        port = (base_port + attempt) if base_port else free_port()
+        say(f"launch: {source.name} on {world} worker(s) {', '.join(ranks)} of fleet {fleet.name!r} "
+            f"({'nccl' if nccl else 'gloo'}, {micro} micro-batches {cfg.pipeline}, predicted boundary traffic "
+            f"{placement.report['cut_bytes_per_step']:,} bytes/step); attempt {attempt}")
+        supervisor = _Supervisor(emit)
+        try:
+            supervisor.start(job_path, local, ranks, world, cfg.master_addr, port, threads)
+            _atomic_write(launch_dir / "workers.json", json.dumps({"attempt": attempt, "pids": supervisor.pids()}))
+            ok, codes, lost = supervisor.wait()
+        except BaseException:
+            supervisor.stop()
+            raise
+        record = {"attempt": attempt, "ranks": ranks, "exit_codes": {ranks[r]: c for r, c in codes.items()},
+                  "lost": [ranks[r] for r in lost], "ok": ok}
+        result.attempts.append(record)
+        result.placement = placement.report
+        if ok:
+            break
+        errors = _user_errors(launch_dir)
+        if errors or any(c == EXIT_USER_ERROR for c in codes.values()):
+            raise TrainingError(errors or "a worker stopped with an error (see its output above)")
+        lost_pnodes = [ranks[r] for r in lost]
+        described = ", ".join(f"{ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
+        if cfg.on_failure == "stop" or result.restarts >= cfg.max_restarts:
+            raise TrainingError(f"worker {described} failed; not restarting "
+                                f"({'--on-failure stop' if cfg.on_failure == 'stop' else f'{result.restarts} restarts'})."
+                                f" Continue the run with --resume.")
+        if cfg.on_failure == "repartition":
+            survivors = tuple(p for p in fleet if p.id not in lost_pnodes)
+            if not survivors:
+                raise TrainingError(f"worker {described} failed and no PNode is left to re-partition onto")
+            fleet = Fleet(fleet.name, survivors, fleet.source)
+        result.restarts += 1
+        attempt += 1
+        resume = True
+        hold = None
+        where = ckpt.latest_checkpoint(run_dir) if lead else None
+        emit(f"launch: worker {described} failed; restarting from {where or 'the last checkpoint'}"
+             f"{' on ' + ', '.join(fleet.ids) if cfg.on_failure == 'repartition' else ''}")
+
+    if lead:
+        rows = []
+        jsonl = run_dir / "metrics.jsonl"
+        if jsonl.is_file():
+            rows = [json.loads(line) for line in jsonl.read_text(encoding="utf-8").splitlines() if line.strip()]
+        result.history = rows
+        if rows:
+            result.step = rows[-1]["step"]
+            result.loss = rows[-1]["loss"]
+        result.val_loss = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
+        result.checkpoint = ckpt.latest_checkpoint(run_dir)
+    return result
+
+
+def _worker_config(cfg: LaunchConfig, micro: int, threads: int, resume: bool) -> dict[str, Any]:
+    keep = {f.name for f in fields(TrainConfig)} - {"network", "data", "out", "cache_dir", "passes", "fuse",
+                                                       "corpus_bytes", "memory_limit", "compile"}
+    out = {name: getattr(cfg, name) for name in sorted(keep)}
+    out.update(micro_batches=micro, threads=threads, resume=resume, comm_timeout=cfg.comm_timeout,
+               pipeline=cfg.pipeline)
+    return out
+
+
+def _user_errors(launch_dir: Path) -> str:
+    texts = [p.read_text(encoding="utf-8").strip() for p in sorted(launch_dir.glob("error-*.txt"))]
+    return "\n".join(dict.fromkeys(t for t in texts if t))
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+def register_launch(subparsers: argparse._SubParsersAction) -> None:
+    """Add `launch` to a `vgraph` subparser set (entry point of group `vgraph.commands`)."""
+    from .cli import _non_negative_int, _positive_int
+
+    p = subparsers.add_parser(
+        "launch", help="train a network partitioned over a fleet, one torch.distributed worker per PNode",
+        description="Partition the network onto the fleet's PNodes and train it with one worker process per "
+                    "PNode (torch.distributed; pipelined micro-batches, boundary tensors by send/recv). A "
+                    "worker that dies is detected and the run restarts from the last checkpoint. The run "
+                    "directory is the one `vgraph train` writes.")
+    p.add_argument("network", metavar="FILE", help="network YAML")
+    p.add_argument("--fleet", required=True, metavar="FLEET", help="fleet spec YAML (PNodes)")
+    p.add_argument("--micro-batches", type=_positive_int, metavar="M",
+                   help="micro-batches per step, pipelined over the PNodes (default min(batch, 2 x PNodes))")
+    p.add_argument("--pipeline", choices=PIPELINES, default="1f1b",
+                   help="micro-batch schedule: 1f1b (default; at most min(M, PNodes) micro-batches of activations "
+                        "per worker) or gpipe (all forwards, then all backwards)")
+    p.add_argument("--placement", metavar="JSON", help="use this placement.json's assignment (VNode -> PNode, "
+                   "VNodes as before fusion) instead of running the partition pass")
+    p.add_argument("--on-failure", choices=ON_FAILURE, default="restart",
+                   help="when a worker dies: restart all from the last checkpoint on the same placement "
+                        "(default), re-partition onto the surviving PNodes, or stop")
+    p.add_argument("--max-restarts", type=_non_negative_int, default=3, metavar="N", help="default 3")
+    p.add_argument("--comm-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a worker waits on a peer before failing (default 300)")
+    p.add_argument("--nnodes", type=_positive_int, default=1, help="machines taking part (default 1)")
+    p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this machine's index (default 0)")
+    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+                   help="address of machine 0 (default 127.0.0.1)")
+    p.add_argument("--master-port", type=_positive_int, metavar="PORT",
+                   help="rendezvous port on machine 0 (default: free port; 29500 with --nnodes > 1)")
+    p.add_argument("--data", metavar="PATH", help="text file, directory or glob; default: the embedded corpus")
+    p.add_argument("--steps", type=_non_negative_int, default=1000)
+    p.add_argument("--batch", type=_positive_int, default=8)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup", type=_non_negative_int, default=0)
+    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="DIR", help="run directory (default runs/<network name>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--passes", metavar="SPEC", help="pass pipeline (the partition pass is inserted before "
+                   "the fusions unless the pipeline names it)")
+    p.add_argument("--no-fuse", action="store_true")
+    p.add_argument("--val-every", type=_non_negative_int, default=200, metavar="N")
+    p.add_argument("--val-batches", type=_positive_int, default=8, metavar="N")
+    p.add_argument("--checkpoint-every", type=_non_negative_int, default=500, metavar="N")
+    p.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="N")
+    p.add_argument("--deterministic", action="store_true")
+    p.add_argument("--threads", type=_positive_int, help="CPU threads per worker (default: cores / workers)")
+    p.add_argument("--log-every", type=_positive_int, metavar="N")
+    p.add_argument("--grad-clip", type=float, metavar="NORM")
+    p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")
+    p.add_argument("--quiet", action="store_true", help="no status lines (errors still show)")
+    p.set_defaults(func=run_launch)
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    config = LaunchConfig(
+        network=args.network, fleet=args.fleet, data=args.data, steps=args.steps, batch=args.batch, lr=args.lr,
+        warmup=args.warmup, schedule=args.schedule, seed=args.seed, out=args.out, resume=args.resume,
+        device=args.device, passes=args.passes, fuse=not args.no_fuse, val_every=args.val_every,
+        val_batches=args.val_batches, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
+        log_every=args.log_every, grad_clip=args.grad_clip,
+        corpus_bytes=args.corpus_bytes or D.DEFAULT_CORPUS_MAX_BYTES, progress=not args.quiet,
+        micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
+        comm_timeout=args.comm_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port)
+    result = launch(config)
+    parts = [f"step {result.step}"]
+    if result.loss is not None:
+        parts.append(f"loss {result.loss:.4f}")
+    if result.val_loss is not None:
+        parts.append(f"val loss {result.val_loss:.4f}")
+    if result.restarts:
+        parts.append(f"{result.restarts} restart(s)")
+    print(f"{result.run_dir}: {', '.join(parts)}; checkpoint {result.checkpoint}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m vgraph.backends.torch.dist_launch launch ...` (before the entry point is installed)."""
+    from vgraph.cli import run_commands
+
+    return run_commands([register_launch], argv, prog="python -m vgraph.backends.torch.dist_launch")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,472 @@
+"""The static plan of a partitioned training step: who computes what, and which tensors cross.
+
+Input: a placed graph (every VNode assigned to a PNode, see the `partition`
+pass) and the order of the PNodes (rank r hosts `ranks[r]`).  Output: a
+`DistPlan` every worker derives identically, so no plan ever travels.
+
+**Tasks.**  A PNode's VNodes cannot always run as one block: production
+networks keep the embedder and the LM head in one `required` group, so the
+PNode holding it computes the start of the network, waits for the blocks on
+the other PNodes, then computes the end.  Each VNode therefore gets a *stage*:
+0 where no edge enters, else the largest stage among its producers, plus one
+when the producer lives on another PNode.  A *task* is one (PNode, stage);
+edges between tasks only go from lower to higher stages, so the task graph is
+acyclic even when the PNode graph has a cycle.  The tasks are cut out with
+`vgraph.partition_export.split_network` (tasks stand in for PNodes), so every
+crossing is an explicit `send` / `receive` pair and a tied weight used away
+from its publisher's task is a `weight_replica`.
+
+**Transfers.**  One per cut edge (the partition's `cut_edges`): the tensor on
+the wire is the producer's activation at the effective dtype the cost model
+prices (`vgraph.costmodel`), and, for floats, its gradient comes back the
+same way.  Between two tasks of one rank the tensor is handed over in memory.
+
+**Ties.**  A `weight_replica` whose publisher is on another rank is synced
+every step: the replica's gradient goes to the owner (added to the owner's
+before its optimizer steps) and the updated weight comes back, 2 x the
+weight, exactly what `TieCost.sync_bytes_per_step` predicts.  A replica on the
+publisher's own rank simply shares the publisher's Parameter.
+
+**Schedule** (`schedule_ops` / `message_order`).  Micro-batches are pipelined,
+1F1B by default: every rank runs a ready backward when it has one, else a
+ready forward, and keeps at most min(M, ranks) micro-batches in flight, so a
+stage holds the activations the partition's cost model budgets
+(`CostModel.resident_samples`); the per-rank orders come from a deterministic
+simulation every worker repeats.  GPipe (all forwards, then all backwards)
+is the alternative.  Either way every op only needs ops that come before it
+in one global order, and sends never block (isend), so the schedule cannot
+deadlock on any placement.  `message_order` lists, per ordered pair of
+ranks, the messages in the sender's order; receivers read a peer's messages
+in that order (buffering any they do not need yet), which is what NCCL
+requires (no tags) and keeps gloo's matching trivially right.
+"""
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Sequence
+
+from vgraph import layout
+from vgraph.diagnostics import VGraphError
+from vgraph.ir import Graph
+from vgraph.partition_export import split_network
+
+__all__ = ["Task", "Transfer", "Tie", "MetricSource", "DistPlan", "make_plan", "stages", "Op", "rank_ops",
+           "schedule_ops", "PIPELINES", "weight_ops", "sends_of", "message_order", "Message", "micro_batch_sizes"]
+
+_REDUCED = ("float16", "bfloat16")
+
+
+@dataclass
+class Task:
+    """The VNodes of one PNode at one stage, as a network of their own."""
+
+    id: str  # "<pnode>#<stage>"
+    pnode: str
+    rank: int
+    stage: int
+    graph: Graph
+    sends: list[int] = field(default_factory=list)  # indices of outgoing transfers
+    receives: list[int] = field(default_factory=list)  # indices of incoming transfers
+    costs: list[str] = field(default_factory=list)  # cost endpoint names computed here
+    send_outputs: dict[str, str] = field(default_factory=dict)  # send VNode -> its output name
+
+    @property
+    def want(self) -> tuple[str, ...]:
+        """What this task's program computes: every send, then every cost."""
+        return (*self.send_outputs.values(), *self.costs)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One cut edge: `src`:`src_slot` (task `src_task`) feeds `dst`:`dst_slot` (task `dst_task`)."""
+
+    index: int
+    src_task: str
+    dst_task: str
+    src_rank: int
+    dst_rank: int
+    send_id: str  # the send VNode in the producer's task graph
+    recv_id: str  # the receive VNode in the consumer's task graph
+    src: str
+    src_slot: int
+    dst: str
+    dst_slot: int
+    shape: tuple[int, ...]  # per sample
+    dtype: str  # on the wire
+    grad: bool  # a gradient flows back
+
+    @property
+    def remote(self) -> bool:
+        return self.src_rank != self.dst_rank
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A tied weight read through a `weight_replica` in `replica_task`, owned by `owner_node`."""
+
+    index: int
+    alias: str
+    owner_task: str
+    owner_node: str
+    owner_rank: int
+    replica_task: str
+    replica_node: str
+    replica_rank: int
+    shape: tuple[int, ...]
+
+    @property
+    def remote(self) -> bool:
+        return self.owner_rank != self.replica_rank
+
+
+@dataclass(frozen=True)
+class MetricSource:
+    """Where a `metrics:` entry of the network is measured: the task and VNode that hold its value."""
+
+    name: str
+    type: str | None
+    task: str
+    node: str  # the VNode whose lr / gradient / cost it reports (a tied VNode's publisher)
+    slot: int
+
+
+@dataclass
+class DistPlan:
+    graph: Graph
+    ranks: list[str]  # rank -> PNode id
+    tasks: dict[str, Task]  # in (stage, rank) order
+    transfers: list[Transfer]
+    ties: list[Tie]
+    metrics: list[MetricSource]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def tasks_of(self, rank: int) -> list[Task]:
+        """The rank's tasks in forward order (by stage)."""
+        return sorted((t for t in self.tasks.values() if t.rank == rank), key=lambda t: t.stage)
+
+    def param_keys(self, rank: int) -> set[str]:
+        """Unfused checkpoint keys the rank's tasks own (replicas excluded: their owners save them)."""
+        keys: set[str] = set()
+        for task in self.tasks_of(rank):
+            for key, pieces in layout.param_sources(task.graph).items():
+                if task.graph.node(key.split(".", 1)[0]).type != "weight_replica":
+                    keys.update(k for k, _ in pieces)
+        return keys
+
+    def cut_bytes_per_step(self, batch: int) -> int:
+        """Bytes the plan moves between ranks in one training step of `batch` samples."""
+        from vgraph.types import DTYPE_BYTES
+
+        total = 0
+        for tr in self.transfers:
+            if tr.remote:
+                numel = 1
+                for d in tr.shape:
+                    numel *= d
+                total += numel * batch * DTYPE_BYTES[tr.dtype] * (2 if tr.grad else 1)
+        for tie in self.ties:
+            if tie.remote:
+                numel = 1
+                for d in tie.shape:
+                    numel *= d
+                total += 2 * numel * 4  # float32 master weight out, its gradient back
+        return total
+
+    def describe(self) -> str:
+        lines = [f"{len(self.tasks)} tasks on {self.world_size} ranks; "
+                 f"{sum(t.remote for t in self.transfers)} remote transfers, "
+                 f"{sum(t.remote for t in self.ties)} tied weights synced"]
+        for task in self.tasks.values():
+            lines.append(f"  rank {task.rank} ({task.pnode}) stage {task.stage}: {len(task.graph)} VNodes, "
+                         f"in {len(task.receives)}, out {len(task.sends)}, costs {task.costs or '-'}")
+        return "\n".join(lines)
+
+
+def stages(graph: Graph, assignment: dict[str, str]) -> dict[str, int]:
+    """VNode -> stage: the number of PNode changes on the longest path reaching it."""
+    out: dict[str, int] = {}
+    for node in graph.topo_order():
+        stage = 0
+        for e in graph.in_edges(node.id):
+            stage = max(stage, out[e.src] + (assignment[e.src] != assignment[node.id]))
+        out[node.id] = stage
+    return out
+
+
+def _wire_dtype(graph: Graph, node_id: str, declared: str) -> str:
+    """The dtype a boundary tensor travels in: the cost model's effective dtype (fp32 without annotations)."""
+    if declared not in _REDUCED:
+        return declared
+    info = graph.node(node_id).meta.get("precision") or {}
+    return info.get("activation") or "float32"
+
+
+def make_plan(graph: Graph, assignment: dict[str, str], ranks: Sequence[str] | None = None) -> DistPlan:
+    """The plan for `graph` placed by `assignment` (VNode -> PNode), rank r hosting `ranks[r]`.
+
+    `ranks` defaults to the PNodes in order of first use along the network.
+    """
+    missing = [n.id for n in graph.nodes if n.id not in assignment]
+    if missing:
+        raise VGraphError(f"the placement does not assign {', '.join(missing[:5])}"
+                          f"{' ...' if len(missing) > 5 else ''} to a PNode")
+    if ranks is None:
+        ranks = list(dict.fromkeys(assignment[n.id] for n in graph.topo_order()))
+    rank_of = {pnode: r for r, pnode in enumerate(ranks)}
+    unknown = sorted({p for p in assignment.values() if p not in rank_of})
+    if unknown:
+        raise VGraphError(f"PNode(s) {', '.join(unknown)} hold VNodes but have no worker rank")
+    stage_of = stages(graph, assignment)
+    task_of = {nid: f"{assignment[nid]}#{stage_of[nid]}" for nid in stage_of}
+    parts = split_network(graph, task_of)
+    precision = graph.meta.get("precision")
+    tasks: dict[str, Task] = {}
+    order = sorted(parts, key=lambda tid: (int(tid.rsplit("#", 1)[1]), rank_of[tid.rsplit("#", 1)[0]]))
+    for tid in order:
+        part = parts[tid]
+        if precision is not None:
+            part.meta["precision"] = copy.deepcopy(precision)
+        pnode, stage = tid.rsplit("#", 1)
+        task = Task(tid, pnode, rank_of[pnode], int(stage), part)
+        task.costs = [ep.name for ep in part.costs]
+        for ep in part.outputs:
+            if part.node(ep.node).type == "send":
+                task.send_outputs[ep.node] = ep.name
+        tasks[tid] = task
+
+    transfers = _transfers(graph, tasks)
+    for tr in transfers:
+        tasks[tr.src_task].sends.append(tr.index)
+        tasks[tr.dst_task].receives.append(tr.index)
+    ties = _ties(graph, tasks)
+    metrics = _metrics(graph, task_of)
+    return DistPlan(graph, list(ranks), tasks, transfers, ties, metrics)
+
+
+def _transfers(graph: Graph, tasks: dict[str, Task]) -> list[Transfer]:
+    sends: dict[tuple[str, str, int], str] = {}  # (task, consumer VNode, its slot) -> send id
+    for task in tasks.values():
+        for n in task.graph.nodes:
+            if n.type == "send":
+                sends[(task.id, n.cfg["peer_node"], int(n.cfg["peer_slot"]))] = n.id
+    found = []
+    for task in tasks.values():
+        for n in task.graph.nodes:
+            if n.type != "receive":
+                continue
+            (edge,) = task.graph.out_edges(n.id)
+            src_task = tasks[n.cfg["peer_pnode"]]
+            send_id = sends[(src_task.id, edge.dst, edge.dst_slot)]
+            src, src_slot = n.cfg["peer_node"], int(n.cfg["peer_slot"])
+            t = graph.node(src).outputs[src_slot]
+            found.append((src_task, task, send_id, n.id, src, src_slot, edge.dst, edge.dst_slot, t))
+    found.sort(key=lambda f: (f[0].stage, f[0].rank, f[1].stage, f[1].rank, f[6], f[7]))
+    out = []
+    for i, (st, dt, send_id, recv_id, src, src_slot, dst, dst_slot, t) in enumerate(found):
+        dtype = _wire_dtype(graph, src, t.dtype)
+        out.append(Transfer(i, st.id, dt.id, st.rank, dt.rank, send_id, recv_id, src, src_slot, dst, dst_slot,
+                            tuple(t.shape), dtype, t.kind == "float"))
+    return out
+
+
+def _ties(graph: Graph, tasks: dict[str, Task]) -> list[Tie]:
+    publishers = graph.publishers()
+    found = []
+    for task in tasks.values():
+        for n in task.graph.nodes:
+            if n.type != "weight_replica":
+                continue
+            alias = n.config.get("shared_weight_alias")
+            owner = publishers.get(alias)
+            if owner is None:
+                raise VGraphError(f"weight replica {n.id!r} in task {task.id} has no publisher of {alias!r}")
+            owner_task = tasks[n.cfg["peer_pnode"]]
+            found.append((alias, owner_task, owner.id, task, n.id, tuple(n.cfg["shape"])))
+    found.sort(key=lambda f: (f[0], f[3].stage, f[3].rank))
+    return [Tie(i, alias, ot.id, owner, ot.rank, rt.id, rid, rt.rank, shape)
+            for i, (alias, ot, owner, rt, rid, shape) in enumerate(found)]
+
+
+def _metrics(graph: Graph, task_of: dict[str, str]) -> list[MetricSource]:
+    publishers = graph.publishers()
+    out = []
+    for ep in graph.metrics:
+        node = graph.node(ep.node)
+        source = node.id
+        if ep.type != "loss" and not node.op.param_shapes(node.cfg) and node.op.tied(node.cfg):
+            alias = next(iter(node.op.tied(node.cfg).values()))[0]
+            if alias in publishers:
+                source = publishers[alias].id  # a tied VNode trains (and is measured) through its publisher
+        out.append(MetricSource(ep.name, ep.type, task_of[source], source, ep.slot))
+    return out
+
+
+# -- the schedule ----------------------------------------------------------------------------------
+
+OpKind = Literal["fwd", "bwd", "tie_grad", "tie_weight"]
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: OpKind
+    task: str | None  # fwd / bwd
+    micro: int  # fwd / bwd
+    tie: int | None = None  # tie_grad / tie_weight
+
+
+@dataclass(frozen=True)
+class Message:
+    """One tensor between two ranks: activation 'a' / gradient 'g' of a transfer in micro-batch
+    `micro`, or a tie's gradient 'tg' / weight 'w'."""
+
+    kind: str
+    index: int
+    micro: int = 0
+
+
+def micro_batch_sizes(batch: int, micro_batches: int) -> list[int]:
+    """Sizes of the micro-batches of a batch (as torch.tensor_split cuts it: larger ones first)."""
+    if not 1 <= micro_batches <= batch:
+        raise VGraphError(f"--micro-batches must be between 1 and the batch size {batch}, got {micro_batches}")
+    base, extra = divmod(batch, micro_batches)
+    return [base + (1 if m < extra else 0) for m in range(micro_batches)]
+
+
+PIPELINES = ("1f1b", "gpipe")
+
+
+def schedule_ops(plan: DistPlan, micro_batches: int, *, train: bool, pipeline: str = "1f1b"
+                 ) -> dict[int, list[Op]]:
+    """Every rank's ops of one round (a training step, or a forward-only evaluation), in execution order."""
+    if pipeline not in PIPELINES:
+        raise VGraphError(f"pipeline schedule must be one of {', '.join(PIPELINES)}, not {pipeline!r}")
+    if train and pipeline == "1f1b":
+        ops = _one_f_one_b(plan, micro_batches)
+    else:
+        ops = {}
+        for rank in range(plan.world_size):
+            mine = plan.tasks_of(rank)
+            ops[rank] = [Op("fwd", t.id, m) for t in mine for m in range(micro_batches)]
+            if train:
+                ops[rank] += [Op("bwd", t.id, m) for t in reversed(mine) for m in range(micro_batches)]
+    if train:
+        for rank in ops:
+            ops[rank] += [Op("tie_grad", None, 0, tie.index) for tie in plan.ties
+                          if tie.remote and rank in (tie.owner_rank, tie.replica_rank)]
+    return ops
+
+
+def rank_ops(plan: DistPlan, rank: int, micro_batches: int, *, train: bool, pipeline: str = "1f1b") -> list[Op]:
+    """One rank's ops of a round (see `schedule_ops`)."""
+    return schedule_ops(plan, micro_batches, train=train, pipeline=pipeline)[rank]
+
+
+def _one_f_one_b(plan: DistPlan, micro_batches: int) -> dict[int, list[Op]]:
+    """1F1B by simulation: each rank runs a ready backward if it has one, else a ready forward, and
+    starts a new micro-batch (in order) only while fewer than min(M, ranks) are in flight on it.
+
+    Every op takes one time unit; the simulated start order of each rank is its schedule.  Executing
+    those orders with blocking receives cannot deadlock: the simulated timeline is a global order in
+    which every op comes after the ops it needs.  The cap can never stall the simulation either: the
+    oldest unfinished micro-batch is in flight on every rank that has started it, and a rank that has
+    not has nothing older in flight, so it may start it.
+    """
+    cap = max(1, min(micro_batches, plan.world_size))
+    ranks = range(plan.world_size)
+    tasks = {r: plan.tasks_of(r) for r in ranks}
+    fwd_needs = {tid: {plan.transfers[i].src_task for i in task.receives} for tid, task in plan.tasks.items()}
+    bwd_needs = {tid: {plan.transfers[i].dst_task for i in task.sends if plan.transfers[i].grad}
+                 for tid, task in plan.tasks.items()}
+    fwd_done: set[tuple[str, int]] = set()
+    bwd_done: set[tuple[str, int]] = set()
+    in_flight: dict[int, set[int]] = {r: set() for r in ranks}
+    next_start = {r: 0 for r in ranks}
+    left = {(r, m): len(tasks[r]) for r in ranks for m in range(micro_batches)}  # backwards to go
+    order: dict[int, list[Op]] = {r: [] for r in ranks}
+    total = 2 * micro_batches * len(plan.tasks)
+    done = 0
+    while done < total:
+        chosen: list[tuple[int, Op]] = []
+        for r in ranks:
+            op = None
+            for m in sorted(in_flight[r]):  # backward first: oldest micro-batch, last stage first
+                for task in reversed(tasks[r]):
+                    if ((task.id, m) not in bwd_done and (task.id, m) in fwd_done
+                            and all((t, m) in bwd_done for t in bwd_needs[task.id])):
+                        op = Op("bwd", task.id, m)
+                        break
+                if op:
+                    break
+            if op is None:
+                candidates = sorted(in_flight[r])
+                if next_start[r] < micro_batches and len(in_flight[r]) < cap:
+                    candidates.append(next_start[r])
+                for m in candidates:
+                    for task in tasks[r]:
+                        if ((task.id, m) not in fwd_done and (m == 0 or (task.id, m - 1) in fwd_done)
+                                and all((t, m) in fwd_done for t in fwd_needs[task.id])):
+                            op = Op("fwd", task.id, m)
+                            break
+                    if op:
+                        break
+            if op is not None:
+                chosen.append((r, op))
+        if not chosen:
+            raise RuntimeError("1F1B schedule simulation stalled (a bug in dist_plan)")
+        for r, op in chosen:  # all ranks' choices of this time unit complete together
+            order[r].append(op)
+            done += 1
+            if op.kind == "fwd":
+                fwd_done.add((op.task, op.micro))
+                if op.micro not in in_flight[r]:
+                    in_flight[r].add(op.micro)
+                    next_start[r] += 1
+            else:
+                bwd_done.add((op.task, op.micro))
+                left[(r, op.micro)] -= 1
+                if left[(r, op.micro)] == 0:
+                    in_flight[r].discard(op.micro)
+    return order
+
+
+def weight_ops(plan: DistPlan, rank: int) -> list[Op]:
+    """The rank's part of a tie-weight round (owner -> replicas), run after every optimizer step."""
+    return [Op("tie_weight", None, 0, tie.index) for tie in plan.ties
+            if tie.remote and rank in (tie.owner_rank, tie.replica_rank)]
+
+
+def sends_of(plan: DistPlan, rank: int, op: Op) -> Iterable[tuple[int, Message]]:
+    """(destination rank, message) of everything `op` on `rank` sends to another rank, in order."""
+    if op.kind == "fwd":
+        for i in plan.tasks[op.task].sends:
+            tr = plan.transfers[i]
+            if tr.remote:
+                yield tr.dst_rank, Message("a", i, op.micro)
+    elif op.kind == "bwd":
+        for i in plan.tasks[op.task].receives:
+            tr = plan.transfers[i]
+            if tr.remote and tr.grad:
+                yield tr.src_rank, Message("g", i, op.micro)
+    elif op.kind == "tie_grad":
+        tie = plan.ties[op.tie]
+        if rank == tie.replica_rank:
+            yield tie.owner_rank, Message("tg", tie.index)
+    elif op.kind == "tie_weight":
+        tie = plan.ties[op.tie]
+        if rank == tie.owner_rank:
+            yield tie.replica_rank, Message("w", tie.index)
+
+
+def message_order(plan: DistPlan, ops_by_rank: dict[int, list[Op]]) -> dict[tuple[int, int], list[Message]]:
+    """(src rank, dst rank) -> the messages src sends dst in one round, in sending order."""
+    out: dict[tuple[int, int], list[Message]] = defaultdict(list)
+    for rank, ops in ops_by_rank.items():
+        for op in ops:
+            for dst, msg in sends_of(plan, rank, op):
+                out[(rank, dst)].append(msg)
+    return dict(out)

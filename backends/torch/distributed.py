@@ -1,0 +1,38 @@
+"""Training a partitioned network across processes on torch.distributed (`vgraph launch`).
+
+    from vgraph.backends.torch.distributed import LaunchConfig, launch
+    result = launch(LaunchConfig(network="net.yml", fleet="fleet.yml", steps=100, batch=8, micro_batches=4))
+    result.history[-1]["loss"], result.restarts, result.placement["cut_bytes_per_step"]
+
+One worker process per PNode of the placement hosts that PNode's part of the
+network; boundary activations and their gradients travel by point-to-point
+send/recv; micro-batches are pipelined (1F1B or GPipe); a tied weight split over
+PNodes is synced every step; a worker that dies is detected and the run
+restarts from the last checkpoint, on the same placement or re-partitioned
+onto the surviving PNodes.  It is the same training as `vgraph train`
+(same losses up to float rounding; checkpoints in the same unfused format, so
+a run moves freely between one process and any partition).
+
+The pieces, each in its own module:
+
+* dist_plan.py   - tasks (PNode x stage), transfers (cut edges), ties, the 1F1B /
+                   GPipe schedules and their per-peer message order (deadlock-free
+                   by construction);
+* dist_comm.py   - the transport: isend / ordered recv with buffering, bytes counted;
+* dist_rng.py    - dropout keyed by (seed, step, VNode, sample), shared with `vgraph train`;
+* dist_worker.py - one rank: builds its modules and optimizers, runs the schedule,
+                   reduces losses, gathers metrics and checkpoints on rank 0;
+* dist_launch.py - the launcher and the `launch` command: partition, data, job
+                   file, forkserver-started workers, failure detection and restarts.
+"""
+from __future__ import annotations
+
+from .dist_launch import LaunchConfig, LaunchResult, launch, place, register_launch, split_pipeline
+from .dist_plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops, stages
+from .dist_rng import dropout_key, keyed_dropout
+
+__all__ = [
+    "LaunchConfig", "LaunchResult", "launch", "place", "register_launch", "split_pipeline",
+    "DistPlan", "Task", "Tie", "Transfer", "make_plan", "rank_ops", "schedule_ops", "stages",
+    "dropout_key", "keyed_dropout",
+]
