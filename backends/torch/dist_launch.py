@@ -73,9 +73,8 @@ from . import checkpoint as ckpt
 from . import data as D
 from .dist_plan import PIPELINES
 from .dist_worker import EXIT_USER_ERROR, LAUNCH_DIR, apply_assignment
-from .train import (NO_FUSE_PIPELINE, TrainConfig, TrainingError, _atomic_write, _cache_dir, _clean_stale,
-                    _documents, _load_network, _resolve_device, _slug, _vocab_and_seq, build_tokenizer,
-                    device_target)
+from .train import (NO_FUSE_PIPELINE, TrainConfig, TrainingError, _atomic_write, _clean_stale,
+                    _load_network, _resolve_device, _slug, _vocab_and_seq, device_target, prepare_data)
 
 __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", "read_placement",
            "register_launch", "main"]
@@ -417,15 +416,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
             stale.unlink(missing_ok=True)
 
     # Data, once for every worker: the same tokenizer and token streams `vgraph train` would use.
-    documents, data_desc = _documents(cfg)
-    tokenizer, tok_kind = build_tokenizer(documents, vocab, _cache_dir(cfg))
-    if tokenizer.get_vocab_size() > vocab:
-        raise TrainingError(f"tokenizer has {tokenizer.get_vocab_size()} tokens but the network's vocabulary is "
-                            f"{vocab}")
-    try:
-        dataset = D.TokenDataset(documents, tokenizer, seq_len=seq_len)
-    except D.DataError as exc:
-        raise TrainingError(f"training data ({data_desc}): {exc}") from None
+    data = prepare_data(cfg, vocab, seq_len)
+    dataset, tokenizer, tok_kind, data_desc = data.dataset, data.tokenizer, data.tokenizer_kind, data.description
     from safetensors.torch import save_file
 
     tokens_path = launch_dir / "tokens.safetensors"

@@ -380,6 +380,29 @@ def _cache_dir(config: TrainConfig) -> Path:
     return Path(os.environ.get("VGRAPH_CACHE") or Path.home() / ".cache" / "vgraph")
 
 
+@dataclass
+class PreparedData:
+    dataset: "D.TokenDataset"
+    tokenizer: Any
+    tokenizer_kind: str  # "bpe" | "char"
+    description: str  # where the text came from, for the run info and the log
+
+
+def prepare_data(config: TrainConfig, vocab: int, seq_len: int) -> PreparedData:
+    """The tokenizer and token streams a run trains on: one place for `vgraph train` and `vgraph launch`,
+    so both see exactly the same data."""
+    documents, description = _documents(config)
+    tokenizer, kind = build_tokenizer(documents, vocab, _cache_dir(config))
+    if tokenizer.get_vocab_size() > vocab:
+        raise TrainingError(f"tokenizer has {tokenizer.get_vocab_size()} tokens but the network's "
+                            f"vocabulary is {vocab}")
+    try:
+        dataset = D.TokenDataset(documents, tokenizer, seq_len=seq_len)
+    except D.DataError as exc:
+        raise TrainingError(f"training data ({description}): {exc}") from None
+    return PreparedData(dataset, tokenizer, kind, description)
+
+
 def _documents(config: TrainConfig) -> tuple[list[str], str]:
     try:
         if config.data:
@@ -574,15 +597,8 @@ class _Run:
         estimate = check_memory(graph, cfg.batch, device, compute_dtype=dtype, limit=cfg.memory_limit)
         self.say(f"memory estimate: {estimate.describe()}")
 
-        documents, data_desc = _documents(cfg)
-        tokenizer, tok_kind = build_tokenizer(documents, vocab, _cache_dir(cfg))
-        if tokenizer.get_vocab_size() > vocab:
-            raise TrainingError(f"tokenizer has {tokenizer.get_vocab_size()} tokens but the network's "
-                                f"vocabulary is {vocab}")
-        try:
-            dataset = D.TokenDataset(documents, tokenizer, seq_len=seq_len)
-        except D.DataError as exc:
-            raise TrainingError(f"training data ({data_desc}): {exc}") from None
+        data = prepare_data(cfg, vocab, seq_len)
+        dataset, tokenizer, tok_kind, data_desc = data.dataset, data.tokenizer, data.tokenizer_kind, data.description
         run_info = {"network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
                     "data": data_desc, "tokenizer": tok_kind, "vocab_size": vocab,
                     "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "precision": precision,
