@@ -390,3 +390,33 @@ def test_reshape_keeps_batch() -> None:
         K.reshape(x, [5, 5])
     with pytest.raises(ValueError, match="at most one -1"):
         K.reshape(x, [-1, -1])
+
+
+def test_rope_hand_written_backward_equals_autograd() -> None:
+    """_RoPE's backward (the transpose of the rotation) against autograd through the plain formula."""
+    torch.manual_seed(0)
+    cos, sin = K.rope_cos_sin(6, 8, 10000.0, dtype=torch.float64)
+    x = torch.randn(2, 3, 6, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: K.apply_rope(t, cos, sin), (x,))
+    g = torch.randn(2, 3, 6, 8, dtype=torch.float64)
+    (fast,) = torch.autograd.grad(K.apply_rope(x, cos, sin), x, g)
+    (plain,) = torch.autograd.grad(x * cos + K._rotate_half(x) * sin, x, g)
+    torch.testing.assert_close(fast, plain, rtol=0, atol=1e-12)
+
+
+def test_tied_ce_under_cpu_autocast_keeps_an_fp32_loss() -> None:
+    """Under autocast the LM-head matmuls run in bf16 with fp32 sums; the loss stays fp32 and close."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    w = (0.1 * torch.randn(96, 32)).requires_grad_()
+    t = torch.randint(0, 96, (2, 8))
+    ref = F.cross_entropy((x @ w.T).reshape(-1, 96), t.reshape(-1))
+    ref_gx, ref_gw = torch.autograd.grad(ref, (x, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = K.tied_lm_head_ce(x, w, t)
+    assert loss.dtype == torch.float32
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    assert gx.dtype == x.dtype and gw.dtype == w.dtype
+    torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gx, ref_gx, rtol=5e-2, atol=5e-3)
+    torch.testing.assert_close(gw, ref_gw, rtol=5e-2, atol=5e-3)

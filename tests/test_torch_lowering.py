@@ -319,3 +319,16 @@ def test_a_float32_vnode_inside_a_reduced_precision_network() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = module(feeds, want=("head_up:0", "block0_ffn_up:0"))
     assert out["head_up:0"].dtype == torch.float32 and out["block0_ffn_up:0"].dtype == torch.bfloat16
+
+
+def test_reading_loss_and_logits_forms_the_logits_once(tiny) -> None:
+    """Both outputs of a fused LM head: one logits matmul, the loss taken from it, not a second pass."""
+    fused = prepare_graph(tiny, passes="fuse-heads,fuse-lm-head-ce")
+    module = compile_network(fused, seed=0, train=False)
+    code = module.code(("ce_loss", "logits"))
+    assert code.count("logits_chunk(") == 1
+    assert "tied_lm_head_ce(" not in code
+    ids = _ids((2, 16), 96, 0)
+    both = module({"embedder:in0": ids, "lm_head_ce:in1": ids}, want=("ce_loss", "logits"))
+    alone = module({"embedder:in0": ids, "lm_head_ce:in1": ids}, want=("ce_loss",))
+    torch.testing.assert_close(both["ce_loss"], alone["ce_loss"], rtol=1e-5, atol=1e-6)
