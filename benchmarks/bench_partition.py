@@ -158,7 +158,8 @@ def metis_vs_ours(graph: Graph, fleet_: Fleet, batch: int = 8) -> dict:
 
 
 def ilp_table(limit: float) -> list[tuple]:
-    from vgraph.passes.partition import plan_partition, solve_ilp
+    from vgraph.passes.partition import plan_partition
+    from vgraph.passes.partition_ilp import solve_ilp
 
     rows = []
     for name, g, fl, batch in ilp_instances():
