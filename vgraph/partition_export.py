@@ -36,6 +36,7 @@ from .fleet import Fleet, resolve_fleet
 from .ir import Endpoint, Graph, VNode
 from .ops.boundary import BOUNDARY_TYPES, shape_text
 from .verify import verify
+from .rewrite import fresh_id
 from .yamlio import save
 
 PLACEMENT_FILE = "placement.json"
@@ -191,10 +192,8 @@ def split_network(graph: Graph, assignment: Mapping[str, str] | None = None) -> 
 
 
 def fresh_id_in(taken: set[str], base: str) -> str:
-    """`base` or `base_2`, ... not in `taken` (which it joins)."""
-    name, k = base, 2
-    while name in taken:
-        name, k = f"{base}_{k}", k + 1
+    """`fresh_id`, reserving the name in `taken`."""
+    name = fresh_id(taken, base)
     taken.add(name)
     return name
 

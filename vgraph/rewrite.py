@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Iterable, Sequence, Union
+from typing import Callable, ClassVar, Container, Iterable, Sequence, Union
 
 from .ir import Graph, VNode
 from .ops import REGISTRY
@@ -194,14 +194,12 @@ def only_feeds(graph: Graph, node: VNode, consumers: Iterable[VNode]) -> str | N
     return None
 
 
-def fresh_id(graph: Graph, base: str) -> str:
-    """`base`, or `base_2`, `base_3`, ... whichever is not taken yet."""
-    if base not in graph:
-        return base
-    k = 2
-    while f"{base}_{k}" in graph:
-        k += 1
-    return f"{base}_{k}"
+def fresh_id(taken: Container[str], base: str) -> str:
+    """`base`, or `base_2`, `base_3`, ... whichever is not in `taken` (a Graph or a set of names)."""
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    return name
 
 
 PLACEMENT_KEYS = ("colocate_group", "colocate_policy")

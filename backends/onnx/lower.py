@@ -268,6 +268,15 @@ class NodeLowering:
                        reduction="mean", ignore_index=ignore_index)
 
 
+def _reserve(taken: set[str], name: str) -> str:
+    """`name`, or `name_1`, `name_2`, ... not in `taken`, which it joins."""
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}_{i}", i + 1
+    taken.add(candidate)
+    return candidate
+
+
 Lowering = Callable[[NodeLowering], Sequence[str | None]]
 
 #: canonical op name -> lowering rule.
@@ -315,18 +324,10 @@ class _ModelBuilder:
         self.publishers = self.graph.publishers()
 
     def unique(self, name: str) -> str:
-        candidate, i = name, 1
-        while candidate in self.used_names:
-            candidate, i = f"{name}_{i}", i + 1
-        self.used_names.add(candidate)
-        return candidate
+        return _reserve(self.used_names, name)
 
     def unique_node(self, name: str) -> str:
-        candidate, i = name, 1
-        while candidate in self.node_names:
-            candidate, i = f"{name}_{i}", i + 1
-        self.node_names.add(candidate)
-        return candidate
+        return _reserve(self.node_names, name)
 
     @staticmethod
     def doc_of(node: VNode) -> str:

@@ -102,15 +102,20 @@ def run_train(args: argparse.Namespace) -> int:
         corpus_bytes=args.corpus_bytes or DEFAULT_CORPUS_MAX_BYTES, memory_limit=args.memory_limit,
         compile=args.compile, progress=not args.quiet)
     result = train(config)
+    skipped = f"{result.skipped_steps} steps skipped by the loss scaler" if result.skipped_steps else None
+    print_result(result, skipped)
+    return 0
+
+
+def print_result(result, *extra: str | None) -> None:
+    """The one summary line of a finished run (`vgraph train`, `vgraph launch`)."""
     parts = [f"step {result.step}"]
     if result.loss is not None:
         parts.append(f"loss {result.loss:.4f}")
     if result.val_loss is not None:
         parts.append(f"val loss {result.val_loss:.4f}")
-    if result.skipped_steps:
-        parts.append(f"{result.skipped_steps} steps skipped by the loss scaler")
+    parts += [e for e in extra if e]
     print(f"{result.run_dir}: {', '.join(parts)}; checkpoint {result.checkpoint}")
-    return 0
 
 
 def register_generate(subparsers: argparse._SubParsersAction) -> None:

@@ -613,15 +613,10 @@ def run_launch(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         comm_timeout=args.comm_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port)
+    from .cli import print_result
+
     result = launch(config)
-    parts = [f"step {result.step}"]
-    if result.loss is not None:
-        parts.append(f"loss {result.loss:.4f}")
-    if result.val_loss is not None:
-        parts.append(f"val loss {result.val_loss:.4f}")
-    if result.restarts:
-        parts.append(f"{result.restarts} restart(s)")
-    print(f"{result.run_dir}: {', '.join(parts)}; checkpoint {result.checkpoint}")
+    print_result(result, f"{result.restarts} restart(s)" if result.restarts else None)
     return 0
 
 
