@@ -11,7 +11,7 @@ Adam, float32 loss, exactly as `vgraph train` runs it.  Variants:
                               cross-entropy cost: the logits are materialised);
 * ``vgraph fused-global-rng`` fused, with dropout drawn by F.dropout from the global RNG
                               instead of `vgraph train`'s masks keyed per (step, VNode,
-                              sample) (dist_rng.py): what the keying costs;
+                              sample) (dropout.py): what the keying costs;
 * ``handwritten``             benchmarks/handwritten_model.py under the same autocast
                               (F.cross_entropy on the full logits);
 * ``... +compile``            each under `torch.compile` (with `--compile`, as time allows).
@@ -104,9 +104,9 @@ def _amp(device: torch.device, dtype: torch.dtype):
 
 
 def _dropout_key(step: int):
-    """`vgraph train` keys dropout masks by (seed, step, VNode, sample) (dist_rng.py, where present)."""
+    """`vgraph train` keys dropout masks by (seed, step, VNode, sample) (backends/torch/dropout.py)."""
     try:
-        from vgraph.backends.torch.dist_rng import dropout_key
+        from vgraph.backends.torch.dropout import dropout_key
     except ImportError:
         return contextlib.nullcontext()
     return dropout_key(0, step)

@@ -136,9 +136,9 @@ def vgraph_variant(name: str, graph: vgraph.Graph, fuse: bool, ids: torch.Tensor
 
 
 def dropout_keyed_like_train(step: int):
-    """`vgraph train` keys dropout masks by (seed, step, VNode, sample) (dist_rng.py, where present)."""
+    """`vgraph train` keys dropout masks by (seed, step, VNode, sample) (backends/torch/dropout.py)."""
     try:
-        from vgraph.backends.torch.dist_rng import dropout_key
+        from vgraph.backends.torch.dropout import dropout_key
     except ImportError:  # a tree without keyed dropout: F.dropout on the global RNG, as train then does
         return contextlib.nullcontext()
     return dropout_key(0, step)

@@ -27,10 +27,10 @@ from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, TrainingError, train
 from vgraph.backends.torch.checkpoint import load_checkpoint
 from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.dist_launch import LaunchConfig, launch, main as launch_main, place, split_pipeline
-from vgraph.backends.torch.dist_plan import (Message, make_plan, message_order, micro_batch_sizes, rank_ops,
+from vgraph.backends.torch.distributed.launch import LaunchConfig, launch, main as launch_main, place, split_pipeline
+from vgraph.backends.torch.distributed.plan import (Message, make_plan, message_order, micro_batch_sizes, rank_ops,
                                              schedule_ops, sends_of, stages, weight_ops)
-from vgraph.backends.torch.dist_rng import dropout_key, keyed_dropout
+from vgraph.backends.torch.dropout import dropout_key, keyed_dropout
 from vgraph.diagnostics import VGraphError
 from vgraph.fleet import loads_fleet
 from vgraph.partition_export import placement_report

@@ -9,6 +9,8 @@
 * `register_lowering` (ops.py): give a plugin op type its PyTorch meaning.
 * `interpret` (interpreter.py): the slow node-by-node reference.
 * `train` / `TrainConfig` (train.py) and the `train` / `generate` commands (cli.py).
+* `distributed/`: `vgraph launch`, one torch.distributed worker per PNode.
+* `keyed_dropout` (dropout.py): masks keyed by (seed, step, VNode, sample).
 * `to_graph_layout` / `to_unfused_layout`: move weights between fused and unfused graphs.
 * `estimate_training_memory` / `check_memory` (memory.py): refuse what cannot fit.
 """

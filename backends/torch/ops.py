@@ -33,7 +33,7 @@ from vgraph.diagnostics import Diagnostic, VGraphError
 from vgraph.ir import Graph, VNode
 
 from . import kernels as K
-from .dist_rng import keyed_dropout
+from .dropout import keyed_dropout
 
 __all__ = [
     "Value",
@@ -351,7 +351,7 @@ def _dropout(ctx: LowerCtx):
     rate = ctx.cfg["rate"]
     if not ctx.training or rate == 0.0:
         return [ctx.inputs[0]]  # identity: nothing is emitted
-    # Keyed by (seed, step, VNode, sample) when a trainer sets a key (dist_rng.py), so a
+    # Keyed by (seed, step, VNode, sample) when a trainer sets a key (dropout.py), so a
     # micro-batched, partitioned step draws the same masks as the single-process one.
     return [ctx.call(keyed_dropout, ctx.inputs[0], p=rate, node=ctx.node.id)]
 

@@ -29,7 +29,7 @@ Design points:
   float32 losses.  Without annotations (or on a CPU) everything is float32.
 * **Exact resume**: the data batches come from their own generator (its state
   is checkpointed) and dropout masks are keyed by (seed, step, VNode, sample)
-  (dist_rng.py, which also makes `vgraph launch`'s micro-batched pipeline
+  (dropout.py, which also makes `vgraph launch`'s micro-batched pipeline
   draw the same masks), so a run killed at any moment and resumed with
   `--resume` ends bitwise equal to an uninterrupted run (CPU,
   `--deterministic`).  Metrics past the checkpoint are dropped on resume.
@@ -66,7 +66,7 @@ from vgraph.yamlio import dumps, load, loads
 
 from . import checkpoint as ckpt
 from . import data as D
-from .dist_rng import clear_dropout_key, set_dropout_key
+from .dropout import clear_dropout_key, set_dropout_key
 from .lower import VGraphModule, compile_network, compute_dtype
 from .memory import check_memory
 
@@ -682,7 +682,7 @@ class _Run:
                     inputs = inputs.to(device, non_blocking=True)
                     targets = targets.to(device, non_blocking=True)
                 optimizers.set_factor(lr_factor(step, cfg))
-                set_dropout_key(cfg.seed, step)  # masks keyed by (seed, step, VNode, sample): dist_rng.py
+                set_dropout_key(cfg.seed, step)  # masks keyed by (seed, step, VNode, sample): dropout.py
                 with amp:
                     out = forward(*[inputs if is_tokens else targets for is_tokens in feed_is_tokens])
                 loss = out[costs[0]]

@@ -15,21 +15,23 @@ a run moves freely between one process and any partition).
 
 The pieces, each in its own module:
 
-* dist_plan.py   - tasks (PNode x stage), transfers (cut edges), ties, the 1F1B /
-                   GPipe schedules and their per-peer message order (deadlock-free
-                   by construction);
-* dist_comm.py   - the transport: isend / ordered recv with buffering, bytes counted;
-* dist_rng.py    - dropout keyed by (seed, step, VNode, sample), shared with `vgraph train`;
-* dist_worker.py - one rank: builds its modules and optimizers, runs the schedule,
-                   reduces losses, gathers metrics and checkpoints on rank 0;
-* dist_launch.py - the launcher and the `launch` command: partition, data, job
-                   file, forkserver-started workers, failure detection and restarts.
+* plan.py   - tasks (PNode x stage), transfers (cut edges), ties, the 1F1B /
+              GPipe schedules and their per-peer message order (deadlock-free
+              by construction);
+* comm.py   - the transport: isend / ordered recv with buffering, bytes counted;
+* worker.py - one rank: builds its modules and optimizers, runs the schedule,
+              reduces losses, gathers metrics and checkpoints on rank 0;
+* launch.py - the launcher and the `launch` command: partition, data, job
+              file, forkserver-started workers, failure detection and restarts.
+
+Dropout keyed by (seed, step, VNode, sample) lives one level up
+(`vgraph.backends.torch.dropout`): `vgraph train` uses it too.
 """
 from __future__ import annotations
 
-from .dist_launch import LaunchConfig, LaunchResult, launch, place, register_launch, split_pipeline
-from .dist_plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops, stages
-from .dist_rng import dropout_key, keyed_dropout
+from .launch import LaunchConfig, LaunchResult, launch, place, register_launch, split_pipeline
+from .plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops, stages
+from ..dropout import dropout_key, keyed_dropout
 
 __all__ = [
     "LaunchConfig", "LaunchResult", "launch", "place", "register_launch", "split_pipeline",

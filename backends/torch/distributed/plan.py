@@ -417,7 +417,7 @@ def _one_f_one_b(plan: DistPlan, micro_batches: int) -> dict[int, list[Op]]:
             if op is not None:
                 chosen.append((r, op))
         if not chosen:
-            raise RuntimeError("1F1B schedule simulation stalled (a bug in dist_plan)")
+            raise RuntimeError("1F1B schedule simulation stalled (a bug in distributed/plan.py)")
         for r, op in chosen:  # all ranks' choices of this time unit complete together
             order[r].append(op)
             done += 1

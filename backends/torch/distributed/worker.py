@@ -1,7 +1,7 @@
 """One worker of `vgraph launch`: hosts one PNode's part of the network and trains it in lockstep.
 
-Started by the launcher (dist_launch.py) as
-`python -m vgraph.backends.torch.dist_worker JOB.json` with the torchrun
+Started by the launcher (launch.py) as
+`python -m vgraph.backends.torch.distributed.worker JOB.json` with the torchrun
 environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK), so the
 same command also runs under `torchrun` on several machines.
 
@@ -10,7 +10,7 @@ What a worker does, per training step (every rank the same, in lockstep):
 1. draws the step's batch from the shared data generator (every rank draws,
    so every rank's generator state is the checkpointed one) and cuts it into
    micro-batches;
-2. runs its ops of the pipeline schedule (dist_plan.py, 1F1B or GPipe): the
+2. runs its ops of the pipeline schedule (plan.py, 1F1B or GPipe): the
    forward of a task for a micro-batch receives boundary activations and
    sends its own; its backward receives the gradients of what it sent and
    sends those of what it received; then the tied-weight gradients;
@@ -25,7 +25,7 @@ What a worker does, per training step (every rank the same, in lockstep):
 Micro-batching is exact: a cost is a mean over its tokens, so micro-batch m's
 loss is weighted by its share of the batch's counted tokens (targets equal to
 `ignore_index` do not count), and dropout masks are keyed by the global
-sample index (dist_rng.py).  Losses therefore equal the single-process
+sample index (dropout.py).  Losses therefore equal the single-process
 trainer's up to float rounding.
 
 Checkpoints are `vgraph train` checkpoints (checkpoint.py), in the unfused
@@ -61,14 +61,14 @@ from vgraph.partition_export import assignment_of
 from vgraph.pipeline import run_pipeline
 from vgraph.yamlio import loads
 
-from . import checkpoint as ckpt
-from . import data as D
-from .dist_comm import Transport
-from .dist_plan import (DistPlan, Message, Op, Task, make_plan, message_order, micro_batch_sizes, schedule_ops,
+from .. import checkpoint as ckpt
+from .. import data as D
+from .comm import Transport
+from .plan import (DistPlan, Message, Op, Task, make_plan, message_order, micro_batch_sizes, schedule_ops,
                         weight_ops)
-from .dist_rng import clear_dropout_key, set_dropout_key
-from .lower import VGraphModule, compile_network, compute_dtype
-from .train import (CHECKPOINT_PREFIX, MetricsLog, NodeOptimizers, TrainingError, _deterministic,
+from ..dropout import clear_dropout_key, set_dropout_key
+from ..lower import VGraphModule, compile_network, compute_dtype
+from ..train import (CHECKPOINT_PREFIX, MetricsLog, NodeOptimizers, TrainingError, _deterministic,
                     _state_to_graph, _state_to_unfused, lr_factor)
 
 __all__ = ["main", "Worker", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"]
@@ -546,7 +546,7 @@ class Worker:
 
     # -- metrics ------------------------------------------------------------------------------
     def _metric_values(self, costs: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """The network's `metrics:` entries measured on this rank (see dist_plan.MetricSource)."""
+        """The network's `metrics:` entries measured on this rank (see plan.MetricSource)."""
         values: dict[str, Any] = {}
         mine = {t.id for t in self.tasks}
         for src in self.plan.metrics:
@@ -737,10 +737,10 @@ def _peer_lost(exc: BaseException) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vgraph.backends.torch.dist_worker JOB.json` (torchrun environment)."""
+    """`python -m vgraph.backends.torch.distributed.worker JOB.json` (torchrun environment)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m vgraph.backends.torch.dist_worker JOB.json", file=sys.stderr)
+        print("usage: python -m vgraph.backends.torch.distributed.worker JOB.json", file=sys.stderr)
         return 2
     job = json.loads(Path(args[0]).read_text(encoding="utf-8"))
     rank = int(os.environ["RANK"])

@@ -10,7 +10,7 @@ respects the placement), tokenises the corpus once for everybody
 (run_dir/launch/tokens.safetensors), writes the run directory's files as
 `vgraph train` does (network.yml, tokenizer.json, run.json, placement.json),
 and a job file (run_dir/launch/job-<attempt>.json).  Then it starts one
-worker process per PNode that holds VNodes (dist_worker.py) with the
+worker process per PNode that holds VNodes (worker.py) with the
 torchrun environment on 127.0.0.1 and a free port (gloo on CPUs, nccl when
 every local worker has a GPU of its own, else gloo through host memory).
 Workers are forked from a multiprocessing forkserver that imported torch
@@ -41,7 +41,7 @@ the run directory.  A failure restarts every machine's workers from the last
 checkpoint (each launcher restarts its own; the rendezvous port moves to
 P + attempt); `repartition` is single-machine only.  The worker is a plain
 torchrun-style program, so
-`torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.dist_worker JOB.json`
+`torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.distributed.worker JOB.json`
 with the job file this command writes also works.
 """
 from __future__ import annotations
@@ -69,11 +69,11 @@ from vgraph.ir import Graph
 from vgraph.partition_export import assignment_of, placement_report
 from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
 
-from . import checkpoint as ckpt
-from . import data as D
-from .dist_plan import PIPELINES
-from .dist_worker import EXIT_USER_ERROR, LAUNCH_DIR, apply_assignment
-from .train import (NO_FUSE_PIPELINE, TrainConfig, TrainingError, _atomic_write, _clean_stale,
+from .. import checkpoint as ckpt
+from .. import data as D
+from .plan import PIPELINES
+from .worker import EXIT_USER_ERROR, LAUNCH_DIR, apply_assignment
+from ..train import (NO_FUSE_PIPELINE, TrainConfig, TrainingError, _atomic_write, _clean_stale,
                     _load_network, _resolve_device, _slug, _vocab_and_seq, device_target, prepare_data)
 
 __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", "read_placement",
@@ -234,7 +234,7 @@ def _worker_process(job_path: str, env: dict[str, str], output: Any) -> None:
     output.close()
     os.environ.update(env)
     _die_with_parent()
-    from .dist_worker import main as worker_main
+    from .worker import main as worker_main
 
     sys.exit(worker_main([job_path]))
 
@@ -248,7 +248,7 @@ def _context() -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first optimizer built imports it (1-2 s), once here instead of in every worker.
-    ctx.set_forkserver_preload(["vgraph.backends.torch.dist_launch", "torch._dynamo"])
+    ctx.set_forkserver_preload(["vgraph.backends.torch.distributed.launch", "torch._dynamo"])
     return ctx
 
 
@@ -546,7 +546,7 @@ def _user_errors(launch_dir: Path) -> str:
 
 def register_launch(subparsers: argparse._SubParsersAction) -> None:
     """Add `launch` to a `vgraph` subparser set (entry point of group `vgraph.commands`)."""
-    from .cli import _non_negative_int, _positive_int
+    from ..cli import _non_negative_int, _positive_int
 
     p = subparsers.add_parser(
         "launch", help="train a network partitioned over a fleet, one torch.distributed worker per PNode",
@@ -613,7 +613,7 @@ def run_launch(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         comm_timeout=args.comm_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port)
-    from .cli import print_result
+    from ..cli import print_result
 
     result = launch(config)
     print_result(result, f"{result.restarts} restart(s)" if result.restarts else None)
@@ -621,10 +621,10 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vgraph.backends.torch.dist_launch launch ...` (before the entry point is installed)."""
+    """`python -m vgraph.backends.torch.distributed.launch launch ...` (before the entry point is installed)."""
     from vgraph.cli import run_commands
 
-    return run_commands([register_launch], argv, prog="python -m vgraph.backends.torch.dist_launch")
+    return run_commands([register_launch], argv, prog="python -m vgraph.backends.torch.distributed.launch")
 
 
 if __name__ == "__main__":

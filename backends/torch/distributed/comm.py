@@ -3,7 +3,7 @@
 A `Transport` carries one round (a training step's messages, a validation
 batch's, a weight sync) at a time.  `begin(expected)` tells it, per peer, the
 messages that peer will send this round in its sending order (from
-`dist_plan.message_order`) with their shapes and dtypes.  Then:
+`plan.message_order`) with their shapes and dtypes.  Then:
 
 * `send(dst, message, tensor)` posts a non-blocking `isend`; the tensor is
   kept alive until `end()` waits for every send of the round.
