@@ -11,6 +11,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 NET6 = NETWORKS / "distributed_attention_example_6_swiglu_head.yml"
 NET8 = NETWORKS / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml"
 PRODUCTION = [NET6, NET8]
+# The next network (issue 14): 12 blocks of 12 heads, dim 768, 2K context.
+NET12 = NETWORKS / "distributed_attention_example_12_swiglu_head_vocab32768_seq2048.yml"
 TINY = FIXTURES / "tiny_2l.yml"
 TINY_FP32 = FIXTURES / "tiny_1l_fp32.yml"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import NET6, NET8, PRODUCTION
+from conftest import NET6, NET8, NET12, PRODUCTION
 from tools import gen_networks
 from vgraph import dumps, load, loads
 from vgraph.analyze import analyze
@@ -14,7 +14,8 @@ def test_checked_in_networks_equal_generator_output():
         assert path.read_text() == text, f"{path} is stale: run python tools/gen_networks.py"
 
 
-@pytest.mark.parametrize("path,vnodes,params", [(NET6, 139, 27_185_664), (NET8, 183, 45_147_648)])
+@pytest.mark.parametrize("path,vnodes,params", [(NET6, 139, 27_185_664), (NET8, 183, 45_147_648),
+                                                  (NET12, 319, 117_306_624)])
 def test_production_sizes(path, vnodes, params):
     a = analyze(load(path))
     assert len(a.nodes) == vnodes
@@ -23,7 +24,7 @@ def test_production_sizes(path, vnodes, params):
     assert sum(g.flops_per_sample for g in a.groups.values()) == a.flops_per_sample
 
 
-@pytest.mark.parametrize("path", PRODUCTION)
+@pytest.mark.parametrize("path", PRODUCTION + [NET12])
 def test_round_trip(path):
     g = load(path)
     assert loads(dumps(g)) == g
@@ -39,3 +40,15 @@ def test_production_structure(net8):
     assert net8.node("loss").config["cost_precision"] == "float32"
     assert net8.node("lm_head").config["tie_weight_alias"] == "token_embedding"
     assert [m.type for m in net8.metrics] == ["learning_rate"]
+
+
+def test_next_network_structure():
+    """The 124M-class network: 12 x 12 heads of 64 at 2K context, tied embeddings, required groups."""
+    g = load(NET12)
+    assert len(g.nodes_of_type("attention_head")) == 144
+    assert {n.config["seq_len"] for n in g.nodes_of_type("attention_head")} == {2048}
+    assert g.node("embedder").config["vocab_size"] == 32768
+    assert g.node("head_up").config["out_dim"] == 6144
+    assert g.node("lm_head").config["tie_weight_alias"] == "token_embedding"
+    assert all(n.config["colocate_policy"] == "required" for n in g.nodes)
+    assert g.attrs["precision"] == "fp16"

@@ -40,6 +40,13 @@ PRODUCTION = {
         "distributed-multi-head-attention-8l-swiglu_ffn", layers=8, vocab=32768, seq_len=512),
 }
 
+# The seed roadmap's next step: a GPT-2-small-sized decoder (12 x 12 heads of 64, dim 768) at 2K context.
+NEXT = {
+    "distributed_attention_example_12_swiglu_head_vocab32768_seq2048.yml": TransformerSpec(
+        "distributed-multi-head-attention-12l-swiglu_ffn-seq2048", layers=12, vocab=32768, seq_len=2048,
+        dim=768, heads=12, ffn=3072, head_up=6144),
+}
+
 TINY = {
     "tiny_2l.yml": TransformerSpec("tiny-2l", layers=2, vocab=96, seq_len=16, dim=32, heads=2,
                                    ffn=128, head_up=64),
@@ -122,7 +129,7 @@ def synthetic(vnodes: int) -> Graph:
 
 
 def expected_files() -> dict[Path, str]:
-    out = {ROOT / "networks" / name: dumps(transformer(spec)) for name, spec in PRODUCTION.items()}
+    out = {ROOT / "networks" / name: dumps(transformer(spec)) for name, spec in {**PRODUCTION, **NEXT}.items()}
     out.update({ROOT / "tests" / "fixtures" / name: dumps(transformer(spec)) for name, spec in TINY.items()})
     return out
 
