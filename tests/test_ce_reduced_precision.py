@@ -1,0 +1,104 @@
+"""The chunked tied LM-head cross-entropy on its production path: half-precision matmuls, ignored rows.
+
+The fp32 tests of :mod:`test_torch_kernels` never enter the reduced-precision branch of
+``TiedLMHeadCE`` (tensor-core operands, ignored rows zeroed in ``x``, ``1/count`` applied once after the
+loop), which is the branch a GPU run takes.  Here that branch runs under CPU autocast (bf16 and fp16)
+and with half-precision inputs, with ignored target rows spread over several chunks, and the loss and
+BOTH gradients are compared with the oracle: float32 ``F.cross_entropy`` of ``x @ w.T`` on the same
+operands rounded to the compute dtype (so the comparison measures the kernel's own error, not the
+rounding of its inputs).
+
+Tolerances, from the arithmetic: the logits are exact products of the rounded operands summed in
+float32, so the loss agrees to float32 rounding (atol 1e-5 on a loss ~5).  The gradient path rounds
+``softmax - onehot`` to the compute dtype once before its two matmuls, so each gradient is off by about
+the dtype's unit roundoff (bf16 2^-9, fp16 2^-12) in relative norm; the bound is 4x that.  A row that
+should be ignored but leaks into a gradient contributes a term as large as a real row's: relative error
+of order 1/valid-rows, tens of times the bound.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vgraph.backends.torch import kernels as K
+
+B, S, D, V = 3, 11, 32, 97
+# Relative-norm bound on each gradient: 4 x the unit roundoff of the compute dtype.
+GRAD_RTOL = {torch.bfloat16: 4 * 2.0**-9, torch.float16: 4 * 2.0**-12}
+
+
+def _case(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, S, D, generator=g)
+    w = torch.randn(V, D, generator=g) / D**0.5
+    t = torch.randint(0, V, (B, S), generator=g)
+    t[0, :4] = -100            # a run of ignored rows at the start (a whole chunk for small chunks)
+    t[1, ::3] = -100           # scattered ones
+    t[2, S - 1] = -100         # the last row (the short last chunk)
+    return x, w, t
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, dtype: torch.dtype):
+    """fp32 F.cross_entropy on the operands rounded to `dtype`: loss, grad_x, grad_w."""
+    xr = x.to(dtype).float().requires_grad_()
+    wr = w.to(dtype).float().requires_grad_()
+    loss = F.cross_entropy((xr @ wr.T).reshape(-1, V), t.reshape(-1), ignore_index=-100)
+    gx, gw = torch.autograd.grad(loss, (xr, wr))
+    return loss.detach(), gx, gw
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, 16, None])
+def test_tied_ce_under_autocast_with_ignored_rows_matches_fp32_cross_entropy(dtype, chunk_size) -> None:
+    x0, w0, t = _case(seed=21)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        loss = K.tied_lm_head_ce(x, w, t, chunk_size=chunk_size)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    ref, rgx, rgw = _reference(x0, w0, t, dtype)
+
+    assert loss.dtype == torch.float32 and gx.dtype == torch.float32 and gw.dtype == torch.float32
+    torch.testing.assert_close(loss.detach(), ref, rtol=0, atol=1e-5)
+    assert _rel(gx, rgx) < GRAD_RTOL[dtype], _rel(gx, rgx)
+    assert _rel(gw, rgw) < GRAD_RTOL[dtype], _rel(gw, rgw)
+    ignored = t == -100
+    assert torch.all(gx[ignored] == 0)  # ignored rows get exactly no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("chunk_size", [3, 33])
+def test_tied_ce_half_inputs_with_ignored_rows_and_upstream_grad(dtype, chunk_size) -> None:
+    """Half-precision parameters (no autocast) take the same branch; the upstream gradient scales both."""
+    x0, w0, t = _case(seed=22)
+    x, w = x0.to(dtype).requires_grad_(), w0.to(dtype).requires_grad_()
+    upstream = 3.0  # what a loss scaler or a summed second cost sends back
+    loss = K.tied_lm_head_ce(x, w, t, chunk_size=chunk_size)
+    gx, gw = torch.autograd.grad(loss, (x, w), torch.tensor(upstream))
+    ref, rgx, rgw = _reference(x0, w0, t, dtype)
+
+    assert gx.dtype == dtype and gw.dtype == dtype
+    torch.testing.assert_close(loss.detach(), ref, rtol=0, atol=1e-5)
+    # One more rounding: the gradients are returned in `dtype`.
+    assert _rel(gx, upstream * rgx) < 2 * GRAD_RTOL[dtype]
+    assert _rel(gw, upstream * rgw) < 2 * GRAD_RTOL[dtype]
+    assert torch.all(gx[t == -100] == 0)
+
+
+def test_tied_ce_reduced_precision_all_but_one_row_ignored() -> None:
+    """With one valid row the weight gradient is that row's outer product alone: a leak would dominate it."""
+    x0, w0, t = _case(seed=23)
+    t.fill_(-100)
+    t[1, 6] = 5
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = K.tied_lm_head_ce(x, w, t, chunk_size=4)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    ref, rgx, rgw = _reference(x0, w0, t, torch.bfloat16)
+    torch.testing.assert_close(loss.detach(), ref, rtol=0, atol=1e-5)
+    assert _rel(gw, rgw) < GRAD_RTOL[torch.bfloat16]
+    assert _rel(gx, rgx) < GRAD_RTOL[torch.bfloat16]
