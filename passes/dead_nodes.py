@@ -36,6 +36,7 @@ class DeadNodes(Pass):
     """Remove VNodes that reach no output, cost or metric."""
 
     name = "dead-nodes"
+    preserves_semantics = True  # what no endpoint reads cannot change what the network computes
 
     def run(self, graph: Graph, ctx: PassContext) -> Counter:
         if not any(True for _ in graph.iter_endpoints()):

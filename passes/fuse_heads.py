@@ -95,6 +95,7 @@ class FuseHeads(RewritePass):
     """Fuse co-located attention heads (broadcast -> heads -> stack) into multi-head attention VNodes."""
 
     name = "fuse-heads"
+    preserves_semantics = True  # the same function; `fused_from` maps the weights
     after = ("partition", "precision")
 
     rules = RULES

@@ -66,6 +66,7 @@ class FuseLMHeadCE(RewritePass):
     """Fuse a tied linear LM head and its ce_logits cost into tied_lm_head_ce (no logits in memory)."""
 
     name = "fuse-lm-head-ce"
+    preserves_semantics = True  # the same loss and logits; `fused_from` maps the weights
     after = ("partition", "precision")
 
     rules = RULES

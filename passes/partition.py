@@ -930,6 +930,7 @@ class Partition(Pass):
     """Place VNodes on a fleet's PNodes: required groups whole, memory fits, min bottleneck then cut."""
 
     name = "partition"
+    preserves_semantics = True  # placement annotations only
     after = ("dead-nodes", "precision")
     options = {
         "fleet": Option(str, None, "fleet spec file (default: the caller's ctx.data['fleet'])"),

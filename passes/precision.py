@@ -58,6 +58,7 @@ class Precision(Pass):
     """Resolve declared precisions into effective per-VNode dtypes for a target (cpu, cuda-smXY)."""
 
     name = "precision"
+    preserves_semantics = True  # an annotation of how to run the same function
     options = {"target": Option(str, None, "cpu or cuda-smXY; default: the caller's target, else cpu")}
 
     def run(self, graph: Graph, ctx: PassContext) -> Counter:

@@ -80,6 +80,12 @@ class Pass:
     invalidates: ClassVar[tuple[str, ...]] = ()  # earlier passes whose results this undoes
     options: ClassVar[dict[str, Option]] = {}
     origin: ClassVar[str] = ""  # set by discovery: the distribution or file it came from
+    # Does the rewritten network compute the same function, with the same (possibly fused) weights?
+    # Fusions, precision annotation, dead-node removal and placement do; an architecture swap does
+    # not.  The default is False because a wrong True lets a checkpoint silently describe another
+    # function, while a wrong False only makes a run store the network it trained: a pass earns True
+    # by declaring it.  The pass manager records every non-preserving pass that changed the graph.
+    preserves_semantics: ClassVar[bool] = False
 
     def __init__(self, **opts: Any) -> None:
         unknown = set(opts) - set(self.options)

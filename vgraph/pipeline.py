@@ -27,6 +27,12 @@ from .plugins import Plugin, discover
 
 DEFAULT_PIPELINE = "dead-nodes,precision,fuse-heads,fuse-lm-head-ce"
 APPLIED = "applied_passes"  # graph.meta key: names of passes whose results hold
+# graph.meta key: the passes that changed what the network computes, in the order they ran, each
+# {"pass": name, "spec": pipeline text with options, "origin": distribution or file}.  Empty or
+# absent: the graph computes what the YAML it was loaded from computes (fusions keep `fused_from`,
+# so its weights map back).  A trainer stores such a graph with its checkpoints.
+SEMANTIC_CHANGES = "semantic_changes"
+BOOKKEEPING = (APPLIED, SEMANTIC_CHANGES)  # meta the manager writes; not a pass's change
 
 
 # -- finding passes -----------------------------------------------------------------
@@ -145,6 +151,7 @@ class PassRecord:
     nodes_after: int
     changed: bool
     changes: dict[str, int] = field(default_factory=dict)
+    preserves_semantics: bool = True
 
 
 class Instrument(Protocol):
@@ -195,7 +202,7 @@ def fingerprint(graph: Graph) -> str:
     edges = frozenset((e.src, e.src_slot, e.dst, e.dst_slot) for e in graph.edges)
     h.update(hash(edges).to_bytes(8, "little", signed=True))
     h.update(pickle.dumps((graph.name, graph.attrs, graph.endpoints,
-                           {k: v for k, v in graph.meta.items() if k != APPLIED})))
+                           {k: v for k, v in graph.meta.items() if k not in BOOKKEEPING})))
     return h.hexdigest()
 
 
@@ -239,7 +246,13 @@ class PassManager:
             current_fp = fingerprint(graph)
             changed = current_fp != before_fp
             record = PassRecord(p.name, p.spec(), seconds, before_n, len(graph), changed,
-                                {k: v for k, v in Counter(counts).items() if v})
+                                {k: v for k, v in Counter(counts).items() if v}, p.preserves_semantics)
+            if changed and not p.preserves_semantics:
+                graph.meta.setdefault(SEMANTIC_CHANGES, []).append(
+                    {"pass": p.name, "spec": p.spec(), "origin": p.origin or "local"})
+                self.ctx.notes.append(f"{p.spec()}: changed what the network computes (the pass does "
+                                      f"not declare preserves_semantics); weights trained before it "
+                                      f"do not fit the result")
             self.records.append(record)
             for inst in self.instruments:
                 inst.after(index, p, graph, record)
@@ -255,6 +268,11 @@ class PassManager:
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+def semantic_changes(graph: Graph) -> list[str]:
+    """Pipeline specs of the passes that changed what `graph` computes (empty: the same function)."""
+    return [change["spec"] for change in graph.meta.get(SEMANTIC_CHANGES, ())]
 
 
 def run_pipeline(graph: Graph, passes: str | Sequence[str | Pass] | None = None, *,
