@@ -135,7 +135,8 @@ def metis_parts(problem, nparts: int) -> np.ndarray:
 
 def metis_vs_ours(graph: Graph, fleet_: Fleet, batch: int = 8) -> dict:
     """Both on the same units; METIS parts are matched to PNodes by the bottleneck assignment."""
-    from vgraph.passes.partition import _bottleneck_order, evaluate, plan_partition
+    from vgraph.passes.partition import evaluate, plan_partition
+    from vgraph.passes.partition_solve import bottleneck_order
 
     plan, _ = plan_partition(graph, fleet_, batch=batch)
     pr = plan.problem
@@ -147,7 +148,7 @@ def metis_vs_ours(graph: Graph, fleet_: Fleet, batch: int = 8) -> dict:
     # METIS part ids -> PNodes: give the parts to PNodes so the slowest is as fast as possible
     order = list(range(pr.k))
     relabel = np.array(order, dtype=np.int64)[parts]
-    better_order = _bottleneck_order(pr, relabel, order)
+    better_order = bottleneck_order(pr, relabel, order)
     stages = [p for p in order if np.any(relabel == p)]
     mapping = {old: new for old, new in zip(stages, better_order)}
     mapped = np.array([mapping[int(p)] for p in relabel], dtype=np.int64)
