@@ -27,7 +27,10 @@ sys.path.insert(0, str(ROOT))
 from tools.gen_networks import synthetic  # noqa: E402
 from vgraph import dumps, loads  # noqa: E402
 from vgraph.diagnostics import DiagnosticSink  # noqa: E402
-from vgraph.yamlio import _Builder, _loads, _no_gc, _read_fast  # noqa: E402
+from vgraph.gcpause import paused_gc  # noqa: E402
+from vgraph.yamlio.build import Builder  # noqa: E402
+from vgraph.yamlio.fast_reader import read_fast  # noqa: E402
+from vgraph.yamlio.loading import read_network  # noqa: E402
 
 NET8 = ROOT / "networks" / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml"
 TARGET_NET8_S = 0.020
@@ -46,7 +49,7 @@ def _median_time(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-class _Discard(_Builder):
+class _Discard(Builder):
     """Takes the fast reader's records and builds nothing: times reading alone."""
 
     def node(self, rec) -> None:
@@ -64,9 +67,9 @@ def _read_time(text: str, repeat: int) -> float:
     times = []
     for _ in range(repeat):
         gc.collect()
-        with _no_gc():
+        with paused_gc():
             start = time.perf_counter()
-            ok = _read_fast(text, _Discard("<bench>", DiagnosticSink()))
+            ok = read_fast(text, _Discard("<bench>", DiagnosticSink()))
             times.append(time.perf_counter() - start)
         assert ok, "dumps output must be in the canonical layout"
     return statistics.median(times)
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         build = total - read
         pyyaml = None
         if not args.no_pyyaml:
-            pyyaml = _median_time(lambda: _loads(text, "<bench>", fast=False), max(1, repeat // 3))
+            pyyaml = _median_time(lambda: read_network(text, "<bench>", fast=False), max(1, repeat // 3))
         totals[label] = total
         rows.append((label, f"{vnodes:,}", f"{len(text) / 1e6:.2f}", str(repeat), _fmt(read), _fmt(build),
                      _fmt(total), "-" if pyyaml is None else _fmt(pyyaml)))

@@ -24,7 +24,10 @@ from vgraph import REGISTRY, Graph, VGraphError, dumps, loads, verify
 from vgraph.builder import NetBuilder
 from vgraph.diagnostics import DiagnosticSink
 from vgraph.ops.schema import COMMON_FIELDS, PRECISIONS, ConfigError, Field
-from vgraph.yamlio import NETWORK_KEYS, _Builder, _loads, _read_fast
+from vgraph.yamlio import NETWORK_KEYS
+from vgraph.yamlio.build import Builder
+from vgraph.yamlio.fast_reader import read_fast
+from vgraph.yamlio.loading import read_network
 
 FAST = settings(max_examples=250, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -50,7 +53,7 @@ def outcome(text: str, **kw):
     """What loading gives, in a comparable form; any exception but VGraphError propagates."""
     warnings: list = []
     try:
-        g = _loads(text, "m.yml", warnings=warnings, **kw)
+        g = read_network(text, "m.yml", warnings=warnings, **kw)
     except VGraphError as exc:
         return ("invalid", [str(d) for d in exc.diagnostics])
     return ("valid", g, _locations(g), [str(w) for w in warnings])
@@ -67,7 +70,7 @@ FAST_PATH_USE = Counter()
 
 def check_text(text: str) -> None:
     """The text loads or is rejected cleanly, both readers agree, and valid graphs round-trip."""
-    fast = _read_fast(text, _Builder("m.yml", DiagnosticSink()))
+    fast = read_fast(text, Builder("m.yml", DiagnosticSink()))
     FAST_PATH_USE[fast] += 1
     default = outcome(text)
     general = outcome(text, fast=False)
@@ -283,7 +286,7 @@ def test_the_fast_reader_was_exercised() -> None:
 
 def test_fast_reader_accepts_what_dumps_writes_and_agrees_on_lines() -> None:
     for text in BASES:
-        assert _read_fast(text, _Builder("m.yml", DiagnosticSink()))
+        assert read_fast(text, Builder("m.yml", DiagnosticSink()))
         assert outcome(text) == outcome(text, fast=False)
         assert outcome(text) == outcome(text, fast=True)
 
@@ -294,7 +297,7 @@ def test_fast_reader_rejects_texts_outside_its_layout() -> None:
                     text.replace("  - id: embedder", "  -   id: embedder"), text.replace("\n", "\r\n"),
                     text.replace('dim: "32"', "dim: 32", 1), text + "owner: me\n",
                     text.replace("name: tiny-1l-fp32", "name: null")):
-        assert not _read_fast(variant, _Builder("m.yml", DiagnosticSink()))
+        assert not read_fast(variant, Builder("m.yml", DiagnosticSink()))
         assert outcome(variant) == outcome(variant, fast=False)
 
 
@@ -381,7 +384,7 @@ def test_generated_networks_round_trip(g: Graph) -> None:
     assert dumps(again) == text
     assert [n.outputs for n in again.nodes] == [n.outputs for n in g.nodes]
     if not g.extra and "\\" not in text:  # escapes in quoted text are left to PyYAML
-        assert _read_fast(text, _Builder("m.yml", DiagnosticSink()))
+        assert read_fast(text, Builder("m.yml", DiagnosticSink()))
     assert outcome(text) == outcome(text, fast=False)
 
 

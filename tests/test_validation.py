@@ -17,7 +17,7 @@ import pytest
 from conftest import TINY_FP32
 from vgraph import VGraphError, load, loads
 from vgraph.cli import main
-from vgraph.yamlio import _loads
+from vgraph.yamlio.loading import read_network
 
 BASE = TINY_FP32.read_text()
 
@@ -207,7 +207,7 @@ def _expected(d, case: Case, file: str) -> bool:
 
 def _problems(text: str, file: str, **kw) -> list[str]:
     with pytest.raises(VGraphError) as info:
-        _loads(text, file, **kw)
+        read_network(text, file, **kw)
     return [str(d) for d in info.value.diagnostics]
 
 

@@ -35,7 +35,8 @@ import yaml
 
 from .diagnostics import Diagnostic, DiagnosticSink, SourceLoc, VGraphError, sorted_diagnostics
 from .ops.schema import suggest
-from .yamlio import _Loader, _YamlReader, _line  # the network loader's safe YAML walker
+from .yamlio.yaml_reader import Loader as _Loader  # the network loader's safe YAML walker
+from .yamlio.yaml_reader import YamlReader as _YamlReader, line_of as _line
 
 FLEET_KEYS = ("name", "pnodes")
 PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator")

@@ -1,0 +1,134 @@
+"""Records -> IR: the checks of meaning both readers share.
+
+Unknown types (with a suggestion), bad config values (the op's schema),
+duplicate ids, dangling edges and doubly fed input slots are reported here,
+once for both readers, each at the line of the record it comes from.
+"""
+from __future__ import annotations
+
+from ..diagnostics import DiagnosticSink, SourceLoc
+from ..ir import Edge, Endpoint, Graph, GraphError, VNode
+from ..ops import REGISTRY
+from ..ops.schema import ConfigError, Field, suggest
+from .records import EdgeRec, EndpointRec, NodeRec, ParsedConfig
+
+_PRECISION_FIELD = Field("precision", "precision")
+_SUGGEST_LIMIT = 2_000  # "did you mean" over more node ids than this costs more than it helps
+_SUGGESTIONS = 100  # ... and so does making more than this many of them for one file
+
+
+class Builder:
+    """Records -> IR, with the checks of meaning both readers share."""
+
+    def __init__(self, file: str, sink: DiagnosticSink) -> None:
+        self.file = file
+        self.sink = sink
+        self.graph = Graph(source=file)
+        self.readable = True  # False: no network could be read at all (reported)
+        self.broken: set[str] = set()
+        # id -> (node, its input slots, its users): one lookup per edge end finds all three
+        self._ends: dict[str, tuple[VNode, dict[int, Edge], dict[str, list[Edge]]]] = {}
+        self._canon: dict[str, str | None] = {}
+        self._suggestions_left = _SUGGESTIONS
+
+    def loc(self, line: int) -> SourceLoc:
+        return SourceLoc(self.file, line)
+
+    def error(self, line: int, msg: str, node: str | None = None) -> None:
+        self.sink.error(msg, SourceLoc(self.file, line), node)
+
+    def name(self, text: str) -> None:
+        self.graph.name = text
+
+    def attr(self, key: str, text: str, line: int) -> None:
+        try:
+            self.graph.attrs[key] = _PRECISION_FIELD.parse(text)
+        except ConfigError as exc:
+            self.error(line, f"'{key}': {exc}")
+
+    def node(self, rec: NodeRec) -> None:
+        node_id, type_text = rec.id, rec.type_text
+        canon = None
+        if type_text is not None:
+            try:
+                canon = self._canon[type_text]
+            except KeyError:
+                canon = self._canon[type_text] = REGISTRY.canonical(type_text)
+            if canon is None:
+                self.error(rec.type_line, f"unknown node type {type_text!r}"
+                                          f"{suggest(type_text, REGISTRY.aliases())}", node_id)
+        ok = rec.ok and canon is not None
+        loc = SourceLoc(self.file, rec.line)
+        if canon is not None:
+            values, problems = self._parse_config(canon, rec)
+            node = VNode(node_id, canon, dict(values), rec.input_shapes, rec.output_shapes, loc)
+            for key, problem in problems:
+                self.error(_config_line(rec, key), problem, node_id)
+                ok = False
+        else:
+            node = VNode(node_id, str(type_text), {}, rec.input_shapes, rec.output_shapes, loc)
+        graph = self.graph
+        try:
+            inputs, users = graph._add(node)
+        except GraphError:
+            first = graph.node(node_id).loc
+            self.error(rec.line, f"duplicate node id (first defined at line {first.line})" if first
+                       else "duplicate node id", node_id)
+            return
+        self._ends[node_id] = (node, inputs, users)
+        if not ok:
+            self.broken.add(node_id)
+
+    def _parse_config(self, canon: str, rec: NodeRec) -> ParsedConfig:
+        """The schema's parse of the node's config, shared by records with the same text."""
+        memo = rec.config_memo
+        if memo is None:
+            return REGISTRY.get(canon).schema.parse(rec.raw)
+        try:
+            return memo[canon]
+        except KeyError:
+            parsed = memo[canon] = REGISTRY.get(canon).schema.parse(rec.raw)
+            return parsed
+
+    def edge(self, rec: EdgeRec) -> None:
+        graph = self.graph
+        src_end, dst_end = self._ends.get(rec.src), self._ends.get(rec.dst)
+        if src_end is None or dst_end is None:
+            src, dst = rec.src, rec.dst
+            for end, key, line in ((src, "from", rec.src_line), (dst, "to", rec.dst_line)):
+                if end not in graph:
+                    other = dst if key == "from" else src
+                    self.error(line, f"edge {src} -> {dst}: '{key}' names unknown node {end!r}"
+                                     f"{self._suggest_id(end)}", other if other in graph else None)
+                    return
+        src_node, _, users = src_end  # type: ignore[misc]
+        dst_node, inputs, _ = dst_end  # type: ignore[misc]
+        # The nodes' own id strings: the text's copies are dropped, and every later
+        # lookup by an edge's end finds its key by identity.
+        src, dst = src_node.id, dst_node.id
+        busy = inputs.get(rec.dst_slot)
+        if busy is not None:
+            at = f" (first at line {busy.loc.line})" if busy.loc else ""
+            self.error(rec.line, f"input slot {rec.dst_slot} already receives {busy}{at}; "
+                                 f"an input takes at most one edge", dst)
+            return
+        graph._link(Edge(src, rec.src_slot, dst, rec.dst_slot, SourceLoc(self.file, rec.line)),
+                    inputs, users)
+
+    def _suggest_id(self, word: str) -> str:
+        graph = self.graph
+        if len(graph) > _SUGGEST_LIMIT or self._suggestions_left <= 0:
+            return ""
+        self._suggestions_left -= 1
+        return suggest(word, list(graph.node_ids()))
+
+    def endpoint(self, rec: EndpointRec) -> None:
+        self.graph.endpoints[rec.kind].append(
+            Endpoint(rec.name, rec.node, rec.slot, rec.type, SourceLoc(self.file, rec.line)))
+
+
+def _config_line(rec: NodeRec, key: str) -> int:
+    lines = rec.config_lines
+    if isinstance(lines, int):
+        return lines + list(rec.raw).index(key) if key in rec.raw else rec.line
+    return lines.get(key, rec.line)

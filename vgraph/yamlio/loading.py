@@ -1,0 +1,61 @@
+"""`load` and `loads`: pick the reader, build, validate, raise every problem at once."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..diagnostics import Diagnostic, DiagnosticSink, SourceLoc, VGraphError
+from ..gcpause import paused_gc
+from ..ir import Graph
+from .build import Builder
+from .fast_reader import read_fast
+from .yaml_reader import read_yaml
+
+
+def loads(text: str, file: str = "<string>", *, validate: bool = True,
+          warnings: list[Diagnostic] | None = None) -> Graph:
+    """Parse network YAML text; raise VGraphError listing every problem.
+
+    With `validate` (the default) the graph is also verified and its types
+    inferred.  Warnings (e.g. unknown top-level keys) go into `warnings`.
+    """
+    return read_network(text, file, validate=validate, warnings=warnings)
+
+
+def read_network(text: str, file: str, *, validate: bool = True, warnings: list[Diagnostic] | None = None,
+           fast: bool | None = None) -> Graph:
+    """`loads`, choosing the reader: None tries the fast one first, False never, True only it.
+
+    `fast=True` raises LookupError when the text is not in the canonical
+    layout (tests use it to compare the readers).
+    """
+    from ..verify import check
+
+    with paused_gc():
+        sink = DiagnosticSink()
+        build = Builder(file, sink)
+        if fast is False or not read_fast(text, build):
+            if fast:
+                raise LookupError("not in the canonical layout")
+            sink = DiagnosticSink()
+            build = Builder(file, sink)
+            read_yaml(text, build)
+        graph = build.graph if build.readable else None
+        build._ends.clear()  # the builder's index is not needed any more: free it before checking
+        if graph is not None and validate:
+            check(graph, sink, skip=build.broken)
+    sink.raise_if_errors()
+    if warnings is not None:
+        warnings.extend(d for d in sink.items if d.severity == "warning")
+    assert graph is not None  # no graph means a reported error
+    return graph
+
+
+def load(path: str | Path, *, validate: bool = True,
+         warnings: list[Diagnostic] | None = None) -> Graph:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise VGraphError([Diagnostic(f"cannot read file: {reason}", SourceLoc(str(path), 1))]) from None
+    return loads(text, str(path), validate=validate, warnings=warnings)
