@@ -99,7 +99,7 @@ def test_structural_errors(text, message):
 
 
 def test_missing_file_is_a_user_error(tmp_path: Path):
-    with pytest.raises(FleetError, match="cannot read fleet file"):
+    with pytest.raises(FleetError, match="no such fleet file"):
         load_fleet(tmp_path / "nope.yml")
 
 

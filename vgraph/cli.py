@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Callable, Sequence
 
-from .diagnostics import VGraphError
+from .diagnostics import VGraphError, printable
 from .plugins import PluginError, discover
 
 EXIT_INVALID = 2
@@ -162,7 +162,7 @@ def _partition(args: argparse.Namespace) -> int:
     spec = _pipeline_with_partition(args.passes, args.batch, args.micro_batches)
     pm = run_pipeline(graph, spec, data={"fleet": fleet})
     report = export_partition(graph, fleet, args.output, batch=args.batch, micro_batches=args.micro_batches,
-                              formats=("onnx",) if args.onnx else ())
+                              formats=("onnx",) if args.onnx else (), inputs=(args.file, args.fleet, *args.plugin))
     print(f"pipeline: {spec}")
     print(format_report(report))
     print(f"wrote {len(report['files'])} files to {args.output}/: "
@@ -190,12 +190,12 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from .pipeline import run_pipeline
     from .render import render_svg
+    from .safeio import atomic_write, check_output
     from .yamlio import load
 
+    out = check_output(args.output, inputs=(args.file, args.fleet, *args.plugin))
     load_plugins(args)
     graph = load(args.file)
     data = {}
@@ -210,9 +210,7 @@ def _render(args: argparse.Namespace) -> int:
     placed = any("pnode" in n.meta for n in graph.nodes)
     group_by = args.group_by or ("pnode" if placed else "colocate")
     svg = render_svg(graph, group_by=group_by, collapse=args.collapse)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(svg, encoding="utf-8")
+    atomic_write(out, svg)
     print(f"wrote {out} ({len(graph)} VNodes, clusters by {group_by}{', collapsed' if args.collapse else ''})")
     return 0
 
@@ -235,8 +233,10 @@ def _optimize_parser(sub: argparse._SubParsersAction) -> None:
 
 def _optimize(args: argparse.Namespace) -> int:
     from .pipeline import DEFAULT_PIPELINE, run_pipeline
+    from .safeio import check_output
     from .yamlio import load, save
 
+    check_output(args.output, inputs=(args.file, *args.plugin))
     load_plugins(args)
     graph = load(args.file)
     pm = run_pipeline(graph, args.passes, target=args.target, explain=args.explain,
@@ -332,6 +332,12 @@ def run_parser(build: Callable[[], argparse.ArgumentParser], argv: list[str]) ->
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:
+        # The environment refused a file operation (permissions, a full or read-only disk, a directory
+        # where a file belongs): a user's problem to fix, named by its path, not a traceback.
+        where = f"{printable(exc.filename)}: " if exc.filename is not None else ""
+        print(f"{where}{printable(exc.strerror or exc)}", file=sys.stderr)
+        return EXIT_INVALID
 
 
 if __name__ == "__main__":

@@ -10,6 +10,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+MAX_MESSAGE_CHARS = 2000  # a diagnostic is one readable line: nothing it quotes may make it longer
+QUOTE_CHARS = 80  # how much of a user's value a message quotes
+
+
+def printable(text: object, limit: int | None = None) -> str:
+    """`text` safe to echo to a terminal or log: control, format and line-separator
+    characters (escape sequences, newlines, bidi overrides) are written as
+    Python escapes, so nothing a user wrote can move the cursor or forge a
+    line; with `limit`, longer text is cut and says how much was left out."""
+    s = str(text)
+    if not s.isprintable():
+        s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)
+    if limit is not None and len(s) > limit:
+        s = f"{s[:limit]}... ({len(s) - limit} more characters)"
+    return s
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """A user's value as a message quotes it: repr-like, escaped and cut to `limit` characters."""
+    s = value if isinstance(value, str) else repr(value)
+    return "'" + printable(s, limit) + "'"
+
 
 @dataclass(frozen=True, order=True)
 class SourceLoc:
@@ -30,10 +52,11 @@ class Diagnostic:
     severity: str = "error"  # "error" | "warning"
 
     def __str__(self) -> str:
-        where = f"{self.loc}: " if self.loc else ""
-        what = f"node '{self.node}': " if self.node is not None else ""
+        # Everything a user wrote is escaped here, once, whoever built the message.
+        where = f"{printable(self.loc)}: " if self.loc else ""
+        what = f"node {quote(self.node, 200)}: " if self.node is not None else ""
         prefix = "warning: " if self.severity == "warning" else ""
-        return f"{where}{prefix}{what}{self.message}"
+        return f"{where}{prefix}{what}{printable(self.message, MAX_MESSAGE_CHARS)}"
 
 
 class VGraphError(Exception):

@@ -24,19 +24,18 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .costmodel import DEFAULT_BATCH, CostModel, cost_model
-from .diagnostics import Diagnostic, VGraphError
+from .diagnostics import Diagnostic, VGraphError, printable
 from .fleet import Fleet, resolve_fleet
 from .ir import Endpoint, Graph, VNode
 from .ops.boundary import BOUNDARY_TYPES, shape_text
 from .verify import verify
 from .rewrite import fresh_id
+from .safeio import atomic_write, check_output, read_input, same_file
 from .yamlio import save
 
 PLACEMENT_FILE = "placement.json"
@@ -279,14 +278,26 @@ def find_exporter(name: str) -> Callable[..., Any]:
 
 
 def export_partition(graph: Graph, fleet: Fleet | str, out_dir: str | Path, *, batch: int | None = None,
-                     micro_batches: int | None = None, formats: tuple[str, ...] = ()) -> dict:
+                     micro_batches: int | None = None, formats: tuple[str, ...] = (),
+                     inputs: tuple[str | Path | None, ...] = ()) -> dict:
     """Write DIR/<pnode>.yml per PNode, DIR/placement.json (and DIR/<pnode>.<fmt> per format);
-    returns the placement report with a "files" list."""
+    returns the placement report with a "files" list.
+
+    DIR then holds exactly one partition: the files an earlier placement.json
+    listed and this one does not are removed (nothing else in DIR is touched).
+    A file to write that is one of `inputs` (the network, the fleet) is refused
+    before anything is written.  Every file is written atomically.
+    """
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise VGraphError(f"{printable(out)}: not a directory; -o names the directory of the partition")
     report = placement_report(graph, fleet, batch=batch, micro_batches=micro_batches)
     parts = split_network(graph, report["assignment"])
     exporters = {fmt: find_exporter(fmt) for fmt in formats}  # fail before writing anything
-    out.mkdir(parents=True, exist_ok=True)
+    planned = [out / f"{pid}.{ext}" for pid in parts for ext in ("yml", *formats)] + [out / PLACEMENT_FILE]
+    for path in planned:
+        check_output(path, inputs=inputs)
+    stale = _files_of_earlier_partition(out)
     files = []
     for pid, part in parts.items():
         path = out / f"{pid}.yml"
@@ -296,12 +307,40 @@ def export_partition(graph: Graph, fleet: Fleet | str, out_dir: str | Path, *, b
             model = exporter(graph, report["pnodes"][pid]["vnodes"], name=part.name)
             data = model if isinstance(model, (bytes, bytearray)) else model.SerializeToString()
             fpath = out / f"{pid}.{fmt}"
-            _atomic_write(fpath, bytes(data))
+            atomic_write(fpath, bytes(data))
             files.append(str(fpath))
     report["files"] = files
-    _atomic_write(out / PLACEMENT_FILE, (json.dumps(report, indent=2) + "\n").encode())
+    atomic_write(out / PLACEMENT_FILE, json.dumps(report, indent=2) + "\n")
     files.append(str(out / PLACEMENT_FILE))
+    keep = {Path(f).name for f in files}
+    for name in sorted(stale - keep):
+        if any(same_file(out / name, Path(i)) for i in inputs if i is not None):
+            continue
+        try:
+            (out / name).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise VGraphError(f"{printable(out / name)}: left from an earlier partition and cannot be "
+                              f"removed: {exc.strerror}") from None
     return report
+
+
+def _files_of_earlier_partition(out: Path) -> set[str]:
+    """The file names an existing DIR/placement.json lists (only plain names inside DIR)."""
+    path = out / PLACEMENT_FILE
+    if not path.exists():
+        return set()
+    try:
+        listed = json.loads(read_input(path, what="placement.json")).get("files", [])
+    except (ValueError, AttributeError):
+        raise VGraphError(f"{printable(path)}: exists but is not a placement vgraph wrote; move it away or "
+                          f"write the partition to another directory") from None
+    if not isinstance(listed, list):
+        return set()
+    names = {Path(str(f)).name for f in listed}
+    return {n for n in names if n and n not in (".", "..") and n.endswith((".yml", ".json", ".onnx"))
+            and "/" not in n and "\\" not in n}
 
 
 def load_parts(directory: str | Path) -> tuple[dict[str, Graph], dict]:
@@ -310,18 +349,11 @@ def load_parts(directory: str | Path) -> tuple[dict[str, Graph], dict]:
 
     d = Path(directory)
     try:
-        placement = json.loads((d / PLACEMENT_FILE).read_text())
-    except (OSError, ValueError) as exc:
-        raise VGraphError(f"{d / PLACEMENT_FILE}: cannot read: {exc}") from None
-    parts = {pid: load(d / f"{pid}.yml") for pid, info in placement["pnodes"].items() if info["vnodes"]}
+        placement = json.loads(read_input(d / PLACEMENT_FILE, what="placement.json"))
+        parts = {pid: load(d / f"{pid}.yml") for pid, info in placement["pnodes"].items() if info["vnodes"]}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise VGraphError(f"{printable(d / PLACEMENT_FILE)}: not a placement: {printable(exc, 200)}") from None
     return parts, placement
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
 
 
 def format_report(report: dict) -> str:

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from typing import Any, Mapping
 
 from .costmodel import DEFAULT_BATCH, cost_model, effective_dtype, tensor_bytes
-from .diagnostics import VGraphError
+from .diagnostics import VGraphError, printable
 from .ir import Graph, VNode
 
 CATEGORY_COLORS = {"layer": "#dbeafe", "activation": "#dcfce7", "structural": "#f1f5f9", "training": "#fce7f3",
@@ -285,12 +285,15 @@ def _pipe(dot: str) -> str:
 
 
 def _q(text: str) -> str:
-    return '"' + str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    """A DOT string of any text: what XML cannot hold (control characters) is escaped
+    first, so the SVG stays well-formed whatever a graph built in code holds; a
+    newline we put in a label ourselves stays a line break."""
+    return '"' + "\\n".join(_esc(line) for line in str(text).split("\n")) + '"'
 
 
 def _esc(text: str) -> str:
     """Text inside a label we assemble with explicit \\n line breaks."""
-    return str(text).replace("\\", "\\\\").replace('"', '\\"')
+    return printable(text).replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _attrs(attrs: Mapping[str, str], raw: tuple[str, ...] = ()) -> str:

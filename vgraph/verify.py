@@ -28,6 +28,28 @@ from .types import ShapeError, TensorType
 _KIND_DTYPE = {"int": "int64", "str": "string"}
 METRIC_TYPES = (None, "learning_rate", "loss", "grad_norm")
 _UNSEEN: Any = object()
+MAX_ID_CHARS = 256
+
+
+def id_problem(node_id: object) -> str | None:
+    """Why `node_id` is not a valid VNode id, or None.
+
+    An id is 1 to 256 printable characters (Unicode letters, marks, digits,
+    punctuation, symbols and the ASCII space), neither starting nor ending with
+    a space: ids are echoed in messages, logs and drawings, where a control
+    character, a newline or an invisible one would forge or hide text.
+    """
+    if not isinstance(node_id, str) or not node_id:
+        return "a node id must not be empty"
+    if len(node_id) > MAX_ID_CHARS:
+        return f"a node id is at most {MAX_ID_CHARS} characters, this one has {len(node_id)}"
+    if not node_id.isprintable():
+        bad = next(c for c in node_id if not c.isprintable())
+        return (f"a node id may hold only printable characters, not {ascii(bad)} (no control, format or "
+                f"line-break characters, no spaces other than ' ')")
+    if node_id[0] == " " or node_id[-1] == " ":
+        return "a node id must not start or end with a space"
+    return None
 
 Outputs = tuple[TensorType, ...]
 
@@ -138,6 +160,9 @@ class _Checker:
         """Type, input slots of its incoming edges, output slots of its outgoing ones,
         the weight it publishes."""
         node_id, sink = n.id, self.sink
+        if not (node_id.isprintable() and 0 < len(node_id) <= MAX_ID_CHARS) or node_id[0] == " " \
+                or node_id[-1] == " ":
+            sink.error(id_problem(node_id) or "invalid node id", n.loc, node_id)
         if op is None:
             if node_id not in self.skip:
                 sink.error(f"unknown node type {n.type!r}", n.loc, node_id)
