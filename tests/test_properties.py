@@ -24,6 +24,7 @@ from vgraph import REGISTRY, Graph, VGraphError, dumps, loads, verify
 from vgraph.builder import NetBuilder
 from vgraph.diagnostics import DiagnosticSink
 from vgraph.ops.schema import COMMON_FIELDS, PRECISIONS, ConfigError, Field
+from vgraph.verify import id_problem
 from vgraph.yamlio import NETWORK_KEYS
 from vgraph.yamlio.build import Builder
 from vgraph.yamlio.fast_reader import read_fast
@@ -303,7 +304,8 @@ def test_fast_reader_rejects_texts_outside_its_layout() -> None:
 
 # -- generated valid networks round-trip ------------------------------------------------
 
-IDS = st.text(max_size=10)  # any unicode but surrogates, including "" and control characters
+# Valid ids (vgraph.verify.id_problem): printable unicode, including quotes, '#', ':' and inner spaces.
+IDS = st.text(alphabet=st.characters(whitelist_categories=("L", "M", "N", "P", "S")), min_size=1, max_size=10)
 
 
 @st.composite
@@ -472,16 +474,20 @@ def test_schema_parse_reports_instead_of_raising(raw: dict, type_name: str) -> N
 
 def test_awkward_identifiers_round_trip() -> None:
     """Names YAML would otherwise read differently: line breaks (a plain-scalar
-    check once let "C\\n" through unquoted), nulls, indicators, spaces, escapes."""
+    check once let "C\\n" through unquoted), nulls, indicators, spaces, escapes.
+    Node ids must be printable (verify.id_problem), so the unprintable names
+    travel as colocation groups and the network's name instead."""
     names = ["C\n", "a\u2028b", "x\x85", "null", "~", "", " lead", "trail ", "#c", "- d", "e: f", "yes",
              'q"uote', "back\\slash", "tab\there", "\ufeffbom", "\x00", "\u00e9t\u00e9"]
+    ids = [name if id_problem(name) is None else f"n{i}" for i, name in enumerate(names)]
+    assert len(set(ids)) == len(ids) and ids.count("null") == 1
     b = NetBuilder("awkward\n")
-    b.node(names[0], "reshape", target_shape=(2,))
-    for prev, name in zip(names, names[1:]):
-        b.node(name, "relu", colocate_group=name)
+    b.node(ids[0], "reshape", target_shape=(2,), colocate_group=names[0])
+    for prev, name, group in zip(ids, ids[1:], names[1:]):
+        b.node(name, "relu", colocate_group=group)
         b.edge(prev, name)
-    b.graph.node(names[0]).input_shapes = ((2,),)
-    b.output(names[-1], names[-1])
+    b.graph.node(ids[0]).input_shapes = ((2,),)
+    b.output(names[-1], ids[-1])
     g = b.build()
     text = dumps(g)
     assert loads(text) == g and dumps(loads(text)) == text

@@ -33,14 +33,17 @@ from typing import Iterator
 
 import yaml
 
-from .diagnostics import Diagnostic, DiagnosticSink, SourceLoc, VGraphError, sorted_diagnostics
+from .diagnostics import (MAX_MESSAGE_CHARS, Diagnostic, DiagnosticSink, SourceLoc, VGraphError, printable, quote,
+                          sorted_diagnostics)
 from .ops.schema import suggest
+from .safeio import read_input
 from .yamlio.yaml_reader import Loader as _Loader  # the network loader's safe YAML walker
 from .yamlio.yaml_reader import YamlReader as _YamlReader, line_of as _line
 
 FLEET_KEYS = ("name", "pnodes")
+MAX_FLEET_BYTES = 16 * 2**20  # a fleet of 100k PNodes is ~10 MB
 PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator")
-_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")  # also a file name: DIR/<id>.yml
+_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # fullmatch: also a file name, DIR/<id>.yml
 _ACCELERATOR = re.compile(r"^(cpu|cuda-sm\d\d+)$")
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 
@@ -61,9 +64,9 @@ class FleetDiagnostic(Diagnostic):
     """A diagnostic about a PNode: "FILE:LINE: pnode 'ID': message"."""
 
     def __str__(self) -> str:
-        where = f"{self.loc}: " if self.loc else "<fleet>: "
-        what = f"pnode '{self.node}': " if self.node is not None else "fleet: "
-        return f"{where}{what}{self.message}"
+        where = f"{printable(self.loc)}: " if self.loc else "<fleet>: "
+        what = f"pnode {quote(self.node, 200)}: " if self.node is not None else "fleet: "
+        return f"{where}{what}{printable(self.message, MAX_MESSAGE_CHARS)}"
 
 
 @dataclass(frozen=True)
@@ -125,8 +128,8 @@ class Fleet:
 
 def _pnode_problems(p: PNode) -> list[str]:
     out = []
-    if not _ID.match(p.id):
-        out.append(f"id {p.id!r} must be letters, digits, '_', '.' or '-' (it names a file)")
+    if not _ID.fullmatch(p.id):
+        out.append(f"id {quote(p.id)} must be letters, digits, '_', '.' or '-' (it names a file)")
     if p.memory <= 0:
         out.append("memory must be positive")
     if not (p.flops > 0 and math.isfinite(p.flops)):
@@ -147,7 +150,7 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"expected bytes like 16GiB, 512MB or 1073741824, got {text!r}")
     prefix = m.group(2) or ""
     factor = _BIN[prefix.replace("K", "k").replace("ki", "Ki")] if prefix.endswith("i") else _SI[prefix]
-    value = float(m.group(1)) * factor
+    value = _finite(float(m.group(1)) * factor, text)
     if value != int(value) and value < 1:
         raise ValueError(f"expected at least one byte, got {text!r}")
     return int(round(value))
@@ -158,7 +161,7 @@ def parse_flops(text: str) -> float:
     m = _FLOPS.match(str(text).strip())
     if not m:
         raise ValueError(f"expected FLOP/s like 8.1T, 25 TFLOPS or 65e12, got {text!r}")
-    return float(m.group(1)) * _SI[m.group(2)]
+    return _finite(float(m.group(1)) * _SI[m.group(2)], text)
 
 
 def parse_bandwidth(text: str) -> float:
@@ -169,7 +172,14 @@ def parse_bandwidth(text: str) -> float:
     prefix, unit = m.group(2) or "", m.group(3) or "B/s"
     factor = _BIN[prefix.replace("K", "k").replace("ki", "Ki")] if prefix.endswith("i") else _SI[prefix]
     bits = unit in ("bit/s", "bits/s", "bps", "b/s")
-    return float(m.group(1)) * factor / (8 if bits else 1)
+    return _finite(float(m.group(1)) * factor / (8 if bits else 1), text)
+
+
+def _finite(value: float, text: str) -> float:
+    """A quantity a machine can have: '1e400' overflows to inf, which no arithmetic survives."""
+    if not math.isfinite(value) or value > 1e30:
+        raise ValueError(f"{quote(text)} is beyond any machine (at most 1e30)")
+    return value
 
 
 def human_bytes(n: float) -> str:
@@ -220,11 +230,9 @@ def loads_fleet(text: str, file: str = "<string>") -> Fleet:
 def load_fleet(path: str | Path) -> Fleet:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise FleetError([FleetDiagnostic(f"cannot read fleet file: {reason}", SourceLoc(str(path), 1))]
-                         ) from None
+        text = read_input(path, what="fleet file", limit=MAX_FLEET_BYTES)
+    except VGraphError as exc:
+        raise FleetError(exc.diagnostics) from None
     return loads_fleet(text, str(path))
 
 
@@ -276,8 +284,8 @@ def _pnode(reader: _YamlReader, build: _FleetBuild, item: yaml.Node) -> tuple[st
             build.error(_line(item), "PNode has no 'id'")
         return None, None
     ok = True
-    if not _ID.match(pid):
-        build.error(_line(m["id"][1]), "id must be letters, digits, '_', '.' or '-' (it names the "
+    if not _ID.fullmatch(pid):
+        build.error(_line(m["id"][1]), "id must be letters, digits, '_', '.' or '-', at most 200 (it names the "
                                        "PNode's file when a partition is exported)", pid)
         ok = False
     for key, (kn, _) in m.items():
