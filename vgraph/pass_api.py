@@ -13,33 +13,86 @@ Passes are found like any plugin: entry points in the `vgraph.passes` group
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from .diagnostics import VGraphError
+from .diagnostics import VGraphError, quote
 from .ir import Graph
 
 
 @dataclass(frozen=True)
 class Option:
-    """A declared pass option: its type parses the text of a pipeline spec."""
+    """A declared pass option: its type parses the text of a pipeline spec.
+
+    `choices` (a closed set) or `min`/`max` (a numeric range) say which values
+    are allowed; `vgraph passes` shows them.  Every value is checked the same
+    way whether it comes from pipeline text or from code.
+    """
 
     type: Callable[[str], Any] = str
     default: Any = None
     doc: str = ""
     choices: tuple[Any, ...] | None = None
+    min: float | None = None
+    max: float | None = None
+
+    @property
+    def type_name(self) -> str:
+        return getattr(self.type, "__name__", "value")
+
+    def allowed(self) -> str:
+        """The allowed values in words ('' when any value of the type is)."""
+        if self.choices is not None:
+            return "one of " + ", ".join(map(str, self.choices))
+        if self.min is not None and self.max is not None:
+            return f"{self.min} to {self.max}"
+        if self.min is not None:
+            return f">= {self.min}"
+        return f"<= {self.max}" if self.max is not None else ""
 
     def parse(self, pass_name: str, key: str, text: str) -> Any:
-        try:
-            value = _parse_bool(text) if self.type is bool else self.type(text)
-        except (TypeError, ValueError):
-            raise PassError(f"pass {pass_name!r}: option {key}={text!r} is not a valid "
-                            f"{getattr(self.type, '__name__', 'value')}") from None
+        """The value of pipeline text `text` for this option, checked."""
+        return self.check(pass_name, key, text)
+
+    def check(self, pass_name: str, key: str, value: Any) -> Any:
+        """`value` (text to parse, or a value from code) as this option's type, or a PassError saying why not."""
+        def bad(why: str) -> PassError:
+            return PassError(f"pass {pass_name!r}: option {key}={quote(value)} {why}")
+
+        if isinstance(value, str):
+            if not value:
+                raise bad("is empty (give a value, or leave the option out for its default)")
+            if not value.isprintable():
+                raise bad("contains control characters")
+            try:
+                value = _parse_bool(value) if self.type is bool else self.type(value)
+            except (TypeError, ValueError, OverflowError):
+                raise bad(f"is not a valid {self.type_name}") from None
+        elif value is None and self.default is None:
+            return None
+        elif self.type in _PLAIN and not _is_a(value, self.type):
+            raise bad(f"is not a valid {self.type_name}")
+        elif self.type is float:
+            value = float(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad("must be a finite number")
         if self.choices is not None and value not in self.choices:
-            raise PassError(f"pass {pass_name!r}: option {key}={text!r} must be one of "
-                            f"{', '.join(map(str, self.choices))}")
+            raise bad(f"must be {self.allowed()}")
+        if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):
+            raise bad(f"must be {self.allowed()}")
         return value
+
+
+_PLAIN = (int, float, str, bool)
+
+
+def _is_a(value: Any, type_: type) -> bool:
+    """isinstance, except that a bool is not a number and an int is a float."""
+    if isinstance(value, bool):
+        return type_ is bool
+    return isinstance(value, (int, float) if type_ is float else type_)
 
 
 def _parse_bool(text: str) -> bool:
@@ -94,8 +147,7 @@ class Pass:
                             f"(options: {', '.join(self.options) or 'none'})")
         self.opts = {k: o.default for k, o in self.options.items()}
         for key, value in opts.items():
-            opt = self.options[key]
-            self.opts[key] = opt.parse(self.name, key, value) if isinstance(value, str) else value
+            self.opts[key] = self.options[key].check(self.name, key, value)
 
     @classmethod
     def doc(cls) -> str:

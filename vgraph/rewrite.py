@@ -10,20 +10,58 @@ a name that appears twice must bind the same node, so "all heads read the
 same broadcast" is just the broadcast's name repeated.  A failed match is not
 an exception but data, `NoMatch(reason, node)`, as in onnxscript's rewriter,
 so `--explain` can say why a candidate was left alone.  The rewrite function
-may also refuse with `Reject(reason)` after looking at the whole match.
+may also refuse with `Reject(reason)` after looking at the whole match, and
+says what the match becomes with one `replace(...)` call (vgraph.replace),
+which refuses by itself when a node it removes is read from outside.
+
+Rules see the pass that runs them: predicates (`where=lambda node, ctx: ...`,
+or just `node`) and rewrite functions receive a `RuleContext` whose `opts`
+are that pass's options, so a pass built from rules is a class with
+`options` and `rules` and nothing else.  A rule that raises is reported
+with the pass, rule and node, never as a traceback.
 """
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Container, Iterable, Sequence, Union
+from typing import Any, Callable, ClassVar, Iterable, Mapping, Sequence, Union
 
+from .diagnostics import Diagnostic, VGraphError
 from .ir import Graph, VNode
 from .ops import REGISTRY
-from .pass_api import Pass, PassContext
+from .pass_api import Pass, PassContext, PassError
+from .replace import (NewNode, NewOutput, Reads, ReplaceError, Reject, Source, fresh_id, fused,  # noqa: F401
+                      inherited_config, reads, rebuilt, replace)  # a rule author imports it all from here
 
-Predicate = Callable[[VNode], Union[bool, str, None]]
-"""True/None: accept.  False or a string: refuse (the string is the reason)."""
+Predicate = Callable[..., Union[bool, str, None]]
+"""`(node)` or `(node, ctx)`.  True/None: accept.  False or a string: refuse (the string is the reason)."""
+
+
+class RuleContext:
+    """What a rule's predicates and rewrite function see besides the graph.
+
+    `opts` are the options of the pass running the rule (empty outside a
+    pass), `pass_` that pass; everything else (`target`, `notes`, `explain`,
+    `data`, ...) reads through to the pipeline's PassContext.
+    """
+
+    def __init__(self, ctx: PassContext | None = None, pass_: Pass | None = None) -> None:
+        self.ctx = ctx if ctx is not None else PassContext()
+        self.pass_ = pass_
+
+    @property
+    def opts(self) -> Mapping[str, Any]:
+        return self.pass_.opts if self.pass_ is not None else {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "ctx":  # copy/pickle probing a half-built object
+            raise AttributeError(name)
+        return getattr(self.ctx, name)
+
+
+class RuleError(PassError):
+    """A rule's predicate or rewrite function failed (a bug in the rule, reported without a traceback)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +78,7 @@ class Pat:
     name: str | None = None
     inputs: tuple["Pat | None", ...] | Each | None = None
     where: Predicate | None = None
+    where_takes_ctx: bool = False
 
 
 def P(types: str | Sequence[str] | None, name: str | None = None, *inputs: "Pat | Each | None",
@@ -53,7 +92,17 @@ def P(types: str | Sequence[str] | None, name: str | None = None, *inputs: "Pat 
         ins = inputs[0]
     else:
         ins = tuple(inputs) if inputs else None
-    return Pat(canon, name, ins, where)
+    return Pat(canon, name, ins, where, where is not None and _takes_ctx(where))
+
+
+def _takes_ctx(fn: Callable) -> bool:
+    """Whether a predicate takes `(node, ctx)` rather than `(node)`."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called with the node only
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 @dataclass
@@ -78,24 +127,18 @@ class NoMatch:
         return f"'{self.node}': {self.reason}"
 
 
-@dataclass(frozen=True)
-class Reject:
-    """Returned by a rewrite function that declines a match, with the reason."""
-
-    reason: str
-
-
-def match(graph: Graph, pat: Pat, node: VNode) -> Match | NoMatch:
+def match(graph: Graph, pat: Pat, node: VNode, ctx: RuleContext | None = None) -> Match | NoMatch:
     m = Match(node)
-    failure = _match(graph, pat, node, m, None)
+    failure = _match(graph, pat, node, m, None, ctx if ctx is not None else RuleContext())
     return m if failure is None else failure
 
 
-def _match(graph: Graph, pat: Pat, node: VNode, m: Match, collect: str | None) -> NoMatch | None:
+def _match(graph: Graph, pat: Pat, node: VNode, m: Match, collect: str | None,
+           ctx: RuleContext) -> NoMatch | None:
     if pat.types is not None and node.type not in pat.types:
         return NoMatch(f"is a {node.type}, not {' or '.join(pat.types)}", node.id)
     if pat.where is not None:
-        verdict = pat.where(node)
+        verdict = pat.where(node, ctx) if pat.where_takes_ctx else pat.where(node)
         if verdict is False or isinstance(verdict, str):
             return NoMatch(verdict if isinstance(verdict, str) else "predicate failed", node.id)
     if pat.name is not None:
@@ -124,13 +167,13 @@ def _match(graph: Graph, pat: Pat, node: VNode, m: Match, collect: str | None) -
         producer = graph.producer(node.id, slot)
         if producer is None:
             return NoMatch(f"input {slot} is not connected", node.id)
-        failure = _match(graph, sub, producer, m, inner)
+        failure = _match(graph, sub, producer, m, inner, ctx)
         if failure is not None:
             return NoMatch(f"input {slot} {failure}", node.id)
     return None
 
 
-RewriteFn = Callable[[Graph, Match, PassContext], Union[Counter, dict, Reject, None]]
+RewriteFn = Callable[[Graph, Match, RuleContext], Union[Counter, dict, Reject, None]]
 
 
 @dataclass(frozen=True)
@@ -149,7 +192,9 @@ class RuleSet:
     def __add__(self, other: "RuleSet") -> "RuleSet":
         return RuleSet(self.rules + other.rules)
 
-    def apply(self, graph: Graph, ctx: PassContext) -> Counter:
+    def apply(self, graph: Graph, ctx: PassContext | RuleContext, pass_: Pass | None = None) -> Counter:
+        """Apply the rules; `pass_` (whose options the rules read) is the pass running them."""
+        rctx = ctx if isinstance(ctx, RuleContext) else RuleContext(ctx, pass_)
         counts: Counter = Counter()
         for node_id in [n.id for n in graph.topo_order()]:
             if node_id not in graph:
@@ -158,56 +203,44 @@ class RuleSet:
             for rule in self.rules:
                 if rule.pattern.types is not None and node.type not in rule.pattern.types:
                     continue
-                found = match(graph, rule.pattern, node)
-                if not found:
-                    if ctx.explain:
-                        ctx.explanations.append(f"{rule.name}: '{node_id}' not rewritten: {found}")
+                result = _run_rule(graph, rule, node, rctx)
+                if isinstance(result, NoMatch):
+                    if rctx.explain:
+                        rctx.explanations.append(f"{rule.name}: '{node_id}' not rewritten: {result}")
                     continue
-                result = rule.rewrite(graph, found, ctx)
                 if isinstance(result, Reject):
-                    if ctx.explain:
-                        ctx.explanations.append(f"{rule.name}: '{node_id}' not rewritten: {result.reason}")
+                    if rctx.explain:
+                        rctx.explanations.append(f"{rule.name}: '{node_id}' not rewritten: {result.reason}")
                     continue
                 counts.update(result or {})
                 break
         return counts
 
 
-class RewritePass(Pass):
-    """A pass that is a rule set: subclasses set `name`, a docstring and `rules`."""
+def _run_rule(graph: Graph, rule: Rule, node: VNode, ctx: RuleContext) -> Counter | dict | Reject | NoMatch | None:
+    """Match `rule` at `node` and rewrite; a rule that raises becomes a RuleError naming pass, rule, node."""
+    where = f"{f'pass {ctx.pass_.name!r}, ' if ctx.pass_ is not None else ''}rule {rule.name!r}"
+    try:
+        found = match(graph, rule.pattern, node, ctx)
+        return rule.rewrite(graph, found, ctx) if found else found
+    except ReplaceError as exc:
+        raise RuleError([Diagnostic(f"{where}: wrong replacement: {exc}", node.loc, node.id)]) from exc
+    except VGraphError:
+        raise  # already a user-facing message (a bad option value, ...)
+    except Exception as exc:  # a plugin's bug must not look like ours, nor show a traceback
+        raise RuleError([Diagnostic(f"{where} failed: {type(exc).__name__}: {exc}", node.loc, node.id)]
+                        ) from exc
 
-    rules: ClassVar[RuleSet]
+
+class RewritePass(Pass):
+    """A pass that is a rule set: subclasses set `name`, a docstring, `options` and `rules`.
+
+    `rules` is a RuleSet or a list of Rules; they read this pass's options
+    through `ctx.opts`.
+    """
+
+    rules: ClassVar[RuleSet | Sequence[Rule]]
 
     def run(self, graph: Graph, ctx: PassContext) -> Counter:
-        return self.rules.apply(graph, ctx)
-
-
-def only_feeds(graph: Graph, node: VNode, consumers: Iterable[VNode]) -> str | None:
-    """Why `node`'s outputs reach something other than `consumers` (None if they don't)."""
-    allowed = {c.id for c in consumers}
-    for e in graph.out_edges(node.id):
-        if e.dst not in allowed:
-            return f"'{node.id}' also feeds '{e.dst}'"
-    for ep in graph.iter_endpoints():
-        if ep.node == node.id:
-            return f"'{node.id}' is read by {ep.name!r}"
-    return None
-
-
-def fresh_id(taken: Container[str], base: str) -> str:
-    """`base`, or `base_2`, `base_3`, ... whichever is not in `taken` (a Graph or a set of names)."""
-    name, k = base, 2
-    while name in taken:
-        name, k = f"{base}_{k}", k + 1
-    return name
-
-
-PLACEMENT_KEYS = ("colocate_group", "colocate_policy")
-PRECISION_KEYS = ("precision", "param_precision", "activation_precision")
-TRAINING_KEYS = ("optimizer", "learning_rate")
-
-
-def inherited_config(node: VNode, keys: Sequence[str] = PLACEMENT_KEYS + PRECISION_KEYS + TRAINING_KEYS
-                     ) -> dict:
-    """The keys a fused node takes over from a node it replaces (placement, precision, training)."""
-    return {k: node.config[k] for k in keys if k in node.config}
+        rules = self.rules if isinstance(self.rules, RuleSet) else RuleSet(self.rules)
+        return rules.apply(graph, ctx, self)
