@@ -62,7 +62,8 @@ from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vg
 from tools.gen_networks import PRODUCTION, TINY  # noqa: E402
 from vgraph.analyze import analyze  # noqa: E402
 from vgraph.backends.torch import compile_network, compute_dtype, prepare_graph  # noqa: E402
-from vgraph.backends.torch.train import NodeOptimizers, _make_adam, device_target  # noqa: E402
+from vgraph.backends.torch.node_optimizers import NodeOptimizers, make_adam  # noqa: E402
+from vgraph.backends.torch.training_setup import device_target  # noqa: E402
 
 NETWORKS = {
     "6": (ROOT / "networks" / "distributed_attention_example_6_swiglu_head.yml",
@@ -151,7 +152,7 @@ def handwritten_variant(cfg: HandwrittenConfig, unfused_state, device, dtype, id
     model = HandwrittenTransformer(cfg)
     load_vgraph_state(model, unfused_state)
     model.to(device).train()
-    optimizer = _make_adam([{"params": list(model.parameters()), "lr": LR}])
+    optimizer = make_adam([{"params": list(model.parameters()), "lr": LR}])
     forward = torch.compile(model) if compiled else model
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 

@@ -74,7 +74,7 @@ from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vg
 from tools.gen_networks import PRODUCTION, TINY  # noqa: E402
 from vgraph.analyze import analyze  # noqa: E402
 from vgraph.backends.torch import compile_network, prepare_graph  # noqa: E402
-from vgraph.backends.torch.train import NodeOptimizers, _make_adam  # noqa: E402
+from vgraph.backends.torch.node_optimizers import NodeOptimizers, make_adam  # noqa: E402
 
 NETWORKS = {
     "6": ("distributed_attention_example_6_swiglu_head.yml", PRODUCTION),
@@ -149,7 +149,7 @@ def handwritten_variant(name: str, cfg: HandwrittenConfig, unfused_state, ids, t
     model = HandwrittenTransformer(cfg)
     load_vgraph_state(model, unfused_state)
     model.train()
-    optimizer = _make_adam([{"params": list(model.parameters()), "lr": LR}])  # fused Adam, like vgraph
+    optimizer = make_adam([{"params": list(model.parameters()), "lr": LR}])  # fused Adam, like vgraph
     forward = torch.compile(model) if compiled else model
 
     def step() -> torch.Tensor:

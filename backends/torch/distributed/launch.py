@@ -67,14 +67,18 @@ from vgraph.diagnostics import VGraphError
 from vgraph.fleet import Fleet, resolve_fleet
 from vgraph.ir import Graph
 from vgraph.partition_export import assignment_of, placement_report
+from vgraph.plugins import loaded_files
 from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
 
 from .. import checkpoint as ckpt
 from .. import data as D
 from .plan import PIPELINES
 from .worker import EXIT_USER_ERROR, LAUNCH_DIR, apply_assignment
-from ..train import (NO_FUSE_PIPELINE, TrainConfig, TrainingError, _atomic_write, _clean_stale,
-                    _load_network, _resolve_device, _slug, _vocab_and_seq, device_target, prepare_data)
+from ..run_checkpoints import clean_stale
+from ..run_files import atomic_write_text, run_slug
+from ..train_config import TrainConfig, TrainingError
+from ..training_data import prepare_data
+from ..training_setup import NO_FUSE_PIPELINE, device_target, load_network, resolve_device, vocab_and_seq
 
 __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", "read_placement",
            "register_launch", "main"]
@@ -390,21 +394,21 @@ def launch(config: LaunchConfig) -> LaunchResult:
 
     say = emit if cfg.progress else (lambda line: None)
     fleet = resolve_fleet(cfg.fleet)
-    device = _resolve_device(cfg.device)
-    source, yaml_text = _load_network(cfg.network)
+    device = resolve_device(cfg.device)
+    source, yaml_text = load_network(cfg.network)
     network_file = str(cfg.network) if not isinstance(cfg.network, Graph) else f"<{source.name}>"
-    vocab, seq_len = _vocab_and_seq(source)
+    vocab, seq_len = vocab_and_seq(source)
     micro = cfg.micro_batches or min(cfg.batch, 2 * len(fleet))
     if not 1 <= micro <= cfg.batch:
         raise TrainingError(f"--micro-batches must be between 1 and --batch {cfg.batch}, got {micro}")
 
-    run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / _slug(source.name)
+    run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
     launch_dir = run_dir / LAUNCH_DIR
     launch_dir.mkdir(parents=True, exist_ok=True)
     lead = cfg.node_rank == 0
     resume = cfg.resume
     if lead:
-        _clean_stale(run_dir)
+        clean_stale(run_dir)
         try:
             latest = ckpt.latest_checkpoint(run_dir)
         except ckpt.CheckpointError as exc:
@@ -424,7 +428,7 @@ def launch(config: LaunchConfig) -> LaunchResult:
     save_file({"train": dataset.train_tokens.contiguous(), "val": dataset.val_tokens.contiguous()},
               str(tokens_path))
     tokenizer_path = launch_dir / "tokenizer.json"
-    _atomic_write(tokenizer_path, tokenizer.to_str())
+    atomic_write_text(tokenizer_path, tokenizer.to_str())
 
     target = device_target(device)
     options = {"batch": str(cfg.batch), "micro_batches": str(micro)}
@@ -436,8 +440,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
     }
     if lead:
         if not (run_dir / "network.yml").exists() or not resume:
-            _atomic_write(run_dir / "network.yml", yaml_text)
-            _atomic_write(run_dir / "tokenizer.json", tokenizer.to_str())
+            atomic_write_text(run_dir / "network.yml", yaml_text)
+            atomic_write_text(run_dir / "tokenizer.json", tokenizer.to_str())
 
     result = LaunchResult(run_dir, 0, None, None, None)
     hold = cfg.hold
@@ -459,8 +463,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
         info = dict(run_info, precision=dict(placement.graph.meta.get("precision") or {}),
                     launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": micro, "attempt": attempt})
         if lead:
-            _atomic_write(run_dir / "run.json", json.dumps(info, indent=2, default=str) + "\n")
-            _atomic_write(run_dir / "placement.json", json.dumps(placement.report, indent=2) + "\n")
+            atomic_write_text(run_dir / "run.json", json.dumps(info, indent=2, default=str) + "\n")
+            atomic_write_text(run_dir / "placement.json", json.dumps(placement.report, indent=2) + "\n")
         job = {
             "run_dir": str(run_dir.absolute()), "network_yaml": yaml_text, "network_file": network_file,
             "pipeline_before": before, "pipeline_after": after, "target": target,
@@ -471,9 +475,10 @@ def launch(config: LaunchConfig) -> LaunchResult:
             "run_info": info, "predicted_cut_bytes": placement.report["cut_bytes_per_step"], "attempt": attempt,
             "hold": ({"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None),
             "config": _worker_config(cfg, micro, threads, resume),
+            "plugins": loaded_files(),  # every worker loads the plugin files this process loaded
         }
         job_path = launch_dir / f"job-{attempt}.json"
-        _atomic_write(job_path, json.dumps(job, default=str))
+        atomic_write_text(job_path, json.dumps(job, default=str))
         port = (base_port + attempt) if base_port else free_port()
         say(f"launch: {source.name} on {world} worker(s) {', '.join(ranks)} of fleet {fleet.name!r} "
             f"({'nccl' if nccl else 'gloo'}, {micro} micro-batches {cfg.pipeline}, predicted boundary traffic "
@@ -481,7 +486,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
         supervisor = _Supervisor(emit)
         try:
             supervisor.start(job_path, local, ranks, world, cfg.master_addr, port, threads)
-            _atomic_write(launch_dir / "workers.json", json.dumps({"attempt": attempt, "pids": supervisor.pids()}))
+            atomic_write_text(launch_dir / "workers.json",
+                              json.dumps({"attempt": attempt, "pids": supervisor.pids()}))
             ok, codes, lost = supervisor.wait()
         except BaseException:
             supervisor.stop()
@@ -546,6 +552,8 @@ def _user_errors(launch_dir: Path) -> str:
 
 def register_launch(subparsers: argparse._SubParsersAction) -> None:
     """Add `launch` to a `vgraph` subparser set (entry point of group `vgraph.commands`)."""
+    from vgraph.cli import add_plugin_option
+
     from ..cli import _non_negative_int, _positive_int
 
     p = subparsers.add_parser(
@@ -598,6 +606,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-clip", type=float, metavar="NORM")
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")
     p.add_argument("--quiet", action="store_true", help="no status lines (errors still show)")
+    add_plugin_option(p)  # the files travel to the workers in the job file
     p.set_defaults(func=run_launch)
 
 

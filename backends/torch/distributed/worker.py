@@ -43,7 +43,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -58,6 +57,7 @@ from vgraph import layout
 from vgraph.diagnostics import Diagnostic, VGraphError
 from vgraph.ir import Graph
 from vgraph.partition_export import assignment_of
+from vgraph.plugins import load_plugins
 from vgraph.pipeline import run_pipeline
 from vgraph.yamlio import loads
 
@@ -68,8 +68,12 @@ from .plan import (DistPlan, Message, Op, Task, make_plan, message_order, micro_
                         weight_ops)
 from ..dropout import clear_dropout_key, set_dropout_key
 from ..lower import VGraphModule, compile_network, compute_dtype
-from ..train import (CHECKPOINT_PREFIX, MetricsLog, NodeOptimizers, TrainingError, _deterministic,
-                    _state_to_graph, _state_to_unfused, lr_factor)
+from ..metrics_log import MetricsLog
+from ..node_optimizers import NodeOptimizers, lr_factor
+from ..run_checkpoints import (CHECKPOINT_PREFIX, optimizer_state_to_graph, optimizer_state_to_unfused,
+                               prune_checkpoints)
+from ..train_config import TrainingError
+from ..training_setup import use_deterministic_kernels
 
 __all__ = ["main", "Worker", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"]
 
@@ -166,7 +170,7 @@ class Worker:
             self.device = torch.device("cpu")
         torch.set_num_threads(int(cfg["threads"]))
         if cfg.get("deterministic"):
-            _deterministic()
+            use_deterministic_kernels()
         dist.init_process_group(job["backend"], rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=float(cfg["comm_timeout"])))
         self.ctrl = dist.new_group(backend="gloo") if job["backend"] != "gloo" else None
@@ -454,7 +458,7 @@ class Worker:
             for key, value in module.unfused_state_dict().items():
                 if not any(key.startswith(r) for r in replicas):
                     model[key] = value.detach().cpu().clone()
-            states = _state_to_unfused(self.optims[task.id].state_by_key(), module.network)
+            states = optimizer_state_to_unfused(self.optims[task.id].state_by_key(), module.network)
             for key, state in states.items():
                 if not any(key.startswith(r) for r in replicas):
                     optim[key] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
@@ -483,11 +487,7 @@ class Worker:
         }
         path = ckpt.save_checkpoint(self.run_dir / f"{CHECKPOINT_PREFIX}{step:08d}", step=step, model_state=model,
                                     optimizer_states=optim, rng_state=ckpt.capture_rng_state(), extra=extra)
-        keep = max(1, int(self.cfg["keep_checkpoints"]))
-        done = sorted(p for p in self.run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
-        for old in done[:-keep]:
-            if old.name != path.name:
-                shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(self.run_dir, int(self.cfg["keep_checkpoints"]), path)
         return path
 
     def resume(self) -> int:
@@ -509,7 +509,7 @@ class Worker:
                         continue
                     parts = [mine["model"][k] for k, _ in pieces]
                     own[key].copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
-                self.optims[task.id].load_state_by_key(_state_to_graph(mine["optim"], module.network))
+                self.optims[task.id].load_state_by_key(optimizer_state_to_graph(mine["optim"], module.network))
         self.data_gen.set_state(mine["data_generator"])
         self.scaler.load_state_dict(mine["grad_scaler"])
         return int(mine["step"])
@@ -748,6 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     worker = Worker(job, rank, world, local_rank)
     try:
+        load_plugins(job.get("plugins", ()))  # what the launcher loaded: installed op types, --plugin files
         worker.setup()
         worker.run()
         return 0

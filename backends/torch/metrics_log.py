@@ -1,0 +1,160 @@
+"""What a training run reports: metrics.jsonl / metrics.csv, the loss curve, the progress bar and its lines.
+
+The rows are written at every sync point of the loop (every `--log-every`
+steps, at validation and at checkpoints); a resumed run drops the rows past
+its checkpoint (`MetricsLog.restart`) and writes them again.  Shared with
+the workers of `vgraph launch`, whose rank 0 writes the same files.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+import torch
+
+from .lower import VGraphModule
+from .node_optimizers import NodeOptimizers
+from .run_files import atomic_write_text, run_slug
+
+if TYPE_CHECKING:
+    from vgraph.ir import Endpoint
+
+    from .train_step import PendingLoss
+    from .training_setup import RunSetup
+
+__all__ = ["MetricsLog", "metric_columns", "metric_values", "step_rows", "progress_bar", "run_banner"]
+
+class MetricsLog:
+    """metrics.jsonl (the record) and metrics.csv (the same rows as a table)."""
+
+    def __init__(self, run_dir: Path, columns: list[str]) -> None:
+        self.jsonl = run_dir / "metrics.jsonl"
+        self.csv = run_dir / "metrics.csv"
+        self.columns = columns
+        self.rows: list[dict[str, Any]] = []
+
+    def restart(self, upto_step: int) -> None:
+        """Keep rows up to `upto_step` (a resumed run redoes what came after) and rewrite both files."""
+        rows = []
+        if self.jsonl.is_file():
+            for line in self.jsonl.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a line torn by a kill
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= upto_step:
+                    rows.append(row)
+        self.rows = rows
+        atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in rows))
+        with open(self.csv.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(self.csv.with_suffix(".csv.tmp"), self.csv)
+
+    def append(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        self.rows.extend(rows)
+        with open(self.jsonl, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in rows))
+        with open(self.csv, "a", newline="", encoding="utf-8") as f:
+            csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore").writerows(rows)
+
+    def plot(self, path: Path, title: str) -> None:
+        # The object API with the Agg canvas: no pyplot, no GUI backend, nothing global.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        train = [(r["step"], r["loss"]) for r in self.rows if _finite(r.get("loss"))]
+        val = [(r["step"], r["val_loss"]) for r in self.rows if _finite(r.get("val_loss"))]
+        fig = Figure(figsize=(7, 4.2), dpi=110)
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+        if train:
+            steps, losses = zip(*train)
+            ax.plot(steps, losses, lw=0.8, alpha=0.45, label="train loss")
+            if len(losses) >= 20:
+                span = max(5, len(losses) // 50)
+                smooth, ema = [], losses[0]
+                for v in losses:
+                    ema += (v - ema) / span
+                    smooth.append(ema)
+                ax.plot(steps, smooth, lw=1.6, label=f"train loss (EMA {span})")
+        if val:
+            ax.plot(*zip(*val), "o-", lw=1.4, ms=4, label="validation loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        tmp = path.with_name(f".{path.name}.tmp.png")
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+
+def metric_columns(metric_eps: Iterable[Endpoint]) -> list[str]:
+    """The metrics table's columns: the loop's own, then the network's `metrics:` entries."""
+    return ["step", "loss", "lr", "tokens_per_s", "elapsed_s", "val_loss", "loss_scale",
+            *[ep.name for ep in metric_eps if ep.name not in ("step", "loss", "lr")]]
+
+
+def metric_values(metric_eps: Iterable[Endpoint], module: VGraphModule, optimizers: NodeOptimizers,
+                  scaler: torch.amp.GradScaler, out: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The network's `metrics:` entries now (between backward and update: gradients are this step's)."""
+    values: dict[str, Any] = {}
+    graph = module.network
+    cost_at = {(ep.node, ep.slot): ep.name for ep in graph.costs}
+    for ep in metric_eps:
+        if ep.type in (None, "learning_rate"):
+            values[ep.name] = optimizers.lr_of(ep.node) if ep.node in optimizers.base_lr else None
+        elif ep.type == "loss" and (ep.node, ep.slot) in cost_at:
+            values[ep.name] = float(out[cost_at[(ep.node, ep.slot)]].detach())
+        elif ep.type == "grad_norm":
+            node = graph.node(ep.node)
+            params = list(module.node_parameters(ep.node).values())
+            if not params and node.op.tied(node.cfg):
+                alias = next(iter(node.op.tied(node.cfg).values()))[0]
+                params = [module.node_parameters(graph.publishers()[alias].id)["weight"]]
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                values[ep.name] = float(norm) / (scaler.get_scale() if scaler.is_enabled() else 1.0)
+    return values
+
+
+def step_rows(pending: list[PendingLoss], losses: list[float], base_lr: float, tokens_per_s: float,
+              elapsed_s: float) -> list[dict[str, Any]]:
+    """One metrics row per step since the last sync point (the caller adds the last row's extras)."""
+    return [{"step": s, "loss": value, "lr": base_lr * factor, "tokens_per_s": tokens_per_s, "elapsed_s": elapsed_s}
+            for (s, _, factor), value in zip(pending, losses)]
+
+
+def progress_bar(total: int, initial: int, name: str, enabled: bool):
+    """The tqdm bar on stderr (disabled under --quiet)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=run_slug(name), unit="step", disable=not enabled,
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def run_banner(setup: RunSetup, module: VGraphModule) -> str:
+    """The line a run starts with: network, size, precision, device, data and run directory."""
+    graph, dtype, data = setup.graph, setup.dtype, setup.data
+    return (f"{graph.name}: {len(graph)} VNodes, {sum(p.numel() for p in module.parameters()):,} "
+            f"parameters, {str(dtype).removeprefix('torch.')} compute on {setup.device}"
+            f"{' with loss scaling' if setup.loss_scaling else ''}"
+            f"{' (' + setup.precision['reason'] + ')' if setup.precision.get('reason') else ''}; data "
+            f"{data.description} ({data.dataset.train_tokens.numel():,} train / "
+            f"{data.dataset.val_tokens.numel():,} val tokens, {data.tokenizer_kind} tokenizer); "
+            f"run dir {setup.run_dir}")

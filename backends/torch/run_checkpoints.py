@@ -1,0 +1,143 @@
+"""A training run's checkpoints: saving one (and pruning old ones), resuming from one, cleaning a killed write.
+
+A checkpoint (checkpoint.py) holds the weights in the UNFUSED layout, the
+optimizer state per parameter (moments split like the weights), the step,
+the RNG and data-generator state, the loss scaler, and the network YAML and
+tokenizer again, so one checkpoint directory is self-contained (`vgraph
+generate` needs nothing else) and a run resumes from it with any fusion, or
+under `vgraph launch` on any partition.  Resuming restores every one of
+these, so a run killed at any moment ends bitwise equal to an uninterrupted
+run (CPU, `--deterministic`).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from vgraph.ir import Graph
+
+from . import checkpoint as ckpt
+from .lower import VGraphModule, param_sources
+from .node_optimizers import NodeOptimizers
+from .train_config import TrainingError
+
+__all__ = ["CHECKPOINT_PREFIX", "run_checkpoints", "prune_checkpoints", "clean_stale",
+           "optimizer_state_to_unfused", "optimizer_state_to_graph", "TrainingState", "save_run_checkpoint",
+           "resume_run"]
+
+CHECKPOINT_PREFIX = "step-"
+
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoint directories, oldest first."""
+    return sorted(p for p in run_dir.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir())
+
+def prune_checkpoints(run_dir: Path, keep: int, newest: Path) -> None:
+    """Delete all but the newest `keep` (at least 1) checkpoints, never `newest` (the one just written)."""
+    for old in run_checkpoints(run_dir)[:-max(1, keep)]:
+        if old.name != newest.name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_stale(run_dir: Path) -> None:
+    """Remove temporaries a killed checkpoint write left behind (never a complete checkpoint)."""
+    for p in run_dir.glob(f".{CHECKPOINT_PREFIX}*"):
+        if ".tmp-" in p.name or ".old-" in p.name:
+            shutil.rmtree(p, ignore_errors=True)
+
+def optimizer_state_to_unfused(states: Mapping[str, Mapping[str, Any]], graph: Graph) -> dict[str, dict[str, Any]]:
+    """Per-parameter optimizer state -> unfused keys: moments split like the weights, scalars copied."""
+    sources = param_sources(graph)
+    out: dict[str, dict[str, Any]] = {}
+    for key, state in states.items():
+        pieces = sources[key]
+        rows = [r for _, r in pieces]
+        for unfused_key, _ in pieces:
+            out[unfused_key] = {}
+        for name, value in state.items():
+            if len(pieces) > 1 and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                    and value.shape[0] == sum(rows):
+                for (unfused_key, _), part in zip(pieces, torch.split(value, rows, dim=0)):
+                    out[unfused_key][name] = part
+            else:
+                for unfused_key, _ in pieces:
+                    out[unfused_key][name] = value
+    return out
+
+def optimizer_state_to_graph(states: Mapping[str, Mapping[str, Any]], graph: Graph) -> dict[str, dict[str, Any]]:
+    """Unfused per-parameter optimizer state -> `graph`'s keys (moments concatenated)."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, pieces in param_sources(graph).items():
+        parts = [states.get(unfused_key) for unfused_key, _ in pieces]
+        if any(p is None for p in parts):
+            continue  # never stepped: the optimizer initialises its state on the first step
+        merged: dict[str, Any] = {}
+        for name, first in parts[0].items():
+            if len(parts) > 1 and isinstance(first, torch.Tensor) and first.dim() > 0:
+                merged[name] = torch.cat([p[name] for p in parts], dim=0)
+            else:
+                merged[name] = first
+        out[key] = merged
+    return out
+
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and a resume restores, besides the global RNGs."""
+
+    module: VGraphModule
+    optimizers: NodeOptimizers
+    scaler: torch.amp.GradScaler
+    data_gen: torch.Generator  # the training batches' own generator
+
+def save_run_checkpoint(run_dir: Path, step: int, state: TrainingState, run_info: dict, yaml_text: str,
+                        tokenizer_json: str, keep: int) -> Path:
+    """Checkpoint `step` (atomically, then `latest` moves to it); keep the newest `keep` checkpoints."""
+    module, graph = state.module, state.module.network
+    model_state = module.unfused_state_dict()
+    opt_state = optimizer_state_to_unfused(state.optimizers.state_by_key(), graph)
+    extra = {
+        "layout": "unfused",
+        "data_generator": state.data_gen.get_state(),
+        "grad_scaler": state.scaler.state_dict() if state.scaler.is_enabled() else None,
+        "run": json.loads(json.dumps(run_info, default=str)),
+        "network_yaml": yaml_text,
+        "tokenizer_json": tokenizer_json,
+    }
+    path = ckpt.save_checkpoint(run_dir / f"{CHECKPOINT_PREFIX}{step:08d}", step=step,
+                                model_state=model_state, optimizer_states=opt_state,
+                                rng_state=ckpt.capture_rng_state(), extra=extra)
+    prune_checkpoints(run_dir, keep, path)
+    return path
+
+def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable[[str], None]) -> int:
+    """Restore `state` and the global RNGs from checkpoint `latest`; the step it was taken after.
+
+    Refused when the run's data-defining settings (`run_info`) differ from the
+    checkpoint's; a changed learning rate or schedule is only noted.
+    """
+    try:
+        saved = ckpt.load_checkpoint(latest, map_location="cpu")
+    except ckpt.CheckpointError as exc:
+        raise TrainingError(f"cannot resume: {exc}") from None
+    before = saved.extra.get("run", {})
+    for key in ("seed", "batch", "seq_len", "data", "vocab_size", "tokenizer"):
+        if key in before and before[key] != run_info[key]:
+            raise TrainingError(f"cannot resume {latest.parent}: it was trained with {key}={before[key]!r}, "
+                                f"this run has {key}={run_info[key]!r}; resuming must not change it")
+    for key in ("lr", "warmup", "schedule"):
+        if key in before and before[key] != run_info[key]:
+            say(f"note: resuming with {key}={run_info[key]!r} (the run had {before[key]!r})")
+    module = state.module
+    device = next(module.parameters()).device
+    module.load_unfused_state_dict({k: v.to(device) for k, v in saved.model_state.items()})
+    state.optimizers.load_state_by_key(optimizer_state_to_graph(saved.optimizer_states, module.network))
+    if saved.extra.get("grad_scaler") and state.scaler.is_enabled():
+        state.scaler.load_state_dict(saved.extra["grad_scaler"])
+    state.data_gen.set_state(saved.extra["data_generator"])
+    ckpt.restore_rng_state(saved.rng_state)
+    say(f"resumed from {latest} at step {saved.step}")
+    return saved.step

@@ -1,0 +1,69 @@
+"""What a training run is asked to do (`TrainConfig`), what it reports (`TrainResult`), how it fails.
+
+Its own module because every part of the loop (training_setup, train_step,
+run_checkpoints, ...) and `vgraph launch` (whose `LaunchConfig` extends
+`TrainConfig`) share these three names, while train.py, the entry point,
+imports those parts: here they depend on nothing of the loop.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vgraph.diagnostics import VGraphError
+from vgraph.ir import Graph
+
+from . import data as D
+
+__all__ = ["TrainConfig", "TrainResult", "TrainingError"]
+
+
+class TrainingError(VGraphError):
+    """Training cannot go on (non-finite loss, incompatible resume, unusable data)."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything `train` needs; the CLI options map onto these fields one to one."""
+
+    network: str | Path | Graph
+    data: str | None = None
+    steps: int = 1000
+    batch: int = 8
+    lr: float = 6e-4
+    warmup: int = 0
+    schedule: str = "constant"  # constant | cosine (to min_lr_ratio * lr at the last step)
+    min_lr_ratio: float = 0.1
+    seed: int = 0
+    out: str | Path | None = None
+    resume: bool = False
+    device: str | None = None
+    passes: str | None = None  # None: the default pipeline; "": no passes at all
+    fuse: bool = True
+    val_every: int = 200
+    val_batches: int = 8
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3
+    deterministic: bool = False
+    threads: int | None = None
+    log_every: int | None = None  # default: every step on CPU, every 10 on an accelerator
+    grad_clip: float | None = None
+    corpus_bytes: int = D.DEFAULT_CORPUS_MAX_BYTES
+    memory_limit: int | None = None
+    compile: bool = False
+    progress: bool = True
+    initial_loss_scale: float = 2.0**16
+    max_skipped_steps: int = 50
+    cache_dir: str | Path | None = None
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    loss: float | None
+    val_loss: float | None
+    checkpoint: Path | None
+    skipped_steps: int = 0  # steps the fp16 loss scaler skipped (counted from the scale's halvings)
+    history: list[dict[str, Any]] = field(default_factory=list)

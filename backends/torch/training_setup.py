@@ -1,0 +1,230 @@
+"""Setting a training run up: the config checked, the device, the graph prepared, the run directory, the data.
+
+Everything `vgraph train` decides before its first step, in the order it
+decides it (`set_up_run`), and the pieces `vgraph launch` shares with it
+(device resolution, graph loading and preparation, the run's data).
+
+* **Graph**: the file is loaded, then the pass pipeline runs for the device
+  (`prepare_graph`: the default production pipeline, `--passes SPEC`, or
+  `--no-fuse`); the `precision` pass's annotation picks the compute dtype.
+* **Memory** is checked before anything large is allocated.
+* **Seeds**: Python's, NumPy's and torch's global generators are seeded just
+  before the weights are initialised (`seed_everything`).
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vgraph.diagnostics import Diagnostic, VGraphError
+from vgraph.ir import Graph
+from vgraph.yamlio import dumps, load
+
+from . import checkpoint as ckpt
+from .lower import VGraphModule, compute_dtype
+from .memory import check_memory
+from .run_checkpoints import clean_stale
+from .run_files import run_slug
+from .train_config import TrainConfig, TrainingError
+from .training_data import PreparedData, prepare_data
+
+__all__ = ["NO_FUSE_PIPELINE", "device_target", "prepare_graph", "feed_roles", "vocab_and_seq", "resolve_device",
+           "use_deterministic_kernels", "load_network", "RunSetup", "set_up_run", "seed_everything"]
+
+NO_FUSE_PIPELINE = "dead-nodes,precision"
+
+
+# --------------------------------------------------------------------------
+# Device
+# --------------------------------------------------------------------------
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """`--device` as a torch device (default: CUDA when there is one), refused when it cannot run here."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise TrainingError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def use_deterministic_kernels() -> None:
+    """Deterministic kernels (and cuBLAS workspace), for bitwise-reproducible runs."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
+
+
+def device_target(device: torch.device) -> str:
+    """The `precision` pass target for a torch device: 'cpu' or 'cuda-smXY'."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda-sm{major}{minor}"
+    return "cpu"
+
+
+# --------------------------------------------------------------------------
+# Graph preparation
+# --------------------------------------------------------------------------
+
+
+def load_network(network: str | Path | Graph) -> tuple[Graph, str]:
+    """(graph, YAML text) of `--network`: a file, or a graph given by a library caller."""
+    if isinstance(network, Graph):
+        return network, dumps(network)
+    path = Path(network)
+    if not path.is_file():
+        raise VGraphError(f"{path}: network file not found")
+    return load(path), path.read_text(encoding="utf-8")
+
+
+def prepare_graph(graph: Graph, *, passes: str | None = None, fuse: bool = True, target: str = "cpu") -> Graph:
+    """A copy of `graph` after the pass pipeline: default, `passes` (a spec), or no fusion.
+
+    `passes=""` runs nothing (the graph as loaded, e.g. one already optimised).
+    """
+    from vgraph.pipeline import run_pipeline
+
+    if passes is not None and not fuse:
+        raise VGraphError("give either --passes or --no-fuse, not both (--no-fuse means the pipeline "
+                          f"{NO_FUSE_PIPELINE!r})")
+    spec = passes if passes is not None else (None if fuse else NO_FUSE_PIPELINE)
+    prepared = graph.copy()
+    if spec == "":
+        return prepared
+    run_pipeline(prepared, spec, target=target)
+    return prepared
+
+
+def feed_roles(module: VGraphModule, want: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(token-id feeds, next-token-target feeds) of the computation `want`.
+
+    `vgraph train` can feed token ids to embedders and next-token targets to
+    cross-entropy losses; any other network input is reported with its node.
+    """
+    graph = module.network
+    tokens, targets = [], []
+    for name in module.feeds_needed(want):
+        node_id, _, slot_text = name.rpartition(":in")
+        node, slot = graph.node(node_id), int(slot_text)
+        if node.type == "embedder" and slot == 0:
+            tokens.append(name)
+        elif slot == 1 and (node.type == "tied_lm_head_ce" or
+                            (node.type == "cost" and node.cfg["cost_function"] in ("ce", "ce_logits"))):
+            targets.append(name)
+        else:
+            raise TrainingError([Diagnostic(
+                f"input {slot} of this {node.type} is a network input that `vgraph train` cannot feed: it "
+                f"feeds token ids to embedders and next-token targets to cross-entropy costs",
+                node.loc, node.id)])
+    if not tokens:
+        raise TrainingError(f"network {graph.name!r} has no embedder whose token ids training could feed")
+    return tokens, targets
+
+
+def vocab_and_seq(graph: Graph) -> tuple[int, int]:
+    """(vocabulary size, sequence length) of the network's (first) embedder: what the data must fit."""
+    embedders = graph.nodes_of_type("embedder")
+    if not embedders:
+        raise TrainingError(f"network {graph.name!r} has no embedder: `vgraph train` trains language models")
+    cfg = embedders[0].cfg
+    return int(cfg["vocab_size"]), int(cfg["seq_len"])
+
+
+
+# --------------------------------------------------------------------------
+# The run: everything decided before the first step
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class RunSetup:
+    """What `set_up_run` decided: the loop and its parts read these, never the raw config again."""
+
+    device: torch.device
+    source: Graph  # the network as given (before passes): the run's definition
+    yaml_text: str
+    graph: Graph  # after the pass pipeline: what is compiled and trained
+    seq_len: int
+    precision: dict[str, Any]  # the `precision` pass's annotation
+    dtype: torch.dtype  # the compute dtype (autocast), float32 master weights
+    loss_scaling: bool  # fp16: dynamic loss scaling
+    run_dir: Path
+    latest: Path | None  # the checkpoint to resume from
+    data: PreparedData
+    run_info: dict[str, Any]  # run.json: also what a resume must not change
+
+
+def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
+    """Check `cfg`, set the process up (threads, determinism), prepare the graph, open the run directory,
+    check memory and prepare the data, refusing each before anything large is allocated."""
+    if cfg.steps < 0 or cfg.batch < 1:
+        raise TrainingError(f"--steps must be >= 0 and --batch >= 1 (got {cfg.steps}, {cfg.batch})")
+    if cfg.schedule not in ("constant", "cosine"):
+        raise TrainingError(f"--schedule must be constant or cosine, not {cfg.schedule!r}")
+    device = resolve_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.deterministic:
+        use_deterministic_kernels()
+
+    source, yaml_text = load_network(cfg.network)
+    graph = prepare_graph(source, passes=cfg.passes, fuse=cfg.fuse, target=device_target(device))
+    vocab, seq_len = vocab_and_seq(graph)
+    precision = dict(graph.meta.get("precision") or {})
+    dtype = compute_dtype(graph)
+    if device.type == "cpu" and dtype != torch.float32:
+        say(f"note: running {dtype} autocast on the CPU (slow; for tests of the precision path)")
+    loss_scaling = bool(precision.get("loss_scaling")) and dtype == torch.float16
+
+    run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
+    latest = _open_run_dir(run_dir, cfg.resume)
+
+    # Memory: refuse before anything large is allocated.
+    estimate = check_memory(graph, cfg.batch, device, compute_dtype=dtype, limit=cfg.memory_limit)
+    say(f"memory estimate: {estimate.describe()}")
+
+    data = prepare_data(cfg, vocab, seq_len)
+    run_info = {"network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
+                "data": data.description, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
+                "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "precision": precision,
+                "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule}
+    return RunSetup(device, source, yaml_text, graph, seq_len, precision, dtype, loss_scaling, run_dir, latest,
+                    data, run_info)
+
+
+def _open_run_dir(run_dir: Path, resume: bool) -> Path | None:
+    """Create `run_dir` (or clean a killed run's temporaries from it); its latest checkpoint, which
+    only `--resume` may continue."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    clean_stale(run_dir)
+    latest = None
+    try:
+        latest = ckpt.latest_checkpoint(run_dir)
+    except ckpt.CheckpointError as exc:
+        raise TrainingError(f"cannot resume {run_dir}: {exc}") from None
+    if latest is not None and not resume:
+        raise TrainingError(f"{run_dir} already holds a training run (checkpoint {latest.name}); pass "
+                            f"--resume to continue it or choose another --out")
+    return latest
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (weight initialisation draws from torch's)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
