@@ -35,14 +35,15 @@ import yaml
 
 from .diagnostics import (MAX_MESSAGE_CHARS, Diagnostic, DiagnosticSink, SourceLoc, VGraphError, printable, quote,
                           sorted_diagnostics)
+from .fleet_links import NO_LINKS, Links, read_links
 from .ops.schema import suggest
 from .safeio import read_input
 from .yamlio.yaml_reader import Loader as _Loader  # the network loader's safe YAML walker
 from .yamlio.yaml_reader import YamlReader as _YamlReader, line_of as _line
 
-FLEET_KEYS = ("name", "pnodes")
+FLEET_KEYS = ("name", "pnodes", "regions", "links")
 MAX_FLEET_BYTES = 16 * 2**20  # a fleet of 100k PNodes is ~10 MB
-PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator")
+PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator", "region")
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # fullmatch: also a file name, DIR/<id>.yml
 _ACCELERATOR = re.compile(r"^(cpu|cuda-sm\d\d+)$")
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -79,6 +80,7 @@ class PNode:
     bandwidth: float
     accelerator: str | None = None
     loc: SourceLoc | None = None
+    region: str | None = None  # see vgraph/fleet_links.py
 
     def __str__(self) -> str:
         acc = f", {self.accelerator}" if self.accelerator else ""
@@ -91,6 +93,7 @@ class Fleet:
     name: str
     pnodes: tuple[PNode, ...]
     source: str | None = None
+    links: Links = NO_LINKS  # per-pair bandwidth and latency (regions), see fleet_links.py
 
     def __len__(self) -> int:
         return len(self.pnodes)
@@ -112,18 +115,42 @@ class Fleet:
         """The PNode with the most memory (the first of equals)."""
         return max(self.pnodes, key=lambda p: p.memory)
 
+    def link(self, p: PNode, q: PNode) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of a transfer from p to q."""
+        return self.links.between(p, q)
+
+    def without(self, lost: "set[str] | list[str] | tuple[str, ...]") -> "Fleet":
+        """The fleet less the PNodes `lost` (regions and links kept)."""
+        gone = set(lost)
+        return Fleet(self.name, tuple(p for p in self.pnodes if p.id not in gone), self.source, self.links)
+
     @classmethod
-    def of(cls, name: str, *pnodes: PNode) -> "Fleet":
+    def of(cls, name: str, *pnodes: PNode, links: Links = NO_LINKS) -> "Fleet":
         """A fleet built in code (tests, benchmarks); checked like a loaded one."""
-        fleet = cls(name, tuple(pnodes))
+        fleet = cls(name, tuple(pnodes), None, links)
         problems = [f"{p.id}: {msg}" for p in pnodes for msg in _pnode_problems(p)]
         ids = [p.id for p in pnodes]
         problems += [f"duplicate PNode id {i!r}" for i in sorted({i for i in ids if ids.count(i) > 1})]
         if not pnodes:
             problems.append("a fleet needs at least one PNode")
+        problems += [f"{pid}: {msg}" if pid else msg for pid, msg in _region_problems(pnodes, links)]
         if problems:
             raise FleetError("; ".join(problems))
         return fleet
+
+
+def _region_problems(pnodes: "tuple[PNode, ...] | list[PNode]", links: Links) -> list[tuple[str | None, str]]:
+    """(PNode id or None, message): regions are all or nothing, and a PNode's region must be declared."""
+    placed = [p for p in pnodes if p.region is not None]
+    if not placed:
+        return []
+    out: list[tuple[str | None, str]] = [(p.id, f"region {quote(p.region)} is not declared in 'regions'")
+                                         for p in placed if p.region not in links.regions]
+    if len(placed) != len(pnodes):
+        bare = [p.id for p in pnodes if p.region is None]
+        out.append((bare[0], f"has no 'region' while other PNodes do ({len(bare)} without): give every PNode "
+                             f"a region, or none"))
+    return out
 
 
 def _pnode_problems(p: PNode) -> list[str]:
@@ -266,7 +293,12 @@ def _read(root: yaml.Node, build: _FleetBuild) -> Fleet | None:
         first_line[pid] = _line(item)
         if p is not None:
             pnodes.append(p)
-    return Fleet(name, tuple(pnodes), build.file)
+    links = read_links(reader, build.error, top, _line, parse_bandwidth, suggest)
+    known = {p.id: p for p in pnodes}
+    for pid, msg in _region_problems(pnodes, links):
+        loc = known[pid].loc if pid in known else None
+        build.error(loc.line if loc else _line(top["pnodes"][1]), msg, pid)
+    return Fleet(name, tuple(pnodes), build.file, links)
 
 
 _PARSERS = {"memory": (parse_bytes, "memory"), "flops": (parse_flops, "flops"),
@@ -313,6 +345,9 @@ def _pnode(reader: _YamlReader, build: _FleetBuild, item: yaml.Node) -> tuple[st
             ok = False
             continue
         values[key] = value
+    region = reader.scalar(m["region"][1], "'region'", pid) if "region" in m else None
+    if "region" in m and region is None:
+        ok = False
     accelerator = None
     if "accelerator" in m:
         accelerator = reader.scalar(m["accelerator"][1], "'accelerator'", pid)
@@ -323,7 +358,7 @@ def _pnode(reader: _YamlReader, build: _FleetBuild, item: yaml.Node) -> tuple[st
     if not ok:
         return pid, None
     return pid, PNode(pid, int(values["memory"]), float(values["flops"]), float(values["bandwidth"]),
-                 accelerator, SourceLoc(build.file, _line(item)))
+                 accelerator, SourceLoc(build.file, _line(item)), region)
 
 
 def resolve_fleet(fleet: "Fleet | str | Path") -> Fleet:

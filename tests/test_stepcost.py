@@ -1,0 +1,154 @@
+"""The S x R step cost model (vgraph/stepcost.py): hand-computed cases, agreement with the partition
+pass's objective, ring all-reduce bytes, batch shares (optimal by brute force), region links."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import ROOT
+from vgraph.costmodel import cost_model
+from vgraph.fleet import Fleet, PNode, load_fleet
+from vgraph.fleet_links import Links, Region
+from vgraph.passes.partition import plan_partition
+from vgraph.stepcost import (FleetArrays, StageLoads, batch_shares, resident_array, resident_samples,
+                             ring_allreduce_bytes, stage_loads, step_cost, step_cost_of)
+
+GIB = 2 ** 30
+
+
+def two_stages() -> StageLoads:
+    """Stage 0: 1e9 FLOPs and 100 B of weights' gradients; stage 1: 3e9 FLOPs, 300 B; 10 B/sample between."""
+    return StageLoads(flops=np.array([1e9, 3e9]), p2p=np.array([[0.0, 10.0], [10.0, 0.0]]),
+                      sync=np.array([[0.0, 4.0], [4.0, 0.0]]), grad_bytes=np.array([100.0, 300.0]),
+                      static_bytes=np.array([1000.0, 2000.0]), activation_bytes=np.array([5.0, 7.0]))
+
+
+def test_two_stages_two_replicas_by_hand():
+    fast = [PNode(f"f{i}", GIB, 4e9, 100.0) for i in range(2)]
+    slow = [PNode(f"s{i}", GIB, 2e9, 50.0) for i in range(2)]
+    cost = step_cost(two_stages(), [fast, slow], [6, 2], micro_batches=2)
+    # replica 0 (b=6, M=2): stage 1 work = 6*3e9/4e9 + 6*10/100 = 4.5 + 0.6; sync 4/100; bubble (2+1)/2
+    assert cost.stage_seconds[0, 1] == pytest.approx(4.5 + 0.6 + 0.04)
+    assert cost.replica_seconds[0] == pytest.approx(1.5 * 5.1 + 0.04)
+    # replica 1 (b=2): stage 1 = 2*3e9/2e9 + 2*10/50 = 3.4; sync 4/50
+    assert cost.replica_seconds[1] == pytest.approx(1.5 * 3.4 + 0.08)
+    # all-reduce of stage 1 over its group's slowest link (50 B/s): 2 (R-1)/R * 300 / 50
+    assert cost.allreduce_stage_seconds.tolist() == pytest.approx([100 / 50, 300 / 50])
+    assert cost.step_seconds == pytest.approx(1.5 * 5.1 + 0.04 + 6.0)
+    assert cost.bottleneck_seconds == pytest.approx(5.14)
+    # bytes: replica r sends b_r * 10 + 4 inside; each group 2 (R - 1) x its gradients
+    assert cost.p2p_bytes.tolist() == [64.0, 24.0]
+    assert cost.allreduce_bytes.tolist() == [200.0, 600.0]
+    assert cost.bytes_per_step == 64 + 24 + 800
+    # memory: static + activations of ceil(b / M) * min(M, S) resident samples
+    assert cost.memory[0].tolist() == [1000 + 5 * 6, 2000 + 7 * 6]
+    assert cost.fits
+
+
+def test_one_replica_is_the_partition_objective_plus_the_bubble(net8):
+    fleet = load_fleet(ROOT / "networks" / "fleets" / "t4x4.yml")
+    for micro in (1, 4):
+        plan, cm = plan_partition(net8, fleet, batch=16, micro_batches=micro)
+        order = list(dict.fromkeys(plan.pnode_of(n.id) for n in net8.topo_order()))
+        stage_of = {n.id: order.index(plan.pnode_of(n.id)) for n in net8.nodes}
+        loads = stage_loads(cm, stage_of, len(order))
+        cost = step_cost(loads, [[fleet.pnode(p) for p in order]], [16], micro, fleet)
+        assert cost.bottleneck_seconds == pytest.approx(plan.evaluation.bottleneck, rel=1e-9)
+        assert cost.allreduce_seconds == 0 and cost.allreduce_bytes.sum() == 0
+        S = len(order)
+        assert cost.step_seconds >= cost.bottleneck_seconds
+        assert cost.step_seconds <= (micro + S - 1) / micro * cost.bottleneck_seconds * (1 + 1e-12)
+        assert cost.p2p_bytes[0] == pytest.approx(plan.evaluation.cut)
+        assert cost.memory.max() <= max(plan.evaluation.memory) * (1 + 1e-12)
+
+
+def test_stage_loads_conserve_the_cost_model(net8):
+    cm = cost_model(net8, batch=4)
+    one = stage_loads(cm, {n.id: 0 for n in net8.nodes}, 1)
+    halves = stage_loads(cm, {n.id: int("block" in n.id and int(n.id[5]) >= 4) for n in net8.nodes}, 2)
+    assert one.p2p.sum() == 0 and one.sync.sum() == 0
+    assert halves.flops.sum() == pytest.approx(one.flops.sum())
+    assert halves.grad_bytes.sum() == one.grad_bytes.sum() == cm.totals()["grad_bytes"]
+    assert one.flops.sum() * 4 == pytest.approx(cm.totals()["flops_per_step"])
+    assert (halves.p2p == halves.p2p.T).all() and halves.p2p[0, 1] > 0
+
+
+@pytest.mark.parametrize("R, grads, expected", [(1, 100, 0), (2, 100, 200), (4, 100, 600), (8, 7, 98)])
+def test_ring_allreduce_bytes(R, grads, expected):
+    assert ring_allreduce_bytes(R, grads) == expected
+
+
+def test_batch_shares_follow_speed_and_memory():
+    assert batch_shares(8, [1, 3]) == [6, 2]
+    assert sorted(batch_shares(8, [1, 1, 1])) == [2, 3, 3]
+    assert batch_shares(10, [1, 1], caps=[2, 20]) == [2, 8]
+    assert batch_shares(3, [1, 1, 1, 1]) is None  # more replicas than samples
+    assert batch_shares(10, [1, 1], caps=[2, 2]) is None  # memory holds 4 of 10 samples
+    assert batch_shares(5, [1, 1], caps=[0, 5]) is None  # a replica that holds no sample
+
+
+def greedy(batch, a, c, caps):
+    """Brute force: one sample at a time, each to whoever would finish it earliest (optimal min-max)."""
+    b = [1] * len(a)
+    for _ in range(batch - len(a)):
+        r = min((i for i in range(len(a)) if b[i] < caps[i]), key=lambda i: ((b[i] + 1) * a[i] + c[i], i))
+        b[r] += 1
+    return max(x * y + z for x, y, z in zip(b, a, c))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.01, 100), st.floats(0, 50), st.integers(1, 40)), min_size=1, max_size=7),
+       st.integers(1, 120))
+def test_batch_shares_are_optimal(rows, batch):
+    a, c, caps = ([r[i] for r in rows] for i in range(3))
+    shares = batch_shares(batch, a, c, caps)
+    if len(rows) > batch or sum(min(x, batch) for x in caps) < batch:
+        assert shares is None
+        return
+    assert sum(shares) == batch and all(1 <= s <= m for s, m in zip(shares, caps))
+    finish = max(s * x + z for s, x, z in zip(shares, a, c))
+    assert finish <= greedy(batch, a, c, caps) * (1 + 1e-9)
+
+
+@given(st.integers(1, 300), st.integers(1, 64), st.integers(1, 16))
+def test_resident_array_matches_resident_samples(share, micro, stages):
+    assert int(resident_array(np.array([share]), micro, stages)[0]) == resident_samples(share, micro, stages)
+
+
+def test_region_links_price_pipeline_and_allreduce():
+    gbit = 1e9 / 8
+    links = Links({"eu": Region("eu", 2 * gbit, 0.010), "us": Region("us", 2 * gbit, 0.010)},
+                  {frozenset(("eu", "us")): (0.5 * gbit, 0.080)})
+    p = [PNode(f"{r}{i}", GIB, 1e12, 10 * gbit, region=r) for r in ("eu", "us") for i in range(2)]
+    fleet = Fleet.of("geo", *p, links=links)
+    loads = two_stages()
+    # replicas inside a region: the pipeline stays local, the all-reduce crosses the ocean
+    local = step_cost(loads, [[p[0], p[1]], [p[2], p[3]]], [4, 4], 1, fleet)
+    # stage groups inside a region: the all-reduce is local, the pipeline crosses
+    groups = step_cost(loads, [[p[0], p[2]], [p[1], p[3]]], [4, 4], 1, fleet)
+    assert local.allreduce_stage_seconds[1] == pytest.approx(300 / (0.5 * gbit) + 2 * 0.080)
+    assert groups.allreduce_stage_seconds[1] == pytest.approx(300 / (2 * gbit) + 2 * 0.010)
+    assert local.replica_seconds[0] == pytest.approx(2 * (4 * 3e9 / 1e12 + 40 / (2 * gbit)) + 4 / (2 * gbit)
+                                                     + 2 * 0.010)
+    assert groups.replica_seconds[0] == pytest.approx(2 * (4 * 3e9 / 1e12 + 40 / (0.5 * gbit))
+                                                      + 4 / (0.5 * gbit) + 2 * 0.080)
+    fa = FleetArrays(fleet)
+    for x in p:
+        for y in p:
+            bw, lat = fa.link(np.array([fa.index[x.id]]), np.array([fa.index[y.id]]))
+            assert (float(bw[0]), float(lat[0])) == fleet.link(x, y)
+
+
+def test_a_plan_must_be_rectangular():
+    p = PNode("a", GIB, 1e9, 1e9)
+    with pytest.raises(ValueError, match="rows of 2 PNodes"):
+        step_cost(two_stages(), [[p]], [1], 1)
+    fa = FleetArrays(Fleet.of("one", p))
+    with pytest.raises(ValueError):
+        step_cost_of(two_stages(), fa, np.zeros((1, 2), dtype=np.int64), [1, 1], 1)
+    assert math.isfinite(step_cost_of(StageLoads(*(np.array(x, dtype=float) for x in (
+        [1.0], [[0.0]], [[0.0]], [1.0], [1.0], [1.0]))), fa, np.zeros((1, 1), dtype=np.int64), [3], 2).step_seconds)
