@@ -149,7 +149,7 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
     """
     import torch
 
-    from vgraph.backends.torch.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from vgraph.backends.torch import CheckpointError, latest_checkpoint, load_checkpoint
 
     p = Path(path)
     try:

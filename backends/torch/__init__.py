@@ -13,9 +13,12 @@
 * `keyed_dropout` (dropout.py): masks keyed by (seed, step, VNode, sample).
 * `to_graph_layout` / `to_unfused_layout`: move weights between fused and unfused graphs.
 * `estimate_training_memory` / `check_memory` (memory.py): refuse what cannot fit.
+* `load_checkpoint` / `latest_checkpoint` / `CheckpointError` (checkpoint.py): read a run's weights
+  (the ONNX backend's `check-onnx` does; other backends use this API, never the modules behind it).
 """
 from __future__ import annotations
 
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from .interpreter import interpret
 from .lower import (VGraphModule, compile_network, compute_dtype, feed_name, init_state, to_graph_layout,
                     to_unfused_layout)
@@ -27,5 +30,6 @@ __all__ = [
     "VGraphModule", "compile_network", "compute_dtype", "feed_name", "init_state", "to_graph_layout",
     "to_unfused_layout", "interpret", "register_lowering", "LowerCtx", "LOWERINGS", "MemoryEstimate",
     "MemoryRefused", "check_memory", "estimate_training_memory", "TrainConfig", "TrainResult",
-    "TrainingError", "train", "load_trained", "prepare_graph",
+    "TrainingError", "train", "load_trained", "prepare_graph", "CheckpointError", "latest_checkpoint",
+    "load_checkpoint",
 ]
