@@ -264,7 +264,8 @@ def test_a_lowering_is_required_and_named() -> None:
     b.node("mystery", name)
     b.chain("emb", "mystery")
     b.output("y", "mystery")
-    with pytest.raises(vgraph.VGraphError, match="node 'mystery'.*no lowering for op type"):
+    with pytest.raises(vgraph.VGraphError,
+                       match=r"node 'mystery'.*'no_lowering_test_op' \(defined by plugin test\) has no torch lowering"):
         compile_network(b.build())
 
 

@@ -33,11 +33,10 @@ def add_plugin_option(p: argparse.ArgumentParser) -> None:
 
 
 def load_plugins(args: argparse.Namespace) -> None:
-    from .plugins import load_file, load_op_plugins
+    """Installed op types and the command's `--plugin` files (`run_parser` calls this for every command)."""
+    from .plugins import load_plugins as load
 
-    load_op_plugins()
-    for path in getattr(args, "plugin", []) or []:
-        load_file(path)
+    load(getattr(args, "plugin", None) or [])
 
 
 @command("validate")
@@ -51,7 +50,6 @@ def _validate_parser(sub: argparse._SubParsersAction) -> None:
 def _validate(args: argparse.Namespace) -> int:
     from .yamlio import load
 
-    load_plugins(args)
     failed = False
     for path in args.files:
         warnings: list = []
@@ -97,7 +95,6 @@ def _analyze(args: argparse.Namespace) -> int:
     from .analyze import analyze, format_table
     from .yamlio import load
 
-    load_plugins(args)
     graph = load(args.file)
     if args.fleet is None and args.batch is None:
         a = analyze(graph)
@@ -156,7 +153,6 @@ def _partition(args: argparse.Namespace) -> int:
     from .pipeline import run_pipeline
     from .yamlio import load
 
-    load_plugins(args)
     fleet = load_fleet(args.fleet)
     graph = load(args.file)
     spec = _pipeline_with_partition(args.passes, args.batch, args.micro_batches)
@@ -196,7 +192,6 @@ def _render(args: argparse.Namespace) -> int:
     from .yamlio import load
 
     out = check_output(args.output, inputs=(args.file, args.fleet, *args.plugin))
-    load_plugins(args)
     graph = load(args.file)
     data = {}
     spec = args.passes
@@ -237,7 +232,6 @@ def _optimize(args: argparse.Namespace) -> int:
     from .yamlio import load, save
 
     check_output(args.output, inputs=(args.file, *args.plugin))
-    load_plugins(args)
     graph = load(args.file)
     pm = run_pipeline(graph, args.passes, target=args.target, explain=args.explain,
                       dump_dir=args.dump_dir, verify=not args.no_verify)
@@ -264,7 +258,6 @@ def _passes_parser(sub: argparse._SubParsersAction) -> None:
 def _passes(args: argparse.Namespace) -> int:
     from .pipeline import available_passes
 
-    load_plugins(args)
     for name, info in available_passes().items():
         cls = info.load()
         print(f"{name}  [{info.origin}]")
@@ -323,6 +316,7 @@ def run_parser(build: Callable[[], argparse.ArgumentParser], argv: list[str]) ->
         if not getattr(args, "func", None):
             parser.print_help()
             return 0 if not argv else EXIT_INVALID
+        load_plugins(args)  # the one loading point: every command sees the same plugins
         return int(args.func(args) or 0)
     except (VGraphError, PluginError) as exc:
         for d in exc.diagnostics:

@@ -13,17 +13,18 @@ from __future__ import annotations
 import hashlib
 import pickle
 import re
+import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence
 
 from .diagnostics import Diagnostic, VGraphError
 from .gcpause import paused_gc
 from .ir import Graph
 from .pass_api import LOCAL_PASSES, Pass, PassContext, PassError
-from .plugins import Plugin, discover
+from .plugins import Plugin, discover, guarded, shown
 
 DEFAULT_PIPELINE = "dead-nodes,precision,fuse-heads,fuse-lm-head-ce"
 APPLIED = "applied_passes"  # graph.meta key: names of passes whose results hold
@@ -43,6 +44,8 @@ class PassInfo:
     origin: str
     plugin: Plugin | None = None
     cls: type[Pass] | None = None
+    builtin: bool = False  # registered by vgraph itself
+    overrides: str = ""  # the origin of the built-in pass of the same name this one replaces
 
     def load(self) -> type[Pass]:
         if self.cls is not None:
@@ -58,13 +61,41 @@ class PassInfo:
 
 
 def available_passes() -> dict[str, PassInfo]:
-    """Every pass by name: entry points (not imported) and locally registered ones."""
+    """Every pass by name: entry points (not imported) and locally registered ones.
+
+    A name belongs to one pass.  A plugin pass named like a built-in is
+    refused unless its class says `overrides = "<that name>"`; two plugins
+    claiming one name are refused: silently running another pass than the
+    one the user named is the one thing a pipeline must never do.
+    """
     found: dict[str, PassInfo] = {}
     for plugin in discover("vgraph.passes"):
-        found.setdefault(plugin.name, PassInfo(plugin.name, plugin.origin, plugin=plugin))
+        info = PassInfo(plugin.name, plugin.origin, plugin=plugin, builtin=plugin.builtin)
+        found[plugin.name] = _claim(found.get(plugin.name), info)
     for name, cls in LOCAL_PASSES.items():
-        found[name] = PassInfo(name, cls.origin or "local", cls=cls)
+        found[name] = _claim(found.get(name), PassInfo(name, cls.origin or "local", cls=cls))
     return dict(sorted(found.items()))
+
+
+def _claim(current: PassInfo | None, new: PassInfo) -> PassInfo:
+    """Who gets a pass name both `current` and `new` claim (see `available_passes`)."""
+    if current is None or current.cls is new.cls is not None:
+        return new
+    if new.builtin and not current.builtin:
+        current, new = new, current
+    if not current.builtin:
+        raise PassError(f"pass {new.name!r} is defined twice: by {current.origin} and by {new.origin}; "
+                        f"uninstall or rename one of them")
+    if new.load() is current.load():
+        return current  # the built-in class itself, registered again in code
+    if getattr(new.load(), "overrides", None) != new.name:
+        raise PassError(f"pass {new.name!r} from {new.origin} has the name of a built-in pass "
+                        f"({current.origin}); rename it, or set `overrides = {new.name!r}` in its class to "
+                        f"replace the built-in (vgraph then says so on every run)")
+    return replace(new, overrides=current.origin)
+
+
+_announced: set[str] = set()
 
 
 def get_pass(name: str) -> type[Pass]:
@@ -74,7 +105,12 @@ def get_pass(name: str) -> type[Pass]:
 
         raise PassError(f"unknown pass {name!r}{suggest(name, passes)}; "
                         f"available: {', '.join(passes) or 'none'}")
-    return passes[name].load()
+    info = passes[name]
+    if info.overrides and name not in _announced:
+        _announced.add(name)  # once per process: every run says it, no run says it twice
+        print(f"warning: pass {name!r} is {info.origin}'s, which overrides the built-in pass of "
+              f"{info.overrides}", file=sys.stderr)
+    return info.load()
 
 
 # -- pipeline text ----------------------------------------------------------------------
@@ -230,7 +266,7 @@ class PassManager:
                 inst.before(index, p, graph)
             before_fp, before_n = current_fp, len(graph)
             start = time.perf_counter()
-            counts = p.run(graph, self.ctx) or {}
+            counts = run_pass(p, graph, self.ctx)
             seconds = time.perf_counter() - start
             if self.verify:
                 try:
@@ -268,6 +304,23 @@ class PassManager:
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
+
+
+def run_pass(p: Pass, graph: Graph, ctx: PassContext) -> dict[str, int]:
+    """`p.run`, its counts checked; a plugin pass that raises (or exits) is named in a diagnostic."""
+    if type(p).__module__.startswith("vgraph."):
+        counts = p.run(graph, ctx)  # a built-in's exception is vgraph's bug: keep its traceback
+    else:
+        who = f"pass {p.spec()!r} ({p.origin or type(p).__module__})"
+        counts = guarded(who, "while running", lambda: p.run(graph, ctx))
+    if counts is None:
+        return {}
+    if not isinstance(counts, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in counts.items()):
+        raise PassError(f"pass {p.spec()!r} ({p.origin or type(p).__module__}) returned "
+                        f"{shown(repr(counts)[:80])}; a pass returns counts of what it did: a Counter or "
+                        f"dict of str -> int, or None")
+    return dict(counts)
 
 
 def semantic_changes(graph: Graph) -> list[str]:

@@ -55,10 +55,8 @@ def register_check(subparsers: argparse._SubParsersAction) -> None:
 
 def _graph(args: argparse.Namespace):
     import vgraph
-    from vgraph.cli import load_plugins
 
-    load_plugins(args)
-    graph = vgraph.load(args.file)
+    graph = vgraph.load(args.file)  # plugins are loaded: `vgraph.cli.run_parser` does it for every command
     if args.passes:
         from vgraph.pipeline import run_pipeline
 

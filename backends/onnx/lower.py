@@ -43,6 +43,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from vgraph import Graph, TensorType, VGraphError, VNode
 from vgraph.diagnostics import Diagnostic
+from vgraph.plugins import require_lowering
 
 __all__ = [
     "OPSET",
@@ -454,10 +455,7 @@ def build_model(
                         b.used_names.add(name)
             ins.append(name)
             types.append(t)
-        rule = LOWERINGS.get(n.type)
-        if rule is None:
-            raise _error(n, f"no ONNX lowering for node type {n.type!r}; a plugin registers one with "
-                            "vgraph.backends.onnx.register_lowering")
+        rule = require_lowering("onnx", n, LOWERINGS)
         for slot in range(n.num_outputs):
             b.used_names.add(value_name(n.id, slot))
         results = list(rule(NodeLowering(b, n, ins, types)))

@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from vgraph.cli import add_plugin_option
 from vgraph.diagnostics import VGraphError
 
 
@@ -85,6 +86,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
                    help="refuse networks estimated above SIZE (e.g. 8G) instead of the device's free memory")
     p.add_argument("--compile", action="store_true", help="torch.compile the training step's graph")
     p.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
+    add_plugin_option(p)
     p.set_defaults(func=run_train)
 
 
@@ -130,6 +132,7 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=_non_negative_int, default=40, help="sample from the k likeliest; 0: all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
+    add_plugin_option(p)
     p.set_defaults(func=run_generate)
 
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from vgraph.diagnostics import Diagnostic, VGraphError
 from vgraph.ir import Graph, VNode
+from vgraph.plugins import require_lowering
 
 from . import kernels as K
 from .dropout import keyed_dropout
@@ -140,13 +141,8 @@ def register_lowering(op: str, *, init: InitFn | None = None,
 
 
 def get_lowering(node: VNode) -> Lowering:
-    try:
-        return LOWERINGS[node.type]
-    except KeyError:
-        raise VGraphError([Diagnostic(
-            f"the torch backend has no lowering for op type {node.type!r}; a plugin that adds the "
-            f"type must also call vgraph.backends.torch.register_lowering({node.type!r})",
-            node.loc, node.id)]) from None
+    """The node's rule; a plugin's lowering is loaded (its entry point run) when first needed."""
+    return require_lowering("torch", node, LOWERINGS)
 
 
 # --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ with `register_op` (directly, or through the `vgraph.ops` entry point group).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from ..types import ShapeError, TensorType
@@ -127,6 +127,12 @@ class OpRegistry:
 
     def aliases(self) -> dict[str, str]:
         return dict(self._alias)
+
+    def set_origin(self, name: str, origin: str) -> None:
+        """Record who defined op type `name` (the plugin loader knows; the plugin may not)."""
+        op = self._ops[self._alias[name.lower()]]
+        if op.origin != origin:
+            self._ops[op.name] = replace(op, origin=origin)
 
 
 REGISTRY = OpRegistry()

@@ -1,0 +1,5 @@
+"""vgraph-geglu: a GEGLU feed-forward VNode type and a pass that swaps SwiGLU feed-forwards for it.
+
+Nothing here imports torch or onnx: vgraph imports `torch_lowering` and
+`onnx_lowering` through their entry points only when that backend runs.
+"""

@@ -1,0 +1,48 @@
+"""The example plugin distribution (tests/plugin_dist, docs/plugins.md) pip-installed for a test session.
+
+It goes into a private target directory put on PYTHONPATH of the commands a
+test runs, never into the shared virtual environment: vgraph must find it
+through the installed metadata (its entry points) alone.  The source is
+copied first so the build leaves nothing in the checkout.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PLUGIN_DIST = Path(__file__).parent / "plugin_dist"
+VGRAPH_SCRIPT = Path(sys.executable).with_name("vgraph")  # the installed console script
+
+
+@pytest.fixture(scope="session")
+def geglu_site(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("plugin_build")
+    source = work / "vgraph-geglu"
+    shutil.copytree(PLUGIN_DIST, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    site = work / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(site), str(source)],
+                   check=True, cwd=work, env={**os.environ, "PIP_NO_CACHE_DIR": "1"})
+    return site
+
+
+def env_with(site: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    if site is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def vgraph(args, site: Path | None = None, cwd: Path | None = None, timeout: float = 300):
+    """Run the installed `vgraph` script (the console entry point, as a user would)."""
+    return subprocess.run([str(VGRAPH_SCRIPT), *map(str, args)], capture_output=True, text=True,
+                          env=env_with(site), cwd=cwd, timeout=timeout)
+
+
+def python(code: str, site: Path | None = None):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_with(site))
