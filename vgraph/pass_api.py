@@ -58,8 +58,10 @@ class Option:
 
     def check(self, pass_name: str, key: str, value: Any) -> Any:
         """`value` (text to parse, or a value from code) as this option's type, or a PassError saying why not."""
+        given = value
+
         def bad(why: str) -> PassError:
-            return PassError(f"pass {pass_name!r}: option {key}={quote(value)} {why}")
+            return PassError(f"pass {pass_name!r}: option {key}={quote(given)} {why}")
 
         if isinstance(value, str):
             if not value:

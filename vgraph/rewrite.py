@@ -205,8 +205,9 @@ class RuleSet:
                     continue
                 result = _run_rule(graph, rule, node, rctx)
                 if isinstance(result, NoMatch):
-                    if rctx.explain:
-                        rctx.explanations.append(f"{rule.name}: '{node_id}' not rewritten: {result}")
+                    if rctx.explain:  # the reason names the node only when it is not the candidate itself
+                        why = result.reason if result.node == node_id else str(result)
+                        rctx.explanations.append(f"{rule.name}: '{node_id}' not rewritten: {why}")
                     continue
                 if isinstance(result, Reject):
                     if rctx.explain:
