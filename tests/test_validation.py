@@ -274,7 +274,7 @@ def test_an_alias_bomb_in_an_uninterpreted_key_is_refused_quickly() -> None:
     for i, name in enumerate("bcdefgh"):
         prev = "abcdefgh"[i]
         bomb.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]")
-    with pytest.raises(VGraphError, match="value too large"):
+    with pytest.raises(VGraphError, match="alias bomb"):
         loads("\n".join(bomb) + "\nnodes: []\n", "bomb.yml")
 
 
@@ -305,9 +305,9 @@ def test_missing_nodes_list_is_reported() -> None:
 
 
 def test_unreadable_file_is_reported(tmp_path: Path) -> None:
-    with pytest.raises(VGraphError, match="cannot read file"):
+    with pytest.raises(VGraphError, match="missing.yml: no such network file"):
         load(tmp_path / "missing.yml")
     bad = tmp_path / "latin1.yml"
     bad.write_bytes("name: caf\xe9\n".encode("latin-1"))
-    with pytest.raises(VGraphError, match="cannot read file"):
+    with pytest.raises(VGraphError, match="latin1.yml:1: not UTF-8"):
         load(bad)

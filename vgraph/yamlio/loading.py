@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..diagnostics import Diagnostic, DiagnosticSink, SourceLoc, VGraphError
+from ..diagnostics import Diagnostic, DiagnosticSink
 from ..gcpause import paused_gc
+from ..safeio import read_input
 from ..ir import Graph
 from .build import Builder
 from .fast_reader import read_fast
@@ -53,9 +54,5 @@ def read_network(text: str, file: str, *, validate: bool = True, warnings: list[
 def load(path: str | Path, *, validate: bool = True,
          warnings: list[Diagnostic] | None = None) -> Graph:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise VGraphError([Diagnostic(f"cannot read file: {reason}", SourceLoc(str(path), 1))]) from None
+    text = read_input(path, what="network file")  # a regular file, size-capped, UTF-8: never /dev/zero
     return loads(text, str(path), validate=validate, warnings=warnings)

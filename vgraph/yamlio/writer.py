@@ -83,13 +83,7 @@ def dumps(graph: Graph) -> str:
 
 
 def save(graph: Graph, path: str | Path) -> None:
-    """Write atomically: a reader never sees a half-written network."""
-    import os
-    import tempfile
+    """Write atomically (vgraph.safeio): a reader never sees a half-written network."""
+    from ..safeio import atomic_write
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(dumps(graph))
-    os.replace(tmp, path)
+    atomic_write(path, dumps(graph))

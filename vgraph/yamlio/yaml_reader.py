@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from ..diagnostics import SourceLoc
+from ..diagnostics import SourceLoc, quote
 from ..ir import ENDPOINT_KINDS
 from ..ops.schema import ConfigError, _parse_int, suggest
 from .build import Builder
@@ -27,6 +27,9 @@ Loader = getattr(yaml, "CBaseLoader", yaml.BaseLoader)
 _STD = "tag:yaml.org,2002:"
 _SAFE_TAGS = {_STD + t for t in ("str", "int", "float", "bool", "null", "map", "seq", "timestamp")}
 _MAX_PLAIN_NODES = 1_000_000  # uninterpreted top-level values: more YAML nodes than this is an alias bomb
+# Aliases may repeat at most this many YAML nodes in a whole document beyond what it spells out (or as many as
+# it spells out, if more): sharing a config block is fine, a few lines standing for millions of nodes is not.
+MAX_ALIAS_EXPANSION = 100_000
 
 
 def _is_null(ynode: yaml.Node) -> bool:
@@ -40,7 +43,7 @@ def _kind(ynode: yaml.Node) -> str:
         return "a mapping"
     if isinstance(ynode, yaml.SequenceNode):
         return "a list"
-    return f"{ynode.value!r}"
+    return quote(ynode.value)  # cut: a 5 MB scalar must not become a 5 MB message
 
 
 def line_of(ynode: yaml.Node) -> int:
@@ -60,7 +63,7 @@ class YamlReader:
     def safe(self, ynode: yaml.Node, node: str | None = None) -> bool:
         """Refuse any tag outside YAML's core schema (e.g. !!python/object)."""
         if ynode.tag not in _SAFE_TAGS:
-            self.error(ynode, f"unsafe or unsupported YAML tag {ynode.tag!r}: only plain "
+            self.error(ynode, f"unsafe or unsupported YAML tag {quote(ynode.tag)}: only plain "
                               f"mappings, lists and scalars are allowed", node)
             return False
         return True
@@ -80,7 +83,7 @@ class YamlReader:
                     self.error(k, f"{what} keys must be plain strings", node)
                 continue
             if k.value in out:
-                self.error(k, f"duplicate key {k.value!r} in {what} (first at line "
+                self.error(k, f"duplicate key {quote(k.value)} in {what} (first at line "
                               f"{line_of(out[k.value][0])})", node)
                 continue
             out[k.value] = (k, v)
@@ -112,7 +115,7 @@ class YamlReader:
         try:
             value = _parse_int(text)
         except ConfigError:
-            self.error(ynode, f"{what} must be an integer, got {text!r}", node)
+            self.error(ynode, f"{what} must be an integer, got {quote(text)}", node)
             return None
         if value < 0:
             self.error(ynode, f"{what} must be >= 0, got {value}", node)
@@ -196,7 +199,7 @@ class YamlReader:
                     build.attr(key, text, line_of(top[key][1]))
         for key, (kn, vn) in top.items():
             if key not in NETWORK_KEYS:
-                self.sink.warning(f"unknown top-level key {key!r}{suggest(key, NETWORK_KEYS)}: "
+                self.sink.warning(f"unknown top-level key {quote(key)}{suggest(key, NETWORK_KEYS)}: "
                                   f"kept as is, not interpreted", build.loc(line_of(kn)))
                 build.graph.extra[key] = self.plain(vn)
         if "nodes" not in top:
@@ -226,7 +229,7 @@ class YamlReader:
             return None
         for key, (kn, _) in m.items():
             if key not in NODE_KEYS:
-                self.error(kn, f"unknown node key {key!r}{suggest(key, NODE_KEYS)}", node_id)
+                self.error(kn, f"unknown node key {quote(key)}{suggest(key, NODE_KEYS)}", node_id)
         type_text, type_line = None, line_of(item)
         if "type" in m:
             type_text = self.scalar(m["type"][1], "'type'", node_id)
@@ -240,7 +243,7 @@ class YamlReader:
             cfg = self.mapping(m["config"][1], "'config'", node_id)
             ok = ok and cfg is not None
             for key, (_, vn) in (cfg or {}).items():
-                value = self.scalar(vn, f"config {key!r}", node_id)
+                value = self.scalar(vn, f"config {quote(key)}", node_id)
                 if value is None:
                     ok = False
                 else:
@@ -260,7 +263,7 @@ class YamlReader:
             return None
         for key, (kn, _) in m.items():
             if key not in EDGE_KEYS:
-                self.error(kn, f"unknown edge key {key!r}{suggest(key, EDGE_KEYS)}")
+                self.error(kn, f"unknown edge key {quote(key)}{suggest(key, EDGE_KEYS)}")
         ends = {}
         for key in ("from", "to"):
             if key not in m:
@@ -281,7 +284,7 @@ class YamlReader:
         allowed = ("name", "node_id", "slot_id") + (("type",) if kind == "metrics" else ())
         for key, (kn, _) in m.items():
             if key not in allowed:
-                self.error(kn, f"unknown key {key!r} in '{kind}'{suggest(key, allowed)}")
+                self.error(kn, f"unknown key {quote(key)} in '{kind}'{suggest(key, allowed)}")
         fields = {}
         for key in ("name", "node_id"):
             if key not in m:
@@ -320,4 +323,46 @@ def read_yaml(text: str, build: Builder) -> None:
         sink.error("empty file: expected a network mapping with 'nodes' and 'edges'", SourceLoc(file, 1))
         build.readable = False
         return
+    problem = alias_expansion_problem(root)
+    if problem is not None:
+        sink.error(problem, SourceLoc(file, 1))
+        build.readable = False
+        return
     YamlReader(build).read(root)
+
+
+def alias_expansion_problem(root: yaml.Node, limit: int = MAX_ALIAS_EXPANSION) -> str | None:
+    """Why the composed document is an alias bomb, or None.
+
+    The composer shares an aliased node instead of copying it, so the document
+    is a DAG; its size with every alias expanded is counted in one pass over
+    the distinct nodes (sizes memoised), before anything walks it.  The whole
+    document is bounded, not each value: 300 keys naming one anchor are 300
+    expansions.
+    """
+    size: dict[int, int] = {}
+    distinct = 0
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        yn, children_done = stack.pop()
+        key = id(yn)
+        if key in size and not children_done:
+            continue
+        if isinstance(yn, yaml.ScalarNode):
+            size[key] = 1
+            distinct += 1
+            continue
+        kids = [c for kv in yn.value for c in kv] if isinstance(yn, yaml.MappingNode) else list(yn.value)
+        if children_done:
+            size[key] = 1 + sum(size.get(id(c), 0) for c in kids)
+            distinct += 1
+            continue
+        size[key] = 0  # in progress: an alias to an ancestor (a recursive anchor) counts as nothing more
+        stack.append((yn, True))
+        stack.extend((c, False) for c in kids if id(c) not in size)
+    expanded = size[id(root)]
+    allowed = distinct + max(limit, distinct)
+    if expanded > allowed:
+        return (f"the document's aliases expand it to {expanded:,} YAML nodes from {distinct:,} written "
+                f"(at most {allowed:,}): an alias bomb, refused")
+    return None
