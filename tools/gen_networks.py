@@ -1,7 +1,8 @@
 """Generate the production networks (and tiny variants) as network YAML.
 
-The two production networks follow ../shared/seeds (block diagram, colocation
-groups, tied embedding, precision policy).  `python tools/gen_networks.py`
+The production networks follow the compute network's description of them
+(block diagram, colocation groups, tied embedding, precision policy), which
+networks/README.md restates; the format is docs/network-yaml.md.  `python tools/gen_networks.py`
 rewrites networks/*.yml; a test checks the checked-in files equal this output.
 """
 from __future__ import annotations

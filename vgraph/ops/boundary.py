@@ -66,7 +66,7 @@ register_op(OpDef(
     "receive", "boundary",
     "a tensor from a VNode on another PNode, arriving as this part's network input '<id>:in0'",
     schema=Schema((*_PEER, F("shape", required=True, doc="per-sample shape, e.g. [512, 512]"),
-                   F("dtype", required=True, choices=DTYPES))),
+                   F("dtype", required=True, choices=DTYPES, doc="dtype of the received tensor"))),
     num_inputs=1, input_kind="any",
     network_input=lambda cfg, slot, ins: received_type(cfg),
     infer=_receive_infer,
@@ -75,8 +75,9 @@ register_op(OpDef(
 register_op(OpDef(
     "weight_replica", "boundary",
     "a copy of a tied weight owned on another PNode, published under the same alias",
-    schema=Schema((F("peer_pnode", required=True), F("peer_node", required=True),
-                   F("shape", "shape", required=True))),
+    schema=Schema((F("peer_pnode", required=True, doc="the PNode that owns the weight"),
+                   F("peer_node", required=True, doc="the VNode that publishes it"),
+                   F("shape", "shape", required=True, doc="shape of the weight"))),
     num_inputs=0, num_outputs=0, infer=lambda ctx: [],
     params=lambda cfg: {"weight": tuple(cfg["shape"])},
 ))

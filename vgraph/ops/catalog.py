@@ -1,4 +1,4 @@
-"""The built-in node type catalog of ../shared/spec/network-yaml.md.
+"""The built-in node type catalog (docs/network-yaml.md lists it, generated from here).
 
 Each op is one `OpDef`: schema, arity, inference, parameters, FLOPs per
 sample (forward; a training step costs about three times that).  Parameter
@@ -55,7 +55,8 @@ def _tied_weight(cfg: Config) -> dict[str, tuple[str, tuple[int, ...]]]:
 register_op(OpDef(
     "linear", "layer", "y = x W^T + b; with tie_weight_alias, W is the aliased matrix and there is no bias",
     aliases=("dense",),
-    schema=Schema((F("in_dim", "int", required=True, min=1), F("out_dim", "int", required=True, min=1))),
+    schema=Schema((F("in_dim", "int", required=True, min=1, doc="size of the input's last dimension"),
+                   F("out_dim", "int", required=True, min=1, doc="size of the output's last dimension"))),
     infer=_linear_infer, params=_linear_params, tied_params=_tied_weight,
     flops=lambda cfg, ins, outs: 2 * _lead(ins[0]) * cfg["in_dim"] * cfg["out_dim"],
 ))
@@ -79,10 +80,12 @@ def _embedder_params(cfg: Config) -> dict[str, tuple[int, ...]]:
 register_op(OpDef(
     "embedder", "layer", "token ids [seq] -> vectors [seq, dim], optionally adding a position encoding",
     schema=Schema((
-        F("vocab_size", "int", required=True, min=1), F("dim", "int", required=True, min=1),
-        F("seq_len", "int", required=True, min=1),
-        F("position_encoding", default="none", choices=("learned", "rope", "none")),
-        F("rope_theta", "float", 10000.0, min=1e-6),
+        F("vocab_size", "int", required=True, min=1, doc="rows of the embedding matrix (token ids 0 to vocab_size-1)"),
+        F("dim", "int", required=True, min=1, doc="width of each token's vector"),
+        F("seq_len", "int", required=True, min=1, doc="tokens per sample"),
+        F("position_encoding", default="none", choices=("learned", "rope", "none"),
+          doc="learned: adds a trained [seq_len, dim] table; rope and none add nothing here (heads apply RoPE)"),
+        F("rope_theta", "float", 10000.0, min=1e-6, doc="RoPE base frequency, for the heads that read it"),
     )),
     input_kind="int",
     network_input=lambda cfg, slot, ins: T((cfg["seq_len"],), "int64"),
@@ -98,17 +101,18 @@ def _layernorm_infer(ctx: InferCtx) -> list[TensorType]:
 
 register_op(OpDef(
     "layernorm", "layer", "layer normalisation over the last dimension with learned scale and shift",
-    schema=Schema((F("dim", "int", required=True, min=1), F("eps", "float", 1e-5, min=0.0))),
+    schema=Schema((F("dim", "int", required=True, min=1, doc="size of the normalised last dimension"),
+                   F("eps", "float", 1e-5, min=0.0, doc="added to the variance before the square root"))),
     infer=_layernorm_infer,
     params=lambda cfg: {"weight": (cfg["dim"],), "bias": (cfg["dim"],)},
     flops=_elementwise(8),
 ))
 
 _ATTN_COMMON = (
-    F("seq_len", "int", required=True, min=1),
-    F("causal", "bool", True),
-    F("position_encoding", default="none", choices=ROPE),
-    F("rope_theta", "float", 10000.0, min=1e-6),
+    F("seq_len", "int", required=True, min=1, doc="tokens per sample"),
+    F("causal", "bool", True, doc="a position attends only to itself and earlier positions"),
+    F("position_encoding", default="none", choices=ROPE, doc="rope: rotary encoding of Q and K (even head_dim)"),
+    F("rope_theta", "float", 10000.0, min=1e-6, doc="RoPE base frequency"),
 )
 
 
@@ -141,8 +145,8 @@ def _head_params(cfg: Config) -> dict[str, tuple[int, ...]]:
 register_op(OpDef(
     "attention_head", "layer", "one attention head [seq, input_dim] -> [seq, head_dim] with its own Q, K, V",
     aliases=("singleheadattention",),
-    schema=Schema((F("head_dim", "int", required=True, min=1),
-                   F("input_dim", "int", required=True, min=1), *_ATTN_COMMON)),
+    schema=Schema((F("head_dim", "int", required=True, min=1, doc="width of Q, K, V and the output"),
+                   F("input_dim", "int", required=True, min=1, doc="width of the input"), *_ATTN_COMMON)),
     infer=_head_infer, params=_head_params,
     flops=lambda cfg, ins, outs: _attention_flops(cfg["seq_len"], cfg["input_dim"], 1, cfg["head_dim"]),
 ))
@@ -194,8 +198,11 @@ def _mha_flops(cfg: Config, ins: Sequence[TensorType], outs: Sequence[TensorType
 register_op(OpDef(
     "attention", "layer", "all heads in one VNode: combined Q/K/V (and optional output) weights",
     aliases=("multiheadattention",),
-    schema=Schema((F("num_heads", "int", required=True, min=1), F("head_dim", "int", required=True, min=1),
-                   F("dim", "int", min=1), *_ATTN_COMMON, F("output_projection", "bool", False))),
+    schema=Schema((F("num_heads", "int", required=True, min=1, doc="number of heads"),
+                   F("head_dim", "int", required=True, min=1, doc="width of each head"),
+                   F("dim", "int", min=1, doc="width of the input (unset: num_heads x head_dim)"), *_ATTN_COMMON,
+                   F("output_projection", "bool", False,
+                     doc="true: also owns the [dim, num_heads x head_dim] output projection"))),
     infer=_mha_infer, params=_mha_params, flops=_mha_flops, param_sources=_mha_sources,
 ))
 
@@ -236,9 +243,11 @@ register_op(OpDef(
     "tied LM head fused with cross-entropy: the loss without materialising [batch, seq, vocab] logits; "
     "output 1 gives the logits, computed only when read",
     aliases=("fusedlmheadce",),
-    schema=Schema((F("in_dim", "int", required=True, min=1), F("out_dim", "int", required=True, min=1),
-                   F("tie_weight_alias", required=True), F("cost_precision", "precision"),
-                   F("ignore_index", "int", -100))),
+    schema=Schema((F("in_dim", "int", required=True, min=1, doc="width of the hidden states (input 0)"),
+                   F("out_dim", "int", required=True, min=1, doc="vocabulary size (the logits' width)"),
+                   F("tie_weight_alias", required=True, doc="the published [out_dim, in_dim] embedding"),
+                   F("cost_precision", "precision", doc="precision of the loss (unset: the node's own)"),
+                   F("ignore_index", "int", -100, doc="targets equal to this count for nothing"))),
     num_inputs=2, num_outputs=2,
     input_kind=lambda cfg, slot: "float" if slot == 0 else "int",
     network_input=_token_targets,
@@ -265,14 +274,15 @@ def _swiglu_infer(ctx: InferCtx) -> list[TensorType]:
 register_op(OpDef("swiglu", "activation", "[.., 2n] -> [.., n]: value * silu(gate)",
                   infer=_swiglu_infer, flops=_elementwise(5)))
 register_op(OpDef("dropout", "activation", "random dropout while training, identity otherwise",
-                  schema=Schema((F("rate", "float", 0.1, min=0.0, max=0.999999),)),
+                  schema=Schema((F("rate", "float", 0.1, min=0.0, max=0.999999,
+                                   doc="probability of zeroing an element (the rest are scaled by 1/(1-rate))"),)),
                   flops=_elementwise(1)))
 
 # -- structural ---------------------------------------------------------------
 
 register_op(OpDef(
     "broadcast", "structural", "copies its one input to N output slots",
-    schema=Schema((F("num_outputs", "int", 2, min=1),)),
+    schema=Schema((F("num_outputs", "int", 2, min=1, doc="how many output slots carry the copy"),)),
     num_outputs=lambda cfg: cfg["num_outputs"], input_kind="any",
     infer=lambda ctx: [ctx.single()] * ctx.cfg["num_outputs"],
 ))
@@ -297,7 +307,8 @@ def _stack_infer(ctx: InferCtx) -> list[TensorType]:
 
 register_op(OpDef(
     "stack", "structural", "joins its inputs along a per-sample axis (N x [seq, hd] -> [seq, N*hd])",
-    schema=Schema((F("axis", "int", -1),)), num_inputs=(1, None), infer=_stack_infer,
+    schema=Schema((F("axis", "int", -1, doc="per-sample axis to join along; negative counts from the end"),)),
+    num_inputs=(1, None), infer=_stack_infer,
 ))
 
 
@@ -327,7 +338,8 @@ def _reshape_infer(ctx: InferCtx) -> list[TensorType]:
 
 
 register_op(OpDef("reshape", "structural", "reshapes to an explicit per-sample shape",
-                  schema=Schema((F("target_shape", "shape", required=True),)),
+                  schema=Schema((F("target_shape", "shape", required=True,
+                                   doc="the per-sample result shape; one -1 is inferred"),)),
                   input_kind="any", infer=_reshape_infer))
 
 
@@ -340,8 +352,11 @@ def _mask_infer(ctx: InferCtx) -> list[TensorType]:
 
 register_op(OpDef(
     "mask", "structural", "causal and/or random masking of [.., seq, seq] scores",
-    schema=Schema((F("causal", "bool", True), F("mask_val", "float", -1e9),
-                   F("random_prob", "float", 0.0, min=0.0, max=1.0), F("seed", "int", 0))),
+    schema=Schema((F("causal", "bool", True, doc="mask every score above the diagonal"),
+                   F("mask_val", "float", -1e9, doc="the value masked scores get"),
+                   F("random_prob", "float", 0.0, min=0.0, max=1.0,
+                     doc="probability of masking each score at random as well"),
+                   F("seed", "int", 0, doc="seed of the random mask"))),
     infer=_mask_infer, flops=_elementwise(1),
 ))
 
@@ -349,8 +364,10 @@ register_op(OpDef(
 
 register_op(OpDef(
     "tokenizer", "text", "text -> token ids [pad_length] with a trained BPE vocabulary",
-    schema=Schema((F("vocab_size", "int", 50000, min=1), F("pad_length", "int", required=True, min=1),
-                   F("vocab_path"), F("use_word_boundary_tokens", "bool", False))),
+    schema=Schema((F("vocab_size", "int", 50000, min=1, doc="size of the BPE vocabulary"),
+                   F("pad_length", "int", required=True, min=1, doc="token ids per text (padded or cut)"),
+                   F("vocab_path", doc="file of a trained vocabulary"),
+                   F("use_word_boundary_tokens", "bool", False, doc="mark word starts with their own tokens"))),
     input_kind="str", network_input=lambda cfg, slot, ins: T((), "string"),
     infer=lambda ctx: [T((ctx.cfg["pad_length"],), "int64")],
 ))
@@ -363,7 +380,8 @@ def _detok_infer(ctx: InferCtx) -> list[TensorType]:
 
 register_op(OpDef(
     "detokenizer", "text", "token ids -> text",
-    schema=Schema((F("vocab_size", "int", 50000, min=1), F("vocab_path"))),
+    schema=Schema((F("vocab_size", "int", 50000, min=1, doc="size of the BPE vocabulary"),
+                   F("vocab_path", doc="file of a trained vocabulary"))),
     input_kind="int", infer=_detok_infer,
 ))
 
@@ -387,10 +405,14 @@ def _cost_infer(ctx: InferCtx) -> list[TensorType]:
 
 
 register_op(OpDef(
-    "cost", "training", "a loss node: mse, ce (from probabilities) or ce_logits (from raw logits)",
-    schema=Schema((F("cost_function", required=True, choices=("mse", "ce", "ce_logits")),
-                   F("vocab_size", "int", min=1), F("in_dim", "int", min=1),
-                   F("cost_precision", "precision"), F("ignore_index", "int", -100))),
+    "cost", "training", "a loss node: mse, ce (from probabilities) or ce_logits (from raw logits); input 0 is "
+    "the predictions, input 1 the targets (token ids for ce and ce_logits, the predictions' shape for mse)",
+    schema=Schema((F("cost_function", required=True, choices=("mse", "ce", "ce_logits"),
+                     doc="mse; ce from probabilities; ce_logits from raw logits"),
+                   F("vocab_size", "int", min=1, doc="if set, the predictions' last dimension must equal it"),
+                   F("in_dim", "int", min=1, doc="width of the predictions, informational"),
+                   F("cost_precision", "precision", doc="precision of the loss (float32 keeps it exact)"),
+                   F("ignore_index", "int", -100, doc="cross-entropy targets equal to this count for nothing"))),
     num_inputs=2,
     input_kind=lambda cfg, slot: "float" if slot == 0 or cfg["cost_function"] == "mse" else "int",
     network_input=_token_targets, infer=_cost_infer,
