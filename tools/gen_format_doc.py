@@ -170,7 +170,22 @@ def section_type_names() -> str:
     return "\n".join(rows) + "\n"
 
 
+def section_limits() -> str:
+    """The sizes past which input is refused, from the constants that enforce them."""
+    from vgraph.safeio import MAX_INPUT_BYTES
+    from vgraph.verify import MAX_ID_CHARS
+    from vgraph.yamlio.yaml_reader import MAX_ALIAS_EXPANSION
+
+    rows = ["| what | at most |", "|---|---|",
+            f"| a file | {MAX_INPUT_BYTES / 2**20:g} MiB, a regular file (not a directory, FIFO or device) |",
+            f"| a node id | {MAX_ID_CHARS} characters |",
+            f"| YAML nodes that aliases repeat, in the whole document | {MAX_ALIAS_EXPANSION:,} beyond those "
+            f"written out, or as many as are written out if that is more |"]
+    return "\n".join(rows) + "\n"
+
+
 SECTIONS: dict[str, Callable[[], str]] = {
+    "limits": section_limits,
     "precisions": section_precisions,
     "common-config": section_common_config,
     "type-aliases": section_type_names,
