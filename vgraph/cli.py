@@ -12,6 +12,7 @@ import json
 import sys
 from typing import Callable, Sequence
 
+from . import options
 from .diagnostics import VGraphError, printable
 from .plugins import PluginError, discover
 
@@ -81,14 +82,7 @@ def _analyze_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_analyze)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+_positive_int = options.positive_int  # every numeric option is checked as it is parsed (vgraph/options.py)
 
 
 def _analyze(args: argparse.Namespace) -> int:

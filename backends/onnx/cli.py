@@ -21,6 +21,7 @@ EXTERNAL_DATA_BYTES = 1_800_000_000
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    from vgraph import options
     from vgraph.cli import add_plugin_option
 
     p.add_argument("file", metavar="FILE", help="network YAML")
@@ -28,7 +29,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="vgraph checkpoint directory, run directory or model .safetensors file")
     p.add_argument("--passes", metavar="SPEC",
                    help="run these passes first, e.g. fuse-heads,fuse-lm-head-ce (default: none)")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed without --checkpoint (default 0)")
+    p.add_argument("--seed", type=options.seed, default=0, help="initialisation seed without --checkpoint (default 0)")
     add_plugin_option(p)
 
 
@@ -47,9 +48,11 @@ def register_check(subparsers: argparse._SubParsersAction) -> None:
                               help="run the torch backend and onnxruntime on the same random inputs; "
                                    "compare every output")
     _common(p)
-    p.add_argument("--batch", type=int, default=1, help="batch size of the random inputs (default 1)")
-    p.add_argument("--rtol", type=float, default=None, help="relative tolerance (default 1e-4)")
-    p.add_argument("--atol", type=float, default=None, help="absolute tolerance (default 1e-5)")
+    from vgraph import options
+
+    p.add_argument("--batch", type=options.positive_int, default=1, help="batch size of the random inputs (default 1)")
+    p.add_argument("--rtol", type=options.non_negative_float, default=None, help="relative tolerance (default 1e-4)")
+    p.add_argument("--atol", type=options.non_negative_float, default=None, help="absolute tolerance (default 1e-5)")
     p.set_defaults(func=_check)
 
 

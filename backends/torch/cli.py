@@ -13,32 +13,13 @@ import sys
 from typing import Sequence
 
 from vgraph.cli import add_plugin_option
+from vgraph import options
 from vgraph.diagnostics import VGraphError
 
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _bytes(text: str) -> int:
-    """'512M', '2G', '1.5GiB' or a plain number of bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(t[-1:], 1)
-    try:
-        return int(float(t[:-1] if scale > 1 else t) * scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size like 512M or 8G, got {text!r}") from None
+# Every numeric option is checked as it is parsed (vgraph.options): a usage error, exit 2, nothing run.
+_positive_int, _non_negative_int, _bytes = options.positive_int, options.non_negative_int, options.byte_size
 
 
 def register_train(subparsers: argparse._SubParsersAction) -> None:
@@ -53,12 +34,12 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
                    "the embedded corpus")
     p.add_argument("--steps", type=_non_negative_int, default=1000, help="optimizer steps in all (default 1000)")
     p.add_argument("--batch", type=_positive_int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--lr", type=float, default=6e-4, help="learning rate of nodes without their own "
+    p.add_argument("--lr", type=options.positive_float, default=6e-4, help="learning rate of nodes without their own "
                    "learning_rate (default 6e-4)")
     p.add_argument("--warmup", type=_non_negative_int, default=0, help="linear warmup steps (default 0)")
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                    help="after warmup: constant, or cosine decay to 0.1*lr at the last step")
-    p.add_argument("--seed", type=int, default=0, help="seed of initialisation, data order and dropout")
+    p.add_argument("--seed", type=options.seed, default=0, help="seed of initialisation, data order and dropout")
     p.add_argument("--out", metavar="DIR", help="run directory (default runs/<network name>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest "
                    "checkpoint (starts fresh if it has none yet)")
@@ -79,7 +60,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=_positive_int, help="CPU threads for torch")
     p.add_argument("--log-every", type=_positive_int, metavar="N",
                    help="read the loss back every N steps (default: 1 on CPU, 10 on GPU)")
-    p.add_argument("--grad-clip", type=float, metavar="NORM", help="clip the global gradient norm")
+    p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM", help="clip the global gradient norm")
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N",
                    help="size cap of the embedded corpus")
     p.add_argument("--memory-limit", type=_bytes, metavar="SIZE",
@@ -128,9 +109,9 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", metavar="CHECKPOINT")
     p.add_argument("--prompt", default="", help="text to continue (default: empty)")
     p.add_argument("--max-new-tokens", type=_non_negative_int, default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--temperature", type=options.non_negative_float, default=0.8, help="0: greedy (default 0.8)")
     p.add_argument("--top-k", type=_non_negative_int, default=40, help="sample from the k likeliest; 0: all")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=options.seed, default=0)
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
     add_plugin_option(p)
     p.set_defaults(func=run_generate)

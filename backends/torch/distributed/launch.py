@@ -554,7 +554,8 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     """Add `launch` to a `vgraph` subparser set (entry point of group `vgraph.commands`)."""
     from vgraph.cli import add_plugin_option
 
-    from ..cli import _non_negative_int, _positive_int
+    from vgraph import options
+    from vgraph.options import non_negative_int as _non_negative_int, positive_int as _positive_int
 
     p = subparsers.add_parser(
         "launch", help="train a network partitioned over a fleet, one torch.distributed worker per PNode",
@@ -575,21 +576,21 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                    help="when a worker dies: restart all from the last checkpoint on the same placement "
                         "(default), re-partition onto the surviving PNodes, or stop")
     p.add_argument("--max-restarts", type=_non_negative_int, default=3, metavar="N", help="default 3")
-    p.add_argument("--comm-timeout", type=float, default=300.0, metavar="S",
+    p.add_argument("--comm-timeout", type=options.positive_float, default=300.0, metavar="S",
                    help="seconds a worker waits on a peer before failing (default 300)")
     p.add_argument("--nnodes", type=_positive_int, default=1, help="machines taking part (default 1)")
     p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this machine's index (default 0)")
     p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
                    help="address of machine 0 (default 127.0.0.1)")
-    p.add_argument("--master-port", type=_positive_int, metavar="PORT",
+    p.add_argument("--master-port", type=options.port, metavar="PORT",
                    help="rendezvous port on machine 0 (default: free port; 29500 with --nnodes > 1)")
     p.add_argument("--data", metavar="PATH", help="text file, directory or glob; default: the embedded corpus")
     p.add_argument("--steps", type=_non_negative_int, default=1000)
     p.add_argument("--batch", type=_positive_int, default=8)
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--lr", type=options.positive_float, default=6e-4)
     p.add_argument("--warmup", type=_non_negative_int, default=0)
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=options.seed, default=0)
     p.add_argument("--out", metavar="DIR", help="run directory (default runs/<network name>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -603,7 +604,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--threads", type=_positive_int, help="CPU threads per worker (default: cores / workers)")
     p.add_argument("--log-every", type=_positive_int, metavar="N")
-    p.add_argument("--grad-clip", type=float, metavar="NORM")
+    p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM")
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")
     p.add_argument("--quiet", action="store_true", help="no status lines (errors still show)")
     add_plugin_option(p)  # the files travel to the workers in the job file
