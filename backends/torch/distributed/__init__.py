@@ -19,8 +19,14 @@ The pieces, each in its own module:
               GPipe schedules and their per-peer message order (deadlock-free
               by construction);
 * comm.py   - the transport: isend / ordered recv with buffering, bytes counted;
-* worker.py - one rank: builds its modules and optimizers, runs the schedule,
-              reduces losses, gathers metrics and checkpoints on rank 0;
+              the control group's small collectives (ControlGroup);
+* worker.py - one rank's entry point and training loop: set-up, loss
+              reduction, optimizer step, logging on rank 0;
+* stage_runner.py - a rank's stages (modules, optimizers, tied weights) and
+              its ops of one schedule round;
+* rank_zero.py - metrics entries and checkpoint shares gathered on rank 0
+              (scattered back on resume);
+* loss_scaler.py - fp16 loss scaling decided alike on every rank;
 * launch.py - the launcher and the `launch` command: partition, data, job
               file, forkserver-started workers, failure detection and restarts.
 

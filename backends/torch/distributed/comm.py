@@ -15,6 +15,10 @@ messages that peer will send this round in its sending order (from
 Bytes sent to other ranks are counted (`bytes_sent`), for comparison with the
 partition's prediction.  With `stage_through_cpu` (CUDA tensors over gloo,
 when several workers share one GPU) tensors go through host memory.
+
+`ControlGroup` carries the small collectives every rank joins on the control
+group: the per-step reduction every decision rests on, and the objects rank 0
+gathers or scatters (rank_zero.py).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from typing import Any, Hashable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Transport", "TransportError"]
+__all__ = ["Transport", "TransportError", "ControlGroup"]
 
 
 class TransportError(RuntimeError):
@@ -82,3 +86,29 @@ class Transport:
             if self._position[src] != len(queue) or self._buffer[src]:
                 left = [k for k, _, _ in queue[self._position[src]:]] + list(self._buffer[src])
                 raise TransportError(f"round ended with messages from rank {src} unread: {left[:4]}")
+
+
+class ControlGroup:
+    """Small collectives on the control group (gloo), for decisions every rank must take alike and for
+    objects rank 0 gathers (metrics, checkpoint shares) or scatters (resume shares)."""
+
+    def __init__(self, rank: int, world: int, group: Any = None) -> None:
+        self.rank, self.world, self.group = rank, world, group
+
+    def all_reduce(self, values: Sequence[float]) -> list[float]:
+        """Elementwise sums over all ranks (float64)."""
+        t = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` on rank 0 (in rank order); None elsewhere."""
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Rank r's element of rank 0's `objs`."""
+        out = [None]
+        dist.scatter_object_list(out, objs, src=0, group=self.group)
+        return out[0]

@@ -1,0 +1,160 @@
+"""What rank 0 gathers from every rank of a partitioned run: metrics entries and checkpoint shares.
+
+Checkpoints are `vgraph train` checkpoints (checkpoint.py), in the unfused
+global layout: rank 0 gathers every rank's parameters and optimizer state and
+writes one checkpoint, atomically, then moves `latest`.  A run resumes from
+it on any partition (rank 0 reads it and scatters each rank its share), or
+on one process with `vgraph train --resume`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from vgraph import layout
+
+from .comm import ControlGroup
+from .loss_scaler import SharedLossScaler
+from .stage_runner import StageRunner
+from .. import checkpoint as ckpt
+from ..run_checkpoints import (CHECKPOINT_PREFIX, optimizer_state_to_graph, optimizer_state_to_unfused,
+                               prune_checkpoints)
+from ..train_config import TrainingError
+
+__all__ = ["GatheredCheckpoints", "local_metric_values"]
+
+
+def local_metric_values(stages: StageRunner, costs: dict[str, torch.Tensor], scale: float) -> dict[str, Any]:
+    """The network's `metrics:` entries measured on this rank (see plan.MetricSource)."""
+    values: dict[str, Any] = {}
+    mine = {t.id for t in stages.tasks}
+    for src in stages.plan.metrics:
+        if src.task not in mine:
+            continue
+        task = stages.plan.tasks[src.task]
+        optim, module = stages.optims[task.id], stages.modules[task.id]
+        if src.type in (None, "learning_rate"):
+            values[src.name] = optim.lr_of(src.node) if src.node in optim.base_lr else None
+        elif src.type == "loss":
+            names = [ep.name for ep in task.graph.costs if ep.node == src.node and ep.slot == src.slot]
+            if names and names[0] in costs:
+                values[src.name] = float(costs[names[0]])
+        elif src.type == "grad_norm":
+            grads = [p.grad for p in module.node_parameters(src.node).values() if p.grad is not None]
+            if grads:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                values[src.name] = float(norm) / scale
+    return values
+
+
+class GatheredCheckpoints:
+    """Saving and resuming a partitioned run's checkpoints: rank 0 reads and writes, every rank takes part."""
+
+    def __init__(self, ctrl: ControlGroup, stages: StageRunner, job: dict[str, Any], data_gen: torch.Generator,
+                 scaler: SharedLossScaler, micro_batches: int, say: Callable[[str], None]) -> None:
+        self.ctrl, self.stages, self.job = ctrl, stages, job
+        self.cfg = job["config"]
+        self.run_dir = Path(job["run_dir"])
+        self.data_gen, self.scaler = data_gen, scaler
+        self.micro_batches = micro_batches
+        self.say = say
+
+    def _local_state(self) -> dict[str, Any]:
+        """This rank's parameters and optimizer state, unfused layout, replicas left out (CPU copies)."""
+        model: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict[str, Any]] = {}
+        for task in self.stages.tasks:
+            module = self.stages.modules[task.id]
+            replicas = {f"{n.id}." for n in task.graph.nodes if n.type == "weight_replica"}
+            for key, value in module.unfused_state_dict().items():
+                if not any(key.startswith(r) for r in replicas):
+                    model[key] = value.detach().cpu().clone()
+            states = optimizer_state_to_unfused(self.stages.optims[task.id].state_by_key(), module.network)
+            for key, state in states.items():
+                if not any(key.startswith(r) for r in replicas):
+                    optim[key] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                                  for k, v in state.items()}
+        return {"model": model, "optim": optim}
+
+    def save(self, step: int) -> Path | None:
+        """Gather every rank's share; rank 0 writes checkpoint `step` and prunes old ones (its path; None elsewhere)."""
+        parts = self.ctrl.gather(self._local_state())
+        if self.ctrl.rank != 0:
+            return None
+        model: dict[str, torch.Tensor] = {}
+        optim: dict[str, dict[str, Any]] = {}
+        for part in parts:
+            model.update(part["model"])
+            optim.update(part["optim"])
+        job = self.job
+        extra = {
+            "layout": "unfused",
+            "data_generator": self.data_gen.get_state(),
+            "grad_scaler": self.scaler.state_dict(),
+            "run": json.loads(json.dumps(job["run_info"], default=str)),
+            "network_yaml": job["network_yaml"],
+            "tokenizer_json": Path(job["tokenizer"]).read_text(encoding="utf-8"),
+            "launch": {"ranks": job["ranks"], "assignment": job["final_assignment"],
+                       "micro_batches": self.micro_batches, "attempt": job["attempt"]},
+        }
+        path = ckpt.save_checkpoint(self.run_dir / f"{CHECKPOINT_PREFIX}{step:08d}", step=step, model_state=model,
+                                    optimizer_states=optim, rng_state=ckpt.capture_rng_state(), extra=extra)
+        prune_checkpoints(self.run_dir, int(self.cfg["keep_checkpoints"]), path)
+        return path
+
+    def resume(self) -> int:
+        """Load the latest checkpoint (rank 0 reads it and hands every rank its share); the start step."""
+        payloads: list[Any] | None = None
+        if self.ctrl.rank == 0:
+            payloads = self._resume_payloads()
+        mine = self.ctrl.scatter(payloads)
+        if mine is None:
+            return 0
+        if "error" in mine:
+            raise TrainingError(mine["error"])
+        with torch.no_grad():
+            for task in self.stages.tasks:
+                module = self.stages.modules[task.id]
+                own = module.state_dict(keep_vars=True)
+                for key, pieces in layout.param_sources(module.network).items():
+                    if module.network.node(key.split(".", 1)[0]).type == "weight_replica":
+                        continue
+                    parts = [mine["model"][k] for k, _ in pieces]
+                    own[key].copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+                self.stages.optims[task.id].load_state_by_key(optimizer_state_to_graph(mine["optim"], module.network))
+        self.data_gen.set_state(mine["data_generator"])
+        self.scaler.load_state_dict(mine["grad_scaler"])
+        return int(mine["step"])
+
+    def _resume_payloads(self) -> list[Any]:
+        if not self.cfg.get("resume"):
+            return [None] * self.ctrl.world
+        try:
+            latest = ckpt.latest_checkpoint(self.run_dir)
+            if latest is None:
+                return [None] * self.ctrl.world
+            state = ckpt.load_checkpoint(latest, map_location="cpu")
+        except ckpt.CheckpointError as exc:
+            return [{"error": f"cannot resume: {exc}"}] * self.ctrl.world
+        before = state.extra.get("run", {})
+        info = self.job["run_info"]
+        for key in ("seed", "batch", "seq_len", "data", "vocab_size", "tokenizer"):
+            if key in before and before[key] != info[key]:
+                return [{"error": f"cannot resume {self.run_dir}: it was trained with {key}={before[key]!r}, "
+                                  f"this run has {key}={info[key]!r}; resuming must not change it"}] * self.ctrl.world
+        out = []
+        for r in range(self.ctrl.world):
+            keys = self.stages.plan.param_keys(r)
+            missing = sorted(keys - set(state.model_state))
+            if missing:
+                return [{"error": f"checkpoint {latest} has no {', '.join(missing[:4])}: it is not a checkpoint "
+                                  f"of this network"}] * self.ctrl.world
+            out.append({"step": state.step, "model": {k: state.model_state[k] for k in keys},
+                        "optim": {k: v for k, v in state.optimizer_states.items() if k in keys},
+                        "data_generator": state.extra["data_generator"],
+                        "grad_scaler": state.extra.get("grad_scaler")})
+        self.say(f"resumed from {latest} at step {state.step}")
+        return out

@@ -1,0 +1,273 @@
+"""One rank's stages of a partitioned network, and one round of the pipeline schedule over them.
+
+A `StageRunner` holds the rank's tasks (plan.py: PNode x stage), their
+compiled modules and per-VNode optimizers, and the tied weights it owns or
+replicates.  `run_round` executes the rank's ops of the micro-batch schedule
+(1F1B or GPipe, plan.py): the forward of a task for a micro-batch receives
+boundary activations and sends its own; its backward receives the gradients
+of what it sent and sends those of what it received; then the tied-weight
+gradients go to their owners.  `sync_tied_weights` sends the owners' weights
+back after each optimizer step.
+
+Micro-batching is exact: a cost is a mean over its tokens, so micro-batch m's
+loss is weighted by its share of the batch's counted tokens (targets equal to
+`ignore_index` do not count), and dropout masks are keyed by the global
+sample index (dropout.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Sequence
+
+import torch
+
+from vgraph.diagnostics import Diagnostic
+
+from .comm import Transport
+from .loss_scaler import SharedLossScaler
+from .plan import DistPlan, Message, Op, Task, message_order, schedule_ops, weight_ops
+from ..dropout import set_dropout_key
+from ..lower import VGraphModule, compile_network
+from ..node_optimizers import NodeOptimizers
+from ..train_config import TrainingError
+
+__all__ = ["StageRunner"]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+_CE_COSTS = ("ce", "ce_logits")
+
+
+class StageRunner:
+    """This rank's tasks with their modules and optimizers; runs the rank's part of each schedule round."""
+
+    def __init__(self, plan: DistPlan, rank: int, world: int, device: torch.device, transport: Transport,
+                 amp: Callable[[], ContextManager], scaler: SharedLossScaler, cfg: dict[str, Any]) -> None:
+        self.plan, self.rank, self.world, self.device = plan, rank, world, device
+        self.transport = transport
+        self.amp = amp  # a fresh autocast context (or nullcontext) per forward
+        self.scaler = scaler
+        self.cfg = cfg
+        self.traffic = 0  # bytes this rank sent for training since the last loss reduction
+        self.tasks: list[Task] = plan.tasks_of(rank)
+        self.modules: dict[str, VGraphModule] = {}
+        self.optims: dict[str, NodeOptimizers] = {}
+        for task in self.tasks:
+            module = compile_network(task.graph, device=device, train=True, seed=int(cfg["seed"]))
+            self.modules[task.id] = module
+            self.optims[task.id] = NodeOptimizers(module, float(cfg["lr"]))
+        self._link_replicas()
+        self.trainable = [p for o in self.optims.values() for p in o.trainable]
+        self._feeds = {task.id: self._feed_plan(task) for task in self.tasks}
+        self._rounds: dict[tuple[tuple[int, ...], bool], tuple[list[Op], dict]] = {}
+
+    def _link_replicas(self) -> None:
+        """A replica on its owner's rank is the owner's Parameter; a remote one gets gradients to send."""
+        self.replica_params: dict[int, torch.nn.Parameter] = {}
+        self.owner_params: dict[int, torch.nn.Parameter] = {}
+        for tie in self.plan.ties:
+            if tie.owner_rank == self.rank:
+                self.owner_params[tie.index] = self.modules[tie.owner_task].namespace(tie.owner_node).weight
+            if tie.replica_rank != self.rank:
+                continue
+            namespace = self.modules[tie.replica_task].namespace(tie.replica_node)
+            if not tie.remote:
+                namespace._parameters["weight"] = self.owner_params[tie.index]
+            else:
+                namespace.weight.requires_grad_(True)  # optimizer "none": its gradient goes to the owner
+                self.replica_params[tie.index] = namespace.weight
+
+    def _feed_plan(self, task: Task) -> list[tuple[str, str]] | None:
+        """How each feed of the task's program is filled: ("recv", id) | ("tokens", "") | ("targets", "")."""
+        if not task.want:
+            return None
+        module = self.modules[task.id]
+        out = []
+        for name in module.program_for(task.want, training=True).feeds:
+            node_id, _, slot_text = name.rpartition(":in")
+            node, slot = task.graph.node(node_id), int(slot_text)
+            if node.type == "receive":
+                out.append(("recv", node_id))
+            elif node.type == "embedder" and slot == 0:
+                out.append(("tokens", ""))
+            elif slot == 1 and (node.type == "tied_lm_head_ce" or
+                                (node.type == "cost" and node.cfg["cost_function"] in _CE_COSTS)):
+                out.append(("targets", ""))
+            else:
+                raise TrainingError([Diagnostic(
+                    f"input {slot} of this {node.type} is a network input that `vgraph launch` cannot feed: it "
+                    f"feeds token ids to embedders and next-token targets to cross-entropy costs",
+                    node.loc, node.id)])
+        return out
+
+    def _round(self, sizes: Sequence[int], train: bool) -> tuple[list[Op], dict]:
+        """This rank's ops and the messages it expects, per peer, for a round of micro-batch `sizes`."""
+        key = (tuple(sizes), train)
+        if key not in self._rounds:
+            ops_by_rank = schedule_ops(self.plan, len(sizes), train=train,
+                                       pipeline=str(self.cfg.get("pipeline") or "1f1b"))
+            self._rounds[key] = (ops_by_rank[self.rank], self._expected(ops_by_rank, sizes))
+        return self._rounds[key]
+
+    def _expected(self, ops_by_rank: dict[int, list[Op]], sizes: Sequence[int]) -> dict[int, list]:
+        expected: dict[int, list] = {}
+        for (src, dst), messages in message_order(self.plan, ops_by_rank).items():
+            if dst != self.rank:
+                continue
+            rows = []
+            for msg in messages:
+                if msg.kind in ("a", "g"):
+                    tr = self.plan.transfers[msg.index]
+                    rows.append((msg, (sizes[msg.micro], *tr.shape), _DTYPES[tr.dtype]))
+                else:
+                    rows.append((msg, self.plan.ties[msg.index].shape, torch.float32))
+            expected[src] = rows
+        return expected
+
+    def _cost_weights(self, task: Task, targets: list[torch.Tensor], sizes: Sequence[int]) -> dict[str, list[float]]:
+        """Per cost, each micro-batch's share of the batch's loss (token counts for cross-entropy)."""
+        total = sum(sizes)
+        out = {}
+        cost_node = {ep.name: ep.node for ep in task.graph.costs}
+        for name in task.costs:
+            node = task.graph.node(cost_node[name])
+            ce = node.type == "tied_lm_head_ce" or (node.type == "cost" and node.cfg["cost_function"] in _CE_COSTS)
+            if ce and task.graph.input_edge(node.id, 1) is None:
+                ignore = int(node.cfg.get("ignore_index", -100))
+                counts = [int((t != ignore).sum()) for t in targets]
+                if sum(counts) > 0:
+                    out[name] = [c / sum(counts) for c in counts]
+                    continue
+            out[name] = [b / total for b in sizes]
+        return out
+
+    def run_round(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, sizes: Sequence[int], *,
+                  train: bool) -> dict[str, torch.Tensor]:
+        """One round (forward+backward of a step, or a forward-only evaluation); returns this rank's costs,
+        each the weighted sum over micro-batches (float32)."""
+        ops, expected = self._round(sizes, train)
+        sent_before = self.transport.bytes_sent
+        tokens = list(torch.split(inputs.to(self.device), list(sizes)))
+        targets_mb = list(torch.split(targets.to(self.device), list(sizes)))
+        offsets = [sum(sizes[:m]) for m in range(len(sizes))]
+        weights = {t.id: self._cost_weights(t, targets_mb, sizes) for t in self.tasks}
+        costs: dict[str, torch.Tensor] = {}
+        stash: dict[tuple[str, int], tuple[dict, dict]] = {}
+        local: dict[tuple[str, int, int], torch.Tensor] = {}
+        transport = self.transport
+        transport.begin(expected)
+        grad_mode = torch.enable_grad() if train else torch.no_grad()
+        with grad_mode:
+            for op in ops:
+                if op.kind == "fwd":
+                    task = self.plan.tasks[op.task]
+                    m = op.micro
+                    outs, received = self._forward(task, m, step, offsets[m], tokens[m], targets_mb[m], local, train)
+                    for name in task.costs:
+                        value = outs[name].detach().float() * weights[task.id][name][m]
+                        costs[name] = value if name not in costs else costs[name] + value
+                    if train:
+                        stash[(task.id, m)] = (outs, received)
+                elif op.kind == "bwd":
+                    task = self.plan.tasks[op.task]
+                    self._backward(task, op.micro, weights[task.id], *stash.pop((task.id, op.micro)), local)
+                elif op.kind == "tie_grad":
+                    self._tie_grad(op.tie)
+        transport.end()
+        if train:
+            self.traffic += transport.bytes_sent - sent_before
+        return costs
+
+    def _forward(self, task: Task, m: int, step: int, offset: int, tokens: torch.Tensor, targets: torch.Tensor,
+                 local: dict, train: bool) -> tuple[dict, dict]:
+        received: dict[str, torch.Tensor] = {}
+        for i in task.receives:
+            tr = self.plan.transfers[i]
+            value = (self.transport.recv(tr.src_rank, Message("a", i, m)) if tr.remote
+                     else local.pop(("a", i, m)))
+            if train and tr.grad:
+                value = value.detach().requires_grad_(True)
+            received[tr.recv_id] = value
+        outs: dict[str, torch.Tensor] = {}
+        feeds = self._feeds[task.id]
+        if feeds is not None:
+            program = self.modules[task.id].program(task.want, training=train)
+            args = [received[ref] if kind == "recv" else tokens if kind == "tokens" else targets
+                    for kind, ref in feeds]
+            set_dropout_key(int(self.cfg["seed"]), step, offset)
+            with self.amp():
+                outs = program(*args)
+        for i in task.sends:
+            tr = self.plan.transfers[i]
+            wire = outs[task.send_outputs[tr.send_id]].detach().to(_DTYPES[tr.dtype])
+            if tr.remote:
+                self.transport.send(tr.dst_rank, Message("a", i, m), wire)
+            else:
+                local[("a", i, m)] = wire
+        return outs, received
+
+    def _backward(self, task: Task, m: int, weights: dict[str, list[float]], outs: dict, received: dict,
+                  local: dict) -> None:
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        for name in task.costs:
+            value = outs[name]
+            if value.requires_grad:
+                roots.append(value * (weights[name][m] * self.scaler.scale))
+                grads.append(None)
+        by_value: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i in task.sends:
+            tr = self.plan.transfers[i]
+            if not tr.grad:
+                continue
+            grad = self.transport.recv(tr.dst_rank, Message("g", i, m)) if tr.remote else local.pop(("g", i, m))
+            value = outs[task.send_outputs[tr.send_id]]
+            if value.requires_grad:
+                grad = grad.to(value.dtype)
+                seen = by_value.get(id(value))
+                by_value[id(value)] = (value, grad if seen is None else seen[1] + grad)
+        for value, grad in by_value.values():
+            roots.append(value)
+            grads.append(grad)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        for i in task.receives:
+            tr = self.plan.transfers[i]
+            if not tr.grad:
+                continue
+            leaf = received[tr.recv_id]
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            if tr.remote:
+                self.transport.send(tr.src_rank, Message("g", i, m), grad)
+            else:
+                local[("g", i, m)] = grad
+
+    def _tie_grad(self, index: int) -> None:
+        tie = self.plan.ties[index]
+        if self.rank == tie.replica_rank:
+            param = self.replica_params[index]
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            self.transport.send(tie.owner_rank, Message("tg", index), grad.float())
+            param.grad = None
+        else:
+            grad = self.transport.recv(tie.replica_rank, Message("tg", index))
+            param = self.owner_params[index]
+            if param.requires_grad:
+                param.grad = grad.to(param.dtype) if param.grad is None else param.grad.add_(grad)
+
+    def sync_tied_weights(self) -> None:
+        """Owners send tied weights to their replicas on other ranks (after every optimizer step)."""
+        ops = weight_ops(self.plan, self.rank)
+        ops_by_rank = {r: weight_ops(self.plan, r) for r in range(self.world)}
+        if not any(ops_by_rank.values()):
+            return
+        self.transport.begin(self._expected(ops_by_rank, []))
+        sent_before = self.transport.bytes_sent
+        with torch.no_grad():
+            for op in ops:
+                tie = self.plan.ties[op.tie]
+                if self.rank == tie.owner_rank:
+                    self.transport.send(tie.replica_rank, Message("w", tie.index), self.owner_params[tie.index])
+                else:
+                    value = self.transport.recv(tie.owner_rank, Message("w", tie.index))
+                    self.replica_params[tie.index].copy_(value)
+        self.transport.end()
+        self.traffic += self.transport.bytes_sent - sent_before
