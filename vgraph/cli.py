@@ -244,24 +244,17 @@ def _optimize(args: argparse.Namespace) -> int:
 
 @command("passes")
 def _passes_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("passes", help="list every available pass with its doc and origin")
+    p = sub.add_parser("passes", help="list every pass: doc, origin, options (type, default, allowed values), "
+                                      "ordering (requires/after/before), whether it keeps what the network computes")
+    p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     add_plugin_option(p)
     p.set_defaults(func=_passes)
 
 
 def _passes(args: argparse.Namespace) -> int:
-    from .pipeline import available_passes
+    from .pass_listing import print_listing
 
-    for name, info in available_passes().items():
-        cls = info.load()
-        print(f"{name}  [{info.origin}]")
-        print(f"    {cls.doc()}")
-        for key, opt in cls.options.items():
-            print(f"    option {key} (default {opt.default!r}): {opt.doc}")
-        deps = [f"{label} {', '.join(v)}" for label, v in
-                (("requires", cls.requires), ("after", cls.after), ("invalidates", cls.invalidates)) if v]
-        if deps:
-            print(f"    {'; '.join(deps)}")
+    print_listing(args.json)
     return 0
 
 

@@ -132,6 +132,7 @@ class Pass:
     name: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()  # must have run before (in this pipeline or earlier)
     after: ClassVar[tuple[str, ...]] = ()  # if also in the pipeline, run after these
+    before: ClassVar[tuple[str, ...]] = ()  # if also in the pipeline, run before these
     invalidates: ClassVar[tuple[str, ...]] = ()  # earlier passes whose results this undoes
     options: ClassVar[dict[str, Option]] = {}
     origin: ClassVar[str] = ""  # set by discovery: the distribution or file it came from

@@ -153,8 +153,32 @@ def build_pipeline(spec: str | Sequence[str | Pass] | None) -> list[Pass]:
     return items
 
 
+def must_follow(p: Pass, q: Pass) -> str | None:
+    """Why `p` must run after `q` when both are in one pipeline (None: nothing they declare says so)."""
+    if q.name in p.requires:
+        return f"{p.name!r} requires {q.name!r}"
+    if q.name in p.after:
+        return f"{p.name!r} declares after={q.name!r}"
+    if p.name in getattr(q, "before", ()):
+        return f"{q.name!r} declares before={p.name!r}"
+    return None
+
+
+def order_notes(written: Sequence[Pass], ordered: Sequence[Pass]) -> list[str]:
+    """One line per pair of passes that runs in the opposite order to the one written, and why."""
+    at = {id(p): i for i, p in enumerate(ordered)}
+    notes = []
+    for i, p in enumerate(written):
+        for q in written[i + 1:]:
+            if at[id(q)] < at[id(p)]:
+                why = must_follow(p, q) or "through the order other passes in the pipeline declare"
+                notes.append(f"pipeline order: {q.spec()!r} runs before {p.spec()!r}, although written "
+                             f"after it: {why}")
+    return notes
+
+
 def order_pipeline(passes: list[Pass], applied: Iterable[str] = ()) -> list[Pass]:
-    """Stable topological order by `requires`/`after`; errors for cycles and missing passes."""
+    """Stable topological order by `requires`/`after`/`before`; errors for cycles and missing passes."""
     names = [p.name for p in passes]
     done = set(applied)
     for p in passes:
@@ -162,7 +186,7 @@ def order_pipeline(passes: list[Pass], applied: Iterable[str] = ()) -> list[Pass
         if missing:
             raise PassError(f"pass {p.name!r} requires {', '.join(map(repr, missing))}, which is "
                             f"not in the pipeline: add it before {p.name!r}")
-    preds = {i: {j for j, q in enumerate(passes) if q.name in (*p.requires, *p.after) and j != i}
+    preds = {i: {j for j, q in enumerate(passes) if j != i and must_follow(p, q)}
              for i, p in enumerate(passes)}
     order: list[int] = []
     remaining = list(range(len(passes)))
@@ -261,7 +285,9 @@ class PassManager:
 
         applied: list[str] = graph.meta.setdefault(APPLIED, [])
         current_fp = fingerprint(graph)  # each pass's "after" is the next one's "before"
-        for index, p in enumerate(order_pipeline(self.passes, applied)):
+        ordered = order_pipeline(self.passes, applied)
+        self.ctx.notes.extend(order_notes(self.passes, ordered))  # never reorder without a word
+        for index, p in enumerate(ordered):
             for inst in self.instruments:
                 inst.before(index, p, graph)
             before_fp, before_n = current_fp, len(graph)
