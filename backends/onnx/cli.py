@@ -15,6 +15,9 @@ import os
 import sys
 from pathlib import Path
 
+from vgraph.diagnostics import VGraphError
+from vgraph.safeio import atomic_write, check_output
+
 #: Above this a model is written with its tensors in a side file: protobuf
 #: cannot serialise a message of 2 GiB or more.
 EXTERNAL_DATA_BYTES = 1_800_000_000
@@ -81,19 +84,17 @@ def _export(args: argparse.Namespace) -> int:
     from .check import fp32_graph
     from .lower import expected_param_shapes, lower_network
 
+    out = check_output(args.output, inputs=(args.file, args.checkpoint, *args.plugin))
     graph = fp32_graph(_graph(args))
     weights = None if args.no_weights else _weights(args, graph)
     model = lower_network(graph, weights)
     model = onnx.shape_inference.infer_shapes(model)  # value shapes for viewers such as Netron
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     external = model.ByteSize() > EXTERNAL_DATA_BYTES
     if external:
-        onnx.save_model(model, os.fspath(out), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=out.name + ".data")
+        _save_external(model, out)
     else:
-        onnx.save_model(model, os.fspath(out))
-    onnx.checker.check_model(os.fspath(out), full_check=True)
+        onnx.checker.check_model(model, full_check=True)
+        atomic_write(out, model.SerializeToString())
     keys = set(expected_param_shapes(graph))
     params = sum(_numel(t.dims) for t in model.graph.initializer if t.name in keys)
     data = f", tensors in {out.name}.data" if external else ""
@@ -103,6 +104,27 @@ def _export(args: argparse.Namespace) -> int:
     print("inputs:  " + ", ".join(_describe(v) for v in model.graph.input if v.name not in keys))
     print("outputs: " + ", ".join(_describe(v) for v in model.graph.output))
     return 0
+
+
+def _save_external(model, out: Path) -> None:
+    """Model and tensor file written and checked in a temporary directory next to `out`, then each
+    renamed into place: a failure (a full disk) leaves neither a truncated model nor a temporary."""
+    import tempfile
+
+    import onnx
+
+    check_output(out.with_name(out.name + ".data"), what="tensor file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+            staged = Path(tmp) / out.name
+            onnx.save_model(model, os.fspath(staged), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=out.name + ".data")
+            onnx.checker.check_model(os.fspath(staged), full_check=True)
+            os.replace(staged.with_name(out.name + ".data"), out.with_name(out.name + ".data"))
+            os.replace(staged, out)
+    except OSError as exc:
+        raise VGraphError(f"{out}: cannot write: {exc.strerror or exc}") from None
 
 
 def _numel(dims) -> int:
