@@ -244,9 +244,13 @@ class DumpInstrument:
             except ImportError:
                 return
             try:
-                (self.dir / f"{stem}.svg").write_text(render_svg(graph))
+                svg = render_svg(graph)
             except VGraphError:
                 self.svg = False  # no Graphviz here: YAML dumps only
+                return
+            from .safeio import atomic_write
+
+            atomic_write(self.dir / f"{stem}.svg", svg)
 
 
 def fingerprint(graph: Graph) -> str:
