@@ -142,6 +142,8 @@ class Partition(Pass):
         "fleet": Option(str, None, "fleet spec file (default: the caller's ctx.data['fleet'])"),
         "batch": Option(int, DEFAULT_BATCH, "samples per training step"),
         "micro_batches": Option(int, 1, "micro-batches per step (1F1B pipeline: bounds resident activations)"),
+        "replicas": Option(str, "auto", "data-parallel replicas of the pipeline: a number, or auto (the plan of "
+                                        "least predicted step time, see partition_replicas.py)"),
     }
 
     def run(self, graph: Graph, ctx: PassContext) -> Counter:
@@ -151,13 +153,29 @@ class Partition(Pass):
         batch, micro = self.opts["batch"], self.opts["micro_batches"]
         if batch < 1 or micro < 1:
             raise PassError(f"pass 'partition': batch and micro_batches must be >= 1, got {batch}, {micro}")
+        from .partition_replicas import apply_replica_plan, parse_replicas, plan_replicas
+
+        try:
+            replicas = parse_replicas(self.opts["replicas"])
+        except ValueError as exc:
+            raise PassError(f"pass 'partition': {exc}") from None
         fleet = resolve_fleet(fleet_spec)
-        plan, cm = plan_partition(graph, fleet, batch=batch, micro_batches=micro)
-        changed = apply_plan(graph, plan, cm, fleet)
-        ev = plan.evaluation
-        ctx.notes.append(f"partition: {len(graph)} VNodes on {len(set(plan.assign.tolist()))} of "
-                         f"{len(fleet)} PNodes of {fleet.name!r}, bottleneck {ev.bottleneck:.4g} s "
-                         f"('{graph.meta['placement']['bottleneck_pnode']}'), "
-                         f"{human_bytes(ev.cut)} cut per step")
+        with paused_gc():
+            rplan, cm = plan_replicas(graph, fleet, batch=batch, micro_batches=micro, replicas=replicas)
+        if rplan.base is not None:  # one pipeline over the fleet: the pass's own plan, as before
+            changed = apply_plan(graph, rplan.base, cm, fleet)
+            graph.meta["placement"].update(rplan.summary())
+            ev = rplan.base.evaluation
+            where = f"{len(set(rplan.base.assign.tolist()))} of {len(fleet)} PNodes"
+        else:
+            changed = apply_replica_plan(graph, rplan, cm, fleet)
+            ev = None
+            where = (f"{rplan.replicas} replicas x {rplan.stages} stages ({rplan.replicas * rplan.stages} of "
+                     f"{len(fleet)} PNodes, batch shares {rplan.shares})")
+        placed = graph.meta["placement"]
+        ctx.notes.append(f"partition: {len(graph)} VNodes on {where} of {fleet.name!r}, predicted step "
+                         f"{rplan.cost.step_seconds:.4g} s (all-reduce {rplan.cost.allreduce_seconds:.4g} s), "
+                         f"bottleneck {placed['bottleneck_seconds']:.4g} s ('{placed['bottleneck_pnode']}'), "
+                         f"{human_bytes(ev.cut if ev else placed['cut_bytes_per_step'])} cut per step")
         return Counter(placed=changed)
 

@@ -14,19 +14,13 @@ from vgraph.cli import main
 from vgraph.fleet import load_fleet
 from vgraph.passes.partition_ilp import solve_ilp
 from vgraph.partition_export import placement_report
-from vgraph.pass_api import PassError, register_pass
+from vgraph.pass_api import PassError
 from vgraph.passes import partition as P
 from vgraph.passes import partition_solve
-from vgraph.pipeline import available_passes, run_pipeline
+from vgraph.pipeline import run_pipeline
 
 FLEETS = ROOT / "networks" / "fleets"
 BIG = 1 << 30
-
-
-@pytest.fixture(autouse=True, scope="module")
-def partition_pass():
-    if "partition" not in available_passes():  # before the entry point is installed
-        register_pass(P.Partition)
 
 
 def groups_of(graph) -> dict[str, set[str]]:
@@ -41,7 +35,7 @@ def groups_of(graph) -> dict[str, set[str]]:
 def test_production_network_constraints(net8, fleet_name):
     g = net8.copy()
     fl = load_fleet(FLEETS / f"{fleet_name}.yml")
-    run_pipeline(g, "partition{batch=16}", data={"fleet": fl})
+    run_pipeline(g, "partition{batch=16,replicas=1}", data={"fleet": fl})
     assert all(n.meta.get("pnode") in fl.ids for n in g.nodes)
     assert all(len(pnodes) == 1 for pnodes in groups_of(g).values())  # required groups never split
     pl = g.meta["placement"]
@@ -59,7 +53,7 @@ def test_production_network_constraints(net8, fleet_name):
 def test_runs_before_head_fusion_which_respects_it(net8):
     g = net8.copy()
     fl = load_fleet(FLEETS / "t4x4.yml")
-    pm = run_pipeline(g, "fuse-heads,partition{batch=8}", data={"fleet": fl})
+    pm = run_pipeline(g, "fuse-heads,partition{batch=8,replicas=1}", data={"fleet": fl})
     assert [r.name for r in pm.records] == ["partition", "fuse-heads"]
     attention = [n for n in g.nodes if n.type == "attention"]
     assert len(attention) == 8 and not g.nodes_of_type("attention_head")
@@ -94,7 +88,7 @@ def test_heads_spread_only_when_the_fleet_is_larger_and_groups_allow_it():
 def test_tied_weight_split_is_an_explicit_weight_sync():
     g = tiny(1, groups="none")  # no groups: the embedder and the tied LM head may part
     fl = fleet("x", (2.2e5, 1e9, 1e7), (2.2e5, 1e9, 1e7), (2.2e5, 1e9, 1e7))
-    run_pipeline(g, "partition{batch=8}", data={"fleet": fl})
+    run_pipeline(g, "partition{batch=8,replicas=1}", data={"fleet": fl})
     pl = g.meta["placement"]
     emb, head = g.node("embedder").meta["pnode"], g.node("lm_head").meta["pnode"]
     if emb == head:

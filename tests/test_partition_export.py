@@ -12,22 +12,14 @@ from vgraph import VGraphError, load
 from vgraph.cli import main
 from vgraph.fleet import load_fleet
 from vgraph.partition_export import (export_partition, find_exporter, load_parts, placement_report,
-                                     register_exporter, split_network, stitch)
-from vgraph.pass_api import register_pass
-from vgraph.passes.partition import Partition
-from vgraph.pipeline import available_passes, run_pipeline
+                                     split_network, stitch)
+from vgraph.pipeline import run_pipeline
 
 FLEETS = ROOT / "networks" / "fleets"
 BIG = 1 << 30
 
 
-@pytest.fixture(autouse=True, scope="module")
-def partition_pass():
-    if "partition" not in available_passes():  # before the entry point is installed
-        register_pass(Partition)
-
-
-def partitioned(graph, fl, spec: str = "partition{batch=8}"):
+def partitioned(graph, fl, spec: str = "partition{batch=8,replicas=1}"):
     g = graph.copy()
     run_pipeline(g, spec, data={"fleet": fl})
     return g
@@ -36,7 +28,7 @@ def partitioned(graph, fl, spec: str = "partition{batch=8}"):
 def test_cli_writes_parts_and_placement(tmp_path: Path, capsys):
     out = tmp_path / "parts"
     fl = FLEETS / "t4x4.yml"
-    assert main(["partition", str(NET8), "--fleet", str(fl), "--batch", "16", "-o", str(out)]) == 0
+    assert main(["partition", str(NET8), "--fleet", str(fl), "--batch", "16", "--replicas", "1", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "bottleneck:" in printed and "idle PNodes: t4-0" in printed
     placement = json.loads((out / "placement.json").read_text())
@@ -96,7 +88,7 @@ def test_tied_weight_across_pnodes_becomes_a_replica_and_stitches_back():
 
 def test_parts_after_head_fusion_stitch_to_the_fused_network():
     fl = load_fleet(FLEETS / "t4x4.yml")
-    placed = partitioned(load(NET8), fl, "partition{batch=8},fuse-heads")
+    placed = partitioned(load(NET8), fl, "partition{batch=8,replicas=1},fuse-heads")
     whole = stitch(split_network(placed), placement_report(placed, fl))
     for n in placed.nodes:
         n.meta.clear()
@@ -118,13 +110,6 @@ def test_stitch_refuses_a_receive_without_its_send():
 
 
 # -- running the parts -----------------------------------------------------------------------------
-
-def _torch():
-    torch_backend = pytest.importorskip("vgraph.backends.torch")
-    if not hasattr(torch_backend, "compile_network"):
-        pytest.skip("vgraph.backends.torch.compile_network does not exist yet")
-    return torch_backend
-
 
 def run_parts_in_turn(tb, parts, feeds, whole_module):
     """Run every part's computations as soon as their inputs exist (a part may run in several
@@ -167,7 +152,8 @@ def run_parts_in_turn(tb, parts, feeds, whole_module):
 def test_parts_run_one_after_the_other_give_the_whole_networks_output(case):
     import torch
 
-    tb = _torch()
+    import vgraph.backends.torch as tb
+
     if case == "ring":  # production layout: the embedding group holds both ends of the chain
         graph = load(TINY)
         fl = fleet("three", (BIG, 1e9, 1e12), (BIG, 1e9, 1e12), (BIG, 1e9, 1e12))
@@ -193,14 +179,11 @@ def test_parts_run_one_after_the_other_give_the_whole_networks_output(case):
 # -- exporters ------------------------------------------------------------------------------------------
 
 def test_onnx_parts_through_the_exporter_plugin(tmp_path: Path, capsys):
-    onnx = pytest.importorskip("onnx")
-    pytest.importorskip("vgraph.backends.onnx")
-    try:
-        find_exporter("onnx")
-    except VGraphError:  # not installed as an entry point yet: register the backend's function
-        from vgraph.backends.onnx.subgraph import export_subgraph
+    import onnx
 
-        register_exporter("onnx", export_subgraph)
+    from vgraph.backends.onnx.subgraph import export_subgraph
+
+    assert find_exporter("onnx") is export_subgraph  # the installed entry point, nothing registered here
     fl = tmp_path / "two.yml"
     fl.write_text("pnodes:\n  - {id: a, memory: 1GiB, flops: 1G, bandwidth: 1TB/s}\n"
                   "  - {id: b, memory: 1GiB, flops: 1G, bandwidth: 1TB/s}\n")

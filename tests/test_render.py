@@ -13,24 +13,16 @@ from conftest import NET8, ROOT
 from vgraph import VGraphError, load
 from vgraph.cli import main
 from vgraph.fleet import load_fleet
-from vgraph.pass_api import register_pass
-from vgraph.passes.partition import Partition
-from vgraph.pipeline import available_passes, run_pipeline
+from vgraph.pipeline import run_pipeline
 from vgraph.render import render_svg, to_dot
 
 FLEETS = ROOT / "networks" / "fleets"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def partition_pass():
-    if "partition" not in available_passes():  # before the entry point is installed
-        register_pass(Partition)
-
-
 @pytest.fixture(scope="module")
 def placed():
     g = load(NET8)
-    run_pipeline(g, "precision{target=cuda-sm75},partition{batch=8},fuse-heads",
+    run_pipeline(g, "precision{target=cuda-sm75},partition{batch=8,replicas=1},fuse-heads",
                  data={"fleet": load_fleet(FLEETS / "t4x4.yml")})
     return g
 

@@ -78,11 +78,39 @@ def _analyze_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=_positive_int, default=None,
                    help="samples per step for the cost model (default 8; implies the cost model)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step")
+    p.add_argument("--replicas", type=replicas_arg, default="auto", metavar="N|auto",
+                   help="with --fleet: data-parallel replicas of the plan shown (default auto)")
     add_plugin_option(p)
     p.set_defaults(func=_analyze)
 
 
 _positive_int = options.positive_int  # every numeric option is checked as it is parsed (vgraph/options.py)
+
+
+def replicas_arg(text: str) -> str:
+    """--replicas: 'auto' or a positive integer (as the partition pass's option text)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    return str(_positive_int(text))
+
+
+def _fleet_plan(graph, fleet, batch: int, micro_batches: int, replicas: str) -> dict | str:
+    """The partition pass's plan of `graph` on `fleet` as a placement report, or why there is none."""
+    from .diagnostics import VGraphError
+    from .partition_export import placement_report
+    from .pipeline import available_passes, run_pipeline
+
+    if "partition" not in available_passes():
+        return "the 'partition' pass is not installed"
+    placed = graph.copy()
+    try:
+        run_pipeline(placed, f"partition{{batch={batch},micro_batches={micro_batches},replicas={replicas}}}",
+                     data={"fleet": fleet})
+    except VGraphError as exc:
+        return "; ".join(str(d) for d in exc.diagnostics)
+    report = placement_report(placed, fleet)
+    report["plan"] = {k: v for k, v in placed.meta["placement"].items() if k not in ("pnodes",)}
+    return report
 
 
 def _analyze(args: argparse.Namespace) -> int:
@@ -99,26 +127,35 @@ def _analyze(args: argparse.Namespace) -> int:
 
     fleet = load_fleet(args.fleet) if args.fleet else None
     cm = cost_model(graph, batch=args.batch or DEFAULT_BATCH, micro_batches=args.micro_batches)
+    plan = _fleet_plan(graph, fleet, cm.batch, cm.micro_batches, args.replicas) if fleet is not None else None
     if args.json:
         doc = cm.to_json()
         if fleet is not None:
             doc["fleet"] = {"name": fleet.name, "pnodes": [
                 {"id": p.id, "memory": p.memory, "flops": p.flops, "bandwidth": p.bandwidth,
-                 "accelerator": p.accelerator} for p in fleet]}
+                 "accelerator": p.accelerator, "region": p.region} for p in fleet]}
+            doc["plan"] = plan if isinstance(plan, dict) else {"error": plan}
         print(json.dumps(doc, indent=2))
     else:
         print(format_costs(cm, graph, fleet))
+        if isinstance(plan, dict):
+            from .replica_report import format_plan
+
+            print()
+            print(format_plan(plan))
+        elif plan is not None:
+            print(f"\nno plan on fleet {fleet.name!r}: {plan}")
     return 0
 
 
-def _pipeline_with_partition(spec: str | None, batch: int, micro_batches: int) -> str:
+def _pipeline_with_partition(spec: str | None, batch: int, micro_batches: int, replicas: str = "auto") -> str:
     """The user's pipeline, with `partition` added (at the batch asked for) unless it is there."""
     from .pipeline import parse_pipeline
 
     items = parse_pipeline(spec) if spec else []
     if any(name == "partition" for name, _ in items):
         return spec or ""
-    extra = f"partition{{batch={batch},micro_batches={micro_batches}}}"
+    extra = f"partition{{batch={batch},micro_batches={micro_batches},replicas={replicas}}}"
     return f"{spec},{extra}" if spec else extra
 
 
@@ -128,7 +165,10 @@ def _partition_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--fleet", required=True, metavar="FLEET.yml", help="the PNodes (networks/fleets/*.yml)")
     p.add_argument("--batch", type=_positive_int, default=8, help="samples per training step (default 8)")
-    p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step")
+    p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step (per replica)")
+    p.add_argument("--replicas", type=replicas_arg, default="auto", metavar="N|auto",
+                   help="data-parallel replicas of the pipeline (default auto: the plan of least predicted step "
+                        "time; 1: one pipeline, as before)")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="writes DIR/<pnode>.yml per PNode and DIR/placement.json")
     p.add_argument("--passes", metavar="SPEC", default=None,
@@ -149,12 +189,16 @@ def _partition(args: argparse.Namespace) -> int:
 
     fleet = load_fleet(args.fleet)
     graph = load(args.file)
-    spec = _pipeline_with_partition(args.passes, args.batch, args.micro_batches)
+    spec = _pipeline_with_partition(args.passes, args.batch, args.micro_batches, args.replicas)
     pm = run_pipeline(graph, spec, data={"fleet": fleet})
     report = export_partition(graph, fleet, args.output, batch=args.batch, micro_batches=args.micro_batches,
                               formats=("onnx",) if args.onnx else (), inputs=(args.file, args.fleet, *args.plugin))
     print(f"pipeline: {spec}")
     print(format_report(report))
+    if report["replicas"] > 1:
+        from .replica_report import format_plan
+
+        print(format_plan(dict(report, plan=graph.meta.get("placement") or {})))
     print(f"wrote {len(report['files'])} files to {args.output}/: "
           f"{', '.join(Path(f).name for f in report['files'])}")
     for note in pm.ctx.notes:

@@ -34,6 +34,7 @@ from .fleet import Fleet, resolve_fleet
 from .ir import Endpoint, Graph, VNode
 from .ops.boundary import BOUNDARY_TYPES, shape_text
 from .verify import verify
+from .replica_report import with_replicas
 from .rewrite import fresh_id
 from .safeio import atomic_write, check_output, read_input, same_file
 from .yamlio import save
@@ -125,13 +126,14 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
     bottleneck = max(fleet, key=lambda p: per[p.id]["seconds"])
     endpoints = [{"kind": kind, "name": ep.name, "pnode": assign[ep.node]}
                  for kind, eps in graph.endpoints.items() for ep in eps]
-    return {
+    report = {
         "network": graph.name, "fleet": fleet.name, "batch": cm.batch, "micro_batches": cm.micro_batches,
         "assignment": assign, "cut_edges": [c.to_json() for c in cuts], "weight_sync": sync,
         "pnodes": per, "bottleneck_seconds": per[bottleneck.id]["seconds"], "bottleneck_pnode": bottleneck.id,
         "cut_bytes_per_step": sum(c.bytes_per_step for c in cuts) + sum(s["bytes_per_step"] for s in sync),
         "endpoints": endpoints,
     }
+    return with_replicas(report, graph, fleet, cm)  # replicas, step_seconds, ... (replica_report.py)
 
 
 # -- splitting ------------------------------------------------------------------------------------
@@ -292,7 +294,9 @@ def export_partition(graph: Graph, fleet: Fleet | str, out_dir: str | Path, *, b
     if out.exists() and not out.is_dir():
         raise VGraphError(f"{printable(out)}: not a directory; -o names the directory of the partition")
     report = placement_report(graph, fleet, batch=batch, micro_batches=micro_batches)
-    parts = split_network(graph, report["assignment"])
+    parts: dict[str, Graph] = {}
+    for assignment in report["replica_assignments"]:  # every replica's PNodes get their network
+        parts.update(split_network(graph, assignment))
     exporters = {fmt: find_exporter(fmt) for fmt in formats}  # fail before writing anything
     planned = [out / f"{pid}.{ext}" for pid in parts for ext in ("yml", *formats)] + [out / PLACEMENT_FILE]
     for path in planned:

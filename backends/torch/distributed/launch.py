@@ -431,7 +431,7 @@ def launch(config: LaunchConfig) -> LaunchResult:
     atomic_write_text(tokenizer_path, tokenizer.to_str())
 
     target = device_target(device)
-    options = {"batch": str(cfg.batch), "micro_batches": str(micro)}
+    options = {"batch": str(cfg.batch), "micro_batches": str(micro), "replicas": "1"}  # workers run one pipeline
     before, partition, after = split_pipeline(cfg.passes, cfg.fuse, options)
     run_info: dict[str, Any] = {
         "network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len, "data": data_desc,

@@ -1,0 +1,432 @@
+"""Use the whole fleet: R data-parallel replicas of an S-stage pipeline, chosen by the step cost model.
+
+What the plan optimises
+-----------------------
+The predicted time of one training step of the global batch B
+(`vgraph.stepcost`): the slowest replica's pipeline (slowest stage's compute
+and point-to-point traffic at its batch share, times the micro-batch bubble,
+plus tied-weight sync and link latencies) plus the slowest stage group's ring
+all-reduce of gradients.  Hard constraints: every stage fits its PNode's
+memory at its replica's share, `required` colocation groups stay whole, every
+replica has at least one sample.  Among plans within 1e-9 of the best step,
+the one using fewer PNodes wins.  Throughput is B / step: a slow replica gets
+a smaller integer share of the batch so that all replicas finish together.
+
+How
+---
+1. R = 1 over the whole fleet is the `partition` pass's own plan (min
+   bottleneck, then cut); it stays a candidate, so `--replicas auto` never
+   predicts a slower step than the single pipeline.
+2. For every stage count S (1 .. units, at most `MAX_STAGES`), the units are
+   cut into S stages by the same heuristic (`partition_solve.solve`) on S
+   identical virtual PNodes (the fleet's median speed, its largest memory,
+   and once its median, once its largest bandwidth: on slow links a cut
+   costs more than it balances, on fast ones it does not): replicas share one cut, so stage s holds the same
+   parameters everywhere and all-reduces with its peers.
+3. For every replica count R (all up to 24, then a geometric grid) a few
+   layouts map R x S slots to PNodes: stage-major (each stage, heaviest in
+   memory first, takes the R fastest PNodes that hold it; replica r gets the
+   r-th of each, so similar machines form a replica) and replica-major (the
+   R x S fastest PNodes in chunks of S, each stage to the fastest PNode of its
+   chunk that holds it), by raw speed and by speed-and-bandwidth; with
+   regions, also replicas inside a region and stage groups inside a region.
+   Batch shares equalise the replicas' finish times (`stepcost.batch_shares`,
+   within each replica's memory).
+4. The best plan is improved by a seeded local search that swaps two PNodes
+   (or a used one for an idle one) while the predicted step drops.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any, Iterator
+
+import numpy as np
+
+from vgraph.costmodel import DEFAULT_BATCH, CostModel, cost_model
+from vgraph.fleet import Fleet, PNode
+from vgraph.ir import Graph
+from vgraph.stepcost import (FleetArrays, StageLoads, StepCost, batch_shares, bubble, resident_samples,
+                             stage_loads, stage_rates, step_cost_of)
+
+from .partition import Plan, plan_partition
+from .partition_problem import PartitionError, build_problem
+from .partition_solve import solve
+
+__all__ = ["ReplicaPlan", "plan_replicas", "apply_replica_plan", "MAX_STAGES", "parse_replicas"]
+
+MAX_STAGES = 64  # stage counts tried (a deeper pipeline than this is never the fastest on volunteer links)
+ALL_REPLICA_COUNTS = 24  # every R up to this is tried, then a geometric grid
+LOCAL_SEARCH_EVALUATIONS = 300
+REL_TIE = 1e-9
+
+
+def parse_replicas(value: Any) -> int | None:
+    """'auto' -> None (the planner chooses), a positive integer -> itself; anything else is an error."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"replicas must be a positive integer or 'auto', got {value!r}")
+    try:
+        n = int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        raise ValueError(f"replicas must be a positive integer or 'auto', got {value!r}") from None
+    if n < 1 or n > 1_000_000:
+        raise ValueError(f"replicas must be between 1 and 1000000 or 'auto', got {value!r}")
+    return n
+
+
+@dataclass
+class ReplicaPlan:
+    """R replicas of one S-stage pipeline: who runs what, on how many samples, and what it costs."""
+
+    stage_of: dict[str, int]  # VNode -> stage
+    loads: StageLoads
+    pnodes: list[list[str]]  # [R][S] PNode ids
+    shares: list[int]
+    cost: StepCost
+    method: str
+    base: Plan | None = None  # the partition pass's plan when R = 1 over the whole fleet wins
+    pipeline_only: StepCost | None = None  # the partition pass's single pipeline, for comparison
+    candidates: int = 0
+    seconds: float = 0.0  # planning wall time
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.pnodes)
+
+    @property
+    def stages(self) -> int:
+        return len(self.pnodes[0])
+
+    def assignment(self, r: int = 0) -> dict[str, str]:
+        row = self.pnodes[r]
+        return {v: row[s] for v, s in self.stage_of.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """The replica fields of graph.meta["placement"] and placement.json (JSON-compatible)."""
+        c = self.cost
+        out = {
+            "replicas": self.replicas, "stages_per_replica": self.stages, "replica_pnodes": self.pnodes,
+            "batch_shares": list(self.shares), "step_seconds": c.step_seconds,
+            "pipeline_seconds": c.pipeline_seconds, "allreduce_seconds": c.allreduce_seconds,
+            "replica_method": self.method, "plans_compared": self.candidates,
+        }
+        if self.pipeline_only is not None:
+            out["pipeline_only_step_seconds"] = self.pipeline_only.step_seconds
+        return out
+
+
+def plan_replicas(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, micro_batches: int = 1,
+                  replicas: int | None = None, cm: CostModel | None = None) -> tuple[ReplicaPlan, CostModel]:
+    """The plan of least predicted step time (`replicas=None`: any R; else exactly that R)."""
+    t0 = time.perf_counter()
+    cm = cm or cost_model(graph, batch=batch, micro_batches=micro_batches)
+    fa = FleetArrays(fleet)
+    K = len(fleet)
+    if replicas is not None and replicas > min(K, batch):
+        raise PartitionError(f"{replicas} replicas need {replicas} PNodes and {replicas} samples; the fleet "
+                             f"{fleet.name!r} has {K} PNodes and the batch is {batch}")
+    best: ReplicaPlan | None = None
+    base_error: PartitionError | None = None
+    pipeline_only = None
+    count = 0
+    try:
+        base, _ = plan_partition(graph, fleet, batch=batch, micro_batches=micro_batches, cm=cm)
+    except PartitionError as exc:
+        base, base_error = None, exc
+    if base is not None:
+        single = _from_partition(base, cm, fa, batch, micro_batches)
+        pipeline_only = single.cost
+        count += 1
+        if replicas == 1:
+            single.pipeline_only = pipeline_only
+            single.seconds = time.perf_counter() - t0
+            return single, cm
+        if replicas is None:
+            best = single
+    for S, stage_of in _splits(graph, fleet, cm, batch, micro_batches):
+        loads = stage_loads(cm, stage_of, S)
+        for R in _replica_counts(K, S, batch, replicas):
+            for name, idx in _layouts(loads, fa, R, S, batch, micro_batches):
+                count += 1
+                cand = _priced(loads, fa, idx, batch, micro_batches)
+                if cand is None:
+                    continue
+                shares, cost = cand
+                if best is None or _better(cost, R * S, best.cost, best.replicas * best.stages):
+                    best = ReplicaPlan(stage_of, loads, _ids(fa, idx), shares, cost, f"{name}, S={S} R={R}")
+    if best is None:
+        if base_error is not None:
+            raise base_error
+        raise PartitionError(f"no plan of {replicas} replica(s) fits fleet {fleet.name!r}'s memory at batch "
+                             f"{batch} (each replica needs every stage on a PNode that holds it)")
+    if best.base is None and not _identical(fa):
+        best, tried = _improve(best, fa, batch, micro_batches)
+        count += tried
+    best.pipeline_only = pipeline_only
+    best.candidates = count
+    best.seconds = time.perf_counter() - t0
+    return best, cm
+
+
+# -- candidates --------------------------------------------------------------------------------------
+
+def _from_partition(plan: Plan, cm: CostModel, fa: FleetArrays, batch: int, micro: int) -> ReplicaPlan:
+    """The partition pass's single pipeline as a 1-replica plan (stages in order of use along the chain)."""
+    pr = plan.problem
+    order: list[int] = []
+    for u in range(pr.n):
+        p = int(plan.assign[u])
+        if p not in order:
+            order.append(p)
+    stage_of_pnode = {p: s for s, p in enumerate(order)}
+    stage_of = {v: stage_of_pnode[int(plan.assign[u])] for u, unit in enumerate(pr.units) for v in unit.members}
+    loads = stage_loads(cm, stage_of, len(order))
+    ids = [fa.index[pr.pnodes[p].id] for p in order]
+    idx = np.array([ids], dtype=np.int64)
+    cost = step_cost_of(loads, fa, idx, [batch], micro)
+    return ReplicaPlan(stage_of, loads, _ids(fa, idx), [batch], cost, f"partition ({plan.method}), R=1",
+                       base=plan)
+
+
+def _splits(graph: Graph, fleet: Fleet, cm: CostModel, batch: int, micro: int
+            ) -> Iterator[tuple[int, dict[str, int]]]:
+    """(S, VNode -> stage) for each distinct cut of the network into S stages on identical PNodes."""
+    flops = median(p.flops for p in fleet)
+    memory = max(p.memory for p in fleet)
+    seen: set[tuple[int, ...]] = set()
+    units = None
+    for S, bandwidth in itertools.product(range(1, min(len(fleet), MAX_STAGES) + 1),
+                                          sorted({median(p.bandwidth for p in fleet), max(p.bandwidth for p in fleet)})):
+        if units is not None and S > units:
+            break
+        virtual = Fleet("stages", tuple(PNode(f"stage{i}", memory, flops, bandwidth) for i in range(S)))
+        problem = build_problem(graph, virtual, batch=batch, micro_batches=micro, cm=cm, view="groups")
+        units = problem.n
+        try:
+            assign, _ = solve(problem, local_search=problem.n <= 200)
+        except PartitionError:
+            continue
+        order: list[int] = []
+        for u in range(problem.n):
+            if int(assign[u]) not in order:
+                order.append(int(assign[u]))
+        key = tuple(order.index(int(a)) for a in assign)
+        if key in seen:
+            continue
+        seen.add(key)
+        stage_of = {v: key[u] for u, unit in enumerate(problem.units) for v in unit.members}
+        yield len(order), stage_of
+
+
+def _replica_counts(K: int, S: int, batch: int, fixed: int | None) -> list[int]:
+    top = min(K // S, batch)
+    if fixed is not None:
+        return [fixed] if fixed <= top else []
+    if top <= ALL_REPLICA_COUNTS:
+        return list(range(1, top + 1))
+    grid = set(range(1, ALL_REPLICA_COUNTS + 1))
+    x = float(ALL_REPLICA_COUNTS)
+    while x < top:
+        grid.add(int(x))
+        x *= 1.15
+    grid.add(top)
+    return sorted(grid)
+
+
+def _layouts(loads: StageLoads, fa: FleetArrays, R: int, S: int, batch: int, micro: int
+             ) -> Iterator[tuple[str, np.ndarray]]:
+    """Candidate maps of R x S slots to PNodes (fleet indices), each as [R, S]."""
+    share = math.ceil(batch / R)
+    need = loads.static_bytes + loads.activation_bytes * resident_samples(share, micro, S)
+    fits = fa.memory[:, None] >= need[None, :]  # [K, S]
+    usable = fits.any(axis=1)
+    if usable.sum() < R * S:
+        return
+    mid_f = float(np.median(fa.flops))
+    mid_b = float(np.median(fa.bandwidth))
+    keys = {"speed": fa.flops, "speed+bandwidth": np.minimum(fa.flops / mid_f, fa.bandwidth / mid_b)}
+    for name, key in keys.items():
+        order = np.argsort(-key, kind="stable")
+        idx = _stage_major(order, fits, R, S, need)
+        if idx is not None:
+            yield f"stage-major by {name}", idx
+        idx = _replica_major(order[usable[order]], fits, R, S, need, fa.flops)
+        if idx is not None:
+            yield f"replica-major by {name}", idx
+    if fa.regions > 1:
+        power = np.bincount(fa.region, weights=fa.flops, minlength=fa.regions)
+        rank = np.argsort(np.argsort(-power))[fa.region]
+        order = np.lexsort((-fa.flops, rank))
+        idx = _replica_major(order[usable[order]], fits, R, S, need, fa.flops)
+        if idx is not None:
+            yield "replicas inside regions", idx
+        idx = _stage_groups_in_regions(fa, fits, R, S, need)
+        if idx is not None:
+            yield "stage groups inside regions", idx
+
+
+def _stage_major(order: np.ndarray, fits: np.ndarray, R: int, S: int, need: np.ndarray) -> np.ndarray | None:
+    used = np.zeros(len(fits), dtype=bool)
+    idx = np.empty((R, S), dtype=np.int64)
+    for s in np.argsort(-need, kind="stable"):
+        chosen = order[fits[order, s] & ~used[order]][:R]
+        if len(chosen) < R:
+            return None
+        used[chosen] = True
+        idx[:, s] = chosen
+    return idx
+
+
+def _replica_major(pool: np.ndarray, fits: np.ndarray, R: int, S: int, need: np.ndarray, flops: np.ndarray
+                   ) -> np.ndarray | None:
+    """Chunks of S consecutive PNodes of `pool` form the replicas; in each, the stage with the most work
+    goes to the fastest PNode (a row where that does not fit memory is matched one stage at a time)."""
+    if len(pool) < R * S:
+        return None
+    rows = pool[:R * S].reshape(R, S)
+    rows = np.take_along_axis(rows, np.argsort(-flops[rows], axis=1, kind="stable"), axis=1)
+    by_work = np.argsort(-need, kind="stable")  # memory need follows the work of a stage closely
+    idx = np.empty((R, S), dtype=np.int64)
+    idx[:, by_work] = rows
+    bad = np.flatnonzero(~fits[idx, np.arange(S)[None, :]].all(axis=1))
+    for r in bad:
+        chunk = list(rows[r])
+        for s in by_work:
+            holders = [i for i in chunk if fits[i, s]]
+            if not holders:
+                return None
+            pick = max(holders, key=lambda i: flops[i])
+            idx[r, s] = pick
+            chunk.remove(pick)
+    return idx
+
+
+def _stage_groups_in_regions(fa: FleetArrays, fits: np.ndarray, R: int, S: int, need: np.ndarray
+                             ) -> np.ndarray | None:
+    """Each stage's R PNodes from one region where possible (its all-reduce then stays inside it)."""
+    used = np.zeros(len(fa.flops), dtype=bool)
+    idx = np.empty((R, S), dtype=np.int64)
+    order = np.argsort(-fa.flops, kind="stable")
+    for s in np.argsort(-need, kind="stable"):
+        free = order[fits[order, s] & ~used[order]]
+        if len(free) < R:
+            return None
+        chosen, best = free[:R], -1.0
+        for region in range(fa.regions):
+            mine = free[fa.region[free] == region]
+            if len(mine) >= R and fa.flops[mine[R - 1]] > best:
+                chosen, best = mine[:R], float(fa.flops[mine[R - 1]])
+        used[chosen] = True
+        idx[:, s] = chosen
+    return idx
+
+
+def _priced(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, batch: int, micro: int
+            ) -> tuple[list[int], StepCost] | None:
+    """Batch shares for the layout and its step cost; None when it cannot hold the batch."""
+    R, S = idx.shape
+    per_sample, fixed, latency = stage_rates(loads, fa, idx)
+    factor = bubble(micro, S)  # shares assume every replica gets >= M samples (exact cost below)
+    a = factor * per_sample.max(axis=1)
+    c = fixed.max(axis=1) + latency
+    caps = _memory_caps(loads, fa.memory[idx], batch, micro, S)
+    shares = batch_shares(batch, a, c, caps)
+    if shares is None:
+        return None
+    cost = step_cost_of(loads, fa, idx, shares, micro)
+    return (shares, cost) if cost.fits else None
+
+
+def _memory_caps(loads: StageLoads, memory: np.ndarray, batch: int, micro: int, S: int) -> np.ndarray:
+    """Per replica, the largest share whose stages all fit (0: not even one sample).
+
+    The stages keep resident(b) = ceil(b / m) x min(m, S) samples, m = min(M, b)
+    (`stepcost.resident_samples`): every b <= M keeps at most min(M, S), and
+    beyond M it grows by min(M, S) every M samples; inverted in closed form.
+    """
+    free = memory - loads.static_bytes[None, :]
+    act = loads.activation_bytes[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        room = np.where(act > 0, free / np.where(act > 0, act, 1), np.where(free >= 0, np.inf, -1))
+    limit = np.minimum(room.min(axis=1), 4.0 * batch)  # resident samples each replica can keep
+    m = min(max(1, micro), S)
+    cap = np.where(limit >= m, np.floor(limit / m) * max(1, micro), np.floor(limit))
+    return np.clip(cap, 0, batch).astype(np.int64)
+
+
+def _better(a: StepCost, a_used: int, b: StepCost, b_used: int) -> bool:
+    if a.step_seconds < b.step_seconds * (1 - REL_TIE):
+        return True
+    return a.step_seconds <= b.step_seconds * (1 + REL_TIE) and a_used < b_used
+
+
+def _identical(fa: FleetArrays) -> bool:
+    """Every PNode alike (and one region): swapping PNodes cannot change a plan's cost."""
+    return (np.ptp(fa.flops) == 0 and np.ptp(fa.bandwidth) == 0 and np.ptp(fa.memory) == 0
+            and fa.regions <= 1)
+
+
+def _ids(fa: FleetArrays, idx: np.ndarray) -> list[list[str]]:
+    return [[fa.pnodes[int(i)].id for i in row] for row in idx]
+
+
+def _improve(plan: ReplicaPlan, fa: FleetArrays, batch: int, micro: int) -> tuple[ReplicaPlan, int]:
+    """Seeded local search: swap two slots' PNodes, or a slot's PNode for an idle one, while the step drops."""
+    idx = np.array([[fa.index[p] for p in row] for row in plan.pnodes], dtype=np.int64)
+    R, S = idx.shape
+    K = len(fa.pnodes)
+    rng = np.random.default_rng(0)
+    best_cost, best_shares = plan.cost, plan.shares
+    tried = 0
+    improved = False
+    for _ in range(LOCAL_SEARCH_EVALUATIONS):
+        trial = idx.copy()
+        r1, s1 = int(rng.integers(R)), int(rng.integers(S))
+        if K > R * S and rng.random() < 0.5:
+            idle = np.setdiff1d(np.arange(K), idx.ravel(), assume_unique=False)
+            trial[r1, s1] = int(rng.choice(idle))
+        else:
+            r2, s2 = int(rng.integers(R)), int(rng.integers(S))
+            trial[r1, s1], trial[r2, s2] = trial[r2, s2], trial[r1, s1]
+        tried += 1
+        cand = _priced(plan.loads, fa, trial, batch, micro)
+        if cand is not None and cand[1].step_seconds < best_cost.step_seconds * (1 - REL_TIE):
+            idx, best_shares, best_cost = trial, cand[0], cand[1]
+            improved = True
+    if not improved:
+        return plan, tried
+    return ReplicaPlan(plan.stage_of, plan.loads, _ids(fa, idx), best_shares, best_cost,
+                       plan.method + " + local search"), tried
+
+
+def apply_replica_plan(graph: Graph, plan: ReplicaPlan, cm: CostModel, fleet: Fleet) -> int:
+    """Place replica 0 on the graph (node.meta["pnode"]) and record the whole plan in graph.meta["placement"]
+    (the legacy fields priced for every replica at its share, see vgraph/replica_report.py); returns how many
+    VNodes changed PNode."""
+    from vgraph.partition_export import placement_report
+
+    changed = 0
+    for v, pid in plan.assignment(0).items():
+        meta = graph.node(v).meta
+        if meta.get("pnode") != pid:
+            meta["pnode"] = pid
+            changed += 1
+    graph.meta["placement"] = {"batch": cm.batch, "micro_batches": cm.micro_batches,
+                               "replica_pnodes": plan.pnodes, "batch_shares": list(plan.shares)}
+    report = placement_report(graph, fleet, batch=cm.batch, micro_batches=cm.micro_batches, cm=cm)
+    pnodes = {pid: {k: (len(v) if k == "vnodes" else v) for k, v in info.items()}
+              for pid, info in report["pnodes"].items()}
+    graph.meta["placement"] = {
+        "fleet": fleet.name, "batch": cm.batch, "micro_batches": cm.micro_batches, "view": "groups",
+        "units": len({v for v in plan.stage_of}), "method": plan.method, "stages": plan.pnodes[0],
+        "bottleneck_seconds": report["bottleneck_seconds"], "bottleneck_pnode": report["bottleneck_pnode"],
+        "cut_bytes_per_step": report["cut_bytes_per_step"], "pnodes": pnodes, "weight_sync": report["weight_sync"],
+        **plan.summary(),
+    }
+    return changed
