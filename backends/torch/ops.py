@@ -34,7 +34,7 @@ from vgraph.ir import Graph, VNode
 from vgraph.plugins import require_lowering
 
 from . import kernels as K
-from .dropout import keyed_dropout
+from .dropout import keyed_dropout, node_stream
 
 __all__ = [
     "Value",
@@ -349,7 +349,9 @@ def _dropout(ctx: LowerCtx):
         return [ctx.inputs[0]]  # identity: nothing is emitted
     # Keyed by (seed, step, VNode, sample) when a trainer sets a key (dropout.py), so a
     # micro-batched, partitioned step draws the same masks as the single-process one.
-    return [ctx.call(keyed_dropout, ctx.inputs[0], p=rate, node=ctx.node.id)]
+    # The id's stream number is computed here, once, so the traced step hashes nothing.
+    return [ctx.call(keyed_dropout, ctx.inputs[0], p=rate, node=ctx.node.id,
+                     stream=node_stream(ctx.node.id))]
 
 
 @register_lowering("broadcast")
