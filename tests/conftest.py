@@ -36,3 +36,14 @@ def tiny():
     from vgraph import load
 
     return load(TINY)
+
+
+@pytest.fixture()
+def local_passes():
+    """Passes a test registers with @register_pass are forgotten after it."""
+    from vgraph.pass_api import LOCAL_PASSES
+
+    saved = dict(LOCAL_PASSES)
+    yield LOCAL_PASSES
+    LOCAL_PASSES.clear()
+    LOCAL_PASSES.update(saved)

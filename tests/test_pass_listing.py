@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY
-from vgraph.pass_api import LOCAL_PASSES, Pass, PassError, register_pass
+from vgraph.pass_api import Pass, PassError, register_pass
 from vgraph.pass_listing import listing
 from vgraph.pipeline import build_pipeline, order_pipeline, run_pipeline
 
@@ -29,12 +29,7 @@ class Tidy(Pass):
 '''
 
 
-@pytest.fixture(autouse=True)
-def _clean_local_passes():
-    saved = dict(LOCAL_PASSES)
-    yield
-    LOCAL_PASSES.clear()
-    LOCAL_PASSES.update(saved)
+pytestmark = pytest.mark.usefixtures("local_passes")  # passes a test registers are forgotten after it
 
 
 def vgraph(*args, cwd=ROOT):

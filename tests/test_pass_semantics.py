@@ -3,18 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from vgraph.pass_api import LOCAL_PASSES, Pass, register_pass
+from vgraph.pass_api import Pass, register_pass
 from vgraph.pipeline import SEMANTIC_CHANGES, available_passes, fingerprint, run_pipeline, semantic_changes
 
 BUILTIN = ["dead-nodes", "precision", "fuse-heads", "fuse-lm-head-ce", "partition"]
 
 
-@pytest.fixture(autouse=True)
-def _clean_local_passes():
-    saved = dict(LOCAL_PASSES)
-    yield
-    LOCAL_PASSES.clear()
-    LOCAL_PASSES.update(saved)
+pytestmark = pytest.mark.usefixtures("local_passes")  # passes a test registers are forgotten after it
 
 
 class GeluToRelu(Pass):

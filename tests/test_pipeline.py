@@ -9,17 +9,12 @@ from conftest import TINY
 from vgraph import load
 from vgraph.diagnostics import VGraphError
 from vgraph.ir import VNode
-from vgraph.pass_api import LOCAL_PASSES, Option, Pass, PassContext, PassError, register_pass
+from vgraph.pass_api import Option, Pass, PassContext, PassError, register_pass
 from vgraph.pipeline import PassManager, build_pipeline, order_pipeline, parse_pipeline, run_pipeline
 from vgraph.rewrite import Each, P, match
 
 
-@pytest.fixture(autouse=True)
-def _clean_local_passes():
-    saved = dict(LOCAL_PASSES)
-    yield
-    LOCAL_PASSES.clear()
-    LOCAL_PASSES.update(saved)
+pytestmark = pytest.mark.usefixtures("local_passes")  # passes a test registers are forgotten after it
 
 
 def test_parse_pipeline_text():

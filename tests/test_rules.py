@@ -8,18 +8,13 @@ import pytest
 
 from conftest import ROOT, TINY
 from vgraph.diagnostics import VGraphError
-from vgraph.pass_api import LOCAL_PASSES, Option, PassContext, PassError, register_pass
+from vgraph.pass_api import Option, PassContext, PassError, register_pass
 from vgraph.pipeline import build_pipeline, run_pipeline
 from vgraph.replace import NewNode
 from vgraph.rewrite import P, RewritePass, Rule, RuleContext, RuleError, RuleSet, match, reads, replace
 
 
-@pytest.fixture(autouse=True)
-def _clean_local_passes():
-    saved = dict(LOCAL_PASSES)
-    yield
-    LOCAL_PASSES.clear()
-    LOCAL_PASSES.update(saved)
+pytestmark = pytest.mark.usefixtures("local_passes")  # passes a test registers are forgotten after it
 
 
 def slight(node, ctx):
