@@ -75,7 +75,7 @@ def test_analyze_of_a_bad_file_exits_2(tmp_path: Path, capsys) -> None:
 
 def test_missing_file_exits_2(tmp_path: Path, capsys) -> None:
     assert main(["validate", str(tmp_path / "nope.yml")]) == 2
-    assert "cannot read file" in capsys.readouterr().err
+    assert "nope.yml: no such network file" in capsys.readouterr().err
 
 
 def test_compact_types() -> None:

@@ -82,3 +82,19 @@ def test_save_keeps_the_mode_of_the_file_it_replaces(tmp_path: Path) -> None:
     save(load(TINY), out)
     assert oct(out.stat().st_mode & 0o777) == "0o640" and load(out).name == load(TINY).name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["net.yml"]
+
+
+def test_an_embedder_with_rope_is_accepted_with_a_warning(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "rope.yml"
+    text = TINY.read_text()
+    start = text.index("type: embedder")
+    path.write_text(text[:start] + text[start:].replace('position_encoding: "none"', 'position_encoding: "rope"', 1))
+    warnings: list = []
+    load(path, warnings=warnings)
+    assert [w.node for w in warnings] == ["embedder"] and "does nothing on an embedder" in str(warnings[0])
+    assert main(["validate", str(path)]) == 0
+    assert "warning: node 'embedder': position_encoding 'rope' does nothing" in capsys.readouterr().err
+    assert main(["optimize", str(path), "-o", str(tmp_path / "out.yml")]) == 0
+    assert "does nothing on an embedder" in capsys.readouterr().err
+    load(TINY, warnings=warnings)
+    assert len(warnings) == 1  # the fixture's embedder says 'none': nothing to say

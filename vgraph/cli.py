@@ -28,6 +28,17 @@ def command(name: str):
     return deco
 
 
+def load_network(path: str):
+    """Load a network for a command; its warnings (settings that do nothing) go to stderr."""
+    from .yamlio import load
+
+    warnings: list = []
+    graph = load(path, warnings=warnings)
+    for w in warnings:
+        print(w, file=sys.stderr)
+    return graph
+
+
 def add_plugin_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", default=[], metavar="FILE.py",
                    help="load a local plugin file (passes, op types); may repeat")
@@ -115,9 +126,8 @@ def _fleet_plan(graph, fleet, batch: int, micro_batches: int, replicas: str) -> 
 
 def _analyze(args: argparse.Namespace) -> int:
     from .analyze import analyze, format_table
-    from .yamlio import load
 
-    graph = load(args.file)
+    graph = load_network(args.file)
     if args.fleet is None and args.batch is None:
         a = analyze(graph)
         print(json.dumps(a.to_json(), indent=2) if args.json else format_table(a))
@@ -185,10 +195,9 @@ def _partition(args: argparse.Namespace) -> int:
     from .fleet import load_fleet
     from .partition_export import export_partition, format_report
     from .pipeline import run_pipeline
-    from .yamlio import load
 
     fleet = load_fleet(args.fleet)
-    graph = load(args.file)
+    graph = load_network(args.file)
     spec = _pipeline_with_partition(args.passes, args.batch, args.micro_batches, args.replicas)
     pm = run_pipeline(graph, spec, data={"fleet": fleet})
     report = export_partition(graph, fleet, args.output, batch=args.batch, micro_batches=args.micro_batches,
@@ -227,10 +236,9 @@ def _render(args: argparse.Namespace) -> int:
     from .pipeline import run_pipeline
     from .render import render_svg
     from .safeio import atomic_write, check_output
-    from .yamlio import load
 
     out = check_output(args.output, inputs=(args.file, args.fleet, *args.plugin))
-    graph = load(args.file)
+    graph = load_network(args.file)
     data = {}
     spec = args.passes
     if args.fleet:
@@ -267,10 +275,10 @@ def _optimize_parser(sub: argparse._SubParsersAction) -> None:
 def _optimize(args: argparse.Namespace) -> int:
     from .pipeline import DEFAULT_PIPELINE, run_pipeline
     from .safeio import check_output
-    from .yamlio import load, save
+    from .yamlio import save
 
     check_output(args.output, inputs=(args.file, *args.plugin))
-    graph = load(args.file)
+    graph = load_network(args.file)
     pm = run_pipeline(graph, args.passes, target=args.target, explain=args.explain,
                       dump_dir=args.dump_dir, verify=not args.no_verify)
     save(graph, args.output)

@@ -167,6 +167,9 @@ class _Checker:
             if node_id not in self.skip:
                 sink.error(f"unknown node type {n.type!r}", n.loc, node_id)
             self.mark_broken(node_id)
+        elif op.advice is not None and node_id not in self.skip:
+            for text in op.advice(cfg):  # type: ignore[arg-type]
+                sink.warning(text, n.loc, node_id)
         elif node_id not in self.skip:
             hi = op.input_range()[1]
             if hi is not None:

@@ -91,6 +91,9 @@ register_op(OpDef(
     network_input=lambda cfg, slot, ins: T((cfg["seq_len"],), "int64"),
     infer=_embedder_infer, params=_embedder_params,
     flops=lambda cfg, ins, outs: outs[0].numel if cfg["position_encoding"] == "learned" else 0,
+    advice=lambda cfg: ["position_encoding 'rope' does nothing on an embedder: RoPE is applied by the "
+                        "attention heads that say position_encoding: rope (write 'none' here)"]
+    if cfg["position_encoding"] == "rope" else [],
 ))
 
 

@@ -61,6 +61,9 @@ class OpDef:
     param_sources: Callable[[Config], dict[str, list[tuple[str, int]]]] | None = None
     is_cost: bool = False
     origin: str = "vgraph"
+    # Warnings about a valid but likely mistaken config (a setting that has no effect): validation
+    # reports them, so a user learns a value is ignored instead of meeting silence.
+    advice: Callable[[Config], list[str]] | None = None
 
     # -- arity --------------------------------------------------------------
     def input_range(self) -> tuple[int, int | None]:
