@@ -19,9 +19,10 @@ How
    predicts a slower step than the single pipeline.
 2. For every stage count S (1 .. units, at most `MAX_STAGES`), the units are
    cut into S stages by the same heuristic (`partition_solve.solve`) on S
-   identical virtual PNodes (the fleet's median speed, its largest memory,
-   and once its median, once its largest bandwidth: on slow links a cut
-   costs more than it balances, on fast ones it does not): replicas share one cut, so stage s holds the same
+   identical virtual PNodes (the fleet's median speed; its median and its
+   largest bandwidth, since on slow links a cut costs more than it balances;
+   its largest memory, and no memory bound at all, since a replica's smaller
+   share keeps fewer activations; the layouts check memory): replicas share one cut, so stage s holds the same
    parameters everywhere and all-reduces with its peers.
 3. For every replica count R (all up to 24, then a geometric grid) a few
    layouts map R x S slots to PNodes: stage-major (each stage, heaviest in
@@ -56,7 +57,8 @@ from .partition import Plan, plan_partition
 from .partition_problem import PartitionError, build_problem
 from .partition_solve import solve
 
-__all__ = ["ReplicaPlan", "plan_replicas", "apply_replica_plan", "MAX_STAGES", "parse_replicas"]
+__all__ = ["ReplicaPlan", "plan_replicas", "apply_replica_plan", "candidates", "price_layout", "MAX_STAGES",
+           "parse_replicas"]
 
 MAX_STAGES = 64  # stage counts tried (a deeper pipeline than this is never the fastest on volunteer links)
 ALL_REPLICA_COUNTS = 24  # every R up to this is tried, then a geometric grid
@@ -149,17 +151,11 @@ def plan_replicas(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
             return single, cm
         if replicas is None:
             best = single
-    for S, stage_of in _splits(graph, fleet, cm, batch, micro_batches):
-        loads = stage_loads(cm, stage_of, S)
-        for R in _replica_counts(K, S, batch, replicas):
-            for name, idx in _layouts(loads, fa, R, S, batch, micro_batches):
-                count += 1
-                cand = _priced(loads, fa, idx, batch, micro_batches)
-                if cand is None:
-                    continue
-                shares, cost = cand
-                if best is None or _better(cost, R * S, best.cost, best.replicas * best.stages):
-                    best = ReplicaPlan(stage_of, loads, _ids(fa, idx), shares, cost, f"{name}, S={S} R={R}")
+    for cand in candidates(graph, fleet, cm, fa, batch, micro_batches, replicas):
+        count += 1
+        if cand is not None and (best is None or _better(cand.cost, cand.replicas * cand.stages, best.cost,
+                                                         best.replicas * best.stages)):
+            best = cand
     if best is None:
         if base_error is not None:
             raise base_error
@@ -175,6 +171,19 @@ def plan_replicas(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
 
 
 # -- candidates --------------------------------------------------------------------------------------
+
+def candidates(graph: Graph, fleet: Fleet, cm: CostModel, fa: FleetArrays, batch: int, micro: int,
+               replicas: int | None = None) -> Iterator[ReplicaPlan | None]:
+    """Every (stage cut, replica count, layout) the planner compares, priced; None for a layout that
+    cannot hold the batch.  (The benchmarks read step time against R from here.)"""
+    for S, stage_of in _splits(graph, fleet, cm, batch, micro):
+        loads = stage_loads(cm, stage_of, S)
+        for R in _replica_counts(len(fleet), S, batch, replicas):
+            for name, idx in _layouts(loads, fa, R, S, batch, micro):
+                priced = price_layout(loads, fa, idx, batch, micro)
+                yield None if priced is None else ReplicaPlan(stage_of, loads, _ids(fa, idx), priced[0], priced[1],
+                                                              f"{name}, S={S} R={R}")
+
 
 def _from_partition(plan: Plan, cm: CostModel, fa: FleetArrays, batch: int, micro: int) -> ReplicaPlan:
     """The partition pass's single pipeline as a 1-replica plan (stages in order of use along the chain)."""
@@ -198,11 +207,11 @@ def _splits(graph: Graph, fleet: Fleet, cm: CostModel, batch: int, micro: int
             ) -> Iterator[tuple[int, dict[str, int]]]:
     """(S, VNode -> stage) for each distinct cut of the network into S stages on identical PNodes."""
     flops = median(p.flops for p in fleet)
-    memory = max(p.memory for p in fleet)
+    bandwidths = sorted({median(p.bandwidth for p in fleet), max(p.bandwidth for p in fleet)})
+    memories = (max(p.memory for p in fleet), 2 ** 62)  # the largest PNode; unbounded (shares shrink activations)
     seen: set[tuple[int, ...]] = set()
     units = None
-    for S, bandwidth in itertools.product(range(1, min(len(fleet), MAX_STAGES) + 1),
-                                          sorted({median(p.bandwidth for p in fleet), max(p.bandwidth for p in fleet)})):
+    for S, bandwidth, memory in itertools.product(range(1, min(len(fleet), MAX_STAGES) + 1), bandwidths, memories):
         if units is not None and S > units:
             break
         virtual = Fleet("stages", tuple(PNode(f"stage{i}", memory, flops, bandwidth) for i in range(S)))
@@ -327,8 +336,8 @@ def _stage_groups_in_regions(fa: FleetArrays, fits: np.ndarray, R: int, S: int, 
     return idx
 
 
-def _priced(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, batch: int, micro: int
-            ) -> tuple[list[int], StepCost] | None:
+def price_layout(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, batch: int, micro: int
+                 ) -> tuple[list[int], StepCost] | None:
     """Batch shares for the layout and its step cost; None when it cannot hold the batch."""
     R, S = idx.shape
     per_sample, fixed, latency = stage_rates(loads, fa, idx)
@@ -395,7 +404,7 @@ def _improve(plan: ReplicaPlan, fa: FleetArrays, batch: int, micro: int) -> tupl
             r2, s2 = int(rng.integers(R)), int(rng.integers(S))
             trial[r1, s1], trial[r2, s2] = trial[r2, s2], trial[r1, s1]
         tried += 1
-        cand = _priced(plan.loads, fa, trial, batch, micro)
+        cand = price_layout(plan.loads, fa, trial, batch, micro)
         if cand is not None and cand[1].step_seconds < best_cost.step_seconds * (1 - REL_TIE):
             idx, best_shares, best_cost = trial, cand[0], cand[1]
             improved = True
