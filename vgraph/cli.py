@@ -360,7 +360,7 @@ def run_parser(build: Callable[[], argparse.ArgumentParser], argv: list[str]) ->
     except (VGraphError, PluginError) as exc:
         for d in exc.diagnostics:
             print(d, file=sys.stderr)
-        return EXIT_INVALID
+        return getattr(exc, "exit_status", EXIT_INVALID)  # an interrupted run: 128 + the signal
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -49,6 +49,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from vgraph.diagnostics import quote
+
 try:  # numpy is optional; only needed to (de)serialise numpy RNG state.
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with the supported torch wheels
@@ -74,6 +76,7 @@ OPTIMIZER_JSON_FILE = "optimizer.json"
 STATE_TENSORS_FILE = "state.safetensors"
 STATE_JSON_FILE = "state.json"
 _ALIASES_METADATA_KEY = "vgraph_aliases"
+_MAX_POINTER_BYTES = 4096
 
 
 class CheckpointError(Exception):
@@ -203,8 +206,8 @@ def load_checkpoint(
             rng_state=_decode(state["rng"], state_tensors),
             extra=_decode(state["extra"], state_tensors),
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"malformed checkpoint {path}: {exc}") from exc
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
+        raise CheckpointError(f"malformed checkpoint {path}: {quote(str(exc), 200)}") from None
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
@@ -217,9 +220,17 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     pointer = Path(run_dir) / LATEST_POINTER
     if not pointer.is_file():
         return None
-    name = pointer.read_text(encoding="utf-8").strip()
-    if not name or Path(name).name != name:
-        raise CheckpointError(f"{pointer} holds an invalid checkpoint name {name!r}")
+    try:
+        with open(pointer, "rb") as f:
+            raw = f.read(_MAX_POINTER_BYTES + 1)  # a pointer is one short name: never read a huge file
+        name = raw.decode("utf-8").strip()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {pointer}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer} is not UTF-8 text: not a pointer vgraph wrote") from None
+    if (not name or len(raw) > _MAX_POINTER_BYTES or Path(name).name != name or name in (".", "..")
+            or not name.isprintable()):
+        raise CheckpointError(f"{pointer} holds an invalid checkpoint name {quote(name)}")
     target = Path(run_dir) / name
     if not (target / STATE_JSON_FILE).is_file():
         raise CheckpointError(f"{pointer} points to {target}, which is not a complete checkpoint")
@@ -392,8 +403,11 @@ def _read_tensors(path: Path, device: str) -> dict[str, torch.Tensor]:
             metadata = f.metadata() or {}
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
-    for alias, canonical in json.loads(metadata.get(_ALIASES_METADATA_KEY, "{}")).items():
-        tensors[alias] = tensors[canonical]
+    try:
+        for alias, canonical in json.loads(metadata.get(_ALIASES_METADATA_KEY, "{}")).items():
+            tensors[alias] = tensors[canonical]
+    except (ValueError, AttributeError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{path}: bad tensor metadata ({quote(str(exc), 200)})") from None
     return dict(sorted(tensors.items()))
 
 

@@ -8,14 +8,16 @@ the workers of `vgraph launch`, whose rank 0 writes the same files.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
+
+from vgraph.safeio import atomic_write
 
 from .lower import VGraphModule
 from .node_optimizers import NodeOptimizers
@@ -51,11 +53,11 @@ class MetricsLog:
                     rows.append(row)
         self.rows = rows
         atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in rows))
-        with open(self.csv.with_suffix(".csv.tmp"), "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(self.csv.with_suffix(".csv.tmp"), self.csv)
+        table = io.StringIO(newline="")
+        writer = csv.DictWriter(table, fieldnames=self.columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(self.csv, table.getvalue())
 
     def append(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
@@ -94,9 +96,9 @@ class MetricsLog:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp)
-        os.replace(tmp, path)
+        image = io.BytesIO()
+        fig.savefig(image, format="png")
+        atomic_write(path, image.getvalue(), durable=False)  # redrawn at every validation
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)

@@ -49,6 +49,7 @@ from vgraph.yamlio import loads
 
 from . import checkpoint as ckpt
 from .dropout import clear_dropout_key, set_dropout_key
+from .interrupt import StopRequest
 from .lower import compile_network
 from .metrics_log import MetricsLog, metric_columns, metric_values, progress_bar, run_banner, step_rows
 from .node_optimizers import NodeOptimizers, lr_factor
@@ -150,6 +151,8 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
     start_time = last_flush
     last_val: float | None = None
     step = start_step
+    stop = StopRequest(say)  # Ctrl-C / SIGTERM: finish the step, checkpoint, say how to resume (interrupt.py)
+    restore_signals = stop.install()
     try:
         for step in range(start_step + 1, cfg.steps + 1):
             # -- the step: forward + backward; at a sync point the losses are checked before the update
@@ -163,7 +166,8 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
             pending.append((step, loss, optimizers.factor))
 
             validate = cfg.val_every > 0 and (step % cfg.val_every == 0 or step == cfg.steps)
-            save_now = step == cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0)
+            save_now = (step == cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0)
+                        or stop.requested)
             flush = save_now or validate or step % log_every == 0
             extras: dict[str, Any] = {}
             if flush:
@@ -202,7 +206,10 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
                 result.checkpoint = save_run_checkpoint(run_dir, step, state, setup.run_info, setup.yaml_text,
                                                         tokenizer_json, cfg.keep_checkpoints)
                 last_flush = time.perf_counter()
+            if stop.requested:
+                break
     finally:
+        restore_signals()
         clear_dropout_key()
         bar.close()
     log.plot(run_dir / "loss_curve.png", setup.source.name)
@@ -210,6 +217,10 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
     result.val_loss = last_val
     result.skipped_steps = loss_check.skipped_steps
     result.history = log.rows
+    if stop.requested:
+        raise stop.interrupted(f"{run_dir}: stopped at step {step} of {cfg.steps}; checkpoint {result.checkpoint}. "
+                               f"Continue with: vgraph train {cfg.network} --out {run_dir} --resume "
+                               f"(and the same options)")
     return result
 
 
