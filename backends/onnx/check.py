@@ -139,8 +139,14 @@ def fp32_graph(graph: Graph) -> Graph:
     return verify(g)
 
 
-def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = None) -> dict[str, np.ndarray]:
+def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = None, *,
+                            given: str | None = None) -> dict[str, np.ndarray]:
     """Float32 numpy weights ``"<vnode>.<param>"`` from a checkpoint.
+
+    With ``graph`` given, a checkpoint that carries its network (every one
+    ``vgraph train`` writes) is refused unless it was trained on that network
+    (``vgraph.network_match``; ``given`` names it in the message), so weights
+    never silently describe another function.
 
     ``path`` is a checkpoint directory, a run directory (its ``latest``) or a
     ``.safetensors`` file.  Checkpoints store the unfused layout; with
@@ -152,6 +158,7 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
     from vgraph.backends.torch import CheckpointError, latest_checkpoint, load_checkpoint
 
     p = Path(path)
+    trained_yaml = None
     try:
         if p.is_file():
             from safetensors.torch import load_file
@@ -159,11 +166,20 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
             state = load_file(os.fspath(p))
         elif p.is_dir():
             latest = latest_checkpoint(p) if not (p / "state.json").is_file() else None
-            state = load_checkpoint(latest or p).model_state
+            saved = load_checkpoint(latest or p)
+            state = saved.model_state
+            trained_yaml = saved.extra.get("network_yaml")
         else:
             raise VGraphError(f"{p}: no such checkpoint file or directory")
     except (CheckpointError, OSError, ValueError) as exc:
         raise VGraphError(f"{p}: cannot read checkpoint: {exc}") from exc
+    if graph is not None and trained_yaml:  # the checkpoint says what it was trained on: it must be `graph`
+        from vgraph import loads
+        from vgraph.network_match import require_match
+
+        trained = loads(trained_yaml, file=f"{p}/network.yml")
+        require_match(trained, graph, checkpoint=str(p), given_label=given or f"network {graph.name!r}",
+                      changes=(saved.extra.get("run") or {}).get("semantic_changes") or ())
     weights = {k: v.detach().to(torch.float32).cpu().numpy() for k, v in state.items()}
     if graph is None or set(expected_param_shapes(graph)) <= set(weights):
         return weights

@@ -74,7 +74,7 @@ def _weights(args: argparse.Namespace, graph):
     from .check import initial_weights, weights_from_checkpoint
 
     if args.checkpoint:
-        return weights_from_checkpoint(args.checkpoint, graph)
+        return weights_from_checkpoint(args.checkpoint, graph, given=args.file)
     return initial_weights(graph, args.seed)
 
 

@@ -43,6 +43,9 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", metavar="DIR", help="run directory (default runs/<network name>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest "
                    "checkpoint (starts fresh if it has none yet)")
+    p.add_argument("--accept-network-change", action="store_true",
+                   help="with --resume: continue even though the network differs from the one the checkpoint "
+                        "was trained on (the change is recorded in run.json; network.yml follows)")
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--passes", metavar="SPEC", help="pass pipeline to run first (default: the production "
                    "pipeline; '' for none)")
@@ -78,7 +81,8 @@ def run_train(args: argparse.Namespace) -> int:
     config = TrainConfig(
         network=args.network, data=args.data, steps=args.steps, batch=args.batch, lr=args.lr,
         warmup=args.warmup, schedule=args.schedule, seed=args.seed, out=args.out, resume=args.resume,
-        device=args.device, passes=args.passes, fuse=not args.no_fuse, val_every=args.val_every,
+        accept_network_change=args.accept_network_change, device=args.device, passes=args.passes,
+        fuse=not args.no_fuse, val_every=args.val_every,
         val_batches=args.val_batches, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
         log_every=args.log_every, grad_clip=args.grad_clip,

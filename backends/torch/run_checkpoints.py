@@ -24,6 +24,7 @@ from vgraph.ir import Graph
 from . import checkpoint as ckpt
 from .lower import VGraphModule, param_sources
 from .node_optimizers import NodeOptimizers
+from .run_network import check_finite, check_resumed_network
 from .train_config import TrainingError
 
 __all__ = ["CHECKPOINT_PREFIX", "run_checkpoints", "prune_checkpoints", "clean_stale",
@@ -113,17 +114,30 @@ def save_run_checkpoint(run_dir: Path, step: int, state: TrainingState, run_info
     prune_checkpoints(run_dir, keep, path)
     return path
 
-def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable[[str], None]) -> int:
+def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable[[str], None], *,
+               yaml_text: str | None = None, network: str = "the given network",
+               accept_network_change: bool = False) -> int:
     """Restore `state` and the global RNGs from checkpoint `latest`; the step it was taken after.
 
     Refused when the run's data-defining settings (`run_info`) differ from the
-    checkpoint's; a changed learning rate or schedule is only noted.
+    checkpoint's, when the network (`yaml_text`, the run's definition now)
+    is not the one the checkpoint was trained on (unless
+    `accept_network_change`: then the change is added to
+    run_info["network_changes"]), or when its weights are not finite; a
+    changed learning rate or schedule is only noted.
     """
     try:
         saved = ckpt.load_checkpoint(latest, map_location="cpu")
     except ckpt.CheckpointError as exc:
         raise TrainingError(f"cannot resume: {exc}") from None
     before = saved.extra.get("run", {})
+    check_finite(saved.model_state, latest)
+    if yaml_text is not None:
+        change = check_resumed_network(saved.extra.get("network_yaml"), before, yaml_text, checkpoint=latest,
+                                       network=network, accept_change=accept_network_change, say=say)
+        run_info["network_changes"] = list(before.get("network_changes") or [])
+        if change is not None:
+            run_info["network_changes"].append({**change, "at_step": saved.step})
     for key in ("seed", "batch", "seq_len", "data", "vocab_size", "tokenizer"):
         if key in before and before[key] != run_info[key]:
             raise TrainingError(f"cannot resume {latest.parent}: it was trained with {key}={before[key]!r}, "

@@ -55,6 +55,7 @@ from .metrics_log import MetricsLog, metric_columns, metric_values, progress_bar
 from .node_optimizers import NodeOptimizers, lr_factor
 from .run_checkpoints import TrainingState, resume_run, save_run_checkpoint
 from .run_files import atomic_write_text
+from .run_network import check_finite, passes_for_definition, require_match
 from .train_config import TrainConfig, TrainingError, TrainResult
 from .train_step import LossCheck, PendingLoss, TrainStep
 from .training_data import build_tokenizer, char_tokenizer
@@ -113,10 +114,11 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
 
     start_step = 0
     if setup.latest is not None:
-        start_step = resume_run(setup.latest, state, setup.run_info, say)
+        start_step = resume_run(setup.latest, state, setup.run_info, say, yaml_text=setup.yaml_text,
+                                network=str(cfg.network), accept_network_change=cfg.accept_network_change)
     else:
-        atomic_write_text(run_dir / "network.yml", setup.yaml_text)
         atomic_write_text(run_dir / "tokenizer.json", tokenizer_json)
+    atomic_write_text(run_dir / "network.yml", setup.yaml_text)  # the network trained from here on
     atomic_write_text(run_dir / "run.json", json.dumps(setup.run_info, indent=2, default=str) + "\n")
 
     costs = tuple(module.cost_names)
@@ -253,8 +255,13 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
                           f"(not written by `vgraph train`)")
     torch_device = resolve_device(device)
     run = state.extra.get("run") or {}
+    check_finite(state.model_state, target)
     source = loads(yaml_text, file=f"{target}/network.yml")
-    graph = prepare_graph(source, passes=run.get("passes"), fuse=fuse and run.get("fuse", True),
+    stored = Path(path) / "network.yml"
+    if stored.is_file() and stored.read_text(encoding="utf-8") != yaml_text:  # a run directory was given
+        require_match(source, loads(stored.read_text(encoding="utf-8"), file=str(stored)),
+                      checkpoint=str(target), given_label=str(stored), changes=run.get("semantic_changes") or ())
+    graph = prepare_graph(source, passes=passes_for_definition(run), fuse=fuse and run.get("fuse", True),
                           target=device_target(torch_device))
     module = compile_network(graph, device=torch_device, train=False, unfused_state=state.model_state)
     return module, Tokenizer.from_str(tokenizer_json), graph

@@ -38,6 +38,7 @@ class TrainConfig:
     seed: int = 0
     out: str | Path | None = None
     resume: bool = False
+    accept_network_change: bool = False  # resume on a network other than the checkpoint's (recorded)
     device: str | None = None
     passes: str | None = None  # None: the default pipeline; "": no passes at all
     fuse: bool = True

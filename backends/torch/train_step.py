@@ -24,6 +24,7 @@ import torch
 from vgraph.ir import Graph
 
 from . import checkpoint as ckpt
+from .run_network import finite_checkpoint
 from .lower import VGraphModule
 from .node_optimizers import NodeOptimizers
 from .train_config import TrainingError
@@ -110,8 +111,13 @@ class LossCheck:
             last = ckpt.latest_checkpoint(self.run_dir)
         except ckpt.CheckpointError:
             last = None
-        where = (f"the last checkpoint, {last}, predates it: resume from it (--resume) with a lower --lr"
-                 if last else "no checkpoint was written yet: restart with a lower --lr")
+        if last is not None and not finite_checkpoint(
+                last, lambda path: ckpt.load_checkpoint(path, map_location="cpu").model_state):
+            where = (f"the last checkpoint, {last}, holds non-finite weights and cannot be resumed: restart "
+                     f"with a lower --lr")
+        else:
+            where = (f"the last checkpoint, {last}, predates it: resume from it (--resume) with a lower --lr"
+                     if last else "no checkpoint was written yet: restart with a lower --lr")
         why = (f"the loss scaler skipped {self.consecutive_bad} steps in a row without recovering"
                if self.loss_scaling else "training stopped before applying that step's update")
         return (f"network {self.graph.name!r}: the loss at step {step} is {value} (not finite); {why}. {where}, "

@@ -23,6 +23,8 @@ import torch
 
 from vgraph.diagnostics import Diagnostic, VGraphError
 from vgraph.ir import Graph
+from vgraph.network_match import fingerprint
+from vgraph.pipeline import semantic_changes
 from vgraph.yamlio import dumps, load
 
 from . import checkpoint as ckpt
@@ -30,6 +32,7 @@ from .lower import VGraphModule, compute_dtype
 from .memory import check_memory
 from .run_checkpoints import clean_stale
 from .run_files import run_slug
+from .run_network import trained_network_yaml
 from .train_config import TrainConfig, TrainingError
 from .training_data import PreparedData, prepare_data
 
@@ -151,8 +154,8 @@ class RunSetup:
     """What `set_up_run` decided: the loop and its parts read these, never the raw config again."""
 
     device: torch.device
-    source: Graph  # the network as given (before passes): the run's definition
-    yaml_text: str
+    source: Graph  # the network as given (before passes)
+    yaml_text: str  # the run's definition: the file's text, or the trained graph after a non-preserving pass
     graph: Graph  # after the pass pipeline: what is compiled and trained
     seq_len: int
     precision: dict[str, Any]  # the `precision` pass's annotation
@@ -179,6 +182,11 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
 
     source, yaml_text = load_network(cfg.network)
     graph = prepare_graph(source, passes=cfg.passes, fuse=cfg.fuse, target=device_target(device))
+    changes = semantic_changes(graph)
+    if changes:  # the run trains another function than the file's: it stores that one (run_network.py)
+        yaml_text = trained_network_yaml(graph)
+        say(f"note: {', '.join(changes)} changed what the network computes; the run stores the network it "
+            f"trains (network.yml and every checkpoint), which is not {cfg.network}")
     vocab, seq_len = vocab_and_seq(graph)
     precision = dict(graph.meta.get("precision") or {})
     dtype = compute_dtype(graph)
@@ -197,7 +205,8 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
     run_info = {"network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
                 "data": data.description, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
                 "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "precision": precision,
-                "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule}
+                "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
+                "semantic_changes": changes, "network_fingerprint": fingerprint(graph)}
     return RunSetup(device, source, yaml_text, graph, seq_len, precision, dtype, loss_scaling, run_dir, latest,
                     data, run_info)
 
