@@ -158,3 +158,17 @@ def test_generate_refuses_a_run_whose_network_yml_is_not_the_checkpoints(corpus,
     (tmp_path / "run" / "network.yml").write_text(relu_variant(tmp_path).read_text())
     with pytest.raises(NetworkMismatch, match=r"trained on another network than .*network\.yml.*block0_ffn_gelu"):
         load_trained(tmp_path / "run", device="cpu")
+
+
+def test_launch_refuses_a_pass_that_changes_the_network(corpus, tmp_path):
+    from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text("name: two\npnodes:\n" + "".join(
+        f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(2)))
+    with pytest.raises(TrainingError, match=r"test-gelu-to-relu changes what the network computes.*vgraph "
+                                            r"optimize .*tiny_1l_fp32\.yml --passes 'test-gelu-to-relu'"):
+        launch(LaunchConfig(network=str(TINY_FP32), data=str(corpus), steps=2, batch=2, val_every=0,
+                            progress=False, out=str(tmp_path / "run"), fleet=str(fleet),
+                            passes="test-gelu-to-relu"))
+    assert not list((tmp_path / "run").glob("step-*"))

@@ -68,7 +68,7 @@ from vgraph.fleet import Fleet, resolve_fleet
 from vgraph.ir import Graph
 from vgraph.partition_export import assignment_of, placement_report
 from vgraph.plugins import loaded_files
-from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
+from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline, semantic_changes
 
 from .. import checkpoint as ckpt
 from .. import data as D
@@ -453,6 +453,11 @@ def launch(config: LaunchConfig) -> LaunchResult:
             given = read_placement(given)
         placement = place(source, fleet, before=before, partition=partition, after=after, target=target,
                           batch=cfg.batch, micro_batches=micro, assignment=given)
+        changes = semantic_changes(placement.graph)
+        if changes:  # checkpoints carry the network as given: training another function would make them lie
+            raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "
+                                f"stores the network as given: write the changed network first (vgraph optimize "
+                                f"{network_file} --passes '{cfg.passes}' -o NEW.yml) and launch NEW.yml")
         ranks = placement.ranks
         world = len(ranks)
         per_node = math.ceil(world / cfg.nnodes)
