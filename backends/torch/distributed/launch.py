@@ -51,7 +51,6 @@ import json
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -73,6 +72,7 @@ from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, 
 from .. import checkpoint as ckpt
 from .. import data as D
 from .plan import PIPELINES
+from .rendezvous import TOKEN_ENV, check_token, free_port, probe_port
 from .worker import EXIT_USER_ERROR, LAUNCH_DIR, apply_assignment
 from ..run_checkpoints import clean_stale
 from ..run_files import atomic_write_text, run_slug
@@ -207,12 +207,6 @@ def read_placement(path: str | Path) -> dict[str, str]:
 
 # -- processes --------------------------------------------------------------------------------------
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     """Linux: this process gets SIGKILL when its parent dies, so no orphan keeps a port or a GPU.
 
@@ -280,8 +274,9 @@ class _Worker:
 class _Supervisor:
     """Starts the local workers of one attempt, relays their output, and waits for the outcome."""
 
-    def __init__(self, emit: Callable[[str], None]) -> None:
+    def __init__(self, emit: Callable[[str], None], token: str = "") -> None:
         self.emit = emit
+        self.token = token  # the run's shared secret (rendezvous.py), handed to each worker
         self.workers: list[_Worker] = []
 
     def start(self, job_path: Path, ranks: Sequence[int], pnodes: Sequence[str], world: int, addr: str, port: int,
@@ -290,7 +285,7 @@ class _Supervisor:
         for local_rank, rank in enumerate(ranks):
             env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(len(ranks)), OMP_NUM_THREADS=str(threads),
-                       MKL_NUM_THREADS=str(threads), VGRAPH_PNODE=pnodes[rank])
+                       MKL_NUM_THREADS=str(threads), VGRAPH_PNODE=pnodes[rank], **{TOKEN_ENV: self.token})
             reader, writer = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_worker_process, args=(str(job_path), env, writer),
                                   name=f"vgraph-worker-{pnodes[rank]}", daemon=True)
@@ -393,6 +388,9 @@ def launch(config: LaunchConfig) -> LaunchResult:
                 print(line, file=sys.stderr, flush=True)
 
     say = emit if cfg.progress else (lambda line: None)
+    token = check_token(os.environ.get(TOKEN_ENV), cfg.nnodes)  # before anything is written or started
+    if cfg.master_port and cfg.node_rank == 0:
+        probe_port(cfg.master_addr, cfg.master_port)
     fleet = resolve_fleet(cfg.fleet)
     device = resolve_device(cfg.device)
     source, yaml_text = load_network(cfg.network)
@@ -484,11 +482,13 @@ def launch(config: LaunchConfig) -> LaunchResult:
         }
         job_path = launch_dir / f"job-{attempt}.json"
         atomic_write_text(job_path, json.dumps(job, default=str))
-        port = (base_port + attempt) if base_port else free_port()
+        port = (base_port + attempt) if base_port else free_port(cfg.master_addr)
+        if lead:
+            probe_port(cfg.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
         say(f"launch: {source.name} on {world} worker(s) {', '.join(ranks)} of fleet {fleet.name!r} "
             f"({'nccl' if nccl else 'gloo'}, {micro} micro-batches {cfg.pipeline}, predicted boundary traffic "
             f"{placement.report['cut_bytes_per_step']:,} bytes/step); attempt {attempt}")
-        supervisor = _Supervisor(emit)
+        supervisor = _Supervisor(emit, token)
         try:
             supervisor.start(job_path, local, ranks, world, cfg.master_addr, port, threads)
             atomic_write_text(launch_dir / "workers.json",

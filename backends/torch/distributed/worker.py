@@ -69,6 +69,7 @@ from .. import data as D
 from .comm import ControlGroup, Transport
 from .loss_scaler import SharedLossScaler
 from .plan import make_plan, micro_batch_sizes
+from .rendezvous import rendezvous_store
 from .rank_zero import GatheredCheckpoints, local_metric_values
 from .stage_runner import StageRunner
 from ..dropout import clear_dropout_key
@@ -139,8 +140,11 @@ class Worker:
         torch.set_num_threads(int(cfg["threads"]))
         if cfg.get("deterministic"):
             use_deterministic_kernels()
-        dist.init_process_group(job["backend"], rank=self.rank, world_size=self.world,
-                                timeout=timedelta(seconds=float(cfg["comm_timeout"])))
+        timeout = timedelta(seconds=float(cfg["comm_timeout"]))
+        # Under `vgraph launch`: a store bound to MASTER_ADDR only, keys behind the run's token
+        # (rendezvous.py); under torchrun: torchrun's own rendezvous.
+        store = None if os.environ.get("TORCHELASTIC_RUN_ID") else rendezvous_store(self.rank, self.world, timeout)
+        dist.init_process_group(job["backend"], rank=self.rank, world_size=self.world, timeout=timeout, store=store)
         self.ctrl = ControlGroup(self.rank, self.world,
                                  dist.new_group(backend="gloo") if job["backend"] != "gloo" else None)
         transport = Transport(self.device, stage_through_cpu=bool(job.get("stage_through_cpu")))

@@ -1,0 +1,117 @@
+"""Where `vgraph launch`'s workers find each other, and who may join.
+
+torch.distributed's default rendezvous (`env://`) starts a TCPStore server
+that listens on every interface without authentication, even when
+MASTER_ADDR is 127.0.0.1: another host could read and write its keys.  Here
+rank 0 binds the listening socket itself, to MASTER_ADDR only, and hands it
+to the store (`master_listen_fd`); every key lives under a prefix derived
+from a shared secret (VGRAPH_LAUNCH_TOKEN), so a process that does not
+present the token finds no key of the run and cannot take a rank's place.
+
+One machine: the launcher makes a fresh random token per run and gives it to
+its workers in their environment.  Several machines: every launcher must get
+the same token in VGRAPH_LAUNCH_TOKEN (e.g. `export VGRAPH_LAUNCH_TOKEN=$(openssl
+rand -hex 16)` copied to each machine); the launcher refuses to start
+without one.  The traffic itself is not encrypted (README: "Several machines").
+
+The launcher also probes the rendezvous port before it starts any worker: a
+port in use is a diagnostic, not a worker traceback and a burnt restart.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import secrets
+import socket
+from datetime import timedelta
+
+from vgraph.diagnostics import VGraphError
+
+TOKEN_ENV = "VGRAPH_LAUNCH_TOKEN"
+MIN_TOKEN_CHARS = 16
+
+
+class RendezvousError(VGraphError):
+    """The rendezvous cannot happen as asked (a busy port, a missing token)."""
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def check_token(token: str | None, nnodes: int) -> str:
+    """The run's token: the environment's, or (one machine only) a fresh one."""
+    if token:
+        if len(token) < MIN_TOKEN_CHARS or not token.isprintable():
+            raise RendezvousError(f"{TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} printable characters "
+                                  f"(e.g. the output of: openssl rand -hex 16)")
+        return token
+    if nnodes > 1:
+        raise RendezvousError(f"several machines need a shared secret: set {TOKEN_ENV} to the same value on "
+                              f"every machine (e.g. export {TOKEN_ENV}=$(openssl rand -hex 16)); the rendezvous "
+                              f"port is reachable by other hosts")
+    return new_token()
+
+
+def _family(addr: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+
+def probe_port(addr: str, port: int) -> None:
+    """Raise RendezvousError unless (addr, port) can be listened on now."""
+    if not 1 <= port <= 65535:
+        raise RendezvousError(f"port {port} is outside 1..65535 (after a restart the port is --master-port "
+                              f"+ attempt); choose a lower --master-port")
+    try:
+        with socket.socket(_family(addr), socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((addr, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise RendezvousError(f"port {port} on {addr} is in use; choose another --master-port") from None
+        if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+            raise RendezvousError(f"--master-addr {addr} is not an address of this machine (machine 0 must "
+                                  f"listen on it): {exc.strerror or exc}") from None
+        if exc.errno == errno.EACCES:
+            raise RendezvousError(f"port {port} on {addr} needs privileges; choose a port above 1023") from None
+        raise RendezvousError(f"cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A port free on `addr` right now."""
+    with socket.socket(_family(addr), socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def rendezvous_store(rank: int, world: int, timeout: timedelta, env: dict[str, str] | None = None):
+    """The store every worker of one attempt joins: served by rank 0 on MASTER_ADDR only, keys under
+    the token's prefix.  `env` defaults to os.environ (MASTER_ADDR, MASTER_PORT, the token)."""
+    import torch.distributed as dist
+
+    env = dict(os.environ if env is None else env)
+    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"])
+    token = env.get(TOKEN_ENV)
+    if not token:
+        raise RendezvousError(f"{TOKEN_ENV} is not set: start workers with `vgraph launch`, or set it to the "
+                              f"same secret for every rank")
+    if rank == 0:
+        sock = socket.socket(_family(addr), socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addr, port))
+            sock.listen(max(64, world))
+        except OSError as exc:
+            sock.close()
+            raise RendezvousError(f"cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
+        store = dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False,
+                              master_listen_fd=sock.detach())
+    else:
+        store = dist.TCPStore(addr, port, world, False, timeout)
+    prefix = "vgraph-" + hashlib.sha256(token.encode()).hexdigest()[:32]
+    return dist.PrefixStore(prefix, store)
+
+
+__all__ = ["TOKEN_ENV", "RendezvousError", "check_token", "probe_port", "free_port", "rendezvous_store",
+           "new_token"]
