@@ -133,6 +133,9 @@ class Pass:
     requires: ClassVar[tuple[str, ...]] = ()  # must have run before (in this pipeline or earlier)
     after: ClassVar[tuple[str, ...]] = ()  # if also in the pipeline, run after these
     before: ClassVar[tuple[str, ...]] = ()  # if also in the pipeline, run before these
+    # A plugin pass named like a built-in replaces it only when it says so (`overrides = "<name>"`):
+    # vgraph refuses the clash otherwise, and announces the override on every run.
+    overrides: ClassVar[str] = ""
     invalidates: ClassVar[tuple[str, ...]] = ()  # earlier passes whose results this undoes
     options: ClassVar[dict[str, Option]] = {}
     origin: ClassVar[str] = ""  # set by discovery: the distribution or file it came from
