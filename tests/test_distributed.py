@@ -34,19 +34,9 @@ from vgraph.backends.torch.dropout import dropout_key, keyed_dropout
 from vgraph.diagnostics import VGraphError
 from vgraph.fleet import loads_fleet
 from vgraph.partition_export import placement_report
-from vgraph.pipeline import available_passes
 
 STEPS, BATCH, MICRO, LR, SEED = 20, 8, 4, 1e-3, 3
 HEAD = ("final_norm", "head_up", "head_swiglu", "head_down", "lm_head", "loss")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def partition_pass():
-    if "partition" not in available_passes():  # before the entry point is installed
-        from vgraph.pass_api import register_pass
-        from vgraph.passes import partition as P
-
-        register_pass(P.Partition)
 
 
 def tiny(split_head: bool):

@@ -4,13 +4,9 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("onnx")
-
-from conftest import TINY  # noqa: E402
-from hardening_util import file_size_limit  # noqa: E402
-from vgraph.cli import main  # noqa: E402
+from conftest import TINY
+from hardening_util import file_size_limit
+from vgraph.cli import main
 
 
 def test_export_on_a_full_disk_leaves_no_file(tmp_path: Path, capsys) -> None:
