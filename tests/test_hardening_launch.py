@@ -106,3 +106,39 @@ def test_launch_trains_through_the_bound_store(tmp_path: Path, capsys) -> None:
                         "--quiet"])
     assert code == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "latest").is_file()
+
+
+def test_first_interrupt_stops_every_worker_after_one_step_with_a_checkpoint(tmp_path: Path, capsys) -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    from vgraph.backends.torch.checkpoint import latest_checkpoint, load_checkpoint
+
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text(FLEET)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    out = tmp_path / "run"
+
+    def interrupt_after_two_steps() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and metrics.read_text().count("\n") >= 2:
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=interrupt_after_two_steps, daemon=True)
+    watcher.start()
+    args = ["launch", str(TINY), "--fleet", str(fleet), "--data", str(corpus), "--batch", "2", "--val-every", "0",
+            "--checkpoint-every", "0", "--log-every", "1", "--threads", "1", "--out", str(out), "--quiet"]
+    code = launch_main([*args, "--steps", "1000000"])
+    watcher.join()
+    err = capsys.readouterr().err
+    assert code == 130 and "Continue with: vgraph launch" in err and "Traceback" not in err, err
+    step = load_checkpoint(latest_checkpoint(out)).step
+    assert step >= 2
+    assert launch_main([*args, "--steps", str(step + 1), "--resume"]) == 0

@@ -35,9 +35,10 @@ class Interrupted(VGraphError):
 class StopRequest:
     """The flag a training loop polls once per step (`requested`), set by the first signal."""
 
-    def __init__(self, say: Callable[[str], None]) -> None:
+    def __init__(self, say: Callable[[str], None], on_request: Callable[[], None] | None = None) -> None:
         self.say = say
         self.signum: int | None = None
+        self.on_request = on_request  # called once, at the first signal (vgraph launch: tell the workers)
 
     @property
     def requested(self) -> bool:
@@ -50,6 +51,8 @@ class StopRequest:
         self.signum = signum
         self.say(f"{signal.Signals(signum).name}: finishing this step and writing a checkpoint "
                  f"(interrupt again to stop at once)")
+        if self.on_request is not None:
+            self.on_request()
 
     def install(self) -> Callable[[], None]:
         """Handle SIGINT and SIGTERM from now on; returns the function that puts the previous

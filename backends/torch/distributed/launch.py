@@ -73,7 +73,8 @@ from .. import checkpoint as ckpt
 from .. import data as D
 from .plan import PIPELINES
 from .rendezvous import TOKEN_ENV, check_token, free_port, probe_port
-from .worker import EXIT_USER_ERROR, LAUNCH_DIR, apply_assignment
+from .worker import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, apply_assignment
+from ..interrupt import StopRequest
 from ..run_checkpoints import clean_stale
 from ..run_files import atomic_write_text, run_slug
 from ..train_config import TrainConfig, TrainingError
@@ -232,6 +233,8 @@ def _worker_process(job_path: str, env: dict[str, str], output: Any) -> None:
     output.close()
     os.environ.update(env)
     _die_with_parent()
+    # Ctrl-C reaches the whole process group: the launcher alone decides (a stop request, launch()).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from .worker import main as worker_main
 
     sys.exit(worker_main([job_path]))
@@ -375,7 +378,21 @@ def _validate(cfg: LaunchConfig) -> None:
 
 
 def launch(config: LaunchConfig) -> LaunchResult:
-    """Partition, start the workers, supervise them through failures; see the module docstring."""
+    """Partition, start the workers, supervise them through failures; see the module docstring.
+
+    The first Ctrl-C or SIGTERM asks the workers to stop after the current step with a checkpoint
+    (a file they poll in their per-step reduction) and raises `Interrupted` saying how to resume;
+    a second one stops everything at once.
+    """
+    stop = StopRequest(lambda line: print(line, file=sys.stderr, flush=True))
+    restore = stop.install()
+    try:
+        return _launch(config, stop)
+    finally:
+        restore()
+
+
+def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
     cfg = config
     _validate(cfg)
     lock = threading.Lock()
@@ -403,6 +420,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
     run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
     launch_dir = run_dir / LAUNCH_DIR
     launch_dir.mkdir(parents=True, exist_ok=True)
+    (launch_dir / STOP_FILE).unlink(missing_ok=True)
+    stop.on_request = lambda: atomic_write_text(launch_dir / STOP_FILE, "stop\n")
     lead = cfg.node_rank == 0
     resume = cfg.resume
     if lead:
@@ -446,6 +465,9 @@ def launch(config: LaunchConfig) -> LaunchResult:
     attempt = 0
     base_port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)
     while True:
+        if stop.requested:
+            raise stop.interrupted(f"{run_dir}: stopped before attempt {attempt} started; continue with "
+                                   f"vgraph launch {cfg.network} --out {run_dir} --resume (and the same options)")
         given = cfg.placement if attempt == 0 or cfg.on_failure == "restart" else None
         if isinstance(given, (str, Path)):
             given = read_placement(given)
@@ -501,6 +523,12 @@ def launch(config: LaunchConfig) -> LaunchResult:
                   "lost": [ranks[r] for r in lost], "ok": ok}
         result.attempts.append(record)
         result.placement = placement.report
+        if stop.requested:
+            where = ckpt.latest_checkpoint(run_dir) if lead else None
+            raise stop.interrupted(f"{run_dir}: stopped as asked{'' if ok else ' (a worker failed on the way)'}; "
+                                   f"checkpoint {where or 'on machine 0'}. Continue with: vgraph launch "
+                                   f"{cfg.network} --fleet {cfg.fleet} --out {run_dir} --resume (and the same "
+                                   f"options)")
         if ok:
             break
         errors = _user_errors(launch_dir)

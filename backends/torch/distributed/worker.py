@@ -83,6 +83,7 @@ __all__ = ["main", "Worker", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"
 
 EXIT_USER_ERROR = 3
 LAUNCH_DIR = "launch"  # inside the run directory: job files, token streams, worker markers
+STOP_FILE = "stop"  # in LAUNCH_DIR: the launcher asks every worker to stop after this step, with a checkpoint
 
 
 def apply_assignment(source: Graph, before: str, assignment: dict[str, str], after: str, target: str) -> Graph:
@@ -230,8 +231,12 @@ class Worker:
                                       if p.grad is not None))
             # Traffic since the previous reduction: the weight sync that preceded this step, then its
             # activations, gradients and tied-weight gradients (what placement_report prices per step).
-            loss, sumsq, bad_grads, step_bytes = self.ctrl.all_reduce([loss_local, sumsq, bad_grads,
-                                                                       self.stages.traffic])
+            # A stop request (the launcher got Ctrl-C/SIGTERM) travels in the same reduction, so every
+            # rank stops after the same step, with a checkpoint.
+            loss, sumsq, bad_grads, step_bytes, stopping = self.ctrl.all_reduce(
+                [loss_local, sumsq, bad_grads, self.stages.traffic, float(self._stop_file.exists())])
+            if stopping > 0:
+                save_now = flush = True
             self.stages.traffic = 0
             if math.isfinite(loss):
                 consecutive_bad = 0
@@ -275,6 +280,9 @@ class Worker:
                 last_flush = time.perf_counter()
             if hold and int(hold["rank"]) == self.rank and int(hold["step"]) == step:
                 self._hold(step)
+            if stopping > 0:
+                self.say(f"stopped after step {step} as asked")
+                break
         if self.rank == 0 and log is not None:
             log.plot(self.run_dir / "loss_curve.png", self.graph.name)
         clear_dropout_key()
@@ -322,6 +330,11 @@ class Worker:
                else "training stopped before applying that step's update")
         return (f"network {self.graph.name!r}: the loss at step {step} is {value} (not finite); {why}. Resume "
                 f"from the last checkpoint (--resume) with a lower --lr, or clip gradients with --grad-clip 1.0.")
+
+    @property
+    def _stop_file(self) -> Path:
+        """Written by the launcher on this machine at the first Ctrl-C/SIGTERM (launch.py)."""
+        return Path(self.job["run_dir"]) / LAUNCH_DIR / STOP_FILE
 
     def _hold(self, step: int) -> None:
         """Test hook: stop after `step` (others block on this rank) until killed or released."""
