@@ -7,6 +7,7 @@ as subprocesses of the installed `vgraph` script with the distribution on PYTHON
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -182,6 +183,9 @@ def test_a_plugin_file_that_misbehaves_while_loading_is_named(tmp_path, body, ex
     (lambda d: (d / "notes.txt", (d / "notes.txt").write_text("x = 1\n"))[0], "ending in .py"),
     (lambda d: d / "sub" / ".." / ".." / "nope.py", "plugin file not found"),
     (lambda d: d / "bad\x1b[2Jname.py", "\\x1b[2J"),
+    (lambda d: "", "got an empty one"),
+    (lambda d: (d / "fifo.py", os.mkfifo(d / "fifo.py"))[0], "not a special file"),
+    (lambda d: "/dev/zero", "not a special file"),
 ])
 def test_bad_plugin_paths(tmp_path, make, expected):
     path = make(tmp_path)
@@ -199,6 +203,19 @@ def test_a_broken_installed_plugin_names_its_distribution(tmp_path):
     done = vgraph(["passes"], tmp_path / "site")
     assert done.returncode == 2
     assert "bad-pass" in done.stderr and "bad-plugin 0.1" in done.stderr
+    no_traceback(done)
+
+
+def test_two_distributions_claiming_one_pass_name_are_refused(tmp_path):
+    site = tmp_path / "site"
+    for dist in ("one", "two"):
+        info = site / f"claim_{dist}-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: claim-{dist}\nVersion: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[vgraph.passes]\nshared-name = claim_{dist}:Pass\n")
+    done = vgraph(["passes"], site)
+    assert done.returncode == 2
+    assert "pass 'shared-name' is defined twice: by claim-one 1.0 and by claim-two 1.0" in done.stderr
     no_traceback(done)
 
 

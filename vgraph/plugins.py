@@ -173,6 +173,8 @@ _loading_file: list[str] = []  # the file being executed (for `@lowering`)
 
 def load_file(path: str | Path) -> ModuleType:
     """Import a local plugin file (`--plugin path.py`) once; it registers what it defines."""
+    if not str(path).strip():
+        raise PluginError("--plugin needs the path of a Python file, got an empty one")
     given = Path(path)
     label = f"plugin file {shown(given)}"
     try:
