@@ -219,6 +219,21 @@ def test_two_distributions_claiming_one_pass_name_are_refused(tmp_path):
     no_traceback(done)
 
 
+def test_a_command_plugin_that_raises_while_adding_its_command_is_named(tmp_path):
+    site = tmp_path / "site"
+    (site / "bad_cmd").mkdir(parents=True)
+    (site / "bad_cmd" / "__init__.py").write_text("def register(sub):\n    raise RuntimeError('no parser today')\n")
+    info = site / "bad_cmd-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: bad-cmd\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[vgraph.commands]\nboom = bad_cmd:register\n")
+    done = vgraph(["boom"], site)
+    assert done.returncode == 2
+    assert "'bad-cmd 0.1' failed while adding its command: RuntimeError: no parser today" in done.stderr
+    no_traceback(done)
+    assert vgraph(["validate", TINY_FP32], site).returncode == 0  # other commands never import it
+
+
 def test_an_installed_op_plugin_that_exits_is_named(tmp_path):
     site = tmp_path / "site"
     (site / "exiting_ops").mkdir(parents=True)

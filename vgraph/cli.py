@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from . import options
 from .diagnostics import VGraphError, printable
-from .plugins import PluginError, discover
+from .plugins import PluginError, discover, guarded
 
 EXIT_INVALID = 2
 CORE_COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {}
@@ -320,7 +320,8 @@ def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
         if plugin.name in CORE_COMMANDS:
             continue
         if plugin.name == wanted:
-            plugin.load()(sub)
+            register = plugin.load()
+            guarded(plugin.who, "while adding its command", lambda: register(sub))
         else:
             # Listed without importing it (backends import torch): its own -h has the details.
             sub.add_parser(plugin.name, help=f"[{plugin.distribution}] see 'vgraph {plugin.name} -h'",
