@@ -133,7 +133,7 @@ def test_three_workers_pipeline_through_a_pnode_twice_via_the_cli(files, referen
     rc = launch_main(["launch", str(files / "joint.yml"), "--fleet", str(files / "fleet3.yml"), "--data",
                       str(files / "corpus.txt"), "--steps", str(STEPS), "--batch", str(BATCH), "--micro-batches",
                       str(MICRO), "--lr", str(LR), "--seed", str(SEED), "--val-every", "10", "--checkpoint-every",
-                      "10", "--threads", "1", "--out", str(out), "--quiet"])
+                      "10", "--threads", "1", "--replicas", "1", "--out", str(out), "--quiet"])
     assert rc == 0
     assert f"step {STEPS}" in capsys.readouterr().out
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -295,12 +295,14 @@ def test_micro_batches_and_pipeline_splitting() -> None:
     with pytest.raises(VGraphError, match="micro-batches"):
         micro_batch_sizes(4, 5)
     opts = {"batch": "8", "micro_batches": "2"}
-    assert split_pipeline(None, True, opts) == ("dead-nodes,precision", "partition{batch=8,micro_batches=2}",
-                                                "fuse-heads,fuse-lm-head-ce")
-    assert split_pipeline(None, False, opts) == ("dead-nodes,precision", "partition{batch=8,micro_batches=2}", "")
-    assert split_pipeline("", True, opts) == ("", "partition{batch=8,micro_batches=2}", "")
+    one = "partition{batch=8,micro_batches=2,replicas=1}"  # one pipeline unless the options ask for replicas
+    assert split_pipeline(None, True, opts) == ("dead-nodes,precision", one, "fuse-heads,fuse-lm-head-ce")
+    assert split_pipeline(None, False, opts) == ("dead-nodes,precision", one, "")
+    assert split_pipeline("", True, opts) == ("", one, "")
     assert split_pipeline("fuse-heads,partition{fleet=x.yml},precision", True, opts) == (
-        "fuse-heads", "partition{fleet=x.yml,batch=8,micro_batches=2}", "precision")
+        "fuse-heads", "partition{fleet=x.yml,batch=8,micro_batches=2,replicas=1}", "precision")
+    assert split_pipeline(None, False, {**opts, "replicas": "auto"})[1] == \
+        "partition{batch=8,micro_batches=2,replicas=auto}"
 
 
 def test_fusion_after_the_partition_respects_it() -> None:

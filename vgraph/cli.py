@@ -89,20 +89,13 @@ def _analyze_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=_positive_int, default=None,
                    help="samples per step for the cost model (default 8; implies the cost model)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step")
-    p.add_argument("--replicas", type=replicas_arg, default="auto", metavar="N|auto",
+    p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
                    help="with --fleet: data-parallel replicas of the plan shown (default auto)")
     add_plugin_option(p)
     p.set_defaults(func=_analyze)
 
 
 _positive_int = options.positive_int  # every numeric option is checked as it is parsed (vgraph/options.py)
-
-
-def replicas_arg(text: str) -> str:
-    """--replicas: 'auto' or a positive integer (as the partition pass's option text)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    return str(_positive_int(text))
 
 
 def _fleet_plan(graph, fleet, batch: int, micro_batches: int, replicas: str) -> dict | str:
@@ -176,7 +169,7 @@ def _partition_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fleet", required=True, metavar="FLEET.yml", help="the PNodes (networks/fleets/*.yml)")
     p.add_argument("--batch", type=_positive_int, default=8, help="samples per training step (default 8)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step (per replica)")
-    p.add_argument("--replicas", type=replicas_arg, default="auto", metavar="N|auto",
+    p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
                    help="data-parallel replicas of the pipeline (default auto: the plan of least predicted step "
                         "time; 1: one pipeline, as before)")
     p.add_argument("-o", "--output", required=True, metavar="DIR",

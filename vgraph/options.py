@@ -95,5 +95,16 @@ def byte_size(text: str) -> int:
     return int(value)
 
 
+def replicas(text: str) -> str:
+    """--replicas: 'auto' or 1 to 1000000 data-parallel replicas (as the partition pass's option text)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    value = _int(text)
+    if not 1 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of replicas from 1 to 1000000, got "
+                                         f"{quote(text)}")
+    return str(value)
+
+
 __all__ = ["positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float",
-           "byte_size", "MAX_SEED"]
+           "byte_size", "replicas", "MAX_SEED"]

@@ -28,7 +28,7 @@ from .fleet import Fleet
 from .ir import Graph
 from .stepcost import replica_assignment, stage_loads, step_cost
 
-__all__ = ["with_replicas", "replica_layout", "format_plan"]
+__all__ = ["with_replicas", "replica_layout", "format_plan", "rebalanced_shares"]
 
 
 def replica_layout(graph: Graph, assignment: dict[str, str], batch: int) -> tuple[list[list[str]], list[int]]:
@@ -127,3 +127,36 @@ def format_plan(report: dict[str, Any], shown: int = 8) -> str:
         lines.append(f"one pipeline over the fleet would take {single:.4g} s a step "
                      f"({single / report['step_seconds']:.2f}x this plan)")
     return "\n".join(lines)
+
+
+def rebalanced_shares(graph: Graph, fleet: Fleet, assignment: dict[str, str], rows: list[list[str]], batch: int,
+                      micro_batches: int) -> list[int]:
+    """Batch shares for the replicas `rows` of the graph's stages (after a replica was lost, say): each
+    replica's share in proportion to its speed, within its memory (`stepcost.batch_shares`)."""
+    import numpy as np
+
+    from .costmodel import cost_model
+    from .stepcost import FleetArrays, batch_shares, bubble, stage_rates
+
+    cm = cost_model(graph, batch=batch, micro_batches=micro_batches)
+    stage_of_pnode = {p: s for s, p in enumerate(rows[0])}
+    loads = stage_loads(cm, {v: stage_of_pnode[p] for v, p in assignment.items()}, len(rows[0]))
+    fa = FleetArrays(fleet)
+    idx = np.array([[fa.index[p] for p in row] for row in rows], dtype=np.int64)
+    per_sample, fixed, latency = stage_rates(loads, fa, idx)
+    S = len(rows[0])
+    caps = []
+    for r, row in enumerate(rows):  # the largest share every stage of the replica holds
+        cap = 0
+        for b in range(1, batch + 1):
+            cost = step_cost(loads, [[fleet.pnode(p) for p in row]], [b], micro_batches, fleet)
+            if not cost.fits:
+                break
+            cap = b
+        caps.append(cap)
+    shares = batch_shares(batch, bubble(micro_batches, S) * per_sample.max(axis=1), fixed.max(axis=1) + latency,
+                          caps)
+    if shares is None:
+        raise VGraphError(f"{len(rows)} replica(s) cannot hold the batch of {batch} (memory, or fewer samples "
+                          f"than replicas)")
+    return shares

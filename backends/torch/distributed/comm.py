@@ -35,9 +35,11 @@ class TransportError(RuntimeError):
 
 
 class Transport:
-    def __init__(self, device: torch.device, *, group: Any = None, stage_through_cpu: bool = False) -> None:
+    def __init__(self, device: torch.device, *, group: Any = None, stage_through_cpu: bool = False,
+                 offset: int = 0) -> None:
         self.device = device
         self.group = group
+        self.offset = offset  # a replica's ranks are plan ranks + offset in the world (launch with replicas)
         self.stage = stage_through_cpu
         self.bytes_sent = 0
         self._pending: list[tuple[Any, torch.Tensor]] = []
@@ -56,7 +58,7 @@ class Transport:
         if self.stage and wire.device.type != "cpu":
             wire = wire.cpu()
         wire = wire.contiguous()
-        work = dist.isend(wire, dst, group=self.group)
+        work = dist.isend(wire, dst + self.offset, group=self.group)
         self._pending.append((work, wire))
         self.bytes_sent += wire.numel() * wire.element_size()
 
@@ -73,7 +75,7 @@ class Transport:
             self._position[src] = pos + 1
             device = torch.device("cpu") if self.stage else self.device
             tensor = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(tensor, src, group=self.group)
+            dist.recv(tensor, src + self.offset, group=self.group)
             buffer[key] = tensor.to(self.device) if self.stage else tensor
         return buffer.pop(message)
 

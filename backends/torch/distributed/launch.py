@@ -1,7 +1,7 @@
 """`vgraph launch`: train a network partitioned over a fleet, one torch.distributed worker per PNode.
 
     vgraph launch NETWORK.yml --fleet FLEET.yml [train options] [--micro-batches M] [--pipeline 1f1b|gpipe]
-                  [--on-failure restart|repartition|stop] [--max-restarts N]
+                  [--replicas N|auto] [--on-failure restart|repartition|shrink|stop] [--max-restarts N]
                   [--nnodes N --node-rank R --master-addr HOST --master-port PORT]
 
 The launcher (this module) does what needs doing once: it runs the pass
@@ -30,6 +30,17 @@ supervises them:
   data generator state travels in them, so no step is lost or applied twice:
   metrics past the checkpoint are dropped and recomputed.  At most
   `--max-restarts` times.
+
+Replicas (`--replicas N|auto`; the CLI's default is auto, `LaunchConfig`'s 1): the partition pass plans R
+copies of an S-stage pipeline (passes/partition_replicas.py) and R x S workers run it: world rank
+r x S + s runs stage s of replica r (s in the order of use along the network), point to point inside
+its replica, and after each backward pass the S stage groups sum their gradients with a ring all-reduce
+(gradient_ring.py).  Every rank draws the global batch; replica r trains on its `batch_shares[r]` samples
+of it, with losses weighted by shares of the global batch and dropout keyed by the global sample index,
+so the run is the same training as one process.  Workers count every byte they send, the all-reduce
+included, against placement.json's `bytes_per_step`.  `--on-failure shrink` drops the replicas that
+lost a worker: the survivors keep their PNodes, share the global batch again by speed
+(`vgraph.replica_report.rebalanced_shares`) and resume from the last checkpoint (one machine only).
 
 Several machines (the torchrun way): run the same command on every machine
 with `--nnodes N --node-rank R --master-addr <rank-0 machine> --master-port P`.
@@ -66,6 +77,7 @@ from vgraph.diagnostics import VGraphError
 from vgraph.fleet import Fleet, resolve_fleet
 from vgraph.ir import Graph
 from vgraph.partition_export import assignment_of, placement_report
+from vgraph.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
 from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline, semantic_changes
 
@@ -84,7 +96,7 @@ from ..training_setup import NO_FUSE_PIPELINE, device_target, load_network, reso
 __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", "read_placement",
            "register_launch", "main"]
 
-ON_FAILURE = ("restart", "repartition", "stop")
+ON_FAILURE = ("restart", "repartition", "shrink", "stop")
 TERMINATE_GRACE_S = 5.0
 
 
@@ -96,6 +108,7 @@ class LaunchConfig(TrainConfig):
     micro_batches: int | None = None  # default: min(batch, 2 x PNodes of the fleet)
     pipeline: str = "1f1b"  # micro-batch schedule: 1f1b (bounded activations) | gpipe
     on_failure: str = "restart"
+    replicas: int | str = 1  # data-parallel replicas of the pipeline: a number, or "auto" (the CLI's default)
     max_restarts: int = 3
     comm_timeout: float = 300.0  # seconds a worker waits on a peer before giving up
     nnodes: int = 1
@@ -133,6 +146,7 @@ def split_pipeline(passes: str | None, fuse: bool, options: dict[str, str]) -> t
     if passes is not None and not fuse:
         raise VGraphError(f"give either --passes or --no-fuse, not both (--no-fuse means the pipeline "
                           f"{NO_FUSE_PIPELINE!r})")
+    options = {**options, "replicas": options.get("replicas", "1")}  # one pipeline unless the run asks for more
     spec = passes if passes is not None else (DEFAULT_PIPELINE if fuse else NO_FUSE_PIPELINE)
     items = parse_pipeline(spec) if spec.strip() else []
     names = [name for name, _ in items]
@@ -156,16 +170,26 @@ class Placement:
     graph: Graph  # placed and optimised, as every worker builds it
     assignment: dict[str, str]  # VNode -> PNode right after the partition pass (pre-fusion ids)
     final: dict[str, str]  # VNode -> PNode of `graph`
-    ranks: list[str]  # rank -> PNode, in order of use along the network
+    ranks: list[str]  # rank -> PNode, in order of use along the network (replica 0: the plan's ranks)
     report: dict[str, Any]  # placement_report (placement.json)
+    rows: list[list[str]] = field(default_factory=list)  # per replica, its PNodes in stage order
+    shares: list[int] = field(default_factory=list)  # per replica, its samples of the global batch
+
+    @property
+    def world(self) -> list[str]:
+        """World rank -> PNode: replica r's workers are ranks r*P .. r*P+P-1, in the plan's rank order."""
+        stage = {p: s for s, p in enumerate(self.rows[0])}
+        return [row[stage[p]] for row in self.rows for p in self.ranks]
 
 
 def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: str, target: str, batch: int,
-          micro_batches: int, assignment: dict[str, str] | None = None) -> Placement:
+          micro_batches: int, assignment: dict[str, str] | None = None,
+          replicas: tuple[list[list[str]], list[int]] | None = None) -> Placement:
     """Partition `source` onto `fleet` (or take `assignment`) and build the placed graph the workers build.
 
     A given `assignment` names the VNodes as the partition pass would see them
-    (after the passes before it, i.e. before any fusion).
+    (after the passes before it, i.e. before any fusion); `replicas` (rows of
+    PNodes per replica, batch shares) goes with it when the run has replicas.
     """
     graph = source.copy()
     if before:
@@ -176,6 +200,9 @@ def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: st
                               "its entry point is registered")
         run_pipeline(graph, partition, target=target, data={"fleet": fleet})
         assignment = {n.id: n.meta["pnode"] for n in graph.nodes}
+        planned = graph.meta.get("placement") or {}
+        if planned.get("replicas", 1) > 1:
+            replicas = (planned["replica_pnodes"], planned["batch_shares"])
     else:
         missing = [n.id for n in graph.nodes if n.id not in assignment]
         unknown = sorted(set(assignment.values()) - set(fleet.ids))
@@ -190,8 +217,40 @@ def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: st
     placed = apply_assignment(source, before, assignment, after, target)
     final = assignment_of(placed)
     ranks = list(dict.fromkeys(final[n.id] for n in placed.topo_order()))
+    placed.meta["placement"] = {"batch": batch, "micro_batches": micro_batches}
+    if replicas is not None:
+        placed.meta["placement"].update(replica_pnodes=replicas[0], batch_shares=replicas[1])
     report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches)
-    return Placement(placed, assignment, final, ranks, report)
+    return Placement(placed, assignment, final, ranks, report, report["replica_pnodes"], report["batch_shares"])
+
+
+def read_placement_layout(path: str | Path) -> tuple[dict[str, str], tuple[list[list[str]], list[int]] | None]:
+    """The assignment of a placement.json and, when it plans replicas, (replica_pnodes, batch_shares)."""
+    assignment = read_placement(path)
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    rows, shares = (data.get("replica_pnodes"), data.get("batch_shares")) if isinstance(data, dict) else (None, None)
+    if not rows or len(rows) < 2:
+        return assignment, None
+    if (not isinstance(shares, list) or len(shares) != len(rows) or not all(isinstance(x, int) for x in shares)
+            or not all(isinstance(r, list) and all(isinstance(p, str) for p in r) for r in rows)):
+        raise VGraphError(f"{path}: not a placement: 'replica_pnodes' needs one integer 'batch_shares' entry "
+                          f"per replica")
+    return assignment, ([list(r) for r in rows], [int(x) for x in shares])
+
+
+def _shrink(placement: Placement, fleet: Fleet, lost: list[str], described: str, batch: int, micro: int
+            ) -> tuple[dict[str, str], tuple[list[list[str]], list[int]]]:
+    """The plan without the replicas that lost a worker: the survivors keep their PNodes, replica 0's
+    assignment moves to the first survivor, and the global batch is shared out again by speed."""
+    rows = [row for row in placement.rows if not set(row) & set(lost)]
+    if not rows:
+        raise TrainingError(f"worker {described} failed and no complete replica is left (--on-failure shrink "
+                            f"drops the replicas that lost a worker)")
+    stage = {p: s for s, p in enumerate(placement.rows[0])}
+    assignment = {v: rows[0][stage[p]] for v, p in placement.assignment.items()}
+    final = {v: rows[0][stage[p]] for v, p in placement.final.items()}
+    shares = rebalanced_shares(placement.graph, fleet, final, rows, batch, micro)
+    return assignment, (rows, shares)
 
 
 def read_placement(path: str | Path) -> dict[str, str]:
@@ -367,8 +426,12 @@ def _validate(cfg: LaunchConfig) -> None:
         raise VGraphError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {cfg.on_failure!r}")
     if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
         raise VGraphError(f"--node-rank must be in 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), got {cfg.node_rank}")
-    if cfg.nnodes > 1 and cfg.on_failure == "repartition":
-        raise VGraphError("--on-failure repartition needs all workers on one machine; use restart with --nnodes")
+    if cfg.nnodes > 1 and cfg.on_failure in ("repartition", "shrink"):
+        raise VGraphError(f"--on-failure {cfg.on_failure} needs all workers on one machine; use restart with "
+                          f"--nnodes")
+    if not (cfg.replicas == "auto" or (isinstance(cfg.replicas, int) and not isinstance(cfg.replicas, bool)
+                                       and cfg.replicas >= 1)):
+        raise VGraphError(f"--replicas must be a positive integer or auto, got {cfg.replicas!r}")
     if cfg.compile:
         raise VGraphError("vgraph launch does not support --compile yet")
     if cfg.pipeline not in PIPELINES:
@@ -448,7 +511,7 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
     atomic_write_text(tokenizer_path, tokenizer.to_str())
 
     target = device_target(device)
-    options = {"batch": str(cfg.batch), "micro_batches": str(micro), "replicas": "1"}  # workers run one pipeline
+    options = {"batch": str(cfg.batch), "micro_batches": str(micro), "replicas": str(cfg.replicas)}
     before, partition, after = split_pipeline(cfg.passes, cfg.fuse, options)
     run_info: dict[str, Any] = {
         "network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len, "data": data_desc,
@@ -464,21 +527,25 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
     hold = cfg.hold
     attempt = 0
     base_port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)
+    shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
     while True:
         if stop.requested:
             raise stop.interrupted(f"{run_dir}: stopped before attempt {attempt} started; continue with "
                                    f"vgraph launch {cfg.network} --out {run_dir} --resume (and the same options)")
         given = cfg.placement if attempt == 0 or cfg.on_failure == "restart" else None
+        layout = None
         if isinstance(given, (str, Path)):
-            given = read_placement(given)
+            given, layout = read_placement_layout(given)
+        if shrunk is not None:
+            given, layout = shrunk
         placement = place(source, fleet, before=before, partition=partition, after=after, target=target,
-                          batch=cfg.batch, micro_batches=micro, assignment=given)
+                          batch=cfg.batch, micro_batches=micro, assignment=given, replicas=layout)
         changes = semantic_changes(placement.graph)
         if changes:  # checkpoints carry the network as given: training another function would make them lie
             raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "
                                 f"stores the network as given: write the changed network first (vgraph optimize "
                                 f"{network_file} --passes '{cfg.passes}' -o NEW.yml) and launch NEW.yml")
-        ranks = placement.ranks
+        ranks = placement.world
         world = len(ranks)
         per_node = math.ceil(world / cfg.nnodes)
         local = list(range(cfg.node_rank * per_node, min(world, (cfg.node_rank + 1) * per_node)))
@@ -494,6 +561,8 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
             "run_dir": str(run_dir.absolute()), "network_yaml": yaml_text, "network_file": network_file,
             "pipeline_before": before, "pipeline_after": after, "target": target,
             "assignment": placement.assignment, "final_assignment": placement.final, "ranks": ranks,
+            "plan_ranks": placement.ranks, "batch_shares": placement.shares,
+            "predicted_bytes": placement.report["bytes_per_step"],
             "device": "cuda" if use_cuda else "cpu", "backend": "nccl" if nccl else "gloo",
             "stage_through_cpu": use_cuda and not nccl,
             "tokens": str(tokens_path.absolute()), "tokenizer": str(tokenizer_path.absolute()),
@@ -508,8 +577,9 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
         if lead:
             probe_port(cfg.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
         say(f"launch: {source.name} on {world} worker(s) {', '.join(ranks)} of fleet {fleet.name!r} "
-            f"({'nccl' if nccl else 'gloo'}, {micro} micro-batches {cfg.pipeline}, predicted boundary traffic "
-            f"{placement.report['cut_bytes_per_step']:,} bytes/step); attempt {attempt}")
+            f"({len(placement.rows)} replica(s), batch shares {placement.shares}; {'nccl' if nccl else 'gloo'}, "
+            f"{micro} micro-batches {cfg.pipeline}, predicted traffic {placement.report['bytes_per_step']:,.0f} "
+            f"bytes/step, all-reduce included); attempt {attempt}")
         supervisor = _Supervisor(emit, token)
         try:
             supervisor.start(job_path, local, ranks, world, cfg.master_addr, port, threads)
@@ -544,14 +614,17 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
             survivors = tuple(p for p in fleet if p.id not in lost_pnodes)
             if not survivors:
                 raise TrainingError(f"worker {described} failed and no PNode is left to re-partition onto")
-            fleet = Fleet(fleet.name, survivors, fleet.source)
+            fleet = fleet.without(lost_pnodes)
+        if cfg.on_failure == "shrink":
+            shrunk = _shrink(placement, fleet, lost_pnodes, described, cfg.batch, micro)
         result.restarts += 1
         attempt += 1
         resume = True
         hold = None
         where = ckpt.latest_checkpoint(run_dir) if lead else None
         emit(f"launch: worker {described} failed; restarting from {where or 'the last checkpoint'}"
-             f"{' on ' + ', '.join(fleet.ids) if cfg.on_failure == 'repartition' else ''}")
+             f"{' on ' + ', '.join(fleet.ids) if cfg.on_failure == 'repartition' else ''}"
+             f"{f' with {len(shrunk[1][0])} replica(s), batch shares {shrunk[1][1]}' if shrunk else ''}")
 
     if lead:
         rows = []
@@ -605,9 +678,13 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                         "per worker) or gpipe (all forwards, then all backwards)")
     p.add_argument("--placement", metavar="JSON", help="use this placement.json's assignment (VNode -> PNode, "
                    "VNodes as before fusion) instead of running the partition pass")
+    p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
+                   help="data-parallel replicas of the pipeline (default auto: the plan of least predicted step "
+                        "time, see `vgraph partition`); each replica's stage groups all-reduce gradients")
     p.add_argument("--on-failure", choices=ON_FAILURE, default="restart",
                    help="when a worker dies: restart all from the last checkpoint on the same placement "
-                        "(default), re-partition onto the surviving PNodes, or stop")
+                        "(default), re-partition onto the surviving PNodes, shrink (drop the replicas that "
+                        "lost a worker; the others share the global batch), or stop")
     p.add_argument("--max-restarts", type=_non_negative_int, default=3, metavar="N", help="default 3")
     p.add_argument("--comm-timeout", type=options.positive_float, default=300.0, metavar="S",
                    help="seconds a worker waits on a peer before failing (default 300)")
@@ -654,6 +731,7 @@ def run_launch(args: argparse.Namespace) -> int:
         log_every=args.log_every, grad_clip=args.grad_clip,
         corpus_bytes=args.corpus_bytes or D.DEFAULT_CORPUS_MAX_BYTES, progress=not args.quiet,
         micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
+        replicas=int(args.replicas) if args.replicas != "auto" else "auto",
         comm_timeout=args.comm_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port)
     from ..cli import print_result

@@ -30,6 +30,8 @@ __all__ = ["GatheredCheckpoints", "local_metric_values"]
 def local_metric_values(stages: StageRunner, costs: dict[str, torch.Tensor], scale: float) -> dict[str, Any]:
     """The network's `metrics:` entries measured on this rank (see plan.MetricSource)."""
     values: dict[str, Any] = {}
+    if stages.replica:  # replicas hold the same parameters: replica 0 reports for all
+        return values
     mine = {t.id for t in stages.tasks}
     for src in stages.plan.metrics:
         if src.task not in mine:
@@ -66,6 +68,8 @@ class GatheredCheckpoints:
         """This rank's parameters and optimizer state, unfused layout, replicas left out (CPU copies)."""
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, Any]] = {}
+        if self.stages.replica:  # data-parallel replicas are identical: replica 0's share is the checkpoint
+            return {"model": model, "optim": optim}
         for task in self.stages.tasks:
             module = self.stages.modules[task.id]
             replicas = {f"{n.id}." for n in task.graph.nodes if n.type == "weight_replica"}
@@ -147,7 +151,7 @@ class GatheredCheckpoints:
                                   f"this run has {key}={info[key]!r}; resuming must not change it"}] * self.ctrl.world
         out = []
         for r in range(self.ctrl.world):
-            keys = self.stages.plan.param_keys(r)
+            keys = self.stages.plan.param_keys(r % self.stages.plan.world_size)  # world rank -> plan rank
             missing = sorted(keys - set(state.model_state))
             if missing:
                 return [{"error": f"checkpoint {latest} has no {', '.join(missing[:4])}: it is not a checkpoint "

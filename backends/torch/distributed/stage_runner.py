@@ -46,6 +46,7 @@ class StageRunner:
         self.amp = amp  # a fresh autocast context (or nullcontext) per forward
         self.scaler = scaler
         self.cfg = cfg
+        self.replica = 0  # which data-parallel replica this rank belongs to (launch with replicas)
         self.traffic = 0  # bytes this rank sent for training since the last loss reduction
         self.tasks: list[Task] = plan.tasks_of(rank)
         self.modules: dict[str, VGraphModule] = {}
@@ -122,9 +123,13 @@ class StageRunner:
             expected[src] = rows
         return expected
 
-    def _cost_weights(self, task: Task, targets: list[torch.Tensor], sizes: Sequence[int]) -> dict[str, list[float]]:
-        """Per cost, each micro-batch's share of the batch's loss (token counts for cross-entropy)."""
-        total = sum(sizes)
+    def _cost_weights(self, task: Task, targets: list[torch.Tensor], sizes: Sequence[int],
+                      whole: torch.Tensor | None = None) -> dict[str, list[float]]:
+        """Per cost, each micro-batch's share of the batch's loss (token counts for cross-entropy).
+
+        `whole`: the targets of the global batch when this rank's replica trains on a share of it: the
+        shares are then of the global batch, so the replicas' gradients sum to the global batch's."""
+        total = sum(sizes) if whole is None else int(whole.shape[0])
         out = {}
         cost_node = {ep.name: ep.node for ep in task.graph.costs}
         for name in task.costs:
@@ -133,22 +138,26 @@ class StageRunner:
             if ce and task.graph.input_edge(node.id, 1) is None:
                 ignore = int(node.cfg.get("ignore_index", -100))
                 counts = [int((t != ignore).sum()) for t in targets]
-                if sum(counts) > 0:
-                    out[name] = [c / sum(counts) for c in counts]
+                denominator = sum(counts) if whole is None else int((whole != ignore).sum())
+                if denominator > 0:
+                    out[name] = [c / denominator for c in counts]
                     continue
             out[name] = [b / total for b in sizes]
         return out
 
     def run_round(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, sizes: Sequence[int], *,
-                  train: bool) -> dict[str, torch.Tensor]:
+                  train: bool, offset: int = 0, whole: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """One round (forward+backward of a step, or a forward-only evaluation); returns this rank's costs,
-        each the weighted sum over micro-batches (float32)."""
+        each the weighted sum over micro-batches (float32).
+
+        A replica trains on samples `offset`.. of the global batch whose targets are `whole` (dropout is
+        keyed by the global sample index, losses weighted by shares of the global batch)."""
         ops, expected = self._round(sizes, train)
         sent_before = self.transport.bytes_sent
         tokens = list(torch.split(inputs.to(self.device), list(sizes)))
         targets_mb = list(torch.split(targets.to(self.device), list(sizes)))
-        offsets = [sum(sizes[:m]) for m in range(len(sizes))]
-        weights = {t.id: self._cost_weights(t, targets_mb, sizes) for t in self.tasks}
+        offsets = [offset + sum(sizes[:m]) for m in range(len(sizes))]
+        weights = {t.id: self._cost_weights(t, targets_mb, sizes, whole) for t in self.tasks}
         costs: dict[str, torch.Tensor] = {}
         stash: dict[tuple[str, int], tuple[dict, dict]] = {}
         local: dict[tuple[str, int, int], torch.Tensor] = {}

@@ -14,6 +14,8 @@ What a worker does, per training step (every rank the same, in lockstep):
    forward of a task for a micro-batch receives boundary activations and
    sends its own; its backward receives the gradients of what it sent and
    sends those of what it received; then the tied-weight gradients;
+   with data-parallel replicas, rank r x P + s runs plan rank s of replica r on its share of the
+   global batch, and the stage groups then sum their gradients (gradient_ring.py);
 3. all-reduces [loss, squared gradient norm, non-finite flag, bytes sent] on
    the control group, so every rank takes the same decision (stop on a
    non-finite loss, skip under loss scaling, clip);
@@ -67,6 +69,7 @@ from vgraph.yamlio import loads
 
 from .. import data as D
 from .comm import ControlGroup, Transport
+from .gradient_ring import GradientRing
 from .loss_scaler import SharedLossScaler
 from .plan import make_plan, micro_batch_sizes
 from .rendezvous import rendezvous_store
@@ -133,6 +136,13 @@ class Worker:
         cfg, job = self.cfg, self.job
         if self.world != len(job["ranks"]):
             raise TrainingError(f"WORLD_SIZE is {self.world} but the placement has {len(job['ranks'])} PNodes")
+        # Data-parallel replicas: world rank = replica x P + plan rank, P = the PNodes of one replica.
+        plan_ranks = list(job.get("plan_ranks") or job["ranks"])
+        P = len(plan_ranks)
+        self.replica, self.local = divmod(self.rank, P)
+        shares = [int(x) for x in (job.get("batch_shares") or [cfg["batch"]])]
+        if P * len(shares) != self.world:
+            raise TrainingError(f"WORLD_SIZE {self.world} is not {len(shares)} replicas x {P} PNodes")
         if job["device"] == "cuda":
             self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
@@ -148,7 +158,8 @@ class Worker:
         dist.init_process_group(job["backend"], rank=self.rank, world_size=self.world, timeout=timeout, store=store)
         self.ctrl = ControlGroup(self.rank, self.world,
                                  dist.new_group(backend="gloo") if job["backend"] != "gloo" else None)
-        transport = Transport(self.device, stage_through_cpu=bool(job.get("stage_through_cpu")))
+        transport = Transport(self.device, stage_through_cpu=bool(job.get("stage_through_cpu")),
+                              offset=self.replica * P)
 
         source = loads(job["network_yaml"], file=job["network_file"])
         graph = apply_assignment(source, job["pipeline_before"], job["assignment"], job["pipeline_after"],
@@ -158,21 +169,25 @@ class Worker:
             raise TrainingError("this worker's placed graph differs from the launcher's (different vgraph "
                                 "versions or pass plugins on the machines?)")
         self.graph = graph
-        plan = make_plan(graph, final, job["ranks"])
+        plan = make_plan(graph, final, plan_ranks)
         self.dtype = compute_dtype(graph)
         precision = graph.meta.get("precision") or {}
         self.loss_scaling = bool(precision.get("loss_scaling")) and self.dtype == torch.float16
         self.amp = (lambda: torch.autocast(self.device.type, dtype=self.dtype)) if self.dtype != torch.float32 \
             else contextlib.nullcontext
         self.scaler = SharedLossScaler(self.loss_scaling, float(cfg["initial_loss_scale"]))
-        self.stages = StageRunner(plan, self.rank, self.world, self.device, transport, self.amp, self.scaler, cfg)
+        self.stages = StageRunner(plan, self.local, P, self.device, transport, self.amp, self.scaler, cfg)
+        self.stages.replica = self.replica
+        self.ring = GradientRing([r * P + self.local for r in range(len(shares))], self.replica)
 
         streams = self._load_tokens()
         self.seq_len = int(job["run_info"]["seq_len"])
         self.dataset = _TokenStreams(streams["train"], streams["val"], self.seq_len)
         self.data_gen = torch.Generator().manual_seed(int(cfg["seed"]))
         self.batch = int(cfg["batch"])
-        self.sizes = micro_batch_sizes(self.batch, int(cfg["micro_batches"]))
+        self.shares = shares
+        self.share, self.share_offset = shares[self.replica], sum(shares[:self.replica])
+        self.sizes = micro_batch_sizes(self.share, min(int(cfg["micro_batches"]), self.share))
         self.checkpoints = GatheredCheckpoints(self.ctrl, self.stages, job, self.data_gen, self.scaler,
                                                len(self.sizes), self.say)
 
@@ -194,9 +209,10 @@ class Worker:
                        "boundary_bytes", *metric_names]
             log = MetricsLog(self.run_dir, columns)
             log.restart(start)
-            self.say(f"{self.graph.name}: {len(self.graph)} VNodes on {self.world} worker(s), "
-                     f"{len(self.sizes)} micro-batch(es) of {self.sizes}; steps {start + 1}..{steps}; "
-                     f"predicted boundary traffic {self.job['predicted_cut_bytes']:,} bytes/step")
+            self.say(f"{self.graph.name}: {len(self.graph)} VNodes on {self.world} worker(s) ("
+                     f"{len(self.shares)} replica(s), batch shares {self.shares}), {len(self.sizes)} micro-batch(es) "
+                     f"of {self.sizes}; steps {start + 1}..{steps}; predicted traffic "
+                     f"{self.job.get('predicted_bytes', self.job['predicted_cut_bytes']):,} bytes/step")
         for task in self.stages.tasks:
             params = sum(p.numel() for p in self.stages.modules[task.id].parameters())
             self.say(f"task {task.id}: {len(task.graph)} VNodes, {params:,} parameters, "
@@ -215,14 +231,20 @@ class Worker:
             factor = lr_factor(step, _Schedule(cfg))
             for optim in self.stages.optims.values():
                 optim.set_factor(factor)
-            costs = self.stages.run_round(step, inputs, targets, self.sizes, train=True)
+            lo, hi = self.share_offset, self.share_offset + self.share
+            replicated = len(self.shares) > 1
+            costs = self.stages.run_round(step, inputs[lo:hi], targets[lo:hi], self.sizes, train=True, offset=lo,
+                                          whole=targets if replicated else None)
+            sent_before = self.ring.bytes_sent
+            self.ring.all_reduce(self.stages.trainable)  # replicas sum their gradients (gradient_ring.py)
+            self.stages.traffic += self.ring.bytes_sent - sent_before
             loss_local = float(sum(costs.values())) if costs else 0.0
             validate = val_every > 0 and (step % val_every == 0 or step == steps)
             save_now = step == steps or (ckpt_every > 0 and step % ckpt_every == 0)
             flush = save_now or validate or step % log_every == 0
             extras = local_metric_values(self.stages, costs, self.scaler.scale) if flush else {}
             sumsq = 0.0
-            if cfg.get("grad_clip"):
+            if cfg.get("grad_clip") and self.replica == 0:  # the summed gradients: one replica counts them
                 sumsq = float(sum(float(p.grad.double().pow(2).sum()) for p in self.stages.trainable
                                   if p.grad is not None))
             bad_grads = 0.0
@@ -319,8 +341,9 @@ class Worker:
         for i, (inputs, targets) in enumerate(self.dataset.val_batches(self.batch, self.seq_len)):
             if i >= int(self.cfg["val_batches"]):
                 break
-            costs = self.stages.run_round(0, inputs, targets, [inputs.shape[0]], train=False)
-            total += float(sum(costs.values())) * inputs.shape[0] if costs else 0.0
+            if self.replica == 0:  # replicas hold the same weights: one evaluates
+                costs = self.stages.run_round(0, inputs, targets, [inputs.shape[0]], train=False)
+                total += float(sum(costs.values())) * inputs.shape[0] if costs else 0.0
             count += inputs.shape[0]
         (total,) = self.ctrl.all_reduce([total])
         return total / max(count, 1)

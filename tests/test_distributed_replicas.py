@@ -1,0 +1,167 @@
+"""`vgraph launch` with data-parallel replicas: 2 stages x 2 replicas on four equal PNodes train like one
+process at the same global batch, the workers' bytes (ring all-reduce included) equal placement.json's
+prediction, a lost worker costs only its replica (--on-failure shrink), and two launchers on one host
+(--nnodes 2) run the replicas together.  Tiny network, few steps: these run real worker processes."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import vgraph
+from tools.gen_networks import TransformerSpec, transformer
+from vgraph.backends.torch import TrainConfig, train
+from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.distributed.launch import LaunchConfig, free_port, launch, main as launch_main
+from vgraph.backends.torch.distributed.gradient_ring import GradientRing
+from vgraph.costmodel import cost_model
+from vgraph.diagnostics import VGraphError
+
+STEPS, BATCH, MICRO, LR, SEED = 6, 8, 8, 1e-3, 5
+
+
+def tiny():
+    return transformer(TransformerSpec("tiny-replicas", layers=2, vocab=64, seq_len=16, dim=32, heads=2, ffn=64,
+                                       head_up=64, precision=None))  # fp32, dropout 0.1 on
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("replicas")
+    g = tiny()
+    vgraph.save(g, d / "net.yml")
+    # Four equal PNodes that each hold 80% of the network (with one sample's activations): a pipeline of 2
+    # stages, 2 replicas of it; with M = 8 a stage keeps 2 samples however large its share.
+    need = cost_model(g, batch=BATCH, micro_batches=MICRO).totals()["memory_bytes"]
+    (d / "fleet4.yml").write_text("name: four\npnodes:\n" + "".join(
+        f"  - {{id: w{i}, memory: {int(0.8 * need)}, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n"
+        for i in range(4)))
+    (d / "corpus.txt").write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    return d
+
+
+def common(files: Path) -> dict:
+    return dict(network=str(files / "net.yml"), data=str(files / "corpus.txt"), steps=STEPS, batch=BATCH, lr=LR,
+                seed=SEED, val_every=3, checkpoint_every=2, threads=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(files, tmp_path_factory):
+    return train(TrainConfig(**common(files), out=tmp_path_factory.mktemp("ref") / "run")).history
+
+
+def same_training(rows, ref) -> None:
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step logged exactly once
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in ref], dtype=torch.float64), rtol=1e-5, atol=0)
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    torch.testing.assert_close(torch.tensor(val), torch.tensor([r["val_loss"] for r in ref if "val_loss" in r]),
+                               rtol=1e-5, atol=0)
+
+
+def test_two_stages_by_two_replicas_train_like_one_process(files, reference, tmp_path):
+    result = launch(LaunchConfig(**common(files), out=tmp_path / "run", fleet=str(files / "fleet4.yml"),
+                                 micro_batches=MICRO, replicas=2))
+    pl = result.placement
+    assert pl["replicas"] == 2 and len(pl["replica_pnodes"][0]) == 2 and sorted(pl["batch_shares"]) == [4, 4]
+    assert sorted(result.attempts[0]["ranks"]) == ["w0", "w1", "w2", "w3"]
+    same_training(result.history, reference)
+    # Bytes the workers counted (boundary tensors both ways, ring all-reduce) == the prediction, every step.
+    assert pl["allreduce_bytes_per_step"] > 0
+    assert {r["boundary_bytes"] for r in result.history} == {pl["bytes_per_step"]}
+    saved = json.loads((tmp_path / "run" / "placement.json").read_text())
+    assert saved["replica_pnodes"] == pl["replica_pnodes"] and saved["step_seconds"] == pl["step_seconds"]
+
+
+def run_and_kill(config: LaunchConfig, victim: str):
+    import os
+    import signal
+    import time
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = launch(config)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    launch_dir = Path(config.out) / "launch"
+    deadline = time.monotonic() + 180
+    while not (launch_dir / f"held-{victim}").exists():
+        assert thread.is_alive() and time.monotonic() < deadline, box.get("error")
+        time.sleep(0.02)
+    pid = json.loads((launch_dir / "workers.json").read_text())["pids"][victim]
+    time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)
+    thread.join(timeout=240)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def test_a_lost_worker_costs_its_replica_not_the_run(files, reference, tmp_path):
+    probe = launch(LaunchConfig(**{**common(files), "steps": 0}, out=tmp_path / "probe",
+                                fleet=str(files / "fleet4.yml"), micro_batches=MICRO, replicas=2))
+    rows = probe.placement["replica_pnodes"]
+    victim = rows[1][-1]
+    config = LaunchConfig(**common(files), out=tmp_path / "run", fleet=str(files / "fleet4.yml"),
+                          micro_batches=MICRO, replicas=2, hold=(victim, 3), on_failure="shrink")
+    result = run_and_kill(config, victim)
+    first, second = result.attempts
+    assert first["lost"] == [victim] and not first["ok"] and second["ok"]
+    assert sorted(second["ranks"]) == sorted(rows[0])  # the survivors: replica 0's PNodes
+    assert result.placement["replicas"] == 1 and result.placement["batch_shares"] == [BATCH]
+    same_training(result.history, reference)  # from the step-2 checkpoint, global batch kept, nothing twice
+
+
+def test_two_launchers_on_one_host_run_the_replicas_together(files, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", "replicas-test-secret")  # several machines share a secret
+    port = free_port()
+    results: dict = {}
+
+    def node(rank: int) -> None:
+        try:
+            results[rank] = launch(LaunchConfig(
+                **common(files), out=tmp_path / f"node{rank}", fleet=str(files / "fleet4.yml"), micro_batches=MICRO,
+                replicas=2, nnodes=2, node_rank=rank, master_port=port))
+        except BaseException as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(isinstance(r, BaseException) for r in results.values()), results
+    lead = results[0]
+    assert lead.placement["replicas"] == 2
+    same_training(lead.history, reference)
+    assert {r["boundary_bytes"] for r in lead.history} == {lead.placement["bytes_per_step"]}
+
+
+def test_replica_options_are_checked(files, tmp_path, capsys):
+    for bad in ("0", "-1", "two", "", "1e3"):
+        with pytest.raises(SystemExit) as exc:
+            launch_main(["launch", str(files / "net.yml"), "--fleet", str(files / "fleet4.yml"), "--replicas", bad,
+                         "--out", str(tmp_path / "x")])
+        assert exc.value.code == 2 and "--replicas" in capsys.readouterr().err
+    with pytest.raises(VGraphError, match="replicas must be"):
+        launch(LaunchConfig(**common(files), out=tmp_path / "y", fleet=str(files / "fleet4.yml"), replicas=0))
+    with pytest.raises(VGraphError, match="shrink needs all workers on one machine"):
+        launch(LaunchConfig(**common(files), out=tmp_path / "z", fleet=str(files / "fleet4.yml"), nnodes=2,
+                            on_failure="shrink"))
+    assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
+
+
+def test_ring_all_reduce_of_one_member_is_nothing():
+    ring = GradientRing([0], 0)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    ring.all_reduce([p])
+    assert p.grad.tolist() == [2.0, 2.0, 2.0] and ring.bytes_sent == 0
