@@ -93,3 +93,19 @@ def test_training_after_the_non_preserving_swap_keeps_its_checkpoints_honest(geg
     assert "PASS" in ok(vgraph(["check-onnx", run / "network.yml", "--checkpoint", run], site, cwd=d)).stdout
     refused = vgraph(["export-onnx", TINY_FP32, "--checkpoint", run, "-o", d / "x.onnx"], site, cwd=d)
     assert refused.returncode == 2 and "head_swiglu_geglu" in refused.stderr and not (d / "x.onnx").exists()
+
+
+def test_a_run_names_the_plugin_files_a_later_command_needs(work):
+    d = work
+    plugin = d / "double_only.py"
+    plugin.write_text(DOUBLE)
+    net = d / "double.yml"
+    net.write_text(TINY_FP32.read_text().replace("type: gelu", "type: double"))
+    run = d / "doubled"
+    ok(vgraph(["train", net, "--plugin", plugin, "--data", d / "corpus.txt", "--out", run, *TRAIN], cwd=d))
+    assert json.loads((run / "run.json").read_text())["plugins"] == [str(plugin.resolve())]
+    refused = vgraph(["generate", run, "--max-new-tokens", "2"], cwd=d)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "unknown node type 'double'" in refused.stderr
+    assert f"the run was trained with --plugin {plugin.resolve()}" in refused.stderr
+    ok(vgraph(["generate", run, "--plugin", plugin, "--max-new-tokens", "2"], cwd=d))

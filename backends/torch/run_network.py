@@ -22,9 +22,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from vgraph.diagnostics import Diagnostic, VGraphError
 from vgraph.ir import Graph
 from vgraph.network_match import NetworkMismatch, difference, require_match
 from vgraph.pipeline import build_pipeline
+from vgraph.plugins import shown
 from vgraph.yamlio import dumps, loads
 
 from .train_config import TrainingError
@@ -45,8 +47,17 @@ def preserving_spec(spec: str | None) -> str | None:
     return ",".join(p.spec() for p in build_pipeline(spec) if p.preserves_semantics)
 
 
-def definition_graph(yaml_text: str, where: str) -> Graph:
-    return loads(yaml_text, file=where)
+def definition_graph(yaml_text: str, where: str, run: Mapping[str, Any] | None = None) -> Graph:
+    """A stored network, loaded; if it fails (an op type nobody registered), say which plugin files the run had."""
+    try:
+        return loads(yaml_text, file=where)
+    except VGraphError as exc:
+        files = (run or {}).get("plugins") or []
+        if not files:
+            raise
+        raise VGraphError(exc.diagnostics + [Diagnostic(
+            f"the run was trained with --plugin {' --plugin '.join(map(shown, files))}: give the same "
+            f"plugin files to this command", severity="warning")]) from None
 
 
 def passes_for_definition(run: Mapping[str, Any]) -> str | None:
@@ -64,7 +75,7 @@ def check_resumed_network(saved_yaml: str | None, saved_run: Mapping[str, Any], 
     """
     if not saved_yaml or saved_yaml == yaml_text:
         return None
-    trained = definition_graph(saved_yaml, f"{checkpoint}/network.yml")
+    trained = definition_graph(saved_yaml, f"{checkpoint}/network.yml", saved_run)
     given = definition_graph(yaml_text, str(network))
     why = difference(trained, given)
     if why is None:

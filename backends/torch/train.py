@@ -55,7 +55,7 @@ from .metrics_log import MetricsLog, metric_columns, metric_values, progress_bar
 from .node_optimizers import NodeOptimizers, lr_factor
 from .run_checkpoints import TrainingState, resume_run, save_run_checkpoint
 from .run_files import atomic_write_text
-from .run_network import check_finite, passes_for_definition, require_match
+from .run_network import check_finite, definition_graph, passes_for_definition, require_match
 from .train_config import TrainConfig, TrainingError, TrainResult
 from .train_step import LossCheck, PendingLoss, TrainStep
 from .training_data import build_tokenizer, char_tokenizer
@@ -256,7 +256,7 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
     torch_device = resolve_device(device)
     run = state.extra.get("run") or {}
     check_finite(state.model_state, target)
-    source = loads(yaml_text, file=f"{target}/network.yml")
+    source = definition_graph(yaml_text, f"{target}/network.yml", run)
     stored = Path(path) / "network.yml"
     if stored.is_file() and stored.read_text(encoding="utf-8") != yaml_text:  # a run directory was given
         require_match(source, loads(stored.read_text(encoding="utf-8"), file=str(stored)),

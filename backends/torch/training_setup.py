@@ -25,6 +25,7 @@ from vgraph.diagnostics import Diagnostic, VGraphError
 from vgraph.ir import Graph
 from vgraph.network_match import fingerprint
 from vgraph.pipeline import semantic_changes
+from vgraph.plugins import loaded_files
 from vgraph.yamlio import dumps, load
 
 from . import checkpoint as ckpt
@@ -206,7 +207,8 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
                 "data": data.description, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
                 "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "precision": precision,
                 "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
-                "semantic_changes": changes, "network_fingerprint": fingerprint(graph)}
+                "semantic_changes": changes, "network_fingerprint": fingerprint(graph),
+                "plugins": loaded_files()}  # named (never loaded) when a later command lacks them
     return RunSetup(device, source, yaml_text, graph, seq_len, precision, dtype, loss_scaling, run_dir, latest,
                     data, run_info)
 
