@@ -20,6 +20,8 @@ from vgraph.backends.torch.distributed.gradient_ring import GradientRing
 from vgraph.costmodel import cost_model
 from vgraph.diagnostics import VGraphError
 
+from test_distributed import run_and_kill  # SIGKILLs a held worker from here: one helper for both
+
 STEPS, BATCH, MICRO, LR, SEED = 6, 8, 8, 1e-3, 5
 
 
@@ -74,35 +76,6 @@ def test_two_stages_by_two_replicas_train_like_one_process(files, reference, tmp
     assert {r["boundary_bytes"] for r in result.history} == {pl["bytes_per_step"]}
     saved = json.loads((tmp_path / "run" / "placement.json").read_text())
     assert saved["replica_pnodes"] == pl["replica_pnodes"] and saved["step_seconds"] == pl["step_seconds"]
-
-
-def run_and_kill(config: LaunchConfig, victim: str):
-    import os
-    import signal
-    import time
-
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = launch(config)
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    launch_dir = Path(config.out) / "launch"
-    deadline = time.monotonic() + 180
-    while not (launch_dir / f"held-{victim}").exists():
-        assert thread.is_alive() and time.monotonic() < deadline, box.get("error")
-        time.sleep(0.02)
-    pid = json.loads((launch_dir / "workers.json").read_text())["pids"][victim]
-    time.sleep(0.2)
-    os.kill(pid, signal.SIGKILL)
-    thread.join(timeout=240)
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
 
 
 def test_a_lost_worker_costs_its_replica_not_the_run(files, reference, tmp_path):
@@ -165,3 +138,20 @@ def test_ring_all_reduce_of_one_member_is_nothing():
     p.grad = torch.full((3,), 2.0)
     ring.all_reduce([p])
     assert p.grad.tolist() == [2.0, 2.0, 2.0] and ring.bytes_sent == 0
+
+
+def test_a_placement_file_with_replicas_is_read_or_refused(tmp_path):
+    from vgraph.backends.torch.distributed.launch import read_placement_layout
+
+    good = {"assignment": {"a": "w0", "b": "w1"}, "replica_pnodes": [["w0", "w1"], ["w2", "w3"]],
+            "batch_shares": [5, 3]}
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps(good))
+    assert read_placement_layout(path) == (good["assignment"], (good["replica_pnodes"], [5, 3]))
+    path.write_text(json.dumps({**good, "replica_pnodes": [["w0", "w1"]], "batch_shares": [8]}))
+    assert read_placement_layout(path) == (good["assignment"], None)  # one replica: the assignment says it all
+    for bad in ({"batch_shares": [5]}, {"batch_shares": [5, "3"]}, {"replica_pnodes": [["w0"], [3]]},
+                {"batch_shares": None}):
+        path.write_text(json.dumps({**good, **bad}))
+        with pytest.raises(VGraphError, match="not a placement"):
+            read_placement_layout(path)

@@ -114,3 +114,9 @@ def test_generated_fleets_round_trip_through_the_format(n, seed, world):
         [(p.id, p.memory, p.region, p.accelerator) for p in fleet]
     for p, q in zip(fleet.pnodes[:5], again.pnodes[-5:]):
         assert again.link(again.pnode(p.id), q) == pytest.approx(fleet.link(p, fleet.pnode(q.id)), rel=1e-5)
+
+
+@given(st.floats(0, 3600, allow_nan=False), st.sampled_from([("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("", 1.0)]))
+def test_latency_round_trips(value, unit):
+    name, scale = unit
+    assert parse_latency(f"{value!r}{name}") == pytest.approx(value * scale, rel=1e-12, abs=1e-300)

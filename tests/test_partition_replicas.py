@@ -184,3 +184,40 @@ def test_analyze_shows_the_plan(held_out, weak8, tmp_path, capsys):
     assert main(["analyze", str(net), "--fleet", str(fleet), "--json", "--replicas", "2"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["plan"]["replicas"] == 2 and doc["plan"]["step_seconds"] > 0
+
+
+def test_replicated_parts_stitch_back_to_the_network(held_out, weak8, tmp_path):
+    from vgraph.partition_export import export_partition, load_parts, stitch
+
+    g = held_out.copy()
+    run_pipeline(g, "partition{batch=8,micro_batches=8}", data={"fleet": weak8})
+    assert g.meta["placement"]["replicas"] >= 2
+    export_partition(g, weak8, tmp_path / "out")
+    parts, placement = load_parts(tmp_path / "out")
+    assert set(parts) == set(placement["replica_pnodes"][0])
+    whole = stitch(parts, placement)
+    assert sorted(whole.node_ids()) == sorted(held_out.node_ids())
+
+
+def test_analyze_says_when_no_plan_fits(tmp_path, capsys):
+    fleet = tmp_path / "f.yml"
+    fleet.write_text("pnodes:\n  - {id: tiny, memory: 1KiB, flops: 1T, bandwidth: 1Gbit/s}\n")
+    assert main(["analyze", str(TINY), "--fleet", str(fleet)]) == 0
+    out = capsys.readouterr().out
+    assert "no plan on fleet 'f':" in out and "needs" in out
+
+
+def test_gen_fleet_writes_a_fleet_and_refuses_bad_arguments(tmp_path, capsys):
+    from tools.gen_fleet import main as gen_main
+    from vgraph.fleet import load_fleet
+
+    out = tmp_path / "world.yml"
+    assert gen_main(["16", "-o", str(out), "--world", "--seed", "2"]) == 0
+    fleet = load_fleet(out)
+    assert len(fleet) == 16 and len(fleet.links.regions) == 8 and len(fleet.links.pairs) == 28
+    assert not list(tmp_path.glob(".*.tmp"))  # written through a temporary file
+    for bad in (["0", "-o", str(out)], ["2000000", "-o", str(out)], ["4", "-o", str(tmp_path)], ["x", "-o", "y"]):
+        with pytest.raises(SystemExit) as exc:
+            gen_main(bad)
+        assert exc.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err

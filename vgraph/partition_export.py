@@ -348,13 +348,16 @@ def _files_of_earlier_partition(out: Path) -> set[str]:
 
 
 def load_parts(directory: str | Path) -> tuple[dict[str, Graph], dict]:
-    """The parts and placement.json of an exported directory."""
+    """The parts and placement.json of an exported directory (of replica 0 when the plan has replicas:
+    every replica's parts are the same network on other PNodes)."""
     from .yamlio import load
 
     d = Path(directory)
     try:
         placement = json.loads(read_input(d / PLACEMENT_FILE, what="placement.json"))
-        parts = {pid: load(d / f"{pid}.yml") for pid, info in placement["pnodes"].items() if info["vnodes"]}
+        first = set((placement.get("replica_pnodes") or [[]])[0]) if placement.get("replicas", 1) > 1 else None
+        parts = {pid: load(d / f"{pid}.yml") for pid, info in placement["pnodes"].items()
+                 if info["vnodes"] and (first is None or pid in first)}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise VGraphError(f"{printable(d / PLACEMENT_FILE)}: not a placement: {printable(exc, 200)}") from None
     return parts, placement
