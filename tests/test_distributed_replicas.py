@@ -155,3 +155,15 @@ def test_a_placement_file_with_replicas_is_read_or_refused(tmp_path):
         path.write_text(json.dumps({**good, **bad}))
         with pytest.raises(VGraphError, match="not a placement"):
             read_placement_layout(path)
+
+
+def test_unequal_replicas_train_on_unequal_shares_like_one_process(files, reference, tmp_path):
+    """One PNode four times slower than the others: its replica takes less of the global batch."""
+    text = (files / "fleet4.yml").read_text().replace("flops: 1G", "flops: 2G", 3).replace("flops: 1G", "flops: 500M")
+    (tmp_path / "mixed.yml").write_text(text.replace("name: four", "name: mixed"))
+    result = launch(LaunchConfig(**common(files), out=tmp_path / "run", fleet=str(tmp_path / "mixed.yml"),
+                                 micro_batches=MICRO, replicas=2))
+    shares = result.placement["batch_shares"]
+    assert sum(shares) == BATCH and len(set(shares)) == 2
+    same_training(result.history, reference)
+    assert {r["boundary_bytes"] for r in result.history} == {result.placement["bytes_per_step"]}
