@@ -144,7 +144,8 @@ def replace(graph: Graph, old: Iterable[VNode | str], new: Sequence[NewNode],
         graph.node(node_id)  # KeyError names an unknown node
     pairs = outputs.items() if isinstance(outputs, Mapping) else (outputs or ())
     wanted = {_old_output(k, gone): v for k, v in pairs}
-    why = _orphans(graph, old_ids, gone, wanted, new)
+    outs = {node_id: graph.out_edges(node_id) for node_id in old_ids}
+    why = _orphans(graph, old_ids, outs, gone, wanted, new)
     if why is not None:
         return Reject(why)
     ids = _assign_ids(graph, new, gone)
@@ -152,14 +153,17 @@ def replace(graph: Graph, old: Iterable[VNode | str], new: Sequence[NewNode],
     plan = [[_resolve(graph, src, gone, ids) for src in n.inputs] for n in new]
     targets = {key: _resolve(graph, src, gone, ids) for key, src in wanted.items()}
     readers = [(e, targets[(e.src, e.src_slot)])
-               for node_id in old_ids for e in graph.out_edges(node_id) if e.dst not in gone]
+               for node_id in old_ids for e in outs[node_id] if e.dst not in gone]
     endpoints = [(eps, i, targets[(ep.node, ep.slot)]) for eps in graph.endpoints.values()
                  for i, ep in enumerate(eps) if (ep.node, ep.slot) in wanted]
     for reader, target in readers + [(eps[i], t) for eps, i, t in endpoints]:
         if target is None:
             raise ReplaceError(f"{reader} would read nothing: map it to a value, not to an unconnected input")
-    for node_id in old_ids:  # an edge between two old nodes is seen twice: remove it once
-        for e in {e: None for e in graph.in_edges(node_id) + graph.out_edges(node_id)}:
+    for node_id in old_ids:  # an edge between two old nodes is an out-edge of one and an in-edge of another
+        for e in outs[node_id]:
+            graph.remove_edge(e)
+    for node_id in old_ids:
+        for e in graph.in_edges(node_id):  # those from outside (the others went above)
             graph.remove_edge(e)
     for eps, i, target in endpoints:
         ep = eps[i]
@@ -187,15 +191,15 @@ def _old_output(key: OldOutput, gone: set[str]) -> tuple[str, int]:
     return node_id, slot
 
 
-def _orphans(graph: Graph, old_ids: list[str], gone: set[str], wanted: Mapping[tuple[str, int], Source],
-             new: Sequence[NewNode]) -> str | None:
+def _orphans(graph: Graph, old_ids: list[str], outs: Mapping[str, list], gone: set[str],
+             wanted: Mapping[tuple[str, int], Source], new: Sequence[NewNode]) -> str | None:
     """Why the replacement would lose something a reader outside it needs (None: nothing)."""
     published = {n.config.get("shared_weight_alias") for n in new}
     for node_id in old_ids:
         node = graph.node(node_id)
         if node.input_shapes is not None or node.output_shapes is not None:
             return f"'{node_id}' declares input/output shapes, which the replacement would lose"
-        for e in graph.out_edges(node_id):
+        for e in outs[node_id]:
             if e.dst not in gone and (node_id, e.src_slot) not in wanted:
                 slot = f" (output {e.src_slot})" if e.src_slot else ""
                 return f"'{node_id}'{slot} also feeds '{e.dst}'"

@@ -150,7 +150,7 @@ def _match(graph: Graph, pat: Pat, node: VNode, m: Match, collect: str | None,
                 return NoMatch(f"{pat.name!r} would be both '{bound.id}' and '{node.id}'",  # type: ignore
                                node.id)
             m.bindings[pat.name] = node
-    if node not in m.nodes:
+    if all(n is not node for n in m.nodes):  # identity: VNode equality compares whole configs
         m.nodes.append(node)
     if isinstance(pat.inputs, Each):
         count = graph.num_inputs(node.id)
