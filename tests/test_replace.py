@@ -27,7 +27,7 @@ def dags(draw):
     old = draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n).map(sorted))
     mapped = draw(st.booleans())  # map every outside reader, or a random subset
     keep = draw(st.sets(st.sampled_from([f"n{i}" for i in old])))
-    return g, [f"n{i}" for i in old], mapped, keep
+    return g, [f"n{i}" for i in old], mapped, keep, draw(st.booleans())
 
 
 def outside_readers(g: Graph, gone: set[str]) -> dict[str, list]:
@@ -63,7 +63,7 @@ def is_convex(g: Graph, gone: set[str]) -> bool:
 @settings(max_examples=200, deadline=None)
 @given(dags())
 def test_replacing_random_subgraphs(case):
-    g, old, mapped, keep = case
+    g, old, mapped, keep, chained = case
     g.nx  # build the networkx view first: it must be kept in step
     gone = set(old)
     readers = outside_readers(g, gone)
@@ -73,8 +73,9 @@ def test_replacing_random_subgraphs(case):
     feeds = [(o, s) for o in old for s in range(g.num_inputs(o))
              if (e := g.input_edge(o, s)) is None or e.src not in gone]
     new = NewNode("stack", "fused", {}, [reads(o, s) for o, s in feeds])
+    last = NewNode("relu", "fused_out", {}, [new[0]]) if chained else new  # new nodes may read each other
     wanted = [o for o in old if mapped or o in keep]
-    result = replace(g, old, [new], {o: new[0] for o in wanted})
+    result = replace(g, old, [new, last] if chained else [new], {o: last[0] for o in wanted})
     orphaned = [o for o in old if readers[o] and o not in wanted]
     if orphaned:
         assert isinstance(result, Reject)
@@ -82,10 +83,13 @@ def test_replacing_random_subgraphs(case):
         assert g == before and list(g.node_ids()) == order  # refused: nothing changed
         return
     assert not isinstance(result, Reject), result
-    assert result == {"removed": len(old), "created": 1}
+    assert result == {"removed": len(old), "created": 2 if chained else 1}
     assert_use_def_consistent(g)
-    assert not gone & set(g.node_ids()) and "fused" in g
-    assert [n for n in g.node_ids() if n != "fused"] == [n for n in order if n not in gone]
+    created = ["fused", "fused_out"] if chained else ["fused"]
+    assert not gone & set(g.node_ids()) and list(g.node_ids())[-len(created):] == created
+    assert [n for n in g.node_ids() if n not in created] == [n for n in order if n not in gone]
+    if chained:
+        assert g.input_edge("fused_out", 0).src == "fused"
     for slot, (o, s) in enumerate(feeds):  # the new node reads what the old nodes read
         was = before.input_edge(o, s)
         now = g.input_edge("fused", slot)
@@ -93,9 +97,9 @@ def test_replacing_random_subgraphs(case):
     for o in old:  # every outside reader now reads the new node
         for r in readers[o]:
             if isinstance(r, tuple):
-                assert g.input_edge(*r).src == "fused"
+                assert g.input_edge(*r).src == created[-1]
             else:
-                assert next(ep for ep in g.iter_endpoints() if ep.name == r).node == "fused"
+                assert next(ep for ep in g.iter_endpoints() if ep.name == r).node == created[-1]
     if convex:
         assert g.is_acyclic()
 
@@ -103,7 +107,7 @@ def test_replacing_random_subgraphs(case):
 @settings(max_examples=100, deadline=None)
 @given(dags())
 def test_rebuilding_a_node_keeps_its_place_and_its_readers(case):
-    g, old, _, _ = case
+    g, old, *_ = case
     target = old[0]
     order = list(g.node_ids())
     readers = outside_readers(g, {target})[target]
