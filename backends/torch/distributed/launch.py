@@ -73,7 +73,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from vgraph.diagnostics import VGraphError
+from vgraph.diagnostics import VGraphError, quote
+from vgraph.safeio import read_input
 from vgraph.fleet import Fleet, resolve_fleet
 from vgraph.ir import Graph
 from vgraph.partition_export import assignment_of, placement_report
@@ -83,6 +84,7 @@ from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, 
 
 from .. import checkpoint as ckpt
 from .. import data as D
+from .comm_choice import COMM_MODES, choose_comm
 from .plan import PIPELINES
 from .rendezvous import TOKEN_ENV, check_token, free_port, probe_port
 from .worker import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, apply_assignment
@@ -117,6 +119,7 @@ class LaunchConfig(TrainConfig):
     master_port: int | None = None  # default: a free port (one machine), 29500 (several)
     placement: dict[str, str] | str | Path | None = None  # VNode -> PNode, or a placement.json: no partition pass
     hold: tuple[str, int] | None = None  # test hook: the worker of PNode [0] stops after step [1] (1st attempt)
+    comm: str = "auto"  # auto | gloo | nccl-on-gloo (test hook: the nccl path's code over gloo), comm_choice.py
     log: Callable[[str], None] | None = None  # where status and worker lines go (default stderr)
 
 
@@ -227,7 +230,7 @@ def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: st
 def read_placement_layout(path: str | Path) -> tuple[dict[str, str], tuple[list[list[str]], list[int]] | None]:
     """The assignment of a placement.json and, when it plans replicas, (replica_pnodes, batch_shares)."""
     assignment = read_placement(path)
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    data = json.loads(read_input(path, what="placement.json"))
     rows, shares = (data.get("replica_pnodes"), data.get("batch_shares")) if isinstance(data, dict) else (None, None)
     if not rows or len(rows) < 2:
         return assignment, None
@@ -256,12 +259,12 @@ def _shrink(placement: Placement, fleet: Fleet, lost: list[str], described: str,
 def read_placement(path: str | Path) -> dict[str, str]:
     """The `assignment` of a placement.json (as `vgraph partition` and `vgraph launch` write)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(read_input(path, what="placement.json"))  # a regular file of bounded size
         assignment = data["assignment"] if isinstance(data, dict) and "assignment" in data else data
         if not isinstance(assignment, dict) or not all(isinstance(v, str) for v in assignment.values()):
             raise ValueError("expected {'assignment': {vnode: pnode}}")
-    except (OSError, ValueError, KeyError) as exc:
-        raise VGraphError(f"{path}: not a placement: {exc}") from None
+    except (ValueError, KeyError) as exc:
+        raise VGraphError(f"{path}: not a placement: {quote(str(exc), 200)}") from None
     return assignment
 
 
@@ -422,6 +425,8 @@ def _validate(cfg: LaunchConfig) -> None:
         raise TrainingError(f"--steps must be >= 0 and --batch >= 1 (got {cfg.steps}, {cfg.batch})")
     if cfg.schedule not in ("constant", "cosine"):
         raise TrainingError(f"--schedule must be constant or cosine, not {cfg.schedule!r}")
+    if cfg.comm not in COMM_MODES:
+        raise VGraphError(f"comm must be one of {', '.join(COMM_MODES)}, not {cfg.comm!r}")
     if cfg.on_failure not in ON_FAILURE:
         raise VGraphError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {cfg.on_failure!r}")
     if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
@@ -549,8 +554,8 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
         world = len(ranks)
         per_node = math.ceil(world / cfg.nnodes)
         local = list(range(cfg.node_rank * per_node, min(world, (cfg.node_rank + 1) * per_node)))
-        use_cuda = device.type == "cuda"
-        nccl = use_cuda and len(local) <= torch.cuda.device_count() and torch.distributed.is_nccl_available()
+        comm = choose_comm(device.type, len(local), torch.cuda.device_count() if device.type == "cuda" else 0,
+                           torch.distributed.is_nccl_available(), cfg.comm)
         threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
         info = dict(run_info, precision=dict(placement.graph.meta.get("precision") or {}),
                     launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": micro, "attempt": attempt})
@@ -563,8 +568,7 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
             "assignment": placement.assignment, "final_assignment": placement.final, "ranks": ranks,
             "plan_ranks": placement.ranks, "batch_shares": placement.shares,
             "predicted_bytes": placement.report["bytes_per_step"],
-            "device": "cuda" if use_cuda else "cpu", "backend": "nccl" if nccl else "gloo",
-            "stage_through_cpu": use_cuda and not nccl,
+            **comm.job_fields(),  # device, backend, stage_through_cpu, control_group
             "tokens": str(tokens_path.absolute()), "tokenizer": str(tokenizer_path.absolute()),
             "run_info": info, "predicted_cut_bytes": placement.report["cut_bytes_per_step"], "attempt": attempt,
             "hold": ({"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None),
@@ -577,7 +581,7 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
         if lead:
             probe_port(cfg.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
         say(f"launch: {source.name} on {world} worker(s) {', '.join(ranks)} of fleet {fleet.name!r} "
-            f"({len(placement.rows)} replica(s), batch shares {placement.shares}; {'nccl' if nccl else 'gloo'}, "
+            f"({len(placement.rows)} replica(s), batch shares {placement.shares}; {comm.describe()}, "
             f"{micro} micro-batches {cfg.pipeline}, predicted traffic {placement.report['bytes_per_step']:,.0f} "
             f"bytes/step, all-reduce included); attempt {attempt}")
         supervisor = _Supervisor(emit, token)

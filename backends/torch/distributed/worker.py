@@ -69,6 +69,7 @@ from vgraph.yamlio import loads
 
 from .. import data as D
 from .comm import ControlGroup, Transport
+from .comm_choice import worker_device
 from .gradient_ring import GradientRing
 from .loss_scaler import SharedLossScaler
 from .plan import make_plan, micro_batch_sizes
@@ -143,11 +144,10 @@ class Worker:
         shares = [int(x) for x in (job.get("batch_shares") or [cfg["batch"]])]
         if P * len(shares) != self.world:
             raise TrainingError(f"WORLD_SIZE {self.world} is not {len(shares)} replicas x {P} PNodes")
-        if job["device"] == "cuda":
-            self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        self.device = worker_device(job["device"], self.local_rank,
+                                    torch.cuda.device_count() if job["device"] == "cuda" else 0)
+        if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
         torch.set_num_threads(int(cfg["threads"]))
         if cfg.get("deterministic"):
             use_deterministic_kernels()
@@ -157,7 +157,8 @@ class Worker:
         store = None if os.environ.get("TORCHELASTIC_RUN_ID") else rendezvous_store(self.rank, self.world, timeout)
         dist.init_process_group(job["backend"], rank=self.rank, world_size=self.world, timeout=timeout, store=store)
         self.ctrl = ControlGroup(self.rank, self.world,
-                                 dist.new_group(backend="gloo") if job["backend"] != "gloo" else None)
+                                 dist.new_group(backend="gloo") if job.get("control_group", job["backend"] != "gloo")
+                                 else None)
         transport = Transport(self.device, stage_through_cpu=bool(job.get("stage_through_cpu")),
                               offset=self.replica * P)
 
