@@ -189,6 +189,18 @@ def test_optimize_refuses_to_overwrite_its_input(tmp_path: Path, capsys) -> None
         check_output(tmp_path)
 
 
+@pytest.mark.parametrize("device", ["/dev/null", "/dev/zero"])
+def test_an_output_that_is_a_device_is_refused_not_replaced(device: str, capsys) -> None:
+    before = os.stat(device)
+    for command in (["optimize", str(TINY), "-o", device], ["render", str(TINY), "-o", device]):
+        assert main(command) == 2
+        assert "not a regular file" in capsys.readouterr().err
+    after = os.stat(device)
+    assert stat.S_ISCHR(after.st_mode) and after.st_ino == before.st_ino
+    with pytest.raises(VGraphError, match="not a regular file"):
+        atomic_write(device, "x")
+
+
 def test_partition_refuses_a_part_that_would_replace_the_network(tmp_path: Path, capsys, monkeypatch) -> None:
     net = tmp_path / "big.yml"
     net.write_text(TINY.read_text())

@@ -142,3 +142,20 @@ def test_first_interrupt_stops_every_worker_after_one_step_with_a_checkpoint(tmp
     step = load_checkpoint(latest_checkpoint(out)).step
     assert step >= 2
     assert launch_main([*args, "--steps", str(step + 1), "--resume"]) == 0
+
+
+@pytest.mark.parametrize("placement", ["/dev/zero", "fifo", "dir", "binary"])
+def test_a_placement_that_is_not_a_json_file_is_a_diagnostic(placement: str, tmp_path: Path, capsys) -> None:
+    import os
+
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text(FLEET)
+    path = {"/dev/zero": Path("/dev/zero"), "dir": tmp_path}.get(placement, tmp_path / "placement.json")
+    if placement == "fifo":
+        os.mkfifo(path)
+    elif placement == "binary":
+        path.write_bytes(b"\xff\xfe{")
+    code = launch_main(["launch", str(TINY), "--fleet", str(fleet), "--placement", str(path), "--steps", "1",
+                        "--out", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and str(path) in err and "Traceback" not in err

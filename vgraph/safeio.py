@@ -53,6 +53,7 @@ def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike 
         raise VGraphError(f"{what}: the path is empty")
     if out.is_dir():
         raise VGraphError(f"{printable(str(out))}: {what} is a directory; give a file name")
+    _refuse_special(out)
     for given in inputs:
         if given is None:
             continue
@@ -73,6 +74,18 @@ def same_file(a: Path, b: Path) -> bool:
             return False
 
 
+def _refuse_special(target: Path) -> None:
+    """An existing output that is a device, FIFO or socket (`-o /dev/null`, `-o /dev/zero`) is
+    refused: renaming over it would replace the device node itself."""
+    try:
+        st = target.stat()
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        raise VGraphError(f"{printable(str(target))}: not a regular file (a device, FIFO or socket); "
+                          f"refusing to replace it")
+
+
 def atomic_write(path: str | os.PathLike, data: bytes | str, *, make_parents: bool = True,
                  durable: bool = True) -> Path:
     """Write `data` to `path` so that a reader sees the old file or the whole new one, never a part.
@@ -89,6 +102,7 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, make_parents: bo
     shown = printable(str(target))
     if target.is_dir():
         raise VGraphError(f"{shown}: is a directory; cannot write a file there")
+    _refuse_special(target)
     try:
         if make_parents:
             target.parent.mkdir(parents=True, exist_ok=True)
