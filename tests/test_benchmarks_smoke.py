@@ -1,0 +1,90 @@
+"""Every benchmark script runs on its smallest setting and prints its table.
+
+Benchmarks are not run by CI for their numbers (those go into BENCHMARKS.md, measured on a quiet
+machine), but a benchmark that no longer runs is found out only when someone needs it.  Here each
+script in benchmarks/ (and gpu_check.sh, on the CPU) runs once with the settings below, in a fresh
+process, writing nothing into the checkout, and must exit 0 and print a table.  A new benchmark script
+must add its smallest setting here: the test fails for a script it does not know.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+BENCH = ROOT / "benchmarks"
+TINY_FP32 = str(ROOT / "tests" / "fixtures" / "tiny_1l_fp32.yml")  # the scripts run in a scratch directory
+
+# The smallest setting of each script: tiny networks, one round, no warmup, one thread.  {tmp} is a
+# scratch directory for anything a script writes.
+SMOKE: dict[str, list[str] | None] = {
+    "bench_passes.py": ["--sizes", "200", "--repeat", "1"],
+    "bench_load.py": ["--sizes", "200", "--no-pyyaml"],
+    "bench_partition.py": ["--repeat", "1", "--no-100k", "--ilp-limit", "5", "--only", "time"],
+    "bench_fleet_scale.py": ["--sizes", "10", "--seeds", "1", "--plot", "{tmp}/fleet_scale.png"],
+    "bench_dropout.py": ["--batch", "2", "--seq", "16", "--dim", "32", "--rounds", "1", "--threads", "1"],
+    "bench_memory.py": ["--network", "tiny", "--batch", "2", "--threads", "1"],
+    "bench_train_cpu.py": ["--network", "tiny", "--batch", "2", "--rounds", "1", "--warmup", "0", "--threads", "1",
+                           "--gemm-size", "64"],
+    "bench_gpu.py": None,  # run by gpu_check.sh below
+    "bench_graph_breaks.py": ["--networks", "tiny"],
+    "bench_onnx.py": ["--batch", "1", "--repeat", "1", "--warmup", "0"],
+    "bench_distributed.py": ["--network", TINY_FP32, "--steps", "2", "--warmup", "1", "--batch", "2",
+                             "--micro-batches", "1", "--rounds", "1"],
+    "bench_launch_pair.py": None,  # run by gpu_check.sh below
+}
+# gpu_check.sh without CUDA runs bench_gpu.py and bench_launch_pair.py on tiny shapes (its CPU fallback);
+# its extra arguments go to bench_gpu.py: two variants keep the aot_eager compiles to two.
+GPU_CHECK = ["--variants", "fused,handwritten"]
+
+# A table: a markdown separator row (|---|---:|), the dashed underline of an aligned text table, or
+# (bench_partition) a header and rows of three or more columns aligned by runs of spaces.
+TABLE = re.compile(r"^\s*(\|\s*:?-{3,}:?\s*)+\|\s*$|^-{3,}(\s+-{3,})+\s*$|(^\S.*?\S {2,}\S.*?\S {2,}\S.*\n){2,}",
+                   re.M)
+
+
+def benchmark_scripts() -> list[str]:
+    """The runnable scripts of benchmarks/ (helper modules have no __main__ block)."""
+    return sorted(p.name for p in BENCH.glob("*.py") if 'if __name__ == "__main__"' in p.read_text(encoding="utf-8"))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def test_every_benchmark_script_has_a_smoke_setting() -> None:
+    assert benchmark_scripts() == sorted(SMOKE), "add the new script's smallest setting to SMOKE"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(name for name, args in SMOKE.items() if args is not None))
+def test_benchmark_runs_on_its_smallest_setting(script: str, tmp_path: Path) -> None:
+    if not (BENCH / script).is_file():
+        pytest.fail(f"benchmarks/{script} is listed in SMOKE but does not exist")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in SMOKE[script]]
+    r = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{script} {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}"
+    assert TABLE.search(r.stdout), f"{script} printed no table:\n{r.stdout[-3000:]}"
+    assert re.search(r"\d", r.stdout)
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
+    """Without CUDA the script takes its own CPU fallback (tiny shapes, aot_eager compile, gloo launch)."""
+    env = dict(_env(), PYTHON=sys.executable, OUT=str(tmp_path / "gpu_check"))
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), *GPU_CHECK], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    results = tmp_path / "gpu_check"
+    for table in ("gpu_results.md", "launch_results.md"):
+        assert TABLE.search((results / table).read_text(encoding="utf-8")), table
+    assert (results / "gpu_results.json").is_file()

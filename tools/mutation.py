@@ -1,0 +1,288 @@
+"""Mutation testing of the modules where a silent error costs most, with cosmic-ray.
+
+A mutant is a small change to the code (``*`` -> ``+``, ``<`` -> ``<=``, a number nudged, a branch
+negated); a test suite that still passes with it cannot tell the two programs apart.  Each target below
+names a module, the part of it where a wrong number reaches a user (FLOP and parameter rules, the loss
+kernel, the fusion rewrites, the cost model, checkpoint and resume), and the fast tests that should
+notice.  Surviving mutants are listed with their diff; TESTING.md records the last run and what was
+done about each survivor.
+
+Why a copy: cosmic-ray mutates files in place, and the working tree is shared.  The script copies the
+sources into their installed layout (tools/check_layers.installed_layout: `passes/` becomes
+`vgraph/passes/`, ...) plus tests/, tools/, networks/ and pyproject.toml into a work directory, puts
+it first on PYTHONPATH (ahead of the editable install), and mutates only there.
+
+    bash tools/mutation.sh                    # every target (slow: hours on 2 cores)
+    bash tools/mutation.sh catalog costmodel  # some targets
+    bash tools/mutation.sh --list             # the targets, their scope and tests
+    bash tools/mutation.sh --recheck catalog  # rerun only the last session's survivors (after new tests)
+
+Not part of CI.  Work directory: $VGRAPH_MUTATION_DIR (default /tmp/vgraph-mutation); per target a
+session database and report.txt stay there.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tools.check_layers import installed_layout  # noqa: E402
+
+# One mutation per kind of mistake is enough: `a * b` -> `a + b`, `a / b`, ... not all twelve operators
+# (cosmic-ray's default would make ~11 mutants of every arithmetic operator, mostly equivalent in
+# what they tell).  Targets outside these are skipped.
+KEEP_BINARY_TARGETS = ("Add", "Sub", "Mul", "Div", "FloorDiv")
+KEEP_COMPARISON_TARGETS = ("Eq", "NotEq", "Lt", "LtE", "Gt", "GtE")
+SKIPPED_OPERATORS = re.compile(
+    r"core/ReplaceBinaryOperator_\w+_(?!(%s)$)\w+$|core/ReplaceComparisonOperator_\w+_(?!(%s)$)\w+$"
+    r"|core/VariableReplacer|core/VariableInserter"
+    % ("|".join(KEEP_BINARY_TARGETS), "|".join(KEEP_COMPARISON_TARGETS)))
+
+
+@dataclass(frozen=True)
+class Target:
+    source: str                      # path in the repository
+    tests: tuple[str, ...]           # pytest arguments: the fast tests that guard it
+    functions: tuple[str, ...] = ()  # mutate only inside these defs (and `keywords`); empty: everything
+    keywords: tuple[str, ...] = ()   # ...and inside these keyword arguments (e.g. register_op(flops=...))
+    timeout: float = 120.0
+    why: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+TARGETS: dict[str, Target] = {
+    "catalog": Target(
+        "vgraph/ops/catalog.py",
+        ("tests/test_flop_oracle.py", "tests/test_catalog_rules.py", "tests/test_networks.py",
+         "tests/test_costmodel.py", "tests/test_ir.py"),
+        functions=("_lead", "_elementwise", "_linear_params", "_tied_weight", "_embedder_params",
+                   "_attention_flops", "_head_params", "attention_dim", "_mha_params", "fused_ids",
+                   "_mha_sources", "_mha_flops"),
+        keywords=("flops", "params", "tied_params", "param_sources"),
+        why="parameter and FLOP rules: analyze, the cost model and the partitioner read them"),
+    "costmodel": Target(
+        "vgraph/costmodel.py", ("tests/test_costmodel.py", "tests/test_flop_oracle.py"),
+        why="memory and traffic per PNode: what fits where"),
+    "fuse-heads": Target(
+        "passes/fuse_heads.py",
+        ("tests/test_fuse_heads_placement_numerics.py", "tests/test_passes.py", "tests/test_flop_oracle.py"),
+        timeout=300.0, why="the rewrite every production run goes through; placement-aware"),
+    "fuse-lm-head-ce": Target(
+        "passes/fuse_lm_head_ce.py", ("tests/test_passes.py", "tests/test_flop_oracle.py",
+                                      "tests/test_torch_equivalence.py", "-k", "not six_layer"),
+        timeout=300.0, why="the fused loss rewrite"),
+    "layout": Target(
+        "vgraph/layout.py", ("tests/test_passes.py", "tests/test_torch_equivalence.py", "-k", "not six_layer"),
+        timeout=300.0, why="weights between fused and unfused layouts: checkpoints go through it"),
+    "kernels-ce": Target(
+        "backends/torch/kernels.py",
+        ("tests/test_ce_reduced_precision.py", "tests/test_torch_kernels.py", "-k", "tied or ce or logits"),
+        functions=("mm_fp32", "logits_chunk", "matmul_dtype", "forward", "backward", "tied_lm_head_ce",
+                   "default_ce_chunk_size", "_accum_dtype"),
+        timeout=300.0, why="the chunked tied LM-head cross-entropy: the production loss"),
+    "kernels-attention": Target(
+        "backends/torch/kernels.py", ("tests/test_torch_kernels.py",),
+        functions=("rope_cos_sin", "_build_rope_tables", "_rotate_half", "_swap_halves", "apply_rope",
+                   "attention_head", "multihead_attention", "swiglu", "apply_mask"),
+        timeout=300.0, why="RoPE, attention and SwiGLU kernels"),
+    "checkpoint": Target(
+        "backends/torch/checkpoint.py", ("tests/test_torch_checkpoint.py", "tests/test_fp16_resume.py"),
+        timeout=300.0, why="atomic safetensors checkpoints, RNG state"),
+    "run-checkpoints": Target(
+        "backends/torch/run_checkpoints.py", ("tests/test_fp16_resume.py", "tests/test_torch_checkpoint.py",
+                                              "tests/test_torch_equivalence.py", "-k", "not six_layer"),
+        timeout=300.0, why="what a training run saves and restores on resume (scaler, optimizer, data RNG)"),
+}
+
+
+def spans(source: Path, target: Target) -> list[tuple[int, int]] | None:
+    """Line spans to mutate (None: the whole module)."""
+    if not target.functions and not target.keywords:
+        return None
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in target.functions:
+            out.append((node.lineno, node.end_lineno))
+        elif isinstance(node, ast.keyword) and node.arg in target.keywords:
+            out.append((node.value.lineno, node.value.end_lineno))
+    return out
+
+
+def prepare(work: Path) -> Path:
+    """A fresh copy of the sources (installed layout under work/src) and of the test suite."""
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    installed_layout(ROOT, work / "src")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".hypothesis")
+    for name in ("tests", "tools", "networks"):
+        shutil.copytree(ROOT / name, work / name, ignore=ignore)
+    shutil.copy(ROOT / "pyproject.toml", work)
+    return work
+
+
+def layout_path(repo_path: str) -> str:
+    """Where a repository source file sits in the installed layout (passes/x.py -> src/vgraph/passes/x.py)."""
+    import tomllib
+
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
+    best = max(((pkg, src) for pkg, src in mapping.items() if repo_path.startswith(src.rstrip("/") + "/")),
+               key=lambda item: len(item[1]))
+    pkg, src = best
+    return str(Path("src", *pkg.split("."), repo_path[len(src.rstrip("/")) + 1:]))
+
+
+def _env(work: Path, target: Target) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(work / "src"), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
+                **target.extra_env)
+
+
+def _test_command(python: str, target: Target) -> str:
+    return " ".join([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                     "--no-header", "-o", "addopts=", *target.tests])
+
+
+def run_target(name: str, target: Target, base: Path, python: str) -> dict:
+    work = prepare(base / name)
+    module = layout_path(target.source)
+    env = _env(work, target)
+    test_command = _test_command(python, target)
+    config = work / "cosmic-ray.toml"
+    config.write_text(
+        "[cosmic-ray]\n"
+        f'module-path = "{module}"\n'
+        f"timeout = {target.timeout}\n"
+        "excluded-modules = []\n"
+        f"test-command = {test_command!r}\n"
+        "\n[cosmic-ray.distributor]\nname = \"local\"\n", encoding="utf-8")
+    session = work / "session.sqlite"
+    cosmic = str(Path(python).with_name("cosmic-ray"))
+
+    baseline = subprocess.run(test_command.split(), cwd=work, env=env, capture_output=True, text=True)
+    if baseline.returncode != 0:
+        raise SystemExit(f"{name}: the tests fail without any mutation; fix that first:\n{baseline.stdout[-3000:]}")
+    subprocess.run([cosmic, "init", str(config), str(session), "--force"], cwd=work, env=env, check=True)
+    selected = skip_outside_scope(session, work / module, target)
+    start = time.monotonic()
+    subprocess.run([cosmic, "exec", str(config), str(session)], cwd=work, env=env, check=True)
+    report = summarize(name, target, session, selected, time.monotonic() - start)
+    (work / "report.txt").write_text(report["text"], encoding="utf-8")
+    print(report["text"], flush=True)
+    return report
+
+
+def skip_outside_scope(session: Path, module: Path, target: Target) -> int:
+    """Mark mutants outside the target's scope, or of an operator left out, as skipped; returns how many remain."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    scope = spans(module, target)
+    remaining = 0
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            m = item.mutations[0]
+            line = m.start_pos[0]
+            inside = scope is None or any(a <= line <= b for a, b in scope)
+            if inside and not SKIPPED_OPERATORS.match(m.operator_name):
+                remaining += 1
+                continue
+            db.set_result(item.job_id, WorkResult(output="outside the target's scope",
+                                                  worker_outcome=WorkerOutcome.SKIPPED))
+    return remaining
+
+
+def recheck(name: str, target: Target, base: Path, python: str) -> int:
+    """Run the survivors of the last session of `name` again, against the current sources and tests.
+
+    After new tests are written for survivors this answers "are they killed now?" in minutes, where a
+    whole session takes an hour; the session database is left as it was.  Returns how many still survive.
+    """
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    session = base / name / "session.sqlite"
+    if not session.is_file():
+        raise SystemExit(f"{name}: no session in {session.parent}; run the target first")
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        survivors = [item.mutations[0] for item, result in db.completed_work_items
+                     if result.test_outcome == TestOutcome.SURVIVED]
+    work = prepare(base / f"{name}-recheck")
+    env = _env(work, target)
+    cosmic = str(Path(python).with_name("cosmic-ray"))
+    still = 0
+    for m in survivors:
+        proc = subprocess.run([cosmic, "mutate-and-test", str(m.module_path), m.operator_name, str(m.occurrence),
+                               _test_command(python, target)], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=target.timeout * 2)
+        outcome = json.loads(proc.stdout or "{}").get("test_outcome", f"error: {proc.stderr[-300:]}")
+        still += outcome == "survived"
+        print(f"  {target.source}:{m.start_pos[0]} {m.operator_name} #{m.occurrence}: {outcome}", flush=True)
+    print(f"{name}: {len(survivors)} survivors of the last session rechecked, {still} still survive", flush=True)
+    return still
+
+
+def summarize(name: str, target: Target, session: Path, selected: int, seconds: float) -> dict:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    killed = survived = incompetent = 0
+    survivors = []
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        for item, result in db.completed_work_items:
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                continue
+            if result.test_outcome == TestOutcome.SURVIVED:
+                survived += 1
+                m = item.mutations[0]
+                diff = "\n".join(l for l in (result.diff or "").splitlines()
+                                 if l.startswith(("+", "-")) and not l.startswith(("+++", "---")))
+                survivors.append(f"  {target.source}:{m.start_pos[0]} {m.operator_name} "
+                                 f"(in {m.definition_name or 'module level'})\n    " + diff.replace("\n", "\n    "))
+            elif result.test_outcome == TestOutcome.INCOMPETENT:
+                incompetent += 1
+            else:
+                killed += 1
+    lines = [f"{name}: {target.source} ({target.why}); tests: {' '.join(target.tests)}",
+             f"  {selected} mutants: {killed} killed, {survived} survived, {incompetent} incompetent "
+             f"(did not run: import error or timeout); {seconds / 60:.1f} min"]
+    lines += survivors
+    return {"name": name, "killed": killed, "survived": survived, "text": "\n".join(lines) + "\n"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("targets", nargs="*", help=f"any of: {', '.join(TARGETS)} (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the targets and exit")
+    parser.add_argument("--recheck", action="store_true",
+                        help="only rerun the survivors of each target's last session against the current tests")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, t in TARGETS.items():
+            scope = ", ".join(t.functions + tuple(f"{k}=" for k in t.keywords)) or "whole module"
+            print(f"{name}: {t.source} [{scope}]\n    tests: {' '.join(t.tests)}\n    why: {t.why}")
+        return 0
+    unknown = [t for t in args.targets if t not in TARGETS]
+    if unknown:
+        parser.error(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+    base = Path(os.environ.get("VGRAPH_MUTATION_DIR", "/tmp/vgraph-mutation"))
+    if args.recheck:
+        return 1 if sum(recheck(name, TARGETS[name], base, sys.executable) for name in (args.targets or TARGETS)) else 0
+    reports = [run_target(name, TARGETS[name], base, sys.executable) for name in (args.targets or TARGETS)]
+    total = sum(r["survived"] for r in reports)
+    print(f"date {time.strftime('%Y-%m-%d')}: {sum(r['killed'] for r in reports)} killed, {total} survived")
+    return 1 if total else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
