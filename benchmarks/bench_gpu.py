@@ -7,14 +7,21 @@ Adam, float32 loss, exactly as `vgraph train` runs it.  Variants:
 
 * ``vgraph fused``            the production pipeline (dead-nodes, precision, fuse-heads,
                               fuse-lm-head-ce): the [B, S, V] logits never exist;
-* ``vgraph no-lm-fuse``       the same without fuse-lm-head-ce (plain tied LM head +
-                              cross-entropy cost: the logits are materialised);
+* ``vgraph unfused``          `vgraph train --no-fuse`: per-head attention VNodes, plain tied
+                              LM head + cross-entropy cost (the logits are materialised);
+* ``vgraph no-lm-fuse``       fuse-heads without fuse-lm-head-ce (the logits are materialised);
 * ``vgraph fused-global-rng`` fused, with dropout drawn by F.dropout from the global RNG
                               instead of `vgraph train`'s masks keyed per (step, VNode,
                               sample) (dropout.py): what the keying costs;
 * ``handwritten``             benchmarks/handwritten_model.py under the same autocast
                               (F.cross_entropy on the full logits);
-* ``... +compile``            each under `torch.compile` (with `--compile`, as time allows).
+* ``... +compile``            each under `torch.compile` (with `--compile`, as time allows;
+                              `--compile-backend aot_eager` checks the same path quickly on a CPU).
+
+Graph breaks of each compiled variant's forward are counted with
+`torch._dynamo.explain` (backends/torch/graph_breaks.py; goal 0).  The run
+fails (exit 1, after writing the table) if the fused eager step formed a
+tensor as large as the `[B, S, V]` logits.
 
 Per variant: median step time over `--rounds` rounds of `--steps-per-round`
 steps (synchronised), tokens/s, model TFLOP/s (3 x `vgraph analyze`'s
@@ -62,6 +69,8 @@ from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vg
 from tools.gen_networks import PRODUCTION, TINY  # noqa: E402
 from vgraph.analyze import analyze  # noqa: E402
 from vgraph.backends.torch import compile_network, compute_dtype, prepare_graph  # noqa: E402
+from vgraph.backends.torch import kernels as K  # noqa: E402
+from vgraph.backends.torch.graph_breaks import explain_program  # noqa: E402
 from vgraph.backends.torch.node_optimizers import NodeOptimizers, make_adam  # noqa: E402
 from vgraph.backends.torch.training_setup import device_target  # noqa: E402
 
@@ -72,7 +81,10 @@ NETWORKS = {
           PRODUCTION["distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml"]),
     "tiny": (ROOT / "tests" / "fixtures" / "tiny_2l.yml", TINY["tiny_2l.yml"]),
 }
-PIPELINES = {"fused": None, "no-lm-fuse": "dead-nodes,precision,fuse-heads", "fused-global-rng": None}
+# kind -> prepare_graph arguments (None: the production pipeline; fuse=False: `--no-fuse`)
+PIPELINES = {"fused": {}, "unfused": {"fuse": False}, "no-lm-fuse": {"passes": "dead-nodes,precision,fuse-heads"},
+             "fused-global-rng": {}}
+COMPILED_FIRST = ("fused", "handwritten", "unfused", "no-lm-fuse", "fused-global-rng")  # as the budget allows
 LR = 6e-4
 GOAL_MS = 60.0
 
@@ -83,6 +95,7 @@ class Variant:
     step: Callable[[], Any]
     persistent_bytes: Callable[[], int]
     compiled: bool = False
+    breaks: int | None = None  # graph breaks of the compiled forward
     times: list[float] = field(default_factory=list)
     result: dict[str, Any] = field(default_factory=dict)
 
@@ -113,14 +126,28 @@ def _dropout_key(step: int):
     return dropout_key(0, step)
 
 
-def vgraph_variant(kind: str, graph, device, ids, targets, compiled: bool) -> Variant:
+def _compile(module, backend: str, variant_name: str):
+    """torch.compile with a counting backend: how many graphs were compiled over the whole run (1: one graph
+    per step and no recompilation, whatever the step's dropout key)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend(backend)
+    COMPILES[variant_name] = counter
+    return torch.compile(module, backend=counter)
+
+
+COMPILES: dict[str, Any] = {}
+
+
+def vgraph_variant(kind: str, graph, device, ids, targets, compiled: bool, backend: str = "inductor") -> Variant:
     """One training step as `vgraph train` runs it (autocast, loss scaling below sm80, fused Adam)."""
-    prepared = prepare_graph(graph, passes=PIPELINES[kind], target=device_target(device))
+    prepared = prepare_graph(graph, target=device_target(device), **PIPELINES[kind])
     module = compile_network(prepared, device=device, train=True, seed=0)
     optimizers = NodeOptimizers(module, LR)
     costs = tuple(module.cost_names)
     program = module.program_for(costs, training=True)
-    forward = torch.compile(program.module) if compiled else program.module
+    name = f"vgraph {kind}{' +compile' if compiled else ''}"
+    forward = _compile(program.module, backend, name) if compiled else program.module
     args = [ids if name.startswith("embedder") else targets for name in program.feeds]
     dtype = compute_dtype(prepared)
     scaling = bool((prepared.meta.get("precision") or {}).get("loss_scaling")) and dtype == torch.float16
@@ -142,18 +169,22 @@ def vgraph_variant(kind: str, graph, device, ids, targets, compiled: bool) -> Va
 
     name = f"vgraph {kind}{' +compile' if compiled else ''}"
     variant = Variant(name, step, lambda: _state_bytes(module.parameters(), optimizers.optimizers), compiled)
+    if compiled:
+        variant.breaks = explain_program(name, program.module, args, dtype=dtype, device_type=device.type,
+                                         reset=False).breaks
     variant.result["dtype"] = str(dtype).removeprefix("torch.")
     variant.result["passes"] = ",".join(prepared.meta.get("applied_passes", []))
     variant.module = module  # type: ignore[attr-defined]
     return variant
 
 
-def handwritten_variant(cfg: HandwrittenConfig, unfused_state, device, dtype, ids, targets, compiled) -> Variant:
+def handwritten_variant(cfg: HandwrittenConfig, unfused_state, device, dtype, ids, targets, compiled,
+                        backend: str = "inductor") -> Variant:
     model = HandwrittenTransformer(cfg)
     load_vgraph_state(model, unfused_state)
     model.to(device).train()
     optimizer = make_adam([{"params": list(model.parameters()), "lr": LR}])
-    forward = torch.compile(model) if compiled else model
+    forward = _compile(model, backend, "handwritten +compile") if compiled else model
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
 
     def step():
@@ -167,6 +198,9 @@ def handwritten_variant(cfg: HandwrittenConfig, unfused_state, device, dtype, id
 
     variant = Variant(f"handwritten{' +compile' if compiled else ''}", step,
                       lambda: _state_bytes(model.parameters(), [optimizer]), compiled)
+    if compiled:
+        variant.breaks = explain_program(variant.name, model, [ids, targets], dtype=dtype,
+                                         device_type=device.type, reset=False).breaks
     variant.result["dtype"] = str(dtype).removeprefix("torch.")
     variant.result["passes"] = "-"
     return variant
@@ -275,13 +309,14 @@ def render(args, graph, variants, tokens, model_flops, rate, gemm_dtype, env, st
         f"{args.steps_per_round} steps (one right after a variant is built, the rest alternating).",
         "",
         "| variant | compute | step (ms) | tokens/s | model TFLOP/s | MFU | step peak above start (GiB) | "
-        "params + Adam (GiB) | largest tensor | largest [..., V] tensor | first step (s) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|",
+        "params + Adam (GiB) | largest tensor | largest [..., V] tensor | graph breaks | graphs compiled | "
+        "first step (s) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|",
     ]
     for v in variants:
         r = v.result
         if not v.times:
-            lines.append(f"| {v.name} | {r.get('dtype', '-')} | {r.get('skipped', 'not measured')} | | | | | | | | |")
+            lines.append(f"| {v.name} | {r.get('dtype', '-')} | {r.get('skipped', 'not measured')} | | | | | | | | | | |")
             continue
         t = statistics.median(v.times)
         peak = r.get("step_peak_bytes")
@@ -290,10 +325,18 @@ def render(args, graph, variants, tokens, model_flops, rate, gemm_dtype, env, st
             f"| {v.name} | {r['dtype']} | {t * 1e3:.1f} | {tokens / t:,.0f} | {model_flops / t / 1e12:.1f} | "
             f"{model_flops / t / rate:.0%} | {'-' if peak is None else f'{peak / gib:.2f}'} | "
             f"{r['persistent_bytes'] / gib:.2f} | {'-' if shape is None else 'x'.join(map(str, shape))} | "
-            f"{'-' if vshape is None else 'x'.join(map(str, vshape)) or 'none'} | {r.get('first_s', 0):.1f} |")
+            f"{'-' if vshape is None else 'x'.join(map(str, vshape)) or 'none'} | "
+            f"{'-' if v.breaks is None else v.breaks} | "
+            f"{COMPILES[v.name].frame_count if v.name in COMPILES else '-'} | {r.get('first_s', 0):.1f} |")
     logits = args.batch * (tokens // args.batch) * graph.node("embedder").cfg["vocab_size"]
     lines += ["", f"The logits would be {args.batch} x {tokens // args.batch} x "
                   f"{graph.node('embedder').cfg['vocab_size']} = {logits:,} elements."]
+    vocab, dim = graph.node("embedder").cfg["vocab_size"], graph.node("embedder").cfg["dim"]
+    chunk = K.default_ce_chunk_size(vocab, device=args.device, dim=dim)
+    rows = args.batch * (tokens // args.batch)
+    if chunk >= rows:
+        lines.append(f"One chunk of the fused CE holds all {rows:,} rows here (chunk {chunk:,} rows at vocab "
+                     f"{vocab:,}), so the fused step forms them too; the check applies when chunk < rows.")
     for v in variants:
         if "vocab_numel" in v.result:
             verdict = "formed" if v.result["vocab_numel"] >= logits else "never formed"
@@ -312,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--network", choices=sorted(NETWORKS), default="8")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--variants", default="fused,no-lm-fuse,handwritten,fused-global-rng")
+    ap.add_argument("--variants", default="fused,unfused,handwritten,no-lm-fuse,fused-global-rng")
+    ap.add_argument("--compile-variants", help="the variants compiled with --compile (default: --variants)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the compiled twins (aot_eager: the same tracing, no codegen)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile'd twins, as --budget-s allows")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps-per-round", type=int, default=3)
@@ -348,10 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{env}; compute {gemm_dtype}; GEMM {rate / 1e12:.2f} TFLOP/s", file=sys.stderr, flush=True)
 
     kinds = [k.strip() for k in args.variants.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in (*PIPELINES, "handwritten")]
+    unknown = [k for k in kinds + [k.strip() for k in (args.compile_variants or "").split(",") if k.strip()]
+               if k not in (*PIPELINES, "handwritten")]
     if unknown:
         ap.error(f"unknown variant(s) {unknown}: choose from {', '.join([*PIPELINES, 'handwritten'])}")
-    plan = [(k, False) for k in kinds] + ([(k, True) for k in kinds] if args.compile else [])
+    compile_kinds = [k.strip() for k in (args.compile_variants or args.variants).split(",") if k.strip()]
+    compiled_order = sorted(compile_kinds, key=lambda k: COMPILED_FIRST.index(k))
+    plan = [(k, False) for k in kinds] + ([(k, True) for k in compiled_order] if args.compile else [])
     variants: list[Variant] = []
     unfused_state = None
 
@@ -369,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for kind, compiled in plan:
         spent = time.perf_counter() - started
-        if spent > args.budget_s * (0.5 if compiled else 0.9):
+        if spent > args.budget_s * (0.6 if compiled else 0.9):
             skipped = Variant(_label(kind, compiled), lambda: None, lambda: 0, compiled)
             skipped.result["skipped"] = f"skipped: {spent:.0f} s of the {args.budget_s:.0f} s budget spent"
             variants.append(skipped)
@@ -378,9 +427,10 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "handwritten":
                 if unfused_state is None:
                     unfused_state = compile_network(prepare_graph(graph, fuse=False), seed=0).unfused_state_dict()
-                v = handwritten_variant(cfg, unfused_state, device, dtype, ids, targets, compiled)
+                v = handwritten_variant(cfg, unfused_state, device, dtype, ids, targets, compiled,
+                                        args.compile_backend)
             else:
-                v = vgraph_variant(kind, graph, device, ids, targets, compiled)
+                v = vgraph_variant(kind, graph, device, ids, targets, compiled, args.compile_backend)
                 if unfused_state is None:
                     unfused_state = {k: t.cpu() for k, t in v.module.unfused_state_dict().items()}
             start = time.perf_counter()
@@ -411,6 +461,14 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         write()
     print(write())
+    logits = args.batch * cfg.seq_len * cfg.vocab
+    chunked = K.default_ce_chunk_size(cfg.vocab, device=device, dim=cfg.dim) < args.batch * cfg.seq_len
+    formed = [v.name for v in variants if v.name == "vgraph fused" and v.result.get("vocab_numel", 0) >= logits]
+    if chunked and formed:
+        print(f"FAIL: the fused step formed a tensor of {logits:,} elements with last dim {cfg.vocab} "
+              f"(the [{args.batch}, {cfg.seq_len}, {cfg.vocab}] logits fuse-lm-head-ce must never form)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -5,17 +5,24 @@
 #
 # It trains the 8-layer production network at batch 128 with the production precision
 # policy (bf16 autocast from sm80, fp32 master weights and loss) and writes the markdown
-# table of benchmarks/bench_gpu.py (step time, tokens/s, MFU, peak memory with and without
-# fuse-lm-head-ce, the largest tensor of a step) to $OUT (or runs/gpu_check/) and stdout.
-# Budget: the benchmark stops adding variants after --budget-s (default 420 s here), and the
-# whole command is cut at 560 s, so it ends well inside a 10-minute device call.
+# table of benchmarks/bench_gpu.py (step time, tokens/s, MFU, peak memory, the largest
+# tensor of a step, graph breaks; vgraph fused vs unfused vs the hand-written model, eager
+# and compiled) to $OUT (or runs/gpu_check/) and stdout, ready to paste into BENCHMARKS.md.
+# With two or more GPUs it then runs `vgraph launch` over nccl on two of them (blocks 0-3
+# and the embedding/head on one, blocks 4-7 on the other) and appends its step time.
+# Budget: the benchmark stops adding variants after --budget-s (360 s here) and is cut at
+# 450 s; the launch is cut at 75 s: at most 9 minutes with the set-up.
+#
+# Without CUDA (a CPU machine, or the test suite's smoke test) the same code runs on tiny
+# shapes: the tiny network at batch 4, torch.compile with the aot_eager backend (dynamo and
+# AOT autograd without code generation), the launch with two CPU workers over gloo.
 #
 # Python: the machine's own torch is used when there is one (the GPU machine has CUDA torch
 # preinstalled and no network), with vgraph laid out in a temporary site directory beside
 # it (no pip, no download, the machine's packages untouched).  Without a torch, the project
 # venv is created with VGRAPH_TORCH=torch (needs a package index).
-# Extra arguments go to bench_gpu.py; to check the script on a CPU:
-#   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh --device cpu --network tiny --batch 4 --rounds 2
+# Extra arguments go to bench_gpu.py (they override the defaults); to check the script on a CPU:
+#   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -62,6 +69,22 @@ command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.tota
 
 export PYTHONUNBUFFERED=1
 set -o pipefail
-timeout 560 "$PY" benchmarks/bench_gpu.py --network 8 --batch 128 --device cuda --compile --budget-s 420 \
-  --out "$RESULTS/gpu_results.md" "$@" 2>&1 | tee -a "$LOG"
+GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+if [ "$GPUS" -ge 1 ]; then
+  BENCH=(--network 8 --batch 128 --device cuda --compile --budget-s 360)
+  LAUNCH=(--network 8 --batch 32 --steps 6 --device cuda --workers 2)
+else
+  say "no CUDA: the CPU fallback (tiny shapes, aot_eager compile, launch over gloo)"
+  BENCH=(--network tiny --batch 4 --device cpu --variants fused,unfused,handwritten --compile
+         --compile-variants fused --compile-backend aot_eager --rounds 2 --steps-per-round 1 --warmup 1
+         --budget-s 200)
+  LAUNCH=(--network tiny --batch 4 --steps 3 --device cpu --workers 2)
+fi
+timeout 450 "$PY" benchmarks/bench_gpu.py "${BENCH[@]}" --out "$RESULTS/gpu_results.md" "$@" 2>&1 | tee -a "$LOG"
+if [ "$GPUS" -ge 2 ] || [ "$GPUS" -eq 0 ]; then
+  timeout 75 "$PY" benchmarks/bench_launch_pair.py "${LAUNCH[@]}" --out "$RESULTS/launch_results.md" 2>&1 \
+    | tee -a "$LOG" || say "the 2-worker launch did not finish (see $LOG)"
+else
+  say "one GPU: no 2-GPU launch"
+fi
 say "table: $RESULTS/gpu_results.md (raw numbers: $RESULTS/gpu_results.json, log: $LOG)"

@@ -48,17 +48,23 @@ class BreakReport:
 
 
 def explain_program(name: str, program: torch.nn.Module, args: Sequence[Any], *, dtype: torch.dtype,
-                    device_type: str = "cpu") -> BreakReport:
-    """Trace `program(*args)` as `vgraph train` calls it (autocast to `dtype`, a dropout key set)."""
+                    device_type: str = "cpu", reset: bool = True) -> BreakReport:
+    """Trace `program(*args)` as `vgraph train` calls it (autocast to `dtype`, a dropout key set).
+
+    `reset` clears dynamo's caches before and after (a clean count); a caller
+    that keeps other compiled programs warm (a benchmark) passes False.
+    """
     import torch._dynamo
 
     amp = (torch.autocast(device_type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     try:
         with dropout_key(0, 1), amp:
             explained = torch._dynamo.explain(program)(*args)
     finally:
-        torch._dynamo.reset()
+        if reset:
+            torch._dynamo.reset()
     reasons = []
     for br in explained.break_reasons:
         where = br.user_stack[-1] if br.user_stack else None
