@@ -125,7 +125,7 @@ def build_problem(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
     resident = cm.resident_samples(depth)
     ids = cm.node_columns["id"]
     index = np.fromiter((unit_of[nid] for nid in ids), dtype=np.int64, count=len(ids))
-    flops = cm.array("flops").astype(float) * (3.0 * cm.batch)
+    flops = cm.train_flops_per_sample() * cm.batch
     columns = (cm.array("param_bytes"), cm.array("grad_bytes"), cm.array("master_bytes") + cm.array("adam_bytes"),
                cm.array("activation_bytes") * resident)
     compute = np.bincount(index, weights=flops, minlength=n)

@@ -13,7 +13,12 @@ the precision pass ran, else the declared one):
   several, those somebody reads: the fused LM-head loss keeps no logits unless
   they are asked for); a broadcast's copies are free;
 - forward FLOPs per sample (`OpDef.flop_count`); a training step costs about
-  three times the forward pass (backward = two matmuls per forward one).
+  three times the forward pass (backward = two matmuls per forward one);
+- rematerialisation (`remat: recompute` marks, see vgraph/remat.py): a
+  recomputed VNode keeps no activation (`recompute_bytes` says what backward
+  rebuilds), every member of a recomputed region runs its forward again
+  (`recompute_flops`), and a PNode's peak adds its largest region's rebuilt
+  bytes (`CostModel.transient_bytes`).
 
 Per edge: the bytes one step moves if the edge is cut, the forward activation
 plus its gradient on the way back (integer tensors have no gradient), times
@@ -38,6 +43,7 @@ from .analyze import human
 from .ir import Graph, VNode
 from .ops import REGISTRY, OpDef
 from .ops.schema import DTYPE_OF_PRECISION
+from .remat import NO_REMAT, RematLayout, marked_ids, remat_layout
 from .types import DTYPE_BYTES, TensorType
 
 DEFAULT_BATCH = 8
@@ -60,6 +66,8 @@ class NodeCost(NamedTuple):
     adam_bytes: int  # optimizer moments
     activation_bytes: int  # per sample, kept for backward
     flops: int  # forward, per sample
+    recompute_bytes: int = 0  # per sample: outputs rebuilt in backward instead of kept (remat)
+    recompute_flops: int = 0  # per sample: forward FLOPs run again in backward (remat)
 
     @property
     def optimizer_bytes(self) -> int:
@@ -75,7 +83,7 @@ class NodeCost(NamedTuple):
         return self.static_bytes + self.activation_bytes * resident_samples
 
     def step_flops(self, batch: int) -> int:
-        return TRAIN_FLOPS_FACTOR * self.flops * batch
+        return (TRAIN_FLOPS_FACTOR * self.flops + self.recompute_flops) * batch
 
 
 class EdgeCost(NamedTuple):
@@ -117,8 +125,9 @@ class CostModel:
     """
 
     def __init__(self, name: str, batch: int, micro_batches: int, node_columns: dict[str, list],
-                 edge_columns: dict[str, list], ties: list[TieCost]) -> None:
+                 edge_columns: dict[str, list], ties: list[TieCost], remat: RematLayout | None = None) -> None:
         self.name = name
+        self.remat = remat if remat is not None else NO_REMAT
         self.batch = batch
         self.micro_batches = micro_batches
         self.node_columns = node_columns  # id, type, group, params, param_dtype, param_bytes, ...
@@ -136,6 +145,24 @@ class CostModel:
         ids = self.node_columns["id"]
         return [EdgeCost(ids[s], ss, ids[d], ds, b, g) for s, ss, d, ds, b, g in
                 zip(c["src"], c["src_slot"], c["dst"], c["dst_slot"], c["bytes_per_sample"], c["gradient"])]
+
+    def train_flops_per_sample(self) -> np.ndarray:
+        """Forward + backward + rematerialised FLOPs of each VNode for one sample (node order)."""
+        return (np.asarray(self.node_columns["flops"], dtype=float) * TRAIN_FLOPS_FACTOR
+                + np.asarray(self.node_columns["recompute_flops"], dtype=float))
+
+    def transient_bytes(self, ids: Iterable[str] | None = None) -> int:
+        """Per sample: the recomputed bytes of the largest colocation group among `ids` (vgraph/remat.py)."""
+        if not self.remat.regions:
+            return 0
+        c = self.node_columns
+        pick = None if ids is None else set(ids)
+        per_group: dict[object, int] = {}
+        for nid, size in zip(c["id"], c["recompute_bytes"]):
+            if size and (pick is None or nid in pick):
+                g = self.remat.groups[self.remat.region_of[nid]]
+                per_group[g] = per_group.get(g, 0) + size
+        return max(per_group.values(), default=0)
 
     def array(self, column: str) -> np.ndarray:
         """A node column (e.g. "flops", "param_bytes") or edge column ("edge:src", ...) as numpy."""
@@ -161,8 +188,9 @@ class CostModel:
         """Summed bytes by kind and training FLOPs per step of `ids` (default: every node)."""
         nodes = self.nodes.values() if ids is None else (self.nodes[i] for i in ids)
         out = dict(params=0, param_bytes=0, grad_bytes=0, optimizer_bytes=0, activation_bytes=0,
-                   flops_per_step=0)
+                   flops_per_step=0, recompute_flops_per_step=0)
         resident = self.resident_samples(pipeline_depth)
+        out["transient_bytes"] = self.transient_bytes(ids) * resident
         for c in nodes:
             out["params"] += c.params
             out["param_bytes"] += c.param_bytes
@@ -170,8 +198,9 @@ class CostModel:
             out["optimizer_bytes"] += c.optimizer_bytes
             out["activation_bytes"] += c.activation_bytes * resident
             out["flops_per_step"] += c.step_flops(self.batch)
+            out["recompute_flops_per_step"] += c.recompute_flops * self.batch
         out["memory_bytes"] = (out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"]
-                               + out["activation_bytes"])
+                               + out["activation_bytes"] + out["transient_bytes"])
         return out
 
     def to_json(self) -> dict:
@@ -183,7 +212,10 @@ class CostModel:
                        "master_bytes": c.master_bytes, "adam_bytes": c.adam_bytes,
                        "activation_bytes_per_sample": c.activation_bytes,
                        "activation_bytes_per_micro_batch": c.activation_bytes * self.micro_batch,
-                       "flops_per_sample": c.flops, "flops_per_step": c.step_flops(self.batch)}
+                       "flops_per_sample": c.flops, "flops_per_step": c.step_flops(self.batch),
+                       **({"remat": "recompute", "recompute_bytes_per_sample": c.recompute_bytes}
+                          if c.recompute_bytes else {}),
+                       **({"recompute_flops_per_sample": c.recompute_flops} if c.recompute_flops else {})}
                       for c in self.nodes.values()],
             "edges": [{"from": e.src, "from_slot": e.src_slot, "to": e.dst, "to_slot": e.dst_slot,
                        "bytes_per_sample": e.bytes_per_sample, "gradient": e.gradient,
@@ -227,7 +259,7 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
     dtype_bytes = DTYPE_BYTES
     index = {nid: i for i, nid in enumerate(vnodes)}
     (c_id, c_type, c_group, c_params, c_pdtype, c_pbytes, c_grad, c_master, c_adam, c_act,
-     c_flops) = (cols[f].append for f in NodeCost._fields)
+     c_flops) = (cols[f].append for f in NodeCost._fields[:11])
     e_src, e_src_slot, e_dst, e_dst_slot, e_bytes, e_grad = (ecols[f].append for f in ecols)
     for i, n in enumerate(vnodes.values()):
         op = ops.get(n.type)
@@ -300,7 +332,20 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
                     pprec = pub.meta.get("precision")
                     pub_dtype = (pprec.get("param") if pprec else None) or graph.param_dtype(pub)
                     ties.append(TieCost(alias, pub.id, n.id, prod(shape) * dtype_bytes[pub_dtype]))
-    return CostModel(graph.name, batch, micro_batches, cols, ecols, ties)
+    cols["recompute_bytes"] = [0] * len(cols["id"])
+    cols["recompute_flops"] = [0] * len(cols["id"])
+    layout = None
+    marks = marked_ids(graph)
+    if marks:  # remat: recomputed outputs are not kept; region members run their forward again
+        layout = remat_layout(graph, marks)
+        act, again, flops = cols["activation_bytes"], cols["recompute_flops"], cols["flops"]
+        for nid in layout.reexecuted:
+            k = index[nid]
+            again[k] = flops[k]
+        for nid in layout.recomputed:
+            k = index[nid]
+            cols["recompute_bytes"][k], act[k] = act[k], 0
+    return CostModel(graph.name, batch, micro_batches, cols, ecols, ties, layout)
 
 
 def _input_types(n: VNode, op: OpDef, cfg: dict, slots: dict, vnodes: dict) -> list[TensorType]:
@@ -345,7 +390,7 @@ def format_costs(cm: CostModel, graph: Graph, fleet=None) -> str:
     rows = [head]
     for n in graph.topo_order():
         c = cm.nodes[n.id]
-        rows.append((c.id, f"{c.params:,}", c.param_dtype if c.params else "-", _b(c.param_bytes),
+        rows.append((c.id + (" (recomputed)" if c.recompute_bytes else ""), f"{c.params:,}", c.param_dtype if c.params else "-", _b(c.param_bytes),
                      _b(c.grad_bytes), _b(c.optimizer_bytes), _b(c.activation_bytes),
                      _b(c.activation_bytes * cm.micro_batch), human(c.step_flops(cm.batch))))
     lines += _table(rows)

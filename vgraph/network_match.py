@@ -24,10 +24,10 @@ from typing import Any
 
 from .diagnostics import VGraphError
 from .ir import Graph
-from .replace import PLACEMENT_KEYS, PRECISION_KEYS, TRAINING_KEYS
+from .replace import MEMORY_KEYS, PLACEMENT_KEYS, PRECISION_KEYS, TRAINING_KEYS
 
 #: Config keys that do not change what a network computes (nor its weight layout).
-NON_FUNCTIONAL = frozenset(PLACEMENT_KEYS + PRECISION_KEYS + TRAINING_KEYS)
+NON_FUNCTIONAL = frozenset(PLACEMENT_KEYS + PRECISION_KEYS + TRAINING_KEYS + MEMORY_KEYS)
 #: Built-in passes that keep the function and only fuse: both sides of a comparison run them.
 CANONICAL_PASSES = ("dead-nodes", "fuse-heads", "fuse-lm-head-ce")
 

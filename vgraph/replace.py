@@ -89,6 +89,7 @@ class NewNode:
 PLACEMENT_KEYS = ("colocate_group", "colocate_policy")
 PRECISION_KEYS = ("precision", "param_precision", "activation_precision")
 TRAINING_KEYS = ("optimizer", "learning_rate")
+MEMORY_KEYS = ("remat",)  # what is kept for backward: the same function, computed twice or once
 
 
 def inherited_config(node: VNode, keys: Sequence[str] = PLACEMENT_KEYS + PRECISION_KEYS + TRAINING_KEYS

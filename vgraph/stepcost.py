@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import cached_property
 from math import ceil
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
-from .costmodel import TRAIN_FLOPS_FACTOR, CostModel
+from .costmodel import CostModel
 
 if TYPE_CHECKING:
     from .fleet import Fleet, PNode
@@ -77,7 +78,7 @@ def stage_loads(cm: CostModel, stage_of: Mapping[str, int], stages: int) -> Stag
     ids = cm.node_columns["id"]
     where = np.fromiter((stage_of[i] for i in ids), dtype=np.int64, count=len(ids))
     col = cm.array
-    flops = np.bincount(where, weights=col("flops").astype(float) * TRAIN_FLOPS_FACTOR, minlength=stages)
+    flops = np.bincount(where, weights=cm.train_flops_per_sample(), minlength=stages)
     trained = col("grad_bytes").astype(float)
     static = (col("param_bytes") + col("grad_bytes") + col("master_bytes") + col("adam_bytes")).astype(float)
     grad = np.bincount(where, weights=trained, minlength=stages)
@@ -173,6 +174,12 @@ class FleetArrays:
             self.region_bw[a, b] = self.region_bw[b, a] = bw
             self.region_lat[a, b] = self.region_lat[b, a] = lat
         self.regions = len(names)
+
+    @cached_property
+    def balanced(self) -> np.ndarray:
+        """Speed and bandwidth, each against the fleet's median, the lower of the two: a fast machine on
+        a slow link is no better than its link (an ordering key for layouts)."""
+        return np.minimum(self.flops / float(np.median(self.flops)), self.bandwidth / float(np.median(self.bandwidth)))
 
     def link(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(bandwidth, latency) from PNodes `src` to PNodes `dst` (index arrays of one shape)."""

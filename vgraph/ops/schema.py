@@ -150,6 +150,8 @@ COMMON_FIELDS: tuple[Field, ...] = (
     F("input_shape", "shape", doc="explicit per-sample input shape where it cannot be inferred"),
     F("output_shape", "shape", doc="explicit per-sample output shape override check"),
     F("fused_from", doc="comma-separated ids of the VNodes a fusion pass replaced with this one"),
+    F("remat", choices=("recompute",), doc="recompute: this node's outputs are not kept for backward but "
+      "recomputed from the kept ones (set by the remat pass; absent: kept)"),
 )
 
 

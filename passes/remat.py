@@ -1,0 +1,452 @@
+"""remat: choose which activations are recomputed in backward instead of kept, under a memory budget.
+
+Why a pass: at 2K context the activations of a training step outgrow a 16 GiB
+PNode long before the weights do; recomputing some of them in backward trades
+FLOPs for memory.  Which ones is a placement-like decision (it depends on the
+PNode's memory and on what else it holds), so it belongs next to the cost
+model and the partitioner, not in the training script.
+
+What it writes: `remat: recompute` in the config of each VNode whose outputs
+are recomputed (absent: kept); vgraph/remat.py defines what the marks cost and
+how a backend honours them.  The network computes the same function, so the
+pass preserves semantics.
+
+The policy, per scope (each PNode of a partitioned graph, else the whole
+graph) and per colocation group:
+
+1. *candidates*: VNodes of a group whose every reader is in the same group
+   (and on the same PNode), that no endpoint names, that are not losses and
+   feed no loss (the loss kernels keep their own memory plan);
+2. *a menu per group*: starting from "keep everything", greedily add the
+   candidate that frees the most kept bytes per FLOP it makes backward run
+   again (cheap elementwise outputs first, since a matmul's output is costly
+   to rebuild), and finally "every candidate recomputed" (the block input kept,
+   its interior recomputed); each step is one menu entry (marks, kept bytes,
+   bytes rebuilt at once, recompute FLOPs);
+3. *the choice*: for each cap on the bytes rebuilt at once (backward rebuilds
+   one region at a time, so the peak adds the largest), start every group at
+   its cheapest entry under the cap and move the group whose next entry on its
+   lower convex hull frees bytes at the lowest FLOP price until the scope
+   fits; keep the cheapest result over all caps.
+
+`remat_ilp.py` solves the same problem exactly (small graphs) to measure the gap.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from vgraph.costmodel import DEFAULT_BATCH, CostModel, cost_model
+from vgraph.fleet import human_bytes, parse_bytes
+from vgraph.ir import Graph
+from vgraph.pass_api import Option, Pass, PassContext, PassError
+from vgraph.remat import RECOMPUTE, REMAT_KEY, remat_cost, remat_layout
+
+__all__ = ["Remat", "RematScope", "Entry", "parse_budget", "scopes_of", "plan_scope", "group_menu",
+           "candidates", "closed", "apply_marks", "host_available_memory"]
+
+
+def parse_budget(text: str) -> int | None:
+    """'auto' -> None; a size ('16GiB', '512MB', '1073741824') -> bytes; anything else: ValueError."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected auto or a size like 16GiB, got {text!r}")
+    if text.strip().lower() == "auto":
+        return None
+    value = parse_bytes(text)
+    if value < 1:
+        raise ValueError(f"expected a positive size like 16GiB, got {text!r}")
+    return value
+
+
+def host_available_memory() -> int | None:
+    """MemAvailable of this machine (or what a cgroup v2 limit leaves), None if unknown."""
+    found = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                left = int(limit) - int(f.read().strip())
+            found = left if found is None else min(found, left)
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One way to remat a group: its marks and what they cost per sample."""
+
+    marks: frozenset[str]
+    kept: int
+    transient: int
+    flops: int
+
+
+@dataclass
+class RematScope:
+    """VNodes that share one memory (a PNode, or the whole graph) and what that memory must hold."""
+
+    name: str
+    ids: list[str]
+    capacity: int  # bytes
+    static_bytes: int  # parameters, gradients, optimizer state, tied-weight replicas
+    resident: int  # samples whose activations are kept at once
+
+    @property
+    def per_sample(self) -> float:
+        """Activation bytes per resident sample the capacity leaves (negative: the weights alone overflow)."""
+        return (self.capacity - self.static_bytes) / self.resident
+
+
+def closed(graph: Graph, marks: Iterable[str]) -> frozenset[str]:
+    """`marks` plus every broadcast whose input is marked (its outputs alias the input)."""
+    out = set(marks)
+    for node in graph.topo_order():
+        if node.type == "broadcast" and node.id not in out:
+            e = graph.input_edge(node.id, 0)
+            if e is not None and e.src in out:
+                out.add(node.id)
+    return frozenset(out)
+
+
+def candidates(graph: Graph, cm: CostModel, ids: Iterable[str], pnode_of: Mapping[str, str | None]
+               ) -> dict[str, list[str]]:
+    """Markable VNodes of `ids` by colocation group (see the module docstring)."""
+    act = plain_activation(cm)
+    endpoint_nodes = {ep.node for ep in graph.iter_endpoints()}
+    out: dict[str, list[str]] = {}
+    for nid in ids:
+        node = graph.node(nid)
+        group = node.group
+        if group is None or nid in endpoint_nodes or node.op.is_cost or node.type == "broadcast" or not act[nid]:
+            continue
+        readers = graph.out_edges(nid)
+        if not readers:
+            continue
+        ok = True
+        for e in readers:
+            dst = graph.node(e.dst)
+            if dst.group != group or pnode_of.get(e.dst) != pnode_of.get(nid) or dst.op.is_cost:
+                ok = False
+                break
+        if ok and _independent(graph, _alias_readers(graph, nid), group):
+            out.setdefault(group, []).append(nid)
+    return out
+
+
+def _alias_readers(graph: Graph, nid: str) -> set[str]:
+    """The VNodes that read `nid`'s tensors, looking through broadcasts (aliases)."""
+    out: set[str] = set()
+    todo = [e.dst for e in graph.out_edges(nid)]
+    while todo:
+        v = todo.pop()
+        if graph.node(v).type == "broadcast":
+            todo.extend(e.dst for e in graph.out_edges(v))
+        else:
+            out.add(v)
+    return out
+
+
+def _independent(graph: Graph, readers: set[str], group: str) -> bool:
+    """No reader reaches another inside the group: the node and its readers can be one checkpointed region.
+
+    (A residual read by a layernorm and by the add that closes the block fails this: the block's
+    second half runs between them, so recomputing it would need two regions.)
+    """
+    for r in readers:
+        seen: set[str] = set()
+        todo = [e.dst for e in graph.out_edges(r)]
+        while todo:
+            v = todo.pop()
+            if v in seen or graph.node(v).group != group:
+                continue
+            if v in readers:
+                return False
+            seen.add(v)
+            todo.extend(e.dst for e in graph.out_edges(v))
+    return True
+
+
+def plain_activation(cm: CostModel) -> dict[str, int]:
+    """Per sample activation bytes of every VNode as if nothing were recomputed."""
+    c = cm.node_columns
+    return {nid: a + r for nid, a, r in zip(c["id"], c["activation_bytes"], c["recompute_bytes"])}
+
+
+MENU_SIZE = 48  # Pareto entries kept per group while the menu is built
+ALL_SUBSETS = 12  # groups with at most this many candidates get every subset evaluated
+
+
+def group_menu(graph: Graph, members: Sequence[str], cands: Sequence[str], act: Mapping[str, int],
+               flops: Mapping[str, int]) -> list[Entry]:
+    """The Pareto menu of one group: (kept, rebuilt-at-once, recompute FLOPs) over subsets of its candidates.
+
+    Small groups try every subset; larger ones are built one candidate at a time (each entry with and
+    without it), keeping the non-dominated entries (at most MENU_SIZE, the cheapest per byte kept when
+    more); "every candidate" is always an entry.
+    """
+    order = [n for n in graph.topo_order() if n.id in set(members)]
+    ends = {ep.node for ep in graph.iter_endpoints()}
+    cache: dict[frozenset[str], Entry] = {}
+
+    def evaluate(marks: frozenset[str]) -> Entry:
+        marks = closed(graph, marks)
+        e = cache.get(marks)
+        if e is None:
+            cost = remat_cost(remat_layout(graph, marks, order=order, endpoint_nodes=ends), act, flops, members)
+            e = cache[marks] = Entry(marks, cost.kept_bytes, cost.transient_bytes, cost.recompute_flops)
+        return e
+
+    if len(cands) <= ALL_SUBSETS:  # small groups: every subset (the cost is not additive over candidates)
+        import itertools
+
+        every = [evaluate(frozenset(sub)) for k in range(len(cands) + 1)
+                 for sub in itertools.combinations(cands, k)]
+        return sorted(_pareto(every), key=lambda e: (-e.kept, e.flops))
+    front = [evaluate(frozenset())]
+    for c in cands:
+        grown = front + [evaluate(e.marks | {c}) for e in front]
+        front = _pareto(grown)
+        if len(front) > MENU_SIZE:
+            base = front[0]
+            front.sort(key=lambda e: (e.flops - base.flops) / max(base.kept - e.kept, 1) if e.kept < base.kept
+                       else 0.0)
+            front = _pareto(front[:MENU_SIZE])
+    full = evaluate(frozenset(cands))
+    if all(e.marks != full.marks for e in front):
+        front.append(full)
+    return sorted(front, key=lambda e: (-e.kept, e.flops))
+
+
+def _pareto(entries: Sequence[Entry]) -> list[Entry]:
+    """The entries no other beats on kept bytes, rebuilt bytes and FLOPs at once (first of equals)."""
+    out: list[Entry] = []
+    seen: set[tuple[int, int, int]] = set()
+    for e in sorted(entries, key=lambda e: (e.flops, e.kept, e.transient)):
+        key = (e.kept, e.transient, e.flops)
+        if key in seen:
+            continue
+        if any(o.kept <= e.kept and o.transient <= e.transient and o.flops <= e.flops for o in out):
+            continue
+        seen.add(key)
+        out.append(e)
+    return out
+
+
+def _hull(menu: Sequence[Entry]) -> list[Entry]:
+    """The entries on the lower convex hull of (kept bytes descending, FLOPs ascending)."""
+    pts = sorted(menu, key=lambda e: (-e.kept, e.flops))
+    hull: list[Entry] = []
+    for e in pts:
+        if hull and e.flops >= hull[-1].flops and e.kept >= hull[-1].kept:
+            continue
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b is above the segment a-e: drop it
+            if (b.flops - a.flops) * (a.kept - e.kept) >= (e.flops - a.flops) * (a.kept - b.kept):
+                hull.pop()
+            else:
+                break
+        hull.append(e)
+    return hull
+
+
+EXHAUSTIVE = 20000  # combinations of group entries tried one by one below this count
+
+
+def choose(menus: Mapping[str, Sequence[Entry]], fixed_kept: int, allowed: float
+           ) -> tuple[dict[str, Entry], float] | None:
+    """Per group one entry: least total FLOPs with kept + largest transient <= `allowed` (None if none).
+
+    Few combinations (small graphs) are all tried; otherwise, per cap on the rebuilt bytes, groups
+    move along their lower convex hulls, cheapest FLOPs per freed byte first, then each group tries
+    every entry that lowers the FLOPs and still fits.
+    """
+    if math.prod(len(m) for m in menus.values()) <= EXHAUSTIVE:
+        return _exhaustive(menus, fixed_kept, allowed)
+    caps = sorted({e.transient for menu in menus.values() for e in menu})
+    best: tuple[dict[str, Entry], float] | None = None
+    for cap in caps:
+        hulls = {g: _hull([e for e in menu if e.transient <= cap]) for g, menu in menus.items()}
+        if any(not h for h in hulls.values()):
+            continue
+        pos = {g: 0 for g in hulls}
+        kept = fixed_kept + sum(h[0].kept for h in hulls.values())
+        room = allowed - cap
+        while kept > room:
+            move, price = None, math.inf
+            for g, h in hulls.items():
+                i = pos[g]
+                if i + 1 < len(h):
+                    p = (h[i + 1].flops - h[i].flops) / max(h[i].kept - h[i + 1].kept, 1)
+                    if p < price:
+                        move, price = g, p
+            if move is None:
+                break
+            kept -= hulls[move][pos[move]].kept - hulls[move][pos[move] + 1].kept
+            pos[move] += 1
+        if kept > room:
+            continue
+        pick = {g: hulls[g][pos[g]] for g in hulls}
+        for g, menu in menus.items():  # polish: a cheaper entry of one group that still fits
+            for e in sorted(menu, key=lambda e: e.flops):
+                if e.flops >= pick[g].flops:
+                    break
+                if e.transient <= cap and kept - pick[g].kept + e.kept <= room:
+                    kept += e.kept - pick[g].kept
+                    pick[g] = e
+                    break
+        total = sum(e.flops for e in pick.values())
+        if best is None or total < best[1]:
+            best = (pick, total)
+    return best
+
+
+def _exhaustive(menus: Mapping[str, Sequence[Entry]], fixed_kept: int, allowed: float
+                ) -> tuple[dict[str, Entry], float] | None:
+    import itertools
+
+    groups = list(menus)
+    best = None
+    for combo in itertools.product(*(menus[g] for g in groups)):
+        kept = fixed_kept + sum(e.kept for e in combo) + max((e.transient for e in combo), default=0)
+        if kept > allowed:
+            continue
+        total = sum(e.flops for e in combo)
+        if best is None or total < best[1]:
+            best = (dict(zip(groups, combo)), total)
+    return best
+
+
+def scopes_of(graph: Graph, cm: CostModel, budget: int | None, device_memory: int | None) -> list[RematScope]:
+    """One scope per PNode of a partitioned graph (capacity: the PNode's memory or `budget`), else one."""
+    placement = graph.meta.get("placement") or {}
+    pnodes = placement.get("pnodes") or {}
+    where = {n.id: n.meta.get("pnode") for n in graph.nodes}
+    if pnodes and all(where.values()):
+        depth = max(1, len(placement.get("stages") or [None]))
+        resident = cm.resident_samples(depth)
+        out = []
+        for pid, info in pnodes.items():
+            ids = [nid for nid, p in where.items() if p == pid]
+            if not ids:
+                continue
+            static = cm.totals(ids)
+            static_bytes = static["param_bytes"] + static["grad_bytes"] + static["optimizer_bytes"]
+            static_bytes += sum(t.replica_bytes for t in cm.ties if where[t.user] == pid
+                                and where[t.publisher] != pid)
+            cap = budget if budget is not None else int(info["capacity_bytes"])
+            out.append(RematScope(f"PNode {pid!r}", ids, cap, static_bytes, resident))
+        return out
+    cap = budget if budget is not None else device_memory if device_memory is not None else host_available_memory()
+    if cap is None:
+        raise PassError("pass 'remat': budget=auto found no memory to plan for (no placement, no device memory, "
+                        "no /proc/meminfo); give budget=SIZE, e.g. remat{budget=16GiB}")
+    t = cm.totals()
+    return [RematScope("the network", list(cm.node_columns["id"]), cap,
+                       t["param_bytes"] + t["grad_bytes"] + t["optimizer_bytes"], cm.resident_samples())]
+
+
+def plan_scope(graph: Graph, cm: CostModel, scope: RematScope, where: Mapping[str, str | None]
+               ) -> tuple[frozenset[str], Entry | None, int]:
+    """(marks, the chosen totals or None if nothing fits, the per-sample bytes allowed) of one scope."""
+    act = plain_activation(cm)
+    flops = dict(zip(cm.node_columns["id"], cm.node_columns["flops"]))
+    cands = candidates(graph, cm, scope.ids, where)
+    groups: dict[str, list[str]] = {}
+    for nid in scope.ids:
+        g = graph.node(nid).group
+        if g in cands:
+            groups.setdefault(g, []).append(nid)
+    in_groups = {nid for members in groups.values() for nid in members}
+    fixed_kept = sum(act[nid] for nid in scope.ids if nid not in in_groups)
+    allowed = scope.per_sample
+    keep_all = fixed_kept + sum(act[nid] for nid in in_groups)
+    if keep_all <= allowed:
+        return frozenset(), Entry(frozenset(), keep_all, 0, 0), int(allowed)
+    menus = {g: group_menu(graph, members, cands[g], act, flops) for g, members in groups.items()}
+    picked = choose(menus, fixed_kept, allowed)
+    if picked is None:
+        most = {g: m[-1] for g, m in menus.items()}
+        kept = fixed_kept + sum(e.kept for e in most.values())
+        peak = kept + max((e.transient for e in most.values()), default=0)
+        return frozenset().union(*(e.marks for e in most.values())), None, int(peak)
+    pick, total = picked
+    marks = frozenset().union(*(e.marks for e in pick.values()))
+    kept = fixed_kept + sum(e.kept for e in pick.values())
+    return marks, Entry(marks, kept, max((e.transient for e in pick.values()), default=0), int(total)), int(allowed)
+
+
+def apply_marks(graph: Graph, marks: frozenset[str], ids: Iterable[str]) -> int:
+    """Set `remat: recompute` on `marks` and remove it from the other VNodes of `ids`; returns changes."""
+    changed = 0
+    for nid in ids:
+        node = graph.node(nid)
+        want = RECOMPUTE if nid in marks else None
+        if node.config.get(REMAT_KEY) != want:
+            node.set_config(**{REMAT_KEY: want})
+            changed += 1
+    return changed
+
+
+def _budget(text: str) -> str:
+    parse_budget(text)
+    return text
+
+
+_budget.__name__ = "size"
+
+
+class Remat(Pass):
+    """Recompute activations in backward instead of keeping them, where a memory budget needs it."""
+
+    name = "remat"
+    preserves_semantics = True  # the same function: some values are computed twice instead of kept
+    after = ("dead-nodes", "precision", "fuse-heads", "fuse-lm-head-ce", "partition")
+    options = {
+        "budget": Option(_budget, "auto", "memory per PNode: auto (each PNode's memory after partition, else the "
+                                          "device's, else this machine's available memory) or a size (16GiB)"),
+        "batch": Option(int, None, "samples per training step (default: the placement's, else 8)", min=1,
+                        max=2**40),
+        "micro_batches": Option(int, None, "micro-batches per step (default: the placement's, else 1)", min=1,
+                                max=2**40),
+    }
+
+    def run(self, graph: Graph, ctx: PassContext) -> Counter:
+        budget = parse_budget(self.opts["budget"])
+        placement = graph.meta.get("placement") or {}
+        batch = self.opts["batch"] or placement.get("batch") or ctx.data.get("batch") or DEFAULT_BATCH
+        micro = self.opts["micro_batches"] or placement.get("micro_batches") or 1
+        cm = cost_model(graph, batch=int(batch), micro_batches=int(micro))
+        where = {n.id: n.meta.get("pnode") for n in graph.nodes}
+        counts: Counter = Counter()
+        notes = []
+        for scope in scopes_of(graph, cm, budget, ctx.data.get("device_memory")):
+            marks, chosen, allowed = plan_scope(graph, cm, scope, where)
+            if chosen is None:
+                need = scope.static_bytes + allowed * scope.resident
+                raise PassError(
+                    f"pass 'remat': {scope.name} needs {human_bytes(need)} at batch {batch} even with every "
+                    f"candidate recomputed ({len(marks)} VNodes), more than its {human_bytes(scope.capacity)} "
+                    f"(weights, gradients and optimizer state alone: {human_bytes(scope.static_bytes)}); lower "
+                    f"the batch, add micro-batches or PNodes")
+            counts["marked"] += apply_marks(graph, marks, scope.ids)
+            counts["recomputed"] += len(marks)
+            peak = scope.static_bytes + (chosen.kept + chosen.transient) * scope.resident
+            notes.append(f"{scope.name}: " + (
+                f"fits without remat ({human_bytes(peak)} of {human_bytes(scope.capacity)})" if not marks else
+                f"{len(marks)} VNodes recomputed, {human_bytes(peak)} of {human_bytes(scope.capacity)}, "
+                f"+{chosen.flops / max(1, sum(cm.node_columns['flops'])):.1%} forward FLOPs in backward"))
+        ctx.notes.append(f"remat (batch {batch}): " + "; ".join(notes))
+        return counts
