@@ -40,7 +40,7 @@ def load_network(path: str):
 
 
 def add_plugin_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plugin", action="append", default=[], metavar="FILE.py",
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE.py", type=options.path,
                    help="load a local plugin file (passes, op types); may repeat")
 
 
@@ -54,7 +54,7 @@ def load_plugins(args: argparse.Namespace) -> None:
 @command("validate")
 def _validate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check network YAML files; exit 2 listing every problem")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", type=options.path)
     add_plugin_option(p)
     p.set_defaults(func=_validate)
 
@@ -71,20 +71,21 @@ def _validate(args: argparse.Namespace) -> int:
             failed = True
             for d in exc.diagnostics:
                 print(d, file=sys.stderr)
-            print(f"{path}: invalid ({len(exc.errors)} error{'s' * (len(exc.errors) != 1)})", file=sys.stderr)
+            print(f"{printable(path)}: invalid ({len(exc.errors)} error{'s' * (len(exc.errors) != 1)})",
+                  file=sys.stderr)
             continue
         for w in warnings:
             print(w, file=sys.stderr)
-        print(f"{path}: ok ({len(g)} VNodes, {len(g.edges)} edges)")
+        print(f"{printable(path)}: ok ({len(g)} VNodes, {len(g.edges)} edges)")
     return EXIT_INVALID if failed else 0
 
 
 @command("analyze")
 def _analyze_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("analyze", help="shapes, parameters, FLOPs and memory per node and group")
-    p.add_argument("file", metavar="FILE")
+    p.add_argument("file", metavar="FILE", type=options.path)
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
-    p.add_argument("--fleet", metavar="FLEET.yml",
+    p.add_argument("--fleet", metavar="FLEET.yml", type=options.path,
                    help="show the training-step cost model (bytes by kind, FLOPs per step) and the fleet")
     p.add_argument("--batch", type=_positive_int, default=None,
                    help="samples per step for the cost model (default 8; implies the cost model)")
@@ -165,14 +166,15 @@ def _pipeline_with_partition(spec: str | None, batch: int, micro_batches: int, r
 @command("partition")
 def _partition_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("partition", help="place a network on a fleet; write one network per PNode")
-    p.add_argument("file", metavar="FILE")
-    p.add_argument("--fleet", required=True, metavar="FLEET.yml", help="the PNodes (networks/fleets/*.yml)")
+    p.add_argument("file", metavar="FILE", type=options.path)
+    p.add_argument("--fleet", required=True, metavar="FLEET.yml", type=options.path,
+                   help="the PNodes (networks/fleets/*.yml)")
     p.add_argument("--batch", type=_positive_int, default=8, help="samples per training step (default 8)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step (per replica)")
     p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
                    help="data-parallel replicas of the pipeline (default auto: the plan of least predicted step "
                         "time; 1: one pipeline, as before)")
-    p.add_argument("-o", "--output", required=True, metavar="DIR",
+    p.add_argument("-o", "--output", required=True, metavar="DIR", type=options.path,
                    help="writes DIR/<pnode>.yml per PNode and DIR/placement.json")
     p.add_argument("--passes", metavar="SPEC", default=None,
                    help="passes to run with the partition, e.g. 'precision{target=cuda-sm75},fuse-heads' "
@@ -211,16 +213,18 @@ def _partition(args: argparse.Namespace) -> int:
 @command("render")
 def _render_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render", help="draw a network as SVG (Graphviz): groups, PNodes, fused and cut edges")
-    p.add_argument("file", metavar="FILE")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.svg")
+    p.add_argument("file", metavar="FILE", type=options.path)
+    p.add_argument("-o", "--output", required=True, metavar="OUT.svg", type=options.path)
     p.add_argument("--passes", metavar="SPEC", default=None, help="run a pipeline first, e.g. 'fuse-heads'")
-    p.add_argument("--fleet", metavar="FLEET.yml", help="partition onto this fleet first (adds 'partition')")
+    p.add_argument("--fleet", metavar="FLEET.yml", type=options.path,
+                   help="partition onto this fleet first (adds 'partition')")
     p.add_argument("--batch", type=_positive_int, default=8, help="batch for the partition and cut bytes")
     p.add_argument("--group-by", choices=("colocate", "pnode"), default=None,
                    help="clusters: colocation groups or PNodes (default: pnode when placed)")
     p.add_argument("--collapse", action="store_true",
                    help="draw runs of identical colocation groups (transformer blocks) once")
-    p.add_argument("--target", default=None, help="compile target for target-aware passes (cpu, cuda-smXY)")
+    p.add_argument("--target", default=None, type=options.compile_target,
+                   help="compile target for target-aware passes (cpu, cuda-smXY)")
     add_plugin_option(p)
     p.set_defaults(func=_render)
 
@@ -252,13 +256,15 @@ def _render(args: argparse.Namespace) -> int:
 @command("optimize")
 def _optimize_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("optimize", help="run a pass pipeline and write the rewritten network")
-    p.add_argument("file", metavar="FILE")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.yml")
+    p.add_argument("file", metavar="FILE", type=options.path)
+    p.add_argument("-o", "--output", required=True, metavar="OUT.yml", type=options.path)
     p.add_argument("--passes", metavar="SPEC", default=None,
                    help="pipeline, e.g. 'fuse-heads,precision{target=cuda-sm80}' "
                         "(default: the production pipeline)")
-    p.add_argument("--target", default=None, help="compile target for target-aware passes (cpu, cuda-smXY)")
-    p.add_argument("--dump-dir", metavar="DIR", help="write the graph after each pass as NN_pass.yml")
+    p.add_argument("--target", default=None, type=options.compile_target,
+                   help="compile target for target-aware passes (cpu, cuda-smXY)")
+    p.add_argument("--dump-dir", metavar="DIR", type=options.path,
+                   help="write the graph after each pass as NN_pass.yml")
     p.add_argument("--explain", action="store_true", help="say why rewrites did not match")
     p.add_argument("--no-verify", action="store_true", help="skip IR verification between passes")
     add_plugin_option(p)
@@ -301,6 +307,13 @@ def _passes(args: argparse.Namespace) -> int:
 
     print_listing(args.json)
     return 0
+
+
+@command("report")
+def _report_parser(sub: argparse._SubParsersAction) -> None:
+    from .report import register_report_command  # the page: report.py (reads run files, imports no torch)
+
+    register_report_command(sub)
 
 
 def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 from .diagnostics import quote
 
@@ -95,6 +96,21 @@ def byte_size(text: str) -> int:
     return int(value)
 
 
+def path(text: str) -> str:
+    """A file or directory name: not empty (an empty name would silently mean "the default" or the
+    current directory) and without NUL (no file system accepts it)."""
+    if text == "" or "\x00" in text:
+        raise argparse.ArgumentTypeError(f"expected a file or directory name, got {quote(text)}")
+    return text
+
+
+def compile_target(text: str) -> str:
+    """--target: cpu or cuda-smXY (the compute capability, e.g. cuda-sm80)."""
+    if text != "cpu" and not re.fullmatch(r"cuda-sm[1-9][0-9]{1,2}", text):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda-smXY (e.g. cuda-sm80), got {quote(text)}")
+    return text
+
+
 def replicas(text: str) -> str:
     """--replicas: 'auto' or 1 to 1000000 data-parallel replicas (as the partition pass's option text)."""
     if str(text).strip().lower() == "auto":
@@ -107,4 +123,4 @@ def replicas(text: str) -> str:
 
 
 __all__ = ["positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float",
-           "byte_size", "replicas", "MAX_SEED"]
+           "byte_size", "replicas", "path", "compile_target", "MAX_SEED"]

@@ -154,6 +154,7 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
     ``attention`` gets the concatenation of its heads', see ``vgraph.layout``).
     """
     import torch
+    from safetensors import SafetensorError
 
     from vgraph.backends.torch import CheckpointError, latest_checkpoint, load_checkpoint
 
@@ -171,8 +172,8 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
             trained_yaml = saved.extra.get("network_yaml")
         else:
             raise VGraphError(f"{p}: no such checkpoint file or directory")
-    except (CheckpointError, OSError, ValueError) as exc:
-        raise VGraphError(f"{p}: cannot read checkpoint: {exc}") from exc
+    except (CheckpointError, OSError, ValueError, SafetensorError) as exc:
+        raise VGraphError(f"{p}: cannot read checkpoint: {exc}") from None
     if graph is not None and trained_yaml:  # the checkpoint says what it was trained on: it must be `graph`
         from vgraph import loads
         from vgraph.network_match import require_match

@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from vgraph import options
 from vgraph.diagnostics import VGraphError
 from vgraph.safeio import atomic_write, check_output
 
@@ -27,8 +28,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     from vgraph import options
     from vgraph.cli import add_plugin_option
 
-    p.add_argument("file", metavar="FILE", help="network YAML")
-    p.add_argument("--checkpoint", metavar="CKPT",
+    p.add_argument("file", metavar="FILE", type=options.path, help="network YAML")
+    p.add_argument("--checkpoint", metavar="CKPT", type=options.path,
                    help="vgraph checkpoint directory, run directory or model .safetensors file")
     p.add_argument("--passes", metavar="SPEC",
                    help="run these passes first, e.g. fuse-heads,fuse-lm-head-ce (default: none)")
@@ -40,7 +41,7 @@ def register_export(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("export-onnx", help="write the network as an ONNX model (float32, dynamic batch)",
                               description=__doc__.split("\n\n")[0])
     _common(p)
-    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", type=options.path)
     p.add_argument("--no-weights", action="store_true",
                    help="make the parameters named graph inputs instead of storing them")
     p.set_defaults(func=_export)

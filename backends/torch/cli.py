@@ -29,8 +29,8 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
         description="Train a network on a text corpus (default: the embedded standard-library "
                     "docstrings) with the production precision policy. The run directory gets the "
                     "network, tokenizer, metrics.jsonl/csv, loss_curve.png and checkpoints.")
-    p.add_argument("network", metavar="FILE", help="network YAML")
-    p.add_argument("--data", metavar="PATH", help="text file, directory (*.txt, *.md) or glob; default: "
+    p.add_argument("network", metavar="FILE", type=options.path, help="network YAML")
+    p.add_argument("--data", metavar="PATH", type=options.path, help="text file, directory (*.txt, *.md) or glob; default: "
                    "the embedded corpus")
     p.add_argument("--steps", type=_non_negative_int, default=1000, help="optimizer steps in all (default 1000)")
     p.add_argument("--batch", type=_positive_int, default=8, help="sequences per step (default 8)")
@@ -40,7 +40,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                    help="after warmup: constant, or cosine decay to 0.1*lr at the last step")
     p.add_argument("--seed", type=options.seed, default=0, help="seed of initialisation, data order and dropout")
-    p.add_argument("--out", metavar="DIR", help="run directory (default runs/<network name>)")
+    p.add_argument("--out", metavar="DIR", type=options.path, help="run directory (default runs/<network name>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest "
                    "checkpoint (starts fresh if it has none yet)")
     p.add_argument("--accept-network-change", action="store_true",
@@ -110,7 +110,7 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="sample text from a checkpoint of `vgraph train`",
                               description="Continue a prompt with a trained network. CHECKPOINT is a "
                                           "checkpoint directory or a run directory (its latest checkpoint).")
-    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", type=options.path)
     p.add_argument("--prompt", default="", help="text to continue (default: empty)")
     p.add_argument("--max-new-tokens", type=_non_negative_int, default=100)
     p.add_argument("--temperature", type=options.non_negative_float, default=0.8, help="0: greedy (default 0.8)")

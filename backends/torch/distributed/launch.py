@@ -673,14 +673,14 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                     "PNode (torch.distributed; pipelined micro-batches, boundary tensors by send/recv). A "
                     "worker that dies is detected and the run restarts from the last checkpoint. The run "
                     "directory is the one `vgraph train` writes.")
-    p.add_argument("network", metavar="FILE", help="network YAML")
-    p.add_argument("--fleet", required=True, metavar="FLEET", help="fleet spec YAML (PNodes)")
+    p.add_argument("network", metavar="FILE", type=options.path, help="network YAML")
+    p.add_argument("--fleet", required=True, metavar="FLEET", type=options.path, help="fleet spec YAML (PNodes)")
     p.add_argument("--micro-batches", type=_positive_int, metavar="M",
                    help="micro-batches per step, pipelined over the PNodes (default min(batch, 2 x PNodes))")
     p.add_argument("--pipeline", choices=PIPELINES, default="1f1b",
                    help="micro-batch schedule: 1f1b (default; at most min(M, PNodes) micro-batches of activations "
                         "per worker) or gpipe (all forwards, then all backwards)")
-    p.add_argument("--placement", metavar="JSON", help="use this placement.json's assignment (VNode -> PNode, "
+    p.add_argument("--placement", metavar="JSON", type=options.path, help="use this placement.json's assignment (VNode -> PNode, "
                    "VNodes as before fusion) instead of running the partition pass")
     p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
                    help="data-parallel replicas of the pipeline (default auto: the plan of least predicted step "
@@ -698,14 +698,15 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                    help="address of machine 0 (default 127.0.0.1)")
     p.add_argument("--master-port", type=options.port, metavar="PORT",
                    help="rendezvous port on machine 0 (default: free port; 29500 with --nnodes > 1)")
-    p.add_argument("--data", metavar="PATH", help="text file, directory or glob; default: the embedded corpus")
+    p.add_argument("--data", metavar="PATH", type=options.path,
+                   help="text file, directory or glob; default: the embedded corpus")
     p.add_argument("--steps", type=_non_negative_int, default=1000)
     p.add_argument("--batch", type=_positive_int, default=8)
     p.add_argument("--lr", type=options.positive_float, default=6e-4)
     p.add_argument("--warmup", type=_non_negative_int, default=0)
     p.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
     p.add_argument("--seed", type=options.seed, default=0)
-    p.add_argument("--out", metavar="DIR", help="run directory (default runs/<network name>)")
+    p.add_argument("--out", metavar="DIR", type=options.path, help="run directory (default runs/<network name>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--passes", metavar="SPEC", help="pass pipeline (the partition pass is inserted before "
