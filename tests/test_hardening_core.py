@@ -232,3 +232,16 @@ def test_a_partition_directory_holds_exactly_one_partition(tmp_path: Path, capsy
     assert main(["partition", str(TINY), "--fleet", str(one), "-o", str(out)]) == 2
     err = capsys.readouterr().err
     assert "placement.json" in err and "Traceback" not in err
+
+
+def test_command_outputs_get_the_umask_mode_not_0600(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text(ONE_PNODE % "solo")
+    old = os.umask(0o022)
+    try:
+        assert main(["optimize", str(TINY), "-o", str(tmp_path / "o.yml")]) == 0
+        assert main(["partition", str(TINY), "--fleet", str(fleet), "-o", str(tmp_path / "parts")]) == 0
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "o.yml", tmp_path / "parts" / "solo.yml", tmp_path / "parts" / "placement.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path

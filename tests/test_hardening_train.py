@@ -174,3 +174,14 @@ def test_data_that_is_not_a_readable_text_file_is_a_diagnostic(data: str, tmp_pa
     assert cli.main(["train", str(TINY), "--data", data, "--out", str(tmp_path / "run"), *QUICK]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and data in err
+
+
+def test_run_files_respect_the_umask(tmp_path: Path, corpus: str) -> None:
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "run"
+        assert cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), *QUICK]) == 0
+    finally:
+        os.umask(old)
+    for name in ("latest", "network.yml", "run.json", "metrics.csv", "metrics.jsonl", "tokenizer.json"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name

@@ -23,10 +23,8 @@ Each section sits between two marker lines in the doc:
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -220,14 +218,9 @@ def render(text: str) -> tuple[str, list[str]]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from vgraph.safeio import atomic_write  # the one atomic writer: keeps the document's mode
+
+    atomic_write(path, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vgraph.diagnostics import quote
+from vgraph.safeio import atomic_write
 
 try:  # numpy is optional; only needed to (de)serialise numpy RNG state.
     import numpy as np
@@ -477,14 +478,5 @@ def _move_into_place(tmp: Path, target: Path) -> None:
 
 
 def _write_pointer(pointer: Path, name: str) -> None:
-    tmp = pointer.with_name(f".{pointer.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, pointer)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(pointer.parent)
+    atomic_write(pointer, name + "\n")  # the core's atomic writer: temporary, fsync, rename
+    _fsync_dir(pointer.parent)  # ... and the rename itself survives a crash

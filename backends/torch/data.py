@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import sysconfig
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,6 +29,8 @@ from pathlib import Path
 import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from vgraph.safeio import atomic_write
 
 __all__ = [
     "DataError",
@@ -276,14 +277,7 @@ def train_bpe_tokenizer(
             f"the corpus has too few distinct byte pairs; size the model for {actual}",
             stacklevel=2,
         )
-    fd, tmp_name = tempfile.mkstemp(dir=cache, prefix=".bpe-", suffix=".json.tmp")
-    os.close(fd)
-    try:
-        tokenizer.save(tmp_name)
-        os.replace(tmp_name, cache_file)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
+    atomic_write(cache_file, tokenizer.to_str())  # the core's atomic writer (umask respected)
     return tokenizer
 
 
