@@ -35,36 +35,31 @@ def _float(text: str) -> float:
     return value
 
 
+def _int_in(text: str, low: int, high: int, expected: str) -> int:
+    value = _int(text)
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {quote(text)}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """1, 2, ... (at most 2**62)."""
-    value = _int(text)
-    if not 1 <= value <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"expected a positive integer (1 to 2**62), got {quote(text)}")
-    return value
+    return _int_in(text, 1, MAX_COUNT, "a positive integer (1 to 2**62)")
 
 
 def non_negative_int(text: str) -> int:
     """0, 1, ... (at most 2**62)."""
-    value = _int(text)
-    if not 0 <= value <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**62, got {quote(text)}")
-    return value
+    return _int_in(text, 0, MAX_COUNT, "an integer from 0 to 2**62")
 
 
 def seed(text: str) -> int:
     """A random seed: 0 to 2**63 - 1."""
-    value = _int(text)
-    if not 0 <= value <= MAX_SEED:
-        raise argparse.ArgumentTypeError(f"expected a seed from 0 to 2**63-1, got {quote(text)}")
-    return value
+    return _int_in(text, 0, MAX_SEED, "a seed from 0 to 2**63-1")
 
 
 def port(text: str) -> int:
     """A TCP port: 1 to 65535."""
-    value = _int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port from 1 to 65535, got {quote(text)}")
-    return value
+    return _int_in(text, 1, 65535, "a TCP port from 1 to 65535")
 
 
 def positive_float(text: str) -> float:
