@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import TINY
+from hardening_util import signal_after_rows
 from vgraph.backends.torch.distributed.launch import main as launch_main
 from vgraph.backends.torch.distributed.rendezvous import (TOKEN_ENV, RendezvousError, check_token, free_port,
                                                           probe_port, rendezvous_store)
@@ -109,10 +110,7 @@ def test_launch_trains_through_the_bound_store(tmp_path: Path, capsys) -> None:
 
 
 def test_first_interrupt_stops_every_worker_after_one_step_with_a_checkpoint(tmp_path: Path, capsys) -> None:
-    import os
     import signal
-    import threading
-    import time
 
     from vgraph.backends.torch.checkpoint import latest_checkpoint, load_checkpoint
 
@@ -121,22 +119,10 @@ def test_first_interrupt_stops_every_worker_after_one_step_with_a_checkpoint(tmp
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
     out = tmp_path / "run"
-
-    def interrupt_after_two_steps() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            metrics = out / "metrics.jsonl"
-            if metrics.is_file() and metrics.read_text().count("\n") >= 2:
-                os.kill(os.getpid(), signal.SIGINT)
-                return
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=interrupt_after_two_steps, daemon=True)
-    watcher.start()
     args = ["launch", str(TINY), "--fleet", str(fleet), "--data", str(corpus), "--batch", "2", "--val-every", "0",
             "--checkpoint-every", "0", "--log-every", "1", "--threads", "1", "--out", str(out), "--quiet"]
-    code = launch_main([*args, "--steps", "1000000"])
-    watcher.join()
+    with signal_after_rows(out / "metrics.jsonl", 2, signal.SIGINT):
+        code = launch_main([*args, "--steps", "1000000"])
     err = capsys.readouterr().err
     assert code == 130 and "Continue with: vgraph launch" in err and "Traceback" not in err, err
     step = load_checkpoint(latest_checkpoint(out)).step

@@ -5,13 +5,12 @@ import json
 import os
 import signal
 import stat
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import TINY
+from hardening_util import signal_after_rows
 from vgraph.backends.torch import checkpoint as ckpt
 from vgraph.backends.torch import cli
 from vgraph.backends.torch.data import default_corpus_documents
@@ -68,21 +67,9 @@ def test_a_network_named_dotdot_trains_inside_runs(tmp_path: Path, corpus: str, 
 def test_first_interrupt_checkpoints_and_says_how_to_resume(signum: int, tmp_path: Path, corpus: str,
                                                             capsys) -> None:
     out = tmp_path / "run"
-
-    def interrupt_after_first_steps() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            metrics = out / "metrics.jsonl"
-            if metrics.is_file() and metrics.read_text().count("\n") >= 2:
-                os.kill(os.getpid(), signum)
-                return
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=interrupt_after_first_steps, daemon=True)
-    watcher.start()
-    code = cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), "--steps", "1000000", "--batch", "2",
-                     "--val-every", "0", "--checkpoint-every", "0", "--quiet"])
-    watcher.join()
+    with signal_after_rows(out / "metrics.jsonl", 2, signum):
+        code = cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), "--steps", "1000000", "--batch",
+                         "2", "--val-every", "0", "--checkpoint-every", "0", "--quiet"])
     err = capsys.readouterr().err
     assert code == 128 + signum
     assert f"vgraph train {TINY} --out {out} --resume" in err and "Traceback" not in err
