@@ -47,6 +47,7 @@ from vgraph.ir import Graph, VNode
 from vgraph.verify import verify
 
 from .ops import LowerCtx, default_init, get_lowering
+from .remat_regions import outline_remat_regions
 
 __all__ = [
     "VGraphModule",
@@ -389,6 +390,7 @@ def _lower(module: VGraphModule, want: Want, training: bool) -> Program:
     values: dict[tuple[str, int], Any] = {}
     feeds: list[str] = []
     order = [n for n in graph.topo_order() if n.id in out_slots]
+    created: dict[str, set[fx.Node]] = {}  # VNode id -> its fx nodes (remat regions are cut by VNode)
     # Placeholders first, in the graph's network-input order.
     placeholders: dict[tuple[str, int], fx.Node] = {}
     for node in order:
@@ -420,6 +422,7 @@ def _lower(module: VGraphModule, want: Want, training: bool) -> Program:
                                               f"{slot}", node.loc, node.id)])
             values[(node.id, slot)] = value
         _name_outputs(node, outs, out_slots[node.id], emitter.created)
+        created[node.id] = emitter.created
     fxg.output({name: values[(node_id, slot)] for name, node_id, slot in targets})
     root: dict[str, Any] = {}
     owners = {attr: node_id for node_id, attr in module._attr.items()}
@@ -431,6 +434,8 @@ def _lower(module: VGraphModule, want: Want, training: bool) -> Program:
         elif fx_node.op == "call_module":
             owner = owners[fx_node.target]
             root[fx_node.target] = module.namespace(owner)
+    if training:  # `remat: recompute` regions become checkpointed submodules (remat_regions.py)
+        outline_remat_regions(graph, fxg, root, created)
     class_name = "".join(part.capitalize() for part in _words(graph.name)) or "Network"
     gm = fx.GraphModule(root, fxg, class_name=class_name)
     return Program(gm, tuple(feeds), tuple(name for name, _, _ in targets))

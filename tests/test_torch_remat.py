@@ -1,0 +1,112 @@
+"""Training with `remat` equals training without it: losses, gradients, resume and checkpoints."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vgraph
+from conftest import TINY
+from vgraph.backends.torch import compile_network, prepare_graph
+from vgraph.backends.torch.dropout import dropout_key
+from vgraph.backends.torch.train import train
+from vgraph.backends.torch.train_config import TrainConfig
+from vgraph.costmodel import cost_model
+from vgraph.passes.remat import candidates, closed, plain_activation, scopes_of
+from vgraph.remat import RECOMPUTE, marked_ids
+
+FUSED = "dead-nodes,precision,fuse-heads,fuse-lm-head-ce"
+UNFUSED = "dead-nodes,precision"
+
+
+def mark_all(graph):
+    """Every candidate of every group recomputed (the block input kept, its interior recomputed)."""
+    cm = cost_model(graph, batch=2)
+    cands = candidates(graph, cm, list(graph.node_ids()), {})
+    for nid in closed(graph, [c for cs in cands.values() for c in cs]):
+        graph.node(nid).set_config(remat=RECOMPUTE)
+    return graph
+
+
+def step(graph, ids, targets):
+    module = compile_network(graph, seed=0)
+    program = module.program_for(tuple(module.cost_names), training=True)
+    args = [ids if name.startswith("embedder") else targets for name in program.feeds]
+    with dropout_key(7, 3):
+        loss = program.module(*args)[module.cost_names[0]]
+    loss.backward()  # outside the key: a recomputed dropout must use the key its forward saw
+    return loss.detach(), {k: p.grad for k, p in module.named_parameters()}, program.module
+
+
+@pytest.mark.parametrize("passes", [FUSED, UNFUSED])
+def test_same_loss_and_gradients_with_dropout(passes):
+    plain = prepare_graph(vgraph.load(TINY), passes=passes, target="cpu")
+    assert any(float(n.cfg.get("rate", 0) or 0) > 0 for n in plain.nodes_of_type("dropout"))
+    marked = mark_all(plain.copy())
+    emb = plain.nodes_of_type("embedder")[0].cfg
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    loss0, grads0, _ = step(plain, ids, targets)
+    loss1, grads1, gm = step(marked, ids, targets)
+    regions = [m for name, m in gm.named_children() if name.startswith("remat_")]
+    assert len(regions) >= 3  # two blocks and the head were cut out and checkpointed
+    bodies = "\n".join(r.body.code for r in regions)
+    if passes == FUSED:  # the fused kernels survive inside and around the regions
+        assert "attention" in bodies and "tied_lm_head_ce" in gm.code
+    assert "dropout" in bodies
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    assert grads0.keys() == grads1.keys()
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
+
+
+def test_eval_programs_are_not_checkpointed():
+    marked = mark_all(prepare_graph(vgraph.load(TINY), passes=FUSED, target="cpu"))
+    module = compile_network(marked, seed=0)
+    assert "remat_" not in module.code(tuple(module.cost_names), training=False)
+
+
+def remat_spec(passes: str, batch: int, fraction: float = 0.7) -> str:
+    graph = prepare_graph(vgraph.load(TINY), passes=passes, target="cpu")
+    cm = cost_model(graph, batch=batch)
+    base = scopes_of(graph, cm, 10**15, None)[0]
+    budget = base.static_bytes + int(sum(plain_activation(cm).values()) * fraction) * base.resident
+    return f"{passes},remat{{budget={budget},batch={batch}}}"
+
+
+def run(tmp_path, name, corpus, passes, steps, resume=False):
+    return train(TrainConfig(network=str(TINY), data=corpus, steps=steps, batch=2, lr=1e-3, val_every=0,
+                             checkpoint_every=2, out=tmp_path / name, passes=passes, progress=False,
+                             resume=resume, tensorboard=False, seed=3))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "c.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    return str(path)
+
+
+def test_training_resume_and_checkpoints_interchangeable(tmp_path, corpus):
+    spec = remat_spec(FUSED, 2)
+    graph = prepare_graph(vgraph.load(TINY), passes=spec, target="cpu")
+    assert marked_ids(graph)
+    without = run(tmp_path, "plain", corpus, FUSED, 4)
+    with_remat = run(tmp_path, "remat", corpus, spec, 4)
+
+    def losses(result):
+        return {row["step"]: row["loss"] for row in result.history if "loss" in row}
+
+    assert sorted(losses(without)) == [1, 2, 3, 4]
+    assert losses(with_remat) == pytest.approx(losses(without), rel=1e-6)
+    # stopped after 2 steps and resumed with remat: the same 4 steps
+    run(tmp_path, "resumed", corpus, spec, 2)
+    resumed = run(tmp_path, "resumed", corpus, spec, 4, resume=True)
+    assert losses(resumed) == pytest.approx(losses(without), rel=1e-6)  # the history is the run's
+    # a remat run's checkpoint resumes without remat, and the other way round
+    run(tmp_path, "swap1", corpus, spec, 2)
+    swapped = run(tmp_path, "swap1", corpus, FUSED, 4, resume=True)
+    assert losses(swapped) == pytest.approx(losses(without), rel=1e-6)  # the history is the run's
+    run(tmp_path, "swap2", corpus, FUSED, 2)
+    swapped = run(tmp_path, "swap2", corpus, spec, 4, resume=True)
+    assert losses(swapped) == pytest.approx(losses(without), rel=1e-6)  # the history is the run's
