@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fleet_scale.py [--sizes 10,20,50,100,200,500,1000] [--plot fleet_scale.png]
 
-Three tables, all on the cost model (`vgraph/stepcost.py`), nothing trained:
+Four tables, the first three on the cost model (`vgraph/stepcost.py`), nothing trained:
 
 1. Predicted tokens/s of the 8-layer production network (seq 512, global
    batch 1,024 sequences, 8 micro-batches per replica) on heterogeneous
@@ -23,6 +23,9 @@ Three tables, all on the cost model (`vgraph/stepcost.py`), nothing trained:
    (benchmarks/evolutionary_allocation.py) on the same cost model, for every
    stage cut with all 64 PNodes in use (their setting) and for the planner's
    own layout; 3 seeds each.
+
+4. The partition pass's own time with `replicas=1` and `auto`, side by side
+   (`--with-100k` adds the generated 100k-VNode network).
 
 The plot (two panels): tokens/s against fleet size for both, and step time
 against R on the largest fleet with the point where all-reduce stops paying.
@@ -151,6 +154,39 @@ def geo(seeds: int = 3) -> None:
     print(f"\nplanner {plan.cost.step_seconds:.3f} s vs best evolved {best_evolved:.3f} s: {verdict}")
 
 
+def pass_time(with_100k: bool, repeat: int = 3) -> None:
+    """The partition pass with --replicas 1 (one pipeline, the pass before issue 17) and auto, side by side."""
+    import statistics
+
+    from tools.gen_networks import synthetic
+    from vgraph.fleet import load_fleet
+    from vgraph.pass_api import PassContext
+    from vgraph.passes.partition import Partition
+
+    cases = [("8-layer production", load(NET8))]
+    if with_100k:
+        cases.append(("synthetic 100k", synthetic(100_000)))
+    print("\n## 4. Partition pass time (Partition.run, batch 8, median), one pipeline vs auto\n")
+    print("| network | fleet | replicas=1 | auto | auto plan | auto step / one pipeline's |")
+    print("|---|---|---:|---:|---|---:|")
+    for name, graph in cases:
+        for fl in ("t4x4", "mixed16"):
+            fleet = load_fleet(ROOT / "networks" / "fleets" / f"{fl}.yml")
+            times, placed = {}, {}
+            for rep in ("1", "auto"):
+                ts = []
+                for _ in range(repeat if len(graph) < 10_000 else 1):
+                    g = graph.copy()
+                    t = time.perf_counter()
+                    Partition(batch=8, replicas=rep).run(g, PassContext(data={"fleet": fleet}))
+                    ts.append(time.perf_counter() - t)
+                times[rep], placed[rep] = statistics.median(ts), g.meta["placement"]
+            a = placed["auto"]
+            print(f"| {name} | {fl} | {times['1'] * 1e3:.1f} ms | {times['auto'] * 1e3:.1f} ms | "
+                  f"{a['replicas']} x {a['stages_per_replica']} | "
+                  f"{a['step_seconds'] / placed['1']['step_seconds']:.2f} |")
+
+
 def plot(rows: list[dict], curve: list[dict], n: int, path: Path) -> None:
     import matplotlib
 
@@ -195,11 +231,13 @@ def main() -> None:
     ap.add_argument("--sizes", default="10,20,50,100,200,500,1000")
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "fleet_scale.png"))
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--with-100k", action="store_true", help="also time the pass on a 100k-VNode network")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     rows = scaling(sizes)
     curve = where_allreduce_stops_paying(sizes[-1])
     geo(args.seeds)
+    pass_time(args.with_100k)
     if args.plot:
         plot(rows, curve, sizes[-1], Path(args.plot))
 

@@ -38,6 +38,7 @@ How
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -50,11 +51,11 @@ import numpy as np
 from vgraph.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.fleet import Fleet, PNode
 from vgraph.ir import Graph
-from vgraph.stepcost import (FleetArrays, StageLoads, StepCost, batch_shares, bubble, resident_samples,
-                             stage_loads, stage_rates, step_cost_of)
+from vgraph.stepcost import (FleetArrays, LoadColumns, StageLoads, StepCost, batch_shares, bubble,
+                             resident_samples, stage_rates, step_cost_of)
 
 from .partition import Plan, plan_partition
-from .partition_problem import PartitionError, build_problem
+from .partition_problem import PartitionError, Problem, build_problem
 from .partition_solve import solve
 
 __all__ = ["ReplicaPlan", "plan_replicas", "apply_replica_plan", "candidates", "price_layout", "MAX_STAGES",
@@ -63,6 +64,8 @@ __all__ = ["ReplicaPlan", "plan_replicas", "apply_replica_plan", "candidates", "
 MAX_STAGES = 64  # stage counts tried (a deeper pipeline than this is never the fastest on volunteer links)
 ALL_REPLICA_COUNTS = 24  # every R up to this is tried, then a geometric grid
 LOCAL_SEARCH_EVALUATIONS = 300
+LOCAL_SEARCH_PATIENCE = 60  # ... stopping after max(this, PNodes / 4) swaps in a row that do not help
+SPLIT_ALL_UNITS = 400  # up to this many units every stage count and variant is cut
 REL_TIE = 1e-9
 
 
@@ -85,7 +88,8 @@ def parse_replicas(value: Any) -> int | None:
 class ReplicaPlan:
     """R replicas of one S-stage pipeline: who runs what, on how many samples, and what it costs."""
 
-    stage_of: dict[str, int]  # VNode -> stage
+    where: np.ndarray  # stage of each VNode, in the cost model's order (`ids`)
+    ids: list[str]
     loads: StageLoads
     pnodes: list[list[str]]  # [R][S] PNode ids
     shares: list[int]
@@ -105,9 +109,14 @@ class ReplicaPlan:
     def stages(self) -> int:
         return len(self.pnodes[0])
 
+    @property
+    def stage_of(self) -> dict[str, int]:
+        """VNode -> stage."""
+        return dict(zip(self.ids, self.where.tolist()))
+
     def assignment(self, r: int = 0) -> dict[str, str]:
         row = self.pnodes[r]
-        return {v: row[s] for v, s in self.stage_of.items()}
+        return {v: row[s] for v, s in zip(self.ids, self.where.tolist())}
 
     def summary(self) -> dict[str, Any]:
         """The replica fields of graph.meta["placement"] and placement.json (JSON-compatible)."""
@@ -151,7 +160,8 @@ def plan_replicas(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
             return single, cm
         if replicas is None:
             best = single
-    for cand in candidates(graph, fleet, cm, fa, batch, micro_batches, replicas):
+    for cand in candidates(graph, fleet, cm, fa, batch, micro_batches, replicas,
+                           base.problem if base is not None else None):
         count += 1
         if cand is not None and (best is None or _better(cand.cost, cand.replicas * cand.stages, best.cost,
                                                          best.replicas * best.stages)):
@@ -173,16 +183,18 @@ def plan_replicas(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
 # -- candidates --------------------------------------------------------------------------------------
 
 def candidates(graph: Graph, fleet: Fleet, cm: CostModel, fa: FleetArrays, batch: int, micro: int,
-               replicas: int | None = None) -> Iterator[ReplicaPlan | None]:
+               replicas: int | None = None, problem: Problem | None = None) -> Iterator[ReplicaPlan | None]:
     """Every (stage cut, replica count, layout) the planner compares, priced; None for a layout that
-    cannot hold the batch.  (The benchmarks read step time against R from here.)"""
-    for S, stage_of in _splits(graph, fleet, cm, batch, micro):
-        loads = stage_loads(cm, stage_of, S)
+    cannot hold the batch.  (The benchmarks read step time against R from here.)  `problem`: the
+    partition pass's unit problem of this graph, if one was built (it is reused when whole groups)."""
+    cols = LoadColumns(cm)
+    for S, where in _splits(graph, fleet, cm, cols, batch, micro, problem):
+        loads = cols.loads(where, S)
         for R in _replica_counts(len(fleet), S, batch, replicas):
             for name, idx in _layouts(loads, fa, R, S, batch, micro):
                 priced = price_layout(loads, fa, idx, batch, micro)
-                yield None if priced is None else ReplicaPlan(stage_of, loads, _ids(fa, idx), priced[0], priced[1],
-                                                              f"{name}, S={S} R={R}")
+                yield None if priced is None else ReplicaPlan(where, cols.ids, loads, _ids(fa, idx), priced[0],
+                                                              priced[1], f"{name}, S={S} R={R}")
 
 
 def _from_partition(plan: Plan, cm: CostModel, fa: FleetArrays, batch: int, micro: int) -> ReplicaPlan:
@@ -193,44 +205,72 @@ def _from_partition(plan: Plan, cm: CostModel, fa: FleetArrays, batch: int, micr
         p = int(plan.assign[u])
         if p not in order:
             order.append(p)
-    stage_of_pnode = {p: s for s, p in enumerate(order)}
-    stage_of = {v: stage_of_pnode[int(plan.assign[u])] for u, unit in enumerate(pr.units) for v in unit.members}
-    loads = stage_loads(cm, stage_of, len(order))
-    ids = [fa.index[pr.pnodes[p].id] for p in order]
-    idx = np.array([ids], dtype=np.int64)
+    stage_of_pnode = np.zeros(pr.k, dtype=np.int64)
+    stage_of_pnode[order] = np.arange(len(order))
+    cols = LoadColumns(cm)
+    unit = np.fromiter((pr.unit_of[v] for v in cols.ids), dtype=np.int64, count=len(cols.ids))
+    where = stage_of_pnode[plan.assign[unit]]
+    loads = cols.loads(where, len(order))
+    idx = np.array([[fa.index[pr.pnodes[p].id] for p in order]], dtype=np.int64)
     cost = step_cost_of(loads, fa, idx, [batch], micro)
-    return ReplicaPlan(stage_of, loads, _ids(fa, idx), [batch], cost, f"partition ({plan.method}), R=1",
+    return ReplicaPlan(where, cols.ids, loads, _ids(fa, idx), [batch], cost, f"partition ({plan.method}), R=1",
                        base=plan)
 
 
-def _splits(graph: Graph, fleet: Fleet, cm: CostModel, batch: int, micro: int
-            ) -> Iterator[tuple[int, dict[str, int]]]:
-    """(S, VNode -> stage) for each distinct cut of the network into S stages on identical PNodes."""
+def _splits(graph: Graph, fleet: Fleet, cm: CostModel, cols: LoadColumns, batch: int, micro: int,
+            problem: Problem | None = None) -> Iterator[tuple[int, np.ndarray]]:
+    """(S, stage of each VNode) for each distinct cut of the network into S stages on identical PNodes.
+
+    The unit problem is built once (it is most of the cost on a large network) and re-targeted at S
+    virtual PNodes for every S; a network of more than SPLIT_ALL_UNITS units tries a geometric set
+    of stage counts and two (bandwidth, memory) variants instead of every one."""
     flops = median(p.flops for p in fleet)
     bandwidths = sorted({median(p.bandwidth for p in fleet), max(p.bandwidth for p in fleet)})
-    memories = (max(p.memory for p in fleet), 2 ** 62)  # the largest PNode; unbounded (shares shrink activations)
+    memories = (2 ** 62, max(p.memory for p in fleet))  # unbounded (shares shrink activations); the largest PNode
+    if problem is not None and problem.view == "groups":
+        base = problem
+    else:
+        one = Fleet("stages", (PNode("stage0", memories[1], flops, bandwidths[0]),))
+        base = build_problem(graph, one, batch=batch, micro_batches=micro, cm=cm, view="groups")
+    unit = np.fromiter((base.unit_of[v] for v in cols.ids), dtype=np.int64, count=len(cols.ids))
+    top = min(len(fleet), MAX_STAGES, base.n)
+    if base.n <= SPLIT_ALL_UNITS:
+        counts = list(range(1, top + 1))
+        variants = list(itertools.product(bandwidths, memories))
+    else:
+        counts = sorted({c for c in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if c <= top} | {top})
+        variants = [(bandwidths[0], memories[0]), (bandwidths[-1], memories[1])]
     seen: set[tuple[int, ...]] = set()
-    units = None
-    for S, bandwidth, memory in itertools.product(range(1, min(len(fleet), MAX_STAGES) + 1), bandwidths, memories):
-        if units is not None and S > units:
-            break
-        virtual = Fleet("stages", tuple(PNode(f"stage{i}", memory, flops, bandwidth) for i in range(S)))
-        problem = build_problem(graph, virtual, batch=batch, micro_batches=micro, cm=cm, view="groups")
-        units = problem.n
-        try:
-            assign, _ = solve(problem, local_search=problem.n <= 200)
-        except PartitionError:
-            continue
-        order: list[int] = []
-        for u in range(problem.n):
-            if int(assign[u]) not in order:
-                order.append(int(assign[u]))
-        key = tuple(order.index(int(a)) for a in assign)
-        if key in seen:
-            continue
-        seen.add(key)
-        stage_of = {v: key[u] for u, unit in enumerate(problem.units) for v in unit.members}
-        yield len(order), stage_of
+    for S in counts:
+        fits: set[float] = set()  # bandwidths whose unbounded cut already fits the largest PNode
+        for bandwidth, memory in variants:
+            if memory == memories[1] and bandwidth in fits:
+                continue  # the bounded cut would be the same
+            problem = _retarget(base, [PNode(f"stage{i}", memory, flops, bandwidth) for i in range(S)], cm)
+            try:
+                assign, _ = solve(problem, local_search=False)  # identical PNodes: the exact split is the cut
+            except PartitionError:
+                continue
+            if memory == memories[0] and np.bincount(assign, weights=problem.memory).max() <= memories[1]:
+                fits.add(bandwidth)
+            order: list[int] = []
+            for u in range(problem.n):
+                if int(assign[u]) not in order:
+                    order.append(int(assign[u]))
+            key = tuple(order.index(int(a)) for a in assign)
+            if key in seen:
+                continue
+            seen.add(key)
+            yield len(order), np.asarray(key, dtype=np.int64)[unit]
+
+
+def _retarget(base: Problem, pnodes: list[PNode], cm: CostModel) -> Problem:
+    """`base` (built for any fleet) on `pnodes`: only the resident activations depend on the depth."""
+    resident = cm.resident_samples(len(pnodes))
+    breakdown = base.breakdown.copy()
+    breakdown[:, 3] *= resident / base.resident_samples
+    return dataclasses.replace(base, pnodes=pnodes, breakdown=breakdown, memory=breakdown.sum(axis=1),
+                               resident_samples=resident)
 
 
 def _replica_counts(K: int, S: int, batch: int, fixed: int | None) -> list[int]:
@@ -257,9 +297,7 @@ def _layouts(loads: StageLoads, fa: FleetArrays, R: int, S: int, batch: int, mic
     usable = fits.any(axis=1)
     if usable.sum() < R * S:
         return
-    mid_f = float(np.median(fa.flops))
-    mid_b = float(np.median(fa.bandwidth))
-    keys = {"speed": fa.flops, "speed+bandwidth": np.minimum(fa.flops / mid_f, fa.bandwidth / mid_b)}
+    keys = {"speed": fa.flops, "speed+bandwidth": fa.balanced}
     for name, key in keys.items():
         order = np.argsort(-key, kind="stable")
         idx = _stage_major(order, fits, R, S, need)
@@ -394,7 +432,11 @@ def _improve(plan: ReplicaPlan, fa: FleetArrays, batch: int, micro: int) -> tupl
     best_cost, best_shares = plan.cost, plan.shares
     tried = 0
     improved = False
+    since, patience = 0, max(LOCAL_SEARCH_PATIENCE, K // 4)
     for _ in range(LOCAL_SEARCH_EVALUATIONS):
+        if since >= patience:
+            break
+        since += 1
         trial = idx.copy()
         r1, s1 = int(rng.integers(R)), int(rng.integers(S))
         if K > R * S and rng.random() < 0.5:
@@ -408,34 +450,46 @@ def _improve(plan: ReplicaPlan, fa: FleetArrays, batch: int, micro: int) -> tupl
         if cand is not None and cand[1].step_seconds < best_cost.step_seconds * (1 - REL_TIE):
             idx, best_shares, best_cost = trial, cand[0], cand[1]
             improved = True
+            since = 0
     if not improved:
         return plan, tried
-    return ReplicaPlan(plan.stage_of, plan.loads, _ids(fa, idx), best_shares, best_cost,
+    return ReplicaPlan(plan.where, plan.ids, plan.loads, _ids(fa, idx), best_shares, best_cost,
                        plan.method + " + local search"), tried
 
 
 def apply_replica_plan(graph: Graph, plan: ReplicaPlan, cm: CostModel, fleet: Fleet) -> int:
-    """Place replica 0 on the graph (node.meta["pnode"]) and record the whole plan in graph.meta["placement"]
-    (the legacy fields priced for every replica at its share, see vgraph/replica_report.py); returns how many
-    VNodes changed PNode."""
-    from vgraph.partition_export import placement_report
-
+    """Place replica 0 on the graph (node.meta["pnode"]) and record the whole plan in graph.meta["placement"]:
+    the one-pipeline fields for every replica's PNodes at its share (as vgraph/replica_report.py prices a
+    placement.json), plus the replica fields; returns how many VNodes changed PNode."""
     changed = 0
     for v, pid in plan.assignment(0).items():
         meta = graph.node(v).meta
         if meta.get("pnode") != pid:
             meta["pnode"] = pid
             changed += 1
-    graph.meta["placement"] = {"batch": cm.batch, "micro_batches": cm.micro_batches,
-                               "replica_pnodes": plan.pnodes, "batch_shares": list(plan.shares)}
-    report = placement_report(graph, fleet, batch=cm.batch, micro_batches=cm.micro_batches, cm=cm)
-    pnodes = {pid: {k: (len(v) if k == "vnodes" else v) for k, v in info.items()}
-              for pid, info in report["pnodes"].items()}
+    c, loads = plan.cost, plan.loads
+    vnodes = np.bincount(plan.where, minlength=plan.stages)
+    pnodes: dict[str, dict[str, Any]] = {}
+    for r, row in enumerate(plan.pnodes):
+        for s, pid in enumerate(row):
+            p = fleet.pnode(pid)
+            compute = plan.shares[r] * float(loads.flops[s]) / p.flops
+            seconds = float(c.stage_seconds[r, s])
+            pnodes[pid] = {"replica": r, "stage": s, "vnodes": int(vnodes[s]), "batch_share": plan.shares[r],
+                           "memory_bytes": int(c.memory[r, s]), "capacity_bytes": int(p.memory),
+                           "flops_per_step": plan.shares[r] * float(loads.flops[s]),
+                           "boundary_bytes_per_step": float(plan.shares[r] * loads.p2p[s].sum() + loads.sync[s].sum()),
+                           "compute_seconds": compute, "comm_seconds": seconds - compute, "seconds": seconds}
+    bottleneck = max(pnodes, key=lambda pid: pnodes[pid]["seconds"])
+    stage = dict(zip(plan.ids, plan.where.tolist()))
+    row0 = plan.pnodes[0]
+    sync = [{"alias": t.alias, "publisher": t.publisher, "user": t.user, "from_pnode": row0[stage[t.publisher]],
+             "to_pnode": row0[stage[t.user]], "bytes_per_step": t.sync_bytes_per_step}
+            for t in cm.ties if stage[t.publisher] != stage[t.user]]
     graph.meta["placement"] = {
         "fleet": fleet.name, "batch": cm.batch, "micro_batches": cm.micro_batches, "view": "groups",
-        "units": len({v for v in plan.stage_of}), "method": plan.method, "stages": plan.pnodes[0],
-        "bottleneck_seconds": report["bottleneck_seconds"], "bottleneck_pnode": report["bottleneck_pnode"],
-        "cut_bytes_per_step": report["cut_bytes_per_step"], "pnodes": pnodes, "weight_sync": report["weight_sync"],
-        **plan.summary(),
+        "method": plan.method, "stages": row0, "bottleneck_seconds": pnodes[bottleneck]["seconds"],
+        "bottleneck_pnode": bottleneck, "cut_bytes_per_step": float(c.p2p_bytes.sum()), "pnodes": pnodes,
+        "weight_sync": sync, **plan.summary(),
     }
     return changed

@@ -52,7 +52,7 @@ from .costmodel import CostModel
 if TYPE_CHECKING:
     from .fleet import Fleet, PNode
 
-__all__ = ["StageLoads", "StepCost", "FleetArrays", "stage_loads", "step_cost", "step_cost_of",
+__all__ = ["StageLoads", "StepCost", "FleetArrays", "LoadColumns", "stage_loads", "step_cost", "step_cost_of",
            "stage_rates", "ring_allreduce_bytes", "bubble", "resident_array",
            "resident_samples", "replica_assignment", "batch_shares"]
 
@@ -73,33 +73,58 @@ class StageLoads:
         return len(self.flops)
 
 
+class LoadColumns:
+    """A cost model's per-VNode and per-edge numbers as numpy columns, read once; `loads` aggregates them
+    into any cut of the network into stages (a planner prices dozens of cuts of a 100k-VNode network)."""
+
+    def __init__(self, cm: CostModel) -> None:
+        col = cm.array
+        self.ids: list[str] = cm.node_columns["id"]
+        self.flops = cm.train_flops_per_sample()  # forward + backward (+ recomputed forwards, remat)
+        self.grad = col("grad_bytes").astype(float)
+        self.static = (col("param_bytes") + col("grad_bytes") + col("master_bytes") + col("adam_bytes")).astype(float)
+        self.act = col("activation_bytes").astype(float)
+        if len(cm.edge_columns["src"]):
+            self.src = col("edge:src").astype(np.int64)
+            self.dst = col("edge:dst").astype(np.int64)
+            self.edge_bytes = col("edge:bytes_per_sample").astype(float) * np.where(col("edge:gradient"), 2.0, 1.0)
+        else:
+            self.src = self.dst = np.zeros(0, dtype=np.int64)
+            self.edge_bytes = np.zeros(0)
+        at = {nid: i for i, nid in enumerate(self.ids)} if cm.ties else {}
+        self.ties = [(at[t.publisher], at[t.user], float(t.sync_bytes_per_step), float(t.replica_bytes))
+                     for t in cm.ties]
+
+    def where(self, stage_of: Mapping[str, int]) -> np.ndarray:
+        """VNode -> stage as an array over the cost model's VNodes."""
+        return np.fromiter((stage_of[i] for i in self.ids), dtype=np.int64, count=len(self.ids))
+
+    def loads(self, where: np.ndarray, stages: int) -> StageLoads:
+        """The stages' loads when VNode i (cost model order) is in stage `where[i]`."""
+        flops = np.bincount(where, weights=self.flops, minlength=stages)
+        grad = np.bincount(where, weights=self.grad, minlength=stages)
+        static = np.bincount(where, weights=self.static, minlength=stages)
+        act = np.bincount(where, weights=self.act, minlength=stages)
+        p2p = np.zeros((stages, stages))
+        if len(self.src):
+            s, t = where[self.src], where[self.dst]
+            cut = s != t
+            np.add.at(p2p, (s[cut], t[cut]), self.edge_bytes[cut])
+            p2p = p2p + p2p.T
+        sync = np.zeros((stages, stages))
+        for pub, user, sync_bytes, replica_bytes in self.ties:
+            a, b = where[pub], where[user]
+            if a != b:
+                sync[a, b] += sync_bytes
+                sync[b, a] += sync_bytes
+                static[b] += replica_bytes
+        return StageLoads(flops, p2p, sync, grad, static, act)
+
+
 def stage_loads(cm: CostModel, stage_of: Mapping[str, int], stages: int) -> StageLoads:
     """Aggregate the cost model's VNodes and edges into `stages` stages (`stage_of`: VNode -> stage)."""
-    ids = cm.node_columns["id"]
-    where = np.fromiter((stage_of[i] for i in ids), dtype=np.int64, count=len(ids))
-    col = cm.array
-    flops = np.bincount(where, weights=cm.train_flops_per_sample(), minlength=stages)
-    trained = col("grad_bytes").astype(float)
-    static = (col("param_bytes") + col("grad_bytes") + col("master_bytes") + col("adam_bytes")).astype(float)
-    grad = np.bincount(where, weights=trained, minlength=stages)
-    static = np.bincount(where, weights=static, minlength=stages)
-    act = np.bincount(where, weights=col("activation_bytes").astype(float), minlength=stages)
-    p2p = np.zeros((stages, stages))
-    if len(cm.edge_columns["src"]):
-        s = where[col("edge:src").astype(np.int64)]
-        t = where[col("edge:dst").astype(np.int64)]
-        w = col("edge:bytes_per_sample").astype(float) * np.where(col("edge:gradient"), 2.0, 1.0)
-        cut = s != t
-        np.add.at(p2p, (s[cut], t[cut]), w[cut])
-        p2p = p2p + p2p.T
-    sync = np.zeros((stages, stages))
-    for tie in cm.ties:
-        a, b = stage_of[tie.publisher], stage_of[tie.user]
-        if a != b:
-            sync[a, b] += tie.sync_bytes_per_step
-            sync[b, a] += tie.sync_bytes_per_step
-            static[b] += tie.replica_bytes
-    return StageLoads(flops, p2p, sync, grad, static, act)
+    cols = LoadColumns(cm)
+    return cols.loads(cols.where(stage_of), stages)
 
 
 def bubble(micro_batches: int, stages: int) -> float:
