@@ -42,7 +42,8 @@ from vgraph.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.fleet import human_bytes, parse_bytes
 from vgraph.ir import Graph
 from vgraph.pass_api import Option, Pass, PassContext, PassError
-from vgraph.remat import RECOMPUTE, REMAT_KEY, remat_cost, remat_layout
+from vgraph.remat import (RECOMPUTE, REMAT_KEY, candidates, closed, plain_activation, pnode_static_bytes,
+                          remat_cost, remat_layout)
 
 __all__ = ["Remat", "RematScope", "Entry", "parse_budget", "scopes_of", "plan_scope", "group_menu",
            "candidates", "closed", "apply_marks", "host_available_memory"]
@@ -107,81 +108,6 @@ class RematScope:
     def per_sample(self) -> float:
         """Activation bytes per resident sample the capacity leaves (negative: the weights alone overflow)."""
         return (self.capacity - self.static_bytes) / self.resident
-
-
-def closed(graph: Graph, marks: Iterable[str]) -> frozenset[str]:
-    """`marks` plus every broadcast whose input is marked (its outputs alias the input)."""
-    out = set(marks)
-    for node in graph.topo_order():
-        if node.type == "broadcast" and node.id not in out:
-            e = graph.input_edge(node.id, 0)
-            if e is not None and e.src in out:
-                out.add(node.id)
-    return frozenset(out)
-
-
-def candidates(graph: Graph, cm: CostModel, ids: Iterable[str], pnode_of: Mapping[str, str | None]
-               ) -> dict[str, list[str]]:
-    """Markable VNodes of `ids` by colocation group (see the module docstring)."""
-    act = plain_activation(cm)
-    endpoint_nodes = {ep.node for ep in graph.iter_endpoints()}
-    out: dict[str, list[str]] = {}
-    for nid in ids:
-        node = graph.node(nid)
-        group = node.group
-        if group is None or nid in endpoint_nodes or node.op.is_cost or node.type == "broadcast" or not act[nid]:
-            continue
-        readers = graph.out_edges(nid)
-        if not readers:
-            continue
-        ok = True
-        for e in readers:
-            dst = graph.node(e.dst)
-            if dst.group != group or pnode_of.get(e.dst) != pnode_of.get(nid) or dst.op.is_cost:
-                ok = False
-                break
-        if ok and _independent(graph, _alias_readers(graph, nid), group):
-            out.setdefault(group, []).append(nid)
-    return out
-
-
-def _alias_readers(graph: Graph, nid: str) -> set[str]:
-    """The VNodes that read `nid`'s tensors, looking through broadcasts (aliases)."""
-    out: set[str] = set()
-    todo = [e.dst for e in graph.out_edges(nid)]
-    while todo:
-        v = todo.pop()
-        if graph.node(v).type == "broadcast":
-            todo.extend(e.dst for e in graph.out_edges(v))
-        else:
-            out.add(v)
-    return out
-
-
-def _independent(graph: Graph, readers: set[str], group: str) -> bool:
-    """No reader reaches another inside the group: the node and its readers can be one checkpointed region.
-
-    (A residual read by a layernorm and by the add that closes the block fails this: the block's
-    second half runs between them, so recomputing it would need two regions.)
-    """
-    for r in readers:
-        seen: set[str] = set()
-        todo = [e.dst for e in graph.out_edges(r)]
-        while todo:
-            v = todo.pop()
-            if v in seen or graph.node(v).group != group:
-                continue
-            if v in readers:
-                return False
-            seen.add(v)
-            todo.extend(e.dst for e in graph.out_edges(v))
-    return True
-
-
-def plain_activation(cm: CostModel) -> dict[str, int]:
-    """Per sample activation bytes of every VNode as if nothing were recomputed."""
-    c = cm.node_columns
-    return {nid: a + r for nid, a, r in zip(c["id"], c["activation_bytes"], c["recompute_bytes"])}
 
 
 MENU_SIZE = 48  # Pareto entries kept per group while the menu is built
@@ -342,10 +268,7 @@ def scopes_of(graph: Graph, cm: CostModel, budget: int | None, device_memory: in
             ids = [nid for nid, p in where.items() if p == pid]
             if not ids:
                 continue
-            static = cm.totals(ids)
-            static_bytes = static["param_bytes"] + static["grad_bytes"] + static["optimizer_bytes"]
-            static_bytes += sum(t.replica_bytes for t in cm.ties if where[t.user] == pid
-                                and where[t.publisher] != pid)
+            static_bytes = pnode_static_bytes(cm, ids, where, pid)
             cap = budget if budget is not None else int(info["capacity_bytes"])
             out.append(RematScope(f"PNode {pid!r}", ids, cap, static_bytes, resident))
         return out
@@ -353,9 +276,8 @@ def scopes_of(graph: Graph, cm: CostModel, budget: int | None, device_memory: in
     if cap is None:
         raise PassError("pass 'remat': budget=auto found no memory to plan for (no placement, no device memory, "
                         "no /proc/meminfo); give budget=SIZE, e.g. remat{budget=16GiB}")
-    t = cm.totals()
-    return [RematScope("the network", list(cm.node_columns["id"]), cap,
-                       t["param_bytes"] + t["grad_bytes"] + t["optimizer_bytes"], cm.resident_samples())]
+    ids = list(cm.node_columns["id"])
+    return [RematScope("the network", ids, cap, pnode_static_bytes(cm, ids, where, None), cm.resident_samples())]
 
 
 def plan_scope(graph: Graph, cm: CostModel, scope: RematScope, where: Mapping[str, str | None]

@@ -92,6 +92,9 @@ def _analyze_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step")
     p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
                    help="with --fleet: data-parallel replicas of the plan shown (default auto)")
+    p.add_argument("--max-batch", action="store_true",
+                   help="with --fleet: the largest batch each PNode of the plan (one pipeline, placed at --batch) "
+                        "fits, with and without remat (JSON keys max_batch, max_batch_remat)")
     add_plugin_option(p)
     p.set_defaults(func=_analyze)
 
@@ -122,6 +125,8 @@ def _analyze(args: argparse.Namespace) -> int:
     from .analyze import analyze, format_table
 
     graph = load_network(args.file)
+    if getattr(args, "max_batch", False):
+        return _analyze_max_batch(graph, args)
     if args.fleet is None and args.batch is None:
         a = analyze(graph)
         print(json.dumps(a.to_json(), indent=2) if args.json else format_table(a))
@@ -149,6 +154,30 @@ def _analyze(args: argparse.Namespace) -> int:
             print(format_plan(plan))
         elif plan is not None:
             print(f"\nno plan on fleet {fleet.name!r}: {plan}")
+    return 0
+
+
+def _analyze_max_batch(graph, args: argparse.Namespace) -> int:
+    """`analyze --max-batch`: place the network (one pipeline) and size each PNode's batch (vgraph/max_batch.py)."""
+    from .costmodel import DEFAULT_BATCH, cost_model
+    from .diagnostics import VGraphError
+    from .fleet import load_fleet
+    from .max_batch import format_max_batch, max_batch_report
+    from .pipeline import run_pipeline
+
+    if args.fleet is None:
+        raise VGraphError("--max-batch needs --fleet FLEET.yml (the PNodes whose memory decides the batch)")
+    fleet = load_fleet(args.fleet)
+    batch = args.batch or DEFAULT_BATCH
+    placed = graph.copy()
+    run_pipeline(placed, f"partition{{batch={batch},micro_batches={args.micro_batches},replicas=1}}",
+                 data={"fleet": fleet})
+    cm = cost_model(placed, batch=batch, micro_batches=args.micro_batches)
+    stages = len(placed.meta["placement"].get("stages") or [None])
+    report = max_batch_report(placed, cm, fleet, {n.id: n.meta["pnode"] for n in placed.nodes},
+                              args.micro_batches, stages)
+    report["plan_batch"] = batch
+    print(json.dumps(report, indent=2) if args.json else format_max_batch(report))
     return 0
 
 

@@ -32,14 +32,14 @@ keep the tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from .ir import Graph, VNode
 
 REMAT_KEY = "remat"
 RECOMPUTE = "recompute"
 
-__all__ = ["NO_REMAT", "REMAT_KEY", "RECOMPUTE", "RematLayout", "RematCost", "is_marked", "remat_layout", "remat_cost",
+__all__ = ["NO_REMAT", "candidates", "closed", "plain_activation", "pnode_static_bytes", "REMAT_KEY", "RECOMPUTE", "RematLayout", "RematCost", "is_marked", "remat_layout", "remat_cost",
            "marked_ids"]
 
 
@@ -149,3 +149,90 @@ def remat_cost(layout: RematLayout, activation_bytes: Mapping[str, int], flops: 
         if nid in layout.reexecuted:
             again += flops[nid]
     return RematCost(kept, max(per_group.values(), default=0), again)
+
+
+# -- what may be marked (the pass and `analyze --max-batch` share it) -----------------------------
+
+def closed(graph: Graph, marks: Iterable[str]) -> frozenset[str]:
+    """`marks` plus every broadcast whose input is marked (its outputs alias the input)."""
+    out = set(marks)
+    for node in graph.topo_order():
+        if node.type == "broadcast" and node.id not in out:
+            e = graph.input_edge(node.id, 0)
+            if e is not None and e.src in out:
+                out.add(node.id)
+    return frozenset(out)
+
+
+def candidates(graph: Graph, cm, ids: Iterable[str], pnode_of: Mapping[str, str | None]
+               ) -> dict[str, list[str]]:
+    """Markable VNodes of `ids` by colocation group (see the module docstring)."""
+    act = plain_activation(cm)
+    endpoint_nodes = {ep.node for ep in graph.iter_endpoints()}
+    out: dict[str, list[str]] = {}
+    for nid in ids:
+        node = graph.node(nid)
+        group = node.group
+        if group is None or nid in endpoint_nodes or node.op.is_cost or node.type == "broadcast" or not act[nid]:
+            continue
+        readers = graph.out_edges(nid)
+        if not readers:
+            continue
+        ok = True
+        for e in readers:
+            dst = graph.node(e.dst)
+            if dst.group != group or pnode_of.get(e.dst) != pnode_of.get(nid) or dst.op.is_cost:
+                ok = False
+                break
+        if ok and _independent(graph, _alias_readers(graph, nid), group):
+            out.setdefault(group, []).append(nid)
+    return out
+
+
+def _alias_readers(graph: Graph, nid: str) -> set[str]:
+    """The VNodes that read `nid`'s tensors, looking through broadcasts (aliases)."""
+    out: set[str] = set()
+    todo = [e.dst for e in graph.out_edges(nid)]
+    while todo:
+        v = todo.pop()
+        if graph.node(v).type == "broadcast":
+            todo.extend(e.dst for e in graph.out_edges(v))
+        else:
+            out.add(v)
+    return out
+
+
+def _independent(graph: Graph, readers: set[str], group: str) -> bool:
+    """No reader reaches another inside the group: the node and its readers can be one checkpointed region.
+
+    (A residual read by a layernorm and by the add that closes the block fails this: the block's
+    second half runs between them, so recomputing it would need two regions.)
+    """
+    for r in readers:
+        seen: set[str] = set()
+        todo = [e.dst for e in graph.out_edges(r)]
+        while todo:
+            v = todo.pop()
+            if v in seen or graph.node(v).group != group:
+                continue
+            if v in readers:
+                return False
+            seen.add(v)
+            todo.extend(e.dst for e in graph.out_edges(v))
+    return True
+
+
+def plain_activation(cm) -> dict[str, int]:
+    """Per sample activation bytes of every VNode as if nothing were recomputed."""
+    c = cm.node_columns
+    return {nid: a + r for nid, a, r in zip(c["id"], c["activation_bytes"], c["recompute_bytes"])}
+
+
+def pnode_static_bytes(cm, ids: Iterable[str], pnode_of: Mapping[str, str | None], pid: str | None) -> int:
+    """What a PNode holds whatever the batch: parameters, gradients, optimizer state, tied-weight replicas."""
+    t = cm.totals(ids)
+    static = t["param_bytes"] + t["grad_bytes"] + t["optimizer_bytes"]
+    if pid is not None:
+        static += sum(tie.replica_bytes for tie in cm.ties
+                      if pnode_of.get(tie.user) == pid and pnode_of.get(tie.publisher) != pid)
+    return static
