@@ -59,23 +59,23 @@ def scaling(sizes: list[int]) -> list[dict]:
     seq = int(graph.node("embedder").cfg["seq_len"])
     rows = []
     print("## 1. Predicted tokens/s against fleet size (8-layer network, batch 1,024 x 512 tokens, M = 8)\n")
-    print("| PNodes | one pipeline: stages | tokens/s | planning s | pipeline x replicas: R x S (PNodes) | "
-          "tokens/s | all-reduce share of step | planning s | speed-up |")
+    print("| PNodes | one pipeline: stages | tokens/s | planning s wall / CPU | pipeline x replicas: R x S (PNodes) | "
+          "tokens/s | all-reduce share of step | planning s wall / CPU | speed-up |")
     print("|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for n in sizes:
         fleet = heterogeneous(n, seed=0)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         one, _ = plan_replicas(graph, fleet, batch=BATCH, micro_batches=MICRO, replicas=1)
-        t_one = time.perf_counter() - t
-        t = time.perf_counter()
+        t_one, c_one = time.perf_counter() - t, time.process_time() - c
+        t, c = time.perf_counter(), time.process_time()
         auto, _ = plan_replicas(graph, fleet, batch=BATCH, micro_batches=MICRO)
-        t_auto = time.perf_counter() - t
+        t_auto, c_auto = time.perf_counter() - t, time.process_time() - c
         tok_one = BATCH * seq / one.cost.step_seconds
         tok_auto = BATCH * seq / auto.cost.step_seconds
         share = auto.cost.allreduce_seconds / auto.cost.step_seconds
         rows.append(dict(n=n, one=tok_one, auto=tok_auto, R=auto.replicas, S=auto.stages))
-        print(f"| {n} | {one.stages} | {tok_one:,.0f} | {t_one:.2f} | {auto.replicas} x {auto.stages} "
-              f"({auto.replicas * auto.stages}) | {tok_auto:,.0f} | {share:.0%} | {t_auto:.2f} | "
+        print(f"| {n} | {one.stages} | {tok_one:,.0f} | {t_one:.2f} / {c_one:.2f} | {auto.replicas} x {auto.stages} "
+              f"({auto.replicas * auto.stages}) | {tok_auto:,.0f} | {share:.0%} | {t_auto:.2f} / {c_auto:.2f} | "
               f"{tok_auto / tok_one:.1f}x |")
     return rows
 
