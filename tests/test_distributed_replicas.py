@@ -167,3 +167,14 @@ def test_unequal_replicas_train_on_unequal_shares_like_one_process(files, refere
     assert sum(shares) == BATCH and len(set(shares)) == 2
     same_training(result.history, reference)
     assert {r["boundary_bytes"] for r in result.history} == {result.placement["bytes_per_step"]}
+
+
+def test_a_restart_resumes_every_replica_from_the_checkpoint(files, reference, tmp_path):
+    """--on-failure restart with replicas: rank 0 hands each world rank its plan rank's share."""
+    config = LaunchConfig(**common(files), out=tmp_path / "run", fleet=str(files / "fleet4.yml"),
+                          micro_batches=MICRO, replicas=2, hold=("w0", 3))
+    result = run_and_kill(config, "w0")
+    first, second = result.attempts
+    assert first["lost"] == ["w0"] and second["ok"] and sorted(second["ranks"]) == ["w0", "w1", "w2", "w3"]
+    assert result.placement["replicas"] == 2
+    same_training(result.history, reference)
