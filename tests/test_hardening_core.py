@@ -245,3 +245,21 @@ def test_command_outputs_get_the_umask_mode_not_0600(tmp_path: Path) -> None:
         os.umask(old)
     for path in (tmp_path / "o.yml", tmp_path / "parts" / "solo.yml", tmp_path / "parts" / "placement.json"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_nothing_a_command_prints_can_drive_the_terminal(tmp_path: Path, capsys) -> None:
+    from vgraph.terminal import escape_controls
+
+    net = tmp_path / "esc.yml"
+    net.write_text(TINY.read_text().replace('colocate_group: "transformer_block_0"',
+                                            'colocate_group: "blk\\e]0;title\\a\\e[2J\\u202eRED"'))
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text(ONE_PNODE % "solo")
+    for argv in (["analyze", str(net)], ["analyze", str(net), "--fleet", str(fleet)],
+                 ["partition", str(net), "--fleet", str(fleet), "-o", str(tmp_path / "parts")]):
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        if argv[0] == "analyze":  # its tables name every colocation group
+            assert "blk\\x1b]0;title\\x07\\x1b[2J\\u202eRED" in out, argv
+        assert not any(c in out + err for c in "\x1b\x07\u202e"), argv
+    assert escape_controls("a\tb\r\nc\x1b[0m\x85") == "a\tb\r\nc\\x1b[0m\\x85"

@@ -385,6 +385,13 @@ def run_commands(registrars: Sequence[Callable[[argparse._SubParsersAction], Non
 
 def run_parser(build: Callable[[], argparse.ArgumentParser], argv: list[str]) -> int:
     """Parse and dispatch; a user's mistake prints its diagnostics and exits 2, no traceback."""
+    from .terminal import escaped_output
+
+    with escaped_output():  # nothing a command prints can drive the terminal (vgraph/terminal.py)
+        return _dispatch(build, argv)
+
+
+def _dispatch(build: Callable[[], argparse.ArgumentParser], argv: list[str]) -> int:
     try:
         parser = build()
         args = parser.parse_args(argv)
