@@ -23,6 +23,7 @@ from vgraph.fleet import Fleet, human_bytes, resolve_fleet
 from vgraph.gcpause import paused_gc
 from vgraph.ir import Graph
 from vgraph.pass_api import Option, Pass, PassContext, PassError
+from vgraph.remat import RECOMPUTE, candidates, closed, marked_ids
 
 from .partition_problem import (Evaluation, PartitionError, Problem, Unit, better, build_problem, evaluate,
                                 infeasible)
@@ -144,6 +145,8 @@ class Partition(Pass):
         "micro_batches": Option(int, 1, "micro-batches per step (1F1B pipeline: bounds resident activations)"),
         "replicas": Option(str, "auto", "data-parallel replicas of the pipeline: a number, or auto (the plan of "
                                         "least predicted step time, see partition_replicas.py)"),
+        "remat": Option(str, "auto", "auto: when no plan fits the memory, plan again with every remat candidate "
+                                     "recomputed (vgraph/remat.py) and say so; off: never", choices=("auto", "off")),
     }
 
     def run(self, graph: Graph, ctx: PassContext) -> Counter:
@@ -160,8 +163,13 @@ class Partition(Pass):
         except ValueError as exc:
             raise PassError(f"pass 'partition': {exc}") from None
         fleet = resolve_fleet(fleet_spec)
-        with paused_gc():
-            rplan, cm = plan_replicas(graph, fleet, batch=batch, micro_batches=micro, replicas=replicas)
+        try:
+            with paused_gc():
+                rplan, cm = plan_replicas(graph, fleet, batch=batch, micro_batches=micro, replicas=replicas)
+        except PartitionError as exc:
+            if self.opts["remat"] == "off" or marked_ids(graph):
+                raise
+            rplan, cm = self._plan_with_remat(graph, fleet, batch, micro, replicas, exc, ctx)
         if rplan.base is not None:  # one pipeline over the fleet: the pass's own plan, as before
             changed = apply_plan(graph, rplan.base, cm, fleet)
             graph.meta["placement"].update(rplan.summary())
@@ -170,7 +178,8 @@ class Partition(Pass):
         else:
             changed = apply_replica_plan(graph, rplan, cm, fleet)
             ev = None
-            where = (f"{rplan.replicas} replicas x {rplan.stages} stages ({rplan.replicas * rplan.stages} of "
+            where = (f"{rplan.replicas} replica{'s' * (rplan.replicas != 1)} x {rplan.stages} stage"
+                     f"{'s' * (rplan.stages != 1)} ({rplan.replicas * rplan.stages} of "
                      f"{len(fleet)} PNodes, batch shares {rplan.shares})")
         placed = graph.meta["placement"]
         ctx.notes.append(f"partition: {len(graph)} VNodes on {where} of {fleet.name!r}, predicted step "
@@ -178,4 +187,29 @@ class Partition(Pass):
                          f"bottleneck {placed['bottleneck_seconds']:.4g} s ('{placed['bottleneck_pnode']}'), "
                          f"{human_bytes(ev.cut if ev else placed['cut_bytes_per_step'])} cut per step")
         return Counter(placed=changed)
+
+    @staticmethod
+    def _plan_with_remat(graph: Graph, fleet, batch: int, micro: int, replicas, without: PartitionError,
+                         ctx: PassContext):
+        """No plan fits as the network keeps every activation: mark every remat candidate and plan again."""
+        from .partition_replicas import plan_replicas
+
+        cm = cost_model(graph, batch=batch, micro_batches=micro)
+        ids = list(cm.node_columns["id"])
+        marks = closed(graph, [c for cs in candidates(graph, cm, ids, {}).values() for c in cs])
+        if not marks:
+            raise without
+        for nid in marks:
+            graph.node(nid).set_config(remat=RECOMPUTE)
+        try:
+            with paused_gc():
+                planned = plan_replicas(graph, fleet, batch=batch, micro_batches=micro, replicas=replicas)
+        except PartitionError:
+            for nid in marks:
+                graph.node(nid).set_config(remat=None)
+            raise without from None
+        ctx.notes.append(f"partition: no plan keeps every activation at batch {batch} ({without}); with {len(marks)} "
+                         f"VNodes recomputed in backward (remat: every candidate) it fits; add the remat pass after "
+                         f"partition to recompute only what each PNode needs")
+        return planned
 
