@@ -32,7 +32,6 @@ import os
 import platform
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,8 +66,8 @@ def _reset_peak_rss() -> bool:
 
 def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
+
+    from tensor_peak import LiveBytes
 
     import vgraph
     from vgraph.backends.torch import compile_network, estimate_training_memory, prepare_graph
@@ -112,41 +111,9 @@ def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
     step()
     rss_peak = _status_kib("VmHWM")
 
-    # 2. tensor peak and largest tensors
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.live: dict[int, int] = {}
-            self.current = self.peak = 0
-            self.largest: tuple[int, tuple[int, ...]] = (0, ())
-            self.largest_vocab: tuple[int, tuple[int, ...]] = (0, ())
-
-        def _freed(self, ptr: int) -> None:
-            self.current -= self.live.pop(ptr, 0)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func.is_view or func._schema.is_mutable:
-                return out  # aliases of existing storage: nothing new is allocated
-            for t in tree_leaves(out):
-                if not isinstance(t, torch.Tensor):
-                    continue
-                if t.numel() > self.largest[0]:
-                    self.largest = (t.numel(), tuple(t.shape))
-                if t.dim() and t.shape[-1] == vocab and t.numel() > self.largest_vocab[0]:
-                    self.largest_vocab = (t.numel(), tuple(t.shape))
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr == 0 or ptr in self.live:
-                    continue
-                self.live[ptr] = storage.nbytes()
-                self.current += storage.nbytes()
-                self.peak = max(self.peak, self.current)
-                weakref.finalize(storage, self._freed, ptr)
-            return out
-
+    # 2. tensor peak and largest tensors (tensor_peak.py)
     gc.collect()
-    tracker = LiveBytes()
+    tracker = LiveBytes(vocab)
     with tracker:
         step()
     estimate = estimate_training_memory(graph, batch)

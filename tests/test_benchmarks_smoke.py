@@ -30,6 +30,7 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_fleet_scale.py": ["--sizes", "10", "--seeds", "1", "--plot", "{tmp}/fleet_scale.png"],
     "bench_dropout.py": ["--batch", "2", "--seq", "16", "--dim", "32", "--rounds", "1", "--threads", "1"],
     "bench_memory.py": ["--network", "tiny", "--batch", "2", "--threads", "1"],
+    "bench_remat.py": ["--smoke"],
     "bench_train_cpu.py": ["--network", "tiny", "--batch", "2", "--rounds", "1", "--warmup", "0", "--threads", "1",
                            "--gemm-size", "64"],
     "bench_gpu.py": None,  # run by gpu_check.sh below

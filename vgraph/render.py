@@ -39,6 +39,12 @@ def render_svg(graph: Graph, *, group_by: str = "colocate", collapse: bool = Fal
     return _pipe(to_dot(graph, group_by=group_by, collapse=collapse, placement=placement))
 
 
+def render_png(graph: Graph, *, group_by: str = "colocate", collapse: bool = False,
+               placement: Mapping[str, Any] | None = None) -> bytes:
+    """The same drawing as PNG bytes (for viewers without SVG, e.g. TensorBoard's image tab)."""
+    return _pipe(to_dot(graph, group_by=group_by, collapse=collapse, placement=placement), "png")
+
+
 def to_dot(graph: Graph, *, group_by: str = "colocate", collapse: bool = False,
            placement: Mapping[str, Any] | None = None) -> str:
     """The Graphviz DOT source `render_svg` draws."""
@@ -185,11 +191,16 @@ def _node_decl(n: VNode, repeats: Mapping[str, tuple]) -> str:
         lines.append(f"{_count(params)} params" + (f" {prec['param']}" if prec.get("param") else ""))
     elif tied:
         lines.append("tied: " + ", ".join(alias for alias, _ in tied.values()))
+    recomputed = n.config.get("remat") == "recompute"
+    if recomputed:
+        lines.append("recomputed in backward")
     attrs = {"label": "\\n".join(_esc(line) for line in lines),
              "fillcolor": FUSED_COLOR if fused else CATEGORY_COLORS.get(op.category, "#ffffff"),
              "tooltip": _esc(f"{n.id}: {n.type}")}
     if fused:
         attrs.update(peripheries="2", penwidth="1.6", color="#c2410c")
+    if recomputed:  # dashed: its outputs are not kept for backward (the remat pass)
+        attrs["style"] = "rounded,filled,dashed"
     return f"{_q(n.id)} [{_attrs(attrs, raw=('label', 'tooltip'))}];"
 
 
@@ -270,14 +281,14 @@ def _span(first: str, last: str) -> str:
     return f"{first[:pre]}{{{a}..{b}}}{first[len(first) - suf:]}"
 
 
-def _pipe(dot: str) -> str:
+def _pipe(dot: str, fmt: str = "svg") -> Any:
     try:
         import graphviz
     except ImportError:
         raise VGraphError("rendering needs the 'graphviz' Python package (pip install graphviz) and "
                           + INSTALL_HINT.split(": ", 1)[1]) from None
     try:
-        return graphviz.Source(dot).pipe(format="svg", encoding="utf-8")
+        return graphviz.Source(dot).pipe(format=fmt, encoding="utf-8" if fmt == "svg" else None)
     except graphviz.ExecutableNotFound:
         raise VGraphError(INSTALL_HINT) from None
     except graphviz.CalledProcessError as exc:
@@ -321,4 +332,4 @@ def _bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-__all__ = ["render_svg", "to_dot", "INSTALL_HINT"]
+__all__ = ["render_svg", "render_png", "to_dot", "INSTALL_HINT"]

@@ -18,7 +18,12 @@ Terms, in bytes:
   cross-entropy);
 * workspace: transient buffers, taken as twice the largest activation
   (its gradient and one temporary) plus the fused loss's float32 weight copy,
-  weight-gradient accumulator and one logits chunk.
+  weight-gradient accumulator and one logits chunk;
+* rematerialisation (`remat: recompute`, vgraph/remat.py): a recomputed
+  VNode's outputs and the internals of every region member (the checkpointed
+  function keeps only its inputs) are not kept; backward rebuilds them one
+  region at a time, so the largest colocation group's rebuilt bytes are added
+  once (counted with the activations).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import torch
 
 from vgraph.diagnostics import VGraphError
 from vgraph.ir import Graph
+from vgraph.remat import remat_layout
 
 from . import kernels as K
 
@@ -100,6 +106,8 @@ def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.d
     and the largest live activations count (inference).
     """
     item = _activation_item(compute_dtype)
+    layout = remat_layout(graph)
+    rebuilt: dict[object, int] = {}  # per colocation group: bytes a remat region rebuilds (per sample)
     params = grads = opt_state = 0
     saved = 0  # per sample
     largest = 0  # per sample
@@ -114,6 +122,7 @@ def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.d
             opt_state += 8 * numel if kind == "adam" else 0
         if node.type == "broadcast":
             continue
+        kept_before = saved
         outs = list(node.outputs)
         if node.type == "tied_lm_head_ce":
             rows, vocab, dim = prod(outs[1].shape[:-1]), cfg["out_dim"], cfg["in_dim"]
@@ -139,6 +148,13 @@ def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.d
                 size = 4 * logits.outputs[0].numel  # float32 log-softmax kept for backward
                 saved += size * (1 if compute_dtype == torch.float32 else 2)
                 largest = max(largest, size)
+        if node.id in layout.reexecuted:  # remat: rebuilt in backward instead of kept
+            out_bytes = sum(t.numel * (item if t.kind == "float" else _ITEM[t.dtype]) for t in outs)
+            moved = saved - kept_before - (0 if node.id in layout.recomputed else out_bytes)
+            group = layout.groups[layout.region_of[node.id]]
+            rebuilt[group] = rebuilt.get(group, 0) + moved
+            saved -= moved
+    saved += max(rebuilt.values(), default=0)
     if not train:  # inference keeps nothing for backward: the largest live tensors only
         return MemoryEstimate(batch, params, 0, 0, 2 * largest, 0, fixed_workspace)
     return MemoryEstimate(batch, params, grads, opt_state, saved, 2 * largest, fixed_workspace)

@@ -1,0 +1,227 @@
+"""Rematerialisation: what batch fits, how close the policy is to optimal, what a CPU step measures.
+
+Three tables (issue 14's goals), each side by side in one run:
+
+1. **max batch** of the network on one 16 GiB T4-class PNode (networks/fleets/t4x1.yml), without and
+   with remat, from the cost model (`vgraph analyze --max-batch`);
+2. **policy vs ILP**: recompute FLOPs the `remat` pass's policy chooses and the exact ILP optimum
+   (passes/remat_ilp.py) on the tiny networks, fused and unfused, at several budgets;
+3. **a measured CPU step** (float32, Adam) without and with remat, each in a fresh process: the tensor
+   peak of one training step (every storage any aten op allocates, followed until freed, as
+   benchmarks/bench_memory.py measures), the step time (median of --steps timed steps after a
+   warm-up), and `estimate_training_memory`'s activations + workspace beside the peak.  The remat
+   variant runs the production pipeline plus `remat{budget=B,batch=N}` with B the least memory the
+   cost model allows (every candidate recomputed), so the policy picks the cheapest marks at that peak.
+
+    .venv/bin/python benchmarks/bench_remat.py [--network 12|8|tiny] [--batch 1] [--steps 2] [--threads 2]
+    .venv/bin/python benchmarks/bench_remat.py --smoke      # tiny network, one step: seconds
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+NETWORKS = {
+    "12": ROOT / "networks" / "distributed_attention_example_12_swiglu_head_vocab32768_seq2048.yml",
+    "8": ROOT / "networks" / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml",
+    "tiny": ROOT / "tests" / "fixtures" / "tiny_2l.yml",
+}
+T4X1 = ROOT / "networks" / "fleets" / "t4x1.yml"
+MIB = 2**20
+
+
+def remat_spec(network: str, batch: int) -> str:
+    """The production pipeline plus remat at the least memory the cost model allows (see the docstring)."""
+    import vgraph
+    from vgraph.backends.torch import prepare_graph
+    from vgraph.costmodel import cost_model
+    from vgraph.remat import candidates, closed, plain_activation, pnode_static_bytes, remat_cost, remat_layout
+
+    graph = prepare_graph(vgraph.load(NETWORKS[network]), target="cpu")
+    cm = cost_model(graph, batch=batch)
+    ids = list(cm.node_columns["id"])
+    marks = closed(graph, [c for cs in candidates(graph, cm, ids, {}).values() for c in cs])
+    flops = dict(zip(ids, cm.node_columns["flops"]))
+    least = remat_cost(remat_layout(graph, marks), plain_activation(cm), flops, ids)
+    budget = pnode_static_bytes(cm, ids, {}, None) + least.peak_bytes * cm.resident_samples()
+    return f"dead-nodes,precision,fuse-heads,fuse-lm-head-ce,remat{{budget={budget},batch={batch}}}"
+
+
+def child(network: str, passes: str | None, batch: int, threads: int, steps: int) -> dict:
+    import torch
+
+    import vgraph
+    from tensor_peak import LiveBytes
+    from vgraph.backends.torch import compile_network, estimate_training_memory, prepare_graph
+    from vgraph.backends.torch.dropout import dropout_key
+    from vgraph.backends.torch.train import NodeOptimizers
+    from vgraph.remat import marked_ids
+
+    torch.set_num_threads(threads)
+    graph = prepare_graph(vgraph.load(NETWORKS[network]), passes=passes, target="cpu")
+    module = compile_network(graph, device="cpu", train=True, seed=0)
+    optimizers = NodeOptimizers(module, 6e-4)
+    costs = tuple(module.cost_names)
+    program = module.program_for(costs, training=True)
+    embed = graph.nodes_of_type("embedder")[0].cfg
+    vocab, seq = int(embed["vocab_size"]), int(embed["seq_len"])
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    targets = torch.randint(0, vocab, (batch, seq), generator=gen)
+    args = [ids if name.startswith("embedder") else targets for name in program.feeds]
+    counter = [0]
+
+    def step() -> float:
+        counter[0] += 1
+        with dropout_key(0, counter[0]):  # keyed dropout, as vgraph train runs it
+            loss = program.module(*args)[costs[0]]
+        loss.backward()
+        for opt in optimizers.optimizers:
+            opt.step()
+        optimizers.zero_grad()
+        return float(loss)
+
+    first_loss = step()  # warm-up: Adam's moments are allocated here
+    times = []
+    for _ in range(steps):
+        gc.collect()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    gc.collect()
+    tracker = LiveBytes(vocab)
+    with tracker:
+        step()
+    estimate = estimate_training_memory(graph, batch)
+    return {"vnodes": len(graph), "marked": len(marked_ids(graph)), "loss": first_loss,
+            "tensor_peak": tracker.peak, "step_s": statistics.median(times), "times": times,
+            "estimate_step": estimate.activations + estimate.workspace, "seq": seq, "torch": torch.__version__}
+
+
+def max_batch_rows(network: str) -> dict:
+    import vgraph
+    from vgraph.costmodel import cost_model
+    from vgraph.fleet import load_fleet
+    from vgraph.max_batch import max_batch_report
+
+    graph = vgraph.load(NETWORKS[network])
+    fleet = load_fleet(T4X1)
+    cm = cost_model(graph, batch=1)
+    return max_batch_report(graph, cm, fleet, {n.id: fleet.ids[0] for n in graph.nodes})
+
+
+def gap_rows(fractions: list[float]) -> list[tuple]:
+    import vgraph
+    from vgraph.costmodel import cost_model
+    from vgraph.passes.remat import RematScope, plan_scope, scopes_of
+    from vgraph.passes.remat_ilp import solve_remat_ilp
+    from vgraph.pipeline import run_pipeline
+    from vgraph.remat import plain_activation, remat_cost, remat_layout
+
+    rows = []
+    for label, passes in (("tiny unfused", "dead-nodes,precision"),
+                          ("tiny fused", "dead-nodes,precision,fuse-heads,fuse-lm-head-ce")):
+        graph = vgraph.load(NETWORKS["tiny"])
+        run_pipeline(graph, passes, target="cpu")
+        cm = cost_model(graph, batch=4)
+        base = scopes_of(graph, cm, 10**15, None)[0]
+        act = plain_activation(cm)
+        flops = dict(zip(cm.node_columns["id"], cm.node_columns["flops"]))
+        where = {n.id: None for n in graph.nodes}
+        for frac in fractions:
+            scope = RematScope("bench", base.ids, base.static_bytes + int(sum(act.values()) * frac) * base.resident,
+                               base.static_bytes, base.resident)
+            t0 = time.perf_counter()
+            marks, chosen, _ = plan_scope(graph, cm, scope, where)
+            t_policy = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            _, optimum, status = solve_remat_ilp(graph, cm, scope, where)
+            t_ilp = time.perf_counter() - t0
+            policy = remat_cost(remat_layout(graph, marks), act, flops, base.ids).recompute_flops if chosen else None
+            rows.append((label, frac, len(marks), policy, optimum, status, t_policy, t_ilp))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--network", choices=sorted(NETWORKS), default="12")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per variant (median)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fractions", default="0.95,0.85,0.75,0.65", help="ILP table: budgets as activation fractions")
+    ap.add_argument("--smoke", action="store_true", help="tiny network, one timed step, two budgets")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.network, args.steps, args.threads, args.fractions = "tiny", 1, 1, "0.9,0.7"
+    if args.child is not None:
+        passes = None if args.child == "-" else args.child
+        print(json.dumps(child(args.network, passes, args.batch, args.threads, args.steps)))
+        return 0
+
+    print(f"### Rematerialisation ({datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()}-core "
+          f"CPU)\n")
+    print(f"Command: `.venv/bin/python benchmarks/bench_remat.py {' '.join(argv or sys.argv[1:])}`".rstrip() + "\n")
+
+    mb = max_batch_rows("12" if not args.smoke else "tiny")
+    print(f"**Max batch on one 16 GiB T4-class PNode** ({mb['network']}, cost model, `vgraph analyze --fleet "
+          f"networks/fleets/t4x1.yml --max-batch`)\n")
+    print("| PNode | weights + optimizer (MiB) | activations/sample (MiB) | max_batch | with remat (MiB/sample) | "
+          "max_batch_remat | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in mb["pnodes"]:
+        ratio = r["max_batch_remat"] / r["max_batch"] if r["max_batch"] else float("inf")
+        print(f"| {r['pnode']} | {r['static_bytes'] / MIB:.0f} | {r['activation_bytes_per_sample'] / MIB:.1f} | "
+              f"{r['max_batch']} | {r['remat_activation_bytes_per_sample'] / MIB:.1f} | {r['max_batch_remat']} | "
+              f"{ratio:.2f}x |")
+
+    print("\n**Policy vs the exact ILP** (recompute FLOPs per sample; budget = weights + a fraction of the "
+          "activations, batch 4)\n")
+    print("| network | budget fraction | VNodes marked | policy FLOPs | ILP optimum | gap | policy s | ILP s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, frac, n, policy, optimum, status, tp, ti in gap_rows([float(f) for f in args.fractions.split(",")]):
+        gap = "-" if policy is None or status != "Optimal" else f"{(policy - optimum) / max(optimum, 1):+.1%}"
+        print(f"| {label} | {frac} | {n} | {policy if policy is not None else 'no fit'} | "
+              f"{optimum if status == 'Optimal' else status} | {gap} | {tp:.3f} | {ti:.3f} |")
+
+    rows = {}
+    for label, passes in (("without remat", None), ("with remat", remat_spec(args.network, args.batch))):
+        cmd = [sys.executable, __file__, "--network", args.network, "--batch", str(args.batch), "--steps",
+               str(args.steps), "--threads", str(args.threads), "--child", passes or "-"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(done.stderr, file=sys.stderr)
+            return 1
+        rows[label] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"measured {label}", file=sys.stderr)
+    base, remat = rows["without remat"], rows["with remat"]
+    print(f"\n**Measured CPU training step** ({NETWORKS[args.network].stem}, batch {args.batch} x {base['seq']}, "
+          f"float32, Adam, torch {base['torch']}, {args.threads} threads; one fresh process per variant; step time "
+          f"the median of {args.steps})\n")
+    print("| variant | VNodes | marked | tensor peak of the step (MiB) | estimate (MiB) | estimate / peak | "
+          "step (s) | first loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for label, r in rows.items():
+        print(f"| {label} | {r['vnodes']} | {r['marked']} | {r['tensor_peak'] / MIB:.0f} | "
+              f"{r['estimate_step'] / MIB:.0f} | {r['estimate_step'] / r['tensor_peak']:.2f} | {r['step_s']:.2f} | "
+              f"{r['loss']:.6f} |")
+    print(f"\nWith remat the step's tensor peak is {1 - remat['tensor_peak'] / base['tensor_peak']:.1%} lower and the "
+          f"step takes {remat['step_s'] / base['step_s']:.2f}x the time.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
