@@ -71,7 +71,8 @@ TARGETS: dict[str, Target] = {
         keywords=("flops", "params", "tied_params", "param_sources"),
         why="parameter and FLOP rules: analyze, the cost model and the partitioner read them"),
     "costmodel": Target(
-        "vgraph/costmodel.py", ("tests/test_costmodel.py", "tests/test_flop_oracle.py"),
+        "vgraph/costmodel.py", ("tests/test_costmodel.py", "tests/test_costmodel_oracle.py",
+                                "tests/test_flop_oracle.py"),
         why="memory and traffic per PNode: what fits where"),
     "fuse-heads": Target(
         "passes/fuse_heads.py",
