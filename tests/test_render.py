@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import html
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from browser_util import colour_mask, ink, screenshot
 from conftest import NET8, ROOT
 from vgraph import VGraphError, load
 from vgraph.cli import main
 from vgraph.fleet import load_fleet
 from vgraph.pipeline import run_pipeline
-from vgraph.render import render_svg, to_dot
+from vgraph.render import CATEGORY_COLORS, render_svg, to_dot
 
 FLEETS = ROOT / "networks" / "fleets"
 
@@ -92,22 +91,11 @@ def test_cli_render_and_pass_dumps(tmp_path: Path, capsys):
 
 @pytest.mark.slow
 def test_a_real_browser_renders_it(net8, tmp_path: Path):
-    browser = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)),
-                   None)
-    if browser is None:
-        pytest.skip("no Chromium here: see BENCHMARKS.md (partition section) for the documented check")
-    import matplotlib.image as mpimg
-
     svg = tmp_path / "net8.svg"
     svg.write_text(render_svg(net8, collapse=True))
     page = tmp_path / "page.html"
     page.write_text(f'<html><body style="margin:0;background:white"><img src="{svg.as_uri()}" '
                     f'style="max-width:100vw;max-height:100vh"></body></html>')
-    png = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    "--window-size=800,1000", f"--screenshot={png}", page.as_uri()],
-                   check=True, capture_output=True, timeout=120)
-    pixels = mpimg.imread(png)
-    assert pixels.shape[0] == 1000 and pixels.shape[1] == 800
-    ink = (pixels[..., :3].mean(axis=2) < 0.9).mean()  # the drawing, not a blank page
-    assert ink > 0.01
+    pixels = screenshot(page, tmp_path / "shot.png", 800, 1000)
+    assert ink(pixels) > 0.01  # the drawing, not a blank page
+    assert colour_mask(pixels, CATEGORY_COLORS["layer"], 0.02).sum() > 500  # filled layer boxes

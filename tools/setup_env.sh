@@ -23,13 +23,24 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$STAMP"
 fi
 
-# Graphviz's `dot` renders SVGs; install it through the system package manager when permitted.
-if ! command -v dot >/dev/null 2>&1; then
+# System programs some commands and tests need, installed through the system package manager when
+# permitted (root with apt-get), else named with the command that installs them.
+install_system_program() {  # PROGRAM PACKAGE PURPOSE [OTHER NAMES OF THE PROGRAM...]
+  local program="$1" package="$2" purpose="$3"
+  shift 3
+  for name in "$program" "$@"; do
+    command -v "$name" >/dev/null 2>&1 && return 0
+  done
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "[setup] installing Graphviz (dot) with apt-get"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null) \
-      || echo "[setup] could not install graphviz; 'vgraph render' needs it (apt-get install graphviz)" >&2
+    echo "[setup] installing $package ($purpose) with apt-get"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$package" >/dev/null) \
+      || echo "[setup] could not install $package; $purpose needs it (apt-get install $package)" >&2
   else
-    echo "[setup] Graphviz 'dot' not found: install it (e.g. 'sudo apt-get install graphviz') for 'vgraph render'" >&2
+    echo "[setup] '$program' not found: install it (e.g. 'sudo apt-get install $package') for $purpose" >&2
   fi
-fi
+}
+
+# Graphviz's `dot` renders SVGs (vgraph render, vgraph report).
+install_system_program dot graphviz "'vgraph render'"
+# Chromium renders `vgraph report` pages headless in the tests (a real browser, not a parser).
+install_system_program chromium chromium "the browser tests of 'vgraph report'" chromium-browser

@@ -9,7 +9,9 @@ A user's mistake is a VGraphError: its message is printed and the exit status is
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from vgraph.cli import add_plugin_option
@@ -70,6 +72,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
                    help="refuse networks estimated above SIZE (e.g. 8G) instead of the device's free memory")
     p.add_argument("--compile", action="store_true", help="torch.compile the training step's graph")
     p.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
+    add_tensorboard_option(p)
     add_plugin_option(p)
     p.set_defaults(func=run_train)
 
@@ -87,7 +90,7 @@ def run_train(args: argparse.Namespace) -> int:
         keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
         log_every=args.log_every, grad_clip=args.grad_clip,
         corpus_bytes=args.corpus_bytes or DEFAULT_CORPUS_MAX_BYTES, memory_limit=args.memory_limit,
-        compile=args.compile, progress=not args.quiet)
+        compile=args.compile, progress=not args.quiet, tensorboard=not args.no_tensorboard)
     result = train(config)
     skipped = f"{result.skipped_steps} steps skipped by the loss scaler" if result.skipped_steps else None
     print_result(result, skipped)
@@ -103,6 +106,15 @@ def print_result(result, *extra: str | None) -> None:
         parts.append(f"val loss {result.val_loss:.4f}")
     parts += [e for e in extra if e]
     print(f"{result.run_dir}: {', '.join(parts)}; checkpoint {result.checkpoint}")
+    print(f"report: vgraph report {shlex.quote(str(result.run_dir))} -o "
+          f"{shlex.quote(str(Path(result.run_dir) / 'report.html'))}")
+
+
+def add_tensorboard_option(p: argparse.ArgumentParser) -> None:
+    """`--no-tensorboard` (`vgraph train`, `vgraph launch`): TensorBoard event files are written by default."""
+    p.add_argument("--no-tensorboard", action="store_true",
+                   help="write no TensorBoard event files into the run directory (default: written; watch with "
+                        "tensorboard --logdir runs)")
 
 
 def register_generate(subparsers: argparse._SubParsersAction) -> None:

@@ -13,7 +13,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 import torch
 
@@ -29,16 +29,25 @@ if TYPE_CHECKING:
     from .train_step import PendingLoss
     from .training_setup import RunSetup
 
-__all__ = ["MetricsLog", "metric_columns", "metric_values", "step_rows", "progress_bar", "run_banner"]
+__all__ = ["MetricsLog", "MetricsSink", "metric_columns", "metric_values", "step_rows", "progress_bar", "run_banner"]
+
+class MetricsSink(Protocol):
+    """Where else the rows go as they are written (tensorboard_log.TensorBoardLog)."""
+
+    def restart(self, upto_step: int) -> None: ...
+    def write(self, rows: list[dict[str, Any]]) -> None: ...
+    def close(self) -> None: ...
+
 
 class MetricsLog:
-    """metrics.jsonl (the record) and metrics.csv (the same rows as a table)."""
+    """metrics.jsonl (the record) and metrics.csv (the same rows as a table); `sink` gets the same rows."""
 
-    def __init__(self, run_dir: Path, columns: list[str]) -> None:
+    def __init__(self, run_dir: Path, columns: list[str], sink: MetricsSink | None = None) -> None:
         self.jsonl = run_dir / "metrics.jsonl"
         self.csv = run_dir / "metrics.csv"
         self.columns = columns
         self.rows: list[dict[str, Any]] = []
+        self.sink = sink
 
     def restart(self, upto_step: int) -> None:
         """Keep rows up to `upto_step` (a resumed run redoes what came after) and rewrite both files."""
@@ -58,6 +67,8 @@ class MetricsLog:
         writer.writeheader()
         writer.writerows(rows)
         atomic_write_text(self.csv, table.getvalue())
+        if self.sink is not None:
+            self.sink.restart(upto_step)
 
     def append(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
@@ -67,6 +78,13 @@ class MetricsLog:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
         with open(self.csv, "a", newline="", encoding="utf-8") as f:
             csv.DictWriter(f, fieldnames=self.columns, extrasaction="ignore").writerows(rows)
+        if self.sink is not None:
+            self.sink.write(rows)
+
+    def close(self) -> None:
+        """Flush and close the sink (the files above are complete after every append)."""
+        if self.sink is not None:
+            self.sink.close()
 
     def plot(self, path: Path, title: str) -> None:
         # The object API with the Agg canvas: no pyplot, no GUI backend, nothing global.

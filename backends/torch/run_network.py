@@ -25,8 +25,8 @@ import torch
 from vgraph.diagnostics import Diagnostic, VGraphError
 from vgraph.ir import Graph
 from vgraph.network_match import NetworkMismatch, difference, require_match
-from vgraph.pipeline import build_pipeline
 from vgraph.plugins import shown
+from vgraph.run_graph import definition_spec as passes_for_definition, preserving_spec  # shared with `vgraph report`
 from vgraph.yamlio import dumps, loads
 
 from .train_config import TrainingError
@@ -40,13 +40,6 @@ def trained_network_yaml(graph: Graph) -> str:
     return dumps(graph)
 
 
-def preserving_spec(spec: str | None) -> str | None:
-    """`spec` without the passes that change what a network computes (they already ran on a definition)."""
-    if not spec:
-        return spec
-    return ",".join(p.spec() for p in build_pipeline(spec) if p.preserves_semantics)
-
-
 def definition_graph(yaml_text: str, where: str, run: Mapping[str, Any] | None = None) -> Graph:
     """A stored network, loaded; if it fails (an op type nobody registered), say which plugin files the run had."""
     try:
@@ -58,12 +51,6 @@ def definition_graph(yaml_text: str, where: str, run: Mapping[str, Any] | None =
         raise VGraphError(exc.diagnostics + [Diagnostic(
             f"the run was trained with --plugin {' --plugin '.join(map(shown, files))}: give the same "
             f"plugin files to this command", severity="warning")]) from None
-
-
-def passes_for_definition(run: Mapping[str, Any]) -> str | None:
-    """The pipeline that rebuilds a run's trained graph from its stored definition."""
-    passes = run.get("passes")
-    return preserving_spec(passes) if run.get("semantic_changes") else passes
 
 
 def check_resumed_network(saved_yaml: str | None, saved_run: Mapping[str, Any], yaml_text: str, *,

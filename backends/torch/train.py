@@ -8,6 +8,7 @@ One run lives in one directory (``--out``)::
     metrics.jsonl      one JSON object per step (loss, lr, tokens/s, val_loss, metrics: entries)
     metrics.csv        the same as a table
     loss_curve.png     training and validation loss
+    events.out.tfevents.*  the same curves for TensorBoard (tensorboard_log.py; --no-tensorboard: none)
     step-00000500/     checkpoints (run_checkpoints.py): weights in the UNFUSED layout, optimizer
     latest             state per parameter, step, RNG and data-generator state, loss scaler,
                        and the network YAML and tokenizer again, so one checkpoint
@@ -53,8 +54,10 @@ from .interrupt import StopRequest
 from .lower import compile_network
 from .metrics_log import MetricsLog, metric_columns, metric_values, progress_bar, run_banner, step_rows
 from .node_optimizers import NodeOptimizers, lr_factor
+from .peak_memory import peak_memory_bytes
 from .run_checkpoints import TrainingState, resume_run, save_run_checkpoint
 from .run_files import atomic_write_text
+from .tensorboard_log import TensorBoardLog
 from .run_network import check_finite, definition_graph, passes_for_definition, require_match
 from .train_config import TrainConfig, TrainingError, TrainResult
 from .train_step import LossCheck, PendingLoss, TrainStep
@@ -126,7 +129,9 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
         raise TrainingError(f"network {graph.name!r} has no costs: nothing to train")
     token_feeds, target_feeds = feed_roles(module, costs)
     metric_eps = list(graph.metrics)
-    log = MetricsLog(run_dir, metric_columns(metric_eps))
+    tensorboard = (TensorBoardLog(run_dir, settings=setup.run_info, graph=graph, say=say) if cfg.tensorboard
+                   else None)  # event files beside metrics.jsonl, the same rows (tensorboard_log.py)
+    log = MetricsLog(run_dir, metric_columns(metric_eps), sink=tensorboard)
     log.restart(start_step)
 
     amp = (torch.autocast(device.type, dtype=setup.dtype) if setup.dtype != torch.float32
@@ -189,6 +194,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
             rows = step_rows(pending, values, cfg.lr, tokens_per_step * len(pending) / max(now - last_flush, 1e-9),
                              now - start_time)
             rows[-1].update(extras)
+            rows[-1]["peak_memory_bytes"] = peak_memory_bytes(device)  # vs run.json's memory_estimate
             if setup.loss_scaling:
                 rows[-1]["loss_scale"] = loss_check.scale_after_update()
             if validate:
@@ -214,6 +220,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
         restore_signals()
         clear_dropout_key()
         bar.close()
+        log.close()
     log.plot(run_dir / "loss_curve.png", setup.source.name)
     result.step = step
     result.val_loss = last_val

@@ -57,6 +57,7 @@ class TrainConfig:
     initial_loss_scale: float = 2.0**16
     max_skipped_steps: int = 50
     cache_dir: str | Path | None = None
+    tensorboard: bool = True  # event files in the run directory (tensorboard_log.py)
 
 
 @dataclass

@@ -26,11 +26,13 @@ from vgraph.ir import Graph
 from vgraph.network_match import fingerprint
 from vgraph.pipeline import semantic_changes
 from vgraph.plugins import loaded_files
+from vgraph.run_graph import NO_FUSE_PIPELINE, training_spec  # shared with `vgraph report`
 from vgraph.yamlio import dumps, load
 
 from . import checkpoint as ckpt
 from .lower import VGraphModule, compute_dtype
 from .memory import check_memory
+from .peak_memory import estimate_record
 from .run_checkpoints import clean_stale
 from .run_files import run_slug
 from .run_network import trained_network_yaml
@@ -40,7 +42,6 @@ from .training_data import PreparedData, prepare_data
 __all__ = ["NO_FUSE_PIPELINE", "device_target", "prepare_graph", "feed_roles", "vocab_and_seq", "resolve_device",
            "use_deterministic_kernels", "load_network", "RunSetup", "set_up_run", "seed_everything"]
 
-NO_FUSE_PIPELINE = "dead-nodes,precision"
 
 
 # --------------------------------------------------------------------------
@@ -101,7 +102,7 @@ def prepare_graph(graph: Graph, *, passes: str | None = None, fuse: bool = True,
     if passes is not None and not fuse:
         raise VGraphError("give either --passes or --no-fuse, not both (--no-fuse means the pipeline "
                           f"{NO_FUSE_PIPELINE!r})")
-    spec = passes if passes is not None else (None if fuse else NO_FUSE_PIPELINE)
+    spec = training_spec(passes, fuse)
     prepared = graph.copy()
     if spec == "":
         return prepared
@@ -208,7 +209,8 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
                 "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "precision": precision,
                 "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
                 "semantic_changes": changes, "network_fingerprint": fingerprint(graph),
-                "plugins": loaded_files()}  # named (never loaded) when a later command lacks them
+                "plugins": loaded_files(),  # named (never loaded) when a later command lacks them
+                "memory_estimate": estimate_record(estimate, device)}  # vs measured: `vgraph report`
     return RunSetup(device, source, yaml_text, graph, seq_len, precision, dtype, loss_scaling, run_dir, latest,
                     data, run_info)
 

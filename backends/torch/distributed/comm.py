@@ -13,7 +13,9 @@ messages that peer will send this round in its sending order (from
   wire sees exactly the sender's order.
 
 Bytes sent to other ranks are counted (`bytes_sent`), for comparison with the
-partition's prediction.  With `stage_through_cpu` (CUDA tensors over gloo,
+partition's prediction, and the seconds spent blocked on peers (`wait_s`: a
+receive waiting for its message, the end of a round waiting for its sends),
+which is a pipeline's bubble as the PNode lives it (`vgraph report`, TensorBoard).  With `stage_through_cpu` (CUDA tensors over gloo,
 when several workers share one GPU) tensors go through host memory.
 
 `ControlGroup` carries the small collectives every rank joins on the control
@@ -22,6 +24,7 @@ gathers or scatters (rank_zero.py).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Hashable, Mapping, Sequence
 
 import torch
@@ -42,6 +45,7 @@ class Transport:
         self.offset = offset  # a replica's ranks are plan ranks + offset in the world (launch with replicas)
         self.stage = stage_through_cpu
         self.bytes_sent = 0
+        self.wait_s = 0.0  # seconds blocked on peers (receives, send completions)
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._expected: dict[int, Sequence[tuple[Hashable, tuple[int, ...], torch.dtype]]] = {}
         self._position: dict[int, int] = {}
@@ -75,14 +79,18 @@ class Transport:
             self._position[src] = pos + 1
             device = torch.device("cpu") if self.stage else self.device
             tensor = torch.empty(shape, dtype=dtype, device=device)
+            start = time.perf_counter()
             dist.recv(tensor, src + self.offset, group=self.group)
+            self.wait_s += time.perf_counter() - start
             buffer[key] = tensor.to(self.device) if self.stage else tensor
         return buffer.pop(message)
 
     def end(self) -> None:
         """Wait for this round's sends; every expected message must have been read."""
+        start = time.perf_counter()
         for work, _ in self._pending:
             work.wait()
+        self.wait_s += time.perf_counter() - start
         self._pending.clear()
         for src, queue in self._expected.items():
             if self._position[src] != len(queue) or self._buffer[src]:

@@ -19,6 +19,7 @@ member ends with the owner's copy of each chunk, so replicas stay bit-identical.
 """
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -34,6 +35,7 @@ class GradientRing:
         self.members = list(members)
         self.position = position
         self.bytes_sent = 0
+        self.wait_s = 0.0  # seconds blocked on the ring's neighbours (idle time, like Transport.wait_s)
 
     @property
     def size(self) -> int:
@@ -79,7 +81,9 @@ class GradientRing:
             payload = payload.cpu()
         work = dist.isend(payload, dst)
         incoming = torch.empty_like(like, device=payload.device)
+        start = time.perf_counter()
         dist.recv(incoming, src)
         work.wait()
+        self.wait_s += time.perf_counter() - start
         self.bytes_sent += payload.numel() * payload.element_size()
         return incoming.to(like.device)

@@ -664,6 +664,8 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     """Add `launch` to a `vgraph` subparser set (entry point of group `vgraph.commands`)."""
     from vgraph.cli import add_plugin_option
 
+    from ..cli import add_tensorboard_option
+
     from vgraph import options
     from vgraph.options import non_negative_int as _non_negative_int, positive_int as _positive_int
 
@@ -722,6 +724,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM")
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")
     p.add_argument("--quiet", action="store_true", help="no status lines (errors still show)")
+    add_tensorboard_option(p)  # rank 0 writes the event files
     add_plugin_option(p)  # the files travel to the workers in the job file
     p.set_defaults(func=run_launch)
 
@@ -738,7 +741,7 @@ def run_launch(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
         comm_timeout=args.comm_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port)
+        master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard)
     from ..cli import print_result
 
     result = launch(config)

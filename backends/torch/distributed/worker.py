@@ -61,24 +61,26 @@ import torch
 import torch.distributed as dist
 
 from vgraph.diagnostics import VGraphError
-from vgraph.ir import Graph
 from vgraph.partition_export import assignment_of
 from vgraph.plugins import load_plugins
-from vgraph.pipeline import run_pipeline
+from vgraph.run_graph import apply_assignment  # the launcher, the workers and `vgraph report` build it alike
 from vgraph.yamlio import loads
 
 from .. import data as D
 from .comm import ControlGroup, Transport
 from .comm_choice import worker_device
 from .gradient_ring import GradientRing
+from .replica_groups import ReplicaLayoutError, check_same_layout, stage_groups
 from .loss_scaler import SharedLossScaler
 from .plan import make_plan, micro_batch_sizes
+from .pnode_figures import PNodeFigures, attach
 from .rendezvous import rendezvous_store
 from .rank_zero import GatheredCheckpoints, local_metric_values
 from .stage_runner import StageRunner
 from ..dropout import clear_dropout_key
 from ..lower import compute_dtype
 from ..metrics_log import MetricsLog
+from ..tensorboard_log import TensorBoardLog
 from ..node_optimizers import lr_factor
 from ..train_config import TrainingError
 from ..training_setup import use_deterministic_kernels
@@ -88,23 +90,6 @@ __all__ = ["main", "Worker", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"
 EXIT_USER_ERROR = 3
 LAUNCH_DIR = "launch"  # inside the run directory: job files, token streams, worker markers
 STOP_FILE = "stop"  # in LAUNCH_DIR: the launcher asks every worker to stop after this step, with a checkpoint
-
-
-def apply_assignment(source: Graph, before: str, assignment: dict[str, str], after: str, target: str) -> Graph:
-    """The placed, optimised graph: passes up to the partition, its assignment, passes after it.
-
-    The launcher and every worker build the graph this way, so they agree on
-    it without shipping it (fusions after the partition respect the placement).
-    """
-    graph = source.copy()
-    if before:
-        run_pipeline(graph, before, target=target)
-    for node in graph.nodes:
-        if node.id in assignment:
-            node.meta["pnode"] = assignment[node.id]
-    if after:
-        run_pipeline(graph, after, target=target)
-    return graph
 
 
 class _TokenStreams(D.TokenDataset):
@@ -180,6 +165,12 @@ class Worker:
         self.stages = StageRunner(plan, self.local, P, self.device, transport, self.amp, self.scaler, cfg)
         self.stages.replica = self.replica
         self.ring = GradientRing([r * P + self.local for r in range(len(shares))], self.replica)
+        if len(shares) > 1:  # the stage groups (replica_groups.py): the replicas must hold the same parameters
+            try:
+                check_same_layout(stage_groups(len(shares), P)[self.local], self.stages.trainable)
+            except ReplicaLayoutError as exc:
+                raise TrainingError(str(exc)) from None
+        self.figures = PNodeFigures(self.device, lambda: self.stages.transport.wait_s + self.ring.wait_s)
 
         streams = self._load_tokens()
         self.seq_len = int(job["run_info"]["seq_len"])
@@ -208,7 +199,7 @@ class Worker:
             metric_names = [m.name for m in self.stages.plan.metrics if m.name not in ("step", "loss", "lr")]
             columns = ["step", "loss", "lr", "tokens_per_s", "elapsed_s", "val_loss", "loss_scale",
                        "boundary_bytes", *metric_names]
-            log = MetricsLog(self.run_dir, columns)
+            log = MetricsLog(self.run_dir, columns, sink=self._tensorboard())
             log.restart(start)
             self.say(f"{self.graph.name}: {len(self.graph)} VNodes on {self.world} worker(s) ("
                      f"{len(self.shares)} replica(s), batch shares {self.shares}), {len(self.sizes)} micro-batch(es) "
@@ -228,6 +219,7 @@ class Worker:
         start_time = last_flush = last_print = time.perf_counter()
         hold = self.job.get("hold")
         for step in range(start + 1, steps + 1):
+            self.figures.begin_step()
             inputs, targets = next(batches)
             factor = lr_factor(step, _Schedule(cfg))
             for optim in self.stages.optims.values():
@@ -256,8 +248,10 @@ class Worker:
             # activations, gradients and tied-weight gradients (what placement_report prices per step).
             # A stop request (the launcher got Ctrl-C/SIGTERM) travels in the same reduction, so every
             # rank stops after the same step, with a checkpoint.
-            loss, sumsq, bad_grads, step_bytes, stopping = self.ctrl.all_reduce(
-                [loss_local, sumsq, bad_grads, self.stages.traffic, float(self._stop_file.exists())])
+            sent = self.stages.traffic
+            with self.figures.waiting():
+                loss, sumsq, bad_grads, step_bytes, stopping = self.ctrl.all_reduce(
+                    [loss_local, sumsq, bad_grads, sent, float(self._stop_file.exists())])
             if stopping > 0:
                 save_now = flush = True
             self.stages.traffic = 0
@@ -269,21 +263,23 @@ class Worker:
                     raise TrainingError(self._diverged(step, loss, consecutive_bad))
             self._optimizer_step(bad_grads > 0, sumsq)
             self.stages.sync_tied_weights()
+            self.figures.end_step(step, sent)
 
             row = {"step": step, "loss": loss, "lr": float(cfg["lr"]) * factor, "boundary_bytes": int(step_bytes)}
             if self.loss_scaling:
                 row["loss_scale"] = self.scaler.scale
             pending.append(row)
             if flush:
-                gathered = self.ctrl.gather(extras)
+                gathered = self.ctrl.gather((extras, self.figures.take()))
                 val_loss = self.validate() if validate else None
                 now = time.perf_counter()
                 if self.rank == 0:
                     for r in pending:
                         r["tokens_per_s"] = tokens_per_step * len(pending) / max(now - last_flush, 1e-9)
                         r["elapsed_s"] = now - start_time
-                    for part in gathered:
+                    for part, _ in gathered:
                         pending[-1].update({k: v for k, v in part.items()})
+                    attach(pending, [figures for _, figures in gathered], self.job["ranks"])
                     if val_loss is not None:
                         pending[-1]["val_loss"] = val_loss
                     log.append(pending)
@@ -308,8 +304,23 @@ class Worker:
                 break
         if self.rank == 0 and log is not None:
             log.plot(self.run_dir / "loss_curve.png", self.graph.name)
+            log.close()
         clear_dropout_key()
         dist.barrier(group=self.ctrl.group)
+
+    def _tensorboard(self) -> TensorBoardLog | None:
+        """Rank 0's TensorBoard sink (unless --no-tensorboard): the placed graph drawn by PNode, the settings."""
+        if not self.cfg.get("tensorboard", True):
+            return None
+        placement = None
+        try:
+            placement = json.loads((self.run_dir / "placement.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            pass  # the drawing then takes each VNode's PNode from the graph itself
+        settings = dict(self.job["run_info"], pipeline=self.cfg.get("pipeline"),
+                        micro_batches=self.cfg.get("micro_batches"), batch_shares=self.shares)
+        return TensorBoardLog(self.run_dir, settings=settings, graph=self.graph,
+                              placement=placement if isinstance(placement, dict) else None, say=self.say)
 
     def _optimizer_step(self, found_inf: bool, sumsq: float) -> None:
         scale = self.scaler.scale

@@ -1,0 +1,82 @@
+"""Each PNode's own figures of a `vgraph launch` step: wall time, idle (bubble) time, bytes sent, peak memory.
+
+Why: a partitioned run is only as fast as its slowest PNode, and the
+placement predicted each PNode's time and traffic (placement.json); these
+measurements are what to compare the prediction with, per PNode and per
+step (`vgraph report`, TensorBoard's pnode/<id>/... curves).
+
+Every rank measures itself (`PNodeFigures`); at each sync point rank 0
+gathers the entries of the steps since the previous one (in the same gather
+as the network's metrics) and `attach` puts them into the metrics rows as
+`"pnodes": {pnode: {"step_s", "idle_s", "bytes_sent", "peak_memory_bytes"}}`.
+
+* step_s: the step's wall time on this rank, from drawing the batch to the
+  tied-weight sync after the update;
+* idle_s: the seconds of it spent blocked on peers: receives waiting for a
+  neighbour's activations or gradients and sends waiting to complete (the
+  pipeline's bubble), the gradient ring, and the step's loss reduction
+  (waiting for the slowest rank);
+* bytes_sent: what this rank sent for the step (the step's share of
+  `boundary_bytes`, which is the sum over ranks).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..peak_memory import peak_memory_bytes
+
+__all__ = ["PNodeFigures", "attach"]
+
+
+class PNodeFigures:
+    """This rank's per-step figures since rank 0 last gathered them."""
+
+    def __init__(self, device: torch.device, peer_wait_s: Callable[[], float]) -> None:
+        self.device = device
+        self.peer_wait_s = peer_wait_s  # running total of the transports' blocked seconds
+        self.entries: list[tuple[int, dict[str, Any]]] = []
+        self._start = 0.0
+        self._waited = 0.0
+        self._collective = 0.0
+
+    def begin_step(self) -> None:
+        self._start = time.perf_counter()
+        self._waited = self.peer_wait_s()
+        self._collective = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """A collective every rank joins: the time in it is time spent waiting for the others."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._collective += time.perf_counter() - start
+
+    def end_step(self, step: int, bytes_sent: float) -> None:
+        idle = self.peer_wait_s() - self._waited + self._collective
+        self.entries.append((step, {"step_s": time.perf_counter() - self._start, "idle_s": idle,
+                                    "bytes_sent": int(bytes_sent)}))
+
+    def take(self) -> list[tuple[int, dict[str, Any]]]:
+        """The entries since the last call (the last one with the peak memory so far), for rank 0's gather."""
+        taken, self.entries = self.entries, []
+        if taken:
+            taken[-1][1]["peak_memory_bytes"] = peak_memory_bytes(self.device)
+        return taken
+
+
+def attach(rows: Sequence[dict[str, Any]], gathered: Sequence[Sequence[tuple[int, dict[str, Any]]]],
+           pnodes: Sequence[str]) -> None:
+    """Put every rank's entries (rank r is PNode `pnodes[r]`) into the metrics rows of their steps."""
+    by_step: dict[int, dict[str, dict[str, Any]]] = {}
+    for rank, entries in enumerate(gathered):
+        for step, figures in entries or ():
+            by_step.setdefault(int(step), {})[pnodes[rank]] = figures
+    for row in rows:
+        if row.get("step") in by_step:
+            row["pnodes"] = by_step[row["step"]]

@@ -1,0 +1,174 @@
+"""TensorBoard event files in the run directory, written from the same rows as metrics.jsonl.
+
+Why: PyTorch users watch a run live in TensorBoard (`tensorboard --logdir
+runs`).  `MetricsLog` (metrics_log.py) hands every row it appends to this
+sink, so the curves hold exactly what metrics.jsonl holds, for `vgraph train`
+and for rank 0 of `vgraph launch` alike:
+
+    train/loss, val/loss, train/lr, train/tokens_per_s, train/loss_scale,
+    train/bytes_sent (launch: every rank's traffic of the step),
+    train/peak_memory_bytes, metrics/<name> (the network's `metrics:` entries),
+    pnode/<id>/step_time_s, pnode/<id>/idle_s, pnode/<id>/bytes_sent (launch),
+
+plus the run's settings as text and the network drawing (vgraph's renderer
+through Graphviz, as PNG) as an image.
+
+**Resume**: a resumed run redoes the steps after its checkpoint, and
+metrics.jsonl drops the rows past it; here the new writer starts with
+`purge_step = checkpoint step + 1`, which makes TensorBoard's reader discard
+the earlier session's events from that step on, so a curve never holds a step
+twice.  A command that trains nothing (already at its last step) opens no
+writer and leaves no empty event file.
+"""
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from vgraph.diagnostics import VGraphError
+from vgraph.ir import Graph
+
+__all__ = ["TensorBoardLog", "SCALAR_TAGS", "pnode_tag", "metric_tag"]
+
+# metrics.jsonl field -> TensorBoard tag (the loop's own fields; anything else numeric is a `metrics:` entry)
+SCALAR_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s",
+               "loss_scale": "train/loss_scale", "boundary_bytes": "train/bytes_sent",
+               "peak_memory_bytes": "train/peak_memory_bytes"}
+NOT_SCALARS = {"step", "elapsed_s", "pnodes"}
+PNODE_FIGURES = {"step_s": "step_time_s", "idle_s": "idle_s", "bytes_sent": "bytes_sent"}
+FLUSH_SECONDS = 5  # a live run shows up within seconds
+_TAG_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+
+
+def _tag_part(name: str) -> str:
+    """A name from a network file made safe as one level of a tag (no '/', spaces or control characters)."""
+    return _TAG_UNSAFE.sub("_", str(name))[:100] or "_"
+
+
+def metric_tag(name: str) -> str:
+    return f"metrics/{_tag_part(name)}"
+
+
+def pnode_tag(pnode: str, figure: str) -> str:
+    return f"pnode/{_tag_part(pnode)}/{PNODE_FIGURES[figure]}"
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+class TensorBoardLog:
+    """The sink `MetricsLog` writes rows to (`restart`, `write`, `close`)."""
+
+    def __init__(self, run_dir: Path, *, settings: Mapping[str, Any], graph: Graph | None = None,
+                 placement: Mapping[str, Any] | None = None, say: Callable[[str], None] = lambda msg: None) -> None:
+        self.run_dir = Path(run_dir)
+        self.settings = dict(settings)
+        self.graph = graph
+        self.placement = placement
+        self.say = say
+        self.start_step = 0
+        self._writer: Any = None
+        self._pnodes: set[str] = set()
+
+    # -- the sink interface -------------------------------------------------------------------
+    def restart(self, upto_step: int) -> None:
+        """The run continues after `upto_step` (0: a fresh run); later events of an earlier session are dropped.
+
+        The writer opens now when there are steps left to train (settings["steps"]), so its one-off cost
+        (the import, the drawing) is paid before the first step rather than inside one."""
+        self.start_step = int(upto_step)
+        steps = self.settings.get("steps")
+        if isinstance(steps, int) and upto_step < steps:
+            self._open()
+
+    def write(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        writer = self._open()
+        new_pnodes = False
+        for row in rows:
+            step = row.get("step")
+            if not isinstance(step, int):
+                continue
+            for key, value in row.items():
+                if key in NOT_SCALARS:
+                    continue
+                number = _number(value)
+                if number is not None:
+                    writer.add_scalar(SCALAR_TAGS.get(key) or metric_tag(key), number, step)
+            for pnode, figures in (row.get("pnodes") or {}).items():
+                if pnode not in self._pnodes:
+                    self._pnodes.add(pnode)
+                    new_pnodes = True
+                for key in PNODE_FIGURES:
+                    number = _number((figures or {}).get(key))
+                    if number is not None:
+                        writer.add_scalar(pnode_tag(pnode, key), number, step)
+        if new_pnodes:
+            writer.add_custom_scalars(self._layout())
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # -- opening: settings and network, once per session ---------------------------------------
+    def _open(self) -> Any:
+        if self._writer is not None:
+            return self._writer
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(self.run_dir), purge_step=self.start_step + 1 if self.start_step else None,
+                                     flush_secs=FLUSH_SECONDS)
+        self._writer.add_text("run/settings", settings_markdown(self.settings), self.start_step)
+        self._add_network_image()
+        return self._writer
+
+    def _add_network_image(self) -> None:
+        if self.graph is None:
+            return
+        try:
+            png = network_png(self.graph, self.placement)
+        except VGraphError as exc:  # no Graphviz here: the curves matter more than the picture
+            self.say(f"note: TensorBoard gets no network image ({exc.diagnostics[0].message})")
+            return
+        import numpy as np
+        from PIL import Image
+
+        pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+        self._writer.add_image("network", pixels, self.start_step, dataformats="HWC")
+
+    def _layout(self) -> dict[str, Any]:
+        """Custom-scalars charts with every PNode's curve in one chart per figure."""
+        pnodes = sorted(self._pnodes)
+        return {"PNodes": {title: ["Multiline", [pnode_tag(p, key) for p in pnodes]]
+                           for key, title in (("step_s", "step time (s)"), ("idle_s", "idle / bubble time (s)"),
+                                              ("bytes_sent", "bytes sent per step"))}}
+
+
+def settings_markdown(settings: Mapping[str, Any]) -> str:
+    """The run's settings as a Markdown table (TensorBoard's text plugin renders it)."""
+    lines = ["| setting | value |", "|---|---|"]
+    for key, value in settings.items():
+        text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
+        lines.append(f"| {_cell(key)} | {_cell(text)} |")
+    return "\n".join(lines)
+
+
+def _cell(text: Any) -> str:
+    cleaned = "".join(c if c.isprintable() else " " for c in str(text))
+    return cleaned.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")[:2000]
+
+
+def network_png(graph: Graph, placement: Mapping[str, Any] | None) -> bytes:
+    """The network as vgraph's renderer draws it (by PNode when placed; repeated blocks collapsed), as PNG."""
+    from vgraph.render import render_png
+
+    placed = bool(placement) or any(n.meta.get("pnode") for n in graph.nodes)
+    return render_png(graph, group_by="pnode" if placed else "colocate", collapse=len(graph) > 40,
+                      placement=placement)

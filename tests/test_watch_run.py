@@ -1,0 +1,184 @@
+"""Watching a run for real: TensorBoard's own reader on `vgraph train` / `vgraph launch` run directories, and
+`vgraph report` pages rendered by headless Chromium (the curves and the network must show on screen).
+
+Tiny network (tests/fixtures/tiny_2l.yml: dim 32, 2 heads), 6 steps, a small corpus.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+
+from browser_util import colour_mask, ink, screenshot
+from conftest import FIXTURES
+from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.cli import main
+from vgraph.report import LOSS_COLOR, PNODE_COLORS, THROUGHPUT_COLOR, VAL_COLOR
+from vgraph.render import CATEGORY_COLORS, CUT_COLOR, FUSED_COLOR
+
+TINY = FIXTURES / "tiny_2l.yml"
+STEPS = 6
+
+
+def accumulator(run_dir: Path):
+    """TensorBoard's own reader of the run directory's event files (purging what a resumed run redid)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def steps_of(acc, tag: str) -> list[int]:
+    return [event.step for event in acc.Scalars(tag)]
+
+
+def raw_steps(run_dir: Path, tag: str) -> list[int]:
+    """Every event of `tag` in every event file, as written (no purge)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    out = []
+    for path in sorted(run_dir.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            out += [event.step for value in event.summary.value if value.tag == tag]
+    return out
+
+
+def cli(*args: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(list(args)) == 0
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join(default_corpus_documents(max_bytes=30_000)), encoding="utf-8")
+    return path
+
+
+def train_args(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", str(TINY), "--data", str(corpus), "--steps", str(STEPS), "--val-every", "3", "--val-batches", "2",
+            "--checkpoint-every", "3", "--threads", "1", "--out", str(out), "--quiet", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus: Path, tmp_path_factory) -> tuple[Path, str]:
+    run = tmp_path_factory.mktemp("watch") / "run"
+    return run, cli(*train_args(corpus, run))
+
+
+def test_tensorboard_reads_the_train_curves(trained) -> None:
+    run, _ = trained
+    acc = accumulator(run)
+    assert steps_of(acc, "train/loss") == list(range(1, STEPS + 1))
+    assert steps_of(acc, "val/loss") == [3, 6]
+    for tag in ("train/lr", "train/tokens_per_s", "train/peak_memory_bytes", "metrics/learning_rate"):
+        assert len(steps_of(acc, tag)) == STEPS, tag
+    assert acc.Tags()["images"] == ["network"]
+    image = acc.Images("network")[0]
+    assert image.width > 100 and image.height > 100
+    settings = acc.Tensors("run/settings/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| seed | 0 |" in settings and "memory_estimate" in settings
+
+
+def test_train_prints_the_report_command_and_records_memory(trained) -> None:
+    import json
+
+    run, out = trained
+    assert f"report: vgraph report {run} -o {run / 'report.html'}" in out
+    info = json.loads((run / "run.json").read_text())
+    assert info["memory_estimate"]["total"] > 0 and info["memory_estimate"]["measured_as"] == "process_peak_rss"
+
+
+def test_a_resumed_run_continues_the_curves_without_repeating_steps(trained, corpus: Path, tmp_path: Path) -> None:
+    """Killed after step 6 was logged but before its checkpoint: the resumed run redoes 4..6 once each."""
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run)
+    shutil.rmtree(run / "step-00000006")
+    (run / "latest").write_text("step-00000003\n")
+    cli(*train_args(corpus, run, "--resume"))
+    assert sorted(raw_steps(run, "train/loss")) == [1, 2, 3, 4, 4, 5, 5, 6, 6]  # both sessions' events on disk
+    acc = accumulator(run)
+    assert steps_of(acc, "train/loss") == list(range(1, STEPS + 1))  # the reader shows each step once
+    assert steps_of(acc, "val/loss") == [3, 6]
+    files = sorted(run.glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    cli(*train_args(corpus, run, "--resume"))  # already at its last step: nothing trained, nothing written
+    assert sorted(run.glob("events.out.tfevents.*")) == files
+
+
+def test_no_tensorboard_writes_no_event_file(corpus: Path, tmp_path: Path) -> None:
+    run = tmp_path / "quiet"
+    cli("train", str(TINY), "--data", str(corpus), "--steps", "1", "--val-every", "0", "--threads", "1",
+        "--out", str(run), "--quiet", "--no-tensorboard")
+    assert (run / "metrics.jsonl").is_file() and not list(run.glob("events.out.tfevents.*"))
+
+
+def shows(pixels, colour: str, at_least: int, tolerance: float = 0.1) -> bool:
+    return int(colour_mask(pixels, colour, tolerance).sum()) >= at_least
+
+
+def test_chromium_shows_the_train_report(trained, tmp_path: Path) -> None:
+    run, _ = trained
+    page = tmp_path / "report.html"
+    assert "train run, 6 logged step(s)" in cli("report", str(run), "-o", str(page))
+    pixels = screenshot(page, tmp_path / "shot.png", 1300, 2400)
+    assert ink(pixels) > 0.01  # not a blank page (a blank one: 0)
+    top = pixels[:700]  # the Training section: the curves come first
+    assert shows(top, LOSS_COLOR, 300) and shows(top, VAL_COLOR, 150) and shows(top, THROUGHPUT_COLOR, 300)
+    drawing = pixels[700:]
+    assert shows(drawing, FUSED_COLOR, 500, 0.03)  # the fused attention and LM-head VNodes
+    assert shows(drawing, CATEGORY_COLORS["layer"], 1000, 0.03)  # the linear / layernorm boxes
+
+
+@pytest.fixture(scope="module")
+def launched(corpus: Path, tmp_path_factory) -> tuple[Path, str]:
+    work = tmp_path_factory.mktemp("launch")
+    fleet = work / "fleet.yml"
+    fleet.write_text("name: pair\npnodes:\n" + "".join(
+        f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(2)))
+    run = work / "run"
+    out = cli("launch", str(TINY), "--fleet", str(fleet), "--replicas", "1", "--data", str(corpus),
+              "--steps", str(STEPS), "--val-every", "3", "--val-batches", "2", "--threads", "1", "--out", str(run),
+              "--quiet")
+    return run, out
+
+
+@pytest.mark.slow
+def test_tensorboard_reads_the_launch_curves_per_pnode(launched) -> None:
+    run, out = launched
+    assert f"report: vgraph report {run}" in out
+    acc = accumulator(run)
+    assert steps_of(acc, "train/loss") == list(range(1, STEPS + 1))
+    assert steps_of(acc, "val/loss") == [3, 6]
+    for pnode in ("w0", "w1"):
+        for figure in ("step_time_s", "idle_s", "bytes_sent"):
+            assert steps_of(acc, f"pnode/{pnode}/{figure}") == list(range(1, STEPS + 1))
+        step_times = [e.value for e in acc.Scalars(f"pnode/{pnode}/step_time_s")]
+        idle = [e.value for e in acc.Scalars(f"pnode/{pnode}/idle_s")]
+        assert all(0 <= i <= s for i, s in zip(idle, step_times))  # idle is a part of the step
+    sent = {p: [e.value for e in acc.Scalars(f"pnode/{p}/bytes_sent")] for p in ("w0", "w1")}
+    total = [e.value for e in acc.Scalars("train/bytes_sent")]
+    assert [a + b for a, b in zip(sent["w0"], sent["w1"])] == total  # each PNode's share of the step's traffic
+    assert acc.Tags()["images"] == ["network"]
+
+
+@pytest.mark.slow
+def test_chromium_shows_the_launch_report_with_pnode_curves(launched, tmp_path: Path) -> None:
+    run, _ = launched
+    page = tmp_path / "report.html"
+    assert "launch run, 6 logged step(s)" in cli("report", str(run), "-o", str(page))
+    html = page.read_text()
+    assert 'class="chart pnode-step_s"' in html and "PNode w0" in html and "PNode w1" in html
+    pixels = screenshot(page, tmp_path / "shot.png", 1300, 3000)
+    assert ink(pixels) > 0.01
+    assert shows(pixels[:700], LOSS_COLOR, 300) and shows(pixels[:700], VAL_COLOR, 150)
+    pnode_part = pixels[700:1500]  # the PNodes section follows the training curves
+    assert shows(pnode_part, PNODE_COLORS[0], 200) and shows(pnode_part, PNODE_COLORS[1], 200)
+    assert shows(pixels[1300:], CUT_COLOR, 150, 0.08)  # the red cut edges between the two PNodes
+    assert shows(pixels[1300:], FUSED_COLOR, 500, 0.03)
