@@ -115,6 +115,13 @@ def test_fused_nodes_against_the_hand_count() -> None:
     assert ce.flops == 2 * S * D * V + 5 * S * V and ce.params == 0
 
 
+def test_fused_attention_is_named_after_its_block() -> None:
+    """`analyze` and `render` show the fused node by name; blocks 10 and 11 must not borrow block 1's."""
+    g = load(NET12)
+    run_pipeline(g, "fuse-heads")
+    assert {n.id for n in g.nodes_of_type("attention")} == {f"block{i}_attention" for i in range(12)}
+
+
 def test_attention_with_output_projection_against_the_hand_count() -> None:
     from vgraph.ops.registry import get_op
     from vgraph.types import TensorType

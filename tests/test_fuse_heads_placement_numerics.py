@@ -63,6 +63,7 @@ def test_partial_head_fusion_matches_unfused_numerically(placement) -> None:
     run_pipeline(g, "fuse-heads")
     fused_heads = sum(a.cfg["num_heads"] for a in g.nodes_of_type("attention"))
     assert fused_heads + len(g.nodes_of_type("attention_head")) == LAYERS * HEADS
+    assert all(a.cfg["num_heads"] >= 2 for a in g.nodes_of_type("attention"))  # a lone head stays a head
 
     weights, ids, targets, (ref_logits, ref_loss, ref_grads) = reference()
     module = compile_network(g, train=False, unfused_state=weights)
