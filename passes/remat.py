@@ -348,7 +348,11 @@ class Remat(Pass):
     def run(self, graph: Graph, ctx: PassContext) -> Counter:
         budget = parse_budget(self.opts["budget"])
         placement = graph.meta.get("placement") or {}
-        batch = self.opts["batch"] or placement.get("batch") or ctx.data.get("batch") or DEFAULT_BATCH
+        # With data-parallel replicas each PNode trains its replica's share of the batch; every replica
+        # runs the same network (VNode meta["pnode"] is replica 0's), so plan for the largest share.
+        shares = placement.get("batch_shares") or []
+        batch = (self.opts["batch"] or (max(shares) if shares else None) or placement.get("batch")
+                 or ctx.data.get("batch") or DEFAULT_BATCH)
         micro = self.opts["micro_batches"] or placement.get("micro_batches") or 1
         cm = cost_model(graph, batch=int(batch), micro_batches=int(micro))
         where = {n.id: n.meta.get("pnode") for n in graph.nodes}

@@ -197,3 +197,14 @@ def test_policy_within_5_percent_of_the_ilp_optimum(passes, fraction):
     assert oracle.recompute_flops == pytest.approx(optimum)
     assert policy.recompute_flops <= 1.05 * optimum
     assert math.isfinite(optimum) and optimum > 0
+
+
+def test_with_replicas_the_pass_plans_for_the_largest_batch_share():
+    g = prepared()
+    for n in g.nodes:
+        n.meta["pnode"] = "a"
+    g.meta["placement"] = {"batch": 8, "batch_shares": [3, 5], "stages": ["a"],
+                           "pnodes": {"a": {"capacity_bytes": 2**40}}}
+    ctx = PassContext()
+    Remat().run(g, ctx)
+    assert "(batch 5)" in ctx.notes[-1] and "PNode 'a': fits without remat" in ctx.notes[-1]

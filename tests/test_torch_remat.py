@@ -110,3 +110,19 @@ def test_training_resume_and_checkpoints_interchangeable(tmp_path, corpus):
     run(tmp_path, "swap2", corpus, FUSED, 2)
     swapped = run(tmp_path, "swap2", corpus, spec, 4, resume=True)
     assert losses(swapped) == pytest.approx(losses(without), rel=1e-6)  # the history is the run's
+
+
+def test_memory_estimate_counts_remat():
+    from vgraph.backends.torch import estimate_training_memory
+
+    plain = prepare_graph(vgraph.load(TINY), passes=FUSED, target="cpu")
+    marked = mark_all(plain.copy())
+    before, after = estimate_training_memory(plain, 4), estimate_training_memory(marked, 4)
+    assert after.activations < before.activations
+    assert (after.parameters, after.gradients, after.optimizer) == (before.parameters, before.gradients,
+                                                                    before.optimizer)
+    # One marked VNode alone saves nothing at the peak: backward rebuilds its output (and its reader,
+    # a linear, keeps no internals) while that region's backward runs.
+    one = plain.copy()
+    one.node("block0_ffn_gelu").set_config(remat=RECOMPUTE)
+    assert estimate_training_memory(one, 4).activations == before.activations
