@@ -178,3 +178,39 @@ def test_a_restart_resumes_every_replica_from_the_checkpoint(files, reference, t
     assert first["lost"] == ["w0"] and second["ok"] and sorted(second["ranks"]) == ["w0", "w1", "w2", "w3"]
     assert result.placement["replicas"] == 2
     same_training(result.history, reference)
+
+
+def _layout_member(rank: int, port: int, sizes: list[int], out) -> None:
+    import torch.distributed as dist
+
+    from vgraph.backends.torch.distributed.replica_groups import (ReplicaLayoutError, check_same_layout,
+                                                                   stage_groups)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    try:
+        groups = stage_groups(replicas=2, plan_ranks=2)  # world rank r*2+s: stage s of replica r
+        params = [torch.nn.Parameter(torch.zeros(sizes[rank]))]
+        try:
+            check_same_layout(groups[rank % 2], params)
+            out.put((rank, "ok"))
+        except ReplicaLayoutError as exc:
+            out.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes, bad", [([3, 5, 3, 5], set()), ([3, 5, 3, 6], {1, 3})])
+def test_stage_groups_check_that_replicas_hold_the_same_parameters(sizes, bad):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_layout_member, args=(r, port, sizes, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert {r for r, msg in results.items() if msg != "ok"} == bad
+    assert all("hold different parameters" in results[r] for r in bad)
