@@ -93,7 +93,8 @@ def test_regions_are_all_or_nothing_and_declared():
         loads_fleet(text, "f.yml")
     lines = [str(d) for d in err.value.diagnostics]
     assert "f.yml:10: pnode 'c': region 'mars' is not declared in 'regions'" in lines
-    assert any(s.startswith("f.yml:9: pnode 'b': has no 'region' while other PNodes do (1 without)") for s in lines), lines
+    assert any(s.startswith("f.yml:9: pnode 'b': has no 'region' while other PNodes do (1 without)")
+               for s in lines), lines
 
 
 def test_cli_reports_a_bad_region_link_with_exit_2(tmp_path, capsys):
@@ -120,3 +121,14 @@ def test_generated_fleets_round_trip_through_the_format(n, seed, world):
 def test_latency_round_trips(value, unit):
     name, scale = unit
     assert parse_latency(f"{value!r}{name}") == pytest.approx(value * scale, rel=1e-12, abs=1e-300)
+
+
+@pytest.mark.parametrize("name", ["a\\x07b", "../etc", "a/b", "x" * 300])
+def test_odd_region_names_are_quoted_in_messages(name):
+    text = (f'regions:\n  - {{name: "{name}"}}\n  - {{name: "{name}"}}\n'
+            "pnodes:\n  - {id: a, memory: 1GiB, flops: 1T, bandwidth: 1Gbit/s}\n")
+    with pytest.raises(FleetError) as err:
+        loads_fleet(text, "f.yml")
+    lines = [str(d) for d in err.value.diagnostics]
+    assert any(s.startswith("f.yml:3: fleet: duplicate region") for s in lines), lines
+    assert all("\x07" not in s and len(s) < 2000 for s in lines)
