@@ -40,7 +40,7 @@ def load_network(path: str):
 
 
 def add_plugin_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plugin", action="append", default=[], metavar="FILE.py", type=options.path,
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE.py",  # checked by plugins.load_file
                    help="load a local plugin file (passes, op types); may repeat")
 
 
