@@ -101,7 +101,8 @@ def to_yaml(fleet: Fleet) -> str:
             lines.append(f"  - {{between: [{a}, {b}], bandwidth: {bw:.6g}, latency: {lat:.6g}s}}")
     lines.append("pnodes:")
     for p in fleet:
-        extra = (f", accelerator: {p.accelerator}" if p.accelerator else "") + (f", region: {p.region}" if p.region else "")
+        extra = f", accelerator: {p.accelerator}" if p.accelerator else ""
+        extra += f", region: {p.region}" if p.region else ""
         lines.append(f"  - {{id: {p.id}, memory: {p.memory}, flops: {p.flops:.6g}, bandwidth: {p.bandwidth:.6g}"
                      f"{extra}}}")
     return "\n".join(lines) + "\n"
