@@ -91,7 +91,8 @@ def pass_seconds(graph: Graph, fleet_: Fleet, repeat: int, batch: int = 8) -> tu
     from vgraph.pass_api import PassContext
     from vgraph.passes.partition import Partition
 
-    p = Partition(batch=batch)
+    # One pipeline: the table's targets are the pipeline planner's; bench_fleet_scale.py times replicas=auto.
+    p = Partition(batch=batch, replicas="1")
     p.run(graph.copy(), PassContext(data={"fleet": fleet_}))  # warm-up (imports, caches)
     times, cpu = [], []
     placement: dict = {}
