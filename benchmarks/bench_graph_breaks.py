@@ -46,10 +46,11 @@ NETWORKS = {
     "12": ROOT / "networks" / "distributed_attention_example_12_swiglu_head_vocab32768_seq2048.yml",
     "tiny": ROOT / "tests" / "fixtures" / "tiny_2l.yml",
 }
+LABELS = {"6": "6-layer", "8": "8-layer", "12": "12-layer", "tiny": "tiny_2l"}
 TARGETS = ("cpu", "cuda-sm80", "cuda-sm75")  # --targets picks; the fp16 (sm75) program differs from bf16 in dtype only
 
 
-def launch_rows(path: Path, pnodes: int = 3) -> list[tuple[str, str, str, int, int, float]]:
+def launch_rows(label: str, path: Path, pnodes: int = 3) -> list[tuple[str, str, str, int, int, float]]:
     """Stage programs of `path` with transformer block i on PNode i % pnodes (embedding and head on w0)."""
     from vgraph.backends.torch.distributed.launch import place, split_pipeline
     from vgraph.fleet import loads_fleet
@@ -72,7 +73,7 @@ def launch_rows(path: Path, pnodes: int = 3) -> list[tuple[str, str, str, int, i
         reports = stage_breaks(placed.graph, placed.final, placed.ranks)
         per = (time.perf_counter() - start) / max(len(reports), 1)
         for r in reports:
-            rows.append((f"{path.stem[:40]} launch stage {r.name}", "fused", target, r.graphs, r.breaks, per))
+            rows.append((f"{label} launch stage {r.name}", "fused", target, r.graphs, r.breaks, per))
     return rows
 
 
@@ -107,14 +108,14 @@ def main(argv: list[str] | None = None) -> int:
                 graph = prepare_graph(vgraph.load(path), fuse=fuse, target=target)
                 start = time.perf_counter()
                 r = training_breaks(graph)
-                rows.append((f"{path.stem[:40]} train", "fused" if fuse else "unfused",
+                rows.append((f"{LABELS[key]} train", "fused" if fuse else "unfused",
                              f"{target} ({str(compute_dtype(graph)).removeprefix('torch.')})", r.graphs, r.breaks,
                              time.perf_counter() - start))
                 print(f"  {rows[-1]}", file=sys.stderr, flush=True)
                 for reason in r.reasons:
                     print(f"  break: {reason}", file=sys.stderr, flush=True)
         if key == "6":
-            rows += launch_rows(path)
+            rows += launch_rows(LABELS[key], path)
     given = " ".join(sys.argv[1:] if argv is None else argv)
     print("### Graph breaks of the compiled training step (`torch._dynamo.explain`)")
     print()

@@ -93,9 +93,12 @@ def test_masks_are_uncorrelated_across_samples_elements_nodes_steps_and_seeds() 
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_four_element_patterns_follow_the_binomial_law(p) -> None:
-    """Chi-square over the 16 patterns of 4 consecutive elements (15 degrees of freedom)."""
-    m = masks(9, 4, "drop", 16, 16384, p).reshape(-1, 4).long()
+@pytest.mark.parametrize("across", ["elements", "samples"])
+def test_four_mask_patterns_follow_the_binomial_law(p, across) -> None:
+    """Chi-square over the 16 patterns of 4 consecutive elements of a sample, or of one element in 4
+    consecutive samples (15 degrees of freedom)."""
+    m = masks(9, 4, "drop", 16, 16384, p)
+    m = (m.reshape(-1, 4) if across == "elements" else m.reshape(4, 4, -1).permute(0, 2, 1).reshape(-1, 4)).long()
     codes = m[:, 0] * 8 + m[:, 1] * 4 + m[:, 2] * 2 + m[:, 3]
     observed = torch.bincount(codes, minlength=16).double()
     keeps = torch.tensor([bin(c).count("1") for c in range(16)], dtype=torch.float64)
@@ -178,6 +181,7 @@ def test_keep_mask_is_one_batch_of_tensor_ops() -> None:
     from torch.profiler import profile
 
     with dropout_key(0, 1) as key:
+        keep_mask(key.values, node_stream("d"), 2, 64, 0.1)  # caches the keyless per-element hashes
         counts = []
         for batch in (1, 128):
             with profile() as prof:

@@ -10,7 +10,8 @@
 * `interpret` (interpreter.py): the slow node-by-node reference.
 * `train` / `TrainConfig` (train.py) and the `train` / `generate` commands (cli.py).
 * `distributed/`: `vgraph launch`, one torch.distributed worker per PNode.
-* `keyed_dropout` (dropout.py): masks keyed by (seed, step, VNode, sample).
+* `keyed_dropout` (dropout.py): counter-based masks keyed by (seed, step, VNode, sample, element).
+* `graph_breaks.py`: torch.compile graph breaks of a training step (one graph per step).
 * `to_graph_layout` / `to_unfused_layout`: move weights between fused and unfused graphs.
 * `estimate_training_memory` / `check_memory` (memory.py): refuse what cannot fit.
 * `load_checkpoint` / `latest_checkpoint` / `CheckpointError` (checkpoint.py): read a run's weights

@@ -28,20 +28,24 @@ the specification the tests hold the tensor code to):
 
     k_step   = mix(mix(seed) ^ step)                       # Python, per step
     k_node   = mix(k_step ^ stream(n))                      # stream: blake2b of the VNode id
-    b_i      = mix(k_node + (offset + j) * GOLDEN)          # sample j of the call
-    z_{i,e}  = b_i + (e + 1) * GOLDEN                       # a Weyl sequence per sample
-    keep     = int64(mix_top(z)) >= -2**63 + round(p * 2**64)   # P(keep) = 1 - p
+    b_i      = mix(k_node + (offset + j) * GOLDEN)          # sample j of the call: [B] values
+    w_e      = mix((e + 1) * GOLDEN)                        # element e: [E] values, keyless
+    u_{i,e}  = round(b_i ^ w_e)                              # the only [B, E] work
+    keep     = int64(u) >= -2**63 + round(p * 2**64)        # P(keep) = 1 - p
 
-`mix(z)` is degski's 64-bit hash: twice `z ^= z >> 32; z *= C`, then
-`z ^= z >> 32`.  A shift by exactly 32 is why: on an int64 tensor it is
-"xor the high int32 word into the low one" through an int32 view of the same
-memory, so one in-place op with no temporary and no sign-extension masking
-(the arithmetic right shift of int64 would need one), which is what brings
-the mask within a few percent of `F.dropout`'s cost on a CPU
-(benchmarks/bench_dropout.py).  `mix_top` omits the last xorshift: it changes
-only the low 32 bits, so it moves the comparison only on a 2**-32 tie.
-Per-sample bases are 64-bit, so the Weyl segments of different samples never
-overlap in practice (unlike with a 32-bit hash at batch 128).
+`mix(z)` is degski's 64-bit hash: twice `round(z)` (`z ^= z >> 32; z *= C`),
+then `z ^= z >> 32`.  Why this shape: per element of the `[B, E]` mask there
+is one xor, one round and one comparison; the full hashing is done on the
+`B` per-sample bases and the `E` per-element values (the latter keyless, so
+cached per size and device when not traced).  Both are bijective mixes of
+distinct counters, so every (sample, element) pair combines two well-mixed
+64-bit values, and the last round (xorshift + multiply) makes the
+comparison nonlinear in both.  A shift by exactly 32 is the other half of the
+speed: on an int64 tensor it is "xor the high int32 word into the low one"
+through an int32 view of the same memory, one in-place op with no temporary
+and no sign-extension masking (an arithmetic right shift of int64 would need
+one).  Together they make the mask cheaper than `F.dropout`'s Bernoulli draw
+on a CPU (benchmarks/bench_dropout.py).
 
 The key is per thread (`set_dropout_key` / `clear_dropout_key` or the
 `dropout_key` context manager).  Without a key, dropout falls back to
@@ -74,15 +78,15 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >> 63 else v
 
 
-def _mix_top(z: int) -> int:
-    """The hash without its final xorshift, on Python ints (unsigned 64-bit)."""
+def _round(z: int) -> int:
+    """One xorshift-multiply round on Python ints (unsigned 64-bit)."""
     z &= _U64
-    z = ((z ^ (z >> 32)) * _C) & _U64
     return ((z ^ (z >> 32)) * _C) & _U64
 
 
 def _mix(z: int) -> int:
-    z = _mix_top(z)
+    """degski's 64-bit hash on Python ints."""
+    z = _round(_round(z))
     return z ^ (z >> 32)
 
 
@@ -161,18 +165,29 @@ def _xor_high_into_low_(z: torch.Tensor) -> None:
     words[..., 0].bitwise_xor_(words[..., 1])
 
 
-def _mix_top_(z: torch.Tensor) -> torch.Tensor:
-    """`_mix_top` on a contiguous int64 tensor, in place."""
-    _xor_high_into_low_(z)
-    z.mul_(_signed(_C))
-    _xor_high_into_low_(z)
-    return z.mul_(_signed(_C))
-
-
 def _mix_(z: torch.Tensor) -> torch.Tensor:
-    _mix_top_(z)
+    """`_mix` on a contiguous int64 tensor, in place."""
+    for _ in range(2):
+        _xor_high_into_low_(z)
+        z.mul_(_signed(_C))
     _xor_high_into_low_(z)
     return z
+
+
+_ELEMENT_HASHES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _element_hashes(per_sample: int, device: torch.device) -> torch.Tensor:
+    """w_e = mix((e + 1) * GOLDEN) for e < per_sample: keyless, so cached per size and device (eager)."""
+    tracing = torch.compiler.is_compiling()
+    w = None if tracing else _ELEMENT_HASHES.get((per_sample, device))
+    if w is None:
+        w = _mix_(torch.arange(1, per_sample + 1, dtype=torch.int64, device=device).mul_(_signed(GOLDEN)))
+        if not tracing:
+            if len(_ELEMENT_HASHES) >= 32:  # a handful of activation sizes per network
+                _ELEMENT_HASHES.clear()
+            _ELEMENT_HASHES[(per_sample, device)] = w
+    return w
 
 
 def keep_mask(key: torch.Tensor, stream: int, batch: int, per_sample: int, p: float) -> torch.Tensor:
@@ -181,16 +196,16 @@ def keep_mask(key: torch.Tensor, stream: int, batch: int, per_sample: int, p: fl
     k_node = _mix_(key[0:1] ^ stream)
     samples = torch.arange(batch, dtype=torch.int64, device=device).add_(key[1])
     bases = _mix_(samples.mul_(_signed(GOLDEN)).add_(k_node))
-    weyl = torch.arange(1, per_sample + 1, dtype=torch.int64, device=device).mul_(_signed(GOLDEN))
-    z = bases.view(batch, 1) + weyl.view(1, per_sample)
-    return _mix_top_(z) >= _threshold(p)
+    z = bases.view(batch, 1) ^ _element_hashes(per_sample, device).view(1, per_sample)
+    _xor_high_into_low_(z)
+    return z.mul_(_signed(_C)) >= _threshold(p)
 
 
 def mask_reference(seed: int, step: int, node: str, sample: int, element: int, p: float) -> bool:
     """Whether element `element` of global sample `sample` survives at `node`: the definition, in Python ints."""
     k_node = _mix(_mix(_mix(seed) ^ (step & _U64)) ^ node_stream(node))
     base = _mix(k_node + sample * GOLDEN)
-    return _signed(_mix_top(base + (element + 1) * GOLDEN)) >= _threshold(p)
+    return _signed(_round(base ^ _mix((element + 1) * GOLDEN))) >= _threshold(p)
 
 
 def keyed_dropout(x: torch.Tensor, p: float, node: str, stream: int | None = None) -> torch.Tensor:
