@@ -330,7 +330,8 @@ def _pnode_section(rec: RunRecord) -> str:
                 "the allocator's peak on CUDA")
     return ('<section><h2>PNodes</h2><div class="charts">' + "".join(charts) + "</div><table>" + head
             + "".join(body) + f'</table><p class="caption">{html.escape(measured)}; idle time is time blocked on '
-            f"peers (pipeline bubble, gradient ring, the step's reduction).</p></section>")
+            f"peers (pipeline bubble, gradient ring, the step's reduction; also a peer's work between steps, e.g. "
+            f"rank 0 writing logs, validating or checkpointing).</p></section>")
 
 
 def _num(x: Any) -> str:

@@ -15,7 +15,9 @@ as the network's metrics) and `attach` puts them into the metrics rows as
 * idle_s: the seconds of it spent blocked on peers: receives waiting for a
   neighbour's activations or gradients and sends waiting to complete (the
   pipeline's bubble), the gradient ring, and the step's loss reduction
-  (waiting for the slowest rank);
+  (waiting for the slowest rank).  A peer's work between steps shows here
+  too: while rank 0 writes logs, validates or checkpoints after step n, the
+  others wait for it during step n + 1;
 * bytes_sent: what this rank sent for the step (the step's share of
   `boundary_bytes`, which is the sum over ranks).
 """

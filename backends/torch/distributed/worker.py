@@ -218,6 +218,7 @@ class Worker:
         consecutive_bad = 0
         start_time = last_flush = last_print = time.perf_counter()
         hold = self.job.get("hold")
+        dist.barrier(group=self.ctrl.group)  # rank 0's set-up (log files, TensorBoard's drawing) is not step 1's idle
         for step in range(start + 1, steps + 1):
             self.figures.begin_step()
             inputs, targets = next(batches)
