@@ -33,20 +33,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
 import vgraph  # noqa: E402
 from vgraph.backends.torch import compute_dtype, prepare_graph  # noqa: E402
 from vgraph.backends.torch.graph_breaks import stage_breaks, training_breaks  # noqa: E402
+from network_paths import LABELS, NETWORK_FILES  # noqa: E402
 
-NETWORKS = {
-    "6": ROOT / "networks" / "distributed_attention_example_6_swiglu_head.yml",
-    "8": ROOT / "networks" / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml",
-    "12": ROOT / "networks" / "distributed_attention_example_12_swiglu_head_vocab32768_seq2048.yml",
-    "tiny": ROOT / "tests" / "fixtures" / "tiny_2l.yml",
-}
-LABELS = {"6": "6-layer", "8": "8-layer", "12": "12-layer", "tiny": "tiny_2l"}
 TARGETS = ("cpu", "cuda-sm80", "cuda-sm75")  # --targets picks; the fp16 (sm75) program differs from bf16 in dtype only
 
 
@@ -95,14 +90,14 @@ def train_with_log(network: Path) -> tuple[int, float, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--networks", default="6,8", help=f"comma-separated from {', '.join(NETWORKS)}")
+    ap.add_argument("--networks", default="6,8", help=f"comma-separated from {', '.join(NETWORK_FILES)}")
     ap.add_argument("--targets", default="cpu,cuda-sm80", help=f"comma-separated from {', '.join(TARGETS)}")
     ap.add_argument("--train", action="store_true", help="also run TORCH_LOGS=graph_breaks vgraph train --compile "
                                                           "on the tiny network (inductor: minutes on a CPU)")
     args = ap.parse_args(argv)
     rows = []
     for key in [k.strip() for k in args.networks.split(",") if k.strip()]:
-        path = NETWORKS[key]
+        path = NETWORK_FILES[key]
         for fuse in (True, False):
             for target in [t.strip() for t in args.targets.split(",") if t.strip()]:
                 graph = prepare_graph(vgraph.load(path), fuse=fuse, target=target)
@@ -128,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, pipe, target, graphs, breaks, seconds in rows:
         print(f"| {name} | {pipe} | {target} | {graphs} | {breaks} | {seconds:.1f} |")
     if args.train:
-        breaks, seconds, last = train_with_log(NETWORKS["tiny"])
+        breaks, seconds, last = train_with_log(NETWORK_FILES["tiny"])
         print()
         print(f"`TORCH_LOGS=graph_breaks vgraph train tests/fixtures/tiny_2l.yml --compile --steps 3 --batch 2` "
               f"(inductor, CPU): {breaks} graph break lines logged, {seconds:.0f} s; last line: `{last}`")

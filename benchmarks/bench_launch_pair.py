@@ -27,12 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-NETWORKS = {
-    "6": ROOT / "networks" / "distributed_attention_example_6_swiglu_head.yml",
-    "8": ROOT / "networks" / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml",
-    "tiny": ROOT / "tests" / "fixtures" / "tiny_2l.yml",
-}
+from network_paths import NETWORK_FILES  # noqa: E402
 
 
 def halves(graph, workers: int) -> dict[str, str]:
@@ -59,7 +56,7 @@ def step_seconds(rows: list[dict]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--network", choices=sorted(NETWORKS), default="8")
+    ap.add_argument("--network", choices=sorted(NETWORK_FILES), default="8")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--micro-batches", type=int, default=4)
@@ -79,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{torch.cuda.device_count()} GPU(s): a {args.workers}-GPU launch needs {args.workers}", file=sys.stderr)
         return 2
     backend = "nccl" if cuda and torch.distributed.is_nccl_available() else "gloo"
-    path = NETWORKS[args.network]
+    path = NETWORK_FILES[args.network]
     graph = vgraph.load(path)
     work = Path(tempfile.mkdtemp(prefix="bench_launch_pair_"))
     try:
