@@ -76,7 +76,8 @@ TARGETS: dict[str, Target] = {
         why="memory and traffic per PNode: what fits where"),
     "fuse-heads": Target(
         "passes/fuse_heads.py",
-        ("tests/test_fuse_heads_placement_numerics.py", "tests/test_passes.py", "tests/test_flop_oracle.py"),
+        ("tests/test_fuse_heads_rules.py", "tests/test_fuse_heads_placement_numerics.py", "tests/test_passes.py",
+         "tests/test_flop_oracle.py"),
         timeout=300.0, why="the rewrite every production run goes through; placement-aware"),
     "fuse-lm-head-ce": Target(
         "passes/fuse_lm_head_ce.py", ("tests/test_passes.py", "tests/test_flop_oracle.py",
