@@ -6,10 +6,12 @@ Three tables (issue 14's goals), each side by side in one run:
    with remat, from the cost model (`vgraph analyze --max-batch`);
 2. **policy vs ILP**: recompute FLOPs the `remat` pass's policy chooses and the exact ILP optimum
    (passes/remat_ilp.py) on the tiny networks, fused and unfused, at several budgets;
-3. **a measured CPU step** (float32, Adam) without and with remat, each in a fresh process: the tensor
-   peak of one training step (every storage any aten op allocates, followed until freed, as
-   benchmarks/bench_memory.py measures), the step time (median of --steps timed steps after a
-   warm-up), and `estimate_training_memory`'s activations + workspace beside the peak.  The remat
+3. **a measured CPU step** (float32, Adam) without and with remat: the tensor peak of one training
+   step, each variant in a fresh process (every storage any aten op allocates, followed until freed,
+   as benchmarks/bench_memory.py measures), with `estimate_training_memory`'s activations + workspace
+   beside it; and the step time, both variants built in one process and their steps alternated after
+   a warm-up each (median of --steps per variant, wall and process CPU time), so that the load of a
+   shared machine falls on both alike.  The remat
    variant runs the production pipeline plus `remat{budget=B,batch=N}` with B the least memory the
    cost model allows (every candidate recomputed), so the policy picks the cheapest marks at that peak.
 
@@ -60,17 +62,56 @@ def remat_spec(network: str, batch: int) -> str:
     return f"dead-nodes,precision,fuse-heads,fuse-lm-head-ce,remat{{budget={budget},batch={batch}}}"
 
 
-def child(network: str, passes: str | None, batch: int, threads: int, steps: int) -> dict:
+def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
+    """The tensor peak of one step of one variant (after a warm-up step)."""
     import torch
 
-    import vgraph
     from tensor_peak import LiveBytes
-    from vgraph.backends.torch import compile_network, estimate_training_memory, prepare_graph
-    from vgraph.backends.torch.dropout import dropout_key
-    from vgraph.backends.torch.train import NodeOptimizers
+    from vgraph.backends.torch import estimate_training_memory
     from vgraph.remat import marked_ids
 
     torch.set_num_threads(threads)
+    graph, step, vocab, seq = _trainer(network, passes, batch)
+    first_loss = step()  # warm-up: Adam's moments are allocated here
+    gc.collect()
+    tracker = LiveBytes(vocab)
+    with tracker:
+        step()
+    estimate = estimate_training_memory(graph, batch)
+    return {"vnodes": len(graph), "marked": len(marked_ids(graph)), "loss": first_loss,
+            "tensor_peak": tracker.peak, "estimate_step": estimate.activations + estimate.workspace, "seq": seq,
+            "torch": torch.__version__}
+
+
+def time_child(network: str, specs: list[str | None], batch: int, threads: int, steps: int) -> list[dict]:
+    """Step times of the variants `specs`, built side by side and alternated step by step."""
+    import torch
+
+    torch.set_num_threads(threads)
+    trainers = [_trainer(network, spec, batch)[1] for spec in specs]
+    for step in trainers:
+        step()  # warm-up
+    wall: list[list[float]] = [[] for _ in specs]
+    cpu: list[list[float]] = [[] for _ in specs]
+    for _ in range(steps):
+        for i, step in enumerate(trainers):
+            gc.collect()
+            w0, c0 = time.perf_counter(), time.process_time()
+            step()
+            wall[i].append(time.perf_counter() - w0)
+            cpu[i].append(time.process_time() - c0)
+    return [{"wall": w, "cpu": c} for w, c in zip(wall, cpu)]
+
+
+def _trainer(network: str, passes: str | None, batch: int):
+    """(graph, one training step as vgraph train runs it, vocabulary, sequence length) of a variant."""
+    import torch
+
+    import vgraph
+    from vgraph.backends.torch import compile_network, prepare_graph
+    from vgraph.backends.torch.dropout import dropout_key
+    from vgraph.backends.torch.train import NodeOptimizers
+
     graph = prepare_graph(vgraph.load(NETWORKS[network]), passes=passes, target="cpu")
     module = compile_network(graph, device="cpu", train=True, seed=0)
     optimizers = NodeOptimizers(module, 6e-4)
@@ -94,21 +135,7 @@ def child(network: str, passes: str | None, batch: int, threads: int, steps: int
         optimizers.zero_grad()
         return float(loss)
 
-    first_loss = step()  # warm-up: Adam's moments are allocated here
-    times = []
-    for _ in range(steps):
-        gc.collect()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    gc.collect()
-    tracker = LiveBytes(vocab)
-    with tracker:
-        step()
-    estimate = estimate_training_memory(graph, batch)
-    return {"vnodes": len(graph), "marked": len(marked_ids(graph)), "loss": first_loss,
-            "tensor_peak": tracker.peak, "step_s": statistics.median(times), "times": times,
-            "estimate_step": estimate.activations + estimate.workspace, "seq": seq, "torch": torch.__version__}
+    return graph, step, vocab, seq
 
 
 def max_batch_rows(network: str) -> dict:
@@ -155,6 +182,14 @@ def gap_rows(fractions: list[float]) -> list[tuple]:
     return rows
 
 
+def _run_child(cmd: list[str]):
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stderr, file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--network", choices=sorted(NETWORKS), default="12")
@@ -164,12 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", default="0.95,0.85,0.75,0.65", help="ILP table: budgets as activation fractions")
     ap.add_argument("--smoke", action="store_true", help="tiny network, one timed step, two budgets")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--time-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         args.network, args.steps, args.threads, args.fractions = "tiny", 1, 1, "0.9,0.7"
     if args.child is not None:
         passes = None if args.child == "-" else args.child
-        print(json.dumps(child(args.network, passes, args.batch, args.threads, args.steps)))
+        print(json.dumps(child(args.network, passes, args.batch, args.threads)))
+        return 0
+    if args.time_child is not None:
+        specs = [None if s == "-" else s for s in json.loads(args.time_child)]
+        print(json.dumps(time_child(args.network, specs, args.batch, args.threads, args.steps)))
         return 0
 
     print(f"### Rematerialisation ({datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()}-core "
@@ -197,29 +237,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {frac} | {n} | {policy if policy is not None else 'no fit'} | "
               f"{optimum if status == 'Optimal' else status} | {gap} | {tp:.3f} | {ti:.3f} |")
 
+    variants = {"without remat": None, "with remat": remat_spec(args.network, args.batch)}
+    common = [sys.executable, __file__, "--network", args.network, "--batch", str(args.batch), "--steps",
+              str(args.steps), "--threads", str(args.threads)]
     rows = {}
-    for label, passes in (("without remat", None), ("with remat", remat_spec(args.network, args.batch))):
-        cmd = [sys.executable, __file__, "--network", args.network, "--batch", str(args.batch), "--steps",
-               str(args.steps), "--threads", str(args.threads), "--child", passes or "-"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(done.stderr, file=sys.stderr)
+    for label, passes in variants.items():
+        rows[label] = _run_child(common + ["--child", passes or "-"])
+        if rows[label] is None:
             return 1
-        rows[label] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"measured {label}", file=sys.stderr)
+    times = _run_child(common + ["--time-child", json.dumps([p or "-" for p in variants.values()])])
+    if times is None:
+        return 1
+    for label, t in zip(variants, times):
+        rows[label]["step_s"] = statistics.median(t["wall"])
+        rows[label]["cpu_s"] = statistics.median(t["cpu"])
     base, remat = rows["without remat"], rows["with remat"]
     print(f"\n**Measured CPU training step** ({NETWORKS[args.network].stem}, batch {args.batch} x {base['seq']}, "
-          f"float32, Adam, torch {base['torch']}, {args.threads} threads; one fresh process per variant; step time "
-          f"the median of {args.steps})\n")
+          f"float32, Adam, torch {base['torch']}, {args.threads} threads; peaks: one fresh process per variant; "
+          f"times: both variants in one process, steps alternated, median of {args.steps} each)\n")
     print("| variant | VNodes | marked | tensor peak of the step (MiB) | estimate (MiB) | estimate / peak | "
-          "step (s) | first loss |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "step wall (s) | step CPU (s) | first loss |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, r in rows.items():
         print(f"| {label} | {r['vnodes']} | {r['marked']} | {r['tensor_peak'] / MIB:.0f} | "
               f"{r['estimate_step'] / MIB:.0f} | {r['estimate_step'] / r['tensor_peak']:.2f} | {r['step_s']:.2f} | "
-              f"{r['loss']:.6f} |")
+              f"{r['cpu_s']:.2f} | {r['loss']:.6f} |")
     print(f"\nWith remat the step's tensor peak is {1 - remat['tensor_peak'] / base['tensor_peak']:.1%} lower and the "
-          f"step takes {remat['step_s'] / base['step_s']:.2f}x the time.")
+          f"step takes {remat['step_s'] / base['step_s']:.2f}x the wall time ({remat['cpu_s'] / base['cpu_s']:.2f}x "
+          f"the CPU time).")
     return 0
 
 

@@ -12,8 +12,10 @@ Terms, in bytes:
 * gradients: float32, one per trainable parameter;
 * optimizer state: Adam keeps two float32 moments per parameter, plain SGD none;
 * activations: what autograd keeps for backward at the given batch, at the
-  compute dtype: every VNode's outputs (broadcast copies are free, a fused
-  LM-head loss keeps no logits), plus the internals the kernels save
+  compute dtype: every VNode's outputs that a reader keeps (a sum, a
+  concatenation, a dropout or a cross-entropy keeps none of its inputs;
+  broadcast copies are free, a fused LM-head loss keeps no logits), the
+  one-byte masks of dropouts, plus the internals the kernels save
   (projected q/k/v and rotated q/k of attention, the float32 log-softmax of a
   cross-entropy);
 * workspace: transient buffers, taken as twice the largest activation
@@ -92,6 +94,27 @@ class MemoryEstimate:
                 f"{self.batch} + workspace {_gib(self.workspace)}")
 
 
+_SAVES_NOTHING = frozenset(("add", "stack", "dropout"))  # backward needs none of their inputs (dropout: its mask)
+
+
+def _saved_by_a_reader(graph: Graph, node_id: str) -> bool:
+    """Does some reader keep this VNode's output for backward?  A sum, a concatenation, a dropout (which
+    keeps its mask) and a cross-entropy (which keeps its log-softmax) do not; a broadcast or a rate-0
+    dropout passes the tensor on, so its readers decide."""
+    for e in graph.out_edges(node_id):
+        reader = graph.node(e.dst)
+        if reader.type == "broadcast" or (reader.type == "dropout" and reader.cfg["rate"] == 0):
+            if _saved_by_a_reader(graph, reader.id):
+                return True
+        elif reader.type in _SAVES_NOTHING:
+            continue
+        elif reader.type == "cost" and reader.cfg["cost_function"] in ("ce", "ce_logits"):
+            continue
+        else:
+            return True
+    return False
+
+
 def _activation_item(compute_dtype: torch.dtype) -> int:
     return torch.empty((), dtype=compute_dtype).element_size()
 
@@ -131,10 +154,13 @@ def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.d
             chunk = min(rows * batch, K.default_ce_chunk_size(vocab, dim=dim))
             fixed_workspace = max(fixed_workspace, 4 * (2 * vocab * dim + chunk * vocab))
             saved += 4 * rows
+        read_later = _saved_by_a_reader(graph, node.id)
         for t in outs:
             size = t.numel * (item if t.kind == "float" else _ITEM[t.dtype])
-            saved += size
+            saved += size if read_later else 0
             largest = max(largest, size)
+        if node.type == "dropout" and cfg["rate"] > 0 and outs:
+            saved += outs[0].numel  # the boolean keep mask
         if node.type == "attention_head":
             seq, hd = cfg["seq_len"], cfg["head_dim"]
             saved += item * seq * hd * (5 if cfg["position_encoding"] == "rope" else 3) + 4 * seq
@@ -149,7 +175,7 @@ def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.d
                 saved += size * (1 if compute_dtype == torch.float32 else 2)
                 largest = max(largest, size)
         if node.id in layout.reexecuted:  # remat: rebuilt in backward instead of kept
-            out_bytes = sum(t.numel * (item if t.kind == "float" else _ITEM[t.dtype]) for t in outs)
+            out_bytes = sum(t.numel * (item if t.kind == "float" else _ITEM[t.dtype]) for t in outs) * read_later
             moved = saved - kept_before - (0 if node.id in layout.recomputed else out_bytes)
             group = layout.groups[layout.region_of[node.id]]
             rebuilt[group] = rebuilt.get(group, 0) + moved
