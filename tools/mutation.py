@@ -27,6 +27,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -77,7 +78,7 @@ TARGETS: dict[str, Target] = {
     "fuse-heads": Target(
         "passes/fuse_heads.py",
         ("tests/test_fuse_heads_rules.py", "tests/test_fuse_heads_placement_numerics.py", "tests/test_passes.py",
-         "tests/test_flop_oracle.py"),
+         "tests/test_flop_oracle.py", "tests/test_pass_semantics.py"),
         timeout=300.0, why="the rewrite every production run goes through; placement-aware"),
     "fuse-lm-head-ce": Target(
         "passes/fuse_lm_head_ce.py", ("tests/test_passes.py", "tests/test_flop_oracle.py",
@@ -151,8 +152,8 @@ def _env(work: Path, target: Target) -> dict[str, str]:
 
 
 def _test_command(python: str, target: Target) -> str:
-    return " ".join([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                     "--no-header", "-o", "addopts=", *target.tests])
+    return shlex.join([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                       "--no-header", "-o", "addopts=", *target.tests])
 
 
 def run_target(name: str, target: Target, base: Path, python: str) -> dict:
@@ -166,12 +167,12 @@ def run_target(name: str, target: Target, base: Path, python: str) -> dict:
         f'module-path = "{module}"\n'
         f"timeout = {target.timeout}\n"
         "excluded-modules = []\n"
-        f"test-command = {test_command!r}\n"
+        f"test-command = {json.dumps(test_command)}\n"
         "\n[cosmic-ray.distributor]\nname = \"local\"\n", encoding="utf-8")
     session = work / "session.sqlite"
     cosmic = str(Path(python).with_name("cosmic-ray"))
 
-    baseline = subprocess.run(test_command.split(), cwd=work, env=env, capture_output=True, text=True)
+    baseline = subprocess.run(shlex.split(test_command), cwd=work, env=env, capture_output=True, text=True)
     if baseline.returncode != 0:
         raise SystemExit(f"{name}: the tests fail without any mutation; fix that first:\n{baseline.stdout[-3000:]}")
     subprocess.run([cosmic, "init", str(config), str(session), "--force"], cwd=work, env=env, check=True)
