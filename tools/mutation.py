@@ -122,6 +122,21 @@ def spans(source: Path, target: Target) -> list[tuple[int, int]] | None:
     return out
 
 
+def annotation_spans(source: Path) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(start, end) positions of every type annotation: never evaluated here (`from __future__ import
+    annotations`), so a mutant inside one (`X | None` -> `X - None`) is equivalent by construction."""
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    nodes = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.annotation is not None:
+            nodes.append(node.annotation)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
+            nodes.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            nodes.append(node.annotation)
+    return [((a.lineno, a.col_offset), (a.end_lineno, a.end_col_offset)) for a in nodes]
+
+
 def prepare(work: Path) -> Path:
     """A fresh copy of the sources (installed layout under work/src) and of the test suite."""
     if work.exists():
@@ -191,13 +206,15 @@ def skip_outside_scope(session: Path, module: Path, target: Target) -> int:
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     scope = spans(module, target)
+    annotations = annotation_spans(module)
     remaining = 0
     with use_db(str(session), WorkDB.Mode.open) as db:
         for item in list(db.pending_work_items):
             m = item.mutations[0]
             line = m.start_pos[0]
             inside = scope is None or any(a <= line <= b for a, b in scope)
-            if inside and not SKIPPED_OPERATORS.match(m.operator_name):
+            annotation = any(a <= tuple(m.start_pos) < b for a, b in annotations)
+            if inside and not annotation and not SKIPPED_OPERATORS.match(m.operator_name):
                 remaining += 1
                 continue
             db.set_result(item.job_id, WorkResult(output="outside the target's scope",
