@@ -50,3 +50,21 @@ def test_counts_are_the_heads_really_fused(placement, fused: int, created: int) 
     assert record.changes == {"heads_fused": fused, "attention_created": created}
     assert sum(a.cfg["num_heads"] for a in g.nodes_of_type("attention")) == fused
     assert len(g.nodes_of_type("attention")) == created
+
+
+def test_two_heads_are_enough_to_fuse() -> None:
+    g = transformer(TransformerSpec("two-heads", layers=1, vocab=64, seq_len=8, dim=32, heads=2, ffn=64,
+                                    head_up=64, precision=None))
+    run_pipeline(g, "fuse-heads")
+    [attn] = g.nodes_of_type("attention")
+    assert attn.cfg["num_heads"] == 2 and not g.nodes_of_type("attention_head")
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_the_stack_may_name_the_head_axis_either_way(axis: int) -> None:
+    """Per-sample [seq, head_dim] heads: axis 1 is the last axis too, and fuses like -1."""
+    g = four_heads()
+    g.node("block0_stack").set_config(axis=axis)
+    run_pipeline(g, "fuse-heads")
+    [attn] = g.nodes_of_type("attention")
+    assert attn.cfg["num_heads"] == 4
