@@ -48,6 +48,8 @@ class MetricsLog:
         self.columns = columns
         self.rows: list[dict[str, Any]] = []
         self.sink = sink
+        self._version = 0  # bumped by every change of `rows`, so plot() can skip a drawing it already made
+        self._drawn: tuple[Path, int] | None = None
 
     def restart(self, upto_step: int) -> None:
         """Keep rows up to `upto_step` (a resumed run redoes what came after) and rewrite both files."""
@@ -61,6 +63,7 @@ class MetricsLog:
                 if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= upto_step:
                     rows.append(row)
         self.rows = rows
+        self._version += 1
         atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in rows))
         table = io.StringIO(newline="")
         writer = csv.DictWriter(table, fieldnames=self.columns, extrasaction="ignore")
@@ -74,6 +77,7 @@ class MetricsLog:
         if not rows:
             return
         self.rows.extend(rows)
+        self._version += 1
         with open(self.jsonl, "a", encoding="utf-8") as f:
             f.write("".join(json.dumps(r) + "\n" for r in rows))
         with open(self.csv, "a", newline="", encoding="utf-8") as f:
@@ -87,6 +91,12 @@ class MetricsLog:
             self.sink.close()
 
     def plot(self, path: Path, title: str) -> None:
+        """Draw the loss curve to `path` (PNG, atomically), unless these very rows were drawn there already.
+
+        Seconds of matplotlib: the loops call it at checkpoints and at the end, never per validation.
+        """
+        if self._drawn == (path, self._version) and path.is_file():
+            return
         # The object API with the Agg canvas: no pyplot, no GUI backend, nothing global.
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -116,7 +126,8 @@ class MetricsLog:
         fig.tight_layout()
         image = io.BytesIO()
         fig.savefig(image, format="png")
-        atomic_write(path, image.getvalue(), durable=False)  # redrawn at every validation
+        atomic_write(path, image.getvalue(), durable=False)  # redrawn at every checkpoint
+        self._drawn = (path, self._version)
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)

@@ -206,13 +206,13 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
                             lr=f"{rows[-1]['lr']:.2e}", refresh=False)
             pending.clear()
             last_flush = time.perf_counter()
-            if validate:
-                log.plot(run_dir / "loss_curve.png", setup.source.name)
 
-            # -- checkpointing
+            # -- checkpointing; the loss curve is drawn here and at the end, not at every validation
+            # (matplotlib takes seconds; a killed run keeps the curve of its last checkpoint)
             if save_now:
                 result.checkpoint = save_run_checkpoint(run_dir, step, state, setup.run_info, setup.yaml_text,
                                                         tokenizer_json, cfg.keep_checkpoints)
+                log.plot(run_dir / "loss_curve.png", setup.source.name)
                 last_flush = time.perf_counter()
             if stop.requested:
                 break

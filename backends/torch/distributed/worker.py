@@ -289,14 +289,16 @@ class Worker:
                         r = pending[-1]
                         self.say(f"step {step}/{steps} loss {r['loss']:.4f} tok/s {r['tokens_per_s']:,.0f} "
                                  f"lr {r['lr']:.2e}" + (f" val {val_loss:.4f}" if val_loss is not None else ""))
-                    if validate:
-                        log.plot(self.run_dir / "loss_curve.png", self.graph.name)
                 pending = []
                 last_flush = time.perf_counter()
             if save_now:
                 path = self.checkpoints.save(step)
                 if path is not None:
                     self.say(f"checkpoint {path}")
+                if self.rank == 0 and log is not None:
+                    # Drawn at checkpoints and at the end only: matplotlib's seconds on rank 0 would be
+                    # every other worker's idle time at each validation.
+                    log.plot(self.run_dir / "loss_curve.png", self.graph.name)
                 last_flush = time.perf_counter()
             if hold and int(hold["rank"]) == self.rank and int(hold["step"]) == step:
                 self._hold(step)

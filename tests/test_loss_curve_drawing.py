@@ -1,0 +1,113 @@
+"""loss_curve.png is drawn at checkpoints and at the end of a run, never at every validation.
+
+Why: matplotlib takes seconds; in `vgraph launch` rank 0 drawing at each validation held every other worker
+(idle time in the per-PNode figures). The file must still be there after a finished or interrupted run.
+The draws are counted by spying on MetricsLog.plot: in-process for `train`, and through a `--plugin` file
+(which every launch worker imports) for `launch`.
+"""
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import TINY
+from hardening_util import signal_after_rows
+from vgraph.backends.torch import cli
+from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.distributed.launch import main as launch_main
+from vgraph.backends.torch.metrics_log import MetricsLog
+
+PNG = b"\x89PNG\r\n\x1a\n"
+FLEET = "name: two\npnodes:\n" + "".join(
+    f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(2))
+
+# Imported by every launch worker (--plugin): records the last logged step each time the PNG is rewritten.
+SPY = '''
+import json, os
+from vgraph.backends.torch.metrics_log import MetricsLog
+
+_plot = MetricsLog.plot
+
+def _spy(self, path, title):
+    before = os.stat(path).st_ino if path.is_file() else None
+    _plot(self, path, title)
+    if os.stat(path).st_ino != before:  # an atomic write: a new file, so a real drawing
+        with open(os.environ["VGRAPH_TEST_DRAWS"], "a") as f:
+            f.write(json.dumps(self.rows[-1]["step"] if self.rows else None) + "\\n")
+
+MetricsLog.plot = _spy
+'''
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def draws(monkeypatch) -> list[int]:
+    """Steps at which this process really redrew the PNG (a new inode: atomic_write renamed a new file)."""
+    seen: list[int] = []
+    plot = MetricsLog.plot
+
+    def spy(self, path: Path, title: str) -> None:
+        before = path.stat().st_ino if path.is_file() else None
+        plot(self, path, title)
+        if path.stat().st_ino != before:
+            seen.append(self.rows[-1]["step"])
+
+    monkeypatch.setattr(MetricsLog, "plot", spy)
+    return seen
+
+
+def test_train_draws_at_checkpoints_and_the_end_not_at_validations(tmp_path: Path, corpus: str, draws) -> None:
+    out = tmp_path / "run"
+    assert cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), "--steps", "6", "--batch", "2",
+                     "--val-every", "1", "--checkpoint-every", "4", "--quiet"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [1, 2, 3, 4, 5, 6]  # six validations...
+    assert draws == [4, 6]  # ...two drawings: checkpoint 4, and step 6 (checkpoint and end: drawn once)
+    assert (out / "loss_curve.png").read_bytes()[:8] == PNG
+
+
+def test_train_without_checkpoints_still_leaves_the_curve(tmp_path: Path, corpus: str, draws) -> None:
+    out = tmp_path / "run"
+    assert cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), "--steps", "3", "--batch", "2",
+                     "--val-every", "1", "--checkpoint-every", "0", "--quiet"]) == 0
+    assert draws == [3]
+    assert (out / "loss_curve.png").read_bytes()[:8] == PNG
+
+
+def test_an_interrupted_train_leaves_the_curve_of_its_last_step(tmp_path: Path, corpus: str, draws) -> None:
+    out = tmp_path / "run"
+    with signal_after_rows(out / "metrics.jsonl", 2, signal.SIGINT):
+        code = cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), "--steps", "1000000", "--batch",
+                         "2", "--val-every", "1", "--checkpoint-every", "0", "--log-every", "1", "--quiet"])
+    assert code == 130
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert draws == [last]  # drawn once, with the checkpoint the interrupt wrote
+    assert (out / "loss_curve.png").read_bytes()[:8] == PNG
+
+
+def test_launch_rank0_draws_at_checkpoints_and_the_end_not_at_validations(tmp_path: Path, corpus: str,
+                                                                        monkeypatch, capsys) -> None:
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text(FLEET)
+    spy = tmp_path / "spy_plot.py"
+    spy.write_text(SPY)
+    record = tmp_path / "draws.jsonl"
+    monkeypatch.setenv("VGRAPH_TEST_DRAWS", str(record))
+    out = tmp_path / "run"
+    code = launch_main(["launch", str(TINY), "--fleet", str(fleet), "--data", corpus, "--steps", "5", "--batch",
+                        "2", "--val-every", "1", "--checkpoint-every", "2", "--threads", "1", "--plugin", str(spy),
+                        "--out", str(out), "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [1, 2, 3, 4, 5]
+    assert [json.loads(line) for line in record.read_text().splitlines()] == [2, 4, 5]
+    assert (out / "loss_curve.png").read_bytes()[:8] == PNG
