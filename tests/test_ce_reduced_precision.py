@@ -102,3 +102,14 @@ def test_tied_ce_reduced_precision_all_but_one_row_ignored() -> None:
     torch.testing.assert_close(loss.detach(), ref, rtol=0, atol=1e-5)
     assert _rel(gw, rgw) < GRAD_RTOL[torch.bfloat16]
     assert _rel(gx, rgx) < GRAD_RTOL[torch.bfloat16]
+
+
+def test_tied_ce_names_what_is_wrong_with_its_inputs() -> None:
+    x0, w0, t = _case(seed=24)
+    with pytest.raises(ValueError, match=r"weight must be \[V, D=32\]; got \(3104,\)"):
+        K.tied_lm_head_ce(x0, w0.reshape(-1), t)
+    with pytest.raises(ValueError, match=r"weight must be \[V, D=32\]; got \(97, 16\)"):
+        K.tied_lm_head_ce(x0, w0[:, :16], t)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=f"chunk_size must be positive; got {bad}"):
+            K.tied_lm_head_ce(x0, w0, t, chunk_size=bad)
