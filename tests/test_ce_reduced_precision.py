@@ -113,3 +113,8 @@ def test_tied_ce_names_what_is_wrong_with_its_inputs() -> None:
     for bad in (0, -1):
         with pytest.raises(ValueError, match=f"chunk_size must be positive; got {bad}"):
             K.tied_lm_head_ce(x0, w0, t, chunk_size=bad)
+    with pytest.raises(ValueError, match=r"targets shape \(3, 10\) must equal x's leading dims \(3, 11\)"):
+        K.tied_lm_head_ce(x0, w0, t[:, :10])
+    for x, w in ((x0, w0.long()), (x0.long(), w0)):  # either operand not floating point
+        with pytest.raises(TypeError, match="must be floating point"):
+            K.tied_lm_head_ce(x, w, t)
