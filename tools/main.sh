@@ -14,8 +14,10 @@ for net in "${NETS[@]}"; do
   echo "== analyze $net"
   "$VG" analyze "$net" | tail -n 14
 done
-echo "== optimize (production pipeline) the 8-layer network"
-"$VG" optimize "${NETS[1]}" -o "$ROOT/runs/optimized_8l.yml"
+for net in "${NETS[@]}"; do
+  echo "== optimize (production pipeline) $net"
+  "$VG" optimize "$net" -o "$ROOT/runs/optimized_$(basename "$net")"
+done
 
 echo "== train the 6-layer network on the embedded corpus (CPU float32, batch 8 x 128 tokens, ~3-5 min on 2 cores)"
 RUN="$ROOT/runs/main_train_6l"
