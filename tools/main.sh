@@ -12,7 +12,7 @@ echo "== validate"
 "$VG" validate "${NETS[@]}"
 for net in "${NETS[@]}"; do
   echo "== analyze $net"
-  "$VG" analyze "$net" | tail -n 14
+  "$VG" analyze "$net" | sed -n '1p;/^colocation group/,$p'  # the totals and the per-group table
 done
 for net in "${NETS[@]}"; do
   echo "== optimize (production pipeline) $net"
