@@ -44,8 +44,10 @@ def largest_batch(capacity: int, static: int, per_sample: int, micro_batches: in
     if per_sample <= 0:
         return LIMIT
     lo, hi = 1, 2
-    while hi < LIMIT and per_sample * _resident(hi, micro_batches, stages) <= room:
-        lo, hi = hi, hi * 2
+    while per_sample * _resident(hi, micro_batches, stages) <= room:  # hi doubles until it does not fit
+        if hi >= LIMIT:
+            return LIMIT
+        lo, hi = hi, min(hi * 2, LIMIT)
     while hi - lo > 1:  # resident() is monotone in the batch
         mid = (lo + hi) // 2
         if per_sample * _resident(mid, micro_batches, stages) <= room:
