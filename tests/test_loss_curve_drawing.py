@@ -8,6 +8,7 @@ The draws are counted by spying on MetricsLog.plot: in-process for `train`, and 
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -105,8 +106,11 @@ def test_launch_rank0_draws_at_checkpoints_and_the_end_not_at_validations(tmp_pa
     out = tmp_path / "run"
     code = launch_main(["launch", str(TINY), "--fleet", str(fleet), "--data", corpus, "--steps", "5", "--batch",
                         "2", "--val-every", "1", "--checkpoint-every", "2", "--threads", "1", "--plugin", str(spy),
-                        "--out", str(out), "--quiet"])
-    assert code == 0, capsys.readouterr().err
+                        "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    # (the worker's banner, seen here: traffic in whole bytes as the launcher prints it, not "253,696.0")
+    assert re.search(r"\[w0\] .*predicted traffic [0-9,]+ bytes/step\n", err), err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_loss" in r] == [1, 2, 3, 4, 5]
     assert [json.loads(line) for line in record.read_text().splitlines()] == [2, 4, 5]

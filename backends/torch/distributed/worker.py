@@ -204,7 +204,7 @@ class Worker:
             self.say(f"{self.graph.name}: {len(self.graph)} VNodes on {self.world} worker(s) ("
                      f"{len(self.shares)} replica(s), batch shares {self.shares}), {len(self.sizes)} micro-batch(es) "
                      f"of {self.sizes}; steps {start + 1}..{steps}; predicted traffic "
-                     f"{self.job.get('predicted_bytes', self.job['predicted_cut_bytes']):,} bytes/step")
+                     f"{self.job.get('predicted_bytes', self.job['predicted_cut_bytes']):,.0f} bytes/step")
         for task in self.stages.tasks:
             params = sum(p.numel() for p in self.stages.modules[task.id].parameters())
             self.say(f"task {task.id}: {len(task.graph)} VNodes, {params:,} parameters, "
