@@ -208,3 +208,21 @@ def test_with_replicas_the_pass_plans_for_the_largest_batch_share():
     ctx = PassContext()
     Remat().run(g, ctx)
     assert "(batch 5)" in ctx.notes[-1] and "PNode 'a': fits without remat" in ctx.notes[-1]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.floats(0.0, 1.2), st.integers(1, 6))
+def test_any_budget_either_fits_or_is_refused_clearly(fraction, batch):
+    g = prepared("dead-nodes,precision,fuse-heads,fuse-lm-head-ce")
+    cm = cost_model(g, batch=batch)
+    budget = scope_at(g, cm, fraction).capacity
+    try:
+        Remat(budget=str(max(budget, 1)), batch=batch).run(g, PassContext())
+    except PassError as exc:
+        assert "even with every candidate recomputed" in str(exc)
+        return
+    marks = marked_ids(g)
+    for node in g.nodes:  # a broadcast is marked exactly when its input is (its outputs alias it)
+        if node.type == "broadcast" and g.input_edge(node.id, 0) is not None:
+            assert (node.id in marks) == (g.input_edge(node.id, 0).src in marks)
+    assert cost_model(g, batch=batch).totals()["memory_bytes"] <= max(budget, 1)
