@@ -105,13 +105,26 @@ def test_launch_rank0_draws_at_checkpoints_and_the_end_not_at_validations(tmp_pa
     monkeypatch.setenv("VGRAPH_TEST_DRAWS", str(record))
     out = tmp_path / "run"
     code = launch_main(["launch", str(TINY), "--fleet", str(fleet), "--data", corpus, "--steps", "5", "--batch",
-                        "2", "--val-every", "1", "--checkpoint-every", "2", "--threads", "1", "--plugin", str(spy),
+                        "2", "--val-every", "1", "--checkpoint-every", "2", "--threads", "1", "--plugin", str(spy), "--replicas", "2",
                         "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 0, err
     # (the worker's banner, seen here: traffic in whole bytes as the launcher prints it, not "253,696.0")
     assert re.search(r"\[w0\] .*predicted traffic [0-9,]+ bytes/step\n", err), err
+    # and the launcher's line says what each replica pipelines (batch 2 over 2 replicas: one sample each),
+    # as the worker does, not the --micro-batches default of min(batch, 2 x PNodes)
+    assert "1 micro-batch per replica 1f1b" in err and "[w0] tiny-2l: 32 VNodes on 2 worker(s) (2 replica(s)" in err
+    assert "1 micro-batch(es) of [1]" in err, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_loss" in r] == [1, 2, 3, 4, 5]
     assert [json.loads(line) for line in record.read_text().splitlines()] == [2, 4, 5]
     assert (out / "loss_curve.png").read_bytes()[:8] == PNG
+
+
+@pytest.mark.parametrize(("micro", "shares", "text"), [
+    (4, [2, 2], "2 micro-batches per replica"), (4, [8], "4 micro-batches"), (1, [8], "1 micro-batch"),
+    (4, [3, 5], "3 or 4 micro-batches per replica"), (2, [1, 1], "1 micro-batch per replica")])
+def test_the_launch_line_counts_the_micro_batches_each_replica_runs(micro: int, shares: list[int], text: str) -> None:
+    from vgraph.backends.torch.distributed.launch import _micro_per_replica
+
+    assert _micro_per_replica(micro, shares) == text

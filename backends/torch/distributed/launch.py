@@ -582,8 +582,8 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
             probe_port(cfg.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
         say(f"launch: {source.name} on {world} worker(s) {', '.join(ranks)} of fleet {fleet.name!r} "
             f"({len(placement.rows)} replica(s), batch shares {placement.shares}; {comm.describe()}, "
-            f"{micro} micro-batches {cfg.pipeline}, predicted traffic {placement.report['bytes_per_step']:,.0f} "
-            f"bytes/step, all-reduce included); attempt {attempt}")
+            f"{_micro_per_replica(micro, placement.shares)} {cfg.pipeline}, predicted traffic "
+            f"{placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt {attempt}")
         supervisor = _Supervisor(emit, token)
         try:
             supervisor.start(job_path, local, ranks, world, cfg.master_addr, port, threads)
@@ -747,6 +747,13 @@ def run_launch(args: argparse.Namespace) -> int:
     result = launch(config)
     print_result(result, f"{result.restarts} restart(s)" if result.restarts else None)
     return 0
+
+
+def _micro_per_replica(micro: int, shares: list[int]) -> str:
+    """What each replica pipelines: --micro-batches caps it, a replica's batch share bounds it (as the worker)."""
+    counts = sorted({min(micro, share) for share in shares} or {micro})
+    text = " or ".join(str(c) for c in counts)  # unequal shares can leave a small replica fewer
+    return f"{text} micro-batch{'es' if counts != [1] else ''}" + (" per replica" if len(shares) > 1 else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
