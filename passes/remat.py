@@ -40,13 +40,14 @@ from typing import Iterable, Mapping, Sequence
 
 from vgraph.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.fleet import human_bytes, parse_bytes
+from vgraph.host_memory import available_host_memory
 from vgraph.ir import Graph
 from vgraph.pass_api import Option, Pass, PassContext, PassError
 from vgraph.remat import (RECOMPUTE, REMAT_KEY, candidates, closed, plain_activation, pnode_static_bytes,
                           remat_cost, remat_layout)
 
 __all__ = ["Remat", "RematScope", "Entry", "parse_budget", "scopes_of", "plan_scope", "group_menu",
-           "candidates", "closed", "apply_marks", "host_available_memory"]
+           "candidates", "closed", "apply_marks"]
 
 
 def parse_budget(text: str) -> int | None:
@@ -59,29 +60,6 @@ def parse_budget(text: str) -> int | None:
     if value < 1:
         raise ValueError(f"expected a positive size like 16GiB, got {text!r}")
     return value
-
-
-def host_available_memory() -> int | None:
-    """MemAvailable of this machine (or what a cgroup v2 limit leaves), None if unknown."""
-    found = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    found = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                left = int(limit) - int(f.read().strip())
-            found = left if found is None else min(found, left)
-    except (OSError, ValueError):
-        pass
-    return found
 
 
 @dataclass(frozen=True)
@@ -272,7 +250,7 @@ def scopes_of(graph: Graph, cm: CostModel, budget: int | None, device_memory: in
             cap = budget if budget is not None else int(info["capacity_bytes"])
             out.append(RematScope(f"PNode {pid!r}", ids, cap, static_bytes, resident))
         return out
-    cap = budget if budget is not None else device_memory if device_memory is not None else host_available_memory()
+    cap = budget if budget is not None else device_memory if device_memory is not None else available_host_memory()[0]
     if cap is None:
         raise PassError("pass 'remat': budget=auto found no memory to plan for (no placement, no device memory, "
                         "no /proc/meminfo); give budget=SIZE, e.g. remat{budget=16GiB}")

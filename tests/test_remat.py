@@ -226,3 +226,22 @@ def test_any_budget_either_fits_or_is_refused_clearly(fraction, batch):
         if node.type == "broadcast" and g.input_edge(node.id, 0) is not None:
             assert (node.id in marks) == (g.input_edge(node.id, 0).src in marks)
     assert cost_model(g, batch=batch).totals()["memory_bytes"] <= max(budget, 1)
+
+
+def test_auto_budget_reads_the_device_memory_a_backend_gives():
+    g = prepared()
+    cm = cost_model(g, batch=4)
+    ctx = PassContext(data={"device_memory": scope_at(g, cm, 0.7).capacity})
+    Remat(batch=4).run(g, ctx)
+    assert marked_ids(g) and "recomputed" in ctx.notes[-1]
+    roomy = prepared()
+    Remat(batch=4).run(roomy, PassContext())  # this machine's available memory: the tiny network fits
+    assert not marked_ids(roomy)
+
+
+def test_host_memory_is_known_here():
+    from vgraph.host_memory import available_host_memory
+
+    found, source = available_host_memory()
+    assert found is None or found > 0
+    assert source

@@ -29,15 +29,14 @@ Terms, in bytes:
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from math import prod
-from pathlib import Path
 from typing import Mapping
 
 import torch
 
 from vgraph.diagnostics import VGraphError
+from vgraph.host_memory import available_host_memory
 from vgraph.ir import Graph
 from vgraph.remat import remat_layout
 
@@ -186,18 +185,6 @@ def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.d
     return MemoryEstimate(batch, params, grads, opt_state, saved, 2 * largest, fixed_workspace)
 
 
-def _cgroup_available() -> int | None:
-    """Memory left under a cgroup v2 limit (containers), if one is set."""
-    base = Path("/sys/fs/cgroup")
-    try:
-        limit = (base / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return int(limit) - int((base / "memory.current").read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def available_memory(device: str | torch.device) -> tuple[int | None, str]:
     """(bytes the device can still give, where that number comes from); None if unknown."""
     device = torch.device(device)
@@ -205,23 +192,7 @@ def available_memory(device: str | torch.device) -> tuple[int | None, str]:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free), f"free memory of {device} (torch.cuda.mem_get_info)"
     if device.type == "cpu":
-        found = None
-        try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    found = int(line.split()[1]) * 1024
-                    break
-        except OSError:
-            pass
-        if found is None and hasattr(os, "sysconf"):
-            try:
-                found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            except (ValueError, OSError):
-                found = None
-        cgroup = _cgroup_available()
-        if cgroup is not None and (found is None or cgroup < found):
-            return cgroup, "memory left under this container's cgroup limit"
-        return found, "MemAvailable in /proc/meminfo"
+        return available_host_memory()
     return None, f"unknown for device type {device.type!r}"
 
 

@@ -31,7 +31,7 @@ from vgraph.yamlio import dumps, load
 
 from . import checkpoint as ckpt
 from .lower import VGraphModule, compute_dtype
-from .memory import check_memory
+from .memory import available_memory, check_memory
 from .peak_memory import estimate_record
 from .run_checkpoints import clean_stale
 from .run_files import run_slug
@@ -106,7 +106,9 @@ def prepare_graph(graph: Graph, *, passes: str | None = None, fuse: bool = True,
     prepared = graph.copy()
     if spec == "":
         return prepared
-    run_pipeline(prepared, spec, target=target)
+    # remat{budget=auto} plans for this device's free memory (a GPU's; on the CPU, the core reads the host's)
+    device_memory = available_memory("cuda")[0] if target.startswith("cuda") and torch.cuda.is_available() else None
+    run_pipeline(prepared, spec, target=target, data={"device_memory": device_memory} if device_memory else None)
     return prepared
 
 
