@@ -127,6 +127,7 @@ def test_first_interrupt_stops_every_worker_after_one_step_with_a_checkpoint(tmp
     assert code == 130 and "Continue with: vgraph launch" in err and "Traceback" not in err, err
     step = load_checkpoint(latest_checkpoint(out)).step
     assert step >= 2
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn with the interrupt's checkpoint
     assert launch_main([*args, "--steps", str(step + 1), "--resume"]) == 0
 
 
