@@ -118,3 +118,26 @@ def test_tied_ce_names_what_is_wrong_with_its_inputs() -> None:
     for x, w in ((x0, w0.long()), (x0.long(), w0)):  # either operand not floating point
         with pytest.raises(TypeError, match="must be floating point"):
             K.tied_lm_head_ce(x, w, t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tied_ce_without_gradients_reads_every_chunk(dtype) -> None:
+    """Validation runs under no_grad: only the loss is formed, and it must still cover every chunk."""
+    x0, w0, t = _case(seed=25)
+    ref, _, _ = _reference(x0, w0, t, dtype)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss = K.tied_lm_head_ce(x0, w0, t, chunk_size=4)
+    torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
+
+
+def test_tied_ce_takes_rows_without_a_batch_axis() -> None:
+    x0, w0, t = _case(seed=26)
+    x2d, t1d = x0.reshape(-1, D), t.reshape(-1)
+    torch.testing.assert_close(K.tied_lm_head_ce(x2d, w0, t1d, chunk_size=5),
+                               F.cross_entropy(x2d @ w0.T, t1d, ignore_index=-100), rtol=1e-6, atol=0)
+
+
+def test_default_chunk_size_is_a_whole_number_of_rows() -> None:
+    for vocab, dim in ((97, None), (32_768, 8), (10_000, 512), (3, None)):
+        rows = K.default_ce_chunk_size(vocab, dim=dim)
+        assert isinstance(rows, int) and rows >= max(1, dim or 0), (vocab, dim, rows)
