@@ -77,6 +77,20 @@ def tick_labels(ticks: Sequence[float]) -> list[str]:
     return [f"{t:.{decimals}f}" for t in ticks]
 
 
+def _legend_x(drawn: Sequence[Series], px: Callable[[float], float], py: Callable[[float], float], left: float,
+              plot_w: float, top: float, box_w: float, box_h: float) -> float:
+    """The legend's x: the top corner (left or right) that hides fewer points.
+
+    Why: a loss curve starts high on the left, which a fixed top-left legend covered (its first steps).
+    """
+    def hidden(x: float) -> int:
+        return sum(1 for s in drawn for a, b in s.points
+                   if x - 4 <= px(a) <= x - 4 + box_w and top + 2 <= py(b) <= top + 2 + box_h)
+
+    left_x, right_x = left + 8, max(left + 8, left + plot_w - box_w - 4)
+    return right_x if hidden(right_x) < hidden(left_x) else left_x
+
+
 def line_chart(title: str, series: Sequence[Series], *, x_label: str = "step", y_label: str = "",
                width: int = 560, height: int = 280, css_class: str = "chart",
                y_format: Callable[[Sequence[float]], list[str]] = tick_labels) -> str:
@@ -140,9 +154,10 @@ def line_chart(title: str, series: Sequence[Series], *, x_label: str = "step", y
                    f'stroke-linejoin="round"><title>{e(s.label)}</title></polyline>')
         if s.markers or len(s.points) == 1:
             out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5" fill="{color}"/>' for x, y in s.points]
-    legend_x = left + 8
     widest = max(len(s.label[:60]) for s in drawn)
-    out.append(f'<rect x="{legend_x - 4}" y="{top + 2}" width="{30 + 6.2 * widest:.0f}" height="{15 * len(drawn) + 4}" '
+    box_w, box_h = 30 + 6.2 * widest, 15 * len(drawn) + 4
+    legend_x = _legend_x(drawn, px, py, left, plot_w, top, box_w, box_h)
+    out.append(f'<rect x="{legend_x - 4}" y="{top + 2}" width="{box_w:.0f}" height="{box_h}" '
                f'fill="#ffffff" fill-opacity="0.85"/>')
     for i, s in enumerate(drawn):
         y = top + 14 + 15 * i
