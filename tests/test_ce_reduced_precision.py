@@ -112,8 +112,8 @@ def test_tied_ce_names_what_is_wrong_with_its_inputs() -> None:
         K.tied_lm_head_ce(x0, w0[:, :16], t)
     with pytest.raises(ValueError, match=r"weight must be \[V, D=32\]; got \(97, 64\)"):
         K.tied_lm_head_ce(x0, torch.cat([w0, w0], dim=1), t)
-    with pytest.raises(ValueError, match=r"weight must be \[V, D=32\]; got \(1, 97, 32\)"):
-        K.tied_lm_head_ce(x0, w0[None], t)
+    with pytest.raises(ValueError, match=r"weight must be \[V, D=32\]; got \(97, 32, 1\)"):
+        K.tied_lm_head_ce(x0, w0[:, :, None], t)  # 3-D, though its second dimension is D
     for bad in (0, -1):
         with pytest.raises(ValueError, match=f"chunk_size must be positive; got {bad}"):
             K.tied_lm_head_ce(x0, w0, t, chunk_size=bad)
