@@ -103,6 +103,9 @@ def test_launch_rank0_draws_at_checkpoints_and_the_end_not_at_validations(tmp_pa
     spy.write_text(SPY)
     record = tmp_path / "draws.jsonl"
     monkeypatch.setenv("VGRAPH_TEST_DRAWS", str(record))
+    # The launcher imports the --plugin file in this process too: restore the real plot afterwards, or every
+    # later test in this process would draw through the spy.
+    monkeypatch.setattr(MetricsLog, "plot", MetricsLog.plot)
     out = tmp_path / "run"
     code = launch_main(["launch", str(TINY), "--fleet", str(fleet), "--data", corpus, "--steps", "5", "--batch",
                         "2", "--val-every", "1", "--checkpoint-every", "2", "--threads", "1", "--plugin", str(spy), "--replicas", "2",
