@@ -47,3 +47,15 @@ def local_passes():
     yield LOCAL_PASSES
     LOCAL_PASSES.clear()
     LOCAL_PASSES.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _plugin_files_stay_with_their_test():
+    """Plugin files a test loads in-process are forgotten after it: `vgraph launch` forwards every plugin file
+    its process has loaded to its workers, so one test's --plugin would otherwise reach a later test's launch."""
+    from vgraph import plugins
+
+    saved = dict(plugins._FILES)
+    yield
+    plugins._FILES.clear()
+    plugins._FILES.update(saved)

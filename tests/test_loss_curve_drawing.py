@@ -36,7 +36,7 @@ def _spy(self, path, title):
     before = os.stat(path).st_ino if path.is_file() else None
     _plot(self, path, title)
     if os.stat(path).st_ino != before:  # an atomic write: a new file, so a real drawing
-        with open(os.environ["VGRAPH_TEST_DRAWS"], "a") as f:
+        with open(RECORD, "a") as f:
             f.write(json.dumps(self.rows[-1]["step"] if self.rows else None) + "\\n")
 
 MetricsLog.plot = _spy
@@ -100,11 +100,12 @@ def test_launch_rank0_draws_at_checkpoints_and_the_end_not_at_validations(tmp_pa
     fleet = tmp_path / "fleet.yml"
     fleet.write_text(FLEET)
     spy = tmp_path / "spy_plot.py"
-    spy.write_text(SPY)
     record = tmp_path / "draws.jsonl"
-    monkeypatch.setenv("VGRAPH_TEST_DRAWS", str(record))
-    # The launcher imports the --plugin file in this process too: restore the real plot afterwards, or every
-    # later test in this process would draw through the spy.
+    # The record's path is written into the spy: workers fork from a forkserver that an earlier launch in this
+    # process may have started, with that launch's environment.
+    spy.write_text(f"RECORD = {str(record)!r}\n" + SPY)
+    # The launcher imports the --plugin file in this process too: restore the real plot afterwards (conftest
+    # forgets the plugin file itself), or later tests would train through the spy.
     monkeypatch.setattr(MetricsLog, "plot", MetricsLog.plot)
     out = tmp_path / "run"
     code = launch_main(["launch", str(TINY), "--fleet", str(fleet), "--data", corpus, "--steps", "5", "--batch",
