@@ -81,8 +81,9 @@ TARGETS: dict[str, Target] = {
          "tests/test_flop_oracle.py", "tests/test_pass_semantics.py"),
         timeout=300.0, why="the rewrite every production run goes through; placement-aware"),
     "fuse-lm-head-ce": Target(
-        "passes/fuse_lm_head_ce.py", ("tests/test_passes.py", "tests/test_flop_oracle.py",
-                                      "tests/test_torch_equivalence.py", "-k", "not six_layer"),
+        "passes/fuse_lm_head_ce.py", ("tests/test_fuse_lm_head_ce_rules.py", "tests/test_passes.py",
+                                      "tests/test_flop_oracle.py", "tests/test_torch_equivalence.py",
+                                      "-k", "not six_layer"),
         timeout=300.0, why="the fused loss rewrite"),
     "layout": Target(
         "vgraph/layout.py", ("tests/test_passes.py", "tests/test_torch_equivalence.py", "-k", "not six_layer"),
@@ -99,10 +100,12 @@ TARGETS: dict[str, Target] = {
                    "attention_head", "multihead_attention", "swiglu", "apply_mask"),
         timeout=300.0, why="RoPE, attention and SwiGLU kernels"),
     "checkpoint": Target(
-        "backends/torch/checkpoint.py", ("tests/test_torch_checkpoint.py", "tests/test_fp16_resume.py"),
+        "backends/torch/checkpoint.py", ("tests/test_torch_checkpoint.py", "tests/test_checkpoint_fsync.py",
+                                         "tests/test_fp16_resume.py"),
         timeout=300.0, why="atomic safetensors checkpoints, RNG state"),
     "run-checkpoints": Target(
-        "backends/torch/run_checkpoints.py", ("tests/test_fp16_resume.py", "tests/test_torch_checkpoint.py",
+        "backends/torch/run_checkpoints.py", ("tests/test_run_checkpoint_files.py", "tests/test_fp16_resume.py",
+                                              "tests/test_torch_checkpoint.py",
                                               "tests/test_torch_equivalence.py", "-k", "not six_layer"),
         timeout=300.0, why="what a training run saves and restores on resume (scaler, optimizer, data RNG)"),
 }
