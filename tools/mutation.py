@@ -101,7 +101,7 @@ TARGETS: dict[str, Target] = {
         timeout=300.0, why="RoPE, attention and SwiGLU kernels"),
     "checkpoint": Target(
         "backends/torch/checkpoint.py", ("tests/test_torch_checkpoint.py", "tests/test_checkpoint_fsync.py",
-                                         "tests/test_fp16_resume.py"),
+                                         "tests/test_checkpoint_malformed.py", "tests/test_fp16_resume.py"),
         timeout=300.0, why="atomic safetensors checkpoints, RNG state"),
     "run-checkpoints": Target(
         "backends/torch/run_checkpoints.py", ("tests/test_run_checkpoint_files.py", "tests/test_fp16_resume.py",
