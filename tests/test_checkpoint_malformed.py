@@ -50,3 +50,22 @@ def test_the_undamaged_checkpoint_loads(saved) -> None:
     ck = C.load_checkpoint(saved)
     assert ck.step == 1 and ck.extra == {"note": "x"} and ck.optimizer_states == {"w": {"step": 1}}
     assert torch.equal(ck.model_state["w"], torch.ones(2))
+
+
+@pytest.mark.parametrize("fmt", ["other-checkpoint", "zz-checkpoint", None], ids=["before", "after", "missing"])
+def test_another_format_is_refused(saved, fmt) -> None:
+    """Formats sorting before and after 'vgraph-checkpoint' are both someone else's files."""
+    _edit(saved / C.STATE_JSON_FILE, lambda d: d.update(format=fmt))
+    with pytest.raises(C.CheckpointError, match="is not a vgraph-checkpoint file"):
+        C.load_checkpoint(saved)
+
+
+@pytest.mark.parametrize("name", ["../step-1", "sub/step-1"])
+def test_latest_never_points_outside_the_run_directory(tmp_path, name: str) -> None:
+    """A hand-edited `latest` naming a path (even one holding a complete checkpoint) is refused."""
+    run = tmp_path / "run"
+    for where in (tmp_path / "step-1", run / "sub" / "step-1"):  # what each name would reach
+        C.save_checkpoint(where, step=1, model_state={}, optimizer_states={}, rng_state={}, update_latest=False)
+    (run / "latest").write_text(name + "\n")
+    with pytest.raises(C.CheckpointError, match="invalid checkpoint name"):
+        C.latest_checkpoint(run)
