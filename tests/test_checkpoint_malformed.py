@@ -69,3 +69,13 @@ def test_latest_never_points_outside_the_run_directory(tmp_path, name: str) -> N
     (run / "latest").write_text(name + "\n")
     with pytest.raises(C.CheckpointError, match="invalid checkpoint name"):
         C.latest_checkpoint(run)
+
+
+@pytest.mark.parametrize("aliases", ['{"b": ["w"]}', '["w"]', "{not json", '{"b": "missing"}'],
+                         ids=["unhashable", "not-a-dict", "not-json", "unknown-key"])
+def test_damaged_alias_metadata_is_a_checkpoint_error(saved, aliases: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2)}, str(saved / C.MODEL_FILE), metadata={"format": "pt", "vgraph_aliases": aliases})
+    with pytest.raises(C.CheckpointError, match="bad tensor metadata"):
+        C.load_checkpoint(saved)
