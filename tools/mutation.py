@@ -104,7 +104,8 @@ TARGETS: dict[str, Target] = {
                                          "tests/test_checkpoint_malformed.py", "tests/test_fp16_resume.py"),
         timeout=300.0, why="atomic safetensors checkpoints, RNG state"),
     "run-checkpoints": Target(
-        "backends/torch/run_checkpoints.py", ("tests/test_run_checkpoint_files.py", "tests/test_fp16_resume.py",
+        "backends/torch/run_checkpoints.py", ("tests/test_run_checkpoint_files.py", "tests/test_resume_settings.py",
+                                              "tests/test_fp16_resume.py",
                                               "tests/test_torch_checkpoint.py",
                                               "tests/test_torch_equivalence.py", "-k", "not six_layer"),
         timeout=300.0, why="what a training run saves and restores on resume (scaler, optimizer, data RNG)"),
