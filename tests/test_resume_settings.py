@@ -67,3 +67,12 @@ def test_optimizer_state_survives_a_never_stepped_parameter_before_it() -> None:
     restored = optimizer_state_to_graph(states, graph)
     assert list(restored) == keys[1:]
     assert all(restored[k] == states[sources[k][0][0]] for k in keys[1:])
+
+
+def test_a_damaged_checkpoint_is_a_training_error(tmp_path) -> None:
+    """`vgraph train` reports a TrainingError as a diagnostic; a bare CheckpointError would be a traceback."""
+    damaged = tmp_path / "step-00000003"
+    damaged.mkdir()
+    (damaged / "state.json").write_text("{not json")
+    with pytest.raises(TrainingError, match="cannot resume: cannot read"):
+        resume_run(damaged, _state(), dict(RUN), say=lambda _: None)
