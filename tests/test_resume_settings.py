@@ -76,3 +76,30 @@ def test_a_damaged_checkpoint_is_a_training_error(tmp_path) -> None:
     (damaged / "state.json").write_text("{not json")
     with pytest.raises(TrainingError, match="cannot resume: cannot read"):
         resume_run(damaged, _state(), dict(RUN), say=lambda _: None)
+
+
+def test_optimizer_moments_split_and_join_like_the_weights() -> None:
+    """Moments of a fused parameter (fused heads: weights and 1-D biases) are split into the unfused
+    layout exactly as the weights are (`to_unfused_layout`), and joined back; scalars are copied."""
+    from vgraph.backends.torch.lower import init_state, to_unfused_layout
+    from vgraph.backends.torch.run_checkpoints import optimizer_state_to_unfused
+    from vgraph.pipeline import run_pipeline
+
+    graph = load(TINY)
+    run_pipeline(graph, "fuse-heads,fuse-lm-head-ce")
+    sources = param_sources(graph)
+    w = init_state(graph, seed=0)
+    fused_dims = {w[k].dim() for k, pieces in sources.items() if len(pieces) > 1}
+    assert {1, 2} <= fused_dims  # fused weights and fused biases are both exercised
+    states = {k: {"step": torch.tensor(7.0), "exp_avg": w[k], "exp_avg_sq": w[k] * w[k], "beta": 0.5} for k in w}
+    unfused = optimizer_state_to_unfused(states, graph)
+    expected = to_unfused_layout(w, graph)
+    assert set(unfused) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(unfused[key]["exp_avg"], tensor)
+        assert torch.equal(unfused[key]["exp_avg_sq"], tensor * tensor)
+        assert unfused[key]["step"] == 7.0 and unfused[key]["beta"] == 0.5
+    back = optimizer_state_to_graph(unfused, graph)
+    assert set(back) == set(w)
+    for key in w:
+        assert torch.equal(back[key]["exp_avg"], w[key]) and torch.equal(back[key]["exp_avg_sq"], w[key] * w[key])
