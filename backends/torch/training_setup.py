@@ -199,7 +199,7 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
     loss_scaling = bool(precision.get("loss_scaling")) and dtype == torch.float16
 
     run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
-    latest = _open_run_dir(run_dir, cfg.resume)
+    latest = open_run_dir(run_dir, cfg.resume)
 
     # Memory: refuse before anything large is allocated.
     estimate = check_memory(graph, cfg.batch, device, compute_dtype=dtype, limit=cfg.memory_limit)
@@ -217,9 +217,9 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
                     data, run_info)
 
 
-def _open_run_dir(run_dir: Path, resume: bool) -> Path | None:
+def open_run_dir(run_dir: Path, resume: bool) -> Path | None:
     """Create `run_dir` (or clean a killed run's temporaries from it); its latest checkpoint, which
-    only `--resume` may continue."""
+    only `--resume` may continue.  `vgraph train` and `vgraph launch` (machine 0) both open runs here."""
     run_dir.mkdir(parents=True, exist_ok=True)
     clean_stale(run_dir)
     latest = None

@@ -89,11 +89,11 @@ from .plan import PIPELINES
 from .rendezvous import TOKEN_ENV, check_token, free_port, probe_port
 from .worker import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, apply_assignment
 from ..interrupt import StopRequest
-from ..run_checkpoints import clean_stale
 from ..run_files import atomic_write_text, run_slug
 from ..train_config import TrainConfig, TrainingError
 from ..training_data import prepare_data
-from ..training_setup import NO_FUSE_PIPELINE, device_target, load_network, resolve_device, vocab_and_seq
+from ..training_setup import (NO_FUSE_PIPELINE, device_target, load_network, open_run_dir, resolve_device,
+                              vocab_and_seq)
 
 __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", "read_placement",
            "register_launch", "main"]
@@ -493,14 +493,7 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
     lead = cfg.node_rank == 0
     resume = cfg.resume
     if lead:
-        clean_stale(run_dir)
-        try:
-            latest = ckpt.latest_checkpoint(run_dir)
-        except ckpt.CheckpointError as exc:
-            raise TrainingError(f"cannot resume {run_dir}: {exc}") from None
-        if latest is not None and not resume:
-            raise TrainingError(f"{run_dir} already holds a training run (checkpoint {latest.name}); pass "
-                                f"--resume to continue it or choose another --out")
+        open_run_dir(run_dir, resume)  # refuses an existing run unless --resume
         for stale in [*launch_dir.glob("held-*"), *launch_dir.glob("error-*"), launch_dir / "release"]:
             stale.unlink(missing_ok=True)
 
