@@ -68,31 +68,12 @@ def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
     import torch
 
     from tensor_peak import LiveBytes
-
-    import vgraph
-    from vgraph.backends.torch import compile_network, estimate_training_memory, prepare_graph
-    from vgraph.backends.torch.train import NodeOptimizers
+    from train_step_fixture import training_step
+    from vgraph.backends.torch import estimate_training_memory
 
     torch.set_num_threads(threads)
-    graph = prepare_graph(vgraph.load(NETWORKS[network]), passes=passes, target="cpu")
-    module = compile_network(graph, device="cpu", train=True, seed=0)
-    optimizers = NodeOptimizers(module, 6e-4)
-    costs = tuple(module.cost_names)
-    program = module.program_for(costs, training=True)
-    embed = graph.nodes_of_type("embedder")[0].cfg
-    vocab, seq = int(embed["vocab_size"]), int(embed["seq_len"])
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-    targets = torch.randint(0, vocab, (batch, seq), generator=gen)
-    args = [ids if name.startswith("embedder") else targets for name in program.feeds]
-
-    def step() -> float:
-        loss = program.module(*args)[costs[0]]
-        loss.backward()
-        for opt in optimizers.optimizers:
-            opt.step()
-        optimizers.zero_grad()
-        return float(loss)
+    graph, module, optimizers, step, vocab, seq = training_step(NETWORKS[network], passes, batch,
+                                                                keyed_dropout=False)
 
     torch.manual_seed(0)  # the same dropout masks in both processes: comparable first-step losses
     first_loss = step()  # warm-up: Adam's moments are allocated here

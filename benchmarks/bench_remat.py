@@ -105,36 +105,9 @@ def time_child(network: str, specs: list[str | None], batch: int, threads: int, 
 
 def _trainer(network: str, passes: str | None, batch: int):
     """(graph, one training step as vgraph train runs it, vocabulary, sequence length) of a variant."""
-    import torch
+    from train_step_fixture import training_step
 
-    import vgraph
-    from vgraph.backends.torch import compile_network, prepare_graph
-    from vgraph.backends.torch.dropout import dropout_key
-    from vgraph.backends.torch.train import NodeOptimizers
-
-    graph = prepare_graph(vgraph.load(NETWORKS[network]), passes=passes, target="cpu")
-    module = compile_network(graph, device="cpu", train=True, seed=0)
-    optimizers = NodeOptimizers(module, 6e-4)
-    costs = tuple(module.cost_names)
-    program = module.program_for(costs, training=True)
-    embed = graph.nodes_of_type("embedder")[0].cfg
-    vocab, seq = int(embed["vocab_size"]), int(embed["seq_len"])
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
-    targets = torch.randint(0, vocab, (batch, seq), generator=gen)
-    args = [ids if name.startswith("embedder") else targets for name in program.feeds]
-    counter = [0]
-
-    def step() -> float:
-        counter[0] += 1
-        with dropout_key(0, counter[0]):  # keyed dropout, as vgraph train runs it
-            loss = program.module(*args)[costs[0]]
-        loss.backward()
-        for opt in optimizers.optimizers:
-            opt.step()
-        optimizers.zero_grad()
-        return float(loss)
-
+    graph, _, _, step, vocab, seq = training_step(NETWORKS[network], passes, batch, keyed_dropout=True)
     return graph, step, vocab, seq
 
 

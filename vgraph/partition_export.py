@@ -321,9 +321,7 @@ def export_partition(graph: Graph, fleet: Fleet | str, out_dir: str | Path, *, b
         if any(same_file(out / name, Path(i)) for i in inputs if i is not None):
             continue
         try:
-            (out / name).unlink()
-        except FileNotFoundError:
-            pass
+            (out / name).unlink(missing_ok=True)
         except OSError as exc:
             raise VGraphError(f"{printable(out / name)}: left from an earlier partition and cannot be "
                               f"removed: {exc.strerror}") from None
