@@ -34,6 +34,7 @@ from vgraph.backends.torch.dropout import dropout_key, keyed_dropout
 from vgraph.diagnostics import VGraphError
 from vgraph.fleet import loads_fleet
 from vgraph.partition_export import placement_report
+from weights_util import assert_same_weights
 
 STEPS, BATCH, MICRO, LR, SEED = 20, 8, 4, 1e-3, 3
 HEAD = ("final_norm", "head_up", "head_swiglu", "head_down", "lm_head", "loss")
@@ -71,12 +72,20 @@ def common(files: Path, net: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(files, tmp_path_factory):
-    """Single-process `vgraph train` runs of both layouts (the oracle)."""
+    """Single-process `vgraph train` runs of both layouts (the oracle): their histories, and their run
+    directories under "<net>_dir" (the final checkpoint's weights and optimizer state)."""
     out = {}
     for net in ("joint", "split"):
         run = train(TrainConfig(**common(files, net), out=tmp_path_factory.mktemp("ref") / net))
         out[net] = run.history
+        out[f"{net}_dir"] = run.run_dir
     return out
+
+
+def assert_same_model(run_dir: Path, reference: dict, net: str) -> None:
+    """The final weights and optimizer state are `vgraph train`'s, within Adam's rounding (weights_util.py)."""
+    last = f"step-{STEPS:08d}"
+    assert_same_weights(run_dir / last, reference[f"{net}_dir"] / last, steps=STEPS, lr=LR)
 
 
 def losses(rows) -> torch.Tensor:
@@ -100,6 +109,7 @@ def test_two_workers_with_a_split_tied_weight_train_like_one_process(files, refe
                                  log=lines.append))
     assert result.restarts == 0 and result.attempts[0]["ranks"] == ["w0", "w1"]
     assert_same_training(result.history, reference["split"])
+    assert_same_model(tmp_path / "run", reference, "split")  # the tie synced by reduce and broadcast, exactly
     # The tied embedding lives on w0 and is read by the LM head on w1: synced, 2 x the weight a step.
     assert result.placement["weight_sync"] and result.placement["weight_sync"][0]["to_pnode"] == "w1"
     # Bytes counted by the workers == the partition's prediction, every step.
@@ -138,6 +148,7 @@ def test_three_workers_pipeline_through_a_pnode_twice_via_the_cli(files, referen
     assert f"step {STEPS}" in capsys.readouterr().out
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert_same_training(rows, reference["joint"])
+    assert_same_model(out, reference, "joint")
     placement = json.loads((out / "placement.json").read_text())
     assert sorted({p for p in placement["assignment"].values()}) == ["w0", "w1", "w2"]
     assert placement["assignment"]["embedder"] == placement["assignment"]["final_norm"] == "w0"
@@ -181,6 +192,7 @@ def test_a_killed_worker_restarts_from_the_last_checkpoint(files, reference, tmp
     assert first["lost"] == ["w1"] and first["exit_codes"]["w1"] == -signal.SIGKILL and not first["ok"]
     assert second["ranks"] == ["w0", "w1"] and second["ok"]
     assert_same_training(result.history, reference["split"])  # steps 11, 12 redone once, none lost
+    assert_same_model(tmp_path / "run", reference, "split")
 
 
 def test_a_killed_worker_can_be_repartitioned_away(files, reference, tmp_path) -> None:
@@ -203,7 +215,9 @@ def placed(graph, k: int):
 
 def simulate(plan, micro: int, pipeline: str = "1f1b") -> None:
     """Run every rank's ops with blocking receives and non-blocking sends; fail on a deadlock.
-    1F1B must also keep at most min(micro, ranks) micro-batches of activations on a rank."""
+    1F1B must also keep at most min(micro, ranks) micro-batches of activations on a rank.  A tie op
+    starts an asynchronous collective waited for at the end of the round (tie_sync.py): it needs nothing
+    before it, and every rank reaching its end means both members started it."""
     ops = schedule_ops(plan, micro, train=True, pipeline=pipeline)
     assert ops == {r: rank_ops(plan, r, micro, train=True, pipeline=pipeline) for r in ops}
     for rank, seq in ops.items():
@@ -230,8 +244,6 @@ def simulate(plan, micro: int, pipeline: str = "1f1b") -> None:
                 tr = plan.transfers[i]
                 if tr.grad:
                     yield (tr.dst_rank, "g", i, op.micro) if tr.remote else ("local", "g", i, op.micro)
-        elif op.kind == "tie_grad" and rank == plan.ties[op.tie].owner_rank:
-            yield (plan.ties[op.tie].replica_rank, "tg", op.tie, 0)
 
     def ready(rank, need):
         src, kind, index, micro_ = need

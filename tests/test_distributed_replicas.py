@@ -1,6 +1,6 @@
 """`vgraph launch` with data-parallel replicas: 2 stages x 2 replicas on four equal PNodes train like one
-process at the same global batch, the workers' bytes (ring all-reduce included) equal placement.json's
-prediction, a lost worker costs only its replica (--on-failure shrink), and two launchers on one host
+process at the same global batch (losses, and the final weights and optimizer state, weights_util.py), the
+workers' bytes (the all-reduce's by the ring formula included) equal placement.json's prediction, a lost worker costs only its replica (--on-failure shrink), and two launchers on one host
 (--nnodes 2) run the replicas together.  Tiny network, few steps: these run real worker processes."""
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
 from vgraph.backends.torch.data import default_corpus_documents
 from vgraph.backends.torch.distributed.launch import LaunchConfig, free_port, launch, main as launch_main
-from vgraph.backends.torch.distributed.gradient_ring import GradientRing
 from vgraph.costmodel import cost_model
 from vgraph.diagnostics import VGraphError
 
 from test_distributed import run_and_kill  # SIGKILLs a held worker from here: one helper for both
+from ranks_util import run_ranks
+from weights_util import assert_same_weights
 
 STEPS, BATCH, MICRO, LR, SEED = 6, 8, 8, 1e-3, 5
 
@@ -52,10 +53,16 @@ def common(files: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(files, tmp_path_factory):
-    return train(TrainConfig(**common(files), out=tmp_path_factory.mktemp("ref") / "run")).history
+    return train(TrainConfig(**common(files), out=tmp_path_factory.mktemp("ref") / "run"))
 
 
-def same_training(rows, ref) -> None:
+def same_training(rows, reference, run_dir: Path | None = None) -> None:
+    """Same losses and validation as `vgraph train` (rtol 1e-5), and, given the run directory, the same
+    final weights and optimizer state (weights_util.py: within what Adam's rounding justifies)."""
+    ref = reference.history
+    if run_dir is not None:
+        assert_same_weights(run_dir / f"step-{STEPS:08d}", reference.run_dir / f"step-{STEPS:08d}", steps=STEPS,
+                            lr=LR)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # every step logged exactly once
     torch.testing.assert_close(torch.tensor([r["loss"] for r in rows], dtype=torch.float64),
                                torch.tensor([r["loss"] for r in ref], dtype=torch.float64), rtol=1e-5, atol=0)
@@ -70,7 +77,7 @@ def test_two_stages_by_two_replicas_train_like_one_process(files, reference, tmp
     pl = result.placement
     assert pl["replicas"] == 2 and len(pl["replica_pnodes"][0]) == 2 and sorted(pl["batch_shares"]) == [4, 4]
     assert sorted(result.attempts[0]["ranks"]) == ["w0", "w1", "w2", "w3"]
-    same_training(result.history, reference)
+    same_training(result.history, reference, tmp_path / "run")
     # Bytes the workers counted (boundary tensors both ways, ring all-reduce) == the prediction, every step.
     assert pl["allreduce_bytes_per_step"] > 0
     assert {r["boundary_bytes"] for r in result.history} == {pl["bytes_per_step"]}
@@ -90,7 +97,7 @@ def test_a_lost_worker_costs_its_replica_not_the_run(files, reference, tmp_path)
     assert first["lost"] == [victim] and not first["ok"] and second["ok"]
     assert sorted(second["ranks"]) == sorted(rows[0])  # the survivors: replica 0's PNodes
     assert result.placement["replicas"] == 1 and result.placement["batch_shares"] == [BATCH]
-    same_training(result.history, reference)  # from the step-2 checkpoint, global batch kept, nothing twice
+    same_training(result.history, reference, tmp_path / "run")  # from the step-2 checkpoint, nothing twice
 
 
 def test_two_launchers_on_one_host_run_the_replicas_together(files, reference, tmp_path, monkeypatch):
@@ -124,20 +131,20 @@ def test_replica_options_are_checked(files, tmp_path, capsys):
             launch_main(["launch", str(files / "net.yml"), "--fleet", str(files / "fleet4.yml"), "--replicas", bad,
                          "--out", str(tmp_path / "x")])
         assert exc.value.code == 2 and "--replicas" in capsys.readouterr().err
+    for bad in ("0", "-1", "nan", "inf", "1e30", "", "abc", "25X", "0.5"):
+        with pytest.raises(SystemExit) as exc:
+            launch_main(["launch", str(files / "net.yml"), "--fleet", str(files / "fleet4.yml"), "--bucket-size", bad,
+                         "--out", str(tmp_path / "x")])
+        assert exc.value.code == 2 and "--bucket-size" in capsys.readouterr().err
+    for bad in (0, -1, True, 1.5, "25M", 2**63):
+        with pytest.raises(VGraphError, match="bucket-size must be"):
+            launch(LaunchConfig(**common(files), out=tmp_path / "y", fleet=str(files / "fleet4.yml"), bucket_bytes=bad))
     with pytest.raises(VGraphError, match="replicas must be"):
         launch(LaunchConfig(**common(files), out=tmp_path / "y", fleet=str(files / "fleet4.yml"), replicas=0))
     with pytest.raises(VGraphError, match="shrink needs all workers on one machine"):
         launch(LaunchConfig(**common(files), out=tmp_path / "z", fleet=str(files / "fleet4.yml"), nnodes=2,
                             on_failure="shrink"))
     assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
-
-
-def test_ring_all_reduce_of_one_member_is_nothing():
-    ring = GradientRing([0], 0)
-    p = torch.nn.Parameter(torch.ones(3))
-    p.grad = torch.full((3,), 2.0)
-    ring.all_reduce([p])
-    assert p.grad.tolist() == [2.0, 2.0, 2.0] and ring.bytes_sent == 0
 
 
 def test_a_placement_file_with_replicas_is_read_or_refused(tmp_path):
@@ -158,14 +165,15 @@ def test_a_placement_file_with_replicas_is_read_or_refused(tmp_path):
 
 
 def test_unequal_replicas_train_on_unequal_shares_like_one_process(files, reference, tmp_path):
-    """One PNode four times slower than the others: its replica takes less of the global batch."""
+    """One PNode four times slower than the others: its replica takes less of the global batch.  Buckets of
+    16 KiB: the stages' gradients go out in many buckets, launched from the backward hooks in one order."""
     text = (files / "fleet4.yml").read_text().replace("flops: 1G", "flops: 2G", 3).replace("flops: 1G", "flops: 500M")
     (tmp_path / "mixed.yml").write_text(text.replace("name: four", "name: mixed"))
     result = launch(LaunchConfig(**common(files), out=tmp_path / "run", fleet=str(tmp_path / "mixed.yml"),
-                                 micro_batches=MICRO, replicas=2))
+                                 micro_batches=MICRO, replicas=2, bucket_bytes=16_384))
     shares = result.placement["batch_shares"]
     assert sum(shares) == BATCH and len(set(shares)) == 2
-    same_training(result.history, reference)
+    same_training(result.history, reference, tmp_path / "run")
     assert {r["boundary_bytes"] for r in result.history} == {result.placement["bytes_per_step"]}
 
 
@@ -177,7 +185,7 @@ def test_a_restart_resumes_every_replica_from_the_checkpoint(files, reference, t
     first, second = result.attempts
     assert first["lost"] == ["w0"] and second["ok"] and sorted(second["ranks"]) == ["w0", "w1", "w2", "w3"]
     assert result.placement["replicas"] == 2
-    same_training(result.history, reference)
+    same_training(result.history, reference, tmp_path / "run")
 
 
 def _layout_member(rank: int, port: int, sizes: list[int], out) -> None:
@@ -201,16 +209,33 @@ def _layout_member(rank: int, port: int, sizes: list[int], out) -> None:
 
 @pytest.mark.parametrize("sizes, bad", [([3, 5, 3, 5], set()), ([3, 5, 3, 6], {1, 3})])
 def test_stage_groups_check_that_replicas_hold_the_same_parameters(sizes, bad):
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_layout_member, args=(r, port, sizes, out)) for r in range(4)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    results = run_ranks(_layout_member, 4, sizes)
     assert {r for r, msg in results.items() if msg != "ok"} == bad
     assert all("hold different parameters" in results[r] for r in bad)
+
+
+def _agree_member(rank: int, port: int, values: list[float], out) -> None:
+    import torch.distributed as dist
+
+    from vgraph.backends.torch.distributed.replica_groups import ReplicaLayoutError, check_replicas_agree
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        named = [("same.weight", torch.arange(6.0)), ("x.weight:exp_avg", torch.full((3,), values[rank]))]
+        try:
+            check_replicas_agree(dist.group.WORLD, named)
+            out.put((rank, "ok"))
+        except ReplicaLayoutError as exc:
+            out.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("values, ok", [([0.5, 0.5], True), ([0.5, 0.5 + 2**-20], False)])
+def test_replicas_that_drifted_apart_are_named_before_a_checkpoint(values, ok):
+    """The check every checkpoint runs: one element off by 2^-20 in one tensor is found, and named."""
+    results = run_ranks(_agree_member, 2, values)
+    if ok:
+        assert results == {0: "ok", 1: "ok"}
+    else:
+        assert all("no longer hold the same values (1 tensor(s), e.g. x.weight:exp_avg)" in m for m in results.values())

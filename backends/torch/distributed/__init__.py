@@ -24,6 +24,12 @@ The pieces, each in its own module:
               reduction, optimizer step, logging on rank 0;
 * stage_runner.py - a rank's stages (modules, optimizers, tied weights) and
               its ops of one schedule round;
+* grad_sync.py - the replicas' gradient sum: buckets all-reduced on torch's
+              collectives while the last backward runs;
+* tie_sync.py - tied weights split over two ranks, synced by reduce and
+              broadcast;
+* replica_groups.py - the stage groups of data-parallel replicas, and the
+              check that replicas hold the same parameters;
 * rank_zero.py - metrics entries and checkpoint shares gathered on rank 0
               (scattered back on resume);
 * loss_scaler.py - fp16 loss scaling decided alike on every rank;

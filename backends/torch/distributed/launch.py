@@ -34,8 +34,8 @@ supervises them:
 Replicas (`--replicas N|auto`; the CLI's default is auto, `LaunchConfig`'s 1): the partition pass plans R
 copies of an S-stage pipeline (passes/partition_replicas.py) and R x S workers run it: world rank
 r x S + s runs stage s of replica r (s in the order of use along the network), point to point inside
-its replica, and after each backward pass the S stage groups sum their gradients with a ring all-reduce
-(gradient_ring.py).  Every rank draws the global batch; replica r trains on its `batch_shares[r]` samples
+its replica, and the S stage groups sum their gradients with bucketed all-reduces on torch's collectives,
+overlapped with the last micro-batch's backward (grad_sync.py; `--bucket-size`, default 25 MiB).  Every rank draws the global batch; replica r trains on its `batch_shares[r]` samples
 of it, with losses weighted by shares of the global batch and dropout keyed by the global sample index,
 so the run is the same training as one process.  Workers count every byte they send, the all-reduce
 included, against placement.json's `bytes_per_step`.  `--on-failure shrink` drops the replicas that
@@ -85,6 +85,7 @@ from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, 
 from .. import checkpoint as ckpt
 from .. import data as D
 from .comm_choice import COMM_MODES, choose_comm
+from .grad_sync import DEFAULT_BUCKET_BYTES
 from .plan import PIPELINES
 from .rendezvous import TOKEN_ENV, check_token, free_port, probe_port
 from .worker import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, apply_assignment
@@ -113,6 +114,7 @@ class LaunchConfig(TrainConfig):
     replicas: int | str = 1  # data-parallel replicas of the pipeline: a number, or "auto" (the CLI's default)
     max_restarts: int = 3
     comm_timeout: float = 300.0  # seconds a worker waits on a peer before giving up
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradient buckets of the replicas' all-reduce (grad_sync.py)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -443,6 +445,8 @@ def _validate(cfg: LaunchConfig) -> None:
         raise VGraphError(f"--pipeline must be one of {', '.join(PIPELINES)}, not {cfg.pipeline!r}")
     if cfg.max_restarts < 0:
         raise VGraphError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
+    if isinstance(cfg.bucket_bytes, bool) or not isinstance(cfg.bucket_bytes, int) or not 1 <= cfg.bucket_bytes <= 2**62:
+        raise VGraphError(f"--bucket-size must be a whole number of bytes from 1 to 2**62, got {cfg.bucket_bytes!r}")
 
 
 def launch(config: LaunchConfig) -> LaunchResult:
@@ -642,7 +646,7 @@ def _worker_config(cfg: LaunchConfig, micro: int, threads: int, resume: bool) ->
                                                        "corpus_bytes", "memory_limit", "compile"}
     out = {name: getattr(cfg, name) for name in sorted(keep)}
     out.update(micro_batches=micro, threads=threads, resume=resume, comm_timeout=cfg.comm_timeout,
-               pipeline=cfg.pipeline)
+               pipeline=cfg.pipeline, bucket_bytes=cfg.bucket_bytes)
     return out
 
 
@@ -687,6 +691,9 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=_non_negative_int, default=3, metavar="N", help="default 3")
     p.add_argument("--comm-timeout", type=options.positive_float, default=300.0, metavar="S",
                    help="seconds a worker waits on a peer before failing (default 300)")
+    p.add_argument("--bucket-size", type=options.byte_size, default=DEFAULT_BUCKET_BYTES, metavar="SIZE",
+                   help="gradient bucket of the replicas' all-reduce, e.g. 25M (default 25 MiB, as DDP): a bucket "
+                        "is all-reduced as soon as its gradients are final in the last backward")
     p.add_argument("--nnodes", type=_positive_int, default=1, help="machines taking part (default 1)")
     p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this machine's index (default 0)")
     p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
@@ -733,7 +740,7 @@ def run_launch(args: argparse.Namespace) -> int:
         corpus_bytes=args.corpus_bytes or D.DEFAULT_CORPUS_MAX_BYTES, progress=not args.quiet,
         micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
-        comm_timeout=args.comm_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
+        comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard)
     from ..cli import print_result
 

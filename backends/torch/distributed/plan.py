@@ -24,8 +24,10 @@ same way.  Between two tasks of one rank the tensor is handed over in memory.
 **Ties.**  A `weight_replica` whose publisher is on another rank is synced
 every step: the replica's gradient goes to the owner (added to the owner's
 before its optimizer steps) and the updated weight comes back, 2 x the
-weight, exactly what `TieCost.sync_bytes_per_step` predicts.  A replica on the
-publisher's own rank simply shares the publisher's Parameter.
+weight, exactly what `TieCost.sync_bytes_per_step` predicts.  Both travel on
+collectives of the two ranks (tie_sync.py), not in the point-to-point
+messages below: the schedule only says where the `tie_grad` op falls.  A
+replica on the publisher's own rank simply shares the publisher's Parameter.
 
 **Schedule** (`schedule_ops` / `message_order`).  Micro-batches are pipelined,
 1F1B by default: every rank runs a ready backward when it has one, else a
@@ -321,8 +323,8 @@ class Op:
 
 @dataclass(frozen=True)
 class Message:
-    """One tensor between two ranks: activation 'a' / gradient 'g' of a transfer in micro-batch
-    `micro`, or a tie's gradient 'tg' / weight 'w'."""
+    """One tensor between two ranks: activation 'a' / gradient 'g' of a transfer in micro-batch `micro`
+    (tied weights and their gradients travel on collectives, tie_sync.py)."""
 
     kind: str
     index: int
@@ -441,7 +443,8 @@ def weight_ops(plan: DistPlan, rank: int) -> list[Op]:
 
 
 def sends_of(plan: DistPlan, rank: int, op: Op) -> Iterable[tuple[int, Message]]:
-    """(destination rank, message) of everything `op` on `rank` sends to another rank, in order."""
+    """(destination rank, message) of everything `op` on `rank` sends to another rank point to point, in
+    order (a tie op's tensors go on the tie's collectives instead)."""
     if op.kind == "fwd":
         for i in plan.tasks[op.task].sends:
             tr = plan.transfers[i]
@@ -452,14 +455,6 @@ def sends_of(plan: DistPlan, rank: int, op: Op) -> Iterable[tuple[int, Message]]
             tr = plan.transfers[i]
             if tr.remote and tr.grad:
                 yield tr.src_rank, Message("g", i, op.micro)
-    elif op.kind == "tie_grad":
-        tie = plan.ties[op.tie]
-        if rank == tie.replica_rank:
-            yield tie.owner_rank, Message("tg", tie.index)
-    elif op.kind == "tie_weight":
-        tie = plan.ties[op.tie]
-        if rank == tie.owner_rank:
-            yield tie.replica_rank, Message("w", tie.index)
 
 
 def message_order(plan: DistPlan, ops_by_rank: dict[int, list[Op]]) -> dict[tuple[int, int], list[Message]]:

@@ -14,7 +14,8 @@ as the network's metrics) and `attach` puts them into the metrics rows as
   tied-weight sync after the update;
 * idle_s: the seconds of it spent blocked on peers: receives waiting for a
   neighbour's activations or gradients and sends waiting to complete (the
-  pipeline's bubble), the gradient ring, and the step's loss reduction
+  pipeline's bubble), the wait for the replicas' gradient all-reduce after
+  the backward (grad_sync.py), and the step's loss reduction
   (waiting for the slowest rank).  A peer's work between steps shows here
   too: while rank 0 writes logs, validates or checkpoints after step n, the
   others wait for it during step n + 1;

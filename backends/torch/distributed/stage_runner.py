@@ -6,8 +6,12 @@ replicates.  `run_round` executes the rank's ops of the micro-batch schedule
 (1F1B or GPipe, plan.py): the forward of a task for a micro-batch receives
 boundary activations and sends its own; its backward receives the gradients
 of what it sent and sends those of what it received; then the tied-weight
-gradients go to their owners.  `sync_tied_weights` sends the owners' weights
-back after each optimizer step.
+gradients go to their owners (tie_sync.py, a reduce per tie).
+`sync_tied_weights` broadcasts the owners' weights back after each optimizer
+step.  With data-parallel replicas, `grad_sync` (grad_sync.py) is told which
+backward is each task's last, so gradient buckets are all-reduced while the
+rest of the backward runs; `sync_order` gives it the parameters in the order
+their gradients become final.
 
 Micro-batching is exact: a cost is a mean over its tokens, so micro-batch m's
 loss is weighted by its share of the batch's counted tokens (targets equal to
@@ -16,15 +20,18 @@ sample index (dropout.py).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 
 from vgraph.diagnostics import Diagnostic
 
 from .comm import Transport
+from .grad_sync import GradientSync
 from .loss_scaler import SharedLossScaler
-from .plan import DistPlan, Message, Op, Task, message_order, schedule_ops, weight_ops
+from .plan import DistPlan, Message, Op, Task, message_order, schedule_ops
+from .tie_sync import TieSync
 from ..dropout import set_dropout_key
 from ..lower import VGraphModule, compile_network
 from ..node_optimizers import NodeOptimizers
@@ -40,14 +47,17 @@ class StageRunner:
     """This rank's tasks with their modules and optimizers; runs the rank's part of each schedule round."""
 
     def __init__(self, plan: DistPlan, rank: int, world: int, device: torch.device, transport: Transport,
-                 amp: Callable[[], ContextManager], scaler: SharedLossScaler, cfg: dict[str, Any]) -> None:
+                 amp: Callable[[], ContextManager], scaler: SharedLossScaler, cfg: Mapping[str, Any], *,
+                 replica: int = 0, tie_groups: Mapping[int, Any] | None = None,
+                 stage_through_cpu: bool = False) -> None:
         self.plan, self.rank, self.world, self.device = plan, rank, world, device
         self.transport = transport
         self.amp = amp  # a fresh autocast context (or nullcontext) per forward
         self.scaler = scaler
         self.cfg = cfg
-        self.replica = 0  # which data-parallel replica this rank belongs to (launch with replicas)
+        self.replica = replica  # which data-parallel replica this rank belongs to (launch with replicas)
         self.traffic = 0  # bytes this rank sent for training since the last loss reduction
+        self.grad_sync: GradientSync | None = None  # the replicas' gradient sum (set by the worker)
         self.tasks: list[Task] = plan.tasks_of(rank)
         self.modules: dict[str, VGraphModule] = {}
         self.optims: dict[str, NodeOptimizers] = {}
@@ -56,6 +66,8 @@ class StageRunner:
             self.modules[task.id] = module
             self.optims[task.id] = NodeOptimizers(module, float(cfg["lr"]))
         self._link_replicas()
+        self.ties = TieSync(plan, rank, replica=replica, groups=tie_groups or {}, owner_params=self.owner_params,
+                            replica_params=self.replica_params, stage_through_cpu=stage_through_cpu)
         self.trainable = [p for o in self.optims.values() for p in o.trainable]
         self._feeds = {task.id: self._feed_plan(task) for task in self.tasks}
         self._rounds: dict[tuple[tuple[int, ...], bool], tuple[list[Op], dict]] = {}
@@ -75,6 +87,38 @@ class StageRunner:
             else:
                 namespace.weight.requires_grad_(True)  # optimizer "none": its gradient goes to the owner
                 self.replica_params[tie.index] = namespace.weight
+
+    def sync_order(self) -> tuple[list[torch.nn.Parameter], dict[str, list[torch.nn.Parameter]],
+                                  list[torch.nn.Parameter]]:
+        """For grad_sync: the trainable parameters in the order their gradients become final (later
+        stages' tasks first, each task's parameters in reverse; the owners of remote ties last, as their
+        gradients complete after the backward ops), the parameters each task uses, and those owners."""
+        trainable = {id(p) for p in self.trainable}
+        late = [self.owner_params[t.index] for t in self.plan.ties
+                if t.remote and t.owner_rank == self.rank and id(self.owner_params[t.index]) in trainable]
+        users = {task.id: [p for p in self.modules[task.id].parameters() if id(p) in trainable]
+                 for task in self.tasks}
+        order: dict[int, torch.nn.Parameter] = {}
+        for task in reversed(self.tasks):
+            for p in reversed(users[task.id]):
+                order.setdefault(id(p), p)
+        for p in late:
+            order.pop(id(p), None)
+        return [*order.values(), *late], users, late
+
+    def named_state(self) -> list[tuple[str, torch.Tensor]]:
+        """The rank's trainable weights and their optimizer state, named, in a fixed order (for comparing
+        data-parallel replicas, replica_groups.check_replicas_agree)."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for task in self.tasks:
+            optim = self.optims[task.id]
+            states = optim.state_by_key()
+            for param in optim.trainable:
+                key = optim.key_of[param]
+                out.append((key, param))
+                out.extend((f"{key}:{name}", value) for name, value in sorted(states.get(key, {}).items())
+                           if isinstance(value, torch.Tensor))
+        return out
 
     def _feed_plan(self, task: Task) -> list[tuple[str, str]] | None:
         """How each feed of the task's program is filled: ("recv", id) | ("tokens", "") | ("targets", "")."""
@@ -115,11 +159,8 @@ class StageRunner:
                 continue
             rows = []
             for msg in messages:
-                if msg.kind in ("a", "g"):
-                    tr = self.plan.transfers[msg.index]
-                    rows.append((msg, (sizes[msg.micro], *tr.shape), _DTYPES[tr.dtype]))
-                else:
-                    rows.append((msg, self.plan.ties[msg.index].shape, torch.float32))
+                tr = self.plan.transfers[msg.index]
+                rows.append((msg, (sizes[msg.micro], *tr.shape), _DTYPES[tr.dtype]))
             expected[src] = rows
         return expected
 
@@ -153,7 +194,7 @@ class StageRunner:
         A replica trains on samples `offset`.. of the global batch whose targets are `whole` (dropout is
         keyed by the global sample index, losses weighted by shares of the global batch)."""
         ops, expected = self._round(sizes, train)
-        sent_before = self.transport.bytes_sent
+        sent_before = self.transport.bytes_sent + self.ties.bytes_sent
         tokens = list(torch.split(inputs.to(self.device), list(sizes)))
         targets_mb = list(torch.split(targets.to(self.device), list(sizes)))
         offsets = [offset + sum(sizes[:m]) for m in range(len(sizes))]
@@ -163,6 +204,10 @@ class StageRunner:
         local: dict[tuple[str, int, int], torch.Tensor] = {}
         transport = self.transport
         transport.begin(expected)
+        sync = self.grad_sync if train else None
+        if sync is not None:
+            sync.begin()
+        last = len(sizes) - 1
         grad_mode = torch.enable_grad() if train else torch.no_grad()
         with grad_mode:
             for op in ops:
@@ -177,12 +222,18 @@ class StageRunner:
                         stash[(task.id, m)] = (outs, received)
                 elif op.kind == "bwd":
                     task = self.plan.tasks[op.task]
-                    self._backward(task, op.micro, weights[task.id], *stash.pop((task.id, op.micro)), local)
+                    final = (sync.last_backward(task.id) if sync is not None and op.micro == last
+                             else contextlib.nullcontext())
+                    with final:  # the task's last backward: its gradients are final (grad_sync.py)
+                        self._backward(task, op.micro, weights[task.id], *stash.pop((task.id, op.micro)), local)
                 elif op.kind == "tie_grad":
-                    self._tie_grad(op.tie)
+                    self.ties.grad(op.tie)
         transport.end()
         if train:
-            self.traffic += transport.bytes_sent - sent_before
+            for param in self.ties.finish_grads():  # an owner's gradient is complete: its bucket may go
+                if sync is not None:
+                    sync.ready(param)
+            self.traffic += transport.bytes_sent + self.ties.bytes_sent - sent_before
         return costs
 
     def _forward(self, task: Task, m: int, step: int, offset: int, tokens: torch.Tensor, targets: torch.Tensor,
@@ -249,34 +300,14 @@ class StageRunner:
             else:
                 local[("g", i, m)] = grad
 
-    def _tie_grad(self, index: int) -> None:
-        tie = self.plan.ties[index]
-        if self.rank == tie.replica_rank:
-            param = self.replica_params[index]
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            self.transport.send(tie.owner_rank, Message("tg", index), grad.float())
-            param.grad = None
-        else:
-            grad = self.transport.recv(tie.replica_rank, Message("tg", index))
-            param = self.owner_params[index]
-            if param.requires_grad:
-                param.grad = grad.to(param.dtype) if param.grad is None else param.grad.add_(grad)
+    def finish_gradients(self) -> None:
+        """After a training round: wait for the replicas' gradient sums (grad_sync.py); their bytes count
+        as the step's traffic."""
+        if self.grad_sync is not None:
+            self.traffic += self.grad_sync.finish()
 
     def sync_tied_weights(self) -> None:
-        """Owners send tied weights to their replicas on other ranks (after every optimizer step)."""
-        ops = weight_ops(self.plan, self.rank)
-        ops_by_rank = {r: weight_ops(self.plan, r) for r in range(self.world)}
-        if not any(ops_by_rank.values()):
-            return
-        self.transport.begin(self._expected(ops_by_rank, []))
-        sent_before = self.transport.bytes_sent
-        with torch.no_grad():
-            for op in ops:
-                tie = self.plan.ties[op.tie]
-                if self.rank == tie.owner_rank:
-                    self.transport.send(tie.replica_rank, Message("w", tie.index), self.owner_params[tie.index])
-                else:
-                    value = self.transport.recv(tie.owner_rank, Message("w", tie.index))
-                    self.replica_params[tie.index].copy_(value)
-        self.transport.end()
-        self.traffic += self.transport.bytes_sent - sent_before
+        """Owners broadcast tied weights to their replicas on other ranks (after every optimizer step)."""
+        before = self.ties.bytes_sent
+        self.ties.weights()
+        self.traffic += self.ties.bytes_sent - before

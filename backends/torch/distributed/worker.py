@@ -15,7 +15,8 @@ What a worker does, per training step (every rank the same, in lockstep):
    sends its own; its backward receives the gradients of what it sent and
    sends those of what it received; then the tied-weight gradients;
    with data-parallel replicas, rank r x P + s runs plan rank s of replica r on its share of the
-   global batch, and the stage groups then sum their gradients (gradient_ring.py);
+   global batch, and the stage groups sum their gradients in buckets all-reduced while the last
+   micro-batch's backward runs (grad_sync.py), all waited for before the step;
 3. all-reduces [loss, squared gradient norm, non-finite flag, bytes sent] on
    the control group, so every rank takes the same decision (stop on a
    non-finite loss, skip under loss scaling, clip);
@@ -69,14 +70,15 @@ from vgraph.yamlio import loads
 from .. import data as D
 from .comm import ControlGroup, Transport
 from .comm_choice import worker_device
-from .gradient_ring import GradientRing
-from .replica_groups import ReplicaLayoutError, check_same_layout, stage_groups
+from .grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
+from .replica_groups import ReplicaLayoutError, check_replicas_agree, check_same_layout, stage_groups
 from .loss_scaler import SharedLossScaler
 from .plan import make_plan, micro_batch_sizes
 from .pnode_figures import PNodeFigures, attach
 from .rendezvous import rendezvous_store
 from .rank_zero import GatheredCheckpoints, local_metric_values
 from .stage_runner import StageRunner
+from .tie_sync import tie_groups
 from ..dropout import clear_dropout_key
 from ..lower import compute_dtype
 from ..metrics_log import MetricsLog
@@ -162,15 +164,12 @@ class Worker:
         self.amp = (lambda: torch.autocast(self.device.type, dtype=self.dtype)) if self.dtype != torch.float32 \
             else contextlib.nullcontext
         self.scaler = SharedLossScaler(self.loss_scaling, float(cfg["initial_loss_scale"]))
-        self.stages = StageRunner(plan, self.local, P, self.device, transport, self.amp, self.scaler, cfg)
-        self.stages.replica = self.replica
-        self.ring = GradientRing([r * P + self.local for r in range(len(shares))], self.replica)
-        if len(shares) > 1:  # the stage groups (replica_groups.py): the replicas must hold the same parameters
-            try:
-                check_same_layout(stage_groups(len(shares), P)[self.local], self.stages.trainable)
-            except ReplicaLayoutError as exc:
-                raise TrainingError(str(exc)) from None
-        self.figures = PNodeFigures(self.device, lambda: self.stages.transport.wait_s + self.ring.wait_s)
+        self.stages = StageRunner(plan, self.local, P, self.device, transport, self.amp, self.scaler, cfg,
+                                  replica=self.replica, tie_groups=tie_groups(plan, len(shares), self.replica),
+                                  stage_through_cpu=bool(job.get("stage_through_cpu")))
+        self.grad_sync = self._grad_sync(len(shares), P, job["backend"])
+        self.figures = PNodeFigures(self.device, lambda: self.stages.transport.wait_s + (
+            self.grad_sync.wait_s if self.grad_sync is not None else 0.0))
 
         streams = self._load_tokens()
         self.seq_len = int(job["run_info"]["seq_len"])
@@ -182,6 +181,31 @@ class Worker:
         self.sizes = micro_batch_sizes(self.share, min(int(cfg["micro_batches"]), self.share))
         self.checkpoints = GatheredCheckpoints(self.ctrl, self.stages, job, self.data_gen, self.scaler,
                                                len(self.sizes), self.say)
+
+    def _grad_sync(self, replicas: int, plan_ranks: int, backend: str) -> GradientSync | None:
+        """The stage group's gradient sum (grad_sync.py), after checking the replicas hold the same
+        parameters (replica_groups.py); None without replicas."""
+        if replicas < 2:
+            return None
+        group = stage_groups(replicas, plan_ranks)[self.local]
+        params, users, late = self.stages.sync_order()
+        self.group_device = self.device if backend == "nccl" else torch.device("cpu")
+        try:
+            check_same_layout(group, params, device=self.group_device)
+        except ReplicaLayoutError as exc:
+            raise TrainingError(str(exc)) from None
+        sync = GradientSync(params, group, size=replicas, position=self.replica, users=users, late=late,
+                            bucket_bytes=int(self.cfg.get("bucket_bytes") or DEFAULT_BUCKET_BYTES))
+        self.stages.grad_sync = sync
+        return sync
+
+    def _check_replicas(self) -> None:
+        """Before a checkpoint: the replicas of this stage still hold the same weights and optimizer state."""
+        if self.grad_sync is not None:
+            try:
+                check_replicas_agree(self.grad_sync.group, self.stages.named_state(), device=self.group_device)
+            except ReplicaLayoutError as exc:
+                raise TrainingError(str(exc)) from None
 
     def _load_tokens(self) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
@@ -229,9 +253,7 @@ class Worker:
             replicated = len(self.shares) > 1
             costs = self.stages.run_round(step, inputs[lo:hi], targets[lo:hi], self.sizes, train=True, offset=lo,
                                           whole=targets if replicated else None)
-            sent_before = self.ring.bytes_sent
-            self.ring.all_reduce(self.stages.trainable)  # replicas sum their gradients (gradient_ring.py)
-            self.stages.traffic += self.ring.bytes_sent - sent_before
+            self.stages.finish_gradients()  # the replicas' buckets still in flight (grad_sync.py)
             loss_local = float(sum(costs.values())) if costs else 0.0
             validate = val_every > 0 and (step % val_every == 0 or step == steps)
             save_now = step == steps or (ckpt_every > 0 and step % ckpt_every == 0)
@@ -292,6 +314,7 @@ class Worker:
                 pending = []
                 last_flush = time.perf_counter()
             if save_now:
+                self._check_replicas()
                 path = self.checkpoints.save(step)
                 if path is not None:
                     self.say(f"checkpoint {path}")

@@ -1,21 +1,13 @@
-"""The gradient all-reduce of data-parallel replicas: a ring over point-to-point sends, bytes counted.
+"""The baseline of bench_grad_sync.py: vgraph's former home-made gradient ring, kept here only to be measured.
 
-With R replicas, stage s of every replica holds the same parameters; after
-the backward pass the R workers of stage s sum their gradients (each replica's
-loss is already weighted by its share of the global batch, so the sum is the
-gradient of the global batch's loss).  The ring all-reduce: the flattened
-gradients are cut into R chunks; in R - 1 reduce-scatter steps every member
-sends one chunk to the next member and adds the chunk it receives from the
-previous one, so each member ends up owning one fully summed chunk; in R - 1
-all-gather steps the summed chunks travel once round the ring.  Every member
-sends 2 (R - 1) chunks, the group 2 (R - 1) x the gradients in all: exactly
-what the step cost model predicts (`vgraph.stepcost.ring_allreduce_bytes`),
-and what `bytes_sent` counts, so a run's measured traffic can be compared
-with placement.json's `bytes_per_step`.
-
-Done by hand on isend/recv rather than `dist.all_reduce` so that the bytes
-on the wire are the ones counted and the algorithm is the one priced; every
-member ends with the owner's copy of each chunk, so replicas stay bit-identical.
+Until issue 25, `vgraph launch` summed the replicas' gradients with this
+ring: every gradient flattened with `torch.cat`, a ring of blocking
+isend/recv (R - 1 reduce-scatter and R - 1 all-gather steps, one chunk at a
+time), each gradient cloned back, all after the whole backward.  The
+runtime now uses torch's collectives in buckets overlapped with backward
+(backends/torch/distributed/grad_sync.py); this copy lets the benchmark put
+the old figure beside the new one in the same run.  Unchanged from the
+runtime's last version except this docstring.
 """
 from __future__ import annotations
 

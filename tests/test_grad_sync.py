@@ -1,0 +1,158 @@
+"""The replicas' gradient sum (distributed/grad_sync.py) on real gloo process groups of 2 and 3 processes.
+
+Gradients are small integers (exact in float32 and float16), so the oracle is exact: every rank must end
+with the sum over ranks and micro-batches, bit for bit the same on every rank, whatever its number of
+micro-batches (unequal batch shares), with buckets launched during the last backward (before `finish`),
+a parameter no gradient reached back to None, a late (tied) parameter reduced only after `ready`, and the
+bytes of the ring formula.  A DDP communication hook plugs in (torch's fp16 compression, PowerSGD).
+"""
+from __future__ import annotations
+
+import contextlib
+import traceback
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from vgraph.backends.torch.distributed.grad_sync import (Bucket, GradientSync, bucket_layout, ring_bytes_sent,
+                                                        summed)
+from ranks_util import run_ranks
+
+SHAPES = {"a": (3, 4), "b": (5,), "d": (6,), "unused": (2, 2), "late": (4,)}
+USERS = {"t1": ["a", "d"], "t0": ["b", "d", "unused", "late"]}  # d: one Parameter in two tasks (a local tie)
+MICRO = {0: 2, 1: 1, 2: 3}  # micro-batches per rank: unequal shares
+
+
+def _x(rank: int, task: str, m: int, name: str) -> torch.Tensor:
+    """The gradient rank `rank` contributes to `name` in task `task`'s micro-batch m: small integers."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((rank, task, m, name)).encode()))
+    return torch.randint(-8, 9, SHAPES[name], generator=g).float()
+
+
+def _expected(world: int, name: str) -> torch.Tensor:
+    total = torch.zeros(SHAPES[name])
+    for r in range(world):
+        for task, names in USERS.items():
+            if name in names and name != "unused":
+                for m in range(MICRO[r]):
+                    total += _x(r, task, m, name)
+        if name == "late":
+            total += 100 * (r + 1)  # the tied replica's gradient, added before ready()
+    return total
+
+
+def _member(rank: int, port: int, world: int, hook: str, out) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in SHAPES.items()}
+        order = [params[n] for n in ("a", "d", "b", "unused", "late")]
+        users = {t: [params[n] for n in names] for t, names in USERS.items()}
+        kwargs = {}
+        if hook == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+            kwargs = dict(hook=summed(fp16_compress_hook, world), hook_state=dist.group.WORLD)
+        sync = GradientSync(order, dist.group.WORLD, size=world, position=rank, users=users,
+                            late=[params["late"]], bucket_bytes=32, **kwargs)  # 32 bytes: several buckets
+        results = []
+        for _ in range(2):  # two steps: the buckets are re-armed and emptied
+            sync.begin()
+            last = MICRO[rank] - 1
+            for m in range(MICRO[rank]):  # 1F1B-like: the later task's backward first
+                for task in ("t1", "t0"):
+                    ctx = sync.last_backward(task) if m == last else contextlib.nullcontext()
+                    with ctx:
+                        loss = sum((params[n] * _x(rank, task, m, n)).sum() for n in USERS[task] if n != "unused")
+                        loss.backward()
+            launched_before_finish = sync.launched
+            with torch.no_grad():
+                params["late"].grad.add_(100 * (rank + 1))  # the tied replica's gradient arrives
+            sync.ready(params["late"])
+            sent = sync.finish()
+            results.append(({n: (None if p.grad is None else p.grad.tolist()) for n, p in params.items()},
+                            launched_before_finish, len(sync.buckets), sent))
+            for p in params.values():
+                p.grad = None
+        out.put((rank, results))
+    except Exception:
+        out.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(world: int, hook: str = "") -> dict[int, list]:
+    results = run_ranks(_member, world, world, hook)
+    for r, res in results.items():
+        assert not isinstance(res, str), f"rank {r}:\n{res}"
+        for grads, *_ in res:  # tensors travel as lists (a queue's shared memory would die with the sender)
+            grads.update({n: torch.tensor(g) for n, g in grads.items() if g is not None})
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_ends_with_the_exact_sum(world: int) -> None:
+    results = _run(world)
+    total_bytes = 0
+    for step in range(2):
+        grads0 = results[0][step][0]
+        for r in range(world):
+            grads, launched, buckets, sent = results[r][step]
+            assert buckets >= 3 and launched >= 1  # buckets went out during the last backward, before finish()
+            assert grads["unused"] is None  # no gradient reached it: the optimizer skips it, as in `vgraph train`
+            for name in ("a", "b", "d", "late"):
+                assert torch.equal(grads[name], _expected(world, name)), (r, name)
+                assert torch.equal(grads[name], grads0[name])  # bit for bit the same on every rank
+            total_bytes += sent
+    grad_bytes = 4 * sum(torch.Size(s).numel() for s in SHAPES.values())
+    assert total_bytes == 2 * 2 * (world - 1) * grad_bytes  # the ring formula, two steps
+
+
+def test_a_ddp_comm_hook_plugs_in() -> None:
+    """torch's fp16 compression hook (an averaging hook, made summing): small integers survive fp16 exactly."""
+    results = _run(2, "fp16")
+    for r in (0, 1):
+        grads = results[r][1][0]
+        for name in ("a", "b", "d", "late"):
+            assert torch.equal(grads[name], _expected(2, name)), (r, name)
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(numel=st.integers(0, 10_000), size=st.integers(1, 9), element=st.sampled_from([2, 4, 8]))
+def test_ring_bytes_add_up_to_the_formula(numel: int, size: int, element: int) -> None:
+    per_member = [ring_bytes_sent(numel, element, size, position) for position in range(size)]
+    assert sum(per_member) == 2 * (size - 1) * numel * element  # vgraph.stepcost.ring_allreduce_bytes
+    assert all(b >= 0 for b in per_member)
+    if numel % size == 0 and size > 1:
+        assert set(per_member) == {2 * (size - 1) * numel // size * element}
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 50), st.sampled_from([torch.float32, torch.float16])), max_size=12),
+       cap=st.integers(1, 200))
+def test_buckets_hold_every_parameter_once_in_one_dtype_under_the_cap(sizes, cap) -> None:
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=dt)) for n, dt in sizes]
+    layout = bucket_layout(params, cap)
+    assert sorted(i for b in layout for i in b) == list(range(len(params)))
+    for b in layout:
+        assert len({params[i].dtype for i in b}) == 1
+        assert b == sorted(b)
+        nbytes = sum(params[i].numel() * params[i].element_size() for i in b)
+        assert nbytes <= cap or len(b) == 1
+    assert [b[0] for b in layout] == sorted(b[0] for b in layout)
+
+
+def test_a_bucket_answers_what_ddp_hooks_ask() -> None:
+    params = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
+    bucket = Bucket(1, 2, params)
+    assert bucket.index() == 1 and bucket.is_last() and bucket.buffer().shape == (10,)
+    assert [g.shape for g in bucket.gradients()] == [(2, 3), (4,)] and bucket.parameters() == params
+    bucket.set_buffer(torch.arange(10.0))
+    assert bucket.gradients()[1].tolist() == [6.0, 7.0, 8.0, 9.0]  # views into the one flat buffer
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        bucket_layout(params, 0)
+    with pytest.raises(ValueError, match="twice"):
+        GradientSync([params[0], params[0]], None, size=2, position=0, users={})

@@ -1,0 +1,106 @@
+"""`vgraph launch` with fp16 loss scaling: replicas, resume and the single-process trainer (issues 25, 27).
+
+The tiny network runs its fp16 policy (the `precision` pass for a Turing GPU: fp16 compute with dynamic
+loss scaling) under CPU autocast, on two replicas of one PNode each (batch 4, shares 2 + 2).
+
+* With an initial loss scale of 2^24 the scaler overflows and skips steps 1 and 4 (halving its scale).
+  Two replicas must then be *bit for bit* one worker fed the same micro-batches (2 samples each): fp16
+  rounds a batch's gradient sum differently when the batch is cut differently, so the same cut is the
+  exact oracle, and it includes every skip decision, the scale, the growth tracker and Adam's state.
+* A launch stopped after step 5 and resumed to step 7 is bit for bit the uninterrupted launch: the scale
+  (halved twice before the resume; forgetting it would overflow again at 2^24) and the growth tracker
+  (1 at the resume, 3 at the end; forgetting it would end at 2) come back from the checkpoint.
+* Against `vgraph train` (one process, the whole batch at once) at a scale that never overflows: the
+  same losses and validation losses (rtol 1e-5).  Weights are not compared there: fp16 rounds the
+  gradient of 4 samples at once differently from two sums of 2, and Adam turns that into differences no
+  tolerance separates from a bug; the same-cut comparison above is the one that can be exact.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY
+from vgraph.backends.torch import TrainConfig, train
+from vgraph.backends.torch.checkpoint import load_checkpoint
+from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+from weights_util import assert_same_weights
+
+STEPS, STOP_AT = 7, 5
+FP16_POLICY = "precision{target=cuda-sm75},fuse-heads,fuse-lm-head-ce"
+FORCED_SCALE = 2.0**24  # overflows until halved (skips steps 1 and 4 here)
+
+
+def _fleet(k: int) -> str:
+    return f"name: f{k}\npnodes:\n" + "".join(
+        f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(k))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("launch_fp16")
+    (d / "corpus.txt").write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    for k in (1, 2):
+        (d / f"fleet{k}.yml").write_text(_fleet(k))
+    common = dict(network=str(TINY), data=str(d / "corpus.txt"), steps=STEPS, batch=4, lr=3e-3, seed=3,
+                  passes=FP16_POLICY, checkpoint_every=STOP_AT, val_every=0, threads=1, progress=False,
+                  initial_loss_scale=FORCED_SCALE, deterministic=True)
+    return d, common
+
+
+def _replicas(d: Path, common: dict, out: str, **over) -> object:
+    return launch(LaunchConfig(**{**common, **over}, out=d / out, fleet=str(d / "fleet2.yml"), micro_batches=1,
+                               replicas=2))
+
+
+@pytest.fixture(scope="module")
+def whole(setup):
+    d, common = setup
+    return _replicas(d, common, "whole")
+
+
+def _scaler(run: Path) -> dict:
+    return load_checkpoint(run / f"step-{STEPS:08d}", map_location="cpu").extra["grad_scaler"]
+
+
+def test_two_replicas_are_one_worker_fed_the_same_micro_batches(setup, whole) -> None:
+    d, common = setup
+    assert whole.placement["batch_shares"] == [2, 2] and whole.placement["replicas"] == 2
+    scales = [r["loss_scale"] for r in whole.history]
+    assert scales == [FORCED_SCALE / 2] * 3 + [FORCED_SCALE / 4] * 4  # skipped steps 1 and 4: both paths seen
+    one = launch(LaunchConfig(**common, out=d / "one", fleet=str(d / "fleet1.yml"), micro_batches=2, replicas=1))
+    assert [r["loss_scale"] for r in one.history] == scales
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in whole.history], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in one.history], dtype=torch.float64), rtol=1e-6, atol=0)
+    assert_same_weights(d / "whole" / f"step-{STEPS:08d}", d / "one" / f"step-{STEPS:08d}", bitwise=True)
+    assert _scaler(d / "whole") == _scaler(d / "one")
+
+
+def test_a_resumed_fp16_launch_is_the_uninterrupted_one(setup, whole) -> None:
+    d, common = setup
+    first = _replicas(d, common, "split", steps=STOP_AT)
+    saved = load_checkpoint(d / "split" / f"step-{STOP_AT:08d}", map_location="cpu").extra["grad_scaler"]
+    assert saved["scale"] == FORCED_SCALE / 4 and saved["_growth_tracker"] == 1  # what a resume must restore
+    second = _replicas(d, common, "split", resume=True)
+    assert [r["step"] for r in second.history] == list(range(1, STEPS + 1)) and first.step == STOP_AT
+    assert [(r["step"], r["loss"], r["loss_scale"]) for r in second.history] == \
+        [(r["step"], r["loss"], r["loss_scale"]) for r in whole.history]
+    assert _scaler(d / "split") == _scaler(d / "whole") and _scaler(d / "whole")["_growth_tracker"] == 3
+    assert_same_weights(d / "split" / f"step-{STEPS:08d}", d / "whole" / f"step-{STEPS:08d}", bitwise=True)
+
+
+def test_fp16_replicas_have_the_losses_of_the_single_process_trainer(setup) -> None:
+    d, common = setup
+    calm = {**common, "initial_loss_scale": 256.0, "val_every": STEPS}  # no overflow on either side
+    ref = train(TrainConfig(**calm, out=d / "train")).history
+    run = _replicas(d, calm, "calm").history
+    assert all(r["loss_scale"] == 256.0 for r in run)
+    for key in ("loss", "val_loss"):
+        got = [r[key] for r in run if key in r]
+        want = [r[key] for r in ref if key in r]
+        assert len(got) == len(want) > 0
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                                   rtol=1e-5, atol=0)
