@@ -30,11 +30,11 @@ NET6 = ROOT / "networks" / "distributed_attention_example_6_swiglu_head.yml"
 
 
 def _partition_pass() -> None:
-    from vgraph.pipeline import available_passes
+    from vgraph.transform.pipeline import available_passes
 
     if "partition" not in available_passes():  # before the entry point is installed
-        from vgraph.pass_api import register_pass
         from vgraph.passes import partition as P
+        from vgraph.transform.pass_api import register_pass
 
         register_pass(P.Partition)
 

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fleet_scale.py [--sizes 10,20,50,100,200,500,1000] [--plot fleet_scale.png]
 
-Four tables, the first three on the cost model (`vgraph/stepcost.py`), nothing trained:
+Four tables, the first three on the cost model (`vgraph/cost/stepcost.py`), nothing trained:
 
 1. Predicted tokens/s of the 8-layer production network (seq 512, global
    batch 1,024 sequences, 8 micro-batches per replica) on heterogeneous
@@ -43,10 +43,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.evolutionary_allocation import evolve  # noqa: E402
 from tools.gen_fleet import WORLD_CITIES, heterogeneous, world_links  # noqa: E402
-from vgraph.costmodel import cost_model  # noqa: E402
-from vgraph.fleet import Fleet, PNode  # noqa: E402
+from vgraph.cost.costmodel import cost_model  # noqa: E402
+from vgraph.cost.fleet import Fleet, PNode  # noqa: E402
+from vgraph.cost.stepcost import FleetArrays  # noqa: E402
 from vgraph.passes.partition_replicas import candidates, plan_replicas  # noqa: E402
-from vgraph.stepcost import FleetArrays  # noqa: E402
 from vgraph.yamlio import load  # noqa: E402
 
 NET8 = ROOT / "networks" / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml"
@@ -159,9 +159,9 @@ def pass_time(with_100k: bool, repeat: int = 3) -> None:
     import statistics
 
     from tools.gen_networks import synthetic
-    from vgraph.fleet import load_fleet
-    from vgraph.pass_api import PassContext
+    from vgraph.cost.fleet import load_fleet
     from vgraph.passes.partition import Partition
+    from vgraph.transform.pass_api import PassContext
 
     cases = [("8-layer production", load(NET8))]
     if with_100k:

@@ -67,12 +67,12 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 import vgraph  # noqa: E402
 from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vgraph_state  # noqa: E402
 from tools.gen_networks import PRODUCTION, TINY  # noqa: E402
-from vgraph.analyze import analyze  # noqa: E402
 from vgraph.backends.torch import compile_network, compute_dtype, prepare_graph  # noqa: E402
 from vgraph.backends.torch import kernels as K  # noqa: E402
 from vgraph.backends.torch.graph_breaks import explain_program  # noqa: E402
 from vgraph.backends.torch.node_optimizers import NodeOptimizers, make_adam  # noqa: E402
 from vgraph.backends.torch.training_setup import device_target  # noqa: E402
+from vgraph.cost.analyze import analyze  # noqa: E402
 
 NETWORKS = {
     "6": (ROOT / "networks" / "distributed_attention_example_6_swiglu_head.yml",

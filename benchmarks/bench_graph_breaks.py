@@ -48,7 +48,7 @@ TARGETS = ("cpu", "cuda-sm80", "cuda-sm75")  # --targets picks; the fp16 (sm75) 
 def launch_rows(label: str, path: Path, pnodes: int = 3) -> list[tuple[str, str, str, int, int, float]]:
     """Stage programs of `path` with transformer block i on PNode i % pnodes (embedding and head on w0)."""
     from vgraph.backends.torch.distributed.launch import place, split_pipeline
-    from vgraph.fleet import loads_fleet
+    from vgraph.cost.fleet import loads_fleet
 
     graph = vgraph.load(path)
     assignment = {}
@@ -75,7 +75,7 @@ def launch_rows(label: str, path: Path, pnodes: int = 3) -> list[tuple[str, str,
 def train_with_log(network: Path) -> tuple[int, float, str]:
     """Run the acceptance command; (logged graph breaks, seconds, last line)."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "vgraph.cli", "train", str(network), "--compile", "--steps", "3",
+        cmd = [sys.executable, "-m", "vgraph.cli.main", "train", str(network), "--compile", "--steps", "3",
                "--batch", "2", "--val-every", "0", "--corpus-bytes", "20000", "--out", out, "--quiet",
                "--device", "cpu"]
         start = time.perf_counter()

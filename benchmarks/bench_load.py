@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from tools.gen_networks import synthetic  # noqa: E402
 from vgraph import dumps, loads  # noqa: E402
-from vgraph.diagnostics import DiagnosticSink  # noqa: E402
-from vgraph.gcpause import paused_gc  # noqa: E402
+from vgraph.base.diagnostics import DiagnosticSink  # noqa: E402
+from vgraph.base.gcpause import paused_gc  # noqa: E402
 from vgraph.yamlio.build import Builder  # noqa: E402
 from vgraph.yamlio.fast_reader import read_fast  # noqa: E402
 from vgraph.yamlio.loading import read_network  # noqa: E402

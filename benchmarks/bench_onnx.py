@@ -26,9 +26,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import vgraph  # noqa: E402
-from vgraph.analyze import analyze  # noqa: E402
 from vgraph.backends.onnx.check import _compile, _state_numpy, fp32_graph, random_feeds, session  # noqa: E402
 from vgraph.backends.onnx.lower import lower_network, value_name  # noqa: E402
+from vgraph.cost.analyze import analyze  # noqa: E402
 
 VARIANTS = {"unfused": "none", "fused": "fuse-heads,fuse-lm-head-ce"}
 NET6 = Path(__file__).resolve().parent.parent / "networks" / "distributed_attention_example_6_swiglu_head.yml"
@@ -37,7 +37,7 @@ NET6 = Path(__file__).resolve().parent.parent / "networks" / "distributed_attent
 def measure(passes: str, batch: int, repeat: int, warmup: int) -> dict:
     graph = vgraph.load(NET6)
     if passes != "none":
-        from vgraph.pipeline import run_pipeline
+        from vgraph.transform.pipeline import run_pipeline
 
         run_pipeline(graph, passes)
     graph = fp32_graph(graph)

@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 
 from tools.gen_networks import TransformerSpec, transformer  # noqa: E402
 from vgraph import load  # noqa: E402
-from vgraph.fleet import Fleet, PNode, load_fleet  # noqa: E402
-from vgraph.ir import Graph  # noqa: E402
+from vgraph.cost.fleet import Fleet, PNode, load_fleet  # noqa: E402
+from vgraph.ir.graph import Graph  # noqa: E402
 
 NET8 = ROOT / "networks" / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml"
 FLEETS = ROOT / "networks" / "fleets"
@@ -88,8 +88,8 @@ def ilp_instances(quick: bool = False) -> list[tuple[str, Graph, Fleet, int]]:
 # -- measurements ------------------------------------------------------------------------------
 
 def pass_seconds(graph: Graph, fleet_: Fleet, repeat: int, batch: int = 8) -> tuple[float, dict]:
-    from vgraph.pass_api import PassContext
     from vgraph.passes.partition import Partition
+    from vgraph.transform.pass_api import PassContext
 
     # One pipeline: the table's targets are the pipeline planner's; bench_fleet_scale.py times replicas=auto.
     p = Partition(batch=batch, replicas="1")

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tools.gen_networks import synthetic  # noqa: E402
 from vgraph import load  # noqa: E402
-from vgraph.pipeline import DEFAULT_PIPELINE, PassManager  # noqa: E402
+from vgraph.transform.pipeline import DEFAULT_PIPELINE, PassManager  # noqa: E402
 
 NET8 = Path(__file__).resolve().parent.parent / "networks" / \
     "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml"

@@ -49,8 +49,8 @@ def remat_spec(network: str, batch: int) -> str:
     """The production pipeline plus remat at the least memory the cost model allows (see the docstring)."""
     import vgraph
     from vgraph.backends.torch import prepare_graph
-    from vgraph.costmodel import cost_model
-    from vgraph.remat import candidates, closed, plain_activation, pnode_static_bytes, remat_cost, remat_layout
+    from vgraph.cost.costmodel import cost_model
+    from vgraph.cost.remat import candidates, closed, plain_activation, pnode_static_bytes, remat_cost, remat_layout
 
     graph = prepare_graph(vgraph.load(NETWORKS[network]), target="cpu")
     cm = cost_model(graph, batch=batch)
@@ -68,7 +68,7 @@ def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
 
     from tensor_peak import LiveBytes
     from vgraph.backends.torch import estimate_training_memory
-    from vgraph.remat import marked_ids
+    from vgraph.cost.remat import marked_ids
 
     torch.set_num_threads(threads)
     graph, step, vocab, seq = _trainer(network, passes, batch)
@@ -113,9 +113,9 @@ def _trainer(network: str, passes: str | None, batch: int):
 
 def max_batch_rows(network: str) -> dict:
     import vgraph
-    from vgraph.costmodel import cost_model
-    from vgraph.fleet import load_fleet
-    from vgraph.max_batch import max_batch_report
+    from vgraph.cost.costmodel import cost_model
+    from vgraph.cost.fleet import load_fleet
+    from vgraph.cost.max_batch import max_batch_report
 
     graph = vgraph.load(NETWORKS[network])
     fleet = load_fleet(T4X1)
@@ -125,11 +125,11 @@ def max_batch_rows(network: str) -> dict:
 
 def gap_rows(fractions: list[float]) -> list[tuple]:
     import vgraph
-    from vgraph.costmodel import cost_model
+    from vgraph.cost.costmodel import cost_model
+    from vgraph.cost.remat import plain_activation, remat_cost, remat_layout
     from vgraph.passes.remat import RematScope, plan_scope, scopes_of
     from vgraph.passes.remat_ilp import solve_remat_ilp
-    from vgraph.pipeline import run_pipeline
-    from vgraph.remat import plain_activation, remat_cost, remat_layout
+    from vgraph.transform.pipeline import run_pipeline
 
     rows = []
     for label, passes in (("tiny unfused", "dead-nodes,precision"),

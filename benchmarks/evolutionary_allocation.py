@@ -4,7 +4,7 @@ In the manner of Yuan et al., "Decentralized Training of Foundation Models in
 Heterogeneous Environments" (NeurIPS 2022): the parallel layout (S pipeline
 stages x R data-parallel replicas) is fixed, and a genetic algorithm searches
 which device takes which of the R x S slots, judged by a cost model; here the
-same cost model the planner uses (`vgraph.stepcost`, batch shares included),
+same cost model the planner uses (`vgraph.cost.stepcost`, batch shares included),
 so only the search differs.
 
 A genome is a permutation of the fleet's PNodes; its first R x S entries,
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vgraph.cost.stepcost import FleetArrays, StageLoads
 from vgraph.passes.partition_replicas import price_layout
-from vgraph.stepcost import FleetArrays, StageLoads
 
 __all__ = ["EvolutionResult", "evolve"]
 

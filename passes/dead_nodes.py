@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vgraph.ir import Graph
-from vgraph.pass_api import Pass, PassContext
+from vgraph.ir.graph import Graph
+from vgraph.transform.pass_api import Pass, PassContext
 
 
 def live_nodes(graph: Graph) -> set[str]:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import Counter
 from itertools import groupby
 
-from vgraph.ir import Graph, VNode
-from vgraph.rewrite import (Each, Match, NewNode, P, Reject, RewritePass, Rule, RuleContext, RuleSet, Source,
-                            fused, reads, rebuilt, replace)
+from vgraph.ir.graph import Graph, VNode
+from vgraph.transform.rewrite import (Each, Match, NewNode, P, Reject, RewritePass, Rule, RuleContext, RuleSet, Source,
+                                      fused, reads, rebuilt, replace)
 
 
 def _concat_last_axis(stack: VNode) -> bool | str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from vgraph.ir import Graph, VNode
-from vgraph.rewrite import Match, P, Reject, RewritePass, Rule, RuleContext, RuleSet, fused, reads, replace
+from vgraph.ir.graph import Graph, VNode
+from vgraph.transform.rewrite import Match, P, Reject, RewritePass, Rule, RuleContext, RuleSet, fused, reads, replace
 
 
 def _ce_logits(cost: VNode) -> bool | str:

@@ -10,7 +10,7 @@ how attention heads spread over PNodes: only when the fleet has more PNodes
 than blocks, and only where no `required` group forbids it).
 
 For an assignment of units to PNodes, with the per-step costs of
-`vgraph.costmodel` at batch B:
+`vgraph.cost.costmodel` at batch B:
 
     compute(p)  = sum of training FLOPs (3 x forward x B) of the units on p
     boundary(p) = bytes per step of every cut edge incident to p (activation
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vgraph.costmodel import DEFAULT_BATCH, CostModel, cost_model
-from vgraph.diagnostics import VGraphError
-from vgraph.fleet import Fleet, PNode, human_bytes
-from vgraph.ir import Graph
+from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
+from vgraph.cost.fleet import Fleet, PNode, human_bytes
+from vgraph.ir.graph import Graph
 
 class PartitionError(VGraphError):
     """No placement satisfies the hard constraints (`unit`: the unit that does not fit, if one)."""

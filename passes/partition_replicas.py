@@ -3,7 +3,7 @@
 What the plan optimises
 -----------------------
 The predicted time of one training step of the global batch B
-(`vgraph.stepcost`): the slowest replica's pipeline (slowest stage's compute
+(`vgraph.cost.stepcost`): the slowest replica's pipeline (slowest stage's compute
 and point-to-point traffic at its batch share, times the micro-batch bubble,
 plus tied-weight sync and link latencies) plus the slowest stage group's ring
 all-reduce of gradients.  Hard constraints: every stage fits its PNode's
@@ -48,13 +48,13 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from vgraph.costmodel import DEFAULT_BATCH, CostModel, cost_model
-from vgraph.fleet import Fleet, PNode
-from vgraph.ir import Graph
-from vgraph.stepcost import (FleetArrays, LoadColumns, StageLoads, StepCost, batch_shares, bubble,
-                             resident_samples, stage_rates, step_cost_of)
+from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
+from vgraph.cost.fleet import Fleet, PNode
+from vgraph.cost.stepcost import (FleetArrays, LoadColumns, StageLoads, StepCost, batch_shares, bubble,
+                                  resident_samples, stage_rates, step_cost_of)
+from vgraph.ir.graph import Graph
 
-from .partition import Plan, plan_partition
+from .partition_plan import Plan, plan_partition
 from .partition_problem import PartitionError, Problem, build_problem
 from .partition_solve import solve
 
@@ -459,7 +459,7 @@ def _improve(plan: ReplicaPlan, fa: FleetArrays, batch: int, micro: int) -> tupl
 
 def apply_replica_plan(graph: Graph, plan: ReplicaPlan, cm: CostModel, fleet: Fleet) -> int:
     """Place replica 0 on the graph (node.meta["pnode"]) and record the whole plan in graph.meta["placement"]:
-    the one-pipeline fields for every replica's PNodes at its share (as vgraph/replica_report.py prices a
+    the one-pipeline fields for every replica's PNodes at its share (as vgraph/placement/replica_report.py prices a
     placement.json), plus the replica fields; returns how many VNodes changed PNode."""
     changed = 0
     for v, pid in plan.assignment(0).items():

@@ -13,9 +13,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-from vgraph.ir import Graph, VNode
+from vgraph.ir.graph import Graph, VNode
 from vgraph.ops.schema import DTYPE_OF_PRECISION
-from vgraph.pass_api import Option, Pass, PassContext, PassError
+from vgraph.transform.pass_api import Option, Pass, PassContext, PassError
 
 F32 = "float32"
 _CUDA = re.compile(r"^cuda-sm(\d)(\d+)$")

@@ -7,7 +7,7 @@ PNode's memory and on what else it holds), so it belongs next to the cost
 model and the partitioner, not in the training script.
 
 What it writes: `remat: recompute` in the config of each VNode whose outputs
-are recomputed (absent: kept); vgraph/remat.py defines what the marks cost and
+are recomputed (absent: kept); vgraph/cost/remat.py defines what the marks cost and
 how a backend honours them.  The network computes the same function, so the
 pass preserves semantics.
 
@@ -38,13 +38,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from vgraph.costmodel import DEFAULT_BATCH, CostModel, cost_model
-from vgraph.fleet import human_bytes, parse_bytes
-from vgraph.host_memory import available_host_memory
-from vgraph.ir import Graph
-from vgraph.pass_api import Option, Pass, PassContext, PassError
-from vgraph.remat import (RECOMPUTE, REMAT_KEY, candidates, closed, plain_activation, pnode_static_bytes,
-                          remat_cost, remat_layout)
+from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
+from vgraph.cost.fleet import human_bytes, parse_bytes
+from vgraph.cost.host_memory import available_host_memory
+from vgraph.cost.remat import (RECOMPUTE, REMAT_KEY, candidates, closed, plain_activation, pnode_static_bytes,
+                               remat_cost, remat_layout)
+from vgraph.ir.graph import Graph
+from vgraph.transform.pass_api import Option, Pass, PassContext, PassError
 
 __all__ = ["Remat", "RematScope", "Entry", "parse_budget", "scopes_of", "plan_scope", "group_menu",
            "candidates", "closed", "apply_marks"]

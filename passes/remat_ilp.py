@@ -6,7 +6,7 @@ this optimum; the pass never calls it.
 Per candidate v (passes/remat.py `candidates`) a binary x_v (recompute); a
 broadcast takes its input's x (its outputs alias the input).  A VNode runs
 again in backward when it is marked or reads a marked VNode (r_v >= x_v,
-r_v >= x_u for each edge u -> v), as vgraph/remat.py's regions do.  Kept bytes
+r_v >= x_u for each edge u -> v), as vgraph/cost/remat.py's regions do.  Kept bytes
 are sum act_v (1 - x_v); t >= the marked bytes of each group (backward
 rebuilds one group's region at a time).  Minimise sum flops_v r_v subject to
 kept + t <= the bytes per sample the scope allows.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import warnings
 
-from vgraph.costmodel import CostModel
-from vgraph.ir import Graph
+from vgraph.cost.costmodel import CostModel
+from vgraph.ir.graph import Graph
 
 from .remat import RematScope, candidates, closed, plain_activation
 

@@ -1,9 +1,14 @@
 """Shared fixtures: the production networks and the tiny test networks."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Debug mode for every pipeline the suite runs, in this process and in the subprocesses it starts: the pass
+# manager lints the graph's use-def storage after every pass (vgraph.transform.pipeline.LintInstrument).
+os.environ.setdefault("VGRAPH_DEBUG", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 NETWORKS = ROOT / "networks"
@@ -41,7 +46,7 @@ def tiny():
 @pytest.fixture()
 def local_passes():
     """Passes a test registers with @register_pass are forgotten after it."""
-    from vgraph.pass_api import LOCAL_PASSES
+    from vgraph.transform.pass_api import LOCAL_PASSES
 
     saved = dict(LOCAL_PASSES)
     yield LOCAL_PASSES

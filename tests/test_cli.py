@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import NET6, NET8, ROOT, TINY
-from vgraph.analyze import compact_types, human_bytes
-from vgraph.cli import main
+from vgraph.cli.main import main
+from vgraph.cost.analyze import compact_types, human_bytes
 
 
 def test_validate_accepts_both_production_networks(capsys) -> None:

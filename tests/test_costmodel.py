@@ -7,11 +7,11 @@ import pytest
 
 from conftest import NET8, ROOT, TINY_FP32
 from vgraph import load
-from vgraph.analyze import analyze
-from vgraph.builder import NetBuilder
-from vgraph.cli import main
-from vgraph.costmodel import cost_model
-from vgraph.pipeline import run_pipeline
+from vgraph.cli.main import main
+from vgraph.cost.analyze import analyze
+from vgraph.cost.costmodel import cost_model
+from vgraph.ir.builder import NetBuilder
+from vgraph.transform.pipeline import run_pipeline
 
 
 def test_production_network_bytes_by_kind(net8):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from conftest import NET8, ROOT
 from vgraph import load
-from vgraph.analyze import analyze
-from vgraph.costmodel import cost_model, format_costs
-from vgraph.fleet import load_fleet
-from vgraph.pipeline import run_pipeline
+from vgraph.cost.analyze import analyze
+from vgraph.cost.costmodel import cost_model, format_costs
+from vgraph.cost.fleet import load_fleet
+from vgraph.transform.pipeline import run_pipeline
 
 UP_PARAMS = 512 * 2048 + 2048          # block0_ffn_up: 512 -> 2048 with bias
 UP_ACTIVATION = 512 * 2048 * 2         # its fp16 [512, 2048] output, per sample
@@ -41,8 +41,10 @@ def test_unread_outputs_keep_no_activation() -> None:
     [ce] = g.nodes_of_type("tied_lm_head_ce")
     read = cost_model(g).nodes[ce.id].activation_bytes
     assert read == 4 + 512 * 32768 * 2  # the fp32 loss and the fp16 logits (the network outputs them)
-    g.outputs[:] = [ep for ep in g.outputs if ep.node != ce.id]
-    g.metrics[:] = [ep for ep in g.metrics if ep.node != ce.id]  # (the learning-rate metric names slot 1 too)
+    for ep in [ep for ep in g.outputs if ep.node == ce.id]:
+        g.remove_endpoint("outputs", ep.name)
+    for ep in [ep for ep in g.metrics if ep.node == ce.id]:  # (the learning-rate metric names slot 1 too)
+        g.remove_endpoint("metrics", ep.name)
     assert cost_model(g).nodes[ce.id].activation_bytes == 4  # logits formed only when read
 
 
@@ -57,7 +59,7 @@ def test_fleet_table_compute_seconds_by_hand(net8) -> None:
 
 
 def test_analyze_cli_reports_the_same_memory(capsys) -> None:
-    from vgraph.cli import main
+    from vgraph.cli.main import main
 
     assert main(["analyze", str(NET8), "--batch", "8", "--json"]) == 0
     import json

@@ -29,11 +29,11 @@ from vgraph.backends.torch.checkpoint import load_checkpoint
 from vgraph.backends.torch.data import default_corpus_documents
 from vgraph.backends.torch.distributed.launch import LaunchConfig, launch, main as launch_main, place, split_pipeline
 from vgraph.backends.torch.distributed.plan import (Message, make_plan, message_order, micro_batch_sizes, rank_ops,
-                                             schedule_ops, sends_of, stages, weight_ops)
+                                                    schedule_ops, sends_of, stages, weight_ops)
 from vgraph.backends.torch.dropout import dropout_key, keyed_dropout
-from vgraph.diagnostics import VGraphError
-from vgraph.fleet import loads_fleet
-from vgraph.partition_export import placement_report
+from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.fleet import loads_fleet
+from vgraph.placement.export import placement_report
 from weights_util import assert_same_weights
 
 STEPS, BATCH, MICRO, LR, SEED = 20, 8, 4, 1e-3, 3

@@ -16,8 +16,8 @@ from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
 from vgraph.backends.torch.data import default_corpus_documents
 from vgraph.backends.torch.distributed.launch import LaunchConfig, free_port, launch, main as launch_main
-from vgraph.costmodel import cost_model
-from vgraph.diagnostics import VGraphError
+from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.costmodel import cost_model
 
 from test_distributed import run_and_kill  # SIGKILLs a held worker from here: one helper for both
 from ranks_util import run_ranks
@@ -192,7 +192,7 @@ def _layout_member(rank: int, port: int, sizes: list[int], out) -> None:
     import torch.distributed as dist
 
     from vgraph.backends.torch.distributed.replica_groups import (ReplicaLayoutError, check_same_layout,
-                                                                   stage_groups)
+                                                                  stage_groups)
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     try:

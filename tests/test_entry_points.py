@@ -34,16 +34,16 @@ def test_every_builtin_entry_point_loads(group: str, name: str, value: str) -> N
     else:  # a module whose import registers (the backends' lowering tables)
         assert obj.__name__ == value
     if group == "vgraph.passes":
-        from vgraph.pass_api import Pass
+        from vgraph.transform.pass_api import Pass
 
         assert isinstance(obj, type) and issubclass(obj, Pass) and obj.name == name
 
 
 def test_partition_and_onnx_come_from_their_entry_points() -> None:
     from vgraph.backends.onnx.subgraph import export_subgraph
-    from vgraph.partition_export import find_exporter
     from vgraph.passes.partition import Partition
-    from vgraph.pipeline import get_pass
+    from vgraph.placement.export import find_exporter
+    from vgraph.transform.pipeline import get_pass
 
     assert get_pass("partition") is Partition
     assert find_exporter("onnx") is export_subgraph

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from conftest import NET8, ROOT
-from vgraph.cli import main
-from vgraph.fleet import (Fleet, FleetError, PNode, load_fleet, loads_fleet, parse_bandwidth, parse_bytes,
-                          parse_flops)
+from vgraph.cli.main import main
+from vgraph.cost.fleet import (Fleet, FleetError, PNode, load_fleet, loads_fleet, parse_bandwidth, parse_bytes,
+                               parse_flops)
 
 FLEETS = ROOT / "networks" / "fleets"
 

@@ -6,9 +6,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tools.gen_fleet import heterogeneous, to_yaml
-from vgraph.cli import main
-from vgraph.fleet import FleetError, loads_fleet
-from vgraph.fleet_links import parse_latency
+from vgraph.cli.main import main
+from vgraph.cost.fleet import FleetError, loads_fleet
+from vgraph.cost.fleet_links import parse_latency
 
 GOOD = """\
 name: geo

@@ -24,9 +24,9 @@ import pytest
 
 from conftest import NET6, NET8, NET12
 from vgraph import load
-from vgraph.analyze import analyze
-from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, run_pipeline
-from vgraph.rewrite import RewritePass
+from vgraph.cost.analyze import analyze
+from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, run_pipeline
+from vgraph.transform.rewrite import RewritePass
 
 # Per-element conventions (documented in vgraph/ops/catalog.py; see the module docstring).
 LAYERNORM, GELU, SWIGLU, DROPOUT, ADD, CE_PER_LOGIT = 8, 8, 5, 1, 1, 5

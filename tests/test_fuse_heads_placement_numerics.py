@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import compile_network, to_unfused_layout
-from vgraph.pipeline import run_pipeline
+from vgraph.transform.pipeline import run_pipeline
 
 LAYERS, HEADS, VOCAB, SEQ = 2, 4, 64, 8
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tools.gen_networks import TransformerSpec, transformer
-from vgraph.pipeline import run_pipeline
+from vgraph.transform.pipeline import run_pipeline
 
 
 def four_heads():

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import TINY
 from vgraph import load
-from vgraph.pipeline import run_pipeline, semantic_changes
+from vgraph.transform.pipeline import run_pipeline, semantic_changes
 
 
 @pytest.mark.parametrize("cost_function", ["ce", "mse"])
@@ -41,7 +41,7 @@ def test_logits_read_by_another_node_block_the_fusion_whatever_its_id(reader: st
     g = load(TINY)
     g.add_node(type(g.nodes[0])(reader, "relu"))
     g.add_edge("lm_head", 0, reader, 0)
-    g.outputs.append(type(g.outputs[0])(f"{reader}_out", reader, 0))
+    g.add_endpoint("outputs", type(g.outputs[0])(f"{reader}_out", reader, 0))
     pm = run_pipeline(g, "fuse-lm-head-ce", explain=True)
     assert not pm.records[0].changed and not g.nodes_of_type("tied_lm_head_ce")
     assert sorted(e.dst for e in g.out_edges("lm_head")) == sorted(["loss", reader])

@@ -13,11 +13,11 @@ import pytest
 from conftest import ROOT, TINY
 from hardening_util import file_size_limit
 from vgraph import VGraphError, load, loads
-from vgraph.cli import main
-from vgraph.diagnostics import Diagnostic, SourceLoc, printable, quote
-from vgraph.fleet import FleetError, load_fleet, loads_fleet
-from vgraph.render import render_svg
-from vgraph.safeio import atomic_write, check_output, read_input
+from vgraph.base.diagnostics import Diagnostic, SourceLoc, printable, quote
+from vgraph.base.safeio import atomic_write, check_output, read_input
+from vgraph.cli.main import main
+from vgraph.cost.fleet import FleetError, load_fleet, loads_fleet
+from vgraph.report.render import render_svg
 
 FLEETS = ROOT / "networks" / "fleets"
 ONE_PNODE = "pnodes:\n  - {id: %s, memory: 64GiB, flops: 10T, bandwidth: 10GB/s}\n"
@@ -248,7 +248,7 @@ def test_command_outputs_get_the_umask_mode_not_0600(tmp_path: Path) -> None:
 
 
 def test_nothing_a_command_prints_can_drive_the_terminal(tmp_path: Path, capsys) -> None:
-    from vgraph.terminal import escape_controls
+    from vgraph.base.terminal import escape_controls
 
     net = tmp_path / "esc.yml"
     net.write_text(TINY.read_text().replace('colocate_group: "transformer_block_0"',

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from conftest import TINY
 from hardening_util import file_size_limit
-from vgraph.cli import main
+from vgraph.cli.main import main
 
 
 def test_export_on_a_full_disk_leaves_no_file(tmp_path: Path, capsys) -> None:

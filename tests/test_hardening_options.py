@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY
-from vgraph import options
-from vgraph.cli import main
+from vgraph.base import options
+from vgraph.cli.main import main
 
 BAD = {
     ("train", "--lr"): ["-1", "0", "nan", "inf", "-inf", "1e999", "x"],

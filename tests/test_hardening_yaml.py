@@ -9,7 +9,7 @@ import pytest
 
 from conftest import TINY
 from vgraph import VGraphError, load, loads
-from vgraph.cli import main
+from vgraph.cli.main import main
 from vgraph.yamlio.yaml_reader import MAX_ALIAS_EXPANSION
 
 

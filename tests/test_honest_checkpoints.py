@@ -17,8 +17,8 @@ import vgraph
 from conftest import TINY_FP32
 from vgraph.backends.torch import TrainConfig, TrainingError, load_trained, train
 from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.network_match import NetworkMismatch, difference, fingerprint
-from vgraph.pass_api import LOCAL_PASSES, Pass, register_pass
+from vgraph.run.network_match import NetworkMismatch, difference, fingerprint
+from vgraph.transform.pass_api import LOCAL_PASSES, Pass, register_pass
 
 
 class SwapGeluForRelu(Pass):
@@ -89,7 +89,7 @@ def test_check_onnx_refuses_the_original_network_and_accepts_the_stored_one(corp
     assert "block0_ffn_up.weight" in weights
     # a fused form of the stored network is the same network
     fused = stored.copy()
-    from vgraph.pipeline import run_pipeline
+    from vgraph.transform.pipeline import run_pipeline
 
     run_pipeline(fused, "fuse-heads,fuse-lm-head-ce")
     assert difference(stored, fused) is None and fingerprint(stored) == fingerprint(fused)

@@ -1,6 +1,6 @@
 """Every subcommand against hostile values for each of its options and arguments (issue 11, "Beyond the list").
 
-The table is built from the command line's own parsers (`vgraph.cli.build_parser`), so a new command or
+The table is built from the command line's own parsers (`vgraph.cli.main.build_parser`), so a new command or
 option is covered the day it is added: an option this file cannot classify fails
 `test_every_option_has_a_hostile_table`, which is the point.  Each case runs in-process and must end with
 exit status 2, a message on stderr, no traceback, no terminal escape, a bounded message, and nothing
@@ -18,7 +18,7 @@ from typing import Callable
 import pytest
 
 from conftest import TINY
-from vgraph.cli import build_parser, main
+from vgraph.cli.main import build_parser, main
 
 ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
 

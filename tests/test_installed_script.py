@@ -1,6 +1,6 @@
 """Every backend command through the installed `vgraph` script, as a user runs it.
 
-The other tests call `vgraph.cli.main` or the backends' functions in-process; a broken console-script
+The other tests call `vgraph.cli.main.main` or the backends' functions in-process; a broken console-script
 entry, a `vgraph.commands` entry point that no longer resolves, or an import that only fails in a fresh
 interpreter would pass them all.  Here each command (train, generate, launch, export-onnx, check-onnx,
 and optimize's --target, --dump-dir and --explain) runs in a subprocess of `.venv/bin/vgraph` on the

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vgraph import Edge, Endpoint, Graph, GraphError, TensorType, VGraphError, VNode, dumps, load, loads, verify
-from vgraph.builder import NetBuilder
+from vgraph.ir.builder import NetBuilder
 
 
 def small() -> Graph:
@@ -94,7 +94,8 @@ def test_remove_edge_and_node() -> None:
         g.remove_node("a")
     with pytest.raises(GraphError, match="still used by y"):
         g.remove_node("join")
-    g.outputs.clear()
+    for ep in g.outputs:
+        g.remove_endpoint("outputs", ep.name)
     g.remove_node("join")  # its own input edges go with it
     assert [str(e) for e in g.out_edges("a")] == []
     assert "join" not in g and len(g.edges) == 2
@@ -250,3 +251,131 @@ def test_loaded_graph_keeps_file_lines(tmp_path) -> None:
     e = g.input_edge("join", 1)
     assert text[e.loc.line - 1] == "  - {from: split, to: join, from_slot: 1, to_slot: 1}"
     assert str(g.node("a").loc) == f"{path}:{g.node('a').loc.line}"
+
+
+# -- every change through Graph: endpoints, rebuilt nodes, the bulk loader, lint --------------------------
+
+def test_endpoints_change_only_through_the_graph() -> None:
+    g = small()
+    with pytest.raises(TypeError):
+        g.endpoints["outputs"] = ()  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        g.outputs.append(Endpoint("z", "a", 0))  # type: ignore[attr-defined]
+    g.add_endpoint("outputs", Endpoint("z", "a", 0))
+    assert [ep.name for ep in g.outputs] == ["y", "z"]
+    moved = g.set_endpoint("outputs", "z", "b", 0)
+    assert (moved.node, moved.slot) == ("b", 0) and g.outputs[1] == moved
+    assert g.remove_endpoint("outputs", "z") == moved and [ep.name for ep in g.outputs] == ["y"]
+    with pytest.raises(KeyError, match="no output 'z'"):
+        g.set_endpoint("outputs", "z", "a", 0)
+    with pytest.raises(GraphError, match="unknown endpoint kind 'inputs'"):
+        g.add_endpoint("inputs", Endpoint("q", "a", 0))
+    with pytest.raises(TypeError, match="takes an Endpoint"):
+        g.add_endpoint("outputs", ("q", "a", 0))  # type: ignore[arg-type]
+
+
+def test_rebuild_node_keeps_id_and_order_and_drops_what_was_inferred() -> None:
+    g = small()
+    verify(g)
+    for e in g.in_edges("join") + g.out_edges("join"):
+        g.remove_edge(e)
+    with pytest.raises(GraphError, match="still has edges"):
+        g.rebuild_node("a", "relu")
+    g.nx  # built: the rebuild must keep it in step
+    order = [n.id for n in g.nodes]
+    new = g.rebuild_node("join", "relu", {"colocate_group": "x"}, meta={"k": 1})
+    assert [n.id for n in g.nodes] == order and g.node("join") is new
+    assert (new.type, new.config, new.meta, new.outputs, new.output_shapes) == ("relu", {"colocate_group": "x"},
+                                                                                 {"k": 1}, (), None)
+    assert new.cfg["colocate_group"] == "x"
+    g.lint()
+
+
+def test_bulk_loader_keeps_the_invariants() -> None:
+    g = Graph()
+    load = g.loader()
+    a = load.add_node(VNode("a", "relu"))
+    b = load.add_node(VNode("b", "relu"))
+    assert load.add_edge(Edge("a", 0, "b", 0), a, b) is None
+    busy = load.add_edge(Edge("a", 0, "b", 0), a, b)
+    assert busy == Edge("a", 0, "b", 0) and len(g.edges) == 1
+    with pytest.raises(GraphError, match="duplicate node id"):
+        load.add_node(VNode("a", "relu"))
+    g.lint()
+    assert g.input_edge("b", 0) == Edge("a", 0, "b", 0) and g.users("a") == [Edge("a", 0, "b", 0)]
+
+
+def test_adjacency_is_the_whole_use_def_structure_read_only() -> None:
+    g = small()
+    seen = {n.id: (dict(ins), {d: list(es) for d, es in users.items()}) for n, ins, users in g.adjacency()}
+    assert seen["join"][0] == {s: g.input_edge("join", s) for s in (0, 1)}
+    assert set(seen["a"][1]) == {e.dst for e in g.out_edges("a")}
+    _, ins, _ = next(g.adjacency())
+    with pytest.raises(TypeError):
+        ins[5] = None  # type: ignore[index]
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda g: g._in["join"].pop(0), "in the users table only"),
+    (lambda g: g._out["a"].clear(), "in the inputs table only"),
+    (lambda g: g._vnodes.__setitem__("a", VNode("other", "relu")), "stored under 'a'"),
+    (lambda g: g._endpoints.__setitem__("outputs", (Endpoint("y", "gone", 0),)), "reads unknown node 'gone'"),
+    (lambda g: g._endpoints.__setitem__("outputs", (Endpoint("y", "a", 0),) * 2), "not unique"),
+    (lambda g: g.nx.remove_edge("a", "join"), "networkx view's edges"),
+    (lambda g: g._in["join"].__setitem__(7, g._in["join"][0]), "stored in slot 7"),
+], ids=["input-without-user", "user-without-input", "wrong-id", "dangling-endpoint", "duplicate-endpoint",
+        "nx-out-of-step", "wrong-slot"])
+def test_lint_names_each_broken_invariant(corrupt, message) -> None:
+    g = small()
+    g.lint()
+    corrupt(g)
+    with pytest.raises(GraphError, match=message):
+        g.lint()
+
+
+def test_the_pass_manager_lints_after_every_pass_in_debug_mode(local_passes) -> None:
+    from vgraph.transform.pass_api import Pass, register_pass
+    from vgraph.transform.pipeline import PassManager
+
+    @register_pass
+    class Sneaky(Pass):
+        name = "sneaky"
+
+        def run(self, graph, ctx):
+            graph._out["a"].clear()  # around Graph's methods: the users table loses its edges
+
+    with pytest.raises(VGraphError, match="pass 'sneaky' broke the graph's use-def links"):
+        PassManager("sneaky", verify=False, debug=True).run(small())
+    PassManager("sneaky", verify=False, debug=False).run(small())  # not looked at outside debug mode
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["node", "edge", "unedge", "unnode", "endpoint", "move", "rebuild",
+                                           "replace"]),
+                          st.integers(0, 5), st.integers(0, 5), st.integers(0, 1)), max_size=40))
+def test_any_sequence_of_graph_methods_keeps_the_invariants(ops) -> None:
+    """Whatever a caller does through Graph's methods, refused or not, the storage stays consistent."""
+    g = Graph()
+    g.nx  # keep the networkx view in step from the start
+    for op, i, j, slot in ops:
+        a, b = f"n{i}", f"n{j}"
+        try:
+            if op == "node":
+                g.add_node(VNode(a, "add"))
+            elif op == "edge":
+                g.add_edge(a, 0, b, slot)
+            elif op == "unedge" and a in g and g.input_edge(a, slot):
+                g.remove_edge(g.input_edge(a, slot))
+            elif op == "unnode":
+                g.remove_node(a)
+            elif op == "endpoint" and a in g:
+                g.add_endpoint("outputs", Endpoint(f"out_{a}_{len(g.outputs)}", a, 0))
+            elif op == "move" and g.outputs and b in g:
+                g.set_endpoint("outputs", g.outputs[0].name, b, 0)
+            elif op == "rebuild":
+                g.rebuild_node(a, "relu")
+            elif op == "replace" and a in g and b in g:
+                g.replace_uses((a, 0), (b, 0))
+        except (GraphError, KeyError, nx.NetworkXError):
+            pass
+        g.lint()

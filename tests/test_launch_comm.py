@@ -16,7 +16,7 @@ from vgraph.backends.torch.data import default_corpus_documents
 from vgraph.backends.torch.distributed.comm_choice import CommChoice, choose_comm, worker_device
 from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
 from vgraph.backends.torch.distributed.worker import LAUNCH_DIR
-from vgraph.diagnostics import VGraphError
+from vgraph.base.diagnostics import VGraphError
 
 
 @pytest.mark.parametrize("device, workers, gpus, nccl, mode, want", [

@@ -1,14 +1,21 @@
-"""The layer contracts of `.importlinter` hold, and a violating import breaks them.
+"""The layer contracts of `.importlinter` hold, a violating import breaks them, and no import cycle exists.
 
-The core finds passes and backends through entry points and never imports them; passes are IR to IR
-and import no backend; the torch and ONNX backends use each other's package API only.  import-linter
-(run by tools/check_layers.py on the installed package layout) checks that on every suite run.
+The core is in layers (base < types < ops < plugins < ir < yamlio < cost | transform < placement < run < report
+< cli), finds passes and backends through entry points and never imports them, and imports no torch or onnx;
+passes are IR to IR and import no backend; the torch and ONNX backends use each other's package API only.
+import-linter (run by tools/check_layers.py on the installed package layout) checks that on every suite run;
+grimp's import graph shows the cycles no contract names.
 """
 from __future__ import annotations
 
+import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 from conftest import ROOT
@@ -18,12 +25,12 @@ from tools.check_layers import CONFIG, check, installed_layout
 def test_the_layer_contracts_are_kept() -> None:
     result = check()
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 4 kept, 0 broken." in result.stdout
+    assert "Contracts: 7 kept, 0 broken." in result.stdout
 
 
 def test_the_installed_layout_holds_the_mapped_packages(tmp_path: Path) -> None:
     layout = installed_layout(ROOT, tmp_path)
-    for module in ("vgraph/ir.py", "vgraph/passes/fuse_heads.py", "vgraph/backends/torch/kernels.py",
+    for module in ("vgraph/ir/graph.py", "vgraph/passes/fuse_heads.py", "vgraph/backends/torch/kernels.py",
                    "vgraph/backends/onnx/check.py"):
         assert (layout / module).is_file(), module
 
@@ -38,13 +45,23 @@ def _copy_of_sources(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("module, line, broken", [
-    ("vgraph/analyze.py", "from vgraph.passes import dead_nodes", "vgraph.analyze -> vgraph.passes.dead_nodes"),
-    ("vgraph/ir.py", "import vgraph.backends.torch", "vgraph.ir -> vgraph.backends.torch"),
+    ("vgraph/cost/analyze.py", "from vgraph.passes import dead_nodes",
+     "vgraph.cost.analyze -> vgraph.passes.dead_nodes"),
+    ("vgraph/ir/graph.py", "import vgraph.backends.torch", "vgraph.ir.graph -> vgraph.backends.torch"),
     ("passes/dead_nodes.py", "from vgraph.backends.onnx import lower",
      "vgraph.passes.dead_nodes -> vgraph.backends.onnx"),
     ("backends/onnx/cli.py", "from vgraph.backends.torch.kernels import swiglu",
      "vgraph.backends.onnx.cli -> vgraph.backends.torch.kernels"),
-], ids=["core-imports-a-pass", "core-imports-a-backend", "pass-imports-a-backend", "onnx-imports-torch-internals"])
+    ("vgraph/ir/verify.py", "from vgraph.report import render", "vgraph.ir.verify -> vgraph.report.render"),
+    ("vgraph/transform/pipeline.py", "from vgraph.cost import costmodel",
+     "vgraph.transform.pipeline -> vgraph.cost.costmodel"),
+    ("vgraph/cost/costmodel.py", "import torch", "vgraph.cost.costmodel -> torch"),
+    ("passes/precision.py", "import onnx", "vgraph.passes.precision -> onnx"),
+    ("backends/torch/train.py", "from benchmarks import handwritten_model",
+     "vgraph.backends.torch.train -> benchmarks"),
+], ids=["core-imports-a-pass", "core-imports-a-backend", "pass-imports-a-backend", "onnx-imports-torch-internals",
+        "ir-imports-the-report-layer", "transform-imports-its-independent-sibling", "core-imports-torch",
+        "pass-imports-onnx", "backend-imports-a-benchmark"])
 def test_a_violating_import_breaks_a_contract(tmp_path: Path, module: str, line: str, broken: str) -> None:
     root = _copy_of_sources(tmp_path)
     path = root / module
@@ -52,3 +69,44 @@ def test_a_violating_import_breaks_a_contract(tmp_path: Path, module: str, line:
     result = check(root, CONFIG)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "BROKEN" in result.stdout and broken in result.stdout, result.stdout
+
+
+def _import_graph(root: Path, tmp_path: Path) -> dict[str, set[str]]:
+    """Module -> the vgraph modules it imports (anywhere in the file), from grimp on the installed layout."""
+    layout = installed_layout(root, tmp_path / "layout")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import grimp; g = grimp.build_graph('vgraph'); "
+            "print(json.dumps({m: sorted(g.find_modules_directly_imported_by(m)) for m in g.modules}))")
+    out = subprocess.run([sys.executable, "-c", code, str(layout)], capture_output=True, text=True, check=True,
+                         cwd=tmp_path)
+    return {m: set(deps) for m, deps in json.loads(out.stdout).items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    g = nx.DiGraph((m, d) for m, deps in graph.items() for d in deps)
+    return [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+
+
+def test_no_import_cycle_anywhere(tmp_path: Path) -> None:
+    assert _cycles(_import_graph(ROOT, tmp_path)) == []
+
+
+def test_an_import_cycle_is_found(tmp_path: Path) -> None:
+    root = _copy_of_sources(tmp_path)
+    path = root / "vgraph/cost/fleet_links.py"
+    path.write_text(path.read_text(encoding="utf-8") + "\nfrom vgraph.cost import fleet  # a cycle\n",
+                    encoding="utf-8")
+    assert ["vgraph.cost.fleet", "vgraph.cost.fleet_links"] in _cycles(_import_graph(root, tmp_path))
+
+
+def test_nothing_outside_the_ir_touches_a_graphs_private_fields() -> None:
+    """`Graph` keeps the use-def links; code elsewhere changes and reads a graph only through its methods."""
+    private = re.compile(r"\.(_vnodes|_in|_out|_nx|_add|_link|_topo_ids|_topo_iter)\b")
+    offenders = []
+    for folder in ("vgraph", "passes", "backends", "tools", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.parent == ROOT / "vgraph" / "ir":
+                continue
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if private.search(line) and "graph" in line.lower():
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []

@@ -7,8 +7,8 @@ from math import ceil
 from hypothesis import given, strategies as st
 
 from conftest import NET12, ROOT, TINY
-from vgraph.cli import main
-from vgraph.max_batch import LIMIT, largest_batch
+from vgraph.cli.main import main
+from vgraph.cost.max_batch import LIMIT, largest_batch
 
 T4X1 = ROOT / "networks" / "fleets" / "t4x1.yml"
 T4X4 = ROOT / "networks" / "fleets" / "t4x4.yml"

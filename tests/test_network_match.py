@@ -1,12 +1,12 @@
-"""vgraph.network_match: when trained weights fit a network, and the message when they do not."""
+"""vgraph.run.network_match: when trained weights fit a network, and the message when they do not."""
 from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import vgraph
 from conftest import TINY, TINY_FP32
-from vgraph.network_match import NON_FUNCTIONAL, difference, fingerprint
-from vgraph.pipeline import run_pipeline
+from vgraph.run.network_match import NON_FUNCTIONAL, difference, fingerprint
+from vgraph.transform.pipeline import run_pipeline
 
 BASE = vgraph.load(TINY)
 

@@ -6,7 +6,7 @@ import pytest
 from conftest import NET6, NET8, NET12, PRODUCTION
 from tools import gen_networks
 from vgraph import dumps, load, loads
-from vgraph.analyze import analyze
+from vgraph.cost.analyze import analyze
 
 
 def test_checked_in_networks_equal_generator_output():

@@ -13,7 +13,7 @@ from vgraph import Graph, OpDef, VGraphError, VNode, register_op
 from vgraph.backends.onnx import (LOWERINGS, expected_param_shapes, lower_network, onnx_dims,
                                   register_lowering)
 from vgraph.backends.onnx.check import onnx_outputs, random_feeds, random_weights
-from vgraph.builder import NetBuilder
+from vgraph.ir.builder import NetBuilder
 
 from tests.conftest import NET6, NET8, TINY, TINY_FP32
 

@@ -22,7 +22,7 @@ from vgraph import REGISTRY, Graph, VGraphError
 from vgraph.backends.onnx import lower_network, value_name
 from vgraph.backends.onnx.check import check_network, onnx_outputs, random_feeds, random_weights
 from vgraph.backends.torch import kernels as K
-from vgraph.builder import NetBuilder
+from vgraph.ir.builder import NetBuilder
 
 RTOL, ATOL = 1e-4, 1e-5
 S, D, HD, V = 8, 16, 8, 24

@@ -10,14 +10,14 @@ from benchmarks.bench_partition import fleet, ilp_instances, tiny
 from conftest import NET8, ROOT
 from tools.gen_networks import TransformerSpec, synthetic, transformer
 from vgraph import Graph
-from vgraph.cli import main
-from vgraph.fleet import load_fleet
-from vgraph.passes.partition_ilp import solve_ilp
-from vgraph.partition_export import placement_report
-from vgraph.pass_api import PassError
+from vgraph.cli.main import main
+from vgraph.cost.fleet import load_fleet
 from vgraph.passes import partition as P
 from vgraph.passes import partition_solve
-from vgraph.pipeline import run_pipeline
+from vgraph.passes.partition_ilp import solve_ilp
+from vgraph.placement.export import placement_report
+from vgraph.transform.pass_api import PassError
+from vgraph.transform.pipeline import run_pipeline
 
 FLEETS = ROOT / "networks" / "fleets"
 BIG = 1 << 30

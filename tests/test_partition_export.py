@@ -9,11 +9,11 @@ import pytest
 from benchmarks.bench_partition import fleet, tiny
 from conftest import NET8, ROOT, TINY
 from vgraph import VGraphError, load
-from vgraph.cli import main
-from vgraph.fleet import load_fleet
-from vgraph.partition_export import (export_partition, find_exporter, load_parts, placement_report,
+from vgraph.cli.main import main
+from vgraph.cost.fleet import load_fleet
+from vgraph.placement.export import (export_partition, find_exporter, load_parts, placement_report,
                                      split_network, stitch)
-from vgraph.pipeline import run_pipeline
+from vgraph.transform.pipeline import run_pipeline
 
 FLEETS = ROOT / "networks" / "fleets"
 BIG = 1 << 30
@@ -102,7 +102,8 @@ def test_stitch_refuses_a_receive_without_its_send():
     assert len(parts) == 2
     pid, part = next((p, g) for p, g in parts.items() if g.nodes_of_type("send"))
     send = part.nodes_of_type("send")[0]
-    part.endpoints["outputs"] = [ep for ep in part.outputs if ep.node != send.id]
+    for ep in [ep for ep in part.outputs if ep.node == send.id]:
+        part.remove_endpoint("outputs", ep.name)
     part.remove_edge(part.input_edge(send.id, 0))
     part.remove_node(send.id)
     with pytest.raises(VGraphError, match="has no matching send"):

@@ -12,15 +12,15 @@ from hypothesis import strategies as st
 from conftest import ROOT
 from tools.gen_fleet import heterogeneous, to_yaml
 from tools.gen_networks import TransformerSpec, transformer
-from vgraph.cli import main
-from vgraph.costmodel import cost_model
-from vgraph.fleet import Fleet, PNode
-from vgraph.partition_export import placement_report
-from vgraph.pass_api import PassError
+from vgraph.cli.main import main
+from vgraph.cost.costmodel import cost_model
+from vgraph.cost.fleet import Fleet, PNode
 from vgraph.passes.partition import plan_partition
 from vgraph.passes.partition_problem import PartitionError
 from vgraph.passes.partition_replicas import parse_replicas, plan_replicas
-from vgraph.pipeline import run_pipeline
+from vgraph.placement.export import placement_report
+from vgraph.transform.pass_api import PassError
+from vgraph.transform.pipeline import run_pipeline
 from vgraph.yamlio import load, save
 
 GIB = 2 ** 30
@@ -187,7 +187,7 @@ def test_analyze_shows_the_plan(held_out, weak8, tmp_path, capsys):
 
 
 def test_replicated_parts_stitch_back_to_the_network(held_out, weak8, tmp_path):
-    from vgraph.partition_export import export_partition, load_parts, stitch
+    from vgraph.placement.export import export_partition, load_parts, stitch
 
     g = held_out.copy()
     run_pipeline(g, "partition{batch=8,micro_batches=8}", data={"fleet": weak8})
@@ -209,7 +209,7 @@ def test_analyze_says_when_no_plan_fits(tmp_path, capsys):
 
 def test_gen_fleet_writes_a_fleet_and_refuses_bad_arguments(tmp_path, capsys):
     from tools.gen_fleet import main as gen_main
-    from vgraph.fleet import load_fleet
+    from vgraph.cost.fleet import load_fleet
 
     out = tmp_path / "world.yml"
     assert gen_main(["16", "-o", str(out), "--world", "--seed", "2"]) == 0

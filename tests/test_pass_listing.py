@@ -9,12 +9,12 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY
-from vgraph.pass_api import Pass, PassError, register_pass
-from vgraph.pass_listing import listing
-from vgraph.pipeline import build_pipeline, order_pipeline, run_pipeline
+from vgraph.cli.pass_listing import listing
+from vgraph.transform.pass_api import Pass, PassError, register_pass
+from vgraph.transform.pipeline import build_pipeline, order_pipeline, run_pipeline
 
 PLUGIN = '''
-from vgraph.pass_api import Option, Pass, register_pass
+from vgraph.transform.pass_api import Option, Pass, register_pass
 
 @register_pass
 class Tidy(Pass):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from vgraph.pass_api import Pass, register_pass
-from vgraph.pipeline import SEMANTIC_CHANGES, available_passes, fingerprint, run_pipeline, semantic_changes
+from vgraph.transform.pass_api import Pass, register_pass
+from vgraph.transform.pipeline import SEMANTIC_CHANGES, available_passes, fingerprint, run_pipeline, semantic_changes
 
 BUILTIN = ["dead-nodes", "precision", "fuse-heads", "fuse-lm-head-ce", "partition"]
 

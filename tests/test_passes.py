@@ -10,9 +10,9 @@ from hypothesis import given, settings, strategies as st
 from conftest import NET6, NET8, TINY
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph import dumps, load, loads
-from vgraph.diagnostics import VGraphError
-from vgraph.layout import param_sources, to_graph_layout, to_unfused_layout
-from vgraph.pipeline import DEFAULT_PIPELINE, run_pipeline
+from vgraph.base.diagnostics import VGraphError
+from vgraph.run.layout import param_sources, to_graph_layout, to_unfused_layout
+from vgraph.transform.pipeline import DEFAULT_PIPELINE, run_pipeline
 
 BUILTIN = ["dead-nodes", "precision", "fuse-heads", "fuse-lm-head-ce"]
 
@@ -105,7 +105,7 @@ def test_lm_head_fusion_refuses_when_logits_feed_another_node():
     g = load(TINY)
     g.add_node(type(g.nodes[0])("probe", "relu"))
     g.add_edge("lm_head", 0, "probe", 0)
-    g.outputs.append(type(g.outputs[0])("probe_out", "probe", 0))
+    g.add_endpoint("outputs", type(g.outputs[0])("probe_out", "probe", 0))
     pm = run_pipeline(g, "fuse-lm-head-ce", explain=True)
     assert types(g)["cost"] == 1
     assert any("also feed 'probe'" in x for x in pm.ctx.explanations)

@@ -7,11 +7,11 @@ import pytest
 
 from conftest import TINY
 from vgraph import load
-from vgraph.diagnostics import VGraphError
-from vgraph.ir import VNode
-from vgraph.pass_api import Option, Pass, PassContext, PassError, register_pass
-from vgraph.pipeline import PassManager, build_pipeline, order_pipeline, parse_pipeline, run_pipeline
-from vgraph.rewrite import Each, P, match
+from vgraph.base.diagnostics import VGraphError
+from vgraph.ir.graph import VNode
+from vgraph.transform.pass_api import Option, Pass, PassContext, PassError, register_pass
+from vgraph.transform.pipeline import PassManager, build_pipeline, order_pipeline, parse_pipeline, run_pipeline
+from vgraph.transform.rewrite import Each, P, match
 
 
 pytestmark = pytest.mark.usefixtures("local_passes")  # passes a test registers are forgotten after it

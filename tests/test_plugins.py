@@ -74,7 +74,7 @@ def test_installed_plugin_is_listed_by_passes_and_ops(geglu_site):
 
 
 def test_validate_and_ops_import_neither_torch_nor_onnx(geglu_site, geglu_net):
-    probe = ("import sys\nfrom vgraph.cli import main\n"
+    probe = ("import sys\nfrom vgraph.cli.main import main\n"
              "rc = [main(['validate', {net!r}]), main(['ops', '--json']), main(['passes'])]\n"
              "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'onnx', 'onnxruntime'))\n"
              "print('RESULT', rc, heavy)\n").format(net=str(geglu_net))
@@ -103,8 +103,8 @@ def test_every_network_command_loads_installed_ops(geglu_site, geglu_net, tmp_pa
 LOCAL = '''
 from collections import Counter
 from vgraph.ops import OpDef, register_op
-from vgraph.pass_api import Pass, register_pass
 from vgraph.plugins import lowering
+from vgraph.transform.pass_api import Pass, register_pass
 
 register_op(OpDef("double", "activation", "2 x"))
 
@@ -251,7 +251,7 @@ def test_an_installed_op_plugin_that_exits_is_named(tmp_path):
 # -- passes that shadow a built-in, raise or return nonsense ---------------------------------------------
 
 SHADOW = '''
-from vgraph.pass_api import Pass, register_pass
+from vgraph.transform.pass_api import Pass, register_pass
 
 @register_pass
 class MyPrecision(Pass):
@@ -288,7 +288,7 @@ def test_an_explicit_override_is_announced_on_every_run(tmp_path):
 
 
 BAD_PASS = '''
-from vgraph.pass_api import Pass, register_pass
+from vgraph.transform.pass_api import Pass, register_pass
 
 @register_pass
 class Bad(Pass):

@@ -21,10 +21,10 @@ from hypothesis import strategies as st
 
 from conftest import TINY, TINY_FP32
 from vgraph import REGISTRY, Graph, VGraphError, dumps, loads, verify
-from vgraph.builder import NetBuilder
-from vgraph.diagnostics import DiagnosticSink
+from vgraph.base.diagnostics import DiagnosticSink
+from vgraph.ir.builder import NetBuilder
+from vgraph.ir.verify import id_problem
 from vgraph.ops.schema import COMMON_FIELDS, PRECISIONS, ConfigError, Field
-from vgraph.verify import id_problem
 from vgraph.yamlio import NETWORK_KEYS
 from vgraph.yamlio.build import Builder
 from vgraph.yamlio.fast_reader import read_fast
@@ -309,7 +309,7 @@ def test_fast_reader_rejects_texts_outside_its_layout() -> None:
 
 # -- generated valid networks round-trip ------------------------------------------------
 
-# Valid ids (vgraph.verify.id_problem): printable unicode, including quotes, '#', ':' and inner spaces.
+# Valid ids (vgraph.ir.verify.id_problem): printable unicode, including quotes, '#', ':' and inner spaces.
 IDS = st.text(alphabet=st.characters(whitelist_categories=("L", "M", "N", "P", "S")), min_size=1, max_size=10)
 
 

@@ -1,4 +1,4 @@
-"""The remat pass, its shared cost model (vgraph/remat.py) and its exact ILP oracle."""
+"""The remat pass, its shared cost model (vgraph/cost/remat.py) and its exact ILP oracle."""
 from __future__ import annotations
 
 import math
@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import NET12, TINY
 from vgraph import dumps, load, loads
-from vgraph.costmodel import cost_model
-from vgraph.diagnostics import VGraphError
-from vgraph.pass_api import PassContext, PassError
+from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.costmodel import cost_model
+from vgraph.cost.remat import RECOMPUTE, is_marked, marked_ids, remat_cost, remat_layout
 from vgraph.passes.remat import Remat, RematScope, parse_budget, plain_activation, plan_scope, scopes_of
 from vgraph.passes.remat_ilp import solve_remat_ilp
-from vgraph.pipeline import run_pipeline
-from vgraph.remat import RECOMPUTE, is_marked, marked_ids, remat_cost, remat_layout
+from vgraph.transform.pass_api import PassContext, PassError
+from vgraph.transform.pipeline import run_pipeline
 
 
 def prepared(passes="dead-nodes,precision"):
@@ -70,7 +70,7 @@ def test_bad_batch_options_are_refused(opt):
 
 
 def test_cli_refuses_a_bad_budget_with_exit_2(tmp_path, capsys):
-    from vgraph.cli import main
+    from vgraph.cli.main import main
 
     code = main(["optimize", str(TINY), "-o", str(tmp_path / "o.yml"), "--passes", "remat{budget=lots}"])
     err = capsys.readouterr().err
@@ -240,7 +240,7 @@ def test_auto_budget_reads_the_device_memory_a_backend_gives():
 
 
 def test_host_memory_is_known_here():
-    from vgraph.host_memory import available_host_memory
+    from vgraph.cost.host_memory import available_host_memory
 
     found, source = available_host_memory()
     assert found is None or found > 0

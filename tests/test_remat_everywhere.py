@@ -5,14 +5,14 @@ import pytest
 
 from conftest import TINY
 from vgraph import load
-from vgraph.costmodel import cost_model
-from vgraph.fleet import Fleet, PNode
-from vgraph.partition_export import export_partition, load_parts
-from vgraph.pass_api import PassContext
+from vgraph.cost.costmodel import cost_model
+from vgraph.cost.fleet import Fleet, PNode
+from vgraph.cost.remat import RECOMPUTE, candidates, closed, marked_ids, plain_activation, remat_cost, remat_layout
 from vgraph.passes.partition import Partition, PartitionError
-from vgraph.pipeline import run_pipeline
-from vgraph.remat import RECOMPUTE, candidates, closed, marked_ids, plain_activation, remat_cost, remat_layout
-from vgraph.render import to_dot
+from vgraph.placement.export import export_partition, load_parts
+from vgraph.report.render import to_dot
+from vgraph.transform.pass_api import PassContext
+from vgraph.transform.pipeline import run_pipeline
 
 
 def tiny_graph():

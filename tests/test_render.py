@@ -10,10 +10,10 @@ import pytest
 from browser_util import colour_mask, ink, screenshot
 from conftest import NET8, ROOT
 from vgraph import VGraphError, load
-from vgraph.cli import main
-from vgraph.fleet import load_fleet
-from vgraph.pipeline import run_pipeline
-from vgraph.render import CATEGORY_COLORS, render_svg, to_dot
+from vgraph.cli.main import main
+from vgraph.cost.fleet import load_fleet
+from vgraph.report.render import CATEGORY_COLORS, render_svg, to_dot
+from vgraph.transform.pipeline import DumpInstrument, run_pipeline
 
 FLEETS = ROOT / "networks" / "fleets"
 
@@ -85,7 +85,7 @@ def test_cli_render_and_pass_dumps(tmp_path: Path, capsys):
     assert "clusters by pnode" in capsys.readouterr().out
     svg = html.unescape(out.read_text())  # Graphviz writes '-' as &#45;
     assert "PNode t4-" in svg and "fused from 8" in svg
-    run_pipeline(load(NET8), "dead-nodes", dump_dir=tmp_path / "dump")
+    run_pipeline(load(NET8), "dead-nodes", instruments=[DumpInstrument(tmp_path / "dump", draw=render_svg)])
     assert (tmp_path / "dump" / "01_dead-nodes.svg").read_text().count('class="node"') == 183
 
 

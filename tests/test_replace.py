@@ -1,12 +1,13 @@
-"""Declarative replacement (vgraph.replace): use-def links stay consistent, nothing read from outside is orphaned."""
+"""Declarative replacement (vgraph.transform.replace): use-def links stay consistent, nothing read from outside is
+orphaned."""
 from __future__ import annotations
 
 import networkx as nx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from vgraph.ir import Endpoint, Graph, VNode
-from vgraph.replace import NewNode, Reject, ReplaceError, fused, reads, rebuilt, replace
+from vgraph.ir.graph import Endpoint, Graph, VNode
+from vgraph.transform.replace import NewNode, Reject, ReplaceError, fused, reads, rebuilt, replace
 
 
 # -- random DAGs ------------------------------------------------------------------------------
@@ -23,7 +24,7 @@ def dags(draw):
             if i and draw(st.booleans()):
                 g.add_edge(f"n{draw(st.integers(0, i - 1))}", 0, f"n{i}", slot)
     for k in range(draw(st.integers(0, 3))):
-        g.outputs.append(Endpoint(f"out{k}", f"n{draw(st.integers(0, n - 1))}", 0))
+        g.add_endpoint("outputs", Endpoint(f"out{k}", f"n{draw(st.integers(0, n - 1))}", 0))
     old = draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n).map(sorted))
     mapped = draw(st.booleans())  # map every outside reader, or a random subset
     keep = draw(st.sets(st.sampled_from([f"n{i}" for i in old])))
@@ -128,7 +129,7 @@ def chain() -> Graph:
         g.add_node(VNode(name, "relu"))
     g.add_edge("a", 0, "b", 0)
     g.add_edge("b", 0, "c", 0)
-    g.outputs.append(Endpoint("y", "c", 0))
+    g.add_endpoint("outputs", Endpoint("y", "c", 0))
     return g
 
 
@@ -145,7 +146,7 @@ def test_an_outside_reader_of_a_removed_node_is_refused():
 
 def test_an_endpoint_reading_a_removed_node_is_refused():
     g = chain()
-    g.outputs.append(Endpoint("mid", "b", 0))
+    g.add_endpoint("outputs", Endpoint("mid", "b", 0))
     new = NewNode("relu", "bc", {}, [reads("b", 0)])
     assert replace(g, ["b", "c"], [new], {"c": new[0]}) == Reject("'b' is read by 'mid'")
     assert [ep.node for ep in g.outputs] == ["c", "b"]

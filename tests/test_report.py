@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import FIXTURES
-from vgraph.cli import main
-from vgraph.report import build_report, read_run, write_report
-from vgraph.report_charts import Series, line_chart, nice_ticks, tick_labels
+from vgraph.cli.main import main
+from vgraph.report.charts import Series, line_chart, nice_ticks, tick_labels
+from vgraph.report.page import build_report, read_run, write_report
 
 TINY = FIXTURES / "tiny_2l.yml"
 
@@ -248,9 +248,9 @@ def test_html_and_control_characters_from_the_run_are_escaped(tmp_path: Path) ->
 def test_a_node_id_with_markup_is_drawn_as_text(tmp_path: Path) -> None:
     """Node ids reach the page through Graphviz's SVG: it is rebuilt from an allowlist, so markup stays text."""
     from vgraph import load
-    from vgraph.report import RunRecord
-    from vgraph.render import render_svg
-    from vgraph.svg_embed import embeddable_svg
+    from vgraph.report.page import RunRecord
+    from vgraph.report.render import render_svg
+    from vgraph.report.svg_embed import embeddable_svg
 
     graph = load(TINY)
     graph.name = HOSTILE

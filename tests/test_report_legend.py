@@ -7,7 +7,7 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vgraph.report_charts import Series, line_chart
+from vgraph.report.charts import Series, line_chart
 
 WIDTH = 560
 

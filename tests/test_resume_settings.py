@@ -83,7 +83,7 @@ def test_optimizer_moments_split_and_join_like_the_weights() -> None:
     layout exactly as the weights are (`to_unfused_layout`), and joined back; scalars are copied."""
     from vgraph.backends.torch.lower import init_state, to_unfused_layout
     from vgraph.backends.torch.run_checkpoints import optimizer_state_to_unfused
-    from vgraph.pipeline import run_pipeline
+    from vgraph.transform.pipeline import run_pipeline
 
     graph = load(TINY)
     run_pipeline(graph, "fuse-heads,fuse-lm-head-ce")

@@ -7,11 +7,11 @@ import sys
 import pytest
 
 from conftest import ROOT, TINY
-from vgraph.diagnostics import VGraphError
-from vgraph.pass_api import Option, PassContext, PassError, register_pass
-from vgraph.pipeline import build_pipeline, run_pipeline
-from vgraph.replace import NewNode
-from vgraph.rewrite import P, RewritePass, Rule, RuleContext, RuleError, RuleSet, match, reads, replace
+from vgraph.base.diagnostics import VGraphError
+from vgraph.transform.pass_api import Option, PassContext, PassError, register_pass
+from vgraph.transform.pipeline import build_pipeline, run_pipeline
+from vgraph.transform.replace import NewNode
+from vgraph.transform.rewrite import P, RewritePass, Rule, RuleContext, RuleError, RuleSet, match, reads, replace
 
 
 pytestmark = pytest.mark.usefixtures("local_passes")  # passes a test registers are forgotten after it
@@ -124,8 +124,8 @@ def test_choices_are_checked():
 
 
 PLUGIN = '''
-from vgraph.pass_api import Option, register_pass
-from vgraph.rewrite import P, RewritePass, Rule
+from vgraph.transform.pass_api import Option, register_pass
+from vgraph.transform.rewrite import P, RewritePass, Rule
 
 def broken(graph, m, ctx):
     return {}[ctx.opts["key"]]

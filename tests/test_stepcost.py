@@ -1,4 +1,4 @@
-"""The S x R step cost model (vgraph/stepcost.py): hand-computed cases, agreement with the partition
+"""The S x R step cost model (vgraph/cost/stepcost.py): hand-computed cases, agreement with the partition
 pass's objective, ring all-reduce bytes, batch shares (optimal by brute force), region links."""
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import ROOT
-from vgraph.costmodel import cost_model
-from vgraph.fleet import Fleet, PNode, load_fleet
-from vgraph.fleet_links import Links, Region
+from vgraph.cost.costmodel import cost_model
+from vgraph.cost.fleet import Fleet, PNode, load_fleet
+from vgraph.cost.fleet_links import Links, Region
+from vgraph.cost.stepcost import (FleetArrays, StageLoads, batch_shares, resident_array, resident_samples,
+                                  ring_allreduce_bytes, stage_loads, step_cost, step_cost_of)
 from vgraph.passes.partition import plan_partition
-from vgraph.stepcost import (FleetArrays, StageLoads, batch_shares, resident_array, resident_samples,
-                             ring_allreduce_bytes, stage_loads, step_cost, step_cost_of)
 
 GIB = 2 ** 30
 

@@ -15,7 +15,7 @@ from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import prepare_graph
 from vgraph.backends.torch.distributed.launch import place, split_pipeline
 from vgraph.backends.torch.graph_breaks import explain_program, stage_breaks, training_breaks
-from vgraph.fleet import loads_fleet
+from vgraph.cost.fleet import loads_fleet
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # cpu: float32; cuda-sm80: bf16 autocast; cuda-sm75: fp16 autocast (+ loss scaling outside the graph).

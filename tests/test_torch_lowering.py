@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import vgraph
 from vgraph import OpDef, register_op
-from vgraph.builder import NetBuilder
+from vgraph.ir.builder import NetBuilder
 from vgraph.ops import REGISTRY
 
 from conftest import TINY_FP32

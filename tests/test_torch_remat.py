@@ -10,9 +10,9 @@ from vgraph.backends.torch import compile_network, prepare_graph
 from vgraph.backends.torch.dropout import dropout_key
 from vgraph.backends.torch.train import train
 from vgraph.backends.torch.train_config import TrainConfig
-from vgraph.costmodel import cost_model
+from vgraph.cost.costmodel import cost_model
+from vgraph.cost.remat import RECOMPUTE, marked_ids
 from vgraph.passes.remat import candidates, closed, plain_activation, scopes_of
-from vgraph.remat import RECOMPUTE, marked_ids
 
 FUSED = "dead-nodes,precision,fuse-heads,fuse-lm-head-ce"
 UNFUSED = "dead-nodes,precision"

@@ -114,8 +114,8 @@ def test_per_vnode_optimizers_and_learning_rates(tmp_path) -> None:
 
 def test_metrics_entries_follow_the_schedule(tmp_path, corpus) -> None:
     graph = vgraph.load(TINY_FP32)
-    graph.metrics.append(Endpoint("ffn_up_grad_norm", "block0_ffn_up", 0, "grad_norm"))
-    graph.metrics.append(Endpoint("train_loss", "loss", 0, "loss"))
+    graph.add_endpoint("metrics", Endpoint("ffn_up_grad_norm", "block0_ffn_up", 0, "grad_norm"))
+    graph.add_endpoint("metrics", Endpoint("train_loss", "loss", 0, "loss"))
     config = TrainConfig(network=graph, data=corpus, steps=6, batch=2, lr=1e-3, warmup=4, schedule="cosine",
                          grad_clip=1.0, val_every=0, out=tmp_path / "run", progress=False)
     result = train(config)

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import TINY_FP32
 from vgraph import VGraphError, load, loads
-from vgraph.cli import main
+from vgraph.cli.main import main
 from vgraph.yamlio.loading import read_network
 
 BASE = TINY_FP32.read_text()

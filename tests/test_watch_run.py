@@ -15,9 +15,9 @@ import pytest
 from browser_util import colour_mask, ink, screenshot
 from conftest import FIXTURES
 from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.cli import main
-from vgraph.report import LOSS_COLOR, PNODE_COLORS, THROUGHPUT_COLOR, VAL_COLOR
-from vgraph.render import CATEGORY_COLORS, CUT_COLOR, FUSED_COLOR
+from vgraph.cli.main import main
+from vgraph.report.page import LOSS_COLOR, PNODE_COLORS, THROUGHPUT_COLOR, VAL_COLOR
+from vgraph.report.render import CATEGORY_COLORS, CUT_COLOR, FUSED_COLOR
 
 TINY = FIXTURES / "tiny_2l.yml"
 STEPS = 6

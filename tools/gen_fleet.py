@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vgraph.fleet import Fleet, PNode
-from vgraph.fleet_links import Links, Region
+from vgraph.cost.fleet import Fleet, PNode
+from vgraph.cost.fleet_links import Links, Region
 
 GIB = 2 ** 30
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
@@ -89,7 +89,7 @@ def heterogeneous(n: int, *, seed: int = 0, world: bool = False, name: str | Non
 
 
 def to_yaml(fleet: Fleet) -> str:
-    """The fleet in the fleet-spec format (vgraph/fleet.py, vgraph/fleet_links.py)."""
+    """The fleet in the fleet-spec format (vgraph/cost/fleet.py, vgraph/cost/fleet_links.py)."""
     lines = [f"name: {fleet.name}"]
     if fleet.links.regions:
         lines.append("regions:")

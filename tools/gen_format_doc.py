@@ -152,7 +152,7 @@ def section_precisions() -> str:
 
 
 def section_metric_types() -> str:
-    from vgraph.verify import METRIC_TYPES
+    from vgraph.ir.verify import METRIC_TYPES
 
     return ", ".join(f"`{t}`" for t in METRIC_TYPES if t is not None) + "\n"
 
@@ -170,8 +170,8 @@ def section_type_names() -> str:
 
 def section_limits() -> str:
     """The sizes past which input is refused, from the constants that enforce them."""
-    from vgraph.safeio import MAX_INPUT_BYTES
-    from vgraph.verify import MAX_ID_CHARS
+    from vgraph.base.safeio import MAX_INPUT_BYTES
+    from vgraph.ir.verify import MAX_ID_CHARS
     from vgraph.yamlio.yaml_reader import MAX_ALIAS_EXPANSION
 
     rows = ["| what | at most |", "|---|---|",
@@ -218,7 +218,7 @@ def render(text: str) -> tuple[str, list[str]]:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    from vgraph.safeio import atomic_write  # the one atomic writer: keeps the document's mode
+    from vgraph.base.safeio import atomic_write  # the one atomic writer: keeps the document's mode
 
     atomic_write(path, text)
 

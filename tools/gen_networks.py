@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from vgraph.builder import NetBuilder
-from vgraph.ir import Graph
+from vgraph.ir.builder import NetBuilder
+from vgraph.ir.graph import Graph
 from vgraph.yamlio import dumps
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -72,7 +72,7 @@ TARGETS: dict[str, Target] = {
         keywords=("flops", "params", "tied_params", "param_sources"),
         why="parameter and FLOP rules: analyze, the cost model and the partitioner read them"),
     "costmodel": Target(
-        "vgraph/costmodel.py", ("tests/test_costmodel.py", "tests/test_costmodel_oracle.py",
+        "vgraph/cost/costmodel.py", ("tests/test_costmodel.py", "tests/test_costmodel_oracle.py",
                                 "tests/test_flop_oracle.py"),
         why="memory and traffic per PNode: what fits where"),
     "fuse-heads": Target(
@@ -86,7 +86,7 @@ TARGETS: dict[str, Target] = {
                                       "-k", "not six_layer"),
         timeout=300.0, why="the fused loss rewrite"),
     "layout": Target(
-        "vgraph/layout.py", ("tests/test_passes.py", "tests/test_torch_equivalence.py", "-k", "not six_layer"),
+        "vgraph/run/layout.py", ("tests/test_passes.py", "tests/test_torch_equivalence.py", "-k", "not six_layer"),
         timeout=300.0, why="weights between fused and unfused layouts: checkpoints go through it"),
     "kernels-ce": Target(
         "backends/torch/kernels.py",

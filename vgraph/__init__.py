@@ -5,12 +5,12 @@ analysis, the pass manager and plugin discovery.  Built-in passes live in
 `vgraph.passes` and backends in `vgraph.backends`; both depend on the core,
 never the reverse.
 """
-from .diagnostics import Diagnostic, SourceLoc, VGraphError
-from .ir import Edge, Endpoint, Graph, GraphError, VNode
-from .ops import REGISTRY, OpDef, get_op, register_op
-from .types import ShapeError, TensorType
-from .verify import verify
-from .yamlio import dumps, load, loads, save
+from vgraph.base.diagnostics import Diagnostic, SourceLoc, VGraphError
+from vgraph.ir.graph import Edge, Endpoint, Graph, GraphError, VNode
+from vgraph.ir.verify import verify
+from vgraph.ops import REGISTRY, OpDef, get_op, register_op
+from vgraph.types import ShapeError, TensorType
+from vgraph.yamlio import dumps, load, loads, save
 
 __version__ = "0.1.0"
 __all__ = ["Diagnostic", "SourceLoc", "VGraphError", "Edge", "Endpoint", "Graph", "GraphError", "VNode",

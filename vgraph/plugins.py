@@ -36,7 +36,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
-from .diagnostics import Diagnostic, VGraphError
+from vgraph.base.diagnostics import Diagnostic, VGraphError
 
 BUILTIN = "vgraph"  # the distribution whose entry points are the built-ins
 BACKENDS = ("torch", "onnx")
@@ -139,7 +139,7 @@ def discover_groups(prefix: str) -> dict[str, list[Plugin]]:
 
 def _defining_ops(who: str, doing: str, origin: str, fn: Callable[[], R]) -> R:
     """Run `fn` (plugin code); every op type it registers is recorded as defined by `origin`."""
-    from .ops import REGISTRY
+    from vgraph.ops import REGISTRY
 
     before = {op.name for op in REGISTRY}
     result = guarded(who, doing, fn)
@@ -244,7 +244,7 @@ def lowering(backend: str, *ops: str) -> Callable[[F], F]:
 
 
 def _canonical(op: str) -> str:
-    from .ops import REGISTRY
+    from vgraph.ops import REGISTRY
 
     return REGISTRY.canonical(op) or op
 

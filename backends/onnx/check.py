@@ -145,13 +145,13 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
 
     With ``graph`` given, a checkpoint that carries its network (every one
     ``vgraph train`` writes) is refused unless it was trained on that network
-    (``vgraph.network_match``; ``given`` names it in the message), so weights
+    (``vgraph.run.network_match``; ``given`` names it in the message), so weights
     never silently describe another function.
 
     ``path`` is a checkpoint directory, a run directory (its ``latest``) or a
     ``.safetensors`` file.  Checkpoints store the unfused layout; with
     ``graph`` given, the weights come back in that graph's layout (a fused
-    ``attention`` gets the concatenation of its heads', see ``vgraph.layout``).
+    ``attention`` gets the concatenation of its heads', see ``vgraph.run.layout``).
     """
     import torch
     from safetensors import SafetensorError
@@ -176,7 +176,7 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
         raise VGraphError(f"{p}: cannot read checkpoint: {exc}") from None
     if graph is not None and trained_yaml:  # the checkpoint says what it was trained on: it must be `graph`
         from vgraph import loads
-        from vgraph.network_match import require_match
+        from vgraph.run.network_match import require_match
 
         trained = loads(trained_yaml, file=f"{p}/network.yml")
         require_match(trained, graph, checkpoint=str(p), given_label=given or f"network {graph.name!r}",
@@ -184,8 +184,7 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
     weights = {k: v.detach().to(torch.float32).cpu().numpy() for k, v in state.items()}
     if graph is None or set(expected_param_shapes(graph)) <= set(weights):
         return weights
-    from vgraph import layout
-
+    from vgraph.run import layout
     return layout.to_graph_layout(weights, graph, lambda parts: np.concatenate(parts, axis=0))
 
 
@@ -226,8 +225,7 @@ def _compile(graph: Graph, seed: int, weights: Mapping[str, np.ndarray] | None =
     """
     import torch
 
-    from vgraph import layout
-
+    from vgraph.run import layout
     unfused = None
     if weights is not None:
         _check_weight_keys(graph, weights)

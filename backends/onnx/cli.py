@@ -15,9 +15,9 @@ import os
 import sys
 from pathlib import Path
 
-from vgraph import options
-from vgraph.diagnostics import VGraphError
-from vgraph.safeio import atomic_write, check_output
+from vgraph.base import options
+from vgraph.base.diagnostics import VGraphError
+from vgraph.base.safeio import atomic_write, check_output
 
 #: Above this a model is written with its tensors in a side file: protobuf
 #: cannot serialise a message of 2 GiB or more.
@@ -25,8 +25,8 @@ EXTERNAL_DATA_BYTES = 1_800_000_000
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    from vgraph import options
-    from vgraph.cli import add_plugin_option
+    from vgraph.base import options
+    from vgraph.cli.main import add_plugin_option
 
     p.add_argument("file", metavar="FILE", type=options.path, help="network YAML")
     p.add_argument("--checkpoint", metavar="CKPT", type=options.path,
@@ -52,8 +52,7 @@ def register_check(subparsers: argparse._SubParsersAction) -> None:
                               help="run the torch backend and onnxruntime on the same random inputs; "
                                    "compare every output")
     _common(p)
-    from vgraph import options
-
+    from vgraph.base import options
     p.add_argument("--batch", type=options.positive_int, default=1, help="batch size of the random inputs (default 1)")
     p.add_argument("--rtol", type=options.non_negative_float, default=None, help="relative tolerance (default 1e-4)")
     p.add_argument("--atol", type=options.non_negative_float, default=None, help="absolute tolerance (default 1e-5)")
@@ -63,9 +62,9 @@ def register_check(subparsers: argparse._SubParsersAction) -> None:
 def _graph(args: argparse.Namespace):
     import vgraph
 
-    graph = vgraph.load(args.file)  # plugins are loaded: `vgraph.cli.run_parser` does it for every command
+    graph = vgraph.load(args.file)  # plugins are loaded: `vgraph.cli.main.run_parser` does it for every command
     if args.passes:
-        from vgraph.pipeline import run_pipeline
+        from vgraph.transform.pipeline import run_pipeline
 
         run_pipeline(graph, args.passes)
     return graph
@@ -154,7 +153,7 @@ def _check(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m vgraph.backends.onnx.cli {export-onnx,check-onnx} ...`` without the entry points."""
-    from vgraph.cli import run_commands
+    from vgraph.cli.main import run_commands
 
     return run_commands([register_export, register_check], argv, prog="python -m vgraph.backends.onnx.cli")
 

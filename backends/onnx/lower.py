@@ -42,7 +42,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from vgraph import Graph, TensorType, VGraphError, VNode
-from vgraph.diagnostics import Diagnostic
+from vgraph.base.diagnostics import Diagnostic
 from vgraph.plugins import require_lowering
 
 __all__ = [

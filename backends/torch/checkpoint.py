@@ -49,8 +49,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from vgraph.diagnostics import quote
-from vgraph.safeio import atomic_write
+from vgraph.base.diagnostics import quote
+from vgraph.base.safeio import atomic_write
 
 try:  # numpy is optional; only needed to (de)serialise numpy RNG state.
     import numpy as np

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from vgraph.cli import add_plugin_option
-from vgraph import options
-from vgraph.diagnostics import VGraphError
+from vgraph.base import options
+from vgraph.base.diagnostics import VGraphError
+from vgraph.cli.main import add_plugin_option
 
 
 
-# Every numeric option is checked as it is parsed (vgraph.options): a usage error, exit 2, nothing run.
+# Every numeric option is checked as it is parsed (vgraph.base.options): a usage error, exit 2, nothing run.
 _positive_int, _non_negative_int, _bytes = options.positive_int, options.non_negative_int, options.byte_size
 
 
@@ -207,7 +207,7 @@ def _logits_output(graph) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m vgraph.backends.torch.cli train|generate ...`."""
-    from vgraph.cli import run_commands
+    from vgraph.cli.main import run_commands
 
     return run_commands([register_train, register_generate], argv, prog="python -m vgraph.backends.torch.cli")
 

@@ -30,7 +30,7 @@ import tokenizers
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from vgraph.safeio import atomic_write
+from vgraph.base.safeio import atomic_write
 
 __all__ = [
     "DataError",

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from vgraph.ir import Graph
+from vgraph.ir.graph import Graph
 
 from .dropout import dropout_key
 from .lower import VGraphModule, compile_network, compute_dtype

@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from vgraph.diagnostics import VGraphError
-from vgraph.ir import Graph, VNode
+from vgraph.base.diagnostics import VGraphError
+from vgraph.ir.graph import Graph, VNode
 
 from . import kernels as K
 from .lower import feed_name

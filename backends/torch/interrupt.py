@@ -19,7 +19,7 @@ import threading
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from vgraph.diagnostics import VGraphError
+from vgraph.base.diagnostics import VGraphError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

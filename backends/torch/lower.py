@@ -21,7 +21,7 @@
 * **Initialisation** (deterministic): weights normal(0, 0.02), biases zero,
   layernorm weight one, each drawn from a generator seeded by
   sha256(f"{seed}:{unfused key}").  Parameters are initialised in the UNFUSED
-  layout and concatenated (`vgraph.layout`), so a fused `attention` VNode
+  layout and concatenated (`vgraph.run.layout`), so a fused `attention` VNode
   starts exactly equal to the heads it replaced and fused and unfused graphs
   of one seed start from the same weights.
 * **Precision**: parameters are float32 (master weights); mixed precision is
@@ -41,10 +41,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from vgraph import layout
-from vgraph.diagnostics import Diagnostic, VGraphError
-from vgraph.ir import Graph, VNode
-from vgraph.verify import verify
+from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.ir.graph import Graph, VNode
+from vgraph.ir.verify import verify
+from vgraph.run import layout
 
 from .ops import LowerCtx, default_init, get_lowering
 from .remat_regions import outline_remat_regions
@@ -74,7 +74,7 @@ def feed_name(node_id: str, slot: int) -> str:
 
 
 def param_sources(graph: Graph) -> dict[str, list[tuple[str, int]]]:
-    """Every parameter key of `graph` -> its (unfused key, rows) pieces (see vgraph.layout)."""
+    """Every parameter key of `graph` -> its (unfused key, rows) pieces (see vgraph.run.layout)."""
     return layout.param_sources(graph)
 
 

@@ -21,7 +21,7 @@ Terms, in bytes:
 * workspace: transient buffers, taken as twice the largest activation
   (its gradient and one temporary) plus the fused loss's float32 weight copy,
   weight-gradient accumulator and one logits chunk;
-* rematerialisation (`remat: recompute`, vgraph/remat.py): a recomputed
+* rematerialisation (`remat: recompute`, vgraph/cost/remat.py): a recomputed
   VNode's outputs and the internals of every region member (the checkpointed
   function keeps only its inputs) are not kept; backward rebuilds them one
   region at a time, so the largest colocation group's rebuilt bytes are added
@@ -35,10 +35,10 @@ from typing import Mapping
 
 import torch
 
-from vgraph.diagnostics import VGraphError
-from vgraph.host_memory import available_host_memory
-from vgraph.ir import Graph
-from vgraph.remat import remat_layout
+from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.host_memory import available_host_memory
+from vgraph.cost.remat import remat_layout
+from vgraph.ir.graph import Graph
 
 from . import kernels as K
 

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 import torch
 
-from vgraph.safeio import atomic_write
+from vgraph.base.safeio import atomic_write
 
 from .lower import VGraphModule
 from .node_optimizers import NodeOptimizers
 from .run_files import atomic_write_text, run_slug
 
 if TYPE_CHECKING:
-    from vgraph.ir import Endpoint
+    from vgraph.ir.graph import Endpoint
 
     from .train_step import PendingLoss
     from .training_setup import RunSetup

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vgraph.diagnostics import Diagnostic, VGraphError
-from vgraph.ir import Graph, VNode
+from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.ir.graph import Graph, VNode
 from vgraph.plugins import require_lowering
 
 from . import kernels as K

@@ -1,4 +1,4 @@
-"""Lower `remat: recompute` marks: each region of vgraph/remat.py becomes one checkpointed submodule.
+"""Lower `remat: recompute` marks: each region of vgraph/cost/remat.py becomes one checkpointed submodule.
 
 Why cut the lowered fx graph rather than lower each VNode under its own
 checkpoint: a VNode's output is only freed if its readers are recomputed with
@@ -28,8 +28,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from vgraph.ir import Graph
-from vgraph.remat import remat_layout
+from vgraph.cost.remat import remat_layout
+from vgraph.ir.graph import Graph
 
 from .dropout import DropoutKey, clear_dropout_key, current_dropout_key, set_dropout_key
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from vgraph.ir import Graph
+from vgraph.ir.graph import Graph
 
 from . import checkpoint as ckpt
 from .lower import VGraphModule, param_sources

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vgraph.safeio import atomic_write
+from vgraph.base.safeio import atomic_write
 
 __all__ = ["atomic_write_text", "run_slug"]
 

@@ -9,7 +9,7 @@ definition alone, with the run's semantics-preserving passes, rebuilds the
 trained model (`definition_graph`).
 
 On resume, the network given now is compared with the checkpoint's
-(vgraph.network_match): a different network is refused, naming the first
+(vgraph.run.network_match): a different network is refused, naming the first
 node or key that differs, unless the user says it is intended
 (`--accept-network-change`), in which case the change is recorded in
 run.json and network.yml follows.  A checkpoint holding non-finite weights is
@@ -22,11 +22,12 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from vgraph.diagnostics import Diagnostic, VGraphError
-from vgraph.ir import Graph
-from vgraph.network_match import NetworkMismatch, difference, require_match
+from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.ir.graph import Graph
 from vgraph.plugins import shown
-from vgraph.run_graph import definition_spec as passes_for_definition, preserving_spec  # shared with `vgraph report`
+# shared with `vgraph report`
+from vgraph.run.compiled_graph import definition_spec as passes_for_definition, preserving_spec
+from vgraph.run.network_match import NetworkMismatch, difference, require_match
 from vgraph.yamlio import dumps, loads
 
 from .train_config import TrainingError

@@ -29,8 +29,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from vgraph.diagnostics import VGraphError
-from vgraph.ir import Graph
+from vgraph.base.diagnostics import VGraphError
+from vgraph.ir.graph import Graph
 
 __all__ = ["TensorBoardLog", "SCALAR_TAGS", "pnode_tag", "metric_tag"]
 
@@ -167,7 +167,7 @@ def _cell(text: Any) -> str:
 
 def network_png(graph: Graph, placement: Mapping[str, Any] | None) -> bytes:
     """The network as vgraph's renderer draws it (by PNode when placed; repeated blocks collapsed), as PNG."""
-    from vgraph.render import render_png
+    from vgraph.report.render import render_png
 
     placed = bool(placement) or any(n.meta.get("pnode") for n in graph.nodes)
     return render_png(graph, group_by="pnode" if placed else "colocate", collapse=len(graph) > 40,

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from vgraph.diagnostics import VGraphError
+from vgraph.base.diagnostics import VGraphError
 from vgraph.yamlio import loads
 
 from . import checkpoint as ckpt

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vgraph.diagnostics import VGraphError
-from vgraph.ir import Graph
+from vgraph.base.diagnostics import VGraphError
+from vgraph.ir.graph import Graph
 
 from . import data as D
 

@@ -21,7 +21,7 @@ from typing import Mapping
 
 import torch
 
-from vgraph.ir import Graph
+from vgraph.ir.graph import Graph
 
 from . import checkpoint as ckpt
 from .run_network import finite_checkpoint

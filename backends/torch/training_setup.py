@@ -21,12 +21,12 @@ from typing import Any, Callable
 
 import torch
 
-from vgraph.diagnostics import Diagnostic, VGraphError
-from vgraph.ir import Graph
-from vgraph.network_match import fingerprint
-from vgraph.pipeline import semantic_changes
+from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.ir.graph import Graph
 from vgraph.plugins import loaded_files
-from vgraph.run_graph import NO_FUSE_PIPELINE, training_spec  # shared with `vgraph report`
+from vgraph.run.compiled_graph import NO_FUSE_PIPELINE, training_spec  # shared with `vgraph report`
+from vgraph.run.network_match import fingerprint
+from vgraph.transform.pipeline import semantic_changes
 from vgraph.yamlio import dumps, load
 
 from . import checkpoint as ckpt
@@ -97,7 +97,7 @@ def prepare_graph(graph: Graph, *, passes: str | None = None, fuse: bool = True,
 
     `passes=""` runs nothing (the graph as loaded, e.g. one already optimised).
     """
-    from vgraph.pipeline import run_pipeline
+    from vgraph.transform.pipeline import run_pipeline
 
     if passes is not None and not fuse:
         raise VGraphError("give either --passes or --no-fuse, not both (--no-fuse means the pipeline "

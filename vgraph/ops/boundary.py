@@ -19,9 +19,9 @@ wire.  A tied weight read on a PNode other than its publisher's becomes a
 """
 from __future__ import annotations
 
-from ..types import ShapeError, TensorType
-from .registry import Config, InferCtx, OpDef, register_op
-from .schema import F, Schema
+from vgraph.ops.registry import Config, InferCtx, OpDef, register_op
+from vgraph.ops.schema import F, Schema
+from vgraph.types import ShapeError, TensorType
 
 DTYPES = ("float32", "float16", "bfloat16", "int64", "string")
 _PEER = (F("peer_pnode", required=True, doc="the PNode on the other side of the cut"),

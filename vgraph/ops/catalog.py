@@ -10,9 +10,9 @@ from __future__ import annotations
 from math import prod
 from typing import Sequence
 
-from ..types import ShapeError, TensorType
-from .registry import Config, InferCtx, OpDef, register_op, same_as_input
-from .schema import F, Schema
+from vgraph.ops.registry import Config, InferCtx, OpDef, register_op, same_as_input
+from vgraph.ops.schema import F, Schema
+from vgraph.types import ShapeError, TensorType
 
 T = TensorType
 ROPE = ("rope", "none")
@@ -228,7 +228,7 @@ def _check_targets(ctx: InferCtx, rows: tuple[int, ...]) -> None:
 
 
 def _loss_dtype(ctx: InferCtx) -> str:
-    from .schema import DTYPE_OF_PRECISION
+    from vgraph.ops.schema import DTYPE_OF_PRECISION
 
     prec = ctx.cfg.get("cost_precision")
     return DTYPE_OF_PRECISION[prec] if prec else ctx.dtype

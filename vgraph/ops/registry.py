@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from ..types import ShapeError, TensorType
-from .schema import Schema, suggest
+from vgraph.ops.schema import Schema, suggest
+from vgraph.types import ShapeError, TensorType
 
 Config = Mapping[str, Any]
 

@@ -5,7 +5,7 @@ node's id, type text, config strings, each with the line it came from) and
 reports everything malformed about the document's structure.  One *builder*
 then turns records into the IR and reports what is wrong with their meaning
 (unknown types, bad config values, duplicate ids, dangling edges).  Semantic
-validation (`vgraph.verify`) runs last, and all diagnostics are raised
+validation (`vgraph.ir.verify`) runs last, and all diagnostics are raised
 together.
 
 There are two readers with the same output: the general one (PyYAML's
@@ -28,9 +28,9 @@ The format itself is described in docs/network-yaml.md.
 """
 from __future__ import annotations
 
-from ..diagnostics import sorted_diagnostics
-from .loading import load, loads
-from .records import NETWORK_KEYS
-from .writer import dumps, save
+from vgraph.base.diagnostics import sorted_diagnostics
+from vgraph.yamlio.loading import load, loads
+from vgraph.yamlio.records import NETWORK_KEYS
+from vgraph.yamlio.writer import dumps, save
 
 __all__ = ["load", "loads", "dumps", "save", "sorted_diagnostics", "NETWORK_KEYS"]

@@ -6,11 +6,11 @@ once for both readers, each at the line of the record it comes from.
 """
 from __future__ import annotations
 
-from ..diagnostics import DiagnosticSink, SourceLoc
-from ..ir import Edge, Endpoint, Graph, GraphError, VNode
-from ..ops import REGISTRY
-from ..ops.schema import ConfigError, Field, suggest
-from .records import EdgeRec, EndpointRec, NodeRec, ParsedConfig
+from vgraph.base.diagnostics import DiagnosticSink, SourceLoc
+from vgraph.ir.graph import Edge, Endpoint, Graph, GraphError, VNode, slot_taken
+from vgraph.ops import REGISTRY
+from vgraph.ops.schema import ConfigError, Field, suggest
+from vgraph.yamlio.records import EdgeRec, EndpointRec, NodeRec, ParsedConfig
 
 _PRECISION_FIELD = Field("precision", "precision")
 _SUGGEST_LIMIT = 2_000  # "did you mean" over more node ids than this costs more than it helps
@@ -24,10 +24,11 @@ class Builder:
         self.file = file
         self.sink = sink
         self.graph = Graph(source=file)
+        self._loader = self.graph.loader()
         self.readable = True  # False: no network could be read at all (reported)
         self.broken: set[str] = set()
-        # id -> (node, its input slots, its users): one lookup per edge end finds all three
-        self._ends: dict[str, tuple[VNode, dict[int, Edge], dict[str, list[Edge]]]] = {}
+        # id -> the loader's handle of the node: one lookup per edge end finds all it needs
+        self._ends: dict[str, tuple] = {}
         self._canon: dict[str, str | None] = {}
         self._suggestions_left = _SUGGESTIONS
 
@@ -69,13 +70,13 @@ class Builder:
             node = VNode(node_id, str(type_text), {}, rec.input_shapes, rec.output_shapes, loc)
         graph = self.graph
         try:
-            inputs, users = graph._add(node)
+            end = self._loader.add_node(node)
         except GraphError:
             first = graph.node(node_id).loc
             self.error(rec.line, f"duplicate node id (first defined at line {first.line})" if first
                        else "duplicate node id", node_id)
             return
-        self._ends[node_id] = (node, inputs, users)
+        self._ends[node_id] = end
         if not ok:
             self.broken.add(node_id)
 
@@ -101,19 +102,13 @@ class Builder:
                     self.error(line, f"edge {src} -> {dst}: '{key}' names unknown node {end!r}"
                                      f"{self._suggest_id(end)}", other if other in graph else None)
                     return
-        src_node, _, users = src_end  # type: ignore[misc]
-        dst_node, inputs, _ = dst_end  # type: ignore[misc]
         # The nodes' own id strings: the text's copies are dropped, and every later
         # lookup by an edge's end finds its key by identity.
-        src, dst = src_node.id, dst_node.id
-        busy = inputs.get(rec.dst_slot)
+        src, dst = src_end[0].id, dst_end[0].id  # type: ignore[index]
+        busy = self._loader.add_edge(Edge(src, rec.src_slot, dst, rec.dst_slot, SourceLoc(self.file, rec.line)),
+                                     src_end, dst_end)  # type: ignore[arg-type]
         if busy is not None:
-            at = f" (first at line {busy.loc.line})" if busy.loc else ""
-            self.error(rec.line, f"input slot {rec.dst_slot} already receives {busy}{at}; "
-                                 f"an input takes at most one edge", dst)
-            return
-        graph._link(Edge(src, rec.src_slot, dst, rec.dst_slot, SourceLoc(self.file, rec.line)),
-                    inputs, users)
+            self.error(rec.line, slot_taken(busy), dst)
 
     def _suggest_id(self, word: str) -> str:
         graph = self.graph
@@ -123,8 +118,8 @@ class Builder:
         return suggest(word, list(graph.node_ids()))
 
     def endpoint(self, rec: EndpointRec) -> None:
-        self.graph.endpoints[rec.kind].append(
-            Endpoint(rec.name, rec.node, rec.slot, rec.type, SourceLoc(self.file, rec.line)))
+        self._loader.add_endpoint(rec.kind, Endpoint(rec.name, rec.node, rec.slot, rec.type,
+                                                     SourceLoc(self.file, rec.line)))
 
 
 def _config_line(rec: NodeRec, key: str) -> int:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from sys import intern
 
-from ..ir import ENDPOINT_KINDS
-from .build import Builder
-from .records import NULLS, PRECISION_KEYS, EdgeRec, EndpointRec, NodeRec, ParsedConfig, Shapes
+from vgraph.ir.graph import ENDPOINT_KINDS
+from vgraph.yamlio.build import Builder
+from vgraph.yamlio.records import NULLS, PRECISION_KEYS, EdgeRec, EndpointRec, NodeRec, ParsedConfig, Shapes
 
 # Every character of the text must be consumed by one of the patterns below,
 # and each pattern admits only what PyYAML reads the same way: plain scalars

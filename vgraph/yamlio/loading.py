@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..diagnostics import Diagnostic, DiagnosticSink
-from ..gcpause import paused_gc
-from ..safeio import read_input
-from ..ir import Graph
-from .build import Builder
-from .fast_reader import read_fast
-from .yaml_reader import read_yaml
+from vgraph.base.diagnostics import Diagnostic, DiagnosticSink
+from vgraph.base.gcpause import paused_gc
+from vgraph.base.safeio import read_input
+from vgraph.ir.graph import Graph
+from vgraph.yamlio.build import Builder
+from vgraph.yamlio.fast_reader import read_fast
+from vgraph.yamlio.yaml_reader import read_yaml
 
 
 def loads(text: str, file: str = "<string>", *, validate: bool = True,
@@ -29,7 +29,7 @@ def read_network(text: str, file: str, *, validate: bool = True, warnings: list[
     `fast=True` raises LookupError when the text is not in the canonical
     layout (tests use it to compare the readers).
     """
-    from ..verify import check
+    from vgraph.ir.verify import check
 
     with paused_gc():
         sink = DiagnosticSink()

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import yaml
 
-from ..ir import ENDPOINT_KINDS, Graph
-from ..ops.schema import Field
-from .fast_reader import PLAIN_TEXT
-from .records import PRECISION_KEYS
+from vgraph.ir.graph import ENDPOINT_KINDS, Graph
+from vgraph.ops.schema import Field
+from vgraph.yamlio.fast_reader import PLAIN_TEXT
+from vgraph.yamlio.records import PRECISION_KEYS
 
 _PLAIN = re.compile(PLAIN_TEXT)  # the fast reader's plain scalars, matched whole (fullmatch)
 _RESERVED = {"true", "false", "yes", "no", "on", "off", "null", "y", "n"}
@@ -83,7 +83,7 @@ def dumps(graph: Graph) -> str:
 
 
 def save(graph: Graph, path: str | Path) -> None:
-    """Write atomically (vgraph.safeio): a reader never sees a half-written network."""
-    from ..safeio import atomic_write
+    """Write atomically (vgraph.base.safeio): a reader never sees a half-written network."""
+    from vgraph.base.safeio import atomic_write
 
     atomic_write(path, dumps(graph))

@@ -4,7 +4,7 @@ PyYAML only *composes* the text (no Python object is constructed, so no tag
 can run code; tags outside YAML's core schema are refused) and scalars are
 read as their text, so `512` and `"512"` are the same config value.  Every
 structural problem is reported with its line.  The fleet reader
-(`vgraph.fleet`) walks its documents with the same `YamlReader`.
+(`vgraph.cost.fleet`) walks its documents with the same `YamlReader`.
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import Any
 
 import yaml
 
-from ..diagnostics import SourceLoc, quote
-from ..ir import ENDPOINT_KINDS
-from ..ops.schema import ConfigError, _parse_int, suggest
-from .build import Builder
-from .records import (EDGE_KEYS, NETWORK_KEYS, NODE_KEYS, NULLS, PRECISION_KEYS, EdgeRec, EndpointRec, NodeRec,
-                      Shapes)
+from vgraph.base.diagnostics import SourceLoc, quote
+from vgraph.ir.graph import ENDPOINT_KINDS
+from vgraph.ops.schema import ConfigError, _parse_int, suggest
+from vgraph.yamlio.build import Builder
+from vgraph.yamlio.records import (EDGE_KEYS, NETWORK_KEYS, NODE_KEYS, NULLS, PRECISION_KEYS, EdgeRec, EndpointRec,
+                                   NodeRec, Shapes)
 
 # The base loader resolves no implicit types: every plain scalar arrives as text
 # (what we want: config values are strings), and composing is several times

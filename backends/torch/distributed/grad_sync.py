@@ -39,7 +39,7 @@ DDP's hooks return the *mean*, and this sum must not be divided;
 
 **Bytes** are not measured on the wire (gloo and NCCL pick their own
 algorithms) but counted from the formula the step cost model prices
-(`vgraph.stepcost.ring_allreduce_bytes`): in a ring all-reduce of a bucket cut
+(`vgraph.cost.stepcost.ring_allreduce_bytes`): in a ring all-reduce of a bucket cut
 into R chunks (as torch.tensor_split cuts it), a member sends every chunk but
 one in the reduce-scatter and every chunk but another in the all-gather,
 2 (R - 1) / R of the bucket, and the group 2 (R - 1) x the bucket, so the

@@ -40,7 +40,7 @@ of it, with losses weighted by shares of the global batch and dropout keyed by t
 so the run is the same training as one process.  Workers count every byte they send, the all-reduce
 included, against placement.json's `bytes_per_step`.  `--on-failure shrink` drops the replicas that
 lost a worker: the survivors keep their PNodes, share the global batch again by speed
-(`vgraph.replica_report.rebalanced_shares`) and resume from the last checkpoint (one machine only).
+(`vgraph.placement.replica_report.rebalanced_shares`) and resume from the last checkpoint (one machine only).
 
 Several machines (the torchrun way): run the same command on every machine
 with `--nnodes N --node-rank R --master-addr <rank-0 machine> --master-port P`.
@@ -73,14 +73,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from vgraph.diagnostics import VGraphError, quote
-from vgraph.safeio import read_input
-from vgraph.fleet import Fleet, resolve_fleet
-from vgraph.ir import Graph
-from vgraph.partition_export import assignment_of, placement_report
-from vgraph.replica_report import rebalanced_shares
+from vgraph.base.diagnostics import VGraphError, quote
+from vgraph.base.safeio import read_input
+from vgraph.cost.fleet import Fleet, resolve_fleet
+from vgraph.ir.graph import Graph
+from vgraph.placement.export import assignment_of, placement_report
+from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
-from vgraph.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline, semantic_changes
+from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline, semantic_changes
 
 from .. import checkpoint as ckpt
 from .. import data as D
@@ -659,12 +659,12 @@ def _user_errors(launch_dir: Path) -> str:
 
 def register_launch(subparsers: argparse._SubParsersAction) -> None:
     """Add `launch` to a `vgraph` subparser set (entry point of group `vgraph.commands`)."""
-    from vgraph.cli import add_plugin_option
+    from vgraph.cli.main import add_plugin_option
 
     from ..cli import add_tensorboard_option
 
-    from vgraph import options
-    from vgraph.options import non_negative_int as _non_negative_int, positive_int as _positive_int
+    from vgraph.base import options
+    from vgraph.base.options import non_negative_int as _non_negative_int, positive_int as _positive_int
 
     p = subparsers.add_parser(
         "launch", help="train a network partitioned over a fleet, one torch.distributed worker per PNode",
@@ -758,7 +758,7 @@ def _micro_per_replica(micro: int, shares: list[int]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m vgraph.backends.torch.distributed.launch launch ...` (before the entry point is installed)."""
-    from vgraph.cli import run_commands
+    from vgraph.cli.main import run_commands
 
     return run_commands([register_launch], argv, prog="python -m vgraph.backends.torch.distributed.launch")
 

@@ -12,13 +12,13 @@ the other PNodes, then computes the end.  Each VNode therefore gets a *stage*:
 when the producer lives on another PNode.  A *task* is one (PNode, stage);
 edges between tasks only go from lower to higher stages, so the task graph is
 acyclic even when the PNode graph has a cycle.  The tasks are cut out with
-`vgraph.partition_export.split_network` (tasks stand in for PNodes), so every
+`vgraph.placement.export.split_network` (tasks stand in for PNodes), so every
 crossing is an explicit `send` / `receive` pair and a tied weight used away
 from its publisher's task is a `weight_replica`.
 
 **Transfers.**  One per cut edge (the partition's `cut_edges`): the tensor on
 the wire is the producer's activation at the effective dtype the cost model
-prices (`vgraph.costmodel`), and, for floats, its gradient comes back the
+prices (`vgraph.cost.costmodel`), and, for floats, its gradient comes back the
 same way.  Between two tasks of one rank the tensor is handed over in memory.
 
 **Ties.**  A `weight_replica` whose publisher is on another rank is synced
@@ -49,10 +49,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Literal, Sequence
 
-from vgraph import layout
-from vgraph.diagnostics import VGraphError
-from vgraph.ir import Graph
-from vgraph.partition_export import split_network
+from vgraph.base.diagnostics import VGraphError
+from vgraph.ir.graph import Graph
+from vgraph.placement.export import split_network
+from vgraph.run import layout
 
 __all__ = ["Task", "Transfer", "Tie", "MetricSource", "DistPlan", "make_plan", "stages", "Op", "rank_ops",
            "schedule_ops", "PIPELINES", "weight_ops", "sends_of", "message_order", "Message", "micro_batch_sizes"]

@@ -14,8 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from vgraph import layout
-
+from vgraph.run import layout
 from .comm import ControlGroup
 from .loss_scaler import SharedLossScaler
 from .stage_runner import StageRunner

@@ -26,7 +26,7 @@ import secrets
 import socket
 from datetime import timedelta
 
-from vgraph.diagnostics import VGraphError
+from vgraph.base.diagnostics import VGraphError
 
 TOKEN_ENV = "VGRAPH_LAUNCH_TOKEN"
 MIN_TOKEN_CHARS = 16

@@ -25,7 +25,7 @@ from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 
-from vgraph.diagnostics import Diagnostic
+from vgraph.base.diagnostics import Diagnostic
 
 from .comm import Transport
 from .grad_sync import GradientSync

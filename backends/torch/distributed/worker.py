@@ -61,10 +61,10 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from vgraph.diagnostics import VGraphError
-from vgraph.partition_export import assignment_of
+from vgraph.base.diagnostics import VGraphError
+from vgraph.placement.export import assignment_of
 from vgraph.plugins import load_plugins
-from vgraph.run_graph import apply_assignment  # the launcher, the workers and `vgraph report` build it alike
+from vgraph.run.compiled_graph import apply_assignment  # the launcher, the workers and `vgraph report` build it alike
 from vgraph.yamlio import loads
 
 from .. import data as D

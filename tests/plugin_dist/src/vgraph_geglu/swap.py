@@ -8,7 +8,7 @@ checkpoints as) the two linears it replaced: the parameter shapes are the same.
 """
 from __future__ import annotations
 
-from vgraph.ir import Graph, VNode
+from vgraph.ir.graph import Graph, VNode
 from vgraph.pass_api import Option
 from vgraph.rewrite import Match, P, Reject, RewritePass, Rule, RuleContext, fused, reads, replace
 

@@ -1,0 +1,121 @@
+"""Argument types for every command line: each numeric option is checked when it is parsed.
+
+Why here: a learning rate of -1 trains by gradient ascent and exits 0, NaN
+is noticed only when the loss turns NaN, a seed of 10**22 or a port of
+70000 ends in a traceback deep inside torch.  Checked by argparse's `type=`,
+a bad value is a usage error naming the option (exit 2) before anything runs
+or is written.  The core and every backend use these same checks.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+from vgraph.base.diagnostics import quote
+
+MAX_SEED = 2**63 - 1  # torch, numpy and Python's random all take it
+MAX_COUNT = 2**62  # steps, batches, tokens: beyond this no run ends; past it int64 arithmetic overflows
+
+
+def _int(text: str) -> int:
+    try:
+        return int(str(text).strip().replace("_", ""), 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {quote(text)}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {quote(text)}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {quote(text)}")
+    return value
+
+
+def _int_in(text: str, low: int, high: int, expected: str) -> int:
+    value = _int(text)
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {quote(text)}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """1, 2, ... (at most 2**62)."""
+    return _int_in(text, 1, MAX_COUNT, "a positive integer (1 to 2**62)")
+
+
+def non_negative_int(text: str) -> int:
+    """0, 1, ... (at most 2**62)."""
+    return _int_in(text, 0, MAX_COUNT, "an integer from 0 to 2**62")
+
+
+def seed(text: str) -> int:
+    """A random seed: 0 to 2**63 - 1."""
+    return _int_in(text, 0, MAX_SEED, "a seed from 0 to 2**63-1")
+
+
+def port(text: str) -> int:
+    """A TCP port: 1 to 65535."""
+    return _int_in(text, 1, 65535, "a TCP port from 1 to 65535")
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a learning rate, a clipping norm, a timeout)."""
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {quote(text)}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a temperature, a tolerance)."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {quote(text)}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """'512M', '2G', '1.5GiB' or a plain number of bytes: finite, at least one byte."""
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 512M or 8G, got {quote(text)}") from None
+    if not (math.isfinite(value) and 1 <= value <= 2.0**62):
+        raise argparse.ArgumentTypeError(f"expected a size from 1 byte to 4 EiB, got {quote(text)}")
+    return int(value)
+
+
+def path(text: str) -> str:
+    """A file or directory name: not empty (an empty name would silently mean "the default" or the
+    current directory) and without NUL (no file system accepts it)."""
+    if text == "" or "\x00" in text:
+        raise argparse.ArgumentTypeError(f"expected a file or directory name, got {quote(text)}")
+    return text
+
+
+def compile_target(text: str) -> str:
+    """--target: cpu or cuda-smXY (the compute capability, e.g. cuda-sm80)."""
+    if text != "cpu" and not re.fullmatch(r"cuda-sm[1-9][0-9]{1,2}", text):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda-smXY (e.g. cuda-sm80), got {quote(text)}")
+    return text
+
+
+def replicas(text: str) -> str:
+    """--replicas: 'auto' or 1 to 1000000 data-parallel replicas (as the partition pass's option text)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    value = _int(text)
+    if not 1 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of replicas from 1 to 1000000, got "
+                                         f"{quote(text)}")
+    return str(value)
+
+
+__all__ = ["positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float",
+           "byte_size", "replicas", "path", "compile_target", "MAX_SEED"]

@@ -1,0 +1,189 @@
+"""Files in and out, done the one safe way every command shares.
+
+Why one module: vgraph runs on files from other people, on shared machines
+and on full disks.  Each output is written *atomically* (a temporary file in
+the same directory, flushed and fsynced, then renamed over the target), so an
+interrupted or failed write never leaves a truncated file, and the temporary
+is removed when anything goes wrong.  A new file gets the mode the user's
+umask allows (like `open(..., "w")`), a replaced file keeps its own mode.
+An output that is one of the command's inputs is refused: nothing the user
+gave us is ever overwritten.  Inputs are read with a size cap and only from
+regular files, so `/dev/zero` or a FIFO as FILE is a diagnostic, not a hang.
+
+Every failure here is a VGraphError naming the path, so the CLI prints it and
+exits 2 instead of showing a traceback.
+"""
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from vgraph.base.diagnostics import VGraphError, printable
+
+MAX_INPUT_BYTES = 256 * 2**20  # a network, fleet or placement larger than this is not one (100k VNodes: ~25 MB)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux: /proc)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no way to read it without setting it elsewhere
+    os.umask(mask)
+    return mask
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = (),
+                 what: str = "output") -> Path:
+    """`path` as a Path, after refusing what would destroy something: an output that
+    is an existing directory, or that is (the same file as) one of `inputs`."""
+    out = Path(path)
+    if str(path) == "":
+        raise VGraphError(f"{what}: the path is empty")
+    if out.is_dir():
+        raise VGraphError(f"{printable(str(out))}: {what} is a directory; give a file name")
+    _refuse_special(out)
+    for given in inputs:
+        if given is None:
+            continue
+        if same_file(out, Path(given)):
+            raise VGraphError(f"{printable(str(out))}: {what} is the input {printable(str(given))}; "
+                              f"refusing to overwrite an input (write to another file)")
+    return out
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (links and `..` included); False when either is missing."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        try:
+            return a.resolve() == b.resolve()
+        except (OSError, RuntimeError):
+            return False
+
+
+def _refuse_special(target: Path) -> None:
+    """An existing output that is a device, FIFO or socket (`-o /dev/null`, `-o /dev/zero`) is
+    refused: renaming over it would replace the device node itself."""
+    try:
+        st = target.stat()
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        raise VGraphError(f"{printable(str(target))}: not a regular file (a device, FIFO or socket); "
+                          f"refusing to replace it")
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, make_parents: bool = True,
+                 durable: bool = True) -> Path:
+    """Write `data` to `path` so that a reader sees the old file or the whole new one, never a part.
+
+    The temporary sits next to the target (same file system, so the rename is
+    atomic), is fsynced before the rename when `durable` (a crash after the
+    rename then cannot leave an empty file), and is removed on any failure.
+    Mode: the replaced file's, else 0o666 minus the umask.  OS errors (disk
+    full, read-only, permission, a directory in the way) become a VGraphError
+    naming the path.
+    """
+    target = Path(path)
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    shown = printable(str(target))
+    if target.is_dir():
+        raise VGraphError(f"{shown}: is a directory; cannot write a file there")
+    _refuse_special(target)
+    try:
+        if make_parents:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            mode = stat.S_IMODE(target.stat().st_mode)
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise VGraphError(f"{shown}: cannot write: {_why(exc)}") from None
+    try:
+        try:
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise VGraphError(f"{shown}: cannot write: {_why(exc)}") from None
+        raise
+    return target
+
+
+def read_input(path: str | os.PathLike, *, what: str = "file", limit: int = MAX_INPUT_BYTES,
+               binary: bool = False) -> str | bytes:
+    """The content of a user's input file, refused unless it is a regular file of at most `limit` bytes.
+
+    A FIFO, a device (`/dev/zero`), a directory, a missing or unreadable file
+    or (text) one that is not UTF-8 is a VGraphError naming the path; at most
+    `limit` + 1 bytes are ever read, so nothing can make us read forever.
+    """
+    p = Path(path)
+    shown = printable(str(p))
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # O_NONBLOCK: a FIFO must not block open()
+    except IsADirectoryError:
+        raise VGraphError(f"{shown}: is a directory, not a {what}") from None
+    except FileNotFoundError:
+        raise VGraphError(f"{shown}: no such {what}") from None
+    except OSError as exc:
+        raise VGraphError(f"{shown}: cannot read: {_why(exc)}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise VGraphError(f"{shown}: is a directory, not a {what}")
+        if not stat.S_ISREG(st.st_mode):
+            raise VGraphError(f"{shown}: not a regular file (a device, FIFO or socket); give a {what}")
+        if st.st_size > limit:
+            raise VGraphError(f"{shown}: {st.st_size} bytes; a {what} is at most {limit} bytes")
+        os.set_blocking(fd, True)
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    except OSError as exc:
+        raise VGraphError(f"{shown}: cannot read: {_why(exc)}") from None
+    finally:
+        os.close(fd)
+    if total > limit:
+        raise VGraphError(f"{shown}: more than {limit} bytes; a {what} is at most {limit} bytes")
+    raw = b"".join(chunks)
+    if binary:
+        return raw
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise VGraphError(f"{shown}:{line}: not UTF-8 text (byte {exc.start}: "
+                          f"{raw[exc.start:exc.start + 1]!r})") from None
+
+
+__all__ = ["atomic_write", "check_output", "read_input", "same_file", "MAX_INPUT_BYTES"]

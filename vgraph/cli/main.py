@@ -1,0 +1,99 @@
+"""The `vgraph` command line: builds the parser and dispatches.
+
+Core commands are registered in `vgraph.cli.commands` with `@command`;
+backends and tools add theirs through the `vgraph.commands` entry point
+group, so the core never imports them.  A user's mistake is a VGraphError:
+its diagnostics are printed and the exit status is 2, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from vgraph.base.diagnostics import VGraphError, printable
+from vgraph.cli import commands as _commands  # noqa: F401  (registers the core commands)
+from vgraph.cli.common import CORE_COMMANDS, EXIT_INVALID, add_plugin_option, load_network  # noqa: F401
+from vgraph.plugins import PluginError, discover, guarded
+
+
+def load_plugins(args: argparse.Namespace) -> None:
+    """Installed op types and the command's `--plugin` files (`run_parser` calls this for every command)."""
+    from vgraph.plugins import load_plugins as load
+
+    load(getattr(args, "plugin", None) or [])
+
+
+def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
+    """Core commands, plus the plugin command `wanted` (only that one is imported)."""
+    parser = argparse.ArgumentParser(prog="vgraph", description="Graph IR and passes for network YAML.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for build in CORE_COMMANDS.values():
+        build(sub)
+    for plugin in discover("vgraph.commands"):
+        if plugin.name in CORE_COMMANDS:
+            continue
+        if plugin.name == wanted:
+            register = plugin.load()
+            guarded(plugin.who, "while adding its command", lambda: register(sub))
+        else:
+            # Listed without importing it (backends import torch): its own -h has the details.
+            sub.add_parser(plugin.name, help=f"[{plugin.distribution}] see 'vgraph {plugin.name} -h'",
+                           add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    return run_parser(lambda: build_parser(wanted), argv)
+
+
+def run_commands(registrars: Sequence[Callable[[argparse._SubParsersAction], None]],
+                 argv: Sequence[str] | None = None, prog: str = "vgraph") -> int:
+    """Run a plugin's own commands (`python -m <module> ...`) exactly as `vgraph` runs them."""
+    def build() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog=prog)
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+        for register in registrars:
+            register(sub)
+        return parser
+
+    return run_parser(build, list(sys.argv[1:] if argv is None else argv))
+
+
+def run_parser(build: Callable[[], argparse.ArgumentParser], argv: list[str]) -> int:
+    """Parse and dispatch; a user's mistake prints its diagnostics and exits 2, no traceback."""
+    from vgraph.base.terminal import escaped_output
+
+    with escaped_output():  # nothing a command prints can drive the terminal (vgraph/base/terminal.py)
+        return _dispatch(build, argv)
+
+
+def _dispatch(build: Callable[[], argparse.ArgumentParser], argv: list[str]) -> int:
+    try:
+        parser = build()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 0 if not argv else EXIT_INVALID
+        load_plugins(args)  # the one loading point: every command sees the same plugins
+        return int(args.func(args) or 0)
+    except (VGraphError, PluginError) as exc:
+        for d in exc.diagnostics:
+            print(d, file=sys.stderr)
+        return getattr(exc, "exit_status", EXIT_INVALID)  # an interrupted run: 128 + the signal
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+    except OSError as exc:
+        # The environment refused a file operation (permissions, a full or read-only disk, a directory
+        # where a file belongs): a user's problem to fix, named by its path, not a traceback.
+        where = f"{printable(exc.filename)}: " if exc.filename is not None else ""
+        print(f"{where}{printable(exc.strerror or exc)}", file=sys.stderr)
+        return EXIT_INVALID
+
+
+if __name__ == "__main__":
+    sys.exit(main())

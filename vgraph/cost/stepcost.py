@@ -1,0 +1,340 @@
+"""What one training step costs on S pipeline stages x R data-parallel replicas.
+
+A *plan* runs R copies (replicas) of one pipeline of S stages.  Every replica
+cuts the network the same way (stage s holds the same VNodes in every replica),
+so stage s's PNodes, one per replica, hold the same parameters: after the
+backward pass they average their gradients with a ring all-reduce, and every
+replica steps identically.  Replica r trains on `shares[r]` samples of the
+global batch B (integers summing to B; a slow replica gets fewer).
+
+With the per-stage loads of `stage_loads` (from `vgraph.cost.costmodel`), replica r
+with batch share b, M_r = min(M, b) micro-batches and stage s on PNode p:
+
+    work(r, s)  = b * flops(s) / flops(p)                     compute
+                + sum_t b * p2p(s, t) / bw(p -> q_t)           activations + gradients
+    sync(r, s)  = sum_t tie(s, t) / bw(p -> q_t)              tied weights, once a step
+    replica(r)  = (M_r + S - 1) / M_r * max_s work(r, s)      the pipeline with its bubble
+                + max_s sync(r, s)
+                + 2 * sum of latencies of its stage-to-stage links   (fill and drain)
+    reduce(s)   = 2 (R - 1) / R * grad_bytes(s) / slowest link of stage s's group
+                + 2 (R - 1) * the group's largest latency          (ring all-reduce)
+    step        = max_r replica(r) + max_s reduce(s)
+
+`bw(p -> q)` is `Fleet.link`: the sending PNode's bandwidth, or less across a
+slow region link (vgraph/cost/fleet_links.py).  The stage groups all-reduce at the
+same time on disjoint PNodes, hence the max; the all-reduce starts after the
+last backward (no overlap is assumed: the prediction is an upper bound there).
+With R = 1 and M = 1 a pipeline runs its stages one after another (bubble S);
+`bottleneck_seconds`, the partition pass's objective, is max work + sync with
+no bubble, as before.
+
+Memory of stage s on replica r: parameters, gradients and optimizer state of
+its VNodes, a replica of each tied weight it reads from another stage, and the
+activations of ceil(b / M_r) x min(M_r, S) resident samples (1F1B).
+
+Bytes on the wire per step (what workers measure): every cut edge once per
+sample in each direction it carries (activation, gradient), every tied-weight
+sync, and per stage group 2 (R - 1) x grad_bytes (each of the R ring members
+sends 2 (R - 1) / R of the gradients).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from functools import cached_property
+from math import ceil
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+import numpy as np
+
+from vgraph.cost.costmodel import CostModel
+
+if TYPE_CHECKING:
+    from vgraph.cost.fleet import Fleet, PNode
+
+__all__ = ["StageLoads", "StepCost", "FleetArrays", "LoadColumns", "stage_loads", "step_cost", "step_cost_of",
+           "stage_rates", "ring_allreduce_bytes", "bubble", "resident_array",
+           "resident_samples", "replica_assignment", "batch_shares"]
+
+
+@dataclass
+class StageLoads:
+    """One pipeline's stages, whoever runs them: per-sample work and traffic, per-step sync, memory."""
+
+    flops: np.ndarray  # [S] training FLOPs per sample
+    p2p: np.ndarray  # [S, S] bytes per sample between stages (activation + gradient), symmetric
+    sync: np.ndarray  # [S, S] bytes per step of tied-weight sync, symmetric
+    grad_bytes: np.ndarray  # [S] gradients a stage all-reduces across replicas
+    static_bytes: np.ndarray  # [S] parameters + gradients + optimizer state (+ tied-weight replicas)
+    activation_bytes: np.ndarray  # [S] kept for backward, per sample
+
+    @property
+    def stages(self) -> int:
+        return len(self.flops)
+
+
+class LoadColumns:
+    """A cost model's per-VNode and per-edge numbers as numpy columns, read once; `loads` aggregates them
+    into any cut of the network into stages (a planner prices dozens of cuts of a 100k-VNode network)."""
+
+    def __init__(self, cm: CostModel) -> None:
+        col = cm.array
+        self.ids: list[str] = cm.node_columns["id"]
+        self.flops = cm.train_flops_per_sample()  # forward + backward (+ recomputed forwards, remat)
+        self.grad = col("grad_bytes").astype(float)
+        self.static = (col("param_bytes") + col("grad_bytes") + col("master_bytes") + col("adam_bytes")).astype(float)
+        self.act = col("activation_bytes").astype(float)
+        if len(cm.edge_columns["src"]):
+            self.src = col("edge:src").astype(np.int64)
+            self.dst = col("edge:dst").astype(np.int64)
+            self.edge_bytes = col("edge:bytes_per_sample").astype(float) * np.where(col("edge:gradient"), 2.0, 1.0)
+        else:
+            self.src = self.dst = np.zeros(0, dtype=np.int64)
+            self.edge_bytes = np.zeros(0)
+        at = {nid: i for i, nid in enumerate(self.ids)} if cm.ties else {}
+        self.ties = [(at[t.publisher], at[t.user], float(t.sync_bytes_per_step), float(t.replica_bytes))
+                     for t in cm.ties]
+
+    def where(self, stage_of: Mapping[str, int]) -> np.ndarray:
+        """VNode -> stage as an array over the cost model's VNodes."""
+        return np.fromiter((stage_of[i] for i in self.ids), dtype=np.int64, count=len(self.ids))
+
+    def loads(self, where: np.ndarray, stages: int) -> StageLoads:
+        """The stages' loads when VNode i (cost model order) is in stage `where[i]`."""
+        flops = np.bincount(where, weights=self.flops, minlength=stages)
+        grad = np.bincount(where, weights=self.grad, minlength=stages)
+        static = np.bincount(where, weights=self.static, minlength=stages)
+        act = np.bincount(where, weights=self.act, minlength=stages)
+        p2p = np.zeros((stages, stages))
+        if len(self.src):
+            s, t = where[self.src], where[self.dst]
+            cut = s != t
+            np.add.at(p2p, (s[cut], t[cut]), self.edge_bytes[cut])
+            p2p = p2p + p2p.T
+        sync = np.zeros((stages, stages))
+        for pub, user, sync_bytes, replica_bytes in self.ties:
+            a, b = where[pub], where[user]
+            if a != b:
+                sync[a, b] += sync_bytes
+                sync[b, a] += sync_bytes
+                static[b] += replica_bytes
+        return StageLoads(flops, p2p, sync, grad, static, act)
+
+
+def stage_loads(cm: CostModel, stage_of: Mapping[str, int], stages: int) -> StageLoads:
+    """Aggregate the cost model's VNodes and edges into `stages` stages (`stage_of`: VNode -> stage)."""
+    cols = LoadColumns(cm)
+    return cols.loads(cols.where(stage_of), stages)
+
+
+def bubble(micro_batches: int, stages: int) -> float:
+    """GPipe/1F1B pipeline factor: a step takes (M + S - 1) micro-batch slots of the slowest stage."""
+    return (micro_batches + stages - 1) / micro_batches
+
+
+def resident_samples(share: int, micro_batches: int, stages: int) -> int:
+    """Samples whose activations a stage keeps at once under 1F1B (`CostModel.resident_samples`)."""
+    m = max(1, min(micro_batches, share))
+    return ceil(share / m) * min(m, stages)
+
+
+def resident_array(shares: np.ndarray, micro_batches: int, stages: int) -> np.ndarray:
+    """`resident_samples` of every share at once."""
+    b = np.maximum(np.asarray(shares, dtype=np.int64), 1)
+    m = np.minimum(max(1, micro_batches), b)
+    return -(-b // m) * np.minimum(m, stages)
+
+
+def ring_allreduce_bytes(replicas: int, grad_bytes: float) -> float:
+    """Bytes the whole group sends in a ring all-reduce: each of R members sends 2 (R - 1) / R of them."""
+    return 2.0 * (replicas - 1) * grad_bytes if replicas > 1 else 0.0
+
+
+@dataclass
+class StepCost:
+    step_seconds: float
+    pipeline_seconds: float  # slowest replica, bubble and sync included
+    allreduce_seconds: float  # slowest stage group's ring all-reduce
+    bottleneck_seconds: float  # max over PNodes of work + sync (the partition pass's objective)
+    replica_seconds: np.ndarray  # [R]
+    stage_seconds: np.ndarray  # [R, S] work + sync per step
+    allreduce_stage_seconds: np.ndarray  # [S]
+    memory: np.ndarray  # [R, S] bytes
+    capacity: np.ndarray  # [R, S] bytes
+    p2p_bytes: np.ndarray  # [R] bytes per step sent inside each replica (edges both ways, tie syncs)
+    allreduce_bytes: np.ndarray  # [S] bytes per step sent by each stage group
+
+    @property
+    def fits(self) -> bool:
+        return bool(np.all(self.memory <= self.capacity))
+
+    @property
+    def bytes_per_step(self) -> float:
+        return float(self.p2p_bytes.sum() + self.allreduce_bytes.sum())
+
+
+class FleetArrays:
+    """A fleet as arrays (speed, bandwidth, memory, region per PNode; region links as matrices), so a
+    plan given as PNode indices `idx[r, s]` is priced without a Python loop over PNodes."""
+
+    def __init__(self, fleet: "Fleet") -> None:
+        self.fleet = fleet
+        self.pnodes = list(fleet.pnodes)
+        self.index = {p.id: i for i, p in enumerate(self.pnodes)}
+        self.flops = np.array([p.flops for p in self.pnodes], dtype=float)
+        self.bandwidth = np.array([p.bandwidth for p in self.pnodes], dtype=float)
+        self.memory = np.array([p.memory for p in self.pnodes], dtype=float)
+        names = list(fleet.links.regions)
+        at = {name: i for i, name in enumerate(names)}
+        self.region = np.array([at.get(p.region, 0) for p in self.pnodes], dtype=np.int64)
+        n = max(1, len(names))
+        self.region_bw = np.full((n, n), np.inf)
+        self.region_lat = np.zeros((n, n))
+        for name, reg in fleet.links.regions.items():
+            i = at[name]
+            self.region_bw[i, i] = reg.bandwidth or np.inf
+            self.region_lat[i, i] = reg.latency
+        for pair, (bw, lat) in fleet.links.pairs.items():
+            a, b = (at[x] for x in pair)
+            self.region_bw[a, b] = self.region_bw[b, a] = bw
+            self.region_lat[a, b] = self.region_lat[b, a] = lat
+        self.regions = len(names)
+
+    @cached_property
+    def balanced(self) -> np.ndarray:
+        """Speed and bandwidth, each against the fleet's median, the lower of the two: a fast machine on
+        a slow link is no better than its link (an ordering key for layouts)."""
+        return np.minimum(self.flops / float(np.median(self.flops)), self.bandwidth / float(np.median(self.bandwidth)))
+
+    def link(self, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(bandwidth, latency) from PNodes `src` to PNodes `dst` (index arrays of one shape)."""
+        ra, rb = self.region[src], self.region[dst]
+        return np.minimum(self.bandwidth[src], self.region_bw[ra, rb]), self.region_lat[ra, rb]
+
+
+def step_cost(loads: StageLoads, pnodes: Sequence[Sequence["PNode"]], shares: Sequence[int], micro_batches: int,
+              fleet: "Fleet | None" = None) -> StepCost:
+    """The cost of a plan: `pnodes[r][s]` runs stage s of replica r on `shares[r]` samples."""
+    from vgraph.cost.fleet import Fleet
+
+    if fleet is None:
+        seen = {p.id: p for row in pnodes for p in row}
+        fleet = Fleet("plan", tuple(seen.values()))
+    arrays = FleetArrays(fleet)
+    idx = np.array([[arrays.index[p.id] for p in row] for row in pnodes], dtype=np.int64).reshape(len(pnodes), -1)
+    return step_cost_of(loads, arrays, idx, shares, micro_batches)
+
+
+def stage_rates(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per slot of `idx` [R, S]: seconds per sample (compute + traffic), seconds per step of tied-weight
+    sync; per replica: the latency of its stage-to-stage links (fill and drain)."""
+    R, S = idx.shape
+    per_sample = loads.flops[None, :] / fa.flops[idx]
+    sync = np.zeros((R, S))
+    latency = np.zeros(R)
+    talk = np.argwhere(((loads.p2p > 0) | (loads.sync > 0)) & ~np.eye(S, dtype=bool))
+    if len(talk):
+        s, t = talk[:, 0], talk[:, 1]
+        bw, lat = fa.link(idx[:, s], idx[:, t])  # [R, pairs]
+        np.add.at(per_sample.T, s, (loads.p2p[s, t][None, :] / bw).T)
+        np.add.at(sync.T, s, (loads.sync[s, t][None, :] / bw).T)
+        latency = 2 * np.where(s < t, lat, 0.0).sum(axis=1)
+    return per_sample, sync, latency
+
+
+def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Sequence[int], micro_batches: int
+                 ) -> StepCost:
+    """`step_cost` for a plan given as fleet indices `idx[r, s]` (what the planner evaluates by the thousand)."""
+    R, S = idx.shape
+    if R < 1 or S != loads.stages or len(shares) != R:
+        raise ValueError(f"a plan needs R >= 1 rows of {loads.stages} PNodes and R batch shares")
+    b = np.asarray(shares, dtype=float)
+    per_sample, sync, latency = stage_rates(loads, fa, idx)
+    work = b[:, None] * per_sample
+    micro = np.minimum(max(1, micro_batches), np.maximum(b, 1))
+    factor = (micro + S - 1) / micro
+    replica = work.max(axis=1) * factor + sync.max(axis=1) + latency
+    reduce = np.zeros(S)
+    if R > 1:
+        for s in range(S):
+            slowest, worst = _slowest_link(fa, idx[:, s])
+            reduce[s] = 2 * (R - 1) / R * loads.grad_bytes[s] / slowest + 2 * (R - 1) * worst
+    resident = resident_array(np.asarray(shares), micro_batches, S).astype(float)
+    memory = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
+    p2p_bytes = b * float(np.triu(loads.p2p).sum()) + float(np.triu(loads.sync).sum())
+    allreduce_bytes = np.array([ring_allreduce_bytes(R, g) for g in loads.grad_bytes])
+    pipeline = float(replica.max())
+    all_reduce = float(reduce.max()) if S else 0.0
+    return StepCost(pipeline + all_reduce, pipeline, all_reduce, float((work + sync).max()), replica,
+                    work + sync, reduce, memory, fa.memory[idx], p2p_bytes, allreduce_bytes)
+
+
+def _slowest_link(fa: FleetArrays, group: np.ndarray) -> tuple[float, float]:
+    """(bandwidth, latency) of the slowest link a ring through `group` (fleet indices) may use.
+
+    Conservative with regions: every pair of the group's regions counts (a ring
+    through three regions uses all three links; through more, maybe not all),
+    and a region's own link counts when two members share it.
+    """
+    slowest = float(fa.bandwidth[group].min())
+    if not fa.regions:
+        return slowest, 0.0
+    regions, counts = np.unique(fa.region[group], return_counts=True)
+    bw = fa.region_bw[np.ix_(regions, regions)].copy()
+    lat = fa.region_lat[np.ix_(regions, regions)].copy()
+    alone = np.flatnonzero(counts < 2)
+    bw[alone, alone] = np.inf
+    lat[alone, alone] = 0.0
+    return min(slowest, float(bw.min())), float(lat.max())
+
+
+def batch_shares(batch: int, seconds_per_sample: Sequence[float], fixed: Sequence[float] | None = None,
+                 caps: Sequence[int] | None = None) -> list[int] | None:
+    """Integer shares of `batch` (each >= 1, at most `caps[r]`) that equalise b_r * a_r + c_r.
+
+    Water-filling: every replica finishes together when b_r = (T - c_r) / a_r;
+    the real shares are that, rounded by largest remainder within the caps.
+    None when the caps (memory) cannot hold the batch or there are more
+    replicas than samples.
+    """
+    a = np.maximum(np.asarray(seconds_per_sample, dtype=float), 1e-300)
+    R = len(a)
+    c = np.zeros(R) if fixed is None else np.asarray(fixed, dtype=float)
+    cap = np.full(R, batch) if caps is None else np.minimum(np.asarray(caps), batch)
+    if R > batch or np.any(cap < 1) or cap.sum() < batch:
+        return None
+    inv = 1.0 / a
+    T = (batch + float((c * inv).sum())) / float(inv.sum())  # closed form when no bound binds
+    exact = (T - c) * inv
+    if np.any(exact < 1) or np.any(exact > cap):
+        lo, hi = 0.0, float((c + a * batch).max())
+        for _ in range(60):  # bisection on the common finish time T
+            mid = (lo + hi) / 2
+            if np.minimum(np.maximum((mid - c) * inv, 1), cap).sum() >= batch:
+                hi = mid
+            else:
+                lo = mid
+        exact = np.minimum(np.maximum((hi - c) * inv, 1), cap)
+    shares = np.minimum(np.maximum(np.floor(exact), 1), cap).astype(np.int64)
+    while shares.sum() > batch:  # rounding up from 1 may overshoot: take from the longest finishers
+        finish = np.where(shares > 1, shares * a + c, -np.inf)
+        shares[int(np.argmax(finish))] -= 1
+    # The rest (< R samples after rounding down), one at a time to whoever would finish it earliest:
+    # greedy from below the optimum is optimal for this min-max allocation.
+    out = shares.tolist()
+    heap = [(float((out[r] + 1) * a[r] + c[r]), r) for r in range(R) if out[r] < cap[r]]
+    heapq.heapify(heap)
+    for _ in range(batch - int(shares.sum())):
+        _, r = heapq.heappop(heap)
+        out[r] += 1
+        if out[r] < cap[r]:
+            heapq.heappush(heap, (float((out[r] + 1) * a[r] + c[r]), r))
+    return out
+
+
+def replica_assignment(assignment: Mapping[str, str], replica_pnodes: Sequence[Sequence[str]], r: int
+                       ) -> dict[str, str]:
+    """VNode -> PNode of replica r, from replica 0's `assignment` (the PNodes of row 0 name the stages)."""
+    stage_of = {pid: s for s, pid in enumerate(replica_pnodes[0])}
+    row = replica_pnodes[r]
+    return {v: row[stage_of[p]] for v, p in assignment.items()}

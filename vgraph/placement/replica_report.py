@@ -1,0 +1,162 @@
+"""placement.json's replica fields: the plan's R replicas priced by the step cost model.
+
+The `partition` pass places replica 0 on the graph (node.meta["pnode"]) and
+records the whole plan in graph.meta["placement"]: `replica_pnodes` (per
+replica, its PNodes in stage order; row 0 names the PNodes of the graph's own
+assignment) and `batch_shares`.  `with_replicas` adds to a placement report
+(`partition_export.placement_report`), recomputed from scratch:
+
+- `replicas`, `replica_pnodes`, `batch_shares`, `replica_assignments` (per
+  replica, VNode -> PNode);
+- `step_seconds` (predicted, all-reduce included), `pipeline_seconds`,
+  `allreduce_seconds`, `allreduce` (per stage group: PNodes, gradient bytes,
+  bytes sent, seconds) and `bytes_per_step` (everything workers send in a
+  step: boundary tensors, tied-weight syncs, ring all-reduce);
+- with R > 1, `pnodes` gains every replica's PNodes priced at their replica's
+  share, and `bottleneck_*`, `cut_bytes_per_step` cover all replicas.
+
+A report of a graph without replica fields is one replica over the PNodes in
+order of use: its legacy fields are left exactly as they were.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.costmodel import CostModel
+from vgraph.cost.fleet import Fleet
+from vgraph.cost.stepcost import replica_assignment, stage_loads, step_cost
+from vgraph.ir.graph import Graph
+
+__all__ = ["with_replicas", "replica_layout", "format_plan", "rebalanced_shares"]
+
+
+def replica_layout(graph: Graph, assignment: dict[str, str], batch: int) -> tuple[list[list[str]], list[int]]:
+    """(replica_pnodes, batch_shares) of the graph's plan; one replica when the plan records none."""
+    placed = graph.meta.get("placement") or {}
+    rows = placed.get("replica_pnodes")
+    shares = placed.get("batch_shares")
+    used = list(dict.fromkeys(assignment[n.id] for n in graph.topo_order()))
+    if not rows:
+        return [used], [batch]
+    rows = [list(r) for r in rows]
+    if len(rows) == 1 and set(rows[0]) == set(used):  # one replica: the whole batch, whatever it is now
+        return [used], [batch]
+    if set(rows[0]) != set(used) or len(shares or ()) != len(rows) or sum(shares) != batch:
+        raise VGraphError(f"the placement's replicas do not match the graph: replica 0 uses "
+                          f"{', '.join(rows[0])}, the graph's VNodes are on {', '.join(used)}; batch shares "
+                          f"{shares} for batch {batch} (run 'partition' again after changing the batch)")
+    return rows, [int(x) for x in shares]
+
+
+def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostModel) -> dict[str, Any]:
+    """`report` (a placement report of replica 0 at the global batch) with the replica fields added."""
+    assign = report["assignment"]
+    rows, shares = replica_layout(graph, assign, cm.batch)
+    unknown = sorted({p for row in rows for p in row} - set(fleet.ids))
+    if unknown:
+        raise VGraphError(f"the placement's replicas use PNode(s) {', '.join(unknown)} that fleet "
+                          f"{fleet.name!r} does not have")
+    stage_of_pnode = {p: s for s, p in enumerate(rows[0])}
+    stage_of = {v: stage_of_pnode[p] for v, p in assign.items()}
+    loads = stage_loads(cm, stage_of, len(rows[0]))
+    cost = step_cost(loads, [[fleet.pnode(p) for p in row] for row in rows], shares, cm.micro_batches, fleet)
+    R = len(rows)
+    out = dict(report)
+    out.update({
+        "replicas": R, "replica_pnodes": rows, "batch_shares": shares,
+        "replica_assignments": [assign] + [replica_assignment(assign, rows, r) for r in range(1, R)],
+        "step_seconds": cost.step_seconds, "pipeline_seconds": cost.pipeline_seconds,
+        "allreduce_seconds": cost.allreduce_seconds,
+        "allreduce": [{"stage": s, "pnodes": [row[s] for row in rows], "grad_bytes": float(loads.grad_bytes[s]),
+                       "bytes_per_step": float(cost.allreduce_bytes[s]),
+                       "seconds": float(cost.allreduce_stage_seconds[s])} for s in range(len(rows[0]))],
+        "allreduce_bytes_per_step": float(cost.allreduce_bytes.sum()),
+    })
+    if R == 1:
+        out["bytes_per_step"] = float(report["cut_bytes_per_step"])
+        return out
+    pnodes = {pid: dict(info) for pid, info in report["pnodes"].items()}
+    flops = loads.flops
+    for r, row in enumerate(rows):
+        for s, pid in enumerate(row):
+            p = fleet.pnode(pid)
+            compute = shares[r] * flops[s] / p.flops
+            seconds = float(cost.stage_seconds[r, s])
+            pnodes[pid] = {
+                "vnodes": list(report["pnodes"][rows[0][s]]["vnodes"]), "replica": r, "stage": s,
+                "batch_share": shares[r], "memory_bytes": int(cost.memory[r, s]), "capacity_bytes": p.memory,
+                "flops_per_step": float(shares[r] * flops[s]),
+                "boundary_bytes_per_step": float(shares[r] * loads.p2p[s].sum() + loads.sync[s].sum()),
+                "compute_seconds": float(compute), "comm_seconds": seconds - float(compute), "seconds": seconds,
+                "fits": bool(cost.memory[r, s] <= p.memory)}
+    out["cut_edges"] = [dict(e, bytes_per_step=e["bytes_per_step"] // cm.batch * shares[0])
+                        for e in report["cut_edges"]]  # replica 0's, at its share
+    bottleneck = max((pid for row in rows for pid in row), key=lambda pid: pnodes[pid]["seconds"])
+    out.update({"pnodes": pnodes, "bottleneck_seconds": pnodes[bottleneck]["seconds"],
+                "bottleneck_pnode": bottleneck, "cut_bytes_per_step": float(cost.p2p_bytes.sum()),
+                "bytes_per_step": cost.bytes_per_step})
+    return out
+
+
+def format_plan(report: dict[str, Any], shown: int = 8) -> str:
+    """The plan of a placement report in a few lines: replicas, shares, all-reduce, the predicted step."""
+    from vgraph.cost.fleet import human_bytes
+
+    R, rows, shares = report["replicas"], report["replica_pnodes"], report["batch_shares"]
+    S = len(rows[0])
+    used = sum(len(r) for r in rows)
+    lines = [f"plan on fleet {report['fleet']!r} (batch {report['batch']}, {report['micro_batches']} micro-batch"
+             f"{'es' * (report['micro_batches'] != 1)} per replica): {R} replica{'s' * (R != 1)} x {S} stage"
+             f"{'s' * (S != 1)} on {used} PNodes"]
+    for r, row in enumerate(rows[:shown]):
+        seconds = max(report["pnodes"][p]["seconds"] for p in row)
+        lines.append(f"  replica {r}: {' -> '.join(row)}, {shares[r]} sample{'s' * (shares[r] != 1)}, "
+                     f"slowest stage {seconds:.4g} s")
+    if R > shown:
+        lines.append(f"  ... {R - shown} more replicas (shares {min(shares)}..{max(shares)})")
+    if R > 1:
+        for g in report["allreduce"][:shown]:
+            lines.append(f"  all-reduce stage {g['stage']}: {human_bytes(g['grad_bytes'])} of gradients over "
+                         f"{len(g['pnodes'])} PNodes, {human_bytes(g['bytes_per_step'])} sent, {g['seconds']:.4g} s")
+    lines.append(f"predicted step {report['step_seconds']:.4g} s = pipeline {report['pipeline_seconds']:.4g} s + "
+                 f"all-reduce {report['allreduce_seconds']:.4g} s; {human_bytes(report['bytes_per_step'])} sent "
+                 f"per step")
+    single = (report.get("plan") or {}).get("pipeline_only_step_seconds")
+    if single:
+        lines.append(f"one pipeline over the fleet would take {single:.4g} s a step "
+                     f"({single / report['step_seconds']:.2f}x this plan)")
+    return "\n".join(lines)
+
+
+def rebalanced_shares(graph: Graph, fleet: Fleet, assignment: dict[str, str], rows: list[list[str]], batch: int,
+                      micro_batches: int) -> list[int]:
+    """Batch shares for the replicas `rows` of the graph's stages (after a replica was lost, say): each
+    replica's share in proportion to its speed, within its memory (`stepcost.batch_shares`)."""
+    import numpy as np
+
+    from vgraph.cost.costmodel import cost_model
+    from vgraph.cost.stepcost import FleetArrays, batch_shares, bubble, stage_rates
+
+    cm = cost_model(graph, batch=batch, micro_batches=micro_batches)
+    stage_of_pnode = {p: s for s, p in enumerate(rows[0])}
+    loads = stage_loads(cm, {v: stage_of_pnode[p] for v, p in assignment.items()}, len(rows[0]))
+    fa = FleetArrays(fleet)
+    idx = np.array([[fa.index[p] for p in row] for row in rows], dtype=np.int64)
+    per_sample, fixed, latency = stage_rates(loads, fa, idx)
+    S = len(rows[0])
+    caps = []
+    for r, row in enumerate(rows):  # the largest share every stage of the replica holds
+        cap = 0
+        for b in range(1, batch + 1):
+            cost = step_cost(loads, [[fleet.pnode(p) for p in row]], [b], micro_batches, fleet)
+            if not cost.fits:
+                break
+            cap = b
+        caps.append(cap)
+    shares = batch_shares(batch, bubble(micro_batches, S) * per_sample.max(axis=1), fixed.max(axis=1) + latency,
+                          caps)
+    if shares is None:
+        raise VGraphError(f"{len(rows)} replica(s) cannot hold the batch of {batch} (memory, or fewer samples "
+                          f"than replicas)")
+    return shares

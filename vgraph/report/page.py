@@ -1,0 +1,370 @@
+"""`vgraph report RUN -o report.html`: one self-contained page about a training run, to share.
+
+Why a page: a run directory holds the record (run.json, metrics.jsonl,
+placement.json, the network), but reading it takes tools; the page puts the
+loss and validation curves, throughput, the network as the run compiled it
+(passes and placement: fused VNodes, cut edges), per-PNode figures of a
+`vgraph launch` run, the memory estimate next to what was measured, and the
+settings in one file anyone can open offline.
+
+Self-contained and inert: inline SVG (charts drawn by report_charts.py, the
+network by render.py and sanitised by svg_embed.py), inline CSS, no script,
+no font or image fetched, and a Content-Security-Policy that forbids
+fetching anyway.  Every string from the run (network name, node ids,
+settings) is escaped.
+
+Tolerant: a run still going is read as it is (a torn last line of
+metrics.jsonl, a missing placement or checkpoint are noted, not fatal), and
+a network that cannot be rebuilt or drawn (no Graphviz, a plugin op type)
+leaves a note where the drawing would be.  Only a RUN that is not a run
+directory at all is an error.  The core only: this reads files, imports no
+torch.
+"""
+from __future__ import annotations
+
+import datetime
+import html
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from vgraph.base.diagnostics import VGraphError, printable
+from vgraph.base.safeio import atomic_write, check_output
+from vgraph.report.charts import PALETTE, Series, format_number, line_chart
+from vgraph.run import files
+
+__all__ = ["RunRecord", "read_run", "build_report", "write_report"]
+
+# Each curve kind has its own colours (a browser test finds the curves by them): PNodes use the rest.
+LOSS_COLOR, VAL_COLOR, THROUGHPUT_COLOR, LR_COLOR = PALETTE[0], PALETTE[1], PALETTE[2], PALETTE[-1]
+PNODE_COLORS = PALETTE[3:-1]
+
+
+@dataclass
+class RunRecord:
+    """What a run directory holds, as far as it could be read; `notes` says what could not."""
+
+    path: Path
+    run: dict[str, Any] = field(default_factory=dict)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    placement: dict[str, Any] | None = None
+    job: dict[str, Any] | None = None  # the latest launch/job-N.json (launch runs)
+    network_yaml: str | None = None
+    checkpoint: str | None = None
+    inputs: list[Path] = field(default_factory=list)  # every file read (the output may be none of them)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def command(self) -> str:
+        return "launch" if self.placement is not None or "launch" in self.run or self.job else "train"
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+def read_run(run_dir: str | Path) -> RunRecord:
+    """The run directory's files; refused (VGraphError) only when `run_dir` is not a run directory."""
+    path = Path(run_dir)
+    shown = printable(str(path))
+    if not path.exists():
+        raise VGraphError(f"{shown}: no such run directory")
+    if not path.is_dir():
+        raise VGraphError(f"{shown}: is a file, not a run directory (give the --out directory of vgraph train "
+                          f"or vgraph launch)")
+    if not any((path / name).is_file() for name in (files.RUN_JSON, files.METRICS_JSONL)):
+        raise VGraphError(f"{shown}: not a run directory of vgraph train or vgraph launch (it has no run.json "
+                          f"and no metrics.jsonl yet)")
+    reader = files.RunReader(path)
+    rec = RunRecord(path, notes=reader.notes, inputs=reader.read)
+    noted = len(rec.notes)
+    run = reader.json(files.RUN_JSON)
+    rec.run = run if isinstance(run, dict) else {}
+    if not isinstance(run, dict) and len(rec.notes) == noted:  # read, but `null`, a list, a string
+        rec.notes.append("run.json does not hold a JSON object; settings not shown")
+    rec.rows = reader.metrics()
+    placement = reader.json(files.PLACEMENT_JSON, optional=True)
+    rec.placement = placement if isinstance(placement, dict) else None
+    rec.job = reader.latest_job()
+    rec.network_yaml = reader.text(files.NETWORK_YML, "network file")
+    rec.checkpoint = reader.latest_checkpoint_name()
+    # The run's own files are never replaced by a report, read or not (a previous report may be).
+    rec.inputs += [p for p in path.iterdir() if p.is_file() and p.suffix.lower() not in (".html", ".htm")]
+    return rec
+
+
+# -- the page ------------------------------------------------------------------------------------
+
+def build_report(rec: RunRecord, *, drawing: str | None = None) -> str:
+    """The HTML page of `rec`; `drawing`: the network's embeddable SVG (`network_drawing`), or None."""
+    e = html.escape
+    run, rows = rec.run, rec.rows
+    name = str(run.get("network") or (rec.placement or {}).get("network") or rec.path.name)
+    title = f"vgraph {rec.command} run: {name}"
+    parts = [_HEAD.format(title=e(printable(title, 200))), f"<h1>{e(printable(title, 200))}</h1>",
+             _summary(rec)]
+    if rec.notes:
+        parts.append("<ul class=\"notes\">" + "".join(f"<li>{e(printable(n, 500))}</li>" for n in rec.notes)
+                     + "</ul>")
+    parts.append('<section><h2>Training</h2><div class="charts">' + "".join(_training_charts(rows)) + "</div>"
+                 + _metric_table(rows) + "</section>")
+    if any(isinstance(r.get("pnodes"), dict) for r in rows) or rec.placement:
+        parts.append(_pnode_section(rec))
+    parts.append("<section><h2>Network</h2>" + _network_caption(rec)
+                 + (f'<div class="drawing">{drawing}</div>' if drawing else "") + "</section>")
+    parts.append(_memory_section(rec))
+    parts.append("<section><h2>Settings</h2>" + _settings_table(run) + "</section>")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    parts.append(f'<footer>written by <code>vgraph report</code> on {e(stamp)} from {e(printable(str(rec.path), 300))}'
+                 f"</footer></body></html>\n")
+    return "\n".join(parts)
+
+
+_HEAD = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; img-src data:">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>
+body {{ font-family: system-ui, -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 24px;
+       color: #0f172a; background: #f8fafc; }}
+h1 {{ font-size: 22px; margin: 0 0 8px; }} h2 {{ font-size: 17px; margin: 0 0 10px; }}
+section {{ background: #ffffff; border: 1px solid #e2e8f0; border-radius: 8px; padding: 14px 16px; margin: 14px 0; }}
+.charts {{ display: flex; flex-wrap: wrap; gap: 12px; }}
+.summary {{ display: flex; flex-wrap: wrap; gap: 10px; margin: 10px 0; }}
+.summary div {{ background: #ffffff; border: 1px solid #e2e8f0; border-radius: 6px; padding: 6px 10px; }}
+.summary b {{ display: block; font-size: 16px; }} .summary span {{ font-size: 11px; color: #64748b; }}
+table {{ border-collapse: collapse; font-size: 12px; margin-top: 8px; }}
+td, th {{ border: 1px solid #e2e8f0; padding: 3px 8px; text-align: left; vertical-align: top; }}
+th {{ background: #f1f5f9; }} td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
+td code {{ white-space: pre-wrap; word-break: break-all; }}
+.notes {{ background: #fffbeb; border: 1px solid #fde68a; border-radius: 6px; padding: 8px 8px 8px 28px; }}
+.drawing svg.network {{ width: 100%; height: auto; max-height: 1400px; }}
+.caption {{ font-size: 12px; color: #475569; }}
+footer {{ font-size: 11px; color: #64748b; }}
+</style></head><body>"""
+
+
+def _summary(rec: RunRecord) -> str:
+    rows, run = rec.rows, rec.run
+    last = rows[-1] if rows else {}
+    steps = run.get("steps")
+    done = last.get("step", 0)
+    if not rows:
+        state = "no step logged yet"
+    elif not isinstance(steps, int) or isinstance(steps, bool):
+        state = f"step {done}"
+    else:
+        state = f"step {done} of {steps}" + ("" if done >= steps else " (still running, or stopped)")
+    vals = [r["val_loss"] for r in rows if _finite(r.get("val_loss"))]
+    speeds = [r["tokens_per_s"] for r in rows if _finite(r.get("tokens_per_s"))]
+    boxes = [("progress", state),
+             ("last loss", format_number(last["loss"]) if _finite(last.get("loss")) else "-"),
+             ("last validation loss", format_number(vals[-1]) if vals else "-"),
+             ("median tokens/s", format_number(statistics.median(speeds)) if speeds else "-"),
+             ("elapsed", f"{last['elapsed_s']:.1f} s" if _finite(last.get("elapsed_s")) else "-"),
+             ("latest checkpoint", rec.checkpoint or "none yet")]
+    return '<div class="summary">' + "".join(
+        f"<div><span>{html.escape(k)}</span><b>{html.escape(printable(v, 120))}</b></div>" for k, v in boxes) + "</div>"
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _points(rows: Iterable[Mapping[str, Any]], key: str) -> list[tuple[float, float]]:
+    return [(r["step"], r[key]) for r in rows if _finite(r.get(key))]
+
+
+def _training_charts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    charts = [line_chart("Loss", [Series("train loss", _points(rows, "loss"), LOSS_COLOR),
+                                  Series("validation loss", _points(rows, "val_loss"), VAL_COLOR, markers=True)],
+                         y_label="cross-entropy (nats/token)", css_class="chart loss"),
+              line_chart("Throughput", [Series("tokens/s", _points(rows, "tokens_per_s"), THROUGHPUT_COLOR)],
+                         y_label="tokens/s", css_class="chart throughput")]
+    lr = _points(rows, "lr")
+    if lr:
+        charts.append(line_chart("Learning rate", [Series("lr", lr, LR_COLOR)], y_label="lr",
+                                 css_class="chart lr"))
+    return charts
+
+
+_OWN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "elapsed_s", "val_loss", "loss_scale", "boundary_bytes",
+               "peak_memory_bytes", "pnodes"}
+
+
+def _metric_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The network's `metrics:` entries (and the loss scale): their latest values."""
+    latest: dict[str, tuple[int, float]] = {}
+    for r in rows:
+        for key, value in r.items():
+            if (key not in _OWN_FIELDS or key == "loss_scale") and _finite(value):
+                latest[str(key)] = (r["step"], value)
+    if not latest:
+        return ""
+    body = "".join(f"<tr><td>{html.escape(printable(k, 100))}</td><td class=\"num\">{format_number(v)}</td>"
+                   f"<td class=\"num\">{s}</td></tr>" for k, (s, v) in sorted(latest.items()))
+    return ("<table><tr><th>metric (the network's <code>metrics:</code>)</th><th>latest</th><th>at step</th></tr>"
+            + body + "</table>")
+
+
+def _network_caption(rec: RunRecord) -> str:
+    passes = rec.run.get("passes")
+    if rec.job:
+        spec = ",".join(p for p in (rec.job.get("pipeline_before"), "partition", rec.job.get("pipeline_after")) if p)
+    else:
+        spec = "the production pipeline" if passes is None else (passes or "no passes")
+        if rec.run.get("fuse") is False and passes is None:
+            spec = "the production pipeline without fusions"
+    text = (f"As the run compiled it: passes {spec}. Fused VNodes have a double orange border; edges cut between "
+            f"PNodes are red and labelled with their bytes per step.")
+    return f'<p class="caption">{html.escape(printable(text, 600))}</p>'
+
+
+def _pnode_section(rec: RunRecord) -> str:
+    rows = [r for r in rec.rows if isinstance(r.get("pnodes"), dict)]
+    predicted = (rec.placement or {}).get("pnodes") or {}
+    pnodes = list(dict.fromkeys([*(p for r in rows for p in r["pnodes"]), *predicted]))
+    charts = []
+    for key, title, unit in (("step_s", "Step time per PNode", "seconds"),
+                             ("idle_s", "Idle (bubble) time per PNode", "seconds"),
+                             ("bytes_sent", "Bytes sent per PNode", "bytes / step")):
+        series = [Series(str(p), [(r["step"], r["pnodes"][p].get(key)) for r in rows
+                                  if isinstance(r["pnodes"].get(p), dict) and _finite(r["pnodes"][p].get(key))],
+                         PNODE_COLORS[i % len(PNODE_COLORS)]) for i, p in enumerate(pnodes)]
+        charts.append(line_chart(title, series, y_label=unit, css_class=f"chart pnode-{key}"))
+    head = ("<tr><th>PNode</th><th>VNodes</th><th>predicted s/step</th><th>measured s/step (median)</th>"
+            "<th>idle s/step (median)</th><th>predicted bytes/step</th><th>measured bytes sent/step (median)</th>"
+            "<th>predicted memory</th><th>measured peak memory</th><th>capacity</th></tr>")
+    body = []
+    for p in pnodes:
+        pred = predicted.get(p) if isinstance(predicted.get(p), dict) else {}
+        own = [r["pnodes"][p] for r in rows if isinstance(r["pnodes"].get(p), dict)]
+
+        def median(key: str) -> str:
+            values = [f[key] for f in own if _finite(f.get(key))]
+            return format_number(statistics.median(values)) if values else "-"
+
+        peaks = [f["peak_memory_bytes"] for f in own if _finite(f.get("peak_memory_bytes"))]
+        vnodes = pred.get("vnodes")
+        cells = [printable(p, 80), str(len(vnodes)) if isinstance(vnodes, list) else "-",
+                 _num(pred.get("seconds")), median("step_s"), median("idle_s"),
+                 _num(pred.get("boundary_bytes_per_step")), median("bytes_sent"), _bytes(pred.get("memory_bytes")),
+                 _bytes(peaks[-1] if peaks else None), _bytes(pred.get("capacity_bytes"))]
+        body.append("<tr>" + "".join(("<td>" if i == 0 else '<td class="num">') + html.escape(c) + "</td>"
+                                     for i, c in enumerate(cells)) + "</tr>")
+    measured = ("measured peak memory is the worker's peak resident set (Python and torch included) on a CPU, "
+                "the allocator's peak on CUDA")
+    return ('<section><h2>PNodes</h2><div class="charts">' + "".join(charts) + "</div><table>" + head
+            + "".join(body) + f'</table><p class="caption">{html.escape(measured)}; idle time is time blocked on '
+            f"peers (pipeline bubble, gradient ring, the step's reduction; also a peer's work between steps, e.g. "
+            f"rank 0 writing logs, validating or checkpointing).</p></section>")
+
+
+def _num(x: Any) -> str:
+    return format_number(x) if _finite(x) else "-"
+
+
+def _bytes(n: Any) -> str:
+    """Bytes as the drawing labels them (render.py), '-' for what is not a number."""
+    from vgraph.report.render import _bytes as render_bytes
+
+    return render_bytes(n) if _finite(n) and n >= 0 else "-"
+
+
+def _memory_section(rec: RunRecord) -> str:
+    estimate = rec.run.get("memory_estimate")
+    peaks = [r["peak_memory_bytes"] for r in rec.rows if _finite(r.get("peak_memory_bytes"))]
+    if not isinstance(estimate, dict) and not peaks:
+        if rec.command == "launch":
+            return ""  # per PNode, in the PNodes table
+        return ("<section><h2>Memory</h2><p class=\"caption\">This run recorded no memory estimate or "
+                "measurement (written by an older vgraph).</p></section>")
+    rows = []
+    if isinstance(estimate, dict):
+        for key in ("parameters", "gradients", "optimizer", "activations", "workspace", "total"):
+            if key in estimate:
+                rows.append((f"estimate: {key}", _bytes(estimate.get(key))))
+    how = {"process_peak_rss": "peak resident set of the process (includes the Python and torch runtime)",
+           "cuda_max_memory_allocated": "CUDA allocator peak (tensors only)"}
+    kind = estimate.get("measured_as") if isinstance(estimate, dict) else None
+    rows.append((f"measured: {how.get(kind, str(kind or 'peak'))}", _bytes(peaks[-1]) if peaks else "not yet"))
+    if isinstance(estimate, dict) and peaks and _finite(estimate.get("total")) and estimate["total"] > 0:
+        rows.append(("measured / estimated", f"{peaks[-1] / estimate['total']:.2f}x"))
+    return ("<section><h2>Memory</h2><table>" + "".join(
+        f"<tr><td>{html.escape(printable(k, 200))}</td><td class=\"num\">{html.escape(v)}</td></tr>" for k, v in rows)
+        + "</table></section>")
+
+
+def _settings_table(run: Mapping[str, Any]) -> str:
+    if not run:
+        return '<p class="caption">no settings recorded (run.json missing or unreadable)</p>'
+    cells = []
+    for key, value in run.items():
+        text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
+        cells.append(f"<tr><td>{html.escape(printable(key, 100))}</td>"
+                     f"<td><code>{html.escape(printable(text, 2000))}</code></td></tr>")
+    return "<table>" + "".join(cells) + "</table>"
+
+
+# -- the network as the run compiled it ----------------------------------------------------------
+
+def network_drawing(rec: RunRecord) -> tuple[str | None, str | None]:
+    """(embeddable SVG of the run's compiled network, None) or (None, why it is not drawn)."""
+    from vgraph.report.render import render_svg
+    from vgraph.report.svg_embed import embeddable_svg
+
+    if rec.network_yaml is None:
+        return None, "the network is not drawn: network.yml is missing"
+    try:
+        graph = compiled_graph(rec)
+        placed = bool(rec.placement) or any(n.meta.get("pnode") for n in graph.nodes)
+        svg = render_svg(graph, group_by="pnode" if placed else "colocate", collapse=len(graph) > 40,
+                         placement=_drawable_placement(rec.placement, graph))
+        return embeddable_svg(svg), None
+    except VGraphError as exc:
+        plugins = rec.run.get("plugins") or []
+        hint = (f" (the run was trained with --plugin {', '.join(map(str, plugins))}: give the same files to "
+                f"vgraph report)" if plugins else "")
+        return None, f"the network is not drawn: {exc.diagnostics[0].message}{hint}"
+
+
+def _drawable_placement(placement: Mapping[str, Any] | None, graph: Any) -> Mapping[str, Any] | None:
+    """placement.json when its assignment names the drawn graph's VNodes (else each VNode's own PNode)."""
+    if not placement or not isinstance(placement.get("assignment"), dict):
+        return None
+    return placement if all(n.id in placement["assignment"] for n in graph.nodes) else None
+
+
+def compiled_graph(rec: RunRecord):
+    """The graph the run trained: its network.yml through the run's passes (and, for launch, its placement)."""
+    from vgraph.run.compiled_graph import apply_assignment, definition_spec, training_spec
+    from vgraph.transform.pipeline import run_pipeline
+    from vgraph.yamlio import loads
+
+    source = loads(rec.network_yaml or "", file=str(rec.path / files.NETWORK_YML))
+    job = rec.job or {}
+    if isinstance(job.get("assignment"), dict):
+        return apply_assignment(source, str(job.get("pipeline_before") or ""), job["assignment"],
+                                str(job.get("pipeline_after") or ""), str(job.get("target") or "cpu"))
+    precision = rec.run.get("precision") if isinstance(rec.run.get("precision"), dict) else {}
+    target = str(precision.get("target") or "cpu")
+    spec = training_spec(definition_spec(rec.run), rec.run.get("fuse", True) is not False)
+    graph = source.copy()
+    if spec != "":
+        run_pipeline(graph, spec, target=target)
+    return graph
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+def write_report(run_dir: str | Path, output: str | Path) -> tuple[Path, RunRecord, str | None]:
+    """Read the run, write the page atomically to `output` (never over a file of the run it read)."""
+    rec = read_run(run_dir)
+    out = check_output(output, inputs=rec.inputs, what="report")
+    drawing, why = network_drawing(rec)
+    if why:
+        rec.notes.append(why)
+    atomic_write(out, build_report(rec, drawing=drawing))
+    return out, rec, why

@@ -1,0 +1,61 @@
+"""The graph a training run compiled, rebuilt from what its run directory stores.
+
+Why in the core: `vgraph train` and `vgraph launch` (backends) build that
+graph before their first step, and `vgraph report` (core, no torch) draws it
+afterwards from the run's files; both must run the same passes in the same
+order, so the rules live here once:
+
+* `training_spec`: the pipeline a run's `--passes` / `--no-fuse` mean;
+* `preserving_spec`: a pipeline without the passes that change what the
+  network computes (a run whose pass changed the function stores the changed
+  network, on which only the others run again);
+* `apply_assignment`: a partitioned run's graph: the passes up to the
+  partition, its VNode -> PNode assignment, the passes after it (fusions after
+  the partition respect the placement).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from vgraph.ir.graph import Graph
+from vgraph.transform.pipeline import build_pipeline, run_pipeline
+
+__all__ = ["NO_FUSE_PIPELINE", "training_spec", "preserving_spec", "definition_spec", "apply_assignment"]
+
+NO_FUSE_PIPELINE = "dead-nodes,precision"
+
+
+def training_spec(passes: str | None, fuse: bool) -> str | None:
+    """The pipeline spec a run prepares its graph with: `passes` as given ('' runs nothing), else the
+    production pipeline (None), or the production pipeline without fusions under `--no-fuse`."""
+    return passes if passes is not None else (None if fuse else NO_FUSE_PIPELINE)
+
+
+def preserving_spec(spec: str | None) -> str | None:
+    """`spec` without the passes that change what a network computes (they already ran on a definition)."""
+    if not spec:
+        return spec
+    return ",".join(p.spec() for p in build_pipeline(spec) if p.preserves_semantics)
+
+
+def definition_spec(run: Mapping[str, Any]) -> str | None:
+    """The `--passes` that rebuild a run's trained graph from its stored definition (run.json's fields)."""
+    passes = run.get("passes")
+    return preserving_spec(passes) if run.get("semantic_changes") else passes
+
+
+def apply_assignment(source: Graph, before: str, assignment: Mapping[str, str], after: str, target: str) -> Graph:
+    """The placed, optimised graph: passes up to the partition, its assignment, passes after it.
+
+    The launcher, every worker and the report build the graph this way, so they
+    agree on it without shipping it.
+    """
+    graph = source.copy()
+    if before:
+        run_pipeline(graph, before, target=target)
+    for node in graph.nodes:
+        if node.id in assignment:
+            node.meta["pnode"] = assignment[node.id]
+    if after:
+        run_pipeline(graph, after, target=target)
+    return graph

@@ -1,0 +1,394 @@
+"""The pass manager: pipelines as text, dependency order, verification, instruments.
+
+    fuse-heads,fuse-lm-head-ce,precision{target=cuda-sm80}
+
+Passes run in the order written unless a declared dependency says otherwise
+(a stable topological sort); a cycle or an unknown pass is an error before
+anything runs.  After every pass the IR is verified (a pass that breaks the
+graph is named), and instruments observe each run: timing, node counts and
+change counts by default, a YAML (and SVG) dump per pass on request.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import re
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Protocol, Sequence
+
+from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.base.gcpause import paused_gc
+from vgraph.ir.graph import Graph
+from vgraph.plugins import Plugin, discover, guarded, shown
+from vgraph.transform.pass_api import LOCAL_PASSES, Pass, PassContext, PassError
+
+DEFAULT_PIPELINE = "dead-nodes,precision,fuse-heads,fuse-lm-head-ce"
+APPLIED = "applied_passes"  # graph.meta key: names of passes whose results hold
+# graph.meta key: the passes that changed what the network computes, in the order they ran, each
+# {"pass": name, "spec": pipeline text with options, "origin": distribution or file}.  Empty or
+# absent: the graph computes what the YAML it was loaded from computes (fusions keep `fused_from`,
+# so its weights map back).  A trainer stores such a graph with its checkpoints.
+SEMANTIC_CHANGES = "semantic_changes"
+BOOKKEEPING = (APPLIED, SEMANTIC_CHANGES)  # meta the manager writes; not a pass's change
+
+
+# -- finding passes -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PassInfo:
+    name: str
+    origin: str
+    plugin: Plugin | None = None
+    cls: type[Pass] | None = None
+    builtin: bool = False  # registered by vgraph itself
+    overrides: str = ""  # the origin of the built-in pass of the same name this one replaces
+
+    def load(self) -> type[Pass]:
+        if self.cls is not None:
+            return self.cls
+        assert self.plugin is not None
+        cls = self.plugin.load()
+        if not (isinstance(cls, type) and issubclass(cls, Pass)):
+            raise PassError(f"plugin {self.name!r} from {self.origin!r} is not a vgraph Pass class")
+        if cls.name != self.name:
+            raise PassError(f"plugin {self.name!r} from {self.origin!r} loads a pass named {cls.name!r}")
+        cls.origin = self.origin
+        return cls
+
+
+def available_passes() -> dict[str, PassInfo]:
+    """Every pass by name: entry points (not imported) and locally registered ones.
+
+    A name belongs to one pass.  A plugin pass named like a built-in is
+    refused unless its class says `overrides = "<that name>"`; two plugins
+    claiming one name are refused: silently running another pass than the
+    one the user named is the one thing a pipeline must never do.
+    """
+    found: dict[str, PassInfo] = {}
+    for plugin in discover("vgraph.passes"):
+        info = PassInfo(plugin.name, plugin.origin, plugin=plugin, builtin=plugin.builtin)
+        found[plugin.name] = _claim(found.get(plugin.name), info)
+    for name, cls in LOCAL_PASSES.items():
+        found[name] = _claim(found.get(name), PassInfo(name, cls.origin or "local", cls=cls))
+    return dict(sorted(found.items()))
+
+
+def _claim(current: PassInfo | None, new: PassInfo) -> PassInfo:
+    """Who gets a pass name both `current` and `new` claim (see `available_passes`)."""
+    if current is None or current.cls is new.cls is not None:
+        return new
+    if new.builtin and not current.builtin:
+        current, new = new, current
+    if not current.builtin:
+        raise PassError(f"pass {new.name!r} is defined twice: by {current.origin} and by {new.origin}; "
+                        f"uninstall or rename one of them")
+    if new.load() is current.load():
+        return current  # the built-in class itself, registered again in code
+    if getattr(new.load(), "overrides", None) != new.name:
+        raise PassError(f"pass {new.name!r} from {new.origin} has the name of a built-in pass "
+                        f"({current.origin}); rename it, or set `overrides = {new.name!r}` in its class to "
+                        f"replace the built-in (vgraph then says so on every run)")
+    return replace(new, overrides=current.origin)
+
+
+_announced: set[str] = set()
+
+
+def get_pass(name: str) -> type[Pass]:
+    passes = available_passes()
+    if name not in passes:
+        from vgraph.ops.schema import suggest
+
+        raise PassError(f"unknown pass {name!r}{suggest(name, passes)}; "
+                        f"available: {', '.join(passes) or 'none'}")
+    info = passes[name]
+    if info.overrides and name not in _announced:
+        _announced.add(name)  # once per process: every run says it, no run says it twice
+        print(f"warning: pass {name!r} is {info.origin}'s, which overrides the built-in pass of "
+              f"{info.overrides}", file=sys.stderr)
+    return info.load()
+
+
+# -- pipeline text ----------------------------------------------------------------------
+
+_ITEM = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
+
+
+def parse_pipeline(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """'a,b{k=v,k2=v2}' -> [('a', {}), ('b', {'k': 'v', 'k2': 'v2'})]."""
+    out: list[tuple[str, dict[str, str]]] = []
+    pos = 0
+    spec = spec.strip()
+    while pos < len(spec):
+        m = _ITEM.match(spec, pos)
+        if not m or m.end() == pos:
+            raise PassError(f"pipeline {spec!r}: cannot parse at column {pos + 1}: {spec[pos:]!r} "
+                            f"(expected name or name{{key=value,...}}, comma separated)")
+        opts: dict[str, str] = {}
+        for part in filter(None, (p.strip() for p in (m.group(2) or "").split(","))):
+            key, eq, value = part.partition("=")
+            if not eq or not key.strip():
+                raise PassError(f"pipeline {spec!r}: option {part!r} of {m.group(1)!r} is not key=value")
+            opts[key.strip()] = value.strip()
+        out.append((m.group(1), opts))
+        pos = m.end()
+    return out
+
+
+def build_pipeline(spec: str | Sequence[str | Pass] | None) -> list[Pass]:
+    """Pass instances from text, names or instances (None: the default pipeline)."""
+    if spec is None:
+        spec = DEFAULT_PIPELINE
+    items: list[Pass] = []
+    if isinstance(spec, str):
+        for name, opts in parse_pipeline(spec):
+            items.append(get_pass(name)(**opts))
+    else:
+        for item in spec:
+            items.extend(build_pipeline(item) if isinstance(item, str) else [item])
+    return items
+
+
+def must_follow(p: Pass, q: Pass) -> str | None:
+    """Why `p` must run after `q` when both are in one pipeline (None: nothing they declare says so)."""
+    if q.name in p.requires:
+        return f"{p.name!r} requires {q.name!r}"
+    if q.name in p.after:
+        return f"{p.name!r} declares after={q.name!r}"
+    if p.name in getattr(q, "before", ()):
+        return f"{q.name!r} declares before={p.name!r}"
+    return None
+
+
+def order_notes(written: Sequence[Pass], ordered: Sequence[Pass]) -> list[str]:
+    """One line per pair of passes that runs in the opposite order to the one written, and why."""
+    at = {id(p): i for i, p in enumerate(ordered)}
+    notes = []
+    for i, p in enumerate(written):
+        for q in written[i + 1:]:
+            if at[id(q)] < at[id(p)]:
+                why = must_follow(p, q) or "through the order other passes in the pipeline declare"
+                notes.append(f"pipeline order: {q.spec()!r} runs before {p.spec()!r}, although written "
+                             f"after it: {why}")
+    return notes
+
+
+def order_pipeline(passes: list[Pass], applied: Iterable[str] = ()) -> list[Pass]:
+    """Stable topological order by `requires`/`after`/`before`; errors for cycles and missing passes."""
+    names = [p.name for p in passes]
+    done = set(applied)
+    for p in passes:
+        missing = [r for r in p.requires if r not in names and r not in done]
+        if missing:
+            raise PassError(f"pass {p.name!r} requires {', '.join(map(repr, missing))}, which is "
+                            f"not in the pipeline: add it before {p.name!r}")
+    preds = {i: {j for j, q in enumerate(passes) if j != i and must_follow(p, q)}
+             for i, p in enumerate(passes)}
+    order: list[int] = []
+    remaining = list(range(len(passes)))
+    while remaining:
+        ready = next((i for i in remaining if not preds[i] - set(order)), None)
+        if ready is None:
+            cycle = " -> ".join(passes[i].name for i in remaining)
+            raise PassError(f"pass dependencies form a cycle among: {cycle}")
+        order.append(ready)
+        remaining.remove(ready)
+    return [passes[i] for i in order]
+
+
+# -- running ---------------------------------------------------------------------------------
+
+@dataclass
+class PassRecord:
+    name: str
+    spec: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    changed: bool
+    changes: dict[str, int] = field(default_factory=dict)
+    preserves_semantics: bool = True
+
+
+class Instrument(Protocol):
+    def before(self, index: int, p: Pass, graph: Graph) -> None: ...
+    def after(self, index: int, p: Pass, graph: Graph, record: PassRecord) -> None: ...
+
+
+class DumpInstrument:
+    """Writes the graph after each pass as DIR/NN_passname.yml, and its drawing as NN_passname.svg when given
+    a `draw` function (the CLI passes Graphviz's; the pass manager itself draws nothing, so the transform
+    layer never imports the report layer)."""
+
+    def __init__(self, directory: str | Path, draw: Callable[[Graph], str] | None = None) -> None:
+        self.dir = Path(directory)
+        self.draw = draw
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def before(self, index: int, p: Pass, graph: Graph) -> None:
+        if index == 0:
+            self._write(graph, "00_input")
+
+    def after(self, index: int, p: Pass, graph: Graph, record: PassRecord) -> None:
+        self._write(graph, f"{index + 1:02d}_{p.name}")
+
+    def _write(self, graph: Graph, stem: str) -> None:
+        from vgraph.base.safeio import atomic_write
+        from vgraph.yamlio import save
+
+        save(graph, self.dir / f"{stem}.yml")
+        if self.draw is None:
+            return
+        try:
+            svg = self.draw(graph)
+        except VGraphError:
+            self.draw = None  # no Graphviz here: YAML dumps only
+            return
+        atomic_write(self.dir / f"{stem}.svg", svg)
+
+
+def fingerprint(graph: Graph) -> str:
+    """A digest of everything a pass can change: nodes, config, annotations, edges, endpoints.
+
+    Pickle serialises the node records in C (a repr-based digest cost a quarter
+    of the whole pipeline); edges are compared as a set, so re-adding the same
+    edge is not a change.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    h.update(pickle.dumps([(n.id, n.type, n.config, n.input_shapes, n.output_shapes, n.meta)
+                           for n in graph.nodes], protocol=pickle.HIGHEST_PROTOCOL))
+    edges = frozenset((e.src, e.src_slot, e.dst, e.dst_slot) for e in graph.edges)
+    h.update(hash(edges).to_bytes(8, "little", signed=True))
+    h.update(pickle.dumps((graph.name, graph.attrs, dict(graph.endpoints),
+                           {k: v for k, v in graph.meta.items() if k not in BOOKKEEPING})))
+    return h.hexdigest()
+
+
+class LintInstrument:
+    """Debug mode: `Graph.lint()` after every pass, so a pass that corrupts the use-def storage (by reaching
+    around `Graph`'s methods) is named at once instead of by whatever trips over it later."""
+
+    def before(self, index: int, p: Pass, graph: Graph) -> None:
+        if index == 0:
+            graph.lint()
+
+    def after(self, index: int, p: Pass, graph: Graph, record: PassRecord) -> None:
+        try:
+            graph.lint()
+        except VGraphError as exc:
+            raise VGraphError([Diagnostic(f"pass {p.spec()!r} broke the graph's use-def links:")]
+                              + exc.diagnostics) from None
+
+
+def debug_mode() -> bool:
+    """VGRAPH_DEBUG=1 (the test suite sets it): pass managers lint the graph after every pass."""
+    return os.environ.get("VGRAPH_DEBUG", "").strip().lower() in ("1", "true", "yes")
+
+
+class PassManager:
+    def __init__(self, passes: str | Sequence[str | Pass] | None = None, *, verify: bool = True,
+                 instruments: Sequence[Instrument] = (), ctx: PassContext | None = None,
+                 debug: bool | None = None) -> None:
+        self.passes = build_pipeline(passes)
+        self.verify = verify
+        self.instruments = list(instruments)
+        if debug_mode() if debug is None else debug:
+            self.instruments.insert(0, LintInstrument())
+        self.ctx = ctx or PassContext()
+        self.records: list[PassRecord] = []
+
+    def run(self, graph: Graph) -> Graph:
+        """Run the pipeline in place; returns the graph for chaining."""
+        with paused_gc():
+            return self._run(graph)
+
+    def _run(self, graph: Graph) -> Graph:
+        from vgraph.ir.verify import verify as verify_graph
+
+        applied: list[str] = graph.meta.setdefault(APPLIED, [])
+        current_fp = fingerprint(graph)  # each pass's "after" is the next one's "before"
+        ordered = order_pipeline(self.passes, applied)
+        self.ctx.notes.extend(order_notes(self.passes, ordered))  # never reorder without a word
+        for index, p in enumerate(ordered):
+            for inst in self.instruments:
+                inst.before(index, p, graph)
+            before_fp, before_n = current_fp, len(graph)
+            start = time.perf_counter()
+            counts = run_pass(p, graph, self.ctx)
+            seconds = time.perf_counter() - start
+            if self.verify:
+                try:
+                    verify_graph(graph)
+                except VGraphError as exc:
+                    raise VGraphError([Diagnostic(f"pass {p.spec()!r} broke the graph:")]
+                                      + exc.diagnostics) from None
+            for gone in p.invalidates:
+                if gone in applied:
+                    applied.remove(gone)
+            if p.name not in applied:
+                applied.append(p.name)
+            current_fp = fingerprint(graph)
+            changed = current_fp != before_fp
+            record = PassRecord(p.name, p.spec(), seconds, before_n, len(graph), changed,
+                                {k: v for k, v in Counter(counts).items() if v}, p.preserves_semantics)
+            if changed and not p.preserves_semantics:
+                graph.meta.setdefault(SEMANTIC_CHANGES, []).append(
+                    {"pass": p.name, "spec": p.spec(), "origin": p.origin or "local"})
+                self.ctx.notes.append(f"{p.spec()}: changed what the network computes (the pass does "
+                                      f"not declare preserves_semantics); weights trained before it "
+                                      f"do not fit the result")
+            self.records.append(record)
+            for inst in self.instruments:
+                inst.after(index, p, graph, record)
+        return graph
+
+    def report(self) -> str:
+        rows = [("pass", "time ms", "nodes", "changed", "changes")]
+        for r in self.records:
+            rows.append((r.spec, f"{r.seconds * 1e3:.2f}", f"{r.nodes_before} -> {r.nodes_after}",
+                         "yes" if r.changed else "no",
+                         ", ".join(f"{k}={v}" for k, v in sorted(r.changes.items())) or "-"))
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def run_pass(p: Pass, graph: Graph, ctx: PassContext) -> dict[str, int]:
+    """`p.run`, its counts checked; a plugin pass that raises (or exits) is named in a diagnostic."""
+    if type(p).__module__.startswith("vgraph."):
+        counts = p.run(graph, ctx)  # a built-in's exception is vgraph's bug: keep its traceback
+    else:
+        who = f"pass {p.spec()!r} ({p.origin or type(p).__module__})"
+        counts = guarded(who, "while running", lambda: p.run(graph, ctx))
+    if counts is None:
+        return {}
+    if not isinstance(counts, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, int) for k, v in counts.items()):
+        raise PassError(f"pass {p.spec()!r} ({p.origin or type(p).__module__}) returned "
+                        f"{shown(repr(counts)[:80])}; a pass returns counts of what it did: a Counter or "
+                        f"dict of str -> int, or None")
+    return dict(counts)
+
+
+def semantic_changes(graph: Graph) -> list[str]:
+    """Pipeline specs of the passes that changed what `graph` computes (empty: the same function)."""
+    return [change["spec"] for change in graph.meta.get(SEMANTIC_CHANGES, ())]
+
+
+def run_pipeline(graph: Graph, passes: str | Sequence[str | Pass] | None = None, *,
+                 target: str | None = None, explain: bool = False, dump_dir: str | Path | None = None,
+                 verify: bool = True, data: dict | None = None,
+                 instruments: Sequence[Instrument] = ()) -> PassManager:
+    """Convenience: run a pipeline on `graph` in place and return the manager (records, report).
+    `dump_dir` dumps YAML after each pass; pass a `DumpInstrument` with a drawer for SVGs too."""
+    ctx = PassContext(target=target, explain=explain, data=dict(data or {}))
+    instruments = [*instruments, *([DumpInstrument(dump_dir)] if dump_dir else [])]
+    pm = PassManager(passes, verify=verify, instruments=instruments, ctx=ctx)
+    pm.run(graph)
+    return pm
