@@ -173,7 +173,7 @@ def rate_bytes(rate: float | str | None) -> float | None:
     if rate is None:
         return None
     if isinstance(rate, str):
-        from vgraph.fleet import parse_bandwidth  # the fleet's units, so a PNode's `bandwidth` reads as is
+        from vgraph.cost.fleet import parse_bandwidth  # the fleet's units, so a PNode's `bandwidth` reads as is
 
         try:
             value = parse_bandwidth(rate)
