@@ -124,7 +124,7 @@ def test_a_ddp_comm_hook_plugs_in() -> None:
 @given(numel=st.integers(0, 10_000), size=st.integers(1, 9), element=st.sampled_from([2, 4, 8]))
 def test_ring_bytes_add_up_to_the_formula(numel: int, size: int, element: int) -> None:
     per_member = [ring_bytes_sent(numel, element, size, position) for position in range(size)]
-    assert sum(per_member) == 2 * (size - 1) * numel * element  # vgraph.stepcost.ring_allreduce_bytes
+    assert sum(per_member) == 2 * (size - 1) * numel * element  # vgraph.cost.stepcost.ring_allreduce_bytes
     assert all(b >= 0 for b in per_member)
     if numel % size == 0 and size > 1:
         assert set(per_member) == {2 * (size - 1) * numel // size * element}
