@@ -64,3 +64,16 @@ def _plugin_files_stay_with_their_test():
     yield
     plugins._FILES.clear()
     plugins._FILES.update(saved)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _corpus_cache(tmp_path_factory):
+    """Prepared corpora (the embedded one, text given to --data) are cached in a directory of this test session,
+    shared by the xdist workers (the cache's lock makes them build each entry once), never the user's."""
+    import os
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    os.environ["VGRAPH_CACHE_DIR"] = str(root / "vgraph-cache")
+    yield

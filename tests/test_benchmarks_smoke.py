@@ -39,6 +39,8 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_distributed.py": ["--network", TINY_FP32, "--steps", "2", "--warmup", "1", "--batch", "2",
                              "--micro-batches", "1", "--rounds", "1"],
     "bench_launch_pair.py": None,  # run by gpu_check.sh below
+    "bench_data.py": ["--smoke", "--workdir", "{tmp}/bench-data"],
+    "bench_first_step.py": ["--runs", "1"],
 }
 # gpu_check.sh without CUDA runs bench_gpu.py and bench_launch_pair.py on tiny shapes (its CPU fallback);
 # its extra arguments go to bench_gpu.py: two variants keep the aot_eager compiles to two.

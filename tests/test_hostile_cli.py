@@ -33,6 +33,8 @@ NUMBERS = {
     "non_negative_float": ["-1", "nan", "inf", "-inf", "abc", ""],
     "byte_size": ["0", "-1", "nan", "inf", "1e400", "8Q", ""],
     "replicas": ["0", "-1", "nan", "abc", ""],
+    "fraction": ["0", "1", "-0.5", "1.5", "nan", "inf", "abc", ""],
+    "name": [""],  # a JSONL field or column name: any text but none
 }
 # Paths are names of entries the `world` fixture creates (see _hostile_path).
 INPUT_FILE = ["missing", "dir", "fifo", "/dev/zero", "empty", "binary", "newline", "", "unreadable"]
@@ -47,6 +49,8 @@ STRING_KINDS: dict[tuple[str | None, str], str] = {
     (None, "fleet"): "input-file", (None, "placement"): "input-file", (None, "plugin"): "plugin",
     (None, "checkpoint"): "input-file-or-dir", (None, "data"): "input-file-or-dir",
     ("report", "run"): "input-file-or-dir",
+    ("data prepare", "inputs"): "input-file-or-dir", ("data prepare", "output"): "output-dir",
+    (None, "tokenizer"): "input-file",
     ("partition", "output"): "output-dir", (None, "output"): "output-file",
     (None, "out"): "output-dir", (None, "dump_dir"): "output-dir",
     (None, "passes"): "passes", (None, "device"): "device", (None, "target"): "target",
@@ -74,6 +78,7 @@ def _baseline(command: str, w: Path, out: Path) -> tuple[list[str], dict[str, st
         "generate": ([run], {"--max-new-tokens": "1"}),
         "train": ([net], train), "launch": ([net], {"--fleet": fleet, **train}),
         "report": ([run], {"-o": str(out / "report.html")}),
+        "data prepare": ([corpus], {"-o": str(out / "prepared"), "--vocab": "96", "--quiet": None}),
     }
     return table.get(command)
 
@@ -86,8 +91,14 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
-    """Every subcommand's own parser (plugin commands built with their real options)."""
-    return {name: _subparsers(build_parser(name))[name] for name in _subparsers(build_parser(None))}
+    """Every subcommand's own parser (plugin commands built with their real options); a command with
+    subcommands of its own (`data prepare`) by each of them."""
+    out = {}
+    for name in _subparsers(build_parser(None)):
+        parser = _subparsers(build_parser(name))[name]
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        out.update({f"{name} {sub}": p for sub, p in nested[0].choices.items()} if nested else {name: parser})
+    return out
 
 
 COMMANDS = _commands()
@@ -217,13 +228,15 @@ def test_hostile_value_is_a_diagnostic(command: str, dest: str, value: str, worl
         if not Path(positionals[0]).is_file():
             pytest.skip(f"{command} reads a directory: no file of it to name as the output")
         given = positionals[0]
-    argv = [command]
+    argv = command.split()
+    exclusive = {o for g in COMMANDS[command]._mutually_exclusive_groups if action in g._group_actions
+                 for a in g._group_actions for o in a.option_strings}  # a baseline option ours excludes
     if not action.option_strings:  # a positional: ours is the only one, or the first of them
         argv += ([] if value == "<missing>" else [given]) + positionals[1:]
     else:
         argv += positionals
         for opt, v in options.items():
-            if opt in action.option_strings:
+            if opt in action.option_strings or opt in exclusive:
                 continue
             argv += [opt] if v is None else [opt, v]
         if value != "<missing>":

@@ -74,7 +74,7 @@ def test_default_corpus_with_a_bpe_vocabulary(tmp_path) -> None:
     assert result.step == 3 and math.isfinite(result.val_loss)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["tokenizer"] == "bpe" and run["data"].startswith("default corpus")
-    assert list((tmp_path / "cache").glob("bpe-*.json"))  # cached for the next run
+    assert list((tmp_path / "cache" / "corpora").glob("stdlib-*/manifest.json"))  # prepared once, for the next run
 
 
 def _yaml_with(config_lines: dict[str, dict[str, str]]) -> str:
@@ -174,7 +174,7 @@ def test_user_mistakes_exit_2_with_a_message(tmp_path, corpus, capsys) -> None:
     assert "network file not found" in capsys.readouterr().err
     assert cli.main(["train", str(TINY), "--data", str(tmp_path / "nothing*.txt"), "--quiet",
                      "--out", str(tmp_path / "a")]) == 2
-    assert "no file matches" in capsys.readouterr().err
+    assert "no such file, directory or matching file" in capsys.readouterr().err
     assert cli.main(["train", str(TINY), "--passes", "fuse-heads", "--no-fuse", "--quiet",
                      "--out", str(tmp_path / "b")]) == 2
     assert "either --passes or --no-fuse" in capsys.readouterr().err

@@ -25,7 +25,7 @@ rm -rf "$RUN"
 # On a machine whose cores other processes share, OpenMP's default spin-waiting stalls
 # torch at every op a competitor delays; passive waiting avoids that (BENCHMARKS.md).
 OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" "$VG" train "${NETS[0]}" --device cpu --threads 2 \
-  --steps 160 --batch 8 --val-every 40 --val-batches 4 --out "$RUN" --quiet
+  --steps 160 --batch 8 --val-every 40 --val-batches 4 --out "$RUN"   # set-up phases, then a line every 10 steps
 "$VENV/bin/python" - "$RUN" <<'PY'
 import json, sys
 from pathlib import Path

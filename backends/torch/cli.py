@@ -32,8 +32,9 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
                     "docstrings) with the production precision policy. The run directory gets the "
                     "network, tokenizer, metrics.jsonl/csv, loss_curve.png and checkpoints.")
     p.add_argument("network", metavar="FILE", type=options.path, help="network YAML")
-    p.add_argument("--data", metavar="PATH", type=options.path, help="text file, directory (*.txt, *.md) or glob; default: "
-                   "the embedded corpus")
+    p.add_argument("--data", metavar="PATH", type=options.path,
+                   help="a directory `vgraph data prepare` wrote (shards read through memory maps), or text/JSONL/"
+                        "Parquet files, a directory or a glob (prepared into the cache); default: the embedded corpus")
     p.add_argument("--steps", type=_non_negative_int, default=1000, help="optimizer steps in all (default 1000)")
     p.add_argument("--batch", type=_positive_int, default=8, help="sequences per step (default 8)")
     p.add_argument("--lr", type=options.positive_float, default=6e-4, help="learning rate of nodes without their own "

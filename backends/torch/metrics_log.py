@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from .train_step import PendingLoss
     from .training_setup import RunSetup
 
-__all__ = ["MetricsLog", "MetricsSink", "metric_columns", "metric_values", "step_rows", "progress_bar", "run_banner"]
+__all__ = ["MetricsLog", "MetricsSink", "metric_columns", "metric_values", "step_rows", "progress_bar", "run_banner",
+           "LineProgress"]
 
 class MetricsSink(Protocol):
     """Where else the rows go as they are written (tensorboard_log.TensorBoardLog)."""
@@ -172,11 +173,54 @@ def step_rows(pending: list[PendingLoss], losses: list[float], base_lr: float, t
 
 
 def progress_bar(total: int, initial: int, name: str, enabled: bool):
-    """The tqdm bar on stderr (disabled under --quiet)."""
+    """The tqdm bar on a terminal; progress lines (`LineProgress`) when stderr is captured (a log, CI, tools/
+    main.sh), where a bar redrawn with carriage returns shows nothing until the end; disabled under --quiet."""
     from tqdm import tqdm
 
+    if enabled and not sys.stderr.isatty():
+        return LineProgress(total, initial, run_slug(name))
     return tqdm(total=total, initial=initial, desc=run_slug(name), unit="step", disable=not enabled,
                 dynamic_ncols=True, file=sys.stderr)
+
+
+class LineProgress:
+    """The progress bar's interface, printing one line at the first step, then every `every` steps and at the
+    last: `name: step 40/160 (25%) loss=5.1 tok_s=2,890 lr=6.00e-04, 1m02s elapsed, eta 3m06s`."""
+
+    def __init__(self, total: int, initial: int, name: str, every: int = 10) -> None:
+        import time
+
+        self.total, self.n, self.name, self.every = total, initial, name, every
+        self.start, self.started_at = initial, time.perf_counter()
+        self.printed = initial if initial else -every  # the first step is always shown
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def set_postfix(self, refresh: bool = False, **values: str) -> None:
+        """Called after each `update` with the step's figures: the moment a line may be due."""
+        import time
+
+        if self.n - self.printed < self.every and self.n not in (self.total, self.start + 1):
+            return
+        elapsed = time.perf_counter() - self.started_at
+        done = self.n - self.start
+        eta = elapsed / done * (self.total - self.n) if done else 0.0
+        figures = " ".join(f"{k}={v}" for k, v in values.items())
+        print(f"{self.name}: step {self.n}/{self.total} ({100 * self.n // max(self.total, 1)}%) {figures}, "
+              f"{_clock(elapsed)} elapsed, eta {_clock(eta)}", file=sys.stderr, flush=True)
+        self.printed = self.n
+
+    def write(self, msg: str, file=None) -> None:
+        print(msg, file=file or sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
 
 
 def run_banner(setup: RunSetup, module: VGraphModule) -> str:
@@ -186,6 +230,6 @@ def run_banner(setup: RunSetup, module: VGraphModule) -> str:
             f"parameters, {str(dtype).removeprefix('torch.')} compute on {setup.device}"
             f"{' with loss scaling' if setup.loss_scaling else ''}"
             f"{' (' + setup.precision['reason'] + ')' if setup.precision.get('reason') else ''}; data "
-            f"{data.description} ({data.dataset.train_tokens.numel():,} train / "
-            f"{data.dataset.val_tokens.numel():,} val tokens, {data.tokenizer_kind} tokenizer); "
+            f"{data.description} ({data.dataset.train_tokens:,} train / "
+            f"{data.dataset.val_tokens:,} val tokens, {data.tokenizer_kind} tokenizer); "
             f"run dir {setup.run_dir}")

@@ -92,7 +92,6 @@ class TrainingState:
     module: VGraphModule
     optimizers: NodeOptimizers
     scaler: torch.amp.GradScaler
-    data_gen: torch.Generator  # the training batches' own generator
 
 def save_run_checkpoint(run_dir: Path, step: int, state: TrainingState, run_info: dict, yaml_text: str,
                         tokenizer_json: str, keep: int) -> Path:
@@ -102,7 +101,6 @@ def save_run_checkpoint(run_dir: Path, step: int, state: TrainingState, run_info
     opt_state = optimizer_state_to_unfused(state.optimizers.state_by_key(), graph)
     extra = {
         "layout": "unfused",
-        "data_generator": state.data_gen.get_state(),
         "grad_scaler": state.scaler.state_dict() if state.scaler.is_enabled() else None,
         "run": json.loads(json.dumps(run_info, default=str)),
         "network_yaml": yaml_text,
@@ -138,7 +136,7 @@ def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable
         run_info["network_changes"] = list(before.get("network_changes") or [])
         if change is not None:
             run_info["network_changes"].append({**change, "at_step": saved.step})
-    for key in ("seed", "batch", "seq_len", "data", "vocab_size", "tokenizer"):
+    for key in ("seed", "batch", "seq_len", "data", "data_digest", "vocab_size", "tokenizer"):
         if key in before and before[key] != run_info[key]:
             raise TrainingError(f"cannot resume {latest.parent}: it was trained with {key}={before[key]!r}, "
                                 f"this run has {key}={run_info[key]!r}; resuming must not change it")
@@ -151,7 +149,6 @@ def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable
     state.optimizers.load_state_by_key(optimizer_state_to_graph(saved.optimizer_states, module.network))
     if saved.extra.get("grad_scaler") and state.scaler.is_enabled():
         state.scaler.load_state_dict(saved.extra["grad_scaler"])
-    state.data_gen.set_state(saved.extra["data_generator"])
     ckpt.restore_rng_state(saved.rng_state)
     say(f"resumed from {latest} at step {saved.step}")
     return saved.step

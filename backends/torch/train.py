@@ -61,8 +61,7 @@ from .tensorboard_log import TensorBoardLog
 from .run_network import check_finite, definition_graph, passes_for_definition, require_match
 from .train_config import TrainConfig, TrainingError, TrainResult
 from .train_step import LossCheck, PendingLoss, TrainStep
-from .training_data import build_tokenizer, char_tokenizer
-from .training_setup import (device_target, feed_roles, prepare_graph, resolve_device, seed_everything,
+from .training_setup import (device_target, feed_roles, phase, prepare_graph, resolve_device, seed_everything,
                              set_up_run)
 from .validation import validation_loss
 
@@ -75,8 +74,6 @@ __all__ = [
     "device_target",
     "feed_roles",
     "NodeOptimizers",
-    "build_tokenizer",
-    "char_tokenizer",
     "load_trained",
     "lr_factor",
 ]
@@ -106,12 +103,13 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
     # -- set-up: config, device, graph, run directory, data; then the weights and the optimizers
     setup = set_up_run(cfg, say)
     device, graph, run_dir, seq_len = setup.device, setup.graph, setup.run_dir, setup.seq_len
-    seed_everything(cfg.seed)
-    module = compile_network(graph, device=device, train=True, seed=cfg.seed)
-    state = TrainingState(
-        module, NodeOptimizers(module, cfg.lr),
-        torch.amp.GradScaler(device.type, init_scale=cfg.initial_loss_scale, enabled=setup.loss_scaling),
-        torch.Generator().manual_seed(cfg.seed))
+    with phase(say, "compiled to torch and optimizers made") as details:
+        seed_everything(cfg.seed)
+        module = compile_network(graph, device=device, train=True, seed=cfg.seed)
+        state = TrainingState(
+            module, NodeOptimizers(module, cfg.lr),
+            torch.amp.GradScaler(device.type, init_scale=cfg.initial_loss_scale, enabled=setup.loss_scaling))
+        details.append(f"{sum(p.numel() for p in module.parameters()):,} parameters on {device}")
     optimizers, scaler = state.optimizers, state.scaler
     tokenizer_json = setup.data.tokenizer.to_str()
 
@@ -139,7 +137,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
     trainer = TrainStep(module, optimizers, scaler, costs, token_feeds, amp, compile=cfg.compile,
                         grad_clip=cfg.grad_clip)
     loss_check = LossCheck(scaler, setup.loss_scaling, cfg.max_skipped_steps, graph, run_dir)
-    batches = setup.data.dataset.batches("train", cfg.batch, seq_len, state.data_gen)
+    dataset = setup.data.dataset  # step s reads the samples (seed, s) names: nothing to checkpoint (data.py)
     is_accel = device.type != "cpu"
     log_every = cfg.log_every or (10 if is_accel else 1)
     tokens_per_step = cfg.batch * seq_len
@@ -163,7 +161,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
     try:
         for step in range(start_step + 1, cfg.steps + 1):
             # -- the step: forward + backward; at a sync point the losses are checked before the update
-            inputs, targets = next(batches)
+            inputs, targets = dataset.batch(step, cfg.batch)
             if is_accel:
                 inputs = inputs.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
@@ -188,8 +186,8 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
             # -- evaluation and logging, at sync points only
             now = time.perf_counter()
             if validate:
-                last_val = validation_loss(module, setup.data.dataset, batch=cfg.batch, max_batches=cfg.val_batches,
-                                           seq_len=seq_len, device=device, amp=amp, costs=costs,
+                last_val = validation_loss(module, dataset, batch=cfg.batch, max_batches=cfg.val_batches,
+                                           device=device, amp=amp, costs=costs,
                                            token_feeds=token_feeds, target_feeds=target_feeds)
             rows = step_rows(pending, values, cfg.lr, tokens_per_step * len(pending) / max(now - last_flush, 1e-9),
                              now - start_time)

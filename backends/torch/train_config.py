@@ -56,7 +56,7 @@ class TrainConfig:
     progress: bool = True
     initial_loss_scale: float = 2.0**16
     max_skipped_steps: int = 50
-    cache_dir: str | Path | None = None
+    cache_dir: str | Path | None = None  # the corpus cache (vgraph/data/cache.py); default $VGRAPH_CACHE_DIR, XDG
     tensorboard: bool = True  # event files in the run directory (tensorboard_log.py)
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import os
 import random
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -39,9 +41,19 @@ from .run_network import trained_network_yaml
 from .train_config import TrainConfig, TrainingError
 from .training_data import PreparedData, prepare_data
 
-__all__ = ["NO_FUSE_PIPELINE", "device_target", "prepare_graph", "feed_roles", "vocab_and_seq", "resolve_device",
+__all__ = ["phase", "NO_FUSE_PIPELINE", "device_target", "prepare_graph", "feed_roles", "vocab_and_seq", "resolve_device",
            "use_deterministic_kernels", "load_network", "RunSetup", "set_up_run", "seed_everything"]
 
+
+
+@contextmanager
+def phase(say: Callable[[str], None], what: str) -> Iterator[list[str]]:
+    """Say what a set-up phase did and how long it took ("setup: WHAT (0.12 s)"); the phase may append
+    details to the yielded list.  The first minute of a run shows where its time goes."""
+    t0 = time.perf_counter()
+    details: list[str] = []
+    yield details
+    say(f"setup: {what}{': ' + '; '.join(details) if details else ''} ({time.perf_counter() - t0:.2f} s)")
 
 
 # --------------------------------------------------------------------------
@@ -184,8 +196,10 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
     if cfg.deterministic:
         use_deterministic_kernels()
 
-    source, yaml_text = load_network(cfg.network)
-    graph = prepare_graph(source, passes=cfg.passes, fuse=cfg.fuse, target=device_target(device))
+    with phase(say, "network loaded and passes run") as details:
+        source, yaml_text = load_network(cfg.network)
+        graph = prepare_graph(source, passes=cfg.passes, fuse=cfg.fuse, target=device_target(device))
+        details.append(f"{len(graph)} VNodes")
     changes = semantic_changes(graph)
     if changes:  # the run trains another function than the file's: it stores that one (run_network.py)
         yaml_text = trained_network_yaml(graph)
@@ -202,12 +216,17 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
     latest = open_run_dir(run_dir, cfg.resume)
 
     # Memory: refuse before anything large is allocated.
-    estimate = check_memory(graph, cfg.batch, device, compute_dtype=dtype, limit=cfg.memory_limit)
-    say(f"memory estimate: {estimate.describe()}")
+    with phase(say, "memory estimate") as details:
+        estimate = check_memory(graph, cfg.batch, device, compute_dtype=dtype, limit=cfg.memory_limit)
+        details.append(estimate.describe())
 
-    data = prepare_data(cfg, vocab, seq_len)
+    with phase(say, "data") as details:
+        data = prepare_data(cfg, vocab, seq_len, say)
+        details.append(f"{data.description}, {data.dataset.train_tokens:,} train / {data.dataset.val_tokens:,} val "
+                       f"tokens through memory maps")
     run_info = {"network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
-                "data": data.description, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
+                "data": data.description, "data_digest": data.digest, "tokenizer": data.tokenizer_kind,
+                "vocab_size": vocab,
                 "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "precision": precision,
                 "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
                 "semantic_changes": changes, "network_fingerprint": fingerprint(graph),

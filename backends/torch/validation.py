@@ -10,14 +10,14 @@ import contextlib
 
 import torch
 
-from .data import TokenDataset
+from .data import TokenShards
 from .lower import VGraphModule
 
 __all__ = ["validation_loss"]
 
 
 @torch.no_grad()
-def validation_loss(module: VGraphModule, dataset: TokenDataset, *, batch: int, max_batches: int, seq_len: int,
+def validation_loss(module: VGraphModule, dataset: TokenShards, *, batch: int, max_batches: int,
                     device: torch.device, amp: contextlib.AbstractContextManager, costs: tuple[str, ...],
                     token_feeds: list[str], target_feeds: list[str]) -> float:
     """Sum of the `costs`, averaged over the samples of up to `max_batches` validation batches."""
@@ -25,7 +25,7 @@ def validation_loss(module: VGraphModule, dataset: TokenDataset, *, batch: int, 
     total = 0.0
     count = 0
     try:
-        for i, (inputs, targets) in enumerate(dataset.val_batches(batch, seq_len)):
+        for i, (inputs, targets) in enumerate(dataset.val_batches(batch)):
             if i >= max_batches:
                 break
             feeds = {name: inputs.to(device) for name in token_feeds}

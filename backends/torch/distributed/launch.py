@@ -6,8 +6,9 @@
 
 The launcher (this module) does what needs doing once: it runs the pass
 pipeline with the `partition` pass in it (before the fusions, so fusion
-respects the placement), tokenises the corpus once for everybody
-(run_dir/launch/tokens.safetensors), writes the run directory's files as
+respects the placement), opens the corpus once for everybody (a prepared
+directory, or text and the embedded corpus prepared into the cache:
+training_data.py) and verifies it, writes the run directory's files as
 `vgraph train` does (network.yml, tokenizer.json, run.json, placement.json),
 and a job file (run_dir/launch/job-<attempt>.json).  Then it starts one
 worker process per PNode that holds VNodes (worker.py) with the
@@ -501,14 +502,9 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
         for stale in [*launch_dir.glob("held-*"), *launch_dir.glob("error-*"), launch_dir / "release"]:
             stale.unlink(missing_ok=True)
 
-    # Data, once for every worker: the same tokenizer and token streams `vgraph train` would use.
-    data = prepare_data(cfg, vocab, seq_len)
-    dataset, tokenizer, tok_kind, data_desc = data.dataset, data.tokenizer, data.tokenizer_kind, data.description
-    from safetensors.torch import save_file
-
-    tokens_path = launch_dir / "tokens.safetensors"
-    save_file({"train": dataset.train_tokens.contiguous(), "val": dataset.val_tokens.contiguous()},
-              str(tokens_path))
+    # Data, once for every worker: the corpus `vgraph train` would read; the workers map its shards.
+    data = prepare_data(cfg, vocab, seq_len, say)
+    tokenizer, tok_kind, data_desc = data.tokenizer, data.tokenizer_kind, data.description
     tokenizer_path = launch_dir / "tokenizer.json"
     atomic_write_text(tokenizer_path, tokenizer.to_str())
 
@@ -517,7 +513,7 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
     before, partition, after = split_pipeline(cfg.passes, cfg.fuse, options)
     run_info: dict[str, Any] = {
         "network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len, "data": data_desc,
-        "tokenizer": tok_kind, "vocab_size": vocab, "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device),
+        "data_digest": data.digest, "tokenizer": tok_kind, "vocab_size": vocab, "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device),
         "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
     }
     if lead:
@@ -566,7 +562,8 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
             "plan_ranks": placement.ranks, "batch_shares": placement.shares,
             "predicted_bytes": placement.report["bytes_per_step"],
             **comm.job_fields(),  # device, backend, stage_through_cpu, control_group
-            "tokens": str(tokens_path.absolute()), "tokenizer": str(tokenizer_path.absolute()),
+            "data_dir": str(data.dataset.corpus.root.absolute()), "data_digest": data.digest,
+            "tokenizer": str(tokenizer_path.absolute()),
             "run_info": info, "predicted_cut_bytes": placement.report["cut_bytes_per_step"], "attempt": attempt,
             "hold": ({"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None),
             "config": _worker_config(cfg, micro, threads, resume),
@@ -701,7 +698,8 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--master-port", type=options.port, metavar="PORT",
                    help="rendezvous port on machine 0 (default: free port; 29500 with --nnodes > 1)")
     p.add_argument("--data", metavar="PATH", type=options.path,
-                   help="text file, directory or glob; default: the embedded corpus")
+                   help="a directory `vgraph data prepare` wrote, or text/JSONL/Parquet files, a directory or a glob "
+                        "(prepared into the cache); default: the embedded corpus")
     p.add_argument("--steps", type=_non_negative_int, default=1000)
     p.add_argument("--batch", type=_positive_int, default=8)
     p.add_argument("--lr", type=options.positive_float, default=6e-4)

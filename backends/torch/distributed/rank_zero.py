@@ -54,12 +54,12 @@ def local_metric_values(stages: StageRunner, costs: dict[str, torch.Tensor], sca
 class GatheredCheckpoints:
     """Saving and resuming a partitioned run's checkpoints: rank 0 reads and writes, every rank takes part."""
 
-    def __init__(self, ctrl: ControlGroup, stages: StageRunner, job: dict[str, Any], data_gen: torch.Generator,
+    def __init__(self, ctrl: ControlGroup, stages: StageRunner, job: dict[str, Any],
                  scaler: SharedLossScaler, micro_batches: int, say: Callable[[str], None]) -> None:
         self.ctrl, self.stages, self.job = ctrl, stages, job
         self.cfg = job["config"]
         self.run_dir = Path(job["run_dir"])
-        self.data_gen, self.scaler = data_gen, scaler
+        self.scaler = scaler
         self.micro_batches = micro_batches
         self.say = say
 
@@ -95,7 +95,6 @@ class GatheredCheckpoints:
         job = self.job
         extra = {
             "layout": "unfused",
-            "data_generator": self.data_gen.get_state(),
             "grad_scaler": self.scaler.state_dict(),
             "run": json.loads(json.dumps(job["run_info"], default=str)),
             "network_yaml": job["network_yaml"],
@@ -128,7 +127,6 @@ class GatheredCheckpoints:
                     parts = [mine["model"][k] for k, _ in pieces]
                     own[key].copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
                 self.stages.optims[task.id].load_state_by_key(optimizer_state_to_graph(mine["optim"], module.network))
-        self.data_gen.set_state(mine["data_generator"])
         self.scaler.load_state_dict(mine["grad_scaler"])
         return int(mine["step"])
 
@@ -144,7 +142,7 @@ class GatheredCheckpoints:
             return [{"error": f"cannot resume: {exc}"}] * self.ctrl.world
         before = state.extra.get("run", {})
         info = self.job["run_info"]
-        for key in ("seed", "batch", "seq_len", "data", "vocab_size", "tokenizer"):
+        for key in ("seed", "batch", "seq_len", "data", "data_digest", "vocab_size", "tokenizer"):
             if key in before and before[key] != info[key]:
                 return [{"error": f"cannot resume {self.run_dir}: it was trained with {key}={before[key]!r}, "
                                   f"this run has {key}={info[key]!r}; resuming must not change it"}] * self.ctrl.world
@@ -157,7 +155,6 @@ class GatheredCheckpoints:
                                   f"of this network"}] * self.ctrl.world
             out.append({"step": state.step, "model": {k: state.model_state[k] for k in keys},
                         "optim": {k: v for k, v in state.optimizer_states.items() if k in keys},
-                        "data_generator": state.extra["data_generator"],
                         "grad_scaler": state.extra.get("grad_scaler")})
         self.say(f"resumed from {latest} at step {state.step}")
         return out

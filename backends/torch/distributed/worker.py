@@ -7,9 +7,9 @@ same command also runs under `torchrun` on several machines.
 
 What a worker does, per training step (every rank the same, in lockstep):
 
-1. draws the step's batch from the shared data generator (every rank draws,
-   so every rank's generator state is the checkpointed one) and cuts it into
-   micro-batches;
+1. reads its replica's share of the step's global batch from the prepared
+   corpus (the samples are a function of (seed, step): data.py; replicas read
+   disjoint samples) and cuts it into micro-batches;
 2. runs its ops of the pipeline schedule (plan.py, 1F1B or GPipe): the
    forward of a task for a micro-batch receives boundary activations and
    sends its own; its backward receives the gradients of what it sent and
@@ -67,7 +67,9 @@ from vgraph.plugins import load_plugins
 from vgraph.run.compiled_graph import apply_assignment  # the launcher, the workers and `vgraph report` build it alike
 from vgraph.yamlio import loads
 
-from .. import data as D
+from vgraph.data.shards import DataError, open_prepared
+
+from ..data import TokenShards
 from .comm import ControlGroup, Transport
 from .comm_choice import worker_device
 from .grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
@@ -92,16 +94,6 @@ __all__ = ["main", "Worker", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"
 EXIT_USER_ERROR = 3
 LAUNCH_DIR = "launch"  # inside the run directory: job files, token streams, worker markers
 STOP_FILE = "stop"  # in LAUNCH_DIR: the launcher asks every worker to stop after this step, with a checkpoint
-
-
-class _TokenStreams(D.TokenDataset):
-    """A TokenDataset over token streams the launcher tokenised once (no corpus or tokenizer here)."""
-
-    def __init__(self, train_tokens: torch.Tensor, val_tokens: torch.Tensor, seq_len: int) -> None:
-        self.train_tokens = train_tokens
-        self.val_tokens = val_tokens
-        self.tokens = torch.cat([train_tokens, val_tokens])
-        self.seq_len = seq_len
 
 
 class Worker:
@@ -171,15 +163,13 @@ class Worker:
         self.figures = PNodeFigures(self.device, lambda: self.stages.transport.wait_s + (
             self.grad_sync.wait_s if self.grad_sync is not None else 0.0))
 
-        streams = self._load_tokens()
         self.seq_len = int(job["run_info"]["seq_len"])
-        self.dataset = _TokenStreams(streams["train"], streams["val"], self.seq_len)
-        self.data_gen = torch.Generator().manual_seed(int(cfg["seed"]))
+        self.dataset = self._open_data()
         self.batch = int(cfg["batch"])
         self.shares = shares
         self.share, self.share_offset = shares[self.replica], sum(shares[:self.replica])
         self.sizes = micro_batch_sizes(self.share, min(int(cfg["micro_batches"]), self.share))
-        self.checkpoints = GatheredCheckpoints(self.ctrl, self.stages, job, self.data_gen, self.scaler,
+        self.checkpoints = GatheredCheckpoints(self.ctrl, self.stages, job, self.scaler,
                                                len(self.sizes), self.say)
 
     def _grad_sync(self, replicas: int, plan_ranks: int, backend: str) -> GradientSync | None:
@@ -207,10 +197,28 @@ class Worker:
             except ReplicaLayoutError as exc:
                 raise TrainingError(str(exc)) from None
 
-    def _load_tokens(self) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
+    def _whole_targets(self, step: int) -> torch.Tensor:
+        """What `run_round` weighs a replica's loss against: the global batch's targets, of which only the
+        count of tokens a cross-entropy cost does not ignore matters.  Token windows hold ids inside the
+        vocabulary only, so unless a cost ignores such an id that count is batch x seq_len, and zeros (never
+        an ignored id then) count the same without reading the other replicas' samples."""
+        vocab = int(self.job["run_info"]["vocab_size"])
+        ignored = {int(n.cfg.get("ignore_index", -100)) for n in self.graph.nodes
+                   if n.type in ("cost", "tied_lm_head_ce")}
+        if any(0 <= i < vocab for i in ignored):
+            return self.dataset.batch(step, self.batch)[1]
+        return torch.zeros((self.batch, self.seq_len), dtype=torch.int64)
 
-        return load_file(self.job["tokens"])
+    def _open_data(self) -> TokenShards:
+        """The corpus the launcher prepared and verified, through memory maps (sizes checked again here)."""
+        try:
+            corpus = open_prepared(self.job["data_dir"], verify="size")
+            if corpus.digest != self.job["data_digest"]:
+                raise DataError(f"{self.job['data_dir']}: the corpus changed after the launcher checked it")
+            return TokenShards(corpus, seq_len=self.seq_len, vocab=int(self.job["run_info"]["vocab_size"]),
+                               seed=int(self.cfg["seed"]))
+        except DataError as exc:
+            raise TrainingError(f"training data: {exc}") from None
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -233,7 +241,6 @@ class Worker:
             params = sum(p.numel() for p in self.stages.modules[task.id].parameters())
             self.say(f"task {task.id}: {len(task.graph)} VNodes, {params:,} parameters, "
                      f"{len(task.receives)} inputs, {len(task.sends)} outputs")
-        batches = self.dataset.batches("train", self.batch, self.seq_len, self.data_gen)
         log_every = int(cfg.get("log_every") or 1)
         val_every = int(cfg["val_every"])
         ckpt_every = int(cfg["checkpoint_every"])
@@ -245,14 +252,14 @@ class Worker:
         dist.barrier(group=self.ctrl.group)  # rank 0's set-up (log files, TensorBoard's drawing) is not step 1's idle
         for step in range(start + 1, steps + 1):
             self.figures.begin_step()
-            inputs, targets = next(batches)
+            lo, hi = self.share_offset, self.share_offset + self.share
+            inputs, targets = self.dataset.batch(step, self.batch, lo, hi)  # this replica's samples only
             factor = lr_factor(step, _Schedule(cfg))
             for optim in self.stages.optims.values():
                 optim.set_factor(factor)
-            lo, hi = self.share_offset, self.share_offset + self.share
             replicated = len(self.shares) > 1
-            costs = self.stages.run_round(step, inputs[lo:hi], targets[lo:hi], self.sizes, train=True, offset=lo,
-                                          whole=targets if replicated else None)
+            costs = self.stages.run_round(step, inputs, targets, self.sizes, train=True, offset=lo,
+                                          whole=self._whole_targets(step) if replicated else None)
             self.stages.finish_gradients()  # the replicas' buckets still in flight (grad_sync.py)
             loss_local = float(sum(costs.values())) if costs else 0.0
             validate = val_every > 0 and (step % val_every == 0 or step == steps)
@@ -376,7 +383,7 @@ class Worker:
 
     def validate(self) -> float:
         total, count = 0.0, 0
-        for i, (inputs, targets) in enumerate(self.dataset.val_batches(self.batch, self.seq_len)):
+        for i, (inputs, targets) in enumerate(self.dataset.val_batches(self.batch)):
             if i >= int(self.cfg["val_batches"]):
                 break
             if self.replica == 0:  # replicas hold the same weights: one evaluates

@@ -1,0 +1,160 @@
+"""Prepared corpora kept on disk for every run: the embedded corpus, and text given to `--data`.
+
+Why: building the embedded corpus (parsing the standard library's
+docstrings, training a tokenizer, tokenizing) took ~16 s of every `vgraph
+train`, `launch` and worker process.  Now it goes through the same prepare
+as any corpus (prepare.py) once, into ``<cache>/corpora/<name>-<key>/``,
+and every later run opens it in milliseconds.
+
+* **Where**: ``$VGRAPH_CACHE_DIR``, else ``$XDG_CACHE_HOME/vgraph``, else
+  ``~/.cache/vgraph``.  Delete it at any time; it is rebuilt when needed.
+* **Key**: everything the prepared corpus depends on: for the embedded one
+  the Python version and implementation, the standard library's path, the
+  corpus size cap and the vocabulary; for `--data` text the content hash of
+  its files and the vocabulary; for both the format and tokenizers versions.
+* **Atomic and concurrent**: an entry is built in a temporary directory and
+  renamed into place, under an exclusive lock per key, so concurrent
+  processes build it once (the others wait, then read it) and nobody ever
+  sees half an entry.
+* **Never trusted**: every use checks the entry against its manifest,
+  hashes included (a few MB); a damaged entry is moved aside and rebuilt.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from vgraph.base.diagnostics import printable
+
+from .prepare import PrepareOptions, prepare
+from .shards import FORMAT_VERSION, DataError, PreparedCorpus, open_prepared
+from .sources import find_sources
+from .stdlib_corpus import default_corpus_documents, stdlib_dir
+
+__all__ = ["cache_root", "default_corpus", "text_corpus", "cached"]
+
+Say = Callable[[str], None]
+
+
+def cache_root(given: str | os.PathLike | None = None) -> Path:
+    """The user cache directory of vgraph: `given` (a library caller's), else see the module docstring."""
+    if given is not None:
+        return Path(given)
+    if os.environ.get("VGRAPH_CACHE_DIR"):
+        return Path(os.environ["VGRAPH_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache") / "vgraph"
+
+
+def _versions() -> dict:
+    import tokenizers
+
+    return {"format": FORMAT_VERSION, "tokenizers": tokenizers.__version__}
+
+
+def default_corpus(corpus_bytes: int, vocab: int, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
+    """The embedded corpus capped at `corpus_bytes`, prepared with a `vocab`-token tokenizer."""
+    key = {"corpus": "stdlib-docstrings", "python": f"{platform.python_implementation()} {platform.python_version()}",
+           "stdlib": str(stdlib_dir()), "corpus_bytes": corpus_bytes, "vocab": vocab, **_versions()}
+    what = f"the embedded corpus (standard library docstrings, at most {corpus_bytes:,} bytes, vocabulary {vocab})"
+
+    def build(tmp: Path) -> None:
+        t0 = time.perf_counter()
+        documents = default_corpus_documents(corpus_bytes)
+        say(f"data: read {len(documents):,} docstrings ({sum(map(len, documents)) / 1e6:.1f} MB) from "
+            f"{stdlib_dir()} ({time.perf_counter() - t0:.1f} s)")
+        prepare([], tmp, PrepareOptions(vocab=vocab), say=say, progress=False, documents=documents,
+                description="stdlib docstrings")
+
+    return cached("stdlib", key, what, build, say, root)
+
+
+def text_corpus(inputs: Sequence[str], vocab: int, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
+    """Text, JSONL, Parquet or dataset files given to `--data` (not a prepared directory), prepared with a
+    `vocab`-token tokenizer trained on them, cached by their content."""
+    sources = find_sources(inputs)
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(f"{source.kind} {source.size}\n".encode())
+        with open(source.path, "rb") as fh:
+            while block := fh.read(8 * 2**20):
+                digest.update(block)
+    key = {"corpus": "files", "content": digest.hexdigest(), "vocab": vocab, **_versions()}
+    what = f"{', '.join(printable(i) for i in inputs)} (vocabulary {vocab})"
+
+    def build(tmp: Path) -> None:
+        prepare(list(inputs), tmp, PrepareOptions(vocab=vocab), say=say, progress=False)
+
+    return cached("files", key, what, build, say, root)
+
+
+def cached(name: str, key: dict, what: str, build: Callable[[Path], None], say: Say,
+           root: str | os.PathLike | None = None) -> PreparedCorpus:
+    """The cache entry for `key` (under `root`, default `cache_root()`), built with `build(directory)` when
+    missing or damaged."""
+    corpora = cache_root(root) / "corpora"
+    entry = corpora / f"{name}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}"
+    t0 = time.perf_counter()
+    corpus = _open_entry(entry)
+    if isinstance(corpus, PreparedCorpus):
+        say(f"data: {what} from the cache {entry} ({time.perf_counter() - t0:.2f} s)")
+        return corpus
+    try:
+        corpora.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"{printable(str(corpora))}: cannot create the cache directory ({exc.strerror}); set "
+                        f"VGRAPH_CACHE_DIR to a writable directory") from None
+    with _lock(corpora / f".{entry.name}.lock", say, what):
+        corpus = _open_entry(entry)  # another process may have built it while this one waited
+        if isinstance(corpus, PreparedCorpus):
+            say(f"data: {what} from the cache {entry} ({time.perf_counter() - t0:.2f} s)")
+            return corpus
+        if corpus is not None:
+            say(f"data: the cache entry {entry} is damaged ({corpus}); rebuilding it")
+            trash = corpora / f".trash-{entry.name}-{os.getpid()}"
+            os.rename(entry, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        say(f"data: building the cache of {what} in {entry} (once; later runs read it) ...")
+        tmp = corpora / f".tmp-{entry.name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            build(tmp)
+            (tmp / "cache-key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            os.rename(tmp, entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        corpus = open_prepared(entry)
+    say(f"data: built the cache of {what} in {time.perf_counter() - t0:.1f} s")
+    return corpus
+
+
+def _open_entry(entry: Path) -> PreparedCorpus | str | None:
+    """The entry, opened and fully verified; why it cannot be used (a damaged one); None when absent."""
+    if not entry.exists():
+        return None
+    try:
+        return open_prepared(entry, verify="full")
+    except DataError as exc:
+        return str(exc)
+
+
+@contextmanager
+def _lock(path: Path, say: Say, what: str) -> Iterator[None]:
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"data: another process is building the cache of {what}; waiting for it")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -1,0 +1,133 @@
+"""One unit of `vgraph data prepare`: its documents tokenized and written as train / val shards.
+
+Runs in a worker process (spawned: it imports only this package, tokenizers
+and numpy, never torch) or in the preparing process itself for small
+corpora.  The tokenizer is the `tokenizers` library's batch encoder
+(`encode_batch_fast`: no offsets, the fastest call it has); each worker runs
+it single-threaded, so N workers use N cores, as the benchmark's baseline
+does.
+
+The validation split is by documents and decided here, locally: a document
+goes to validation when the first 8 bytes of its BLAKE2b digest, read as a
+fraction of 2**64, fall below `val_fraction`.  That is a pure function of the
+document's text: independent of the order, the unit and the worker, and two
+copies of a document never straddle the split.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from vgraph.base.safeio import atomic_write
+
+from .shards import encode_index
+from .sources import Source, Unit, read_unit
+
+__all__ = ["init_worker", "encode_unit", "doc_hash", "shard_names"]
+
+_ENCODE_BATCH_BYTES = 1 << 20  # documents per encode call: the progress counter moves at this grain
+_worker: dict[str, Any] = {}
+
+
+def init_worker(tokenizer_json: str, counter) -> None:
+    """Process initializer: one single-threaded tokenizer per worker, and the shared progress counter."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    from tokenizers import Tokenizer
+
+    _worker["tokenizer"] = Tokenizer.from_str(tokenizer_json)
+    _worker["counter"] = counter
+
+
+def doc_hash(doc: str) -> int:
+    """The document's split key: BLAKE2b's first 8 bytes as an unsigned integer."""
+    return int.from_bytes(hashlib.blake2b(doc.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def shard_names(split: str, unit: int) -> tuple[str, str]:
+    return f"{split}-{unit:05d}.bin", f"{split}-{unit:05d}.idx"
+
+
+def encode_unit(task: dict[str, Any], tokenizer=None, counter=None, documents: Sequence[str] | None = None) -> dict:
+    """Tokenize one unit into `task["out"]`; its record (counts, hashes, the extreme document keys).
+
+    `task`: unit (its number), source and span, field/column, dtype, eot_id,
+    val_fraction, and the fallbacks the finishing step may ask for: `force`
+    (document number -> split) and `tail` (split the unit's only document by
+    position).  `documents` replaces reading the source (the embedded corpus).
+    """
+    tokenizer = tokenizer or _worker["tokenizer"]
+    counter = counter if counter is not None else _worker.get("counter")
+    unit = Unit(**task["span"])
+    docs = list(documents[unit.start:unit.end] if documents is not None else
+                read_unit(Source(**task["source"]), unit, field=task["field"], column=task["column"]))
+    keys = [doc_hash(d) for d in docs]
+    limit = task["val_fraction"] * 2.0**64
+    splits = ["val" if k < limit else "train" for k in keys]
+    for number, split in (task.get("force") or {}).items():
+        splits[int(number)] = split
+    ids = _encode(tokenizer, docs, counter)
+    eot = int(task["eot_id"])
+    record: dict[str, Any] = {"unit": task["unit"], "documents": len(docs), "bytes": task["bytes"],
+                              "min_key": min(zip(keys, range(len(keys))), default=None),
+                              "max_key": max(zip(keys, range(len(keys))), default=None)}
+    if task.get("tail"):
+        parts = _tail_split(ids[0], eot, task["val_fraction"])
+    else:
+        parts = {name: _join([i for i, s in zip(ids, splits) if s == name], eot) for name in ("train", "val")}
+    for name, (tokens, lengths) in parts.items():
+        record[name] = _write_shard(task["out"], name, task["unit"], tokens, lengths, task["dtype"]) \
+            if len(lengths) else None
+    return record
+
+
+def _encode(tokenizer, docs: list[str], counter) -> list[list[int]]:
+    ids: list[list[int]] = []
+    batch: list[str] = []
+    size = 0
+    for doc in docs + [None]:  # None flushes the last batch
+        if doc is not None:
+            batch.append(doc)
+            size += len(doc)
+        if batch and (doc is None or size >= _ENCODE_BATCH_BYTES):
+            ids += [e.ids for e in tokenizer.encode_batch_fast(batch, add_special_tokens=False)]
+            if counter is not None:
+                with counter.get_lock():
+                    counter.value += size
+            batch, size = [], 0
+    return ids
+
+
+def _join(docs: list[list[int]], eot: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every document's ids followed by the end-of-text id, and the documents' lengths (eot included)."""
+    lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
+    tokens = np.empty(int(lengths.sum()), dtype=np.int64)
+    ends = np.cumsum(lengths)
+    for doc, end in zip(docs, ends):
+        tokens[end - 1 - len(doc):end - 1] = doc
+    tokens[ends - 1] = eot
+    return tokens, lengths
+
+
+def _tail_split(doc: list[int], eot: int, val_fraction: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A corpus of one document: its last `val_fraction` of tokens (at least one) is validation."""
+    tokens, _ = _join([doc], eot)
+    n_val = max(1, math.ceil(len(tokens) * val_fraction))
+    cut = len(tokens) - n_val
+    if cut < 1:
+        return {"train": (tokens[:0], np.zeros(0, np.int64)), "val": (tokens, np.array([len(tokens)]))}
+    return {"train": (tokens[:cut], np.array([cut])), "val": (tokens[cut:], np.array([n_val]))}
+
+
+def _write_shard(out: str, split: str, unit: int, tokens: np.ndarray, lengths: np.ndarray, dtype: str) -> dict:
+    data = tokens.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
+    index = encode_index(lengths)
+    bin_name, idx_name = shard_names(split, unit)
+    atomic_write(os.path.join(out, bin_name), data)
+    atomic_write(os.path.join(out, idx_name), index)
+    return {"bin": bin_name, "idx": idx_name, "tokens": int(len(tokens)), "documents": int(len(lengths)),
+            "bin_sha256": hashlib.sha256(data).hexdigest(), "idx_sha256": hashlib.sha256(index).hexdigest()}

@@ -1,0 +1,424 @@
+"""`vgraph data prepare`: a corpus tokenized once, in parallel processes, into a prepared directory.
+
+The steps, each said on stderr with its time: find the inputs and cut them
+into units (sources.py); take the tokenizer (given, or trained on a sample
+of every unit: tokenizer.py); tokenize the units in `workers` spawned
+processes with a progress bar (encode.py); check the splits (a corpus of one
+document gives validation the tail of it; otherwise at least one document
+each); write ``tokenizer.json`` and, last and atomically, ``manifest.json``.
+
+**Atomic and restartable.**  Work in progress lives in ``DIR/.prepare/``:
+the plan (inputs with size and mtime, settings, units) and one record per
+finished unit, written after the unit's shards (each shard itself written
+atomically).  A killed prepare run again with the same inputs and settings
+resumes with the units not yet recorded; with others it starts clean
+(removing only its own files).  The manifest exists only once every shard
+it names does, so no reader ever sees a manifest describing missing shards.
+A directory that holds something else, an output over or inside an input,
+or inside a training run is refused before anything is written.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import fcntl
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from vgraph.base.diagnostics import printable
+from vgraph.base.safeio import atomic_write, same_file
+
+from . import encode
+from .shards import (FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, DataError, PreparedCorpus,
+                     open_prepared, token_dtype)
+from .sources import Source, Unit, find_sources, plan_units, read_unit
+from .tokenizer import EOT_TOKEN, load_tokenizer, tokenizer_kind, train_tokenizer
+
+__all__ = ["PrepareOptions", "prepare", "check_output_dir", "WORK_DIR"]
+
+WORK_DIR = ".prepare"
+LOCK_FILE = ".prepare.lock"
+_IN_PROCESS_BYTES = 8 * 2**20  # below this, spawning workers costs more than it saves
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    """What decides the prepared corpus (all of it is in the plan a restart must match)."""
+
+    vocab: int | None = None  # train a tokenizer of this size on a sample ...
+    tokenizer: str | None = None  # ... or use this tokenizers JSON file
+    field: str = "text"  # JSONL
+    column: str = "text"  # Parquet, saved datasets
+    val_fraction: float = 0.05
+    sample_bytes: int = 64 * 2**20  # text the tokenizer is trained on
+    unit_bytes: int = 32 * 2**20  # input per unit of work (and per shard)
+    workers: int = 0  # 0: the CPUs this process may use
+
+    def worker_count(self) -> int:
+        if self.workers:
+            return self.workers
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptions, *,
+            say: Callable[[str], None] = lambda m: print(m, file=sys.stderr), progress: bool = True,
+            documents: Sequence[str] | None = None, description: str | None = None) -> PreparedCorpus:
+    """Prepare `inputs` (or the in-memory `documents`, named `description`) into `out`; see the module
+    docstring.  Returns the prepared corpus, opened."""
+    if (options.vocab is None) == (options.tokenizer is None):
+        raise DataError("give exactly one of --vocab N (train a tokenizer) and --tokenizer FILE")
+    if not 0.0 < options.val_fraction < 1.0:
+        raise DataError(f"--val-fraction must be between 0 and 1 (exclusive), not {options.val_fraction}")
+    root = Path(out)
+    t0 = time.perf_counter()
+    given = load_tokenizer(options.tokenizer) if options.tokenizer is not None else None  # read bounded, checked
+    if documents is None:
+        sources = find_sources(inputs)
+        check_output_dir(root, [s.path for s in sources] + list(inputs))
+        units = plan_units(sources, options.unit_bytes)
+    else:
+        sources, units = _document_units(documents, description or "documents", options.unit_bytes)
+    _refuse_foreign(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root):
+        plan = _plan(sources, units, options, given)
+        done = _restart_state(root, plan, say)
+        if done is None:  # already prepared, the same plan
+            return open_prepared(root, verify="size")
+        total = sum(s.size for s in sources)
+        say(f"prepare: {len(sources)} input file(s), {total / 1e6:,.1f} MB in {len(units)} unit(s) -> {root} "
+            f"({time.perf_counter() - t0:.2f} s)")
+        tokenizer = given or _tokenizer(root, sources, units, options, documents, say)
+        job = _Job(root, sources, units, options, tokenizer, documents)
+        records = job.run(done, say, progress)
+        records = job.fix_splits(records, say)
+        return _finish(root, plan, job, records, say)
+
+
+def _document_units(documents: Sequence[str], description: str, unit_bytes: int) -> tuple[list[Source], list[Unit]]:
+    """In-memory documents as one pseudo-source cut into units of about `unit_bytes` of text."""
+    sizes = [len(d.encode("utf-8")) for d in documents]
+    cuts, acc = [0], 0
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc >= unit_bytes and i + 1 < len(sizes):
+            cuts.append(i + 1)
+            acc = 0
+    cuts.append(len(sizes))
+    digest = hashlib.sha256()
+    for doc in documents:
+        digest.update(hashlib.sha256(doc.encode("utf-8")).digest())
+    source = Source(description, "documents", sum(sizes), int.from_bytes(digest.digest()[:7], "little"))
+    return [source], [Unit(0, a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+# -- the output directory ------------------------------------------------------------------------------------
+
+
+def check_output_dir(out: Path, inputs: Sequence[str]) -> None:
+    """Refuse an output that would destroy or mix with something: see the module docstring."""
+    shown = printable(str(out))
+    if not str(out) or not str(out).isprintable():
+        raise DataError(f"{shown}: an output directory name must be printable (no control characters)")
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{shown}: exists and is not a directory")
+    resolved = out.resolve()
+    for given in inputs:
+        inp = Path(given)
+        if not inp.exists():
+            continue
+        inp_resolved = inp.resolve()
+        if same_file(out, inp) or resolved == inp_resolved or inp_resolved in resolved.parents or \
+                resolved in inp_resolved.parents:
+            raise DataError(f"{shown}: the output directory is, holds or lies inside the input "
+                            f"{printable(given)}; choose a directory apart from the inputs")
+    for parent in [resolved, *resolved.parents]:
+        if (parent / "run.json").is_file() and (parent / "network.yml").is_file():
+            raise DataError(f"{shown}: inside the training run {printable(str(parent))}; prepare the corpus "
+                            f"outside run directories")
+
+
+@contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """One prepare at a time per directory (a second one waits, then finds the work done)."""
+    with open(root / LOCK_FILE, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _plan(sources: list[Source], units: list[Unit], options: PrepareOptions, given) -> dict[str, Any]:
+    settings = asdict(options)
+    settings.pop("workers")  # how many processes does not change the result
+    if given is not None:
+        settings["tokenizer"] = hashlib.sha256(given.to_str().encode()).hexdigest()
+    import tokenizers
+
+    plan = {"format": FORMAT, "version": FORMAT_VERSION, "tokenizers": tokenizers.__version__,
+            "sources": [asdict(s) for s in sources], "units": [u.to_json() for u in units], "settings": settings}
+    plan["sha256"] = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+    return plan
+
+
+def _restart_state(root: Path, plan: dict, say: Callable[[str], None]) -> dict[int, dict] | None:
+    """Units already done (a resumed prepare), {} for a fresh one, None when `root` is prepared as planned."""
+    manifest = root / MANIFEST
+    if manifest.is_file():
+        try:
+            same = json.loads(manifest.read_text(encoding="utf-8")).get("plan_sha256") == plan["sha256"]
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            same = False
+        if same:
+            say(f"prepare: {root} already holds this corpus, prepared with these settings")
+            return None
+        raise DataError(f"{printable(str(root))}: holds a corpus prepared from other inputs or settings; choose "
+                        f"another -o or remove it")
+    work = root / WORK_DIR
+    try:
+        old = json.loads((work / "plan.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        old = None
+    if isinstance(old, dict) and old.get("sha256") == plan["sha256"]:
+        done = _finished_units(root, work)
+        say(f"prepare: resuming: {len(done)} of {len(plan['units'])} unit(s) already done")
+        return done
+    if work.exists() or any(_is_shard_name(p.name) for p in root.iterdir()):
+        say(f"prepare: {root} holds an unfinished prepare of other inputs or settings: starting clean")
+    _clean(root)
+    work.mkdir()
+    atomic_write(work / "plan.json", json.dumps(plan, indent=1))
+    return {}
+
+
+def _refuse_foreign(root: Path) -> None:
+    """A directory holding anything but a prepared (or half-prepared) corpus is not ours to write into."""
+    if not root.is_dir() or (root / MANIFEST).is_file():
+        return
+    ours = {LOCK_FILE, WORK_DIR, TOKENIZER_FILE}
+    others = [p.name for p in root.iterdir() if p.name not in ours and not _is_shard_name(p.name)]
+    if others or (not (root / WORK_DIR).is_dir() and any(_is_shard_name(p.name) for p in root.iterdir())):
+        raise DataError(f"{printable(str(root))}: not empty and not a corpus being prepared (holds "
+                        f"{printable(', '.join(sorted(others)[:5]) or 'shards without a plan', 200)}); choose an empty "
+                        f"or new directory")
+
+
+def _is_shard_name(name: str) -> bool:
+    return name.startswith(tuple(f"{s}-" for s in SPLITS)) and name.endswith((".bin", ".idx")) or \
+        name.startswith(".") and name.endswith(".tmp")
+
+
+def _clean(root: Path) -> None:
+    for p in root.iterdir():
+        if _is_shard_name(p.name) or p.name == TOKENIZER_FILE:
+            p.unlink()
+    shutil.rmtree(root / WORK_DIR, ignore_errors=True)
+
+
+def _finished_units(root: Path, work: Path) -> dict[int, dict]:
+    """Records of units whose shards are all there with the recorded size and hash (others are redone)."""
+    done = {}
+    for path in sorted(work.glob("unit-*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            ok = all(_shard_intact(root, record[s]) for s in SPLITS if record.get(s))
+        except (OSError, ValueError, KeyError, TypeError):
+            ok = False
+        if ok:
+            done[int(record["unit"])] = record
+    return done
+
+
+def _shard_intact(root: Path, shard: dict) -> bool:
+    from .shards import sha256_file
+
+    return all((root / shard[k]).is_file() and sha256_file(root / shard[k]) == shard[f"{k}_sha256"]
+               for k in ("bin", "idx"))
+
+
+# -- the tokenizer --------------------------------------------------------------------------------------------
+
+
+def _tokenizer(root: Path, sources: list[Source], units: list[Unit], options: PrepareOptions,
+               documents: Sequence[str] | None, say: Callable[[str], None]):
+    from tokenizers import Tokenizer
+
+    saved = root / WORK_DIR / TOKENIZER_FILE
+    if saved.is_file():  # a resumed prepare: the tokenizer its finished units were encoded with
+        return Tokenizer.from_file(str(saved))
+    t0 = time.perf_counter()
+    sample = _sample(sources, units, options, documents)
+    kind = tokenizer_kind(options.vocab)
+    say(f"prepare: training a {options.vocab}-token {'byte-level BPE' if kind == 'bpe' else 'character'} tokenizer "
+        f"on {sum(map(len, sample)) / 1e6:,.1f} MB of sample text ...")
+    tokenizer = train_tokenizer(sample, options.vocab)
+    atomic_write(saved, tokenizer.to_str())
+    say(f"prepare: tokenizer trained ({tokenizer.get_vocab_size()} tokens, {time.perf_counter() - t0:.1f} s)")
+    return tokenizer
+
+
+def _sample(sources: list[Source], units: list[Unit], options: PrepareOptions,
+            documents: Sequence[str] | None) -> list[str]:
+    """The first documents of every unit, an equal share of `sample_bytes` each: the whole corpus seen."""
+    share = max(1, options.sample_bytes // max(1, len(units)))
+    sample: list[str] = []
+    for unit in units:
+        taken = 0
+        docs = documents[unit.start:unit.end] if documents is not None else \
+            read_unit(sources[unit.source], unit, field=options.field, column=options.column)
+        for doc in docs:
+            if taken >= share:
+                break
+            sample.append(doc[: share - taken])
+            taken += len(sample[-1])
+    return sample
+
+
+# -- the units ---------------------------------------------------------------------------------------------
+
+
+class _Job:
+    """The units' tasks, run in worker processes (or here, for small corpora) with a progress bar."""
+
+    def __init__(self, root: Path, sources: list[Source], units: list[Unit], options: PrepareOptions, tokenizer,
+                 documents: Sequence[str] | None) -> None:
+        self.root, self.sources, self.units, self.options = root, sources, units, options
+        self.tokenizer, self.documents = tokenizer, documents
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.dtype = token_dtype(self.vocab_size)
+        self.eot_id = tokenizer.token_to_id(EOT_TOKEN)
+
+    def task(self, k: int, **fallback: Any) -> dict[str, Any]:
+        unit = self.units[k]
+        source = self.sources[unit.source]
+        size = source.size if len(self.units) == 1 else _unit_bytes(source, unit, self.units)
+        return {"unit": k, "span": unit.to_json(), "source": asdict(source), "field": self.options.field,
+                "column": self.options.column, "dtype": self.dtype, "eot_id": self.eot_id, "bytes": size,
+                "val_fraction": self.options.val_fraction, "out": str(self.root), **fallback}
+
+    def run(self, done: dict[int, dict], say: Callable[[str], None], progress: bool) -> dict[int, dict]:
+        todo = [k for k in range(len(self.units)) if k not in done]
+        tasks = [self.task(k) for k in todo]
+        total = sum(t["bytes"] for t in tasks)
+        workers = min(self.options.worker_count(), len(tasks)) if total >= _IN_PROCESS_BYTES else 1
+        t0 = time.perf_counter()
+        bar = _bar(total, progress)
+        records = dict(done)
+        try:
+            for record in (self._pool(tasks, workers, bar) if workers > 1 else self._here(tasks, bar)):
+                atomic_write(self.root / WORK_DIR / f"unit-{record['unit']:05d}.json", json.dumps(record))
+                records[record["unit"]] = record
+        finally:
+            bar.close()
+        seconds = time.perf_counter() - t0
+        say(f"prepare: tokenized {total / 1e6:,.1f} MB in {seconds:.1f} s ({total / 1e6 / max(seconds, 1e-9):,.1f} "
+            f"MB/s, {workers} process(es))")
+        return records
+
+    def _here(self, tasks: list[dict], bar) -> Iterator[dict]:
+        for task in tasks:
+            record = encode.encode_unit(task, self.tokenizer, None, self.documents)
+            bar.update(task["bytes"])
+            yield record
+
+    def _pool(self, tasks: list[dict], workers: int, bar) -> Iterator[dict]:
+        ctx = mp.get_context("spawn")  # clean children: no inherited tokenizer thread pool, no torch
+        counter = ctx.Value("q", 0)
+        with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=encode.init_worker,
+                                    initargs=(self.tokenizer.to_str(), counter)) as pool:
+            pending = {pool.submit(encode.encode_unit, task) for task in tasks}
+            try:
+                while pending:
+                    finished, pending = cf.wait(pending, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+                    bar.update(counter.value - bar.n)
+                    for future in finished:
+                        yield future.result()
+            except BaseException:
+                for future in pending:
+                    future.cancel()
+                raise
+
+    def fix_splits(self, records: dict[int, dict], say: Callable[[str], None]) -> dict[int, dict]:
+        """Validation and training both get at least one document (re-encoding the one unit that changes)."""
+        docs = sum(r["documents"] for r in records.values())
+        if docs == 0:
+            raise DataError(f"the corpus is empty: no document with text in {self.sources[0].path}"
+                            f"{' and the other inputs' if len(self.sources) > 1 else ''}")
+        count = {s: sum(r[s]["documents"] for r in records.values() if r.get(s)) for s in SPLITS}
+        if docs == 1:
+            k = next(k for k, r in records.items() if r["documents"])
+            say("prepare: one document: its last part is the validation split")
+            records[k] = self._redo(k, tail=True)
+            if not records[k].get("train"):
+                raise DataError(f"the corpus is too small to split: {records[k]['val']['tokens']} token(s)")
+        elif count["val"] == 0 or count["train"] == 0:
+            want, pick = ("val", "min_key") if count["val"] == 0 else ("train", "max_key")
+            k = min(records, key=lambda u: records[u][pick] or [2**64]) if want == "val" else \
+                max(records, key=lambda u: records[u][pick] or [-1])
+            say(f"prepare: no document fell into the {want} split by its hash; moving one there")
+            records[k] = self._redo(k, force={str(records[k][pick][1]): want})
+        return records
+
+    def _redo(self, k: int, **fallback: Any) -> dict:
+        record = encode.encode_unit(self.task(k, **fallback), self.tokenizer, None, self.documents)
+        atomic_write(self.root / WORK_DIR / f"unit-{k:05d}.json", json.dumps(record))
+        for split in SPLITS:  # a shard the redone unit no longer has
+            if not record.get(split):
+                for name in encode.shard_names(split, k):
+                    (self.root / name).unlink(missing_ok=True)
+        return record
+
+
+def _unit_bytes(source: Source, unit: Unit, units: list[Unit]) -> int:
+    """Input bytes of a unit (table units: the source's bytes shared by its units, for the progress bar)."""
+    if source.kind in ("text", "jsonl"):
+        return unit.end - unit.start
+    siblings = sum(1 for u in units if u.source == unit.source)
+    return source.size // max(1, siblings)
+
+
+def _bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not enabled, file=sys.stderr,
+                mininterval=0.5 if tty else 15.0, ascii=not tty, dynamic_ncols=tty)
+
+
+# -- the end ------------------------------------------------------------------------------------------------
+
+
+def _finish(root: Path, plan: dict, job: _Job, records: dict[int, dict], say: Callable[[str], None]) -> PreparedCorpus:
+    splits = {}
+    for split in SPLITS:
+        shards = [records[k][split] for k in sorted(records) if records[k].get(split)]
+        splits[split] = {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
+                         "shards": shards}
+    tokenizer_text = job.tokenizer.to_str()
+    atomic_write(root / TOKENIZER_FILE, tokenizer_text)
+    manifest = {
+        "format": FORMAT, "version": FORMAT_VERSION, "dtype": job.dtype, "vocab_size": job.vocab_size,
+        "eot_id": job.eot_id, "plan_sha256": plan["sha256"],
+        "tokenizer": {"file": TOKENIZER_FILE, "sha256": hashlib.sha256(tokenizer_text.encode()).hexdigest(),
+                      "kind": "given" if job.options.tokenizer else tokenizer_kind(job.options.vocab or 0),
+                      "vocab_size": job.vocab_size},
+        "val_split": "tail of the only document" if sum(r["documents"] for r in records.values()) == 1
+        else "documents by content hash",
+        "splits": splits, "sources": [{"path": s.path, "kind": s.kind, "bytes": s.size} for s in job.sources],
+        "settings": plan["settings"], "tokenizers_version": plan["tokenizers"],
+    }
+    atomic_write(root / MANIFEST, json.dumps(manifest, indent=1) + "\n")  # last: now the corpus exists
+    shutil.rmtree(root / WORK_DIR, ignore_errors=True)
+    say(f"prepare: {root}: {splits['train']['tokens']:,} train tokens in {splits['train']['documents']:,} documents, "
+        f"{splits['val']['tokens']:,} val tokens in {splits['val']['documents']:,}; {job.dtype}, vocabulary "
+        f"{job.vocab_size}")
+    return open_prepared(root, verify="size")
