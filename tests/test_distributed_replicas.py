@@ -141,9 +141,9 @@ def test_replica_options_are_checked(files, tmp_path, capsys):
             launch(LaunchConfig(**common(files), out=tmp_path / "y", fleet=str(files / "fleet4.yml"), bucket_bytes=bad))
     with pytest.raises(VGraphError, match="replicas must be"):
         launch(LaunchConfig(**common(files), out=tmp_path / "y", fleet=str(files / "fleet4.yml"), replicas=0))
-    with pytest.raises(VGraphError, match="shrink needs all workers on one machine"):
+    with pytest.raises(VGraphError, match="repartition needs all workers on one machine"):
         launch(LaunchConfig(**common(files), out=tmp_path / "z", fleet=str(files / "fleet4.yml"), nnodes=2,
-                            on_failure="shrink"))
+                            on_failure="repartition"))
     assert not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
 
 

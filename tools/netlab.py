@@ -380,6 +380,35 @@ class Testbed:
             raise
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
+    def run_all(self, commands: Sequence[Sequence[str] | None], env: dict[str, str] | None = None,
+                timeout: float | None = None) -> list[subprocess.CompletedProcess | None]:
+        """commands[i] in host i, all at once (None: nothing in that host); each one's output (stdout and
+        stderr together, as text).  After `timeout` seconds every command still running is killed and
+        subprocess.TimeoutExpired raised."""
+        procs = [None if argv is None else self.popen(i, argv, env, stdout=subprocess.PIPE,
+                                                      stderr=subprocess.STDOUT, text=True)
+                 for i, argv in enumerate(commands)]
+        outputs: dict[int, str] = {}
+        readers = [threading.Thread(target=lambda i=i, p=p: outputs.__setitem__(i, p.stdout.read()), daemon=True)
+                   for i, p in enumerate(procs) if p is not None]
+        for reader in readers:
+            reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for p in procs:
+                if p is not None:
+                    p.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                if p is not None and p.poll() is None:
+                    p.kill()
+            raise
+        finally:
+            for reader in readers:
+                reader.join(timeout=10)
+        return [None if p is None else subprocess.CompletedProcess(p.args, p.returncode, outputs.get(i, ""))
+                for i, p in enumerate(procs)]
+
     def set_rate(self, i: int, rate: float | str | None) -> None:
         """Host i's link rate each way (bytes/s or a fleet bandwidth text); None lifts the limit."""
         h = self._host(i)

@@ -41,7 +41,8 @@ of it, with losses weighted by shares of the global batch and dropout keyed by t
 so the run is the same training as one process.  Workers count every byte they send, the all-reduce
 included, against placement.json's `bytes_per_step`.  `--on-failure shrink` drops the replicas that
 lost a worker: the survivors keep their PNodes, share the global batch again by speed
-(`vgraph.placement.replica_report.rebalanced_shares`) and resume from the last checkpoint (one machine only).
+(`vgraph.placement.replica_report.rebalanced_shares`) and resume from the last checkpoint; across machines, a
+machine whose launcher falls silent (membership.py) loses all its PNodes.
 
 Several machines (the torchrun way): run the same command on every machine
 with `--nnodes N --node-rank R --master-addr <rank-0 machine> --master-port P`.
@@ -51,7 +52,11 @@ use along the network.  Rank 0 (machine 0) writes metrics and checkpoints and
 hands each rank its share of a checkpoint on resume, so only machine 0 needs
 the run directory.  A failure restarts every machine's workers from the last
 checkpoint (each launcher restarts its own; the rendezvous port moves to
-P + attempt); `repartition` is single-machine only.  The worker is a plain
+P + attempt); `repartition` is single-machine only.  The launchers keep in
+touch through machine 0 on port P - 1 (membership.py): a machine lost with its
+link is noticed within --link-timeout, and machine 0 decides for all what the
+next attempt is.  A PNode stays on the machine that ran it first (after a
+shrink, the survivors keep theirs).  The worker is a plain
 torchrun-style program, so
 `torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.distributed.worker JOB.json`
 with the job file this command writes also works.
@@ -88,7 +93,8 @@ from .. import data as D
 from .comm_choice import COMM_MODES, choose_comm
 from .grad_sync import DEFAULT_BUCKET_BYTES
 from .plan import PIPELINES
-from .rendezvous import TOKEN_ENV, check_token, free_port, probe_port
+from .membership import MachineLost, Machines, decide
+from .rendezvous import TOKEN_ENV, check_token, free_port, gloo_environment, probe_port
 from .worker import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, apply_assignment
 from ..interrupt import StopRequest
 from ..run_files import atomic_write_text, run_slug
@@ -116,6 +122,7 @@ class LaunchConfig(TrainConfig):
     max_restarts: int = 3
     comm_timeout: float = 300.0  # seconds a worker waits on a peer before giving up
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradient buckets of the replicas' all-reduce (grad_sync.py)
+    link_timeout: float = 10.0  # several machines: seconds of silence after which a machine is lost (membership.py)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -353,7 +360,8 @@ class _Supervisor:
         for local_rank, rank in enumerate(ranks):
             env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(len(ranks)), OMP_NUM_THREADS=str(threads),
-                       MKL_NUM_THREADS=str(threads), VGRAPH_PNODE=pnodes[rank], **{TOKEN_ENV: self.token})
+                       MKL_NUM_THREADS=str(threads), VGRAPH_PNODE=pnodes[rank], **{TOKEN_ENV: self.token},
+                       **gloo_environment(addr))  # gloo on the interface towards the master, not loopback
             reader, writer = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_worker_process, args=(str(job_path), env, writer),
                                   name=f"vgraph-worker-{pnodes[rank]}", daemon=True)
@@ -385,9 +393,16 @@ class _Supervisor:
     def pids(self) -> dict[str, int]:
         return {w.pnode: w.process.pid for w in self.workers}
 
-    def wait(self, poll_s: float = 0.02) -> tuple[bool, dict[int, int], list[int]]:
-        """(all succeeded, exit code per rank, ranks that failed first)."""
+    def wait(self, poll_s: float = 0.02, trouble: Callable[[], str | None] | None = None
+             ) -> tuple[bool, dict[int, int], list[int]]:
+        """(all succeeded, exit code per rank, ranks that failed first).  `trouble` (several machines:
+        membership.py) says why the workers must stop although none failed here: then none counts as lost."""
         while True:
+            why = trouble() if trouble is not None else None
+            if why:
+                self.emit(f"launch: {why}; stopping this machine's workers")
+                self.stop()
+                return False, {w.rank: w.process.exitcode for w in self.workers}, []
             codes = {w.rank: w.process.exitcode for w in self.workers}
             failed = [r for r, c in codes.items() if c not in (None, 0)]
             if failed:
@@ -434,9 +449,11 @@ def _validate(cfg: LaunchConfig) -> None:
         raise VGraphError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {cfg.on_failure!r}")
     if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
         raise VGraphError(f"--node-rank must be in 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), got {cfg.node_rank}")
-    if cfg.nnodes > 1 and cfg.on_failure in ("repartition", "shrink"):
-        raise VGraphError(f"--on-failure {cfg.on_failure} needs all workers on one machine; use restart with "
-                          f"--nnodes")
+    if cfg.nnodes > 1 and cfg.on_failure == "repartition":
+        raise VGraphError("--on-failure repartition needs all workers on one machine; use restart or shrink with "
+                          "--nnodes")
+    if not (isinstance(cfg.link_timeout, (int, float)) and math.isfinite(cfg.link_timeout) and cfg.link_timeout > 0):
+        raise VGraphError(f"--link-timeout must be a positive number of seconds, got {cfg.link_timeout!r}")
     if not (cfg.replicas == "auto" or (isinstance(cfg.replicas, int) and not isinstance(cfg.replicas, bool)
                                        and cfg.replicas >= 1)):
         raise VGraphError(f"--replicas must be a positive integer or auto, got {cfg.replicas!r}")
@@ -459,13 +476,15 @@ def launch(config: LaunchConfig) -> LaunchResult:
     """
     stop = StopRequest(lambda line: print(line, file=sys.stderr, flush=True))
     restore = stop.install()
+    machines = Machines()  # several machines: opened by _launch (membership.py)
     try:
-        return _launch(config, stop)
+        return _launch(config, stop, machines)
     finally:
+        machines.close()
         restore()
 
 
-def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
+def _launch(config: LaunchConfig, stop: StopRequest, machines: Machines) -> LaunchResult:
     cfg = config
     _validate(cfg)
     lock = threading.Lock()
@@ -481,6 +500,12 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
     token = check_token(os.environ.get(TOKEN_ENV), cfg.nnodes)  # before anything is written or started
     if cfg.master_port and cfg.node_rank == 0:
         probe_port(cfg.master_addr, cfg.master_port)
+    if cfg.nnodes > 1:  # the launchers' channel: heartbeats and one decision per failure
+        try:
+            machines.open(cfg.master_addr, (cfg.master_port or 29500) - 1, token, cfg.node_rank, cfg.nnodes,
+                          cfg.link_timeout, cfg.comm_timeout)
+        except MachineLost as exc:
+            raise TrainingError(str(exc)) from None
     fleet = resolve_fleet(cfg.fleet)
     device = resolve_device(cfg.device)
     source, yaml_text = load_network(cfg.network)
@@ -526,6 +551,7 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
     attempt = 0
     base_port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)
     shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
+    home: dict[str, int] | None = None
     while True:
         if stop.requested:
             raise stop.interrupted(f"{run_dir}: stopped before attempt {attempt} started; continue with "
@@ -545,8 +571,18 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
                                 f"{network_file} --passes '{cfg.passes}' -o NEW.yml) and launch NEW.yml")
         ranks = placement.world
         world = len(ranks)
-        per_node = math.ceil(world / cfg.nnodes)
-        local = list(range(cfg.node_rank * per_node, min(world, (cfg.node_rank + 1) * per_node)))
+        if home is None:  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
+            per_node = math.ceil(world / cfg.nnodes)
+            home = {p: r // per_node for r, p in enumerate(ranks)}
+        local = [r for r, p in enumerate(ranks) if home.get(p, 0) == cfg.node_rank]
+        if machines.active and home.get(ranks[0], 0) != 0:
+            raise TrainingError(f"the replica of machine 0 was dropped: machine 0 holds the run and its rank 0, so "
+                                f"the run stops here; continue it with --resume")
+        machines.begin(attempt, {home.get(p, 0) for p in ranks})
+        if not local:  # shrunk away: this machine's PNodes are all in dropped replicas
+            emit(f"launch: no worker of this machine (node rank {cfg.node_rank}) is left in the run; it goes on "
+                 f"without it")
+            return result
         comm = choose_comm(device.type, len(local), torch.cuda.device_count() if device.type == "cuda" else 0,
                            torch.distributed.is_nccl_available(), cfg.comm)
         threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
@@ -583,7 +619,7 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
             supervisor.start(job_path, local, ranks, world, cfg.master_addr, port, threads)
             atomic_write_text(launch_dir / "workers.json",
                               json.dumps({"attempt": attempt, "pids": supervisor.pids()}))
-            ok, codes, lost = supervisor.wait()
+            ok, codes, lost = supervisor.wait(trouble=machines.trouble)
         except BaseException:
             supervisor.stop()
             raise
@@ -600,10 +636,20 @@ def _launch(config: LaunchConfig, stop: StopRequest) -> LaunchResult:
         if ok:
             break
         errors = _user_errors(launch_dir)
-        if errors or any(c == EXIT_USER_ERROR for c in codes.values()):
-            raise TrainingError(errors or "a worker stopped with an error (see its output above)")
+        if not errors and any(c == EXIT_USER_ERROR for c in codes.values()):
+            errors = "a worker stopped with an error (see its output above)"
         lost_pnodes = [ranks[r] for r in lost]
         described = ", ".join(f"{ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
+        if machines.active:  # every machine reports; machine 0 decides for all (membership.py)
+            try:
+                plan = machines.settle({"lost": lost_pnodes, "described": described, "error": errors},
+                                       lambda reports, missing: decide(reports, missing, home, cfg.on_failure),
+                                       wait_for_all=cfg.on_failure == "restart")
+            except MachineLost as exc:
+                raise TrainingError(str(exc)) from None
+            lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
+        if errors:
+            raise TrainingError(errors)
         if cfg.on_failure == "stop" or result.restarts >= cfg.max_restarts:
             raise TrainingError(f"worker {described} failed; not restarting "
                                 f"({'--on-failure stop' if cfg.on_failure == 'stop' else f'{result.restarts} restarts'})."
@@ -691,6 +737,9 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-size", type=options.byte_size, default=DEFAULT_BUCKET_BYTES, metavar="SIZE",
                    help="gradient bucket of the replicas' all-reduce, e.g. 25M (default 25 MiB, as DDP): a bucket "
                         "is all-reduced as soon as its gradients are final in the last backward")
+    p.add_argument("--link-timeout", type=options.positive_float, default=10.0, metavar="S",
+                   help="several machines: a machine silent for S seconds is lost (its link or itself); the "
+                        "others stop their workers (default 10; see membership.py)")
     p.add_argument("--nnodes", type=_positive_int, default=1, help="machines taking part (default 1)")
     p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this machine's index (default 0)")
     p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
@@ -738,7 +787,7 @@ def run_launch(args: argparse.Namespace) -> int:
         corpus_bytes=args.corpus_bytes or D.DEFAULT_CORPUS_MAX_BYTES, progress=not args.quiet,
         micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
-        comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, nnodes=args.nnodes, node_rank=args.node_rank,
+        comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard)
     from ..cli import print_result
 

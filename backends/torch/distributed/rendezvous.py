@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import ipaddress
 import os
 import secrets
 import socket
@@ -85,6 +86,59 @@ def free_port(addr: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def interface_towards(addr: str) -> str | None:
+    """The name of this machine's network interface that reaches `addr`, None for a loopback address (or
+    when no interface has the address the route picks).
+
+    Why: gloo binds each worker to the address this machine's hostname resolves to, and many machines
+    resolve it to 127.0.0.1 or 127.0.1.1 (/etc/hosts).  A worker on another machine is then told to
+    connect to a loopback address and the run hangs in its first collective.  The launcher therefore
+    names, in GLOO_SOCKET_IFNAME, the interface on the route to the master (what the kernel would
+    send from), unless the user set it."""
+    family = _family(addr)
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))  # UDP: no packet is sent, the kernel only picks the route
+            local = ipaddress.ip_address(s.getsockname()[0])
+    except (OSError, ValueError):
+        return None
+    if local.is_loopback:
+        return None
+    for _, name in socket.if_nameindex():
+        if local in _addresses(name, family):
+            return name
+    return None
+
+
+def _addresses(name: str, family: socket.AddressFamily) -> set:
+    """The addresses of interface `name` in `family` (Linux: an ioctl for IPv4, /proc/net/if_inet6 for IPv6)."""
+    if family == socket.AF_INET6:
+        try:
+            rows = [line.split() for line in open("/proc/net/if_inet6", encoding="ascii")]
+        except OSError:
+            return set()
+        return {ipaddress.ip_address(":".join(r[0][i:i + 4] for i in range(0, 32, 4))) for r in rows
+                if len(r) == 6 and r[5] == name}
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        return {ipaddress.ip_address(packed[20:24])}
+    except (OSError, ImportError):
+        return set()
+
+
+def gloo_environment(addr: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """{GLOO_SOCKET_IFNAME: the interface towards `addr`} for a worker, when the user did not name one and
+    `addr` is not loopback; else {} (see `interface_towards`)."""
+    if (os.environ if env is None else env).get("GLOO_SOCKET_IFNAME"):
+        return {}
+    name = interface_towards(addr)
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
+
+
 def rendezvous_store(rank: int, world: int, timeout: timedelta, env: dict[str, str] | None = None):
     """The store every worker of one attempt joins: served by rank 0 on MASTER_ADDR only, keys under
     the token's prefix.  `env` defaults to os.environ (MASTER_ADDR, MASTER_PORT, the token)."""
@@ -114,4 +168,4 @@ def rendezvous_store(rank: int, world: int, timeout: timedelta, env: dict[str, s
 
 
 __all__ = ["TOKEN_ENV", "RendezvousError", "check_token", "probe_port", "free_port", "rendezvous_store",
-           "new_token"]
+           "new_token", "interface_towards", "gloo_environment"]

@@ -1,0 +1,315 @@
+"""Several machines: the launchers' own channel, so that a machine lost with its link is noticed within a
+bounded time and every launcher takes the same decision about it.
+
+Without it, a machine whose link goes dark is noticed only by gloo, when a collective waits longer than
+--comm-timeout (300 s by default, and it must stay that long: a checkpoint or a validation legitimately
+keeps peers waiting); and each launcher then decides on its own, which is fine for `restart` (everybody
+restarts) but not for `shrink`, where all must drop the same replicas.
+
+How (`--nnodes N > 1` only):
+
+* machine 0's launcher serves this channel on `--master-addr`, port `--master-port` - 1 (its workers'
+  rendezvous keeps `--master-port` + attempt); every request carries the run's shared secret
+  (VGRAPH_LAUNCH_TOKEN) and is refused without it;
+* every other launcher beats every HEARTBEAT_S seconds (a quarter of --link-timeout when that is
+  shorter); machine 0 counts a machine lost when nothing came from it for `--link-timeout` seconds
+  (default 10), and a machine counts machine 0 lost when no answer came for as long.  Both clocks start
+  at the last beat before the link went dark, so **a lost link is detected within --link-timeout seconds**
+  (whatever --comm-timeout is), on both sides; the launcher that notices stops its workers (they would
+  wait in gloo until --comm-timeout; SIGTERM, SIGKILL after 5 s) and the attempt ends;
+* when an attempt fails anywhere, machine 0 tells the others to stop theirs (in its answer to their next
+  beat), every machine reports which of its PNodes lost their worker (killed, crashed) and any user-facing
+  error, and machine 0 decides (`decide`): with `restart` it waits up to --comm-timeout for every
+  machine (a machine whose link comes back rejoins, and every worker restarts from the last checkpoint);
+  with `shrink` it does not wait for machines already silent: their PNodes are lost, and every launcher
+  drops the replicas that hold one.  The others read the decision and act on it, so all agree.
+
+Machine 0 holds the run directory and the rank-0 worker: if it is the one lost, the run stops (the other
+machines give up after --comm-timeout + --link-timeout without reaching it).
+
+Why plain sockets and not torch's TCPStore, which the workers' rendezvous uses: a TCPStore client call on
+a link that goes dark blocks until the link returns, whatever its timeout (measured on the netlab
+testbed: `add` with a 2 s timeout returned after 8 s, when the cut link came back), so a heartbeat on it
+would hang exactly when it is needed.  Here every request is a fresh connection with 2 s socket
+timeouts: one line of JSON each way.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .rendezvous import RendezvousError, _family
+
+HEARTBEAT_S = 1.0
+REQUEST_TIMEOUT_S = 2.0
+MAX_LINE = 1 << 20  # a report names PNodes and carries an error text: far less
+
+
+class MachineLost(Exception):
+    """This machine cannot reach machine 0 any more (the run goes on there without it, or stops)."""
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(("vgraph-machines:" + token).encode()).hexdigest()
+
+
+@dataclass
+class _Board:
+    """Machine 0's record of the run: beats, aborted attempts, reports, decisions.  Guarded by `lock`."""
+
+    beats: dict[int, tuple[int, float]] = field(default_factory=dict)  # machine -> (count, when it changed)
+    aborted: set[int] = field(default_factory=set)
+    reports: dict[tuple[int, int], dict] = field(default_factory=dict)  # (attempt, machine) -> report
+    plans: dict[int, dict] = field(default_factory=dict)  # attempt -> the decision that starts it
+    taken: dict[int, set[int]] = field(default_factory=dict)  # attempt -> machines that read its plan
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def answer(self, request: dict) -> dict:
+        op, machine, attempt = request.get("op"), int(request.get("machine", -1)), int(request.get("attempt", -1))
+        with self.lock:
+            count, _ = self.beats.get(machine, (0, 0.0))
+            self.beats[machine] = (count + 1, time.monotonic())  # any request is a sign of life
+            if op == "beat":
+                return {"abort": attempt in self.aborted}
+            if op == "report":
+                self.reports[(attempt, machine)] = dict(request.get("report") or {})
+                return {"ok": True}
+            if op == "plan":
+                plan = self.plans.get(attempt)
+                if plan is not None:
+                    self.taken.setdefault(attempt, set()).add(machine)
+                return {"plan": plan}
+        return {"error": f"unknown request {op!r}"}
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    timeout = REQUEST_TIMEOUT_S
+
+    def handle(self) -> None:
+        try:
+            line = self.rfile.readline(MAX_LINE + 1)
+            request = json.loads(line) if len(line) <= MAX_LINE else None
+        except (OSError, ValueError):
+            return
+        server: _Server = self.server  # type: ignore[assignment]
+        if not isinstance(request, dict) or not hmac.compare_digest(str(request.get("key", "")), server.key):
+            return  # no answer to whoever lacks the run's secret
+        try:
+            reply = server.board.answer(request)
+        except (TypeError, ValueError):
+            reply = {"error": "malformed request"}
+        try:
+            self.wfile.write(json.dumps(reply).encode() + b"\n")
+        except OSError:
+            pass
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr: str, port: int, key: str, board: _Board) -> None:
+        self.address_family = _family(addr)
+        self.key, self.board = key, board
+        super().__init__((addr, port), _Handler)
+
+
+class Machines:
+    """This launcher's link to the run's other machines (inactive on one machine); see the module docstring."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.node_rank = 0
+        self._server: _Server | None = None
+        self._board = _Board()
+        self._stop = threading.Event()
+        self._attempt = 0
+        self._watched: set[int] = set()
+        self._last_reply = time.monotonic()
+        self._abort_seen = -1
+
+    # -- set-up -------------------------------------------------------------------------------
+    def open(self, addr: str, port: int, token: str, node_rank: int, nnodes: int, link_timeout: float,
+             rejoin_timeout: float) -> None:
+        """Machine 0: serve on (addr, port); the others: reach it (waiting up to `rejoin_timeout` for it to
+        start), then beat in a thread."""
+        self.addr, self.port, self.key = addr, port, _digest(token)
+        self.node_rank, self.nnodes = node_rank, nnodes
+        self.link_timeout, self.rejoin_timeout = link_timeout, rejoin_timeout
+        if not 1 <= port <= 65535:
+            raise RendezvousError(f"the launchers' channel uses --master-port - 1 = {port}: choose a --master-port "
+                                  f"between 2 and 65535")
+        if node_rank == 0:
+            try:
+                self._server = _Server(addr, port, self.key, self._board)
+            except OSError as exc:
+                raise RendezvousError(f"cannot listen on {addr}:{port} (--master-port - 1, the launchers' "
+                                      f"channel): {exc.strerror or exc}") from None
+            threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+        else:
+            deadline = time.monotonic() + rejoin_timeout
+            while True:
+                try:
+                    self._request("beat", attempt=-1)
+                    break
+                except (OSError, ValueError):
+                    if time.monotonic() > deadline:
+                        raise MachineLost(f"cannot reach machine 0's launcher at {addr}:{port} (--master-port - 1) "
+                                          f"within {rejoin_timeout:g} s: is it started, with the same "
+                                          f"VGRAPH_LAUNCH_TOKEN?") from None
+                    time.sleep(0.5)
+            self._last_reply = time.monotonic()
+            threading.Thread(target=self._beat, args=(min(HEARTBEAT_S, link_timeout / 4),), daemon=True).start()
+        self.active = True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self.active = False
+
+    def _request(self, op: str, **fields: Any) -> dict:
+        """One request to machine 0: a fresh connection, 2 s timeouts; OSError/ValueError when it fails."""
+        payload = json.dumps({"key": self.key, "op": op, "machine": self.node_rank, **fields}).encode() + b"\n"
+        with socket.create_connection((self.addr, self.port), timeout=REQUEST_TIMEOUT_S) as conn:
+            conn.sendall(payload)
+            reply = conn.makefile("rb").readline(MAX_LINE + 1)
+        if not reply:
+            raise ValueError("machine 0 refused the request (another run's secret?)")
+        return json.loads(reply)
+
+    def _beat(self, every: float) -> None:
+        while not self._stop.wait(every):
+            attempt = self._attempt
+            try:
+                reply = self._request("beat", attempt=attempt)
+            except (OSError, ValueError):
+                continue
+            self._last_reply = time.monotonic()
+            if reply.get("abort"):
+                self._abort_seen = attempt
+
+    # -- an attempt ---------------------------------------------------------------------------
+    def begin(self, attempt: int, machines: set[int]) -> None:
+        """Attempt `attempt` starts with workers on `machines` (machine 0 watches those that beat)."""
+        self._attempt = attempt
+        self._watched = set(machines) - {0}
+        now = time.monotonic()
+        with self._board.lock:  # the silence that counts starts now, not during the last decision
+            self._board.beats = {m: (count, now) for m, (count, _) in self._board.beats.items()}
+
+    def silent(self) -> list[int]:
+        """Machine 0: the watched machines whose beats stopped for --link-timeout (a machine that never beat
+        yet is still starting: the workers' rendezvous waits for it)."""
+        now = time.monotonic()
+        with self._board.lock:
+            return sorted(m for m in self._watched
+                          if m in self._board.beats and now - self._board.beats[m][1] > self.link_timeout)
+
+    def trouble(self) -> str | None:
+        """Why this machine must stop its workers now, or None (polled while they run)."""
+        if not self.active:
+            return None
+        if self.node_rank == 0:
+            silent = self.silent()
+            if silent:
+                return (f"machine(s) {', '.join(map(str, silent))} silent for {self.link_timeout:g} s "
+                        f"(--link-timeout): link lost?")
+            with self._board.lock:
+                told = sorted(m for (a, m) in self._board.reports if a == self._attempt)
+            return f"machine(s) {', '.join(map(str, told))} reported a failure" if told else None
+        if self._abort_seen == self._attempt:
+            return f"machine 0 stopped attempt {self._attempt}"
+        if time.monotonic() - self._last_reply > self.link_timeout:
+            return f"no answer from machine 0 for {self.link_timeout:g} s (--link-timeout): link lost?"
+        return None
+
+    def settle(self, report: dict, decide: Callable[[dict[int, dict], list[int]], dict], wait_for_all: bool) -> dict:
+        """After this attempt failed here: report it, and return machine 0's decision for the next one.
+
+        Machine 0 waits for the others' reports (`wait_for_all`: up to the rejoin timeout for every watched
+        machine; else only for those not silent, up to --link-timeout), calls `decide(reports, missing)` and
+        publishes the result; the others wait for it up to rejoin + link timeout, else MachineLost."""
+        attempt = self._attempt
+        if self.node_rank == 0:
+            return self._decide(attempt, report, decide, wait_for_all)
+        deadline = time.monotonic() + self.rejoin_timeout + self.link_timeout
+        delivered = False
+        while time.monotonic() < deadline:
+            try:
+                if not delivered:
+                    self._request("report", attempt=attempt, report=report)
+                    delivered = True
+                plan = self._request("plan", attempt=attempt + 1).get("plan")
+            except (OSError, ValueError):
+                plan = None
+            if plan is not None:
+                self._last_reply = time.monotonic()
+                return plan
+            time.sleep(0.2)
+        raise MachineLost(f"machine {self.node_rank} lost contact with machine 0 ({self.addr}:{self.port}) and "
+                          f"did not regain it within {self.rejoin_timeout + self.link_timeout:g} s; this machine's "
+                          f"workers are stopped")
+
+    def _decide(self, attempt: int, report: dict, decide: Callable[[dict[int, dict], list[int]], dict],
+                wait_for_all: bool) -> dict:
+        board = self._board
+        with board.lock:
+            board.aborted.add(attempt)
+            board.reports[(attempt, 0)] = report
+        deadline = time.monotonic() + (self.rejoin_timeout if wait_for_all else self.link_timeout)
+        while True:
+            with board.lock:
+                got = {m for (a, m) in board.reports if a == attempt}
+            pending = self._watched - got - (set() if wait_for_all else set(self.silent()))
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        with board.lock:
+            reports = {m: r for (a, m), r in board.reports.items() if a == attempt}
+        plan = decide(reports, sorted(self._watched - set(reports)))
+        with board.lock:
+            board.plans[attempt + 1] = plan
+        until = time.monotonic() + 5.0  # let the machines that reported read it before anything exits
+        while time.monotonic() < until:
+            with board.lock:
+                if set(reports) - {0} <= board.taken.get(attempt + 1, set()):
+                    break
+            time.sleep(0.05)
+        return plan
+
+
+def decide(reports: dict[int, dict], missing: list[int], home: dict[str, int], on_failure: str) -> dict:
+    """Machine 0's decision after a failed attempt, from every machine's report ({"lost": PNodes whose
+    worker died there, "described": how, "error": a user-facing error or ""}) and the machines that did not
+    report: {"lost": PNodes, "described": text, "error": text}.
+
+    A user-facing error anywhere stops the run with it.  Machines that did not report lost all their PNodes
+    (`home`: PNode -> machine), and only those count then (the workers of the others failed because of
+    them); with `restart` a missing machine stops the run, since restarting needs every machine."""
+    errors = [r.get("error") for _, r in sorted(reports.items()) if r.get("error")]
+    if errors:
+        return {"lost": [], "described": "", "error": errors[0]}
+    if missing:
+        lost = sorted(p for p, m in home.items() if m in missing)
+        described = ", ".join(f"{p} (machine {home[p]}, unreachable)" for p in lost)
+        if on_failure == "restart":
+            return {"lost": lost, "described": described,
+                    "error": f"machine(s) {', '.join(map(str, missing))} did not come back within --comm-timeout "
+                             f"(--on-failure restart needs every machine); continue the run with --resume"}
+        return {"lost": lost, "described": described, "error": ""}
+    lost = sorted({p for r in reports.values() for p in r.get("lost", [])})
+    described = "; ".join(r["described"] for _, r in sorted(reports.items()) if r.get("described"))
+    return {"lost": lost, "described": described, "error": ""}
+
+
+__all__ = ["Machines", "MachineLost", "decide", "HEARTBEAT_S", "REQUEST_TIMEOUT_S"]
