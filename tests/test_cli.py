@@ -94,3 +94,16 @@ def test_installed_script_exits_2_without_a_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "pwned" not in proc.stdout
     assert f"{bad}:1: unsafe or unsupported YAML tag" in proc.stderr
+
+
+def test_version_is_printed_and_is_the_installed_one(tmp_path: Path, capsys) -> None:
+    """`vgraph --version`: vgraph.__version__, which is also what pip installed (pyproject reads it)."""
+    import vgraph
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out == f"vgraph {vgraph.__version__}\n"
+    assert vgraph.__version__ == "0.2.0"
+    installed = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(m.version('vgraph'))"],
+                               capture_output=True, text=True, cwd=tmp_path, timeout=60, check=True).stdout.strip()
+    assert installed == vgraph.__version__

@@ -12,7 +12,7 @@ from vgraph.ops import REGISTRY, OpDef, get_op, register_op
 from vgraph.types import ShapeError, TensorType
 from vgraph.yamlio import dumps, load, loads, save
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one source of the version (pyproject.toml reads it)
 __all__ = ["Diagnostic", "SourceLoc", "VGraphError", "Edge", "Endpoint", "Graph", "GraphError", "VNode",
            "REGISTRY", "OpDef", "get_op", "register_op", "ShapeError", "TensorType", "verify",
            "dumps", "load", "loads", "save"]

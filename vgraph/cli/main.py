@@ -26,7 +26,10 @@ def load_plugins(args: argparse.Namespace) -> None:
 
 def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
     """Core commands, plus the plugin command `wanted` (only that one is imported)."""
+    from vgraph import __version__
+
     parser = argparse.ArgumentParser(prog="vgraph", description="Graph IR and passes for network YAML.")
+    parser.add_argument("--version", action="version", version=f"vgraph {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for build in CORE_COMMANDS.values():
         build(sub)
