@@ -13,7 +13,7 @@ from conftest import ROOT
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import Fleet, PNode, load_fleet
 from vgraph.cost.fleet_links import Links, Region
-from vgraph.cost.stepcost import (FleetArrays, StageLoads, batch_shares, resident_array, resident_samples,
+from vgraph.cost.stepcost import (FleetArrays, StageLoads, batch_shares, bubble, resident_array, resident_samples,
                                   ring_allreduce_bytes, stage_loads, step_cost, step_cost_of)
 from vgraph.passes.partition import plan_partition
 
@@ -75,6 +75,23 @@ def test_stage_loads_conserve_the_cost_model(net8):
     assert halves.grad_bytes.sum() == one.grad_bytes.sum() == cm.totals()["grad_bytes"]
     assert one.flops.sum() * 4 == pytest.approx(cm.totals()["flops_per_step"])
     assert (halves.p2p == halves.p2p.T).all() and halves.p2p[0, 1] > 0
+
+
+@settings(derandomize=True, max_examples=40)
+@given(st.integers(1, 64), st.integers(1, 64))
+def test_the_bubble_factor(micro, stages):
+    """(M + S - 1) / M slots of the slowest stage: one micro-batch runs the stages one after another (S), one
+    stage has no bubble (1), and the step cost model's inline factor is the same function."""
+    assert bubble(1, stages) == stages
+    assert bubble(micro, 1) == 1
+    assert bubble(micro, stages) == pytest.approx((micro + stages - 1) / micro, rel=1e-15)
+    loads = StageLoads(*(np.array(x, dtype=float) for x in ([1.0] * stages, np.zeros((stages, stages)),
+                                                            np.zeros((stages, stages)), [0.0] * stages,
+                                                            [0.0] * stages, [0.0] * stages)))
+    fa = FleetArrays(Fleet.of("s", *[PNode(f"p{i}", GIB, 1.0, 1.0) for i in range(stages)]))
+    share = 2 * micro  # every replica runs all M micro-batches
+    cost = step_cost_of(loads, fa, np.arange(stages).reshape(1, stages), [share], micro)
+    assert cost.step_seconds == pytest.approx(share * bubble(micro, stages), rel=1e-12)
 
 
 @pytest.mark.parametrize("R, grads, expected", [(1, 100, 0), (2, 100, 200), (4, 100, 600), (8, 7, 98)])
