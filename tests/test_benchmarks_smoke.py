@@ -22,7 +22,7 @@ BENCH = ROOT / "benchmarks"
 TINY_FP32 = str(ROOT / "tests" / "fixtures" / "tiny_1l_fp32.yml")  # the scripts run in a scratch directory
 
 # The smallest setting of each script: tiny networks, one round, no warmup, one thread.  {tmp} is a
-# scratch directory for anything a script writes.
+# scratch directory for anything a script writes, {root} this checkout.
 SMOKE: dict[str, list[str] | None] = {
     "bench_passes.py": ["--sizes", "200", "--repeat", "1"],
     "bench_load.py": ["--sizes", "200", "--no-pyyaml"],
@@ -41,6 +41,10 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_launch_pair.py": None,  # run by gpu_check.sh below
     "bench_data.py": ["--smoke", "--workdir", "{tmp}/bench-data"],
     "bench_first_step.py": ["--runs", "1"],
+    # Two checkouts alternated: here this checkout against itself, one round of the pass benchmark.
+    "ab_checkouts.py": ["{root}", "{root}", "--rounds", "1",
+                        "--metric", r"8-layer=8-layer production\s+\d+\s+\d+\s+([\d.]+) ms",
+                        "--", "benchmarks/bench_passes.py", "--sizes", "200", "--repeat", "1"],
 }
 # gpu_check.sh without CUDA runs bench_gpu.py and bench_launch_pair.py on tiny shapes (its CPU fallback);
 # its extra arguments go to bench_gpu.py: two variants keep the aot_eager compiles to two.
@@ -72,7 +76,7 @@ def test_every_benchmark_script_has_a_smoke_setting() -> None:
 def test_benchmark_runs_on_its_smallest_setting(script: str, tmp_path: Path) -> None:
     if not (BENCH / script).is_file():
         pytest.fail(f"benchmarks/{script} is listed in SMOKE but does not exist")
-    args = [a.replace("{tmp}", str(tmp_path)) for a in SMOKE[script]]
+    args = [a.replace("{tmp}", str(tmp_path)).replace("{root}", str(ROOT)) for a in SMOKE[script]]
     r = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, env=_env(),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{script} {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}"
