@@ -40,6 +40,7 @@ import numpy as np
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.cost.fleet import Fleet, PNode, human_bytes
+from vgraph.cost.stepcost import effective_flops
 from vgraph.ir.graph import Graph
 
 class PartitionError(VGraphError):
@@ -125,7 +126,7 @@ def build_problem(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
     resident = cm.resident_samples(depth)
     ids = cm.node_columns["id"]
     index = np.fromiter((unit_of[nid] for nid in ids), dtype=np.int64, count=len(ids))
-    flops = cm.train_flops_per_sample() * cm.batch
+    flops = effective_flops(cm, fleet)  # FLOPs, or time in FLOPs of the peak when the fleet was probed
     columns = (cm.array("param_bytes"), cm.array("grad_bytes"), cm.array("master_bytes") + cm.array("adam_bytes"),
                cm.array("activation_bytes") * resident)
     compute = np.bincount(index, weights=flops, minlength=n)

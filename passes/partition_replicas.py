@@ -230,7 +230,8 @@ def _splits(graph: Graph, fleet: Fleet, cm: CostModel, cols: LoadColumns, batch:
     if problem is not None and problem.view == "groups":
         base = problem
     else:
-        one = Fleet("stages", (PNode("stage0", memories[1], flops, bandwidths[0]),))
+        typical = min(fleet, key=lambda p: abs(p.flops - flops))  # a probe's per-kind figures, if any
+        one = Fleet("stages", (PNode("stage0", memories[1], flops, bandwidths[0], efficiency=typical.efficiency),))
         base = build_problem(graph, one, batch=batch, micro_batches=micro, cm=cm, view="groups")
     unit = np.fromiter((base.unit_of[v] for v in cols.ids), dtype=np.int64, count=len(cols.ids))
     top = min(len(fleet), MAX_STAGES, base.n)

@@ -56,12 +56,18 @@ STRING_KINDS: dict[tuple[str | None, str], str] = {
     (None, "passes"): "passes", (None, "device"): "device", (None, "target"): "target",
     (None, "master_addr"): "address",
     (None, "prompt"): "free-text",  # any text is a prompt
+    ("probe", "id"): "pnode-id", ("probe", "append"): "fleet-to-append", ("probe", "peer"): "endpoint",
+    ("probe", "listen"): "endpoint", ("probe", "bandwidth"): "bandwidth",
 }
 STRING_VALUES = {
     "input-file": INPUT_FILE, "plugin": [v for v in INPUT_FILE if v != "empty"],  # an empty plugin is valid
     "input-file-or-dir": INPUT_FILE_OR_DIR, "output-file": OUTPUT_FILE, "output-dir": OUTPUT_DIR,
     "passes": PASSES, "device": ["gpu7", "cuda:99", "cpu:x", ""], "target": ["cuda-sm", "tpu-v9", ""],
     "address": ["not-an-address", "203.0.113.7"], "free-text": [],
+    "pnode-id": ["../x", "a/b", ".hidden", "-x", "x\x1b[2J", "", "a" * 300],
+    "fleet-to-append": OUTPUT_FILE + ["empty", "binary", "fifo", "newline"],
+    "endpoint": ["nohost", "host:", ":80", "h:0", "h:99999", "h:abc", "", "x\x1b[2J:1"],
+    "bandwidth": ["fast", "-1", "0", "nan", "inf", "1e400Gbit/s", ""],
 }
 
 
@@ -78,6 +84,8 @@ def _baseline(command: str, w: Path, out: Path) -> tuple[list[str], dict[str, st
         "generate": ([run], {"--max-new-tokens": "1"}),
         "train": ([net], train), "launch": ([net], {"--fleet": fleet, **train}),
         "report": ([run], {"-o": str(out / "report.html")}),
+        "probe": ([net], {"--id": "h0", "--bandwidth": "1Gbit/s", "--threads": "1", "--no-precisions": None,
+                          "-o": str(out / "pnode.yml")}),
         "data prepare": ([corpus], {"-o": str(out / "prepared"), "--vocab": "96", "--quiet": None}),
     }
     return table.get(command)
@@ -223,7 +231,7 @@ def test_hostile_value_is_a_diagnostic(command: str, dest: str, value: str, worl
     action = next(a for a in _options(COMMANDS[command]) if a.dest == dest)
     kind = _kind(command, action)
     given = _hostile_path(value, world) if kind in ("input-file", "plugin", "input-file-or-dir", "output-file",
-                                                    "output-dir") else value
+                                                    "output-dir", "fleet-to-append") else value
     if value == "the-input":  # the output named like the command's own input
         if not Path(positionals[0]).is_file():
             pytest.skip(f"{command} reads a directory: no file of it to name as the output")

@@ -37,13 +37,14 @@ from vgraph.base.diagnostics import (MAX_MESSAGE_CHARS, Diagnostic, DiagnosticSi
                                      quote, sorted_diagnostics)
 from vgraph.base.safeio import read_input
 from vgraph.cost.fleet_links import NO_LINKS, Links, read_links
+from vgraph.cost.op_kinds import Efficiency, parse_kind
 from vgraph.ops.schema import suggest
 from vgraph.yamlio.yaml_reader import Loader as _Loader  # the network loader's safe YAML walker
 from vgraph.yamlio.yaml_reader import YamlReader as _YamlReader, line_of as _line
 
 FLEET_KEYS = ("name", "pnodes", "regions", "links")
 MAX_FLEET_BYTES = 16 * 2**20  # a fleet of 100k PNodes is ~10 MB
-PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator", "region")
+PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator", "region", "efficiency")
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # fullmatch: also a file name, DIR/<id>.yml
 _ACCELERATOR = re.compile(r"^(cpu|cuda-sm\d\d+)$")
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -81,6 +82,7 @@ class PNode:
     accelerator: str | None = None
     loc: SourceLoc | None = None
     region: str | None = None  # see vgraph/cost/fleet_links.py
+    efficiency: Efficiency | None = None  # per op kind, measured by `vgraph probe` (vgraph/cost/op_kinds.py)
 
     def __str__(self) -> str:
         acc = f", {self.accelerator}" if self.accelerator else ""
@@ -355,10 +357,76 @@ def _pnode(reader: _YamlReader, build: _FleetBuild, item: yaml.Node) -> tuple[st
             build.error(_line(m["accelerator"][1]), f"accelerator {accelerator!r} must be cpu or "
                                                     f"cuda-smXY (e.g. cuda-sm75, cuda-sm80)", pid)
             ok = False
+    efficiency = _efficiency(reader, build, m["efficiency"][1], pid) if "efficiency" in m else None
+    if "efficiency" in m and efficiency is None:
+        ok = False
     if not ok:
         return pid, None
     return pid, PNode(pid, int(values["memory"]), float(values["flops"]), float(values["bandwidth"]),
-                 accelerator, SourceLoc(build.file, _line(item)), region)
+                 accelerator, SourceLoc(build.file, _line(item)), region, efficiency)
+
+
+def _efficiency(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) -> Efficiency | None:
+    """`efficiency: {kind: {of_peak: F, overhead: T}, ...}` (vgraph/cost/op_kinds.py); None when reported."""
+    kinds = reader.mapping(ynode, "'efficiency'", pid)
+    if kinds is None:
+        return None
+    out = []
+    for kind, (_, vnode) in kinds.items():
+        fields = reader.mapping(vnode, f"efficiency {kind!r}", pid)
+        if fields is None:
+            return None
+        texts = {key: reader.scalar(v, f"efficiency {kind!r} {key!r}", pid) for key, (_, v) in fields.items()}
+        if any(t is None for t in texts.values()):
+            return None
+        try:
+            out.append((kind, parse_kind(kind, texts)))  # type: ignore[arg-type]
+        except ValueError as exc:
+            build.error(_line(vnode), f"efficiency: {exc}", pid)
+            return None
+    return Efficiency(tuple(out))
+
+
+# -- writing ---------------------------------------------------------------------------
+
+def pnode_flow(p: PNode) -> str:
+    """One PNode as the YAML flow mapping a fleet's `pnodes` list holds (what `vgraph probe` writes)."""
+    parts = [f"id: {p.id}", f"memory: {p.memory}", f"flops: {p.flops:.6g}", f"bandwidth: {p.bandwidth:.6g}B/s"]
+    if p.accelerator:
+        parts.append(f"accelerator: {p.accelerator}")
+    if p.region:
+        parts.append(f"region: {p.region}")
+    if p.efficiency is not None:
+        parts.append(f"efficiency: {p.efficiency.flow()}")
+    return "{" + ", ".join(parts) + "}"
+
+
+def fleet_text(name: str, pnodes: "list[PNode] | tuple[PNode, ...]", comment: str = "") -> str:
+    """A fleet file of `pnodes` (no regions), read back by `loads_fleet` as the same PNodes."""
+    head = "".join(f"# {line}\n" for line in comment.splitlines())
+    return head + f"name: {name}\npnodes:\n" + "".join(f"  - {pnode_flow(p)}\n" for p in pnodes)
+
+
+def append_pnode(text: str, file: str, pnode: PNode) -> str:
+    """`text` (a fleet file) with `pnode` added at the end of its `pnodes` list, everything else (comments,
+    regions, links, layout) kept; FleetError when the fleet is invalid or already has that id."""
+    fleet = loads_fleet(text, file)
+    if pnode.id in fleet.ids:
+        raise FleetError(f"{file}: fleet {fleet.name!r} already has a PNode {pnode.id!r} (choose another id)")
+    root = yaml.compose(text, Loader=_Loader)
+    seq = next(v for k, v in root.value if k.value == "pnodes")
+    if seq.flow_style:  # pnodes: [{...}, {...}]: before the closing bracket
+        end = seq.end_mark.index - 1
+        new = text[:end].rstrip() + f", {pnode_flow(pnode)}" + text[end:]
+    else:  # a block list: one more item at the first item's column, after the last one
+        column = seq.start_mark.column
+        lines = text[:seq.end_mark.index].rstrip("\n").split("\n")
+        new = "\n".join(lines) + "\n" + " " * column + f"- {pnode_flow(pnode)}\n" + text[seq.end_mark.index:]
+    again = loads_fleet(new, file)
+    if again.ids != [*fleet.ids, pnode.id]:
+        raise FleetError(f"{file}: could not add PNode {pnode.id!r} to this fleet's layout; add it by hand:\n"
+                         f"  - {pnode_flow(pnode)}")
+    return new
 
 
 def resolve_fleet(fleet: "Fleet | str | Path") -> Fleet:
@@ -367,4 +435,5 @@ def resolve_fleet(fleet: "Fleet | str | Path") -> Fleet:
 
 
 __all__ = ["Fleet", "PNode", "FleetError", "FleetDiagnostic", "load_fleet", "loads_fleet", "resolve_fleet",
+           "pnode_flow", "fleet_text", "append_pnode",
            "parse_bytes", "parse_flops", "parse_bandwidth", "human_bytes"]

@@ -11,6 +11,7 @@ With the per-stage loads of `stage_loads` (from `vgraph.cost.costmodel`), replic
 with batch share b, M_r = min(M, b) micro-batches and stage s on PNode p:
 
     work(r, s)  = b * flops(s) / flops(p)                     compute
+                + M_r * overhead(s, p)                         fixed cost per micro-batch
                 + sum_t b * p2p(s, t) / bw(p -> q_t)           activations + gradients
     sync(r, s)  = sum_t tie(s, t) / bw(p -> q_t)              tied weights, once a step
     replica(r)  = (M_r + S - 1) / M_r * max_s work(r, s)      the pipeline with its bubble
@@ -19,6 +20,10 @@ with batch share b, M_r = min(M, b) micro-batches and stage s on PNode p:
     reduce(s)   = 2 (R - 1) / R * grad_bytes(s) / slowest link of stage s's group
                 + 2 (R - 1) * the group's largest latency          (ring all-reduce)
     step        = max_r replica(r) + max_s reduce(s)
+
+When PNode p carries `vgraph probe`'s figures (vgraph/cost/op_kinds.py), compute is priced per op kind
+k: `flops(s) / flops(p)` becomes `sum_k flops_k(s) / (flops(p) * of_peak_k(p))` and `overhead(s, p)` is
+`sum_k VNodes_k(s) * overhead_k(p)`; without them, of_peak is 1 and overhead 0 (the single figure).
 
 `bw(p -> q)` is `Fleet.link`: the sending PNode's bandwidth, or less across a
 slow region link (vgraph/cost/fleet_links.py).  The stage groups all-reduce at the
@@ -48,11 +53,13 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import numpy as np
 
 from vgraph.cost.costmodel import CostModel
+from vgraph.cost.op_kinds import KINDS, op_kind
 
 if TYPE_CHECKING:
     from vgraph.cost.fleet import Fleet, PNode
 
 __all__ = ["StageLoads", "StepCost", "FleetArrays", "LoadColumns", "stage_loads", "step_cost", "step_cost_of",
+           "compute_per_sample", "stage_overhead", "compute_seconds", "effective_flops", "vnode_kinds",
            "stage_rates", "ring_allreduce_bytes", "bubble", "resident_array",
            "resident_samples", "replica_assignment", "batch_shares"]
 
@@ -67,10 +74,33 @@ class StageLoads:
     grad_bytes: np.ndarray  # [S] gradients a stage all-reduces across replicas
     static_bytes: np.ndarray  # [S] parameters + gradients + optimizer state (+ tied-weight replicas)
     activation_bytes: np.ndarray  # [S] kept for backward, per sample
+    kind_flops: np.ndarray | None = None  # [K, S] training FLOPs per sample by op kind (op_kinds.KINDS)
+    kind_ops: np.ndarray | None = None  # [K, S] VNodes by op kind
 
     @property
     def stages(self) -> int:
         return len(self.flops)
+
+
+def vnode_kinds(cm: CostModel) -> np.ndarray:
+    """Each VNode's op kind (an index into op_kinds.KINDS), in the cost model's order."""
+    at = {k: i for i, k in enumerate(KINDS)}
+    return np.fromiter((at[op_kind(t, f)] for t, f in zip(cm.node_columns["type"], cm.node_columns["flops"])),
+                       dtype=np.int64, count=len(cm.node_columns["id"]))
+
+
+def effective_flops(cm: CostModel, fleet: "Fleet") -> np.ndarray:
+    """Per VNode (cost model order), a step's training FLOPs as the fleet's typical PNode prices them, in
+    FLOPs of its peak: FLOPs over the kind's share of the peak, plus micro-batches x the kind's overhead x
+    the peak (medians over the fleet).  The partition heuristic's unit costs (passes/partition_problem.py),
+    so that a cut balances time rather than FLOPs; without a probe's figures, the FLOPs themselves."""
+    fa = FleetArrays(fleet)
+    flops = cm.train_flops_per_sample() * cm.batch
+    if not fa.by_kind:
+        return flops
+    kind = vnode_kinds(cm)
+    of_peak, overhead = np.median(fa.of_peak, axis=1), np.median(fa.overhead, axis=1)
+    return flops / of_peak[kind] + cm.micro_batches * overhead[kind] * float(np.median(fa.flops))
 
 
 class LoadColumns:
@@ -91,6 +121,7 @@ class LoadColumns:
         else:
             self.src = self.dst = np.zeros(0, dtype=np.int64)
             self.edge_bytes = np.zeros(0)
+        self.kind = vnode_kinds(cm)
         at = {nid: i for i, nid in enumerate(self.ids)} if cm.ties else {}
         self.ties = [(at[t.publisher], at[t.user], float(t.sync_bytes_per_step), float(t.replica_bytes))
                      for t in cm.ties]
@@ -105,6 +136,10 @@ class LoadColumns:
         grad = np.bincount(where, weights=self.grad, minlength=stages)
         static = np.bincount(where, weights=self.static, minlength=stages)
         act = np.bincount(where, weights=self.act, minlength=stages)
+        kind_flops = np.zeros((len(KINDS), stages))
+        kind_ops = np.zeros((len(KINDS), stages))
+        np.add.at(kind_flops, (self.kind, where), self.flops)
+        np.add.at(kind_ops, (self.kind, where), 1.0)
         p2p = np.zeros((stages, stages))
         if len(self.src):
             s, t = where[self.src], where[self.dst]
@@ -118,7 +153,7 @@ class LoadColumns:
                 sync[a, b] += sync_bytes
                 sync[b, a] += sync_bytes
                 static[b] += replica_bytes
-        return StageLoads(flops, p2p, sync, grad, static, act)
+        return StageLoads(flops, p2p, sync, grad, static, act, kind_flops, kind_ops)
 
 
 def stage_loads(cm: CostModel, stage_of: Mapping[str, int], stages: int) -> StageLoads:
@@ -199,6 +234,16 @@ class FleetArrays:
             self.region_bw[a, b] = self.region_bw[b, a] = bw
             self.region_lat[a, b] = self.region_lat[b, a] = lat
         self.regions = len(names)
+        # Per op kind and PNode (vgraph/cost/op_kinds.py): the share of `flops` reached, the seconds per VNode
+        # and micro-batch; a PNode without a probe's figures keeps FLOPs / peak (share 1, no overhead).
+        self.of_peak = np.ones((len(KINDS), len(self.pnodes)))
+        self.overhead = np.zeros((len(KINDS), len(self.pnodes)))
+        for j, p in enumerate(self.pnodes):
+            if p.efficiency is not None:
+                for k, kind in enumerate(KINDS):
+                    self.of_peak[k, j] = p.efficiency.of_peak(kind)
+                    self.overhead[k, j] = p.efficiency.overhead(kind)
+        self.by_kind = any(p.efficiency is not None for p in self.pnodes)
 
     @cached_property
     def balanced(self) -> np.ndarray:
@@ -229,7 +274,7 @@ def stage_rates(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> tuple[np
     """Per slot of `idx` [R, S]: seconds per sample (compute + traffic), seconds per step of tied-weight
     sync; per replica: the latency of its stage-to-stage links (fill and drain)."""
     R, S = idx.shape
-    per_sample = loads.flops[None, :] / fa.flops[idx]
+    per_sample = compute_per_sample(loads, fa, idx)
     sync = np.zeros((R, S))
     latency = np.zeros(R)
     talk = np.argwhere(((loads.p2p > 0) | (loads.sync > 0)) & ~np.eye(S, dtype=bool))
@@ -242,6 +287,30 @@ def stage_rates(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> tuple[np
     return per_sample, sync, latency
 
 
+def compute_per_sample(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> np.ndarray:
+    """[R, S] seconds of compute per sample: each op kind's FLOPs at its share of the PNode's peak (a PNode
+    without a probe's figures: all FLOPs at its peak, the single-figure model)."""
+    if not fa.by_kind or loads.kind_flops is None:
+        return loads.flops[None, :] / fa.flops[idx]
+    return sum(loads.kind_flops[k][None, :] / (fa.flops[idx] * fa.of_peak[k][idx]) for k in range(len(KINDS)))
+
+
+def stage_overhead(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> np.ndarray:
+    """Per slot of `idx` [R, S]: the fixed seconds of one micro-batch through the stage, every VNode's
+    per-kind overhead on its PNode (zero without a probe's figures)."""
+    if not fa.by_kind or loads.kind_ops is None:
+        return np.zeros(idx.shape)
+    return sum(loads.kind_ops[k][None, :] * fa.overhead[k][idx] for k in range(len(KINDS)))
+
+
+def compute_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Sequence[int], micro_batches: int
+                    ) -> np.ndarray:
+    """[R, S] seconds of compute per step: share x per-sample cost by kind + micro-batches x overhead."""
+    b = np.asarray(shares, dtype=float)
+    micro = np.minimum(max(1, micro_batches), np.maximum(b, 1))
+    return b[:, None] * compute_per_sample(loads, fa, idx) + micro[:, None] * stage_overhead(loads, fa, idx)
+
+
 def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Sequence[int], micro_batches: int
                  ) -> StepCost:
     """`step_cost` for a plan given as fleet indices `idx[r, s]` (what the planner evaluates by the thousand)."""
@@ -250,8 +319,8 @@ def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Se
         raise ValueError(f"a plan needs R >= 1 rows of {loads.stages} PNodes and R batch shares")
     b = np.asarray(shares, dtype=float)
     per_sample, sync, latency = stage_rates(loads, fa, idx)
-    work = b[:, None] * per_sample
     micro = np.minimum(max(1, micro_batches), np.maximum(b, 1))
+    work = b[:, None] * per_sample + micro[:, None] * stage_overhead(loads, fa, idx)
     factor = (micro + S - 1) / micro
     replica = work.max(axis=1) * factor + sync.max(axis=1) + latency
     reduce = np.zeros(S)

@@ -32,6 +32,7 @@ from vgraph.base.diagnostics import Diagnostic, VGraphError, printable
 from vgraph.base.safeio import atomic_write, check_output, read_input, same_file
 from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.cost.fleet import Fleet, resolve_fleet
+from vgraph.cost.op_kinds import vnode_seconds
 from vgraph.ir.graph import Endpoint, Graph, VNode
 from vgraph.ir.verify import verify
 from vgraph.ops.boundary import BOUNDARY_TYPES, shape_text
@@ -91,14 +92,17 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
         raise VGraphError(f"the placement uses PNode(s) {', '.join(map(repr, unknown))} that fleet "
                           f"{fleet.name!r} does not have ({', '.join(fleet.ids)})")
     resident = cm.resident_samples(len(fleet))
-    per = {p.id: {"vnodes": [], "memory_bytes": 0, "flops_per_step": 0, "boundary_bytes_per_step": 0}
-           for p in fleet}
+    per = {p.id: {"vnodes": [], "memory_bytes": 0, "flops_per_step": 0, "boundary_bytes_per_step": 0,
+                  "compute_seconds": 0.0} for p in fleet}
     for n in graph.topo_order():
         c = cm.nodes[n.id]
         slot = per[assign[n.id]]
         slot["vnodes"].append(n.id)
         slot["memory_bytes"] += c.memory_bytes(resident)
         slot["flops_per_step"] += c.step_flops(cm.batch)
+        p = fleet.pnode(assign[n.id])  # by op kind when the PNode carries a probe's figures (op_kinds.py)
+        slot["compute_seconds"] += vnode_seconds(c.type, c.flops, c.step_flops(cm.batch), cm.micro_batches, p.flops,
+                                                 p.efficiency)
     cuts: list[CutEdge] = []
     for e in cm.edges:
         a, b = assign[e.src], assign[e.dst]
@@ -119,7 +123,6 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
     for p in fleet:
         slot = per[p.id]
         slot["capacity_bytes"] = p.memory
-        slot["compute_seconds"] = slot["flops_per_step"] / p.flops
         slot["comm_seconds"] = slot["boundary_bytes_per_step"] / p.bandwidth
         slot["seconds"] = slot["compute_seconds"] + slot["comm_seconds"]
         slot["fits"] = slot["memory_bytes"] <= p.memory

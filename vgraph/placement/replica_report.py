@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import CostModel
 from vgraph.cost.fleet import Fleet
-from vgraph.cost.stepcost import replica_assignment, stage_loads, step_cost
+from vgraph.cost.stepcost import FleetArrays, compute_seconds, replica_assignment, stage_loads, step_cost
 from vgraph.ir.graph import Graph
 
 __all__ = ["with_replicas", "replica_layout", "format_plan", "rebalanced_shares"]
@@ -78,10 +80,13 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
         return out
     pnodes = {pid: dict(info) for pid, info in report["pnodes"].items()}
     flops = loads.flops
+    fa = FleetArrays(fleet)
+    computed = compute_seconds(loads, fa, np.array([[fa.index[p] for p in row] for row in rows]), shares,
+                               cm.micro_batches)
     for r, row in enumerate(rows):
         for s, pid in enumerate(row):
             p = fleet.pnode(pid)
-            compute = shares[r] * flops[s] / p.flops
+            compute = computed[r, s]
             seconds = float(cost.stage_seconds[r, s])
             pnodes[pid] = {
                 "vnodes": list(report["pnodes"][rows[0][s]]["vnodes"]), "replica": r, "stage": s,
@@ -133,10 +138,8 @@ def rebalanced_shares(graph: Graph, fleet: Fleet, assignment: dict[str, str], ro
                       micro_batches: int) -> list[int]:
     """Batch shares for the replicas `rows` of the graph's stages (after a replica was lost, say): each
     replica's share in proportion to its speed, within its memory (`stepcost.batch_shares`)."""
-    import numpy as np
-
     from vgraph.cost.costmodel import cost_model
-    from vgraph.cost.stepcost import FleetArrays, batch_shares, bubble, stage_rates
+    from vgraph.cost.stepcost import batch_shares, bubble, stage_rates
 
     cm = cost_model(graph, batch=batch, micro_batches=micro_batches)
     stage_of_pnode = {p: s for s, p in enumerate(rows[0])}

@@ -1,0 +1,233 @@
+"""`vgraph probe`: measure this machine for a network and write its fleet entry.
+
+    vgraph probe NETWORK.yml --id ID [-o PNODE.yml | --append FLEET.yml] [--peer HOST:PORT | --bandwidth BW]
+                 [--device D] [--threads N] [--batch B] [--passes SPEC] [--seconds S] [--no-precisions]
+    vgraph probe --serve [--listen ADDR:PORT] [--once]       # the other end of --peer
+
+What is measured, and why that way: probe.py.  The entry is a fleet PNode (vgraph/cost/fleet.py: memory,
+flops, bandwidth, accelerator, and `efficiency` per op kind, vgraph/cost/op_kinds.py); `-o` writes a fleet
+of that one PNode, `--append` adds it to a fleet file (comments, regions and layout kept; a new file is
+created), neither given prints it.  Outputs are atomic and never an input.  The link is measured against a
+peer running `vgraph probe --serve` (a TCP stream for --seconds, counted by the receiver: what this machine
+can send), or stated with --bandwidth in the fleet's units; nothing else can tell it.
+
+The serving side only counts the bytes it is sent and answers with the count: it reads one bounded header
+line, runs one measurement at a time, each at most MAX_SERVE_S seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from vgraph.base import options
+from vgraph.base.diagnostics import VGraphError, quote
+from vgraph.base.safeio import atomic_write, check_output, read_input
+from vgraph.cost.fleet import MAX_FLEET_BYTES, PNode, append_pnode, fleet_text, parse_bandwidth, pnode_flow
+
+DEFAULT_PORT = 29400
+MAX_BATCH, MAX_THREADS, MAX_SECONDS = 4096, 1024, 600.0
+MAX_SERVE_S = 120.0
+_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
+
+
+def register_probe(subparsers: argparse._SubParsersAction) -> None:
+    """Add `probe` to a `vgraph` subparser set (entry point of group `vgraph.commands`)."""
+    from vgraph.cli.main import add_plugin_option
+
+    p = subparsers.add_parser(
+        "probe", help="measure this machine for a network: its fleet entry (FLOP/s per op kind, memory, link)",
+        description="Measure this machine with the network's own operations (a large GEMM, every VNode of the "
+                    "training program, the whole program, per precision) and write its fleet PNode entry.")
+    p.add_argument("network", metavar="FILE", nargs="?", type=options.path, help="network YAML (not with --serve)")
+    p.add_argument("--id", help="the PNode's id (default: this machine's host name)")
+    p.add_argument("-o", "--output", metavar="PNODE.yml", type=options.path, help="write a fleet of this one PNode")
+    p.add_argument("--append", metavar="FLEET.yml", type=options.path, help="add the PNode to this fleet file")
+    p.add_argument("--peer", metavar="HOST:PORT", help="measure the link to a `vgraph probe --serve` there")
+    p.add_argument("--bandwidth", metavar="BW", help="state the link instead (fleet units: 1Gbit/s, 125MB/s)")
+    p.add_argument("--seconds", type=options.positive_float, default=3.0, metavar="S",
+                   help="length of the link measurement (default 3)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--threads", type=options.positive_int, metavar="N",
+                   help="CPU threads, as the workers will use (default: torch's)")
+    p.add_argument("--batch", type=options.positive_int, default=8, metavar="B",
+                   help="the larger micro-batch the timings use (default 8; the other is 1)")
+    p.add_argument("--passes", metavar="SPEC", help="pass pipeline the network trains with (default: production)")
+    p.add_argument("--no-precisions", action="store_true", help="skip the table of FLOP/s per precision")
+    p.add_argument("--serve", action="store_true", help="be the peer of another machine's --peer")
+    p.add_argument("--listen", metavar="ADDR:PORT", default=f"0.0.0.0:{DEFAULT_PORT}",
+                   help=f"with --serve: where to listen (default 0.0.0.0:{DEFAULT_PORT})")
+    p.add_argument("--once", action="store_true", help="with --serve: stop after one measurement")
+    add_plugin_option(p)
+    p.set_defaults(func=run_probe)
+
+
+def host_port(text: str, what: str) -> tuple[str, int]:
+    """'HOST:PORT' ('[v6]:PORT' too) -> (host, port); VGraphError naming the option otherwise."""
+    host, sep, port = str(text).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or not host.isprintable():
+        raise VGraphError(f"{what}: expected HOST:PORT with a port from 1 to 65535, got {quote(str(text))}")
+    return host, int(port)
+
+
+def _checked(args: argparse.Namespace) -> dict:
+    """Every option checked before anything is measured (a mistake costs no probe)."""
+    listen = host_port(args.listen, "--listen")
+    if args.serve:
+        if any(x is not None for x in (args.network, args.output, args.append, args.peer)):
+            raise VGraphError("--serve takes no network, output or --peer: it is the other end of a --peer")
+        return {"listen": listen}
+    if not args.network:
+        raise VGraphError("vgraph probe needs a network FILE (or --serve)")
+    if args.output is not None and args.append is not None:
+        raise VGraphError("give either -o or --append, not both")
+    pid = args.id if args.id is not None else re.sub(r"[^A-Za-z0-9_.\-]", "-", socket.gethostname())[:200] or "pnode"
+    if not _ID.fullmatch(pid):
+        raise VGraphError(f"--id {quote(pid)}: must be letters, digits, '_', '.' or '-' (at most 200), not starting "
+                          f"with '.' or '-' (it names a file when a partition is exported)")
+    if args.batch > MAX_BATCH or (args.threads or 1) > MAX_THREADS or args.seconds > MAX_SECONDS:
+        raise VGraphError(f"--batch is at most {MAX_BATCH}, --threads {MAX_THREADS}, --seconds {MAX_SECONDS:g}")
+    out = {"id": pid, "peer": host_port(args.peer, "--peer") if args.peer is not None else None}
+    if (args.peer is None) == (args.bandwidth is None):
+        raise VGraphError("the link can only be measured against a peer: give --peer HOST:PORT (a `vgraph probe "
+                          "--serve` there) or state it with --bandwidth, e.g. --bandwidth 1Gbit/s (one of the two)")
+    if args.bandwidth is not None:
+        try:
+            out["bandwidth"] = parse_bandwidth(args.bandwidth)
+        except ValueError as exc:
+            raise VGraphError(f"--bandwidth: {exc}") from None
+        if not out["bandwidth"] > 0:
+            raise VGraphError(f"--bandwidth must be positive, got {quote(args.bandwidth)}")
+    target = args.output if args.output is not None else args.append
+    if target is not None:
+        what = "-o" if args.output is not None else "--append"
+        check_output(target, inputs=[args.network], what=what)
+        parent = Path(target).parent
+        if parent.exists() and not parent.is_dir():
+            raise VGraphError(f"{what} {quote(str(target))}: {quote(str(parent))} is not a directory")
+        if args.append is not None and Path(args.append).exists():
+            text = read_input(args.append, what="fleet file", limit=MAX_FLEET_BYTES)
+            append_pnode(text, str(args.append), PNode(pid, 1, 1.0, 1.0))  # the fleet reads and takes this id
+            out["fleet_text"] = text
+    return out
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    checked = _checked(args)
+    if args.serve:
+        serve(*checked["listen"], once=args.once)
+        return 0
+    import torch
+
+    import vgraph
+
+    from .probe import probe
+    from .training_setup import device_target, prepare_graph, resolve_device
+
+    device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    graph = prepare_graph(vgraph.load(args.network), passes=args.passes, target=device_target(device))
+    bandwidth = checked.get("bandwidth") or measure_link(*checked["peer"], seconds=args.seconds)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    result = probe(graph, device, args.batch, per_precision=not args.no_precisions, say=say)
+    if result.memory is None:
+        raise VGraphError(f"the memory of {device} cannot be read here ({result.memory_source})")
+    pnode = PNode(checked["id"], result.memory, result.peak, bandwidth, result.accelerator,
+                  efficiency=result.efficiency)
+    _report(result, pnode, graph.name, say)
+    comment = (f"vgraph probe of network {graph.name!r} on {time.strftime('%Y-%m-%d %H:%M')}: {result.precision}, "
+               f"peak {result.peak / 1e9:.3g} GFLOP/s (a large GEMM), link "
+               f"{'measured to ' + args.peer if args.peer else 'as stated'}")
+    if args.output:
+        atomic_write(args.output, fleet_text(pnode.id, [pnode], comment))
+    elif args.append:
+        text = checked.get("fleet_text")
+        atomic_write(args.append, append_pnode(text, str(args.append), pnode) if text is not None
+                     else fleet_text(Path(args.append).stem, [pnode], comment))
+    else:
+        print(f"  - {pnode_flow(pnode)}")
+    return 0
+
+
+def _report(result, pnode: PNode, network: str, say) -> None:
+    say(f"probe: {pnode.id}: {result.accelerator}, {pnode.memory / 2**30:.2f} GiB free ({result.memory_source}), "
+        f"peak {result.peak / 1e9:.3g} GFLOP/s at {result.precision}, link {pnode.bandwidth * 8 / 1e6:.4g} Mbit/s")
+    for kind, cost in result.efficiency.kinds:
+        share = f"{cost.of_peak:.3g} of peak" if cost.of_peak is not None else "no FLOPs"
+        say(f"probe:   {kind:<11} {share:>14}, {cost.overhead * 1e6:8.1f} us per VNode and micro-batch")
+    for precision, rates in result.rates.items():
+        say(f"probe:   {network} at {precision}: " + ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s" for k, v in rates.items()))
+
+
+# -- the link ---------------------------------------------------------------------------------------
+
+def measure_link(host: str, port: int, seconds: float) -> float:
+    """Bytes/s this machine sends to a `vgraph probe --serve` at host:port, as the receiver counted them."""
+    payload = b"\0" * (1 << 20)
+    try:
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.sendall(json.dumps({"seconds": seconds}).encode() + b"\n")
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                conn.sendall(payload)
+            conn.shutdown(socket.SHUT_WR)
+            conn.settimeout(30)
+            reply = json.loads(conn.makefile("rb").readline(4096) or b"null")
+    except (OSError, ValueError) as exc:
+        raise VGraphError(f"--peer {host}:{port}: the link measurement failed ({exc}); is `vgraph probe --serve` "
+                          f"running there?") from None
+    if not isinstance(reply, dict) or not reply.get("seconds") or not reply.get("bytes"):
+        raise VGraphError(f"--peer {host}:{port}: no measurement came back (not a `vgraph probe --serve`?)")
+    return float(reply["bytes"]) / float(reply["seconds"])
+
+
+def serve(addr: str, port: int, *, once: bool = False, ready: threading.Event | None = None) -> None:
+    """Count what each --peer sends, one at a time, and tell it (bytes, seconds from first byte to last).
+    `ready` is set once it listens."""
+    try:
+        server = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    except OSError as exc:
+        raise VGraphError(f"--listen {addr}:{port}: cannot listen ({exc.strerror or exc})") from None
+    print(f"probe: serving link measurements on {addr}:{port}", file=sys.stderr, flush=True)
+    if ready is not None:
+        ready.set()
+    with server:
+        while True:
+            conn, _ = server.accept()
+            with conn:
+                _measure_one(conn)
+            if once:
+                return
+
+
+def _measure_one(conn: socket.socket) -> None:
+    conn.settimeout(10)
+    try:
+        header = conn.makefile("rb").readline(1024)
+        json.loads(header)
+    except (OSError, ValueError):
+        return
+    total, first, last = 0, None, None
+    buf = bytearray(1 << 20)
+    deadline = time.monotonic() + MAX_SERVE_S
+    try:
+        while time.monotonic() < deadline:
+            n = conn.recv_into(buf)
+            if not n:
+                break
+            last = time.perf_counter()
+            first = first or last
+            total += n
+        conn.sendall(json.dumps({"bytes": total, "seconds": (last or 0) - (first or 0)}).encode() + b"\n")
+    except OSError:
+        pass
+
+
+__all__ = ["register_probe", "run_probe", "measure_link", "serve", "host_port"]

@@ -1,0 +1,135 @@
+"""`vgraph probe` (backends/torch/probe.py, probe_cli.py): the calibration's arithmetic on known timings, a real
+probe of the tiny network written as a fleet entry that the cost model reads, the link measured against a
+`--serve` peer, appending to a fleet, and mistakes refused before anything is measured.  Timings are shortened
+(one repetition of a few milliseconds): these tests check what is measured and written, not the figures."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+import vgraph
+from conftest import TINY_FP32
+from vgraph.backends.torch import prepare_graph
+from vgraph.backends.torch import probe as P
+from vgraph.backends.torch.probe_cli import measure_link, serve
+from vgraph.cli.main import main
+from vgraph.cost.fleet import load_fleet, loads_fleet
+from vgraph.cost.op_kinds import KINDS, op_kind
+
+
+@pytest.fixture()
+def quick(monkeypatch):
+    monkeypatch.setattr(P, "REPEATS", 1)
+    monkeypatch.setattr(P, "MIN_REPEAT_S", 0.002)
+
+
+def test_calibration_scales_the_vnodes_to_the_whole_program() -> None:
+    graph = prepare_graph(vgraph.load(TINY_FP32), target="cpu")
+    nodes = P.training_nodes(graph)
+    flops = P.forward_flops(graph)
+    # Every VNode alone: 100 us fixed + 10 us per sample; the whole program: twice both.
+    sizes = (1, 8)
+    per_vnode = tuple({n.id: 1e-4 + m * 1e-5 for n in nodes} for m in sizes)
+    whole = tuple(2 * sum(t.values()) for t in per_vnode)
+    peak = 1e10
+    eff = P.calibrate(graph, per_vnode, whole, sizes, peak)  # type: ignore[arg-type]
+    kinds = {n.id: op_kind(n.type, flops[n.id]) for n in nodes}
+    for kind, cost in eff.kinds:
+        assert cost.overhead == pytest.approx(2e-4)  # each VNode's fixed time, scaled by 2
+        mine = [v for v, k in kinds.items() if k == kind]
+        if kind == "structural":
+            assert cost.of_peak is None
+            continue
+        # per-sample seconds of the kind (structural VNodes' time joins the elementwise ones'), scaled by 2
+        timed = len(mine) + (sum(k == "structural" for k in kinds.values()) if kind == "elementwise" else 0)
+        expected = sum(3 * flops[v] for v in mine) / (2 * 1e-5 * timed) / peak
+        assert cost.of_peak == pytest.approx(min(1.0, expected))
+    assert [k for k, _ in eff.kinds] == [k for k in KINDS if k in set(kinds.values())]
+
+
+def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, capsys) -> None:
+    out = tmp_path / "h0.yml"
+    assert main(["probe", str(TINY_FP32), "--id", "h0", "--bandwidth", "20Mbit/s", "--threads", "1",
+                 "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    fleet = load_fleet(out)
+    (p,) = fleet.pnodes
+    assert (p.id, p.accelerator, p.bandwidth) == ("h0", "cpu", 2.5e6) and p.memory > 0 and p.flops > 1e6
+    assert {k for k, _ in p.efficiency.kinds} == {"matmul", "attention", "elementwise", "structural"}
+    assert all(c.overhead >= 0 and (c.of_peak is None or 0 < c.of_peak <= 1) for _, c in p.efficiency.kinds)
+    assert "at float32: matmul" in err and "at bfloat16: matmul" in err  # the table per precision
+    assert out.read_text().startswith("# vgraph probe of network 'tiny-1l-fp32'")
+    # The cost model now charges the network's small ops their measured cost, not FLOPs at the GEMM's peak.
+    assert main(["analyze", str(TINY_FP32), "--fleet", str(out)]) == 0
+    shown = capsys.readouterr().out
+    plain = tmp_path / "plain.yml"
+    plain.write_text(out.read_text().split(", efficiency:")[0] + "}\n")
+    assert main(["analyze", str(TINY_FP32), "--fleet", str(plain)]) == 0
+    step = lambda text: float(text.split("predicted step ")[1].split(" s")[0])  # noqa: E731
+    slower = any(c.overhead > 0 or (c.of_peak or 1) < 1 for _, c in p.efficiency.kinds)
+    assert step(shown) > step(capsys.readouterr().out) if slower else step(shown) == step(capsys.readouterr().out)
+
+
+def test_the_link_is_measured_against_a_serving_peer(quick, tmp_path, capsys) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready = threading.Event()
+    server = threading.Thread(target=serve, args=("127.0.0.1", port), kwargs={"once": True, "ready": ready},
+                              daemon=True)
+    server.start()
+    assert ready.wait(30)
+    out = tmp_path / "fleet.yml"
+    assert main(["probe", str(TINY_FP32), "--id", "h1", "--peer", f"127.0.0.1:{port}", "--seconds", "0.5",
+                 "--threads", "1", "--no-precisions", "--append", str(out)]) == 0
+    server.join(timeout=30)
+    (p,) = load_fleet(out).pnodes
+    assert p.bandwidth > 1e6  # loopback: far more than a megabyte a second
+    assert load_fleet(out).name == "fleet"
+
+
+def test_appending_adds_to_a_fleet_and_refuses_a_taken_id(quick, tmp_path, capsys) -> None:
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text("# ours\nname: lab\npnodes:\n  - {id: h0, memory: 1GiB, flops: 1G, bandwidth: 1GB/s}\n")
+    args = ["probe", str(TINY_FP32), "--bandwidth", "1Gbit/s", "--threads", "1", "--no-precisions"]
+    assert main([*args, "--id", "h1", "--append", str(fleet)]) == 0
+    text = fleet.read_text()
+    assert text.startswith("# ours\n") and loads_fleet(text).ids == ["h0", "h1"]
+    capsys.readouterr()
+    assert main([*args, "--id", "h0", "--append", str(fleet)]) == 2
+    assert "already has a PNode 'h0'" in capsys.readouterr().err and fleet.read_text() == text
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "needs a network FILE"),
+    (["NET"], "measured against a peer"),
+    (["NET", "--peer", "h:1", "--bandwidth", "1Gbit/s"], "one of the two"),
+    (["NET", "--bandwidth", "1Gbit/s", "-o", "a.yml", "--append", "b.yml"], "either -o or --append"),
+    (["NET", "--bandwidth", "1Gbit/s", "-o", "NET"], "refusing to overwrite an input"),
+    (["NET", "--bandwidth", "1Gbit/s", "--append", "NET"], "refusing to overwrite an input"),
+    (["NET", "--bandwidth", "1Gbit/s", "--append", "NOTFLEET"], "notfleet.yml:1: fleet:"),
+    (["NET", "--serve"], "--serve takes no network"),
+    (["--serve", "--listen", "nowhere"], "--listen: expected HOST:PORT"),
+    (["NET", "--peer", "h:70000"], "--peer: expected HOST:PORT"),
+    (["NET", "--bandwidth", "0"], "--bandwidth must be positive"),
+    (["NET", "--bandwidth", "1Gbit/s", "--id", "../up"], "--id '../up'"),
+    (["NET", "--bandwidth", "1Gbit/s", "--batch", "5000"], "--batch is at most 4096"),
+])
+def test_mistakes_are_refused_before_anything_is_measured(argv, message, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(P, "probe", lambda *a, **k: pytest.fail("measured although the command was wrong"))
+    (tmp_path / "notfleet.yml").write_text("not: a fleet\n")
+    swap = {"NET": str(TINY_FP32), "NOTFLEET": str(tmp_path / "notfleet.yml")}
+    monkeypatch.chdir(tmp_path)
+    assert main(["probe", *[swap.get(a, a) for a in argv]]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_a_peer_that_does_not_answer_is_a_diagnostic() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nobody listens
+    with pytest.raises(vgraph.VGraphError, match="is `vgraph probe --serve` running there"):
+        measure_link("127.0.0.1", port, 0.1)
