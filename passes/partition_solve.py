@@ -363,77 +363,98 @@ def _local_search(problem: Problem, assign: np.ndarray, max_sweeps: int = 50, sw
     bottleneck can only help through the cut, so it must move a unit next to a neighbour;
     of several empty identical PNodes only one is tried.
     """
-    loads = _Loads(problem, assign)
-    if not loads.feasible:
+    search = _Descent(problem, assign)
+    if not search.loads.feasible:
         return assign
-    n, k = problem.n, problem.k
-    kind: dict[tuple, int] = {}
-    cls = [kind.setdefault((p.flops, p.bandwidth, p.memory), len(kind)) for p in problem.pnodes]
-    count = [0] * k
-    for p in loads.a:
-        count[p] += 1
-    current = loads.key(loads.comp, loads.bnd, loads.cut)
+    for _ in range(max_sweeps):
+        if not (search.unit_moves() or (runs and search.run_moves()) or (swaps and search.swaps())):
+            break
+    return np.array(search.loads.a, dtype=np.int64)
 
-    def top() -> set[int]:
-        times = [loads.comp[p] / loads.F[p] + loads.bnd[p] / loads.BW[p] for p in range(k)]
+
+class _Descent:
+    """The state of one local search: the loads, how many units each PNode holds, the current key."""
+
+    def __init__(self, problem: Problem, assign: np.ndarray) -> None:
+        self.loads = loads = _Loads(problem, assign)
+        self.n, self.k = problem.n, problem.k
+        kind: dict[tuple, int] = {}
+        self.cls = [kind.setdefault((p.flops, p.bandwidth, p.memory), len(kind)) for p in problem.pnodes]
+        self.count = [0] * self.k
+        for p in loads.a:
+            self.count[p] += 1
+        self.current = loads.key(loads.comp, loads.bnd, loads.cut) if loads.feasible else None
+
+    def top(self) -> set[int]:
+        """The PNodes at the bottleneck."""
+        loads = self.loads
+        times = [loads.comp[p] / loads.F[p] + loads.bnd[p] / loads.BW[p] for p in range(self.k)]
         peak = max(times)
-        return {p for p in range(k) if times[p] >= peak * (1 - 1e-9)}
+        return {p for p in range(self.k) if times[p] >= peak * (1 - 1e-9)}
 
-    def targets(units: Sequence[int], peak: set[int]) -> list[int]:
+    def targets(self, units: Sequence[int], peak: set[int]) -> list[int]:
         """PNodes worth moving `units` to."""
-        if any(loads.a[u] in peak for u in units):
+        a = self.loads.a
+        if any(a[u] in peak for u in units):
             seen_empty: set[int] = set()
             out = []
-            for p in range(k):
-                if count[p] == 0:
-                    if cls[p] in seen_empty:
+            for p in range(self.k):
+                if self.count[p] == 0:
+                    if self.cls[p] in seen_empty:
                         continue
-                    seen_empty.add(cls[p])
+                    seen_empty.add(self.cls[p])
                 out.append(p)
             return out
-        return sorted({loads.a[v] for u in units for v, _ in loads.adj[u]})
+        return sorted({a[v] for u in units for v, _ in self.loads.adj[u]})
 
-    def attempt(moves: list[tuple[int, int]]) -> bool:
-        nonlocal current
+    def attempt(self, moves: list[tuple[int, int]]) -> bool:
+        """Apply `moves` if they fit and lower the key."""
+        loads = self.loads
         state = loads.moved(moves)
         if state is None:
             return False
         key = loads.key(state[0], state[1], state[3])
-        if not _key_better(key, current):
+        if not _key_better(key, self.current):
             return False
         for u, dst in moves:
-            count[loads.a[u]] -= 1
-            count[dst] += 1
+            self.count[loads.a[u]] -= 1
+            self.count[dst] += 1
         loads.apply(moves, state)
-        current = key
+        self.current = key
         return True
 
-    for _ in range(max_sweeps):
+    def unit_moves(self) -> bool:
         improved = False
-        for u in range(n):
-            for dst in targets([u], top()):
-                if dst != loads.a[u] and attempt([(u, dst)]):
+        for u in range(self.n):
+            for dst in self.targets([u], self.top()):
+                if dst != self.loads.a[u] and self.attempt([(u, dst)]):
                     improved = True
-        if not improved and runs:  # a run of the chain (a branch, half a block) to another PNode
-            for length in range(2, RUN_LENGTH + 1):
-                for first in range(0, n - length + 1):
-                    units = range(first, first + length)
-                    for dst in targets(units, top()):
-                        moves = [(u, dst) for u in units if loads.a[u] != dst]
-                        if moves and attempt(moves):
-                            improved = True
-        if not improved and swaps:
-            for u in range(n):
-                if loads.a[u] not in top():
-                    continue
-                for v in range(n):
-                    au, av = loads.a[u], loads.a[v]
-                    if au != av and attempt([(u, av), (v, au)]):
+        return improved
+
+    def run_moves(self) -> bool:
+        """A run of the chain (a branch, half a block) to another PNode."""
+        improved = False
+        for length in range(2, RUN_LENGTH + 1):
+            for first in range(0, self.n - length + 1):
+                units = range(first, first + length)
+                for dst in self.targets(units, self.top()):
+                    moves = [(u, dst) for u in units if self.loads.a[u] != dst]
+                    if moves and self.attempt(moves):
                         improved = True
-                        break
-        if not improved:
-            break
-    return np.array(loads.a, dtype=np.int64)
+        return improved
+
+    def swaps(self) -> bool:
+        improved = False
+        a = self.loads.a
+        for u in range(self.n):
+            if a[u] not in self.top():
+                continue
+            for v in range(self.n):
+                au, av = a[u], a[v]
+                if au != av and self.attempt([(u, av), (v, au)]):
+                    improved = True
+                    break
+        return improved
 
 
 def _key_better(a: tuple[float, int, float], b: tuple[float, int, float]) -> bool:
@@ -450,6 +471,24 @@ def solve(problem: Problem, *, local_search: bool | None = None) -> tuple[np.nda
     """The heuristic: best stage split over PNode orders (and chain rotations), then local search.
 
     Returns (assignment, method)."""
+    found, method = _stage_splits(problem)
+    if not found:
+        assign = _first_fit(problem)
+        if assign is None:
+            raise infeasible(problem)
+        found = [(evaluate(problem, assign).key(), assign, list(range(problem.k)))]
+        method = "first-fit"
+    if local_search if local_search is not None else problem.n <= LOCAL_SEARCH_UNITS:
+        return _refine(problem, found, method)
+    return found[0][1], method
+
+
+Candidate = tuple[tuple, np.ndarray, list[int]]  # (evaluation key, assignment, PNode order), best first
+
+
+def _stage_splits(problem: Problem) -> tuple[list[Candidate], str]:
+    """Contiguous stage splits of the unit chain over candidate PNode orders, best first: the fleet's order, by
+    speed, every order of a few PNodes, and re-matched orders of the best plans (`bottleneck_order`)."""
     n, k = problem.n, problem.k
     exact = n <= EXACT_UNITS
     F = problem.speeds()[0]
@@ -460,7 +499,7 @@ def solve(problem: Problem, *, local_search: bool | None = None) -> tuple[np.nda
         orders += [list(o) for o in itertools.permutations(range(k))]
     seg = _Segments(problem, range(n) if n <= ROTATE_ALL else [0]) if exact else None
     chain = None if exact else _Chain(problem)
-    found: list[tuple[tuple[float, float], np.ndarray, list[int]]] = []
+    found: list[Candidate] = []
     tried: set[tuple[int, ...]] = set()
     limit = max(8, len(orders))  # candidate orders, plus a few re-matched ones
     while orders and len(tried) < limit:
@@ -471,55 +510,59 @@ def solve(problem: Problem, *, local_search: bool | None = None) -> tuple[np.nda
         tried.add(sig)
         if exact:
             split = _split_exact(seg, problem, order)
-            if split is None:
-                continue
-            assign = _assignment(problem, order, split[1], split[0])
+            assign = None if split is None else _assignment(problem, order, split[1], split[0])
         else:
             ends = _split_greedy(chain, problem, order)
-            if ends is None:
-                continue
-            assign = _assignment(problem, order, ends)
+            assign = None if ends is None else _assignment(problem, order, ends)
+        if assign is None:
+            continue
         key = evaluate(problem, assign).key()
         if not found or better(key, found[0][0]):
             orders.append(bottleneck_order(problem, assign, order))
         found.append((key, assign, order))
         found.sort(key=lambda f: f[0])
-    method = "dp" if exact else "bisect-greedy"
-    if exact and n > ROTATE_ALL and found:  # a few rotations: at the best plan's stage starts
-        best_assign, best_order = found[0][1], found[0][2]
-        starts = [u for u in range(1, n) if best_assign[u] != best_assign[u - 1]]
-        more = sorted(set(starts + [n // 4, n // 2, 3 * n // 4]) - {0})[:8]
-        split = _split_exact(_Segments(problem, more), problem, best_order) if more else None
-        if split is not None:
-            assign = _assignment(problem, best_order, split[1], split[0])
-            found.append((evaluate(problem, assign).key(), assign, best_order))
-            found.sort(key=lambda f: f[0])
-    if not found:
-        assign = _first_fit(problem)
-        if assign is None:
-            raise infeasible(problem)
-        found = [(evaluate(problem, assign).key(), assign, list(range(k)))]
-        method = "first-fit"
+    if exact and n > ROTATE_ALL and found:
+        _add_rotations(problem, found)
+    return found, "dp" if exact else "bisect-greedy"
+
+
+def _add_rotations(problem: Problem, found: list[Candidate]) -> None:
+    """A few rotations of the chain, at the best plan's stage starts (the exact split tries them all only for
+    short chains)."""
+    n = problem.n
+    best_assign, best_order = found[0][1], found[0][2]
+    starts = [u for u in range(1, n) if best_assign[u] != best_assign[u - 1]]
+    more = sorted(set(starts + [n // 4, n // 2, 3 * n // 4]) - {0})[:8]
+    split = _split_exact(_Segments(problem, more), problem, best_order) if more else None
+    if split is not None:
+        assign = _assignment(problem, best_order, split[1], split[0])
+        found.append((evaluate(problem, assign).key(), assign, best_order))
+        found.sort(key=lambda f: f[0])
+
+
+def _refine(problem: Problem, found: list[Candidate], method: str) -> tuple[np.ndarray, str]:
+    """Local search from the best distinct candidates (three when units are single VNodes), then, on small
+    VNode-level instances, iterated local search; the method names what improved the plan."""
+    n = problem.n
     best_key, best = found[0][0], found[0][1]
-    if local_search if local_search is not None else n <= LOCAL_SEARCH_UNITS:
-        starts, seen = [], set()
-        for _, assign, _ in found:
-            if assign.tobytes() not in seen:
-                seen.add(assign.tobytes())
-                starts.append(assign)
-        fine = any(u.kind == "vnode" for u in problem.units)
-        for start in starts[:3] if fine else starts[:1]:
-            improved = _local_search(problem, start, swaps=n <= SWAP_UNITS)
-            key = evaluate(problem, improved).key()
-            if better(key, best_key):
-                best_key, best = key, improved
-                method = method.split("+")[0] + "+local"
-        if n <= KICK_UNITS and k > 1 and fine:
-            kicked = _iterated_local_search(problem, best)
-            key = evaluate(problem, kicked).key()
-            if better(key, best_key):
-                best_key, best = key, kicked
-                method = method.split("+")[0] + "+kicks"
+    starts, seen = [], set()
+    for _, assign, _ in found:
+        if assign.tobytes() not in seen:
+            seen.add(assign.tobytes())
+            starts.append(assign)
+    fine = any(u.kind == "vnode" for u in problem.units)
+    for start in starts[:3] if fine else starts[:1]:
+        improved = _local_search(problem, start, swaps=n <= SWAP_UNITS)
+        key = evaluate(problem, improved).key()
+        if better(key, best_key):
+            best_key, best = key, improved
+            method = method.split("+")[0] + "+local"
+    if n <= KICK_UNITS and problem.k > 1 and fine:
+        kicked = _iterated_local_search(problem, best)
+        key = evaluate(problem, kicked).key()
+        if better(key, best_key):
+            best_key, best = key, kicked
+            method = method.split("+")[0] + "+kicks"
     return best, method
 
 
