@@ -118,6 +118,26 @@ def _activation_item(compute_dtype: torch.dtype) -> int:
     return torch.empty((), dtype=compute_dtype).element_size()
 
 
+def _op_saved_bytes(graph: Graph, node, outs: list, item: int, compute_dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per sample an op keeps for its backward beyond its outputs, the largest tensor it makes
+    per sample): dropout's mask, attention's inputs and softmax statistics, a CE cost's float32 log-softmax."""
+    cfg = node.cfg
+    if node.type == "dropout" and cfg["rate"] > 0 and outs:
+        return outs[0].numel, 0  # the boolean keep mask
+    if node.type == "attention_head":
+        seq, hd = cfg["seq_len"], cfg["head_dim"]
+        return item * seq * hd * (5 if cfg["position_encoding"] == "rope" else 3) + 4 * seq, 0
+    if node.type == "attention":
+        seq, inner = cfg["seq_len"], cfg["num_heads"] * cfg["head_dim"]
+        return item * seq * inner * (6 if cfg["position_encoding"] == "rope" else 4) + 4 * seq * cfg["num_heads"], 0
+    if node.type == "cost" and cfg["cost_function"] in ("ce", "ce_logits") and outs:
+        logits = graph.producer(node.id, 0)
+        if logits is not None and logits.outputs:
+            size = 4 * logits.outputs[0].numel  # float32 log-softmax kept for backward
+            return size * (1 if compute_dtype == torch.float32 else 2), size
+    return 0, 0
+
+
 def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.dtype = torch.float32,
                              optimizers: Mapping[str, str] | None = None, train: bool = True,
                              want_logits: bool = False) -> MemoryEstimate:
@@ -158,21 +178,9 @@ def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.d
             size = t.numel * (item if t.kind == "float" else _ITEM[t.dtype])
             saved += size if read_later else 0
             largest = max(largest, size)
-        if node.type == "dropout" and cfg["rate"] > 0 and outs:
-            saved += outs[0].numel  # the boolean keep mask
-        if node.type == "attention_head":
-            seq, hd = cfg["seq_len"], cfg["head_dim"]
-            saved += item * seq * hd * (5 if cfg["position_encoding"] == "rope" else 3) + 4 * seq
-        elif node.type == "attention":
-            seq, inner = cfg["seq_len"], cfg["num_heads"] * cfg["head_dim"]
-            saved += item * seq * inner * (6 if cfg["position_encoding"] == "rope" else 4)
-            saved += 4 * seq * cfg["num_heads"]
-        elif node.type == "cost" and cfg["cost_function"] in ("ce", "ce_logits") and outs:
-            logits = graph.producer(node.id, 0)
-            if logits is not None and logits.outputs:
-                size = 4 * logits.outputs[0].numel  # float32 log-softmax kept for backward
-                saved += size * (1 if compute_dtype == torch.float32 else 2)
-                largest = max(largest, size)
+        extra, peak = _op_saved_bytes(graph, node, outs, item, compute_dtype)
+        saved += extra
+        largest = max(largest, peak)
         if node.id in layout.reexecuted:  # remat: rebuilt in backward instead of kept
             out_bytes = sum(t.numel * (item if t.kind == "float" else _ITEM[t.dtype]) for t in outs) * read_later
             moved = saved - kept_before - (0 if node.id in layout.recomputed else out_bytes)
