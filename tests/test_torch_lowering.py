@@ -17,7 +17,8 @@ from vgraph.backends.torch import (LOWERINGS, check_memory, compile_network, est
                                    init_state, interpret, register_lowering, to_unfused_layout)
 from vgraph.backends.torch.memory import MemoryRefused
 from vgraph.backends.torch.ops import cost_loss
-from vgraph.backends.torch.train import char_tokenizer, prepare_graph
+from vgraph.backends.torch.train import prepare_graph
+from vgraph.data.tokenizer import char_tokenizer
 
 VOCAB, SEQ, DIM = 50, 8, 16
 
