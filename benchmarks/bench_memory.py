@@ -5,8 +5,8 @@ heap), builds the network as `vgraph train` does (float32 on the CPU, Adam),
 takes one warm-up step (Adam's moments now exist) and then measures a step,
 forward + backward + Adam, three ways:
 
-* **tensor peak**: a TorchDispatchMode sees every tensor any aten op allocates
-  during the step (forward, backward and optimizer) and follows each storage
+* **tensor peak** (`vgraph.backends.torch.peak_memory.LiveTensorBytes`): a
+  TorchDispatchMode sees every tensor any aten op allocates during the step (forward, backward and optimizer) and follows each storage
   until it is freed (a weakref finalizer on the storage), so the maximum of
   the live bytes is the step's allocation peak above what existed before it,
   independent of the C allocator's caching;
@@ -67,7 +67,7 @@ def _reset_peak_rss() -> bool:
 def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
     import torch
 
-    from tensor_peak import LiveBytes
+    from vgraph.backends.torch.peak_memory import LiveTensorBytes
     from train_step_fixture import training_step
     from vgraph.backends.torch import estimate_training_memory
 
@@ -92,9 +92,9 @@ def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
     step()
     rss_peak = _status_kib("VmHWM")
 
-    # 2. tensor peak and largest tensors (tensor_peak.py)
+    # 2. tensor peak and largest tensors (peak_memory.LiveTensorBytes)
     gc.collect()
-    tracker = LiveBytes(vocab)
+    tracker = LiveTensorBytes(vocab=vocab)  # the step's allocations above what existed before it
     with tracker:
         step()
     estimate = estimate_training_memory(graph, batch)

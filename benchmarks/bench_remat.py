@@ -66,7 +66,7 @@ def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
     """The tensor peak of one step of one variant (after a warm-up step)."""
     import torch
 
-    from tensor_peak import LiveBytes
+    from vgraph.backends.torch.peak_memory import LiveTensorBytes
     from vgraph.backends.torch import estimate_training_memory
     from vgraph.cost.remat import marked_ids
 
@@ -74,7 +74,7 @@ def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
     graph, step, vocab, seq = _trainer(network, passes, batch)
     first_loss = step()  # warm-up: Adam's moments are allocated here
     gc.collect()
-    tracker = LiveBytes(vocab)
+    tracker = LiveTensorBytes(vocab=vocab)  # the step's allocations above what existed before it
     with tracker:
         step()
     estimate = estimate_training_memory(graph, batch)

@@ -42,6 +42,26 @@ def test_edges_and_tied_weight_sync(net8):
     assert tie.weight_bytes == 32768 * 512 * 2 and tie.sync_bytes_per_step == 2 * tie.weight_bytes
 
 
+def test_bytes_sent_are_what_each_side_of_a_cut_sends(net8):
+    """By hand: across a cut the producer's PNode sends the activation and the reader's the gradient (an
+    integer edge: no gradient); a separated tie: the publisher sends the weight, the user its gradient."""
+    cm = cost_model(net8, batch=8)
+    assign = {n.id: ("A" if n.id == "embedder" else "B") for n in net8.nodes}
+    act = 512 * 512 * 2  # [512, 512] fp16 activation per sample
+    weight = 32768 * 512 * 2  # the tied embedding, fp16
+    cut = [e for e in cm.edges if (assign[e.src], assign[e.dst]) == ("A", "B")]
+    assert [(e.src, e.dst) for e in cut] == [("embedder", "block0_in")]
+    assert cm.bytes_sent(assign) == {"A": (act, weight), "B": (act, weight)}
+    assert cm.bytes_sent({n.id: "A" for n in net8.nodes}) == {}
+    b = NetBuilder("ids")
+    b.node("tok", "tokenizer", pad_length=8, vocab_size=50)
+    b.node("emb", "embedder", vocab_size=50, dim=16, seq_len=8)
+    b.chain("tok", "emb")
+    b.output("y", "emb")
+    small = cost_model(b.build(), batch=10)
+    assert small.bytes_sent({"tok": "A", "emb": "B"}) == {"A": (8 * 8, 0)}  # int64 ids: nothing flows back
+
+
 def test_effective_precision_follows_the_precision_pass(net8):
     g = net8.copy()
     run_pipeline(g, "precision{target=cpu}")  # cpu runs declared fp16 as float32

@@ -115,6 +115,9 @@ def test_two_workers_with_a_split_tied_weight_train_like_one_process(files, refe
     # Bytes counted by the workers == the partition's prediction, every step.
     predicted = result.placement["cut_bytes_per_step"]
     assert {r["boundary_bytes"] for r in result.history} == {predicted}
+    # Per PNode too, on one basis: what each sent (w0: activations and the tied weight; w1: their gradients).
+    sent = {p: info["bytes_sent_per_step"] for p, info in result.placement["pnodes"].items()}
+    assert [{p: f["bytes_sent"] for p, f in r["pnodes"].items()} for r in result.history] == [sent] * STEPS
     # The run directory of `vgraph train`, and worker lines prefixed with their PNode.
     run = tmp_path / "run"
     for name in ("network.yml", "tokenizer.json", "run.json", "metrics.jsonl", "metrics.csv", "loss_curve.png",

@@ -81,6 +81,11 @@ def test_two_stages_by_two_replicas_train_like_one_process(files, reference, tmp
     # Bytes the workers counted (boundary tensors both ways, ring all-reduce) == the prediction, every step.
     assert pl["allreduce_bytes_per_step"] > 0
     assert {r["boundary_bytes"] for r in result.history} == {pl["bytes_per_step"]}
+    # ... and per PNode, on the same basis: what it sent, its share of the ring included (the ring's chunks
+    # differ by at most an element between members, so a member's count may differ by a few bytes).
+    for row in result.history:
+        for pnode, figures in row["pnodes"].items():
+            assert figures["bytes_sent"] == pytest.approx(pl["pnodes"][pnode]["bytes_sent_per_step"], abs=64)
     saved = json.loads((tmp_path / "run" / "placement.json").read_text())
     assert saved["replica_pnodes"] == pl["replica_pnodes"] and saved["step_seconds"] == pl["step_seconds"]
 

@@ -71,6 +71,8 @@ def test_placement_json_has_replicas_and_every_replicas_parts(held_out, weak8, t
     written = {p.stem for p in out.glob("*.yml")}
     assert written == {p for row in rows for p in row}
     assert pl["bytes_per_step"] == pytest.approx(pl["cut_bytes_per_step"] + pl["allreduce_bytes_per_step"])
+    # What each worker sends (its boundary tensors, tie syncs and its ring share) adds up to the step's bytes.
+    assert sum(info["bytes_sent_per_step"] for info in pl["pnodes"].values()) == pytest.approx(pl["bytes_per_step"])
     for pid, info in pl["pnodes"].items():
         if info["vnodes"]:
             assert info["memory_bytes"] <= info["capacity_bytes"], pid
@@ -88,6 +90,9 @@ def test_one_replica_keeps_the_old_placement(held_out, weak8):
     report = placement_report(g, weak8)
     assert report["step_seconds"] == pytest.approx(pl["step_seconds"])
     assert report["bytes_per_step"] == report["cut_bytes_per_step"]
+    assert sum(p["bytes_sent_per_step"] for p in report["pnodes"].values()) == report["bytes_per_step"]
+    # Each cut edge counted in both its PNodes' boundary bytes (in + out), once in what they send.
+    assert sum(p["boundary_bytes_per_step"] for p in report["pnodes"].values()) == 2 * report["bytes_per_step"]
 
 
 def test_unequal_replicas_get_unequal_shares():

@@ -7,9 +7,11 @@ and a browser.
 """
 from __future__ import annotations
 
+import html
 import html.parser
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -112,8 +114,13 @@ def test_train_run_page_has_curves_network_memory_and_settings(tmp_path: Path, c
 
 
 def test_launch_run_page_has_pnode_figures_and_cut_edges(tmp_path: Path) -> None:
+    metrics = rows(pnodes=("w0", "w1"))
+    for row in metrics:  # as vgraph 0.2.0 records them: both PNodes' bytes, each one's tensor peak and RSS
+        row["boundary_bytes"] = 65536
+        for figures in row["pnodes"].values():
+            figures.update(tensor_peak_bytes=520_000, peak_rss_bytes=figures.pop("peak_memory_bytes"))
     run = make_run(tmp_path / "run", info=run_info(launch={"fleet": "test", "pnodes": ["w0", "w1"]}),
-                   metrics=rows(pnodes=("w0", "w1")))
+                   metrics=metrics)
     groups = {"token_embedding": "w0", "transformer_block_0": "w0", "transformer_block_1": "w1"}
     from vgraph import load
 
@@ -125,11 +132,7 @@ def test_launch_run_page_has_pnode_figures_and_cut_edges(tmp_path: Path) -> None
     (run / "launch" / "job-1.json").write_text(json.dumps({
         "pipeline_before": "dead-nodes,precision", "assignment": assignment,
         "pipeline_after": "fuse-heads,fuse-lm-head-ce", "target": "cpu"}))
-    (run / "placement.json").write_text(json.dumps({"network": "tiny-2l", "batch": 8, "pnodes": {
-        "w0": {"vnodes": ["a"] * 19, "memory_bytes": 500_000, "capacity_bytes": 2**30, "seconds": 0.016,
-               "boundary_bytes_per_step": 65536},
-        "w1": {"vnodes": ["b"] * 13, "memory_bytes": 300_000, "capacity_bytes": 2**30, "seconds": 0.011,
-               "boundary_bytes_per_step": 65536}}}))
+    (run / "placement.json").write_text(json.dumps(placement()))
     out, rec, why = write_report(run, tmp_path / "report.html")
     assert why is None and rec.command == "launch"
     page = out.read_text()
@@ -141,6 +144,85 @@ def test_launch_run_page_has_pnode_figures_and_cut_edges(tmp_path: Path) -> None
     assert "PNode w0" in page and "PNode w1" in page  # the drawing's clusters: the latest job's assignment
     assert "KiB/step" in page  # a cut edge's label
     assert "dead-nodes,precision,partition,fuse-heads,fuse-lm-head-ce" in page
+    # Bytes on one basis: what each PNode sends, predicted (placement.json) beside measured (the workers).
+    table = pnode_table(page)
+    assert [row[0] for row in table] == ["w0", "w1", "all PNodes"]
+    for row in table:
+        assert row[5] == row[6] == ("65.5k" if row[0] == "all PNodes" else "32.8k"), row
+    assert table[0][7:10] == ["488 KiB", "508 KiB", "286 MiB"]  # tensor estimate, tensor peak; RSS apart
+    assert "counted once, at its sender" in page and "before 0.2.0" not in page
+
+
+def placement(sent: bool = True) -> dict:
+    """A placement.json of two PNodes; `sent=False`: as vgraph < 0.2.0 wrote it (bytes in + out only)."""
+    pnodes = {"w0": {"vnodes": ["a"] * 19, "memory_bytes": 500_000, "capacity_bytes": 2**30, "seconds": 0.016,
+                     "boundary_bytes_per_step": 65536, "bytes_sent_per_step": 32768},
+              "w1": {"vnodes": ["b"] * 13, "memory_bytes": 300_000, "capacity_bytes": 2**30, "seconds": 0.011,
+                     "boundary_bytes_per_step": 65536, "bytes_sent_per_step": 32768}}
+    if not sent:
+        for info in pnodes.values():
+            del info["bytes_sent_per_step"]
+    return {"network": "tiny-2l", "batch": 8, "pnodes": pnodes, "cut_bytes_per_step": 65536,
+            **({"bytes_per_step": 65536} if sent else {})}
+
+
+def pnode_table(page: str) -> list[list[str]]:
+    """The PNodes table's body rows as text cells."""
+    section = page[page.index("<h2>PNodes</h2>"):]
+    section = section[section.index("<table>"):section.index("</table>")]
+    rows = re.findall(r"<tr[^>]*>(.*?)</tr>", section, re.S)[1:]
+    return [[html.unescape(re.sub(r"<[^>]+>", "", c)) for c in re.findall(r"<td[^>]*>(.*?)</td>", r, re.S)]
+            for r in rows]
+
+
+def memory_table(page: str) -> dict[str, str]:
+    section = page[page.index("<h2>Memory</h2>"):]
+    section = section[:section.index("</section>")]
+    return {html.unescape(re.sub(r"<[^>]+>", "", k)): html.unescape(v) for k, v in
+            re.findall(r"<tr><td>(.*?)</td><td class=\"num\">(.*?)</td></tr>", section, re.S)}
+
+
+def test_a_launch_run_of_an_older_vgraph_shows_no_bytes_against_another_basis(tmp_path: Path) -> None:
+    """Its placement.json counted each PNode's bytes in and out: not set against the bytes measured sent."""
+    run = make_run(tmp_path / "run", info=run_info(launch={"fleet": "test"}), metrics=rows(pnodes=("w0", "w1")))
+    (run / "placement.json").write_text(json.dumps(placement(sent=False)))
+    page = write_report(run, tmp_path / "report.html")[0].read_text()
+    w0, w1, total = pnode_table(page)
+    assert w0[5:7] == ["-", "32.8k"] and total[5] == "65.5k"  # cut_bytes_per_step: everything sent
+    assert w0[7:10] == ["488 KiB", "-", "286 MiB"]  # its peak_memory_bytes was the CPU's RSS, not a tensor peak
+    assert "written by a vgraph before 0.2.0" in page and "65.5k" not in w0
+
+
+def test_memory_is_compared_like_with_like(tmp_path: Path) -> None:
+    """The tensor peak against the tensor estimate; the process's RSS on its own, never as a ratio."""
+    info = run_info()
+    info["memory_estimate"] = dict(info["memory_estimate"], tensor_peak_as="live_tensor_bytes")
+    del info["memory_estimate"]["measured_as"]
+    metrics = [dict(r, tensor_peak_bytes=414_000, peak_rss_bytes=r.pop("peak_memory_bytes")) for r in rows()]
+    page = write_report(make_run(tmp_path / "new", info=info, metrics=metrics), tmp_path / "new.html")[0].read_text()
+    table = memory_table(page)
+    assert table["measured tensor peak (tensors followed through the first steps)"] == "404 KiB"
+    assert table["tensor peak / estimated total"] == "0.90x"
+    rss = next(k for k in table if k.startswith("process peak RSS"))
+    assert table[rss] == "381 MiB" and "not comparable with the estimate" in rss
+    assert [v for v in table.values() if v.endswith("x")] == ["0.90x"]
+
+
+def test_memory_of_an_older_run_keeps_its_rss_out_of_the_ratio(tmp_path: Path) -> None:
+    """vgraph < 0.2.0 recorded the CPU's peak RSS as `peak_memory_bytes` (the report said 475.43x): now it is
+    the RSS figure, and no tensor peak or ratio is claimed; on CUDA the same key was the allocator's peak."""
+    page = write_report(make_run(tmp_path / "cpu"), tmp_path / "cpu.html")[0].read_text()
+    table = memory_table(page)
+    assert table["measured tensor peak (not measured by this vgraph)"] == "-"
+    assert not [v for v in table.values() if v.endswith("x")]
+    assert table[next(k for k in table if k.startswith("process peak RSS"))] == "381 MiB"
+    info = run_info(device="cuda")
+    info["memory_estimate"]["measured_as"] = "cuda_max_memory_allocated"
+    metrics = [dict(r, peak_memory_bytes=230_000) for r in rows()]
+    page = write_report(make_run(tmp_path / "gpu", info=info, metrics=metrics), tmp_path / "gpu.html")[0].read_text()
+    table = memory_table(page)
+    assert table["measured tensor peak (the CUDA allocator's peak)"] == "225 KiB"
+    assert table["tensor peak / estimated total"] == "0.50x"
 
 
 def test_a_run_still_going_is_read_as_it_is(tmp_path: Path) -> None:

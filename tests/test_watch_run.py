@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from browser_util import colour_mask, ink, screenshot
+from browser_util import colour_mask, drawn_label_sizes, ink, screenshot
 from conftest import FIXTURES
 from vgraph.backends.torch.data import default_corpus_documents
 from vgraph.cli.main import main
@@ -77,7 +77,8 @@ def test_tensorboard_reads_the_train_curves(trained) -> None:
     acc = accumulator(run)
     assert steps_of(acc, "train/loss") == list(range(1, STEPS + 1))
     assert steps_of(acc, "val/loss") == [3, 6]
-    for tag in ("train/lr", "train/tokens_per_s", "train/peak_memory_bytes", "metrics/learning_rate"):
+    for tag in ("train/lr", "train/tokens_per_s", "train/tensor_peak_bytes", "train/peak_rss_bytes",
+                "metrics/learning_rate"):
         assert len(steps_of(acc, tag)) == STEPS, tag
     assert acc.Tags()["images"] == ["network"]
     image = acc.Images("network")[0]
@@ -92,7 +93,11 @@ def test_train_prints_the_report_command_and_records_memory(trained) -> None:
     run, out = trained
     assert f"report: vgraph report {run} -o {run / 'report.html'}" in out
     info = json.loads((run / "run.json").read_text())
-    assert info["memory_estimate"]["total"] > 0 and info["memory_estimate"]["measured_as"] == "process_peak_rss"
+    assert info["memory_estimate"]["total"] > 0 and info["memory_estimate"]["tensor_peak_as"] == "live_tensor_bytes"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # The tensor peak of the first two steps, then kept; the process's RSS holds torch's runtime besides.
+    assert len({r["tensor_peak_bytes"] for r in rows[1:]}) == 1
+    assert all(0 < r["tensor_peak_bytes"] < r["peak_rss_bytes"] for r in rows)
 
 
 def test_a_resumed_run_continues_the_curves_without_repeating_steps(trained, corpus: Path, tmp_path: Path) -> None:
@@ -134,6 +139,24 @@ def test_chromium_shows_the_train_report(trained, tmp_path: Path) -> None:
     drawing = pixels[700:]
     assert shows(drawing, FUSED_COLOR, 500, 0.03)  # the fused attention and LM-head VNodes
     assert shows(drawing, CATEGORY_COLORS["layer"], 1000, 0.03)  # the linear / layernorm boxes
+
+
+MIN_LABEL_PX = 11  # issue 28: the drawing's labels at least 11 px tall on a 1,400 px wide screen
+
+
+def assert_labels_readable(page: Path) -> None:
+    """Every label of the network drawing, as Chromium draws it at 1,400 px, is at least 11 px."""
+    sizes = drawn_label_sizes(page, 1400)
+    assert len(sizes) > 20 and sum("params" in text for text, _ in sizes) > 5  # node labels, not only titles
+    small = [(text, round(px, 1)) for text, px in sizes if px < MIN_LABEL_PX]
+    assert not small, f"labels under {MIN_LABEL_PX} px: {small[:5]}"
+
+
+def test_chromium_draws_the_train_reports_labels_readably(trained, tmp_path: Path) -> None:
+    run, _ = trained
+    page = tmp_path / "report.html"
+    cli("report", str(run), "-o", str(page))
+    assert_labels_readable(page)
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +205,4 @@ def test_chromium_shows_the_launch_report_with_pnode_curves(launched, tmp_path: 
     assert shows(pnode_part, PNODE_COLORS[0], 200) and shows(pnode_part, PNODE_COLORS[1], 200)
     assert shows(pixels[1300:], CUT_COLOR, 150, 0.08)  # the red cut edges between the two PNodes
     assert shows(pixels[1300:], FUSED_COLOR, 500, 0.03)
+    assert_labels_readable(page)

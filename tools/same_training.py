@@ -29,6 +29,7 @@ pnodes:
   - {id: b, memory: 8GiB, flops: 100G, bandwidth: 1Gbit/s, accelerator: cpu}
 """
 TIMINGS = {"time", "elapsed_s", "tokens_per_s", "step_s", "step_time_s", "idle_s", "peak_memory_bytes", "wall_s",
+           "tensor_peak_bytes", "peak_rss_bytes",  # measurements, not training
            "seconds", "rss_bytes"}
 # A launch checkpoint stores rank 0's global RNG state, which differs between two recordings of one checkout
 # (measured: the launcher's workers draw from it outside training; dropout is keyed and data order seeded,

@@ -7,7 +7,8 @@ and for rank 0 of `vgraph launch` alike:
 
     train/loss, val/loss, train/lr, train/tokens_per_s, train/loss_scale,
     train/bytes_sent (launch: every rank's traffic of the step),
-    train/peak_memory_bytes, metrics/<name> (the network's `metrics:` entries),
+    train/tensor_peak_bytes, train/peak_rss_bytes (peak_memory.py),
+    metrics/<name> (the network's `metrics:` entries),
     pnode/<id>/step_time_s, pnode/<id>/idle_s, pnode/<id>/bytes_sent (launch),
 
 plus the run's settings as text and the network drawing (vgraph's renderer
@@ -37,7 +38,7 @@ __all__ = ["TensorBoardLog", "SCALAR_TAGS", "pnode_tag", "metric_tag"]
 # metrics.jsonl field -> TensorBoard tag (the loop's own fields; anything else numeric is a `metrics:` entry)
 SCALAR_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s",
                "loss_scale": "train/loss_scale", "boundary_bytes": "train/bytes_sent",
-               "peak_memory_bytes": "train/peak_memory_bytes"}
+               "tensor_peak_bytes": "train/tensor_peak_bytes", "peak_rss_bytes": "train/peak_rss_bytes"}
 NOT_SCALARS = {"step", "elapsed_s", "pnodes"}
 PNODE_FIGURES = {"step_s": "step_time_s", "idle_s": "idle_s", "bytes_sent": "bytes_sent"}
 FLUSH_SECONDS = 5  # a live run shows up within seconds

@@ -54,7 +54,7 @@ from .interrupt import StopRequest
 from .lower import compile_network
 from .metrics_log import MetricsLog, metric_columns, metric_values, progress_bar, run_banner, step_rows
 from .node_optimizers import NodeOptimizers, lr_factor
-from .peak_memory import peak_memory_bytes
+from .peak_memory import TensorPeak, memory_figures
 from .run_checkpoints import TrainingState, resume_run, save_run_checkpoint
 from .run_files import atomic_write_text
 from .tensorboard_log import TensorBoardLog
@@ -137,6 +137,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
     trainer = TrainStep(module, optimizers, scaler, costs, token_feeds, amp, compile=cfg.compile,
                         grad_clip=cfg.grad_clip)
     loss_check = LossCheck(scaler, setup.loss_scaling, cfg.max_skipped_steps, graph, run_dir)
+    tensor_peak = TensorPeak(device, lambda: (module, *optimizers.optimizers))  # vs the estimate (peak_memory.py)
     dataset = setup.data.dataset  # step s reads the samples (seed, s) names: nothing to checkpoint (data.py)
     is_accel = device.type != "cpu"
     log_every = cfg.log_every or (10 if is_accel else 1)
@@ -167,6 +168,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
                 targets = targets.to(device, non_blocking=True)
             optimizers.set_factor(lr_factor(step, cfg))
             set_dropout_key(cfg.seed, step)  # masks keyed by (seed, step, VNode, sample): dropout.py
+            tensor_peak.begin_step()
             out, loss = trainer.forward_backward(inputs, targets)
             pending.append((step, loss, optimizers.factor))
 
@@ -180,6 +182,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
                 values = loss_check.losses(pending)
                 extras = metric_values(metric_eps, module, optimizers, scaler, out)
             trainer.update()
+            tensor_peak.end_step()
             if not flush:
                 continue
 
@@ -192,7 +195,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
             rows = step_rows(pending, values, cfg.lr, tokens_per_step * len(pending) / max(now - last_flush, 1e-9),
                              now - start_time)
             rows[-1].update(extras)
-            rows[-1]["peak_memory_bytes"] = peak_memory_bytes(device)  # vs run.json's memory_estimate
+            rows[-1].update(memory_figures(tensor_peak))  # vs run.json's memory_estimate
             if setup.loss_scaling:
                 rows[-1]["loss_scale"] = loss_check.scale_after_update()
             if validate:
@@ -215,6 +218,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
             if stop.requested:
                 break
     finally:
+        tensor_peak.close()
         restore_signals()
         clear_dropout_key()
         bar.close()

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from math import ceil, prod
-from typing import Iterable, NamedTuple
+from typing import Iterable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -183,6 +183,30 @@ class CostModel:
 
     def edge_bytes(self, e: EdgeCost) -> int:
         return e.bytes_per_step(self.batch)
+
+    def bytes_sent(self, assign: Mapping[str, str]) -> dict[str, tuple[int, int]]:
+        """What each PNode sends when the VNodes are placed by `assign` (VNode -> PNode): (bytes per sample
+        of boundary tensors, bytes per step of tied-weight sync).
+
+        Why apart from the edge totals: a cut edge's `bytes_per_step` is its traffic both ways (the
+        activation forward, sent by the producer's PNode, and its gradient back, sent by the reader's),
+        and a PNode's `boundary_bytes_per_step` counts every cut edge it touches, in and out.  What a
+        worker measures is only what it sends; this is the prediction on that basis.  A separated tie:
+        the publisher's PNode sends the weight, the user's the weight's gradient.
+        """
+        out: dict[str, list[int]] = {}
+        for e in self.edges:
+            a, b = assign[e.src], assign[e.dst]
+            if a != b:
+                out.setdefault(a, [0, 0])[0] += e.bytes_per_sample
+                if e.gradient:
+                    out.setdefault(b, [0, 0])[0] += e.bytes_per_sample
+        for t in self.ties:
+            a, b = assign[t.publisher], assign[t.user]
+            if a != b:
+                out.setdefault(a, [0, 0])[1] += t.weight_bytes
+                out.setdefault(b, [0, 0])[1] += t.sync_bytes_per_step - t.weight_bytes
+        return {p: (v[0], v[1]) for p, v in out.items()}
 
     def totals(self, ids: Iterable[str] | None = None, pipeline_depth: int = 1) -> dict[str, int]:
         """Summed bytes by kind and training FLOPs per step of `ids` (default: every node)."""

@@ -120,8 +120,11 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
             per[a]["boundary_bytes_per_step"] += t.sync_bytes_per_step
             per[b]["boundary_bytes_per_step"] += t.sync_bytes_per_step
             per[b]["memory_bytes"] += t.replica_bytes
+    sent = cm.bytes_sent(assign)
     for p in fleet:
         slot = per[p.id]
+        per_sample, sync_sent = sent.get(p.id, (0, 0))
+        slot["bytes_sent_per_step"] = per_sample * cm.batch + sync_sent  # what the PNode's worker counts
         slot["capacity_bytes"] = p.memory
         slot["comm_seconds"] = slot["boundary_bytes_per_step"] / p.bandwidth
         slot["seconds"] = slot["compute_seconds"] + slot["comm_seconds"]

@@ -13,7 +13,10 @@ assignment) and `batch_shares`.  `with_replicas` adds to a placement report
   bytes sent, seconds) and `bytes_per_step` (everything workers send in a
   step: boundary tensors, tied-weight syncs, ring all-reduce);
 - with R > 1, `pnodes` gains every replica's PNodes priced at their replica's
-  share, and `bottleneck_*`, `cut_bytes_per_step` cover all replicas.
+  share, and `bottleneck_*`, `cut_bytes_per_step` cover all replicas; each
+  PNode's `bytes_sent_per_step` (what its worker sends: see
+  `CostModel.bytes_sent`) includes its share 2 (R - 1) / R of its stage
+  group's ring all-reduce, so they sum to `bytes_per_step`.
 
 A report of a graph without replica fields is one replica over the PNodes in
 order of use: its legacy fields are left exactly as they were.
@@ -83,6 +86,8 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
     fa = FleetArrays(fleet)
     computed = compute_seconds(loads, fa, np.array([[fa.index[p] for p in row] for row in rows]), shares,
                                cm.micro_batches)
+    sent = cm.bytes_sent(assign)  # by replica 0's PNodes, i.e. by stage
+    sent_by_stage = [sent.get(pid, (0, 0)) for pid in rows[0]]
     for r, row in enumerate(rows):
         for s, pid in enumerate(row):
             p = fleet.pnode(pid)
@@ -93,6 +98,8 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
                 "batch_share": shares[r], "memory_bytes": int(cost.memory[r, s]), "capacity_bytes": p.memory,
                 "flops_per_step": float(shares[r] * flops[s]),
                 "boundary_bytes_per_step": float(shares[r] * loads.p2p[s].sum() + loads.sync[s].sum()),
+                "bytes_sent_per_step": float(shares[r] * sent_by_stage[s][0] + sent_by_stage[s][1]
+                                             + cost.allreduce_bytes[s] / R),  # a ring member's share
                 "compute_seconds": float(compute), "comm_seconds": seconds - float(compute), "seconds": seconds,
                 "fits": bool(cost.memory[r, s] <= p.memory)}
     out["cut_edges"] = [dict(e, bytes_per_step=e["bytes_per_step"] // cm.batch * shares[0])

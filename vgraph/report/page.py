@@ -140,7 +140,9 @@ td, th {{ border: 1px solid #e2e8f0; padding: 3px 8px; text-align: left; vertica
 th {{ background: #f1f5f9; }} td.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
 td code {{ white-space: pre-wrap; word-break: break-all; }}
 .notes {{ background: #fffbeb; border: 1px solid #fde68a; border-radius: 6px; padding: 8px 8px 8px 28px; }}
-.drawing svg.network {{ width: 100%; height: auto; max-height: 1400px; }}
+.drawing {{ overflow-x: auto; }}
+.drawing svg.network {{ display: block; }}
+tr.total td {{ font-weight: 600; background: #f8fafc; }}
 .caption {{ font-size: 12px; color: #475569; }}
 footer {{ font-size: 11px; color: #64748b; }}
 </style></head><body>"""
@@ -191,7 +193,7 @@ def _training_charts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 _OWN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "elapsed_s", "val_loss", "loss_scale", "boundary_bytes",
-               "peak_memory_bytes", "pnodes"}
+               "peak_memory_bytes", "tensor_peak_bytes", "peak_rss_bytes", "pnodes"}
 
 
 def _metric_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -218,7 +220,8 @@ def _network_caption(rec: RunRecord) -> str:
         if rec.run.get("fuse") is False and passes is None:
             spec = "the production pipeline without fusions"
     text = (f"As the run compiled it: passes {spec}. Fused VNodes have a double orange border; edges cut between "
-            f"PNodes are red and labelled with their bytes per step.")
+            f"PNodes are red and labelled with their bytes per step both ways (the activation forward, its gradient "
+            f"back).")
     return f'<p class="caption">{html.escape(printable(text, 600))}</p>'
 
 
@@ -235,31 +238,73 @@ def _pnode_section(rec: RunRecord) -> str:
                          PNODE_COLORS[i % len(PNODE_COLORS)]) for i, p in enumerate(pnodes)]
         charts.append(line_chart(title, series, y_label=unit, css_class=f"chart pnode-{key}"))
     head = ("<tr><th>PNode</th><th>VNodes</th><th>predicted s/step</th><th>measured s/step (median)</th>"
-            "<th>idle s/step (median)</th><th>predicted bytes/step</th><th>measured bytes sent/step (median)</th>"
-            "<th>predicted memory</th><th>measured peak memory</th><th>capacity</th></tr>")
-    body = []
-    for p in pnodes:
-        pred = predicted.get(p) if isinstance(predicted.get(p), dict) else {}
-        own = [r["pnodes"][p] for r in rows if isinstance(r["pnodes"].get(p), dict)]
-
-        def median(key: str) -> str:
-            values = [f[key] for f in own if _finite(f.get(key))]
-            return format_number(statistics.median(values)) if values else "-"
-
-        peaks = [f["peak_memory_bytes"] for f in own if _finite(f.get("peak_memory_bytes"))]
-        vnodes = pred.get("vnodes")
-        cells = [printable(p, 80), str(len(vnodes)) if isinstance(vnodes, list) else "-",
-                 _num(pred.get("seconds")), median("step_s"), median("idle_s"),
-                 _num(pred.get("boundary_bytes_per_step")), median("bytes_sent"), _bytes(pred.get("memory_bytes")),
-                 _bytes(peaks[-1] if peaks else None), _bytes(pred.get("capacity_bytes"))]
-        body.append("<tr>" + "".join(("<td>" if i == 0 else '<td class="num">') + html.escape(c) + "</td>"
-                                     for i, c in enumerate(cells)) + "</tr>")
-    measured = ("measured peak memory is the worker's peak resident set (Python and torch included) on a CPU, "
-                "the allocator's peak on CUDA")
+            "<th>idle s/step (median)</th><th>predicted bytes sent/step</th><th>measured bytes sent/step (median)</th>"
+            "<th>predicted tensor memory</th><th>measured tensor peak</th><th>process peak RSS</th>"
+            "<th>capacity</th></tr>")
+    body = [_pnode_row(p, predicted.get(p) if isinstance(predicted.get(p), dict) else {},
+                       [r["pnodes"][p] for r in rows if isinstance(r["pnodes"].get(p), dict)], _on_cuda(rec))
+            for p in pnodes]
+    body.append(_total_row(rec))
+    old = bool(predicted) and not any("bytes_sent_per_step" in v for v in predicted.values() if isinstance(v, dict))
+    basis = ("Bytes are what each PNode sends (its boundary activations forward, their gradients back, tied-weight "
+             "syncs, its share of the gradient all-reduce); each cut edge's traffic is counted once, at its sender."
+             + (" This placement.json was written by a vgraph before 0.2.0, which recorded each PNode's bytes in and "
+                "out rather than the bytes it sends: the prediction is not shown against the measurement."
+                if old else ""))
+    memory = ("Memory: the tensor peak (the most bytes of tensors alive at once: the allocator's peak on CUDA, "
+              "tensors followed through the first steps on a CPU) against placement.json's tensor estimate; the "
+              "process peak RSS (Python, torch's runtime and allocator caches included) is shown on its own.")
+    idle = ("Idle time is time blocked on peers (pipeline bubble, gradient ring, the step's reduction; also a "
+            "peer's work between steps, e.g. rank 0 writing logs, validating or checkpointing).")
+    caption = " ".join((basis, memory, idle))
     return ('<section><h2>PNodes</h2><div class="charts">' + "".join(charts) + "</div><table>" + head
-            + "".join(body) + f'</table><p class="caption">{html.escape(measured)}; idle time is time blocked on '
-            f"peers (pipeline bubble, gradient ring, the step's reduction; also a peer's work between steps, e.g. "
-            f"rank 0 writing logs, validating or checkpointing).</p></section>")
+            + "".join(body) + f'</table><p class="caption">{html.escape(caption)}</p></section>')
+
+
+def _pnode_row(pnode: str, pred: Mapping[str, Any], own: Sequence[Mapping[str, Any]], cuda: bool) -> str:
+    """One PNode's prediction (placement.json) beside its measurements (metrics rows)."""
+    def median(key: str) -> str:
+        values = [f[key] for f in own if _finite(f.get(key))]
+        return format_number(statistics.median(values)) if values else "-"
+
+    tensor, rss = _memory_peaks(own, cuda)
+    vnodes = pred.get("vnodes")
+    cells = [printable(pnode, 80), str(len(vnodes)) if isinstance(vnodes, list) else "-",
+             _num(pred.get("seconds")), median("step_s"), median("idle_s"),
+             _num(pred.get("bytes_sent_per_step")), median("bytes_sent"), _bytes(pred.get("memory_bytes")),
+             _bytes(tensor), _bytes(rss), _bytes(pred.get("capacity_bytes"))]
+    return "<tr>" + "".join(("<td>" if i == 0 else '<td class="num">') + html.escape(c) + "</td>"
+                            for i, c in enumerate(cells)) + "</tr>"
+
+
+def _total_row(rec: RunRecord) -> str:
+    """Every PNode together: placement.json's bytes_per_step against the bytes all workers sent a step."""
+    sent = [r["boundary_bytes"] for r in rec.rows if _finite(r.get("boundary_bytes"))]
+    total = (rec.placement or {}).get("bytes_per_step", (rec.placement or {}).get("cut_bytes_per_step"))
+    cells = ["all PNodes", "", "", "", "", _num(total), format_number(statistics.median(sent)) if sent else "-",
+             "", "", "", ""]
+    return '<tr class="total">' + "".join(("<td>" if i == 0 else '<td class="num">') + html.escape(c) + "</td>"
+                                          for i, c in enumerate(cells)) + "</tr>"
+
+
+def _on_cuda(rec: RunRecord) -> bool:
+    return str(rec.run.get("device") or "").startswith("cuda")
+
+
+def _memory_peaks(figures: Sequence[Mapping[str, Any]], cuda: bool) -> tuple[Any, Any]:
+    """(tensor peak, process peak RSS): the latest of each among `figures` (metrics rows or per-PNode entries).
+    Runs of vgraph before 0.2.0 recorded one `peak_memory_bytes`: the allocator's peak on CUDA (a tensor peak),
+    the process's peak RSS elsewhere."""
+    def latest(key: str) -> Any:
+        return next((f[key] for f in reversed(figures) if _finite(f.get(key))), None)
+
+    tensor, rss, legacy = latest("tensor_peak_bytes"), latest("peak_rss_bytes"), latest("peak_memory_bytes")
+    if legacy is not None:
+        if cuda and tensor is None:
+            tensor = legacy
+        elif not cuda and rss is None:
+            rss = legacy
+    return tensor, rss
 
 
 def _num(x: Any) -> str:
@@ -274,24 +319,27 @@ def _bytes(n: Any) -> str:
 
 
 def _memory_section(rec: RunRecord) -> str:
+    """The estimate against the tensor peak, like with like; the process's peak RSS as its own figure."""
     estimate = rec.run.get("memory_estimate")
-    peaks = [r["peak_memory_bytes"] for r in rec.rows if _finite(r.get("peak_memory_bytes"))]
-    if not isinstance(estimate, dict) and not peaks:
+    estimate = estimate if isinstance(estimate, dict) else None
+    how = {"process_peak_rss": None, "cuda_max_memory_allocated": "the CUDA allocator's peak",
+           "live_tensor_bytes": "tensors followed through the first steps"}
+    kind = (estimate or {}).get("tensor_peak_as") or (estimate or {}).get("measured_as")
+    tensor, rss = _memory_peaks(rec.rows, _on_cuda(rec) or kind == "cuda_max_memory_allocated")
+    if estimate is None and tensor is None and rss is None:
         if rec.command == "launch":
             return ""  # per PNode, in the PNodes table
         return ("<section><h2>Memory</h2><p class=\"caption\">This run recorded no memory estimate or "
                 "measurement (written by an older vgraph).</p></section>")
-    rows = []
-    if isinstance(estimate, dict):
-        for key in ("parameters", "gradients", "optimizer", "activations", "workspace", "total"):
-            if key in estimate:
-                rows.append((f"estimate: {key}", _bytes(estimate.get(key))))
-    how = {"process_peak_rss": "peak resident set of the process (includes the Python and torch runtime)",
-           "cuda_max_memory_allocated": "CUDA allocator peak (tensors only)"}
-    kind = estimate.get("measured_as") if isinstance(estimate, dict) else None
-    rows.append((f"measured: {how.get(kind, str(kind or 'peak'))}", _bytes(peaks[-1]) if peaks else "not yet"))
-    if isinstance(estimate, dict) and peaks and _finite(estimate.get("total")) and estimate["total"] > 0:
-        rows.append(("measured / estimated", f"{peaks[-1] / estimate['total']:.2f}x"))
+    rows = [(f"estimate: {key}", _bytes(estimate.get(key)))
+            for key in ("parameters", "gradients", "optimizer", "activations", "workspace", "total")
+            if estimate is not None and key in estimate]
+    rows.append((f"measured tensor peak ({how.get(kind) or 'not measured by this vgraph'})",
+                 _bytes(tensor) if tensor is not None else "not yet" if how.get(kind) else "-"))
+    if estimate is not None and tensor is not None and _finite(estimate.get("total")) and estimate["total"] > 0:
+        rows.append(("tensor peak / estimated total", f"{tensor / estimate['total']:.2f}x"))
+    rows.append(("process peak RSS (Python, torch's runtime and allocator caches included: what the machine "
+                 "must have, not comparable with the estimate)", _bytes(rss) if rss is not None else "-"))
     return ("<section><h2>Memory</h2><table>" + "".join(
         f"<tr><td>{html.escape(printable(k, 200))}</td><td class=\"num\">{html.escape(v)}</td></tr>" for k, v in rows)
         + "</table></section>")

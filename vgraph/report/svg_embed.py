@@ -32,7 +32,13 @@ def _local(name: str) -> str:
 
 
 def embeddable_svg(svg_text: str, *, css_class: str = "network") -> str:
-    """`svg_text` (an SVG document) as one `<svg>` element holding only drawing elements, scaled to its box."""
+    """`svg_text` (an SVG document) as one `<svg>` element holding only drawing elements, at its own size.
+
+    Its own size (Graphviz's width and height in points) and not the page's
+    width: a drawing shrunk to fit a page made a 10 pt label about 7 px tall
+    on a 1,400 px wide screen; unshrunk, node labels are 13.3 CSS px and edge
+    labels 12 px, and the page scrolls the drawing instead (report/page.py).
+    """
     try:
         root = ET.fromstring(svg_text.encode("utf-8"))
     except ET.ParseError as exc:
@@ -43,7 +49,7 @@ def embeddable_svg(svg_text: str, *, css_class: str = "network") -> str:
     if clean is None:  # pragma: no cover - the root is an allowed tag
         raise VGraphError("the network drawing is empty")
     clean.set("class", css_class)
-    width, height = clean.attrib.pop("width", None), clean.attrib.pop("height", None)
+    width, height = clean.attrib.get("width"), clean.attrib.get("height")
     if "viewBox" not in clean.attrib and width and height:
         clean.set("viewBox", f"0 0 {_number(width)} {_number(height)}")
     clean.set("preserveAspectRatio", "xMidYMin meet")

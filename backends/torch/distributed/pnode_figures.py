@@ -8,7 +8,7 @@ step (`vgraph report`, TensorBoard's pnode/<id>/... curves).
 Every rank measures itself (`PNodeFigures`); at each sync point rank 0
 gathers the entries of the steps since the previous one (in the same gather
 as the network's metrics) and `attach` puts them into the metrics rows as
-`"pnodes": {pnode: {"step_s", "idle_s", "bytes_sent", "peak_memory_bytes"}}`.
+`"pnodes": {pnode: {"step_s", "idle_s", "bytes_sent", "tensor_peak_bytes", "peak_rss_bytes"}}`.
 
 * step_s: the step's wall time on this rank, from drawing the batch to the
   tied-weight sync after the update;
@@ -20,17 +20,22 @@ as the network's metrics) and `attach` puts them into the metrics rows as
   too: while rank 0 writes logs, validates or checkpoints after step n, the
   others wait for it during step n + 1;
 * bytes_sent: what this rank sent for the step (the step's share of
-  `boundary_bytes`, which is the sum over ranks).
+  `boundary_bytes`, which is the sum over ranks), to compare with
+  placement.json's `bytes_sent_per_step` for its PNode (the same basis:
+  bytes sent, not bytes in and out);
+* tensor_peak_bytes, peak_rss_bytes: the rank's tensor peak (what
+  placement.json's `memory_bytes` predicts) and its process's peak resident
+  set, measured as `vgraph train` measures them (../peak_memory.py).
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..peak_memory import peak_memory_bytes
+from ..peak_memory import TensorPeak, memory_figures
 
 __all__ = ["PNodeFigures", "attach"]
 
@@ -38,15 +43,18 @@ __all__ = ["PNodeFigures", "attach"]
 class PNodeFigures:
     """This rank's per-step figures since rank 0 last gathered them."""
 
-    def __init__(self, device: torch.device, peer_wait_s: Callable[[], float]) -> None:
+    def __init__(self, device: torch.device, peer_wait_s: Callable[[], float],
+                 tracked: Callable[[], Iterable[Any]] = tuple) -> None:
         self.device = device
         self.peer_wait_s = peer_wait_s  # running total of the transports' blocked seconds
+        self.tensor_peak = TensorPeak(device, tracked)  # tracked: this rank's modules and optimizers
         self.entries: list[tuple[int, dict[str, Any]]] = []
         self._start = 0.0
         self._waited = 0.0
         self._collective = 0.0
 
     def begin_step(self) -> None:
+        self.tensor_peak.begin_step()
         self._start = time.perf_counter()
         self._waited = self.peer_wait_s()
         self._collective = 0.0
@@ -61,15 +69,16 @@ class PNodeFigures:
             self._collective += time.perf_counter() - start
 
     def end_step(self, step: int, bytes_sent: float) -> None:
+        self.tensor_peak.end_step()
         idle = self.peer_wait_s() - self._waited + self._collective
         self.entries.append((step, {"step_s": time.perf_counter() - self._start, "idle_s": idle,
                                     "bytes_sent": int(bytes_sent)}))
 
     def take(self) -> list[tuple[int, dict[str, Any]]]:
-        """The entries since the last call (the last one with the peak memory so far), for rank 0's gather."""
+        """The entries since the last call (the last one with the memory peaks so far), for rank 0's gather."""
         taken, self.entries = self.entries, []
         if taken:
-            taken[-1][1]["peak_memory_bytes"] = peak_memory_bytes(self.device)
+            taken[-1][1].update(memory_figures(self.tensor_peak))
         return taken
 
 

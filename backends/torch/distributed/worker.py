@@ -161,7 +161,9 @@ class Worker:
                                   stage_through_cpu=bool(job.get("stage_through_cpu")))
         self.grad_sync = self._grad_sync(len(shares), P, job["backend"])
         self.figures = PNodeFigures(self.device, lambda: self.stages.transport.wait_s + (
-            self.grad_sync.wait_s if self.grad_sync is not None else 0.0))
+            self.grad_sync.wait_s if self.grad_sync is not None else 0.0),
+            tracked=lambda: (*self.stages.modules.values(), *(o for n in self.stages.optims.values()
+                                                               for o in n.optimizers)))
 
         self.seq_len = int(job["run_info"]["seq_len"])
         self.dataset = self._open_data()
