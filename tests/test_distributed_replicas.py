@@ -18,10 +18,11 @@ from vgraph.backends.torch.data import default_corpus_documents
 from vgraph.backends.torch.distributed.launch import LaunchConfig, free_port, launch, main as launch_main
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import cost_model
+from vgraph.cost.remat import RECOMPUTE, candidates, closed
 
 from test_distributed import run_and_kill  # SIGKILLs a held worker from here: one helper for both
 from ranks_util import run_ranks
-from weights_util import assert_same_weights
+from weights_util import assert_replicas_identical, assert_same_weights, replicas_recorded
 
 STEPS, BATCH, MICRO, LR, SEED = 6, 8, 8, 1e-3, 5
 
@@ -31,11 +32,20 @@ def tiny():
                                        head_up=64, precision=None))  # fp32, dropout 0.1 on
 
 
+def recomputing(g):
+    """`g` with every remat candidate marked `remat: recompute` (the blocks' interiors, dropout included)."""
+    cm = cost_model(g, batch=2)
+    for node_id in closed(g, [c for cs in candidates(g, cm, list(g.node_ids()), {}).values() for c in cs]):
+        g.node(node_id).set_config(remat=RECOMPUTE)
+    return g
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("replicas")
     g = tiny()
     vgraph.save(g, d / "net.yml")
+    vgraph.save(recomputing(tiny()), d / "net_remat.yml")
     # Four equal PNodes that each hold 80% of the network (with one sample's activations): a pipeline of 2
     # stages, 2 replicas of it; with M = 8 a stage keeps 2 samples however large its share.
     need = cost_model(g, batch=BATCH, micro_batches=MICRO).totals()["memory_bytes"]
@@ -72,8 +82,10 @@ def same_training(rows, reference, run_dir: Path | None = None) -> None:
 
 
 def test_two_stages_by_two_replicas_train_like_one_process(files, reference, tmp_path):
-    result = launch(LaunchConfig(**common(files), out=tmp_path / "run", fleet=str(files / "fleet4.yml"),
-                                 micro_batches=MICRO, replicas=2))
+    with replicas_recorded(tmp_path / "replicas"):
+        result = launch(LaunchConfig(**common(files), out=tmp_path / "run", fleet=str(files / "fleet4.yml"),
+                                     micro_batches=MICRO, replicas=2))
+    assert assert_replicas_identical(tmp_path / "replicas", 2) == 3  # checkpoints 2, 4, 6: every replica alike
     pl = result.placement
     assert pl["replicas"] == 2 and len(pl["replica_pnodes"][0]) == 2 and sorted(pl["batch_shares"]) == [4, 4]
     assert sorted(result.attempts[0]["ranks"]) == ["w0", "w1", "w2", "w3"]
@@ -171,11 +183,16 @@ def test_a_placement_file_with_replicas_is_read_or_refused(tmp_path):
 
 def test_unequal_replicas_train_on_unequal_shares_like_one_process(files, reference, tmp_path):
     """One PNode four times slower than the others: its replica takes less of the global batch.  Buckets of
-    16 KiB: the stages' gradients go out in many buckets, launched from the backward hooks in one order."""
+    16 KiB: the stages' gradients go out in many buckets, launched from the backward hooks in one order.
+    The blocks recompute their interiors (remat marks, dropout inside): replica 1's micro-batches start at
+    sample offsets up to 7, and a recompute must draw those samples' masks again."""
     text = (files / "fleet4.yml").read_text().replace("flops: 1G", "flops: 2G", 3).replace("flops: 1G", "flops: 500M")
     (tmp_path / "mixed.yml").write_text(text.replace("name: four", "name: mixed"))
-    result = launch(LaunchConfig(**common(files), out=tmp_path / "run", fleet=str(tmp_path / "mixed.yml"),
-                                 micro_batches=MICRO, replicas=2, bucket_bytes=16_384))
+    with replicas_recorded(tmp_path / "replicas"):
+        result = launch(LaunchConfig(**{**common(files), "network": str(files / "net_remat.yml")},
+                                     out=tmp_path / "run", fleet=str(tmp_path / "mixed.yml"), micro_batches=MICRO,
+                                     replicas=2, bucket_bytes=16_384))
+    assert assert_replicas_identical(tmp_path / "replicas", 2) == 3
     shares = result.placement["batch_shares"]
     assert sum(shares) == BATCH and len(set(shares)) == 2
     same_training(result.history, reference, tmp_path / "run")

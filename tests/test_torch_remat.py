@@ -27,11 +27,11 @@ def mark_all(graph):
     return graph
 
 
-def step(graph, ids, targets):
+def step(graph, ids, targets, offset=0):
     module = compile_network(graph, seed=0)
     program = module.program_for(tuple(module.cost_names), training=True)
     args = [ids if name.startswith("embedder") else targets for name in program.feeds]
-    with dropout_key(7, 3):
+    with dropout_key(7, 3, offset):
         loss = program.module(*args)[module.cost_names[0]]
     loss.backward()  # outside the key: a recomputed dropout must use the key its forward saw
     return loss.detach(), {k: p.grad for k, p in module.named_parameters()}, program.module
@@ -56,6 +56,26 @@ def test_same_loss_and_gradients_with_dropout(passes):
     assert "dropout" in bodies
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
     assert grads0.keys() == grads1.keys()
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
+
+
+def test_a_micro_batch_at_a_sample_offset_recomputes_its_own_masks():
+    """A micro-batch or replica holding samples 5..7 of the step draws those samples' dropout masks (the key's
+    offset), in the checkpointed forward and again in its recompute: the same loss and gradients as without
+    remat, and not those of samples 0..2 (a recompute that lost the offset would mix the two)."""
+    plain = prepare_graph(vgraph.load(TINY), passes=FUSED, target="cpu")
+    marked = mark_all(plain.copy())
+    emb = plain.nodes_of_type("embedder")[0].cfg
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    loss0, grads0, _ = step(plain, ids, targets, offset=5)
+    loss1, grads1, _ = step(marked, ids, targets, offset=5)
+    _, at_zero, _ = step(plain, ids, targets, offset=0)
+    moved = max(float((at_zero[k] - grads0[k]).abs().max() / grads0[k].abs().max()) for k in grads0)
+    assert moved > 0.01  # the offset chooses other masks: gradients move by percents, far above the tolerance
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
     for k in grads0:
         torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
 

@@ -22,10 +22,18 @@ by tensor, in the unfused checkpoint layout both write:
 
 `bitwise=True` is for runs that must be identical (a resume against an uninterrupted run, replicas
 against the same micro-batches on one worker).
+
+A checkpoint of a launch holds replica 0's share of every stage only.  `replicas_recorded` sees the
+others: every launch worker started inside it saves its stage's weights and optimizer state each time it
+checks its replicas before a checkpoint (worker.check_replicas_agree, wrapped by a `--plugin` file every
+worker imports), and `assert_replicas_identical` compares them, bit for bit, across the replicas of each
+stage: replicas start equal and apply the same summed gradients, so nothing else is right.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -69,3 +77,70 @@ def assert_same_weights(a: str | Path, b: str | Path, *, steps: int = 0, lr: flo
         scale = float(y.double().abs().max())
         tol = rtol * (2 if key.endswith(":exp_avg_sq") else 1)
         assert diff <= tol * scale, f"{key}: differs by {diff:.3g}, {diff / max(scale, 1e-30):.3g} of its largest value"
+
+
+# Imported by every launch worker (a --plugin file; RECORD is written above it): before each check of the
+# replicas (worker.py, at every checkpoint) this rank's weights and optimizer state go to RECORD/rank<r>-<n>.pt.
+_REPLICA_SPY = '''
+import itertools
+import torch
+import torch.distributed as dist
+from vgraph.backends.torch.distributed import worker as _worker
+
+_check = _worker.check_replicas_agree
+_count = itertools.count()
+
+def _recording(group, named, device="cpu"):
+    state = {name: t.detach().to("cpu", copy=True) for name, t in named}
+    torch.save(state, f"{RECORD}/rank{dist.get_rank()}-{next(_count)}.pt")
+    return _check(group, named, device=device)
+
+_worker.check_replicas_agree = _recording
+'''
+
+
+@contextlib.contextmanager
+def replicas_recorded(directory: Path) -> Iterator[Path]:
+    """Launches inside record every rank's state at each checkpoint into `directory` (see the docstring).
+    The path is written into the plugin file: workers fork from a forkserver that an earlier launch may
+    have started with its own environment."""
+    from vgraph import plugins
+    from vgraph.backends.torch.distributed import worker
+
+    directory.mkdir(parents=True, exist_ok=True)
+    spy = directory / "replica_spy.py"
+    spy.write_text(f"RECORD = {str(directory)!r}\n" + _REPLICA_SPY, encoding="utf-8")
+    saved_check, saved_files = worker.check_replicas_agree, dict(plugins._FILES)
+    plugins.load_file(spy)  # the launcher forwards every plugin file this process loaded to its workers
+    try:
+        yield directory
+    finally:  # this process imported the spy too: the real check and the plugin list come back
+        worker.check_replicas_agree = saved_check
+        plugins._FILES.clear()
+        plugins._FILES.update(saved_files)
+
+
+def assert_replicas_identical(directory: Path, replicas: int) -> int:
+    """Every replica of every stage held the same weights and optimizer state, bit for bit, at every
+    checkpoint recorded in `directory` (world rank r x P + s: stage s of replica r).  Returns how many
+    checkpoints each rank recorded."""
+    records: dict[int, list[Path]] = {}
+    for path in directory.glob("rank*-*.pt"):
+        rank, n = (int(x) for x in path.stem[len("rank"):].split("-"))
+        records.setdefault(rank, []).append(path)
+    world = len(records)
+    assert replicas >= 2 and world % replicas == 0 and world >= replicas, sorted(records)
+    per_rank = {len(v) for v in records.values()}
+    assert len(per_rank) == 1 and min(per_rank) >= 1, {r: len(v) for r, v in records.items()}
+    P = world // replicas
+    for s in range(P):
+        for n in range(min(per_rank)):
+            first = torch.load(directory / f"rank{s}-{n}.pt")
+            assert first, f"stage rank {s} recorded no state"
+            for r in range(1, replicas):
+                other = torch.load(directory / f"rank{r * P + s}-{n}.pt")
+                assert other.keys() == first.keys(), (s, r)
+                for key, value in first.items():
+                    assert torch.equal(other[key], value), \
+                        f"replica {r} of stage rank {s}, checkpoint {n}: {key} differs from replica 0's"
+    return min(per_rank)
