@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 MAX_MESSAGE_CHARS = 2000  # a diagnostic is one readable line: nothing it quotes may make it longer
+MAX_DIAGNOSTICS = 1000  # a list longer than this is counted, not printed ("... and 4,497,500 more")
 QUOTE_CHARS = 80  # how much of a user's value a message quotes
 
 
@@ -69,7 +70,7 @@ class VGraphError(Exception):
     def __init__(self, diagnostics: Iterable[Diagnostic] | str):
         if isinstance(diagnostics, str):
             diagnostics = [Diagnostic(diagnostics)]
-        self.diagnostics: list[Diagnostic] = list(diagnostics)
+        self.diagnostics: list[Diagnostic] = bounded(diagnostics)
         super().__init__("\n".join(str(d) for d in self.diagnostics))
 
     @property
@@ -77,25 +78,65 @@ class VGraphError(Exception):
         return [d for d in self.diagnostics if d.severity == "error"]
 
 
+@dataclass(frozen=True)
+class NotListed(Diagnostic):
+    """The line that counts the diagnostics a bounded list left out."""
+
+    count: int = 0
+
+
+def bounded(diagnostics: Iterable[Diagnostic], more: int = 0) -> list[Diagnostic]:
+    """The first MAX_DIAGNOSTICS of `diagnostics`, then one line counting the rest (and `more` dropped
+    earlier): a hostile file can make millions of mistakes, and printing them is a denial of service.
+    Bounding a bounded list again keeps its count."""
+    kept: list[Diagnostic] = []
+    rest = more
+    for d in diagnostics:
+        if isinstance(d, NotListed):
+            rest += d.count
+        elif len(kept) < MAX_DIAGNOSTICS:
+            kept.append(d)
+        else:
+            rest += 1
+    if rest:
+        kept.append(NotListed(f"... and {rest:,} more problem(s) not listed (the first {len(kept):,} are above)",
+                              count=rest))
+    return kept
+
+
 class DiagnosticSink:
-    """Collects diagnostics while a pipeline stage keeps going."""
+    """Collects diagnostics while a pipeline stage keeps going; keeps MAX_DIAGNOSTICS of them and counts
+    the rest (`dropped`), so a file with millions of problems costs neither memory nor minutes."""
 
     def __init__(self) -> None:
         self.items: list[Diagnostic] = []
+        self.dropped = 0
+        self._errors = False
+
+    def add(self, diagnostic: Diagnostic) -> None:
+        self._errors = self._errors or diagnostic.severity == "error"
+        if len(self.items) < MAX_DIAGNOSTICS:
+            self.items.append(diagnostic)
+        else:
+            self.dropped += 1
 
     def error(self, message: str, loc: SourceLoc | None = None, node: str | None = None) -> None:
-        self.items.append(Diagnostic(message, loc, node, "error"))
+        self.add(Diagnostic(message, loc, node, "error"))
 
     def warning(self, message: str, loc: SourceLoc | None = None, node: str | None = None) -> None:
-        self.items.append(Diagnostic(message, loc, node, "warning"))
+        self.add(Diagnostic(message, loc, node, "warning"))
 
     @property
     def has_errors(self) -> bool:
-        return any(d.severity == "error" for d in self.items)
+        return self._errors or any(d.severity == "error" for d in self.items)
+
+    def sorted(self) -> list[Diagnostic]:
+        """The kept diagnostics by file and line, and the count of the rest."""
+        return bounded(sorted_diagnostics(self.items), self.dropped)
 
     def raise_if_errors(self) -> None:
         if self.has_errors:
-            raise VGraphError(sorted_diagnostics(self.items))
+            raise VGraphError(self.sorted())
 
 
 def sorted_diagnostics(diags: Iterable[Diagnostic]) -> list[Diagnostic]:

@@ -34,7 +34,8 @@ from typing import Iterator
 import yaml
 
 from vgraph.base.diagnostics import (MAX_MESSAGE_CHARS, Diagnostic, DiagnosticSink, SourceLoc, VGraphError, printable,
-                                     quote, sorted_diagnostics)
+                                     quote)
+from vgraph.base.numbers import NumberError, checked_number
 from vgraph.base.safeio import read_input
 from vgraph.cost.fleet_links import NO_LINKS, Links, read_links
 from vgraph.cost.op_kinds import Efficiency, parse_kind
@@ -161,10 +162,11 @@ def _pnode_problems(p: PNode) -> list[str]:
         out.append(f"id {quote(p.id)} must be letters, digits, '_', '.' or '-' (it names a file)")
     if p.memory <= 0:
         out.append("memory must be positive")
-    if not (p.flops > 0 and math.isfinite(p.flops)):
-        out.append("flops must be positive")
-    if not (p.bandwidth > 0 and math.isfinite(p.bandwidth)):
-        out.append("bandwidth must be positive")
+    for what, value in (("flops", p.flops), ("bandwidth", p.bandwidth)):
+        try:
+            checked_number(value, what, low=1.0, high=1e30)
+        except NumberError as exc:
+            out.append(f"{exc} (per second)")
     if p.accelerator is not None and not _ACCELERATOR.match(p.accelerator):
         out.append(f"accelerator {p.accelerator!r} must be cpu or cuda-smXY")
     return out
@@ -205,10 +207,17 @@ def parse_bandwidth(text: str) -> float:
 
 
 def _finite(value: float, text: str) -> float:
-    """A quantity a machine can have: '1e400' overflows to inf, which no arithmetic survives."""
+    """A quantity a machine can have: '1e400' overflows to inf, which no arithmetic survives, and less
+    than one byte (FLOP) per second is not a machine either: '1e-310' is subnormal and its inverse, a
+    time, infinite.  0 is returned as 0 for the caller to refuse (or allow) in its own words."""
     if not math.isfinite(value) or value > 1e30:
         raise ValueError(f"{quote(text)} is beyond any machine (at most 1e30)")
-    return value
+    if value == 0:
+        return value
+    try:
+        return float(checked_number(value, quote(text), low=1.0))
+    except NumberError as exc:
+        raise ValueError(f"{exc} (a quantity per second or in bytes is at least 1)") from None
 
 
 def human_bytes(n: float) -> str:
@@ -231,7 +240,7 @@ class _FleetBuild:
         return SourceLoc(self.file, line)
 
     def error(self, line: int, msg: str, node: str | None = None) -> None:
-        self.sink.items.append(FleetDiagnostic(msg, SourceLoc(self.file, line), node))
+        self.sink.add(FleetDiagnostic(msg, SourceLoc(self.file, line), node))
 
 
 def loads_fleet(text: str, file: str = "<string>") -> Fleet:
@@ -251,8 +260,8 @@ def loads_fleet(text: str, file: str = "<string>") -> Fleet:
         if root is None:
             build.error(1, "empty file: expected a mapping with a 'pnodes' list")
     fleet = _read(root, build) if root is not None else None
-    if sink.items or fleet is None:
-        raise FleetError(sorted_diagnostics(sink.items))
+    if sink.items or sink.dropped or fleet is None:
+        raise FleetError(sink.sorted())
     return fleet
 
 
