@@ -1,6 +1,6 @@
-"""Batch shares are the best the step cost model knows: the planner's (`price_layout`) and shrink's
-(`rebalanced_shares`, the launcher's `_shrink`), checked by brute force over every integer split of the
-batch, with tied-weight sync and link latency nonzero and S >= 2 stages.
+"""Batch shares are the best the step cost model knows: the planner's (`price_layout`; shrink's are in
+test_replica_shrink.py), checked by brute force over every integer split of the batch, with tied-weight
+sync and link latency nonzero and S >= 2 stages.  No torch here: these run in a second (mutation testing).
 
 Why brute force and these conditions (issue 27, bug 5): the shares are optimised on a model of the step,
 b_r x bubble x a_r + c_r (a_r: the slowest stage's seconds per sample, c_r: tie sync and latency, fixed
@@ -23,15 +23,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tools.gen_networks import TransformerSpec, transformer
-from vgraph.backends.torch.distributed.launch import _shrink, place, split_pipeline
-from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import Fleet, PNode
 from vgraph.cost.fleet_links import Links, Region
-from vgraph.cost.stepcost import FleetArrays, StageLoads, stage_loads, step_cost, step_cost_of
+from vgraph.cost.stepcost import FleetArrays, StageLoads, step_cost_of
 from vgraph.passes.partition_replicas import price_layout
-from vgraph.placement.replica_report import rebalanced_shares
-from vgraph.transform.pipeline import run_pipeline
 
 GIB = 2 ** 30
 REL = 1e-9
@@ -106,86 +101,3 @@ def test_the_shares_balance_compute_against_fixed_costs():
     best, best_shares = brute_force(lambda b: step_cost_of(loads, fa, idx, b, 2), 12, 2)
     assert shares == best_shares == [4, 8] and cost.step_seconds == pytest.approx(best, rel=REL)
     assert step_cost_of(loads, fa, idx, [3, 9], 2).step_seconds > 1.04 * best
-
-
-# -- shrink: three replicas lose one ---------------------------------------------------------------
-
-BATCH, MICRO = 12, 2
-HEAD = ("final_norm", "head_up", "head_swiglu", "head_down", "lm_head", "loss")
-
-
-@pytest.fixture(scope="module")
-def three_replicas():
-    """The tiny network cut into 2 stages (its tied embedding split across them: synced every step), 3 replicas
-    on slow links (100 kB/s) in two regions: replica 0 fast with both stages in region a, replicas 1 (half
-    as fast) and 2 (a quarter) with a stage in each region, so they pay the 30 ms link twice a step and their
-    tie sync crosses it at half the rate.  Shares planned for 3 replicas."""
-    g = transformer(TransformerSpec("tiny-shrink", layers=2, vocab=64, seq_len=16, dim=32, heads=2, ffn=64,
-                                    head_up=64, precision=None))
-    for node_id in HEAD:
-        g.node(node_id).set_config(colocate_group="lm_head")
-    speeds = {"fast": 1e8, "mid": 5e7, "slow": 2.5e7}
-    region = {"fast0": "a", "fast1": "a", "mid0": "a", "mid1": "b", "slow0": "a", "slow1": "b"}
-    pnodes = [PNode(f"{kind}{s}", 4 * GIB, f, 1e5, "cpu", region=region[f"{kind}{s}"])
-              for kind, f in speeds.items() for s in (0, 1)]
-    links = Links({"a": Region("a", 1e9, 0.002), "b": Region("b", 1e9, 0.002)}, {frozenset(("a", "b")): (5e4, 0.03)})
-    fleet = Fleet.of("three", *pnodes, links=links)
-    rows = [[f"{kind}0", f"{kind}1"] for kind in speeds]
-    before, partition, after = split_pipeline(None, True, {"batch": str(BATCH), "micro_batches": str(MICRO)})
-    probe = g.copy()
-    run_pipeline(probe, before, target="cpu")
-    stage1 = {n.id for n in probe.nodes if n.id.startswith("block1") or n.config.get("colocate_group") == "lm_head"}
-    assignment = {n.id: rows[0][n.id in stage1] for n in probe.nodes}
-    first = place(g, fleet, before=before, partition=partition, after=after, target="cpu", batch=BATCH,
-                  micro_batches=MICRO, assignment=assignment)
-    shares = rebalanced_shares(first.graph, fleet, first.final, rows, BATCH, MICRO)
-    placed = place(g, fleet, before=before, partition=partition, after=after, target="cpu", batch=BATCH,
-                   micro_batches=MICRO, assignment=assignment, replicas=(rows, shares))
-    return placed, fleet, g, (before, partition, after)
-
-
-def pricer(placement, fleet, final, rows):
-    """shares -> StepCost of the plan `rows` (PNodes per replica, in stage order) for the placed graph."""
-    cm = cost_model(placement.graph, batch=BATCH, micro_batches=MICRO)
-    stage = {p: s for s, p in enumerate(rows[0])}
-    loads = stage_loads(cm, {v: stage[p] for v, p in final.items()}, len(rows[0]))
-    assert loads.sync.sum() > 0  # the tied weight is synced between the stages: fixed seconds per step
-    pnodes = [[fleet.pnode(p) for p in row] for row in rows]
-    return lambda shares: step_cost(loads, pnodes, shares, MICRO, fleet)
-
-
-def test_three_replicas_are_planned_by_speed(three_replicas):
-    placement, fleet, _, _ = three_replicas
-    assert placement.rows == [["fast0", "fast1"], ["mid0", "mid1"], ["slow0", "slow1"]]
-    assert placement.shares == [8, 2, 2]  # the fast replica most: its local pipeline pays no link latency
-    best, _ = brute_force(pricer(placement, fleet, placement.final, placement.rows), BATCH, 3)
-    assert placement.report["step_seconds"] == pytest.approx(best, rel=REL)
-
-
-@pytest.mark.parametrize("lost, survivors", [("mid1", ["fast", "slow"]), ("fast0", ["mid", "slow"]),
-                                             ("slow0", ["fast", "mid"])])
-def test_shrink_from_three_replicas_to_two_shares_the_whole_batch_by_speed(three_replicas, lost, survivors):
-    """`--on-failure shrink` (launch.py's `_shrink`): the survivors keep their PNodes and share the whole batch
-    again, the least step by brute force (keeping their old shares would leave samples unassigned)."""
-    placement, fleet, source, (before, partition, after) = three_replicas
-    assignment, (rows, shares) = _shrink(placement, fleet, [lost], f"{lost} (rank 3, exit -9)", BATCH, MICRO)
-    assert rows == [[f"{kind}0", f"{kind}1"] for kind in survivors]
-    assert set(assignment.values()) == set(rows[0])  # replica 0's assignment moved to the first survivor
-    assert sum(shares) == BATCH and shares[0] > shares[1] >= 1  # the whole batch, the faster replica more
-    final = {v: rows[0][placement.rows[0].index(p)] for v, p in placement.final.items()}
-    price = pricer(placement, fleet, final, rows)
-    best, best_shares = brute_force(price, BATCH, 2)
-    assert price(shares).fits and price(shares).step_seconds == pytest.approx(best, rel=REL), (shares, best_shares)
-    # the launcher's next attempt places exactly that plan
-    again = place(source, fleet, before=before, partition=partition, after=after, target="cpu", batch=BATCH,
-                  micro_batches=MICRO, assignment=assignment, replicas=(rows, shares))
-    assert again.rows == rows and again.shares == shares and again.final == final
-    assert again.report["step_seconds"] == pytest.approx(best, rel=REL)
-
-
-def test_shrink_without_a_whole_replica_left_is_an_error(three_replicas):
-    from vgraph.backends.torch import TrainingError
-
-    placement, fleet, _, _ = three_replicas
-    with pytest.raises(TrainingError, match="no complete replica is left"):
-        _shrink(placement, fleet, ["fast0", "mid1", "slow0"], "three workers", BATCH, MICRO)

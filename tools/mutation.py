@@ -15,6 +15,7 @@ it first on PYTHONPATH (ahead of the editable install), and mutates only there.
     bash tools/mutation.sh                    # every target (slow: hours on 2 cores)
     bash tools/mutation.sh catalog costmodel  # some targets
     bash tools/mutation.sh --list             # the targets, their scope and tests
+    bash tools/mutation.sh --count stepcost   # how many mutants a target has (nothing is run)
     bash tools/mutation.sh --recheck catalog  # rerun only the last session's survivors (after new tests)
 
 Not part of CI.  Work directory: $VGRAPH_MUTATION_DIR (default /tmp/vgraph-mutation); per target a
@@ -109,6 +110,40 @@ TARGETS: dict[str, Target] = {
                                               "tests/test_torch_checkpoint.py",
                                               "tests/test_torch_equivalence.py", "-k", "not six_layer"),
         timeout=300.0, why="what a training run saves and restores on resume (scaler, optimizer, data RNG)"),
+    "stepcost": Target(
+        "vgraph/cost/stepcost.py", ("tests/test_stepcost.py", "tests/test_replica_shares.py"),
+        functions=("bubble", "resident_samples", "resident_array", "ring_allreduce_bytes", "loads", "link",
+                   "stage_rates", "compute_per_sample", "stage_overhead", "compute_seconds", "step_cost_of",
+                   "_slowest_link"),
+        timeout=600.0, why="the predicted step of S stages x R replicas and its bytes, which the planner optimises"),
+    "partition-replicas": Target(
+        "passes/partition_replicas.py", ("tests/test_replica_shares.py", "tests/test_partition_replicas.py"),
+        functions=("price_layout", "_memory_caps", "_better", "_identical", "_replica_counts", "_retarget",
+                   "_stage_major", "_replica_major"),
+        timeout=600.0, why="which R x S plan a fleet gets, with which batch shares and memory caps"),
+    "replica-report": Target(
+        "vgraph/placement/replica_report.py", ("tests/test_replica_shrink.py", "tests/test_partition_replicas.py"),
+        functions=("replica_layout", "rebalanced_shares"),
+        timeout=600.0, why="placement.json's replica fields and the shares after --on-failure shrink"),
+    "remat-cost": Target(
+        "vgraph/cost/remat.py", ("tests/test_remat.py", "tests/test_remat_everywhere.py", "tests/test_torch_remat.py",
+                                 "-k", "not training_resume"),
+        timeout=600.0, why="what recompute marks cost and which regions a backend checkpoints"),
+    "remat-regions": Target(
+        "backends/torch/remat_regions.py", ("tests/test_torch_remat.py", "-k", "not training_resume"),
+        timeout=600.0, why="the torch lowering of remat regions: checkpointed submodules, dropout keys"),
+    "grad-sync": Target(
+        "backends/torch/distributed/grad_sync.py", ("tests/test_grad_sync.py",),
+        functions=("allreduce_sum", "summed", "ring_bytes_sent", "bucket_layout", "__init__", "begin",
+                   "last_backward", "ready", "finish", "_on_grad", "_mark", "_launch"),
+        timeout=600.0, why="the replicas' gradient sum: buckets, readiness, the ring bytes"),
+    "loss-scaler": Target(
+        "backends/torch/distributed/loss_scaler.py", ("tests/test_loss_scaler.py",),
+        timeout=600.0, why="a launch's loss-scale decisions and their checkpoint state"),
+    "replica-groups": Target(
+        "backends/torch/distributed/replica_groups.py",
+        ("tests/test_distributed_replicas.py", "-k", "stage_groups or drifted"),
+        timeout=600.0, why="the stage groups and the checks that replicas hold the same parameters and values"),
 }
 
 
@@ -175,7 +210,9 @@ def _test_command(python: str, target: Target) -> str:
                        "--no-header", "-o", "addopts=", *target.tests])
 
 
-def run_target(name: str, target: Target, base: Path, python: str) -> dict:
+def init_session(name: str, target: Target, base: Path, python: str) -> tuple[Path, Path, dict[str, str], int]:
+    """A fresh work directory and cosmic-ray session for `name`, mutants outside its scope skipped:
+    (work directory, session, environment, mutants to run)."""
     work = prepare(base / name)
     module = layout_path(target.source)
     env = _env(work, target)
@@ -190,14 +227,19 @@ def run_target(name: str, target: Target, base: Path, python: str) -> dict:
         "\n[cosmic-ray.distributor]\nname = \"local\"\n", encoding="utf-8")
     session = work / "session.sqlite"
     cosmic = str(Path(python).with_name("cosmic-ray"))
+    subprocess.run([cosmic, "init", str(config), str(session), "--force"], cwd=work, env=env, check=True)
+    return work, session, env, skip_outside_scope(session, work / module, target)
 
+
+def run_target(name: str, target: Target, base: Path, python: str) -> dict:
+    work, session, env, selected = init_session(name, target, base, python)
+    test_command = _test_command(python, target)
+    cosmic = str(Path(python).with_name("cosmic-ray"))
     baseline = subprocess.run(shlex.split(test_command), cwd=work, env=env, capture_output=True, text=True)
     if baseline.returncode != 0:
         raise SystemExit(f"{name}: the tests fail without any mutation; fix that first:\n{baseline.stdout[-3000:]}")
-    subprocess.run([cosmic, "init", str(config), str(session), "--force"], cwd=work, env=env, check=True)
-    selected = skip_outside_scope(session, work / module, target)
     start = time.monotonic()
-    subprocess.run([cosmic, "exec", str(config), str(session)], cwd=work, env=env, check=True)
+    subprocess.run([cosmic, "exec", str(work / "cosmic-ray.toml"), str(session)], cwd=work, env=env, check=True)
     report = summarize(name, target, session, selected, time.monotonic() - start)
     (work / "report.txt").write_text(report["text"], encoding="utf-8")
     print(report["text"], flush=True)
@@ -293,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("targets", nargs="*", help=f"any of: {', '.join(TARGETS)} (default: all)")
     parser.add_argument("--list", action="store_true", help="list the targets and exit")
+    parser.add_argument("--count", action="store_true",
+                        help="only say how many mutants each target would run (a session is prepared, none run)")
     parser.add_argument("--recheck", action="store_true",
                         help="only rerun the survivors of each target's last session against the current tests")
     args = parser.parse_args(argv)
@@ -305,6 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
     base = Path(os.environ.get("VGRAPH_MUTATION_DIR", "/tmp/vgraph-mutation"))
+    if args.count:
+        for name in args.targets or TARGETS:
+            print(f"{name}: {init_session(name, TARGETS[name], base / 'count', sys.executable)[3]} mutants", flush=True)
+        return 0
     if args.recheck:
         return 1 if sum(recheck(name, TARGETS[name], base, sys.executable) for name in (args.targets or TARGETS)) else 0
     reports = [run_target(name, TARGETS[name], base, sys.executable) for name in (args.targets or TARGETS)]
