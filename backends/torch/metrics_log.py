@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 import torch
 
-from vgraph.base.safeio import atomic_write
+from vgraph.base.safeio import atomic_write, read_input
 
 from .lower import VGraphModule
 from .node_optimizers import NodeOptimizers
@@ -30,7 +30,10 @@ if TYPE_CHECKING:
     from .training_setup import RunSetup
 
 __all__ = ["MetricsLog", "MetricsSink", "metric_columns", "metric_values", "step_rows", "progress_bar", "run_banner",
-           "LineProgress"]
+           "LineProgress", "read_rows"]
+
+METRICS_LIMIT = 2**40  # our own file, read bounded all the same (safeio)
+
 
 class MetricsSink(Protocol):
     """Where else the rows go as they are written (tensorboard_log.TensorBoardLog)."""
@@ -54,15 +57,7 @@ class MetricsLog:
 
     def restart(self, upto_step: int) -> None:
         """Keep rows up to `upto_step` (a resumed run redoes what came after) and rewrite both files."""
-        rows = []
-        if self.jsonl.is_file():
-            for line in self.jsonl.read_text(encoding="utf-8").splitlines():
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue  # a line torn by a kill
-                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= upto_step:
-                    rows.append(row)
+        rows = [row for row in read_rows(self.jsonl) if row["step"] <= upto_step]
         self.rows = rows
         self._version += 1
         atomic_write_text(self.jsonl, "".join(json.dumps(r) + "\n" for r in rows))
@@ -129,6 +124,21 @@ class MetricsLog:
         fig.savefig(image, format="png")
         atomic_write(path, image.getvalue(), durable=False)  # redrawn at every checkpoint
         self._drawn = (path, self._version)
+
+def read_rows(jsonl: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (none if it is missing; a line torn by a kill, or without an integer step,
+    is skipped): what a resumed run keeps, and what `vgraph launch` returns as its history."""
+    rows = []
+    if jsonl.is_file():
+        for line in read_input(jsonl, what="metrics file", limit=METRICS_LIMIT).splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line torn by a kill
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                rows.append(row)
+    return rows
+
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -73,10 +73,13 @@ class TrainStep:
 
 
 class LossCheck:
-    """Stops training on a non-finite loss (unless the loss scaler may skip it) and counts skipped steps."""
+    """Stops training on a non-finite loss (unless the loss scaler may skip it) and counts skipped steps.
 
-    def __init__(self, scaler: torch.amp.GradScaler, loss_scaling: bool, max_skipped_steps: int, graph: Graph,
-                 run_dir: Path) -> None:
+    Shared by `vgraph train` (a GradScaler) and the workers of `vgraph launch` (their SharedLossScaler,
+    which answers `get_scale` alike), so both stop, skip and explain in the same words."""
+
+    def __init__(self, scaler: torch.amp.GradScaler | Any, loss_scaling: bool, max_skipped_steps: int,
+                 graph: Graph, run_dir: Path) -> None:
         self.scaler = scaler
         self.loss_scaling = loss_scaling
         self.max_skipped_steps = max_skipped_steps
@@ -90,13 +93,17 @@ class LossCheck:
         """The pending losses as floats (a sync point); raises `TrainingError` on one training cannot survive."""
         values = torch.stack([l for _, l, _ in pending]).float().cpu().tolist()
         for (s, _, _), value in zip(pending, values):
-            if math.isfinite(value):
-                self.consecutive_bad = 0
-                continue
-            self.consecutive_bad += 1
-            if not self.loss_scaling or self.consecutive_bad > self.max_skipped_steps:
-                raise TrainingError(self._diverged(s, value))
+            self.check(s, value)
         return values
+
+    def check(self, step: int, value: float) -> None:
+        """One step's loss: a `TrainingError` if training cannot survive it (see the class docstring)."""
+        if math.isfinite(value):
+            self.consecutive_bad = 0
+            return
+        self.consecutive_bad += 1
+        if not self.loss_scaling or self.consecutive_bad > self.max_skipped_steps:
+            raise TrainingError(self._diverged(step, value))
 
     def scale_after_update(self) -> float:
         """The loss scale after the latest update; counts the steps skipped since the previous call."""

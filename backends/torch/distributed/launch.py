@@ -2,7 +2,8 @@
 
     vgraph launch NETWORK.yml --fleet FLEET.yml [train options] [--micro-batches M] [--pipeline 1f1b|gpipe]
                   [--replicas N|auto] [--on-failure restart|repartition|shrink|stop] [--max-restarts N]
-                  [--nnodes N --node-rank R --master-addr HOST --master-port PORT]
+                  [--nnodes N --node-rank R --master-addr HOST --master-port PORT] [--bucket-size SIZE]
+                  [--emit-job DIR]
 
 The launcher (this module) does what needs doing once: it runs the pass
 pipeline with the `partition` pass in it (before the fusions, so fusion
@@ -59,7 +60,14 @@ next attempt is.  A PNode stays on the machine that ran it first (after a
 shrink, the survivors keep theirs).  The worker is a plain
 torchrun-style program, so
 `torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.distributed.worker JOB.json`
-with the job file this command writes also works.
+from the job file `--emit-job DIR` writes (it prepares the run directory and
+trains nothing) also works, and so does `srun` (docs/distributed.md).
+
+The launch reads top to bottom: `_prepare` (settings, run directory, data,
+once), then per attempt `_place_attempt` (placement, run.json,
+placement.json, the job file: job.py) and `_supervise` (this machine's
+workers, supervisor.py), and `_after_failure` (restart, re-partition or
+shrink, or give up; across machines, machine 0 decides: membership.py).
 """
 from __future__ import annotations
 
@@ -67,36 +75,35 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 import threading
-import time
-import types
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import read_input
+from vgraph.base.safeio import atomic_write, read_input
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
 from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
+from vgraph.run.compiled_graph import apply_assignment
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline, semantic_changes
 
 from .. import checkpoint as ckpt
 from .. import data as D
 from .comm_choice import COMM_MODES, choose_comm
 from .grad_sync import DEFAULT_BUCKET_BYTES
-from .plan import PIPELINES
+from .job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
 from .membership import MachineLost, Machines, decide
-from .rendezvous import TOKEN_ENV, check_token, free_port, gloo_environment, probe_port
-from .worker import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, apply_assignment
+from .plan import PIPELINES
+from .rendezvous import TOKEN_ENV, check_token, free_port, probe_port
+from .supervisor import Supervisor
 from ..interrupt import StopRequest
+from ..metrics_log import read_rows
 from ..run_files import atomic_write_text, run_slug
 from ..train_config import TrainConfig, TrainingError
 from ..training_data import prepare_data
@@ -107,7 +114,6 @@ __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", 
            "register_launch", "main"]
 
 ON_FAILURE = ("restart", "repartition", "shrink", "stop")
-TERMINATE_GRACE_S = 5.0
 
 
 @dataclass
@@ -131,6 +137,7 @@ class LaunchConfig(TrainConfig):
     hold: tuple[str, int] | None = None  # test hook: the worker of PNode [0] stops after step [1] (1st attempt)
     comm: str = "auto"  # auto | gloo | nccl-on-gloo (test hook: the nccl path's code over gloo), comm_choice.py
     log: Callable[[str], None] | None = None  # where status and worker lines go (default stderr)
+    emit_job: str | Path | None = None  # write the run directory and DIR/job.json, train nothing (torchrun, srun)
 
 
 @dataclass
@@ -278,162 +285,6 @@ def read_placement(path: str | Path) -> dict[str, str]:
     return assignment
 
 
-# -- processes --------------------------------------------------------------------------------------
-
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when its parent dies, so no orphan keeps a port or a GPU.
-
-    A worker's parent is the forkserver, which exits when the launcher does."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _worker_process(job_path: str, env: dict[str, str], output: Any) -> None:
-    """A worker's entry point, forked from the forkserver (torch is already imported there).
-
-    Its stdout and stderr, Python's and C's alike, go into `output`, a pipe the
-    launcher reads and prefixes with the PNode id.
-    """
-    os.dup2(output.fileno(), 1)
-    os.dup2(output.fileno(), 2)
-    output.close()
-    os.environ.update(env)
-    _die_with_parent()
-    # Ctrl-C reaches the whole process group: the launcher alone decides (a stop request, launch()).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from .worker import main as worker_main
-
-    sys.exit(worker_main([job_path]))
-
-
-def _context() -> Any:
-    """Workers fork from a forkserver that imported vgraph and torch once: a worker (and a restart)
-    starts in milliseconds instead of seconds, and nothing is forked from the launcher's threads."""
-    import multiprocessing as mp
-
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    # torch._dynamo: the first optimizer built imports it (1-2 s), once here instead of in every worker.
-    ctx.set_forkserver_preload(["vgraph.backends.torch.distributed.launch", "torch._dynamo"])
-    return ctx
-
-
-@contextmanager
-def _main_module_hidden() -> Iterator[None]:
-    """multiprocessing re-runs the parent's main script in a child unless it is guarded by
-    `if __name__ == "__main__"`; a worker needs nothing from it, so it is hidden while starting one."""
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
-
-
-@dataclass
-class _Worker:
-    rank: int
-    pnode: str
-    process: Any  # multiprocessing.Process
-    relay: threading.Thread
-
-
-class _Supervisor:
-    """Starts the local workers of one attempt, relays their output, and waits for the outcome."""
-
-    def __init__(self, emit: Callable[[str], None], token: str = "") -> None:
-        self.emit = emit
-        self.token = token  # the run's shared secret (rendezvous.py), handed to each worker
-        self.workers: list[_Worker] = []
-
-    def start(self, job_path: Path, ranks: Sequence[int], pnodes: Sequence[str], world: int, addr: str, port: int,
-              threads: int) -> None:
-        ctx = _context()
-        for local_rank, rank in enumerate(ranks):
-            env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(len(ranks)), OMP_NUM_THREADS=str(threads),
-                       MKL_NUM_THREADS=str(threads), VGRAPH_PNODE=pnodes[rank], **{TOKEN_ENV: self.token},
-                       **gloo_environment(addr))  # gloo on the interface towards the master, not loopback
-            reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=_worker_process, args=(str(job_path), env, writer),
-                                  name=f"vgraph-worker-{pnodes[rank]}", daemon=True)
-            with _main_module_hidden():
-                process.start()
-            writer.close()
-            relay = threading.Thread(target=self._relay, args=(pnodes[rank], reader), daemon=True)
-            relay.start()
-            self.workers.append(_Worker(rank, pnodes[rank], process, relay))
-
-    def _relay(self, pnode: str, reader: Any) -> None:
-        fd = reader.fileno()
-        pending = b""
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                self.emit(f"[{pnode}] {line.decode('utf-8', 'replace').rstrip()}")
-        if pending.strip():
-            self.emit(f"[{pnode}] {pending.decode('utf-8', 'replace').rstrip()}")
-        reader.close()
-
-    def pids(self) -> dict[str, int]:
-        return {w.pnode: w.process.pid for w in self.workers}
-
-    def wait(self, poll_s: float = 0.02, trouble: Callable[[], str | None] | None = None
-             ) -> tuple[bool, dict[int, int], list[int]]:
-        """(all succeeded, exit code per rank, ranks that failed first).  `trouble` (several machines:
-        membership.py) says why the workers must stop although none failed here: then none counts as lost."""
-        while True:
-            why = trouble() if trouble is not None else None
-            if why:
-                self.emit(f"launch: {why}; stopping this machine's workers")
-                self.stop()
-                return False, {w.rank: w.process.exitcode for w in self.workers}, []
-            codes = {w.rank: w.process.exitcode for w in self.workers}
-            failed = [r for r, c in codes.items() if c not in (None, 0)]
-            if failed:
-                first = {r: codes[r] for r in failed}
-                self.stop()
-                final = {w.rank: w.process.exitcode for w in self.workers}
-                # Ranks killed by a signal before we stopped anyone are the lost ones; else the first to exit.
-                lost = [r for r, c in first.items() if c is not None and c < 0] or failed
-                return False, final, lost
-            if all(c == 0 for c in codes.values()):
-                self._join()
-                return True, {r: 0 for r in codes}, []
-            time.sleep(poll_s)
-
-    def stop(self) -> None:
-        alive = [w for w in self.workers if w.process.exitcode is None]
-        for w in alive:
-            w.process.terminate()
-        deadline = time.monotonic() + TERMINATE_GRACE_S
-        for w in alive:
-            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if w.process.exitcode is None:
-                w.process.kill()
-                w.process.join()
-        self._join()
-
-    def _join(self) -> None:
-        for w in self.workers:
-            w.relay.join(timeout=5)
-
-
 # -- the launch -------------------------------------------------------------------------------------
 
 def _validate(cfg: LaunchConfig) -> None:
@@ -465,6 +316,9 @@ def _validate(cfg: LaunchConfig) -> None:
         raise VGraphError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
     if isinstance(cfg.bucket_bytes, bool) or not isinstance(cfg.bucket_bytes, int) or not 1 <= cfg.bucket_bytes <= 2**62:
         raise VGraphError(f"--bucket-size must be a whole number of bytes from 1 to 2**62, got {cfg.bucket_bytes!r}")
+    if cfg.emit_job is not None and cfg.node_rank != 0:
+        raise VGraphError("--emit-job writes the job once, on machine 0: drop --node-rank (torchrun and srun "
+                          "start every machine's workers from that one job file)")
 
 
 def launch(config: LaunchConfig) -> LaunchResult:
@@ -472,20 +326,55 @@ def launch(config: LaunchConfig) -> LaunchResult:
 
     The first Ctrl-C or SIGTERM asks the workers to stop after the current step with a checkpoint
     (a file they poll in their per-step reduction) and raises `Interrupted` saying how to resume;
-    a second one stops everything at once.
+    a second one stops everything at once.  With `emit_job`, only writes the run directory and the job.
     """
     stop = StopRequest(lambda line: print(line, file=sys.stderr, flush=True))
     restore = stop.install()
-    machines = Machines()  # several machines: opened by _launch (membership.py)
+    machines = Machines()  # several machines: opened by _prepare (membership.py)
     try:
-        return _launch(config, stop, machines)
+        run = _prepare(config, stop, machines)
+        if config.emit_job is not None:
+            return _emit_job(run, Path(config.emit_job))
+        return _collect(run, _attempts(run, stop))
     finally:
         machines.close()
         restore()
 
 
-def _launch(config: LaunchConfig, stop: StopRequest, machines: Machines) -> LaunchResult:
-    cfg = config
+@dataclass
+class _Run:
+    """What a launch prepares once, before any attempt: the checked settings, the network, the run
+    directory with its data files, and the pass pipeline around the partition."""
+
+    cfg: LaunchConfig
+    machines: Machines  # several machines: the launchers' channel (membership.py)
+    emit: Callable[[str], None]  # every line (worker output included)
+    say: Callable[[str], None]  # status lines (silent under --quiet)
+    token: str
+    fleet: Fleet
+    source: Graph
+    yaml_text: str
+    network_file: str
+    micro: int
+    run_dir: Path
+    lead: bool  # machine 0: writes the run directory
+    before: str
+    partition: str
+    after: str
+    target: str
+    run_info: dict[str, Any]
+    data_dir: str  # the prepared corpus (absolute)
+    data_digest: str
+    tokenizer: str  # relative to run_dir
+    home: dict[str, int] | None = None  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
+
+    @property
+    def launch_dir(self) -> Path:
+        return self.run_dir / LAUNCH_DIR
+
+
+def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
+    """Check the settings, open the run directory (machine 0), tokenise the data once, write the run's files."""
     _validate(cfg)
     lock = threading.Lock()
 
@@ -496,16 +385,18 @@ def _launch(config: LaunchConfig, stop: StopRequest, machines: Machines) -> Laun
             else:
                 print(line, file=sys.stderr, flush=True)
 
-    say = emit if cfg.progress else (lambda line: None)
-    token = check_token(os.environ.get(TOKEN_ENV), cfg.nnodes)  # before anything is written or started
-    if cfg.master_port and cfg.node_rank == 0:
-        probe_port(cfg.master_addr, cfg.master_port)
-    if cfg.nnodes > 1:  # the launchers' channel: heartbeats and one decision per failure
-        try:
-            machines.open(cfg.master_addr, (cfg.master_port or 29500) - 1, token, cfg.node_rank, cfg.nnodes,
-                          cfg.link_timeout, cfg.comm_timeout)
-        except MachineLost as exc:
-            raise TrainingError(str(exc)) from None
+    emitting = cfg.emit_job is not None
+    token = os.environ.get(TOKEN_ENV) or ""
+    if not emitting:  # torchrun has its own rendezvous; srun workers check the token themselves
+        token = check_token(token or None, cfg.nnodes)  # before anything is written or started
+        if cfg.master_port and cfg.node_rank == 0:
+            probe_port(cfg.master_addr, cfg.master_port)
+        if cfg.nnodes > 1:  # the launchers' channel: heartbeats and one decision per failure
+            try:
+                machines.open(cfg.master_addr, (cfg.master_port or 29500) - 1, token, cfg.node_rank, cfg.nnodes,
+                              cfg.link_timeout, cfg.comm_timeout)
+            except MachineLost as exc:
+                raise TrainingError(str(exc)) from None
     fleet = resolve_fleet(cfg.fleet)
     device = resolve_device(cfg.device)
     source, yaml_text = load_network(cfg.network)
@@ -514,194 +405,288 @@ def _launch(config: LaunchConfig, stop: StopRequest, machines: Machines) -> Laun
     micro = cfg.micro_batches or min(cfg.batch, 2 * len(fleet))
     if not 1 <= micro <= cfg.batch:
         raise TrainingError(f"--micro-batches must be between 1 and --batch {cfg.batch}, got {micro}")
-
     run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
     launch_dir = run_dir / LAUNCH_DIR
+    lead = cfg.node_rank == 0
+    if lead:
+        open_run_dir(run_dir, cfg.resume)  # refuses an existing run unless --resume
     launch_dir.mkdir(parents=True, exist_ok=True)
     (launch_dir / STOP_FILE).unlink(missing_ok=True)
     stop.on_request = lambda: atomic_write_text(launch_dir / STOP_FILE, "stop\n")
-    lead = cfg.node_rank == 0
-    resume = cfg.resume
     if lead:
-        open_run_dir(run_dir, resume)  # refuses an existing run unless --resume
         for stale in [*launch_dir.glob("held-*"), *launch_dir.glob("error-*"), launch_dir / "release"]:
             stale.unlink(missing_ok=True)
-
-    # Data, once for every worker: the corpus `vgraph train` would read; the workers map its shards.
-    data = prepare_data(cfg, vocab, seq_len, say)
-    tokenizer, tok_kind, data_desc = data.tokenizer, data.tokenizer_kind, data.description
-    tokenizer_path = launch_dir / "tokenizer.json"
-    atomic_write_text(tokenizer_path, tokenizer.to_str())
-
     target = device_target(device)
     options = {"batch": str(cfg.batch), "micro_batches": str(micro), "replicas": str(cfg.replicas)}
     before, partition, after = split_pipeline(cfg.passes, cfg.fuse, options)
-    run_info: dict[str, Any] = {
-        "network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len, "data": data_desc,
-        "data_digest": data.digest, "tokenizer": tok_kind, "vocab_size": vocab, "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device),
-        "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
-    }
-    if lead:
-        if not (run_dir / "network.yml").exists() or not resume:
-            atomic_write_text(run_dir / "network.yml", yaml_text)
-            atomic_write_text(run_dir / "tokenizer.json", tokenizer.to_str())
+    run = _Run(cfg, machines, emit, emit if cfg.progress else (lambda line: None), token, fleet, source, yaml_text,
+               network_file, micro, run_dir, lead, before, partition, after, target, {}, "", "", "")
+    _write_data(run, vocab, seq_len, device)
+    return run
 
-    result = LaunchResult(run_dir, 0, None, None, None)
-    hold = cfg.hold
-    attempt = 0
+
+def _write_data(run: _Run, vocab: int, seq_len: int, device: Any) -> None:
+    """The corpus every worker reads (prepared and verified once: training_data.py), the tokenizer, and
+    network.yml + tokenizer.json as `vgraph train` writes them; run_info, run.json's content."""
+    cfg = run.cfg
+    data = prepare_data(cfg, vocab, seq_len, run.say)  # the corpus `vgraph train` would read
+    tokenizer = data.tokenizer
+    run.data_dir, run.data_digest = str(data.dataset.corpus.root.absolute()), data.digest
+    run.tokenizer = f"{LAUNCH_DIR}/tokenizer.json"
+    atomic_write_text(run.run_dir / run.tokenizer, tokenizer.to_str())
+    run.run_info = {
+        "network": run.source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
+        "data": data.description, "data_digest": data.digest, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
+        "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "lr": cfg.lr, "steps": cfg.steps,
+        "warmup": cfg.warmup, "schedule": cfg.schedule,
+    }
+    if run.lead and (not (run.run_dir / "network.yml").exists() or not cfg.resume):
+        atomic_write_text(run.run_dir / "network.yml", run.yaml_text)
+        atomic_write_text(run.run_dir / "tokenizer.json", tokenizer.to_str())
+
+
+@dataclass
+class _Attempt:
+    """One attempt's placement, job and local workers."""
+
+    number: int
+    placement: Placement
+    job: Job
+    job_path: Path
+    local: list[int]  # world ranks this machine starts
+    threads: int
+    comm: Any  # comm_choice.CommChoice
+
+    @property
+    def ranks(self) -> list[str]:
+        return self.job.ranks
+
+
+def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any, hold: tuple[str, int] | None
+                   ) -> _Attempt | None:
+    """Place the network for attempt `number`, write run.json, placement.json and the attempt's job file.
+    None when no worker of this machine is left in the run (across machines, after a shrink)."""
+    cfg = run.cfg
+    placement = place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
+                      target=run.target, batch=cfg.batch, micro_batches=run.micro, assignment=given, replicas=layout)
+    changes = semantic_changes(placement.graph)
+    if changes:  # checkpoints carry the network as given: training another function would make them lie
+        raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "
+                            f"stores the network as given: write the changed network first (vgraph optimize "
+                            f"{run.network_file} --passes '{cfg.passes}' -o NEW.yml) and launch NEW.yml")
+    ranks = placement.world
+    local = _local_ranks(run, ranks, number)
+    if not local:  # shrunk away: this machine's PNodes are all in dropped replicas
+        run.emit(f"launch: no worker of this machine (node rank {cfg.node_rank}) is left in the run; it goes on "
+                 f"without it")
+        return None
+    device = resolve_device(cfg.device)
+    comm = choose_comm(device.type, len(local), torch.cuda.device_count() if device.type == "cuda" else 0,
+                       torch.distributed.is_nccl_available(), cfg.comm)
+    threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
+    info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}),
+                launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": run.micro, "attempt": number})
+    if run.lead:
+        atomic_write_text(run.run_dir / "run.json", json.dumps(info, indent=2, default=str) + "\n")
+        atomic_write_text(run.run_dir / "placement.json", json.dumps(placement.report, indent=2) + "\n")
+    job = _job(run, placement, comm, info, number, threads, hold)
+    job_path = job.write(run.launch_dir / f"job-{number}.json")
+    return _Attempt(number, placement, job, job_path, local, threads, comm)
+
+
+def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
+    """The world ranks this machine starts: a PNode stays on the machine that ran it first (machines
+    k = ceil(ranks / N) consecutive ranks each at the first attempt); across machines, attempt `number`
+    begins on the launchers' channel (membership.py)."""
+    cfg = run.cfg
+    if run.home is None:
+        per_node = math.ceil(len(ranks) / cfg.nnodes)
+        run.home = {p: r // per_node for r, p in enumerate(ranks)}
+    home = run.home
+    if run.machines.active and home.get(ranks[0], 0) != 0:
+        raise TrainingError("the replica of machine 0 was dropped: machine 0 holds the run and its rank 0, so the "
+                            "run stops here; continue it with --resume")
+    run.machines.begin(number, {home.get(p, 0) for p in ranks})
+    return [r for r, p in enumerate(ranks) if home.get(p, 0) == cfg.node_rank]
+
+
+def _job(run: _Run, placement: Placement, comm: Any, info: dict[str, Any], number: int, threads: int,
+         hold: tuple[str, int] | None, run_dir: str = "..") -> Job:
+    """The job file's content (job.py); `run_dir` relative to the folder the job is written to."""
+    cfg = run.cfg
+    train = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
+    train.network, train.threads = run.network_file, threads
+    for name in ("out", "data", "cache_dir"):
+        value = getattr(train, name)
+        setattr(train, name, None if value is None else str(value))
+    ranks = placement.world
+    return Job(
+        run_dir=run_dir, network_yaml=run.yaml_text, network_file=run.network_file,
+        pipeline_before=run.before, pipeline_after=run.after, target=run.target,
+        assignment=placement.assignment, final_assignment=placement.final, ranks=ranks,
+        plan_ranks=placement.ranks, batch_shares=placement.shares,
+        predicted_bytes=float(placement.report["bytes_per_step"]),
+        predicted_cut_bytes=float(placement.report["cut_bytes_per_step"]),
+        device=comm.device, backend=comm.backend, stage_through_cpu=comm.stage_through_cpu,
+        control_group=comm.control_group, data_dir=run.data_dir, data_digest=run.data_digest,
+        tokenizer=run.tokenizer,
+        run_info=json.loads(json.dumps(info, default=str)), attempt=number, train=train,
+        micro_batches=run.micro, pipeline=cfg.pipeline, comm_timeout=float(cfg.comm_timeout),
+        bucket_bytes=cfg.bucket_bytes, plugins=loaded_files(),  # every worker loads the launcher's plugin files
+        hold={"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None)
+
+
+def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
+    """Attempt after attempt until the workers finish, fail for good, or a stop is asked for."""
+    cfg = run.cfg
+    result = LaunchResult(run.run_dir, 0, None, None, None)
+    fleet, hold, number = run.fleet, cfg.hold, 0
     base_port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)
     shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
-    home: dict[str, int] | None = None
     while True:
         if stop.requested:
-            raise stop.interrupted(f"{run_dir}: stopped before attempt {attempt} started; continue with "
-                                   f"vgraph launch {cfg.network} --out {run_dir} --resume (and the same options)")
-        given = cfg.placement if attempt == 0 or cfg.on_failure == "restart" else None
-        layout = None
-        if isinstance(given, (str, Path)):
-            given, layout = read_placement_layout(given)
-        if shrunk is not None:
-            given, layout = shrunk
-        placement = place(source, fleet, before=before, partition=partition, after=after, target=target,
-                          batch=cfg.batch, micro_batches=micro, assignment=given, replicas=layout)
-        changes = semantic_changes(placement.graph)
-        if changes:  # checkpoints carry the network as given: training another function would make them lie
-            raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "
-                                f"stores the network as given: write the changed network first (vgraph optimize "
-                                f"{network_file} --passes '{cfg.passes}' -o NEW.yml) and launch NEW.yml")
-        ranks = placement.world
-        world = len(ranks)
-        if home is None:  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
-            per_node = math.ceil(world / cfg.nnodes)
-            home = {p: r // per_node for r, p in enumerate(ranks)}
-        local = [r for r, p in enumerate(ranks) if home.get(p, 0) == cfg.node_rank]
-        if machines.active and home.get(ranks[0], 0) != 0:
-            raise TrainingError(f"the replica of machine 0 was dropped: machine 0 holds the run and its rank 0, so "
-                                f"the run stops here; continue it with --resume")
-        machines.begin(attempt, {home.get(p, 0) for p in ranks})
-        if not local:  # shrunk away: this machine's PNodes are all in dropped replicas
-            emit(f"launch: no worker of this machine (node rank {cfg.node_rank}) is left in the run; it goes on "
-                 f"without it")
+            raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with "
+                                   f"vgraph launch {cfg.network} --out {run.run_dir} --resume (and the same options)")
+        attempt = _place_attempt(run, fleet, number, *_given_placement(cfg, number, shrunk), hold)
+        if attempt is None:
             return result
-        comm = choose_comm(device.type, len(local), torch.cuda.device_count() if device.type == "cuda" else 0,
-                           torch.distributed.is_nccl_available(), cfg.comm)
-        threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
-        info = dict(run_info, precision=dict(placement.graph.meta.get("precision") or {}),
-                    launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": micro, "attempt": attempt})
-        if lead:
-            atomic_write_text(run_dir / "run.json", json.dumps(info, indent=2, default=str) + "\n")
-            atomic_write_text(run_dir / "placement.json", json.dumps(placement.report, indent=2) + "\n")
-        job = {
-            "run_dir": str(run_dir.absolute()), "network_yaml": yaml_text, "network_file": network_file,
-            "pipeline_before": before, "pipeline_after": after, "target": target,
-            "assignment": placement.assignment, "final_assignment": placement.final, "ranks": ranks,
-            "plan_ranks": placement.ranks, "batch_shares": placement.shares,
-            "predicted_bytes": placement.report["bytes_per_step"],
-            **comm.job_fields(),  # device, backend, stage_through_cpu, control_group
-            "data_dir": str(data.dataset.corpus.root.absolute()), "data_digest": data.digest,
-            "tokenizer": str(tokenizer_path.absolute()),
-            "run_info": info, "predicted_cut_bytes": placement.report["cut_bytes_per_step"], "attempt": attempt,
-            "hold": ({"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None),
-            "config": _worker_config(cfg, micro, threads, resume),
-            "plugins": loaded_files(),  # every worker loads the plugin files this process loaded
-        }
-        job_path = launch_dir / f"job-{attempt}.json"
-        atomic_write_text(job_path, json.dumps(job, default=str))
-        port = (base_port + attempt) if base_port else free_port(cfg.master_addr)
-        if lead:
-            probe_port(cfg.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
-        say(f"launch: {source.name} on {world} worker(s) {', '.join(ranks)} of fleet {fleet.name!r} "
-            f"({len(placement.rows)} replica(s), batch shares {placement.shares}; {comm.describe()}, "
-            f"{_micro_per_replica(micro, placement.shares)} {cfg.pipeline}, predicted traffic "
-            f"{placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt {attempt}")
-        supervisor = _Supervisor(emit, token)
-        try:
-            supervisor.start(job_path, local, ranks, world, cfg.master_addr, port, threads)
-            atomic_write_text(launch_dir / "workers.json",
-                              json.dumps({"attempt": attempt, "pids": supervisor.pids()}))
-            ok, codes, lost = supervisor.wait(trouble=machines.trouble)
-        except BaseException:
-            supervisor.stop()
-            raise
-        record = {"attempt": attempt, "ranks": ranks, "exit_codes": {ranks[r]: c for r, c in codes.items()},
-                  "lost": [ranks[r] for r in lost], "ok": ok}
+        port = (base_port + number) if base_port else free_port(cfg.master_addr)
+        record = _supervise(run, attempt, port)
         result.attempts.append(record)
-        result.placement = placement.report
+        result.placement = attempt.placement.report
         if stop.requested:
-            where = ckpt.latest_checkpoint(run_dir) if lead else None
-            raise stop.interrupted(f"{run_dir}: stopped as asked{'' if ok else ' (a worker failed on the way)'}; "
+            where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
+            raise stop.interrupted(f"{run.run_dir}: stopped as asked{'' if record['ok'] else ' (a worker failed on the way)'}; "
                                    f"checkpoint {where or 'on machine 0'}. Continue with: vgraph launch "
-                                   f"{cfg.network} --fleet {cfg.fleet} --out {run_dir} --resume (and the same "
+                                   f"{cfg.network} --fleet {cfg.fleet} --out {run.run_dir} --resume (and the same "
                                    f"options)")
-        if ok:
-            break
-        errors = _user_errors(launch_dir)
-        if not errors and any(c == EXIT_USER_ERROR for c in codes.values()):
-            errors = "a worker stopped with an error (see its output above)"
-        lost_pnodes = [ranks[r] for r in lost]
-        described = ", ".join(f"{ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
-        if machines.active:  # every machine reports; machine 0 decides for all (membership.py)
-            try:
-                plan = machines.settle({"lost": lost_pnodes, "described": described, "error": errors},
-                                       lambda reports, missing: decide(reports, missing, home, cfg.on_failure),
-                                       wait_for_all=cfg.on_failure == "restart")
-            except MachineLost as exc:
-                raise TrainingError(str(exc)) from None
-            lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
-        if errors:
-            raise TrainingError(errors)
-        if cfg.on_failure == "stop" or result.restarts >= cfg.max_restarts:
-            raise TrainingError(f"worker {described} failed; not restarting "
-                                f"({'--on-failure stop' if cfg.on_failure == 'stop' else f'{result.restarts} restarts'})."
-                                f" Continue the run with --resume.")
-        if cfg.on_failure == "repartition":
-            survivors = tuple(p for p in fleet if p.id not in lost_pnodes)
-            if not survivors:
-                raise TrainingError(f"worker {described} failed and no PNode is left to re-partition onto")
-            fleet = fleet.without(lost_pnodes)
-        if cfg.on_failure == "shrink":
-            shrunk = _shrink(placement, fleet, lost_pnodes, described, cfg.batch, micro)
+        if record["ok"]:
+            return result
+        fleet, shrunk = _after_failure(run, attempt, record, result, fleet)
         result.restarts += 1
-        attempt += 1
-        resume = True
+        number += 1
         hold = None
-        where = ckpt.latest_checkpoint(run_dir) if lead else None
-        emit(f"launch: worker {described} failed; restarting from {where or 'the last checkpoint'}"
+
+
+def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
+    """Start this machine's workers of `attempt`, relay their output, wait for the outcome (its record)."""
+    cfg, placement = run.cfg, attempt.placement
+    if run.lead:
+        probe_port(cfg.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
+    run.say(f"launch: {run.source.name} on {len(attempt.ranks)} worker(s) {', '.join(attempt.ranks)} of fleet "
+            f"{run.fleet.name!r} ({len(placement.rows)} replica(s), batch shares {placement.shares}; "
+            f"{attempt.comm.describe()}, {_micro_per_replica(run.micro, placement.shares)} {cfg.pipeline}, predicted "
+            f"traffic {placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt "
+            f"{attempt.number}")
+    supervisor = Supervisor(run.emit, run.token)
+    try:
+        supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), cfg.master_addr, port,
+                         attempt.threads)
+        atomic_write_text(run.launch_dir / "workers.json",
+                          json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
+        ok, codes, lost = supervisor.wait(trouble=run.machines.trouble)
+    except BaseException:
+        supervisor.stop()
+        raise
+    ranks = attempt.ranks
+    return {"attempt": attempt.number, "ranks": ranks, "exit_codes": {ranks[r]: c for r, c in codes.items()},
+            "lost": [ranks[r] for r in lost], "ok": ok, "codes": codes, "lost_ranks": lost}
+
+
+def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result: LaunchResult, fleet: Fleet
+                   ) -> tuple[Fleet, Any]:
+    """A failed attempt: raise when it must not restart; else the fleet (and shrunk plan) of the next one."""
+    cfg = run.cfg
+    codes, lost = record.pop("codes"), record.pop("lost_ranks")
+    errors = _user_errors(run.launch_dir)
+    if not errors and any(c == EXIT_USER_ERROR for c in codes.values()):
+        errors = "a worker stopped with an error (see its output above)"
+    ranks = attempt.ranks
+    lost_pnodes = [ranks[r] for r in lost]
+    described = ", ".join(f"{ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
+    if run.machines.active:  # every machine reports; machine 0 decides for all (membership.py)
+        try:
+            plan = run.machines.settle({"lost": lost_pnodes, "described": described, "error": errors},
+                                       lambda reports, missing: decide(reports, missing, run.home, cfg.on_failure),
+                                       wait_for_all=cfg.on_failure == "restart")
+        except MachineLost as exc:
+            raise TrainingError(str(exc)) from None
+        lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
+    if errors:
+        raise TrainingError(errors)
+    if cfg.on_failure == "stop" or result.restarts >= cfg.max_restarts:
+        raise TrainingError(f"worker {described} failed; not restarting "
+                            f"({'--on-failure stop' if cfg.on_failure == 'stop' else f'{result.restarts} restarts'})."
+                            f" Continue the run with --resume.")
+    shrunk = None
+    if cfg.on_failure == "repartition":
+        if not any(p.id not in lost_pnodes for p in fleet):
+            raise TrainingError(f"worker {described} failed and no PNode is left to re-partition onto")
+        fleet = fleet.without(lost_pnodes)
+    if cfg.on_failure == "shrink":
+        shrunk = _shrink(attempt.placement, fleet, lost_pnodes, described, cfg.batch, run.micro)
+    where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
+    run.emit(f"launch: worker {described} failed; restarting from {where or 'the last checkpoint'}"
              f"{' on ' + ', '.join(fleet.ids) if cfg.on_failure == 'repartition' else ''}"
              f"{f' with {len(shrunk[1][0])} replica(s), batch shares {shrunk[1][1]}' if shrunk else ''}")
+    return fleet, shrunk
 
-    if lead:
-        rows = []
-        jsonl = run_dir / "metrics.jsonl"
-        if jsonl.is_file():
-            rows = [json.loads(line) for line in jsonl.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+def _collect(run: _Run, result: LaunchResult) -> LaunchResult:
+    """Machine 0: the run's rows (metrics.jsonl) and last checkpoint into the result."""
+    if run.lead:
+        rows = read_rows(run.run_dir / "metrics.jsonl")
         result.history = rows
         if rows:
             result.step = rows[-1]["step"]
             result.loss = rows[-1]["loss"]
         result.val_loss = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
-        result.checkpoint = ckpt.latest_checkpoint(run_dir)
+        result.checkpoint = ckpt.latest_checkpoint(run.run_dir)
     return result
 
 
-def _worker_config(cfg: LaunchConfig, micro: int, threads: int, resume: bool) -> dict[str, Any]:
-    keep = {f.name for f in fields(TrainConfig)} - {"network", "data", "out", "cache_dir", "passes", "fuse",
-                                                       "corpus_bytes", "memory_limit", "compile"}
-    out = {name: getattr(cfg, name) for name in sorted(keep)}
-    out.update(micro_batches=micro, threads=threads, resume=resume, comm_timeout=cfg.comm_timeout,
-               pipeline=cfg.pipeline, bucket_bytes=cfg.bucket_bytes)
-    return out
+def _emit_job(run: _Run, folder: Path) -> LaunchResult:
+    """--emit-job DIR: place, write DIR/job.json (its run directory relative to DIR, the files in it relative
+    to the run directory) and say how to start it under torchrun or srun; trains nothing."""
+    cfg = run.cfg
+    attempt = _place_attempt(run, run.fleet, 0, *_given_placement(cfg, 0, None), cfg.hold)
+    folder.mkdir(parents=True, exist_ok=True)
+    attempt.job.run_dir = os.path.relpath(run.run_dir.absolute(), folder.absolute())
+    path = attempt.job.write(folder / JOB_FILE)
+    world, per_node = len(attempt.ranks), len(attempt.local)
+    module = "vgraph.backends.torch.distributed.worker"
+    run.emit(f"launch: wrote {path} ({world} worker(s) {', '.join(attempt.ranks)}; {attempt.comm.describe()}); "
+             f"start it with\n"
+             f"  torchrun --nnodes {cfg.nnodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "
+             f"{cfg.master_addr}:{cfg.master_port or 29500} -m {module} {path}\n"
+             f"  srun --ntasks {world} --ntasks-per-node {per_node} python -m {module} {path}   "
+             f"(with {TOKEN_ENV} exported)")
+    return LaunchResult(run.run_dir, 0, None, None, None, placement=attempt.placement.report)
+
+
+def _given_placement(cfg: LaunchConfig, number: int, shrunk: Any) -> tuple[Any, Any]:
+    """(assignment, replica layout) attempt `number` must use, or (None, None): the partition pass decides."""
+    if shrunk is not None:
+        return shrunk
+    given = cfg.placement if number == 0 or cfg.on_failure == "restart" else None
+    if isinstance(given, (str, Path)):
+        return read_placement_layout(given)
+    return given, None
 
 
 def _user_errors(launch_dir: Path) -> str:
-    texts = [p.read_text(encoding="utf-8").strip() for p in sorted(launch_dir.glob("error-*.txt"))]
+    """The workers' user-facing errors (error-<rank>.txt), each text once."""
+    texts = [read_input(p, what="worker error file").strip() for p in sorted(launch_dir.glob("error-*.txt"))]
     return "\n".join(dict.fromkeys(t for t in texts if t))
 
 
 # -- the command ------------------------------------------------------------------------------------
 
 def register_launch(subparsers: argparse._SubParsersAction) -> None:
-    """Add `launch` to a `vgraph` subparser set (entry point of group `vgraph.commands`)."""
+    """Add `launch` to a `vgraph` subparser set (entry point of group `vgraph.commands`).
+
+    Longer than 60 lines for a reason: one `add_argument` per option, in the order `--help` shows them;
+    split up, the command's options would no longer read as one list."""
     from vgraph.cli.main import add_plugin_option
 
     from ..cli import add_tensorboard_option
@@ -771,6 +756,9 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM")
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")
     p.add_argument("--quiet", action="store_true", help="no status lines (errors still show)")
+    p.add_argument("--emit-job", metavar="DIR", type=options.path,
+                   help="prepare the run directory and write DIR/job.json, train nothing: start the workers with "
+                        "torchrun or srun (docs/distributed.md; the command is printed)")
     add_tensorboard_option(p)  # rank 0 writes the event files
     add_plugin_option(p)  # the files travel to the workers in the job file
     p.set_defaults(func=run_launch)
@@ -788,11 +776,13 @@ def run_launch(args: argparse.Namespace) -> int:
         micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
         comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard)
+        master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard,
+        emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)))
     from ..cli import print_result
 
     result = launch(config)
-    print_result(result, f"{result.restarts} restart(s)" if result.restarts else None)
+    if not args.emit_job:
+        print_result(result, f"{result.restarts} restart(s)" if result.restarts else None)
     return 0
 
 

@@ -21,6 +21,10 @@ class SharedLossScaler:
         self.growth_factor, self.backoff_factor, self.growth_interval = 2.0, 0.5, 2000
         self.tracker = 0
 
+    def get_scale(self) -> float:
+        """The current scale (GradScaler's name: train_step.LossCheck reads either)."""
+        return self.scale
+
     def update(self, found_inf: bool) -> None:
         if not self.enabled:
             return

@@ -376,7 +376,8 @@ def _one_f_one_b(plan: DistPlan, micro_batches: int) -> dict[int, list[Op]]:
     those orders with blocking receives cannot deadlock: the simulated timeline is a global order in
     which every op comes after the ops it needs.  The cap can never stall the simulation either: the
     oldest unfinished micro-batch is in flight on every rank that has started it, and a rank that has
-    not has nothing older in flight, so it may start it.
+    not has nothing older in flight, so it may start it.  (Over 60 lines: one simulation loop, kept whole
+    so that the rule above reads in one place.)
     """
     cap = max(1, min(micro_batches, plan.world_size))
     ranks = range(plan.world_size)

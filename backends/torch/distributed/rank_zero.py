@@ -14,13 +14,16 @@ from typing import Any, Callable
 
 import torch
 
+from vgraph.base.safeio import read_input
 from vgraph.run import layout
+
 from .comm import ControlGroup
+from .job import Job
 from .loss_scaler import SharedLossScaler
 from .stage_runner import StageRunner
 from .. import checkpoint as ckpt
-from ..run_checkpoints import (CHECKPOINT_PREFIX, optimizer_state_to_graph, optimizer_state_to_unfused,
-                               prune_checkpoints)
+from ..run_checkpoints import (CHECKPOINT_PREFIX, clean_stale, optimizer_state_to_graph,
+                               optimizer_state_to_unfused, prune_checkpoints)
 from ..train_config import TrainingError
 
 __all__ = ["GatheredCheckpoints", "local_metric_values"]
@@ -54,11 +57,11 @@ def local_metric_values(stages: StageRunner, costs: dict[str, torch.Tensor], sca
 class GatheredCheckpoints:
     """Saving and resuming a partitioned run's checkpoints: rank 0 reads and writes, every rank takes part."""
 
-    def __init__(self, ctrl: ControlGroup, stages: StageRunner, job: dict[str, Any],
-                 scaler: SharedLossScaler, micro_batches: int, say: Callable[[str], None]) -> None:
+    def __init__(self, ctrl: ControlGroup, stages: StageRunner, job: Job, scaler: SharedLossScaler,
+                 micro_batches: int, say: Callable[[str], None], attempt: int = 0) -> None:
         self.ctrl, self.stages, self.job = ctrl, stages, job
-        self.cfg = job["config"]
-        self.run_dir = Path(job["run_dir"])
+        self.run_dir = job.run_path
+        self.attempt = attempt
         self.scaler = scaler
         self.micro_batches = micro_batches
         self.say = say
@@ -96,15 +99,15 @@ class GatheredCheckpoints:
         extra = {
             "layout": "unfused",
             "grad_scaler": self.scaler.state_dict(),
-            "run": json.loads(json.dumps(job["run_info"], default=str)),
-            "network_yaml": job["network_yaml"],
-            "tokenizer_json": Path(job["tokenizer"]).read_text(encoding="utf-8"),
-            "launch": {"ranks": job["ranks"], "assignment": job["final_assignment"],
-                       "micro_batches": self.micro_batches, "attempt": job["attempt"]},
+            "run": json.loads(json.dumps(job.run_info, default=str)),
+            "network_yaml": job.network_yaml,
+            "tokenizer_json": read_input(job.path_of(job.tokenizer), what="tokenizer"),
+            "launch": {"ranks": job.ranks, "assignment": job.final_assignment,
+                       "micro_batches": self.micro_batches, "attempt": self.attempt},
         }
         path = ckpt.save_checkpoint(self.run_dir / f"{CHECKPOINT_PREFIX}{step:08d}", step=step, model_state=model,
                                     optimizer_states=optim, rng_state=ckpt.capture_rng_state(), extra=extra)
-        prune_checkpoints(self.run_dir, int(self.cfg["keep_checkpoints"]), path)
+        prune_checkpoints(self.run_dir, job.train.keep_checkpoints, path)
         return path
 
     def resume(self) -> int:
@@ -131,9 +134,8 @@ class GatheredCheckpoints:
         return int(mine["step"])
 
     def _resume_payloads(self) -> list[Any]:
-        if not self.cfg.get("resume"):
-            return [None] * self.ctrl.world
         try:
+            clean_stale(self.run_dir)  # a killed save's temporaries (a worker set restarted by torchrun)
             latest = ckpt.latest_checkpoint(self.run_dir)
             if latest is None:
                 return [None] * self.ctrl.world
@@ -141,7 +143,7 @@ class GatheredCheckpoints:
         except ckpt.CheckpointError as exc:
             return [{"error": f"cannot resume: {exc}"}] * self.ctrl.world
         before = state.extra.get("run", {})
-        info = self.job["run_info"]
+        info = self.job.run_info
         for key in ("seed", "batch", "seq_len", "data", "data_digest", "vocab_size", "tokenizer"):
             if key in before and before[key] != info[key]:
                 return [{"error": f"cannot resume {self.run_dir}: it was trained with {key}={before[key]!r}, "

@@ -14,6 +14,15 @@ the same token in VGRAPH_LAUNCH_TOKEN (e.g. `export VGRAPH_LAUNCH_TOKEN=$(openss
 rand -hex 16)` copied to each machine); the launcher refuses to start
 without one.  The traffic itself is not encrypted (README: "Several machines").
 
+Under srun (launchers.py) the workers rendezvous the same way, rank 0 on the
+first node of the allocation: VGRAPH_LAUNCH_TOKEN must be set in the job
+script (srun passes the environment on).  Under torchrun the rendezvous is
+torchrun's own (its c10d store on --rdzv-endpoint, which authenticates no
+one: keep that endpoint on a private network, docs/distributed.md); with
+VGRAPH_LAUNCH_TOKEN set, the workers' process-group keys on torchrun's store
+sit behind the secret's prefix as here, so a process without it cannot take a
+rank's place in the process group.
+
 The launcher also probes the rendezvous port before it starts any worker: a
 port in use is a diagnostic, not a worker traceback and a burnt restart.
 """
@@ -26,6 +35,7 @@ import os
 import secrets
 import socket
 from datetime import timedelta
+from typing import Any, Mapping
 
 from vgraph.base.diagnostics import VGraphError
 
@@ -163,9 +173,39 @@ def rendezvous_store(rank: int, world: int, timeout: timedelta, env: dict[str, s
                               master_listen_fd=sock.detach())
     else:
         store = dist.TCPStore(addr, port, world, False, timeout)
-    prefix = "vgraph-" + hashlib.sha256(token.encode()).hexdigest()[:32]
-    return dist.PrefixStore(prefix, store)
+    return dist.PrefixStore(_prefix(token), store)
+
+
+def _prefix(token: str) -> str:
+    return "vgraph-" + hashlib.sha256(token.encode()).hexdigest()[:32]
+
+
+def process_group_store(place: Any, timeout: timedelta, env: Mapping[str, str] | None = None):
+    """The store a worker's `init_process_group` joins.
+
+    `place` (launchers.WorkerPlace) says who started the worker: `vgraph launch` and srun rendezvous here
+    (`rendezvous_store`, the token required); torchrun on its own store, behind the token's prefix when
+    one is set, and a prefix per restart."""
+    import torch.distributed as dist
+
+    env = dict(os.environ if env is None else env)
+    token = env.get(TOKEN_ENV)
+    if place.launcher == "torchrun":
+        # torchrun's agents share one store across restarts (TORCHELASTIC_USE_AGENT_STORE), and the keys a
+        # process group leaves there (each rank's address) outlive a failed worker set: a restarted set
+        # read the dead ranks' addresses and timed out connecting (torch 2.13, gloo).  Each restart's keys
+        # therefore get a prefix of their own; the secret's prefix sits above it when one is set.
+        store, _, _ = next(dist.rendezvous("env://", place.rank, place.world, timeout=timeout))
+        if token:
+            check_token(token, 1)  # long enough, printable
+            store = dist.PrefixStore(_prefix(token), store)
+        return dist.PrefixStore(f"vgraph-restart-{place.restart}", store)
+    if token is None and place.launcher == "slurm":
+        raise RendezvousError(f"{TOKEN_ENV} is not set: under srun every task must get the same secret "
+                              f"(export {TOKEN_ENV}=$(openssl rand -hex 16) in the job script, before srun)")
+    return rendezvous_store(place.rank, place.world, timeout,
+                            {**env, "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port)})
 
 
 __all__ = ["TOKEN_ENV", "RendezvousError", "check_token", "probe_port", "free_port", "rendezvous_store",
-           "new_token", "interface_towards", "gloo_environment"]
+           "process_group_store", "new_token", "interface_towards", "gloo_environment"]

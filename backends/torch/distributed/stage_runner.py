@@ -47,14 +47,14 @@ class StageRunner:
     """This rank's tasks with their modules and optimizers; runs the rank's part of each schedule round."""
 
     def __init__(self, plan: DistPlan, rank: int, world: int, device: torch.device, transport: Transport,
-                 amp: Callable[[], ContextManager], scaler: SharedLossScaler, cfg: Mapping[str, Any], *,
-                 replica: int = 0, tie_groups: Mapping[int, Any] | None = None,
+                 amp: Callable[[], ContextManager], scaler: SharedLossScaler, *, seed: int, lr: float,
+                 pipeline: str = "1f1b", replica: int = 0, tie_groups: Mapping[int, Any] | None = None,
                  stage_through_cpu: bool = False) -> None:
         self.plan, self.rank, self.world, self.device = plan, rank, world, device
         self.transport = transport
         self.amp = amp  # a fresh autocast context (or nullcontext) per forward
         self.scaler = scaler
-        self.cfg = cfg
+        self.seed, self.pipeline = seed, pipeline
         self.replica = replica  # which data-parallel replica this rank belongs to (launch with replicas)
         self.traffic = 0  # bytes this rank sent for training since the last loss reduction
         self.grad_sync: GradientSync | None = None  # the replicas' gradient sum (set by the worker)
@@ -62,9 +62,9 @@ class StageRunner:
         self.modules: dict[str, VGraphModule] = {}
         self.optims: dict[str, NodeOptimizers] = {}
         for task in self.tasks:
-            module = compile_network(task.graph, device=device, train=True, seed=int(cfg["seed"]))
+            module = compile_network(task.graph, device=device, train=True, seed=seed)
             self.modules[task.id] = module
-            self.optims[task.id] = NodeOptimizers(module, float(cfg["lr"]))
+            self.optims[task.id] = NodeOptimizers(module, lr)
         self._link_replicas()
         self.ties = TieSync(plan, rank, replica=replica, groups=tie_groups or {}, owner_params=self.owner_params,
                             replica_params=self.replica_params, stage_through_cpu=stage_through_cpu)
@@ -148,7 +148,7 @@ class StageRunner:
         key = (tuple(sizes), train)
         if key not in self._rounds:
             ops_by_rank = schedule_ops(self.plan, len(sizes), train=train,
-                                       pipeline=str(self.cfg.get("pipeline") or "1f1b"))
+                                       pipeline=self.pipeline)
             self._rounds[key] = (ops_by_rank[self.rank], self._expected(ops_by_rank, sizes))
         return self._rounds[key]
 
@@ -252,7 +252,7 @@ class StageRunner:
             program = self.modules[task.id].program(task.want, training=train)
             args = [received[ref] if kind == "recv" else tokens if kind == "tokens" else targets
                     for kind, ref in feeds]
-            set_dropout_key(int(self.cfg["seed"]), step, offset)
+            set_dropout_key(self.seed, step, offset)
             with self.amp():
                 outs = program(*args)
         for i in task.sends:

@@ -1,9 +1,13 @@
 """One worker of `vgraph launch`: hosts one PNode's part of the network and trains it in lockstep.
 
-Started by the launcher (launch.py) as
-`python -m vgraph.backends.torch.distributed.worker JOB.json` with the torchrun
-environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK), so the
-same command also runs under `torchrun` on several machines.
+    python -m vgraph.backends.torch.distributed.worker JOB.json
+
+Started by `vgraph launch` (launch.py), by `torchrun`, or by `srun`, from the
+job file launch writes (job.py; `vgraph launch ... --emit-job DIR` writes one
+and trains nothing); where it stands in the world comes from its environment
+(launchers.py).  Whatever started it, a worker set resumes from the run
+directory's latest checkpoint when there is one, so a worker set that
+torchrun restarts after a failure goes on where the last checkpoint left off.
 
 What a worker does, per training step (every rank the same, in lockstep):
 
@@ -19,7 +23,8 @@ What a worker does, per training step (every rank the same, in lockstep):
    micro-batch's backward runs (grad_sync.py), all waited for before the step;
 3. all-reduces [loss, squared gradient norm, non-finite flag, bytes sent] on
    the control group, so every rank takes the same decision (stop on a
-   non-finite loss, skip under loss scaling, clip);
+   non-finite loss, skip under loss scaling, clip: train_step.LossCheck, as
+   `vgraph train`);
 4. steps its optimizers (per VNode, as `vgraph train`), then owners send
    tied weights to their replicas;
 5. on logging / validation / checkpoint steps, joins the collectives that
@@ -41,9 +46,10 @@ stages and schedule rounds live in stage_runner.py, what rank 0 gathers
 (metrics entries, checkpoints) in rank_zero.py, the shared loss-scaling
 decision in loss_scaler.py.
 
-Exit status: 0 done; 3 a user-facing error (message in launch/error-<rank>.txt
-and on stderr; the launcher does not restart); anything else is a crash the
-launcher answers with a restart from the last checkpoint.
+Exit status: 0 done; 2 a usage error; 3 a user-facing error (message in
+launch/error-<rank>.txt and on stderr; the launcher does not restart);
+anything else is a crash the launcher answers with a restart from the last
+checkpoint.
 """
 from __future__ import annotations
 
@@ -54,6 +60,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Sequence
@@ -62,22 +69,24 @@ import torch
 import torch.distributed as dist
 
 from vgraph.base.diagnostics import VGraphError
+from vgraph.base.safeio import atomic_write, read_input
+from vgraph.data.shards import DataError, open_prepared
 from vgraph.placement.export import assignment_of
 from vgraph.plugins import load_plugins
 from vgraph.run.compiled_graph import apply_assignment  # the launcher, the workers and `vgraph report` build it alike
 from vgraph.yamlio import loads
 
-from vgraph.data.shards import DataError, open_prepared
-
 from ..data import TokenShards
 from .comm import ControlGroup, Transport
 from .comm_choice import worker_device
-from .grad_sync import DEFAULT_BUCKET_BYTES, GradientSync
+from .grad_sync import GradientSync
+from .job import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, Job
+from .launchers import WorkerPlace, worker_place
 from .replica_groups import ReplicaLayoutError, check_replicas_agree, check_same_layout, stage_groups
 from .loss_scaler import SharedLossScaler
 from .plan import make_plan, micro_batch_sizes
 from .pnode_figures import PNodeFigures, attach
-from .rendezvous import rendezvous_store
+from .rendezvous import gloo_environment, process_group_store
 from .rank_zero import GatheredCheckpoints, local_metric_values
 from .stage_runner import StageRunner
 from .tie_sync import tie_groups
@@ -87,109 +96,295 @@ from ..metrics_log import MetricsLog
 from ..tensorboard_log import TensorBoardLog
 from ..node_optimizers import lr_factor
 from ..train_config import TrainingError
+from ..train_step import LossCheck
 from ..training_setup import use_deterministic_kernels
 
 __all__ = ["main", "Worker", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"]
 
-EXIT_USER_ERROR = 3
-LAUNCH_DIR = "launch"  # inside the run directory: job files, token streams, worker markers
-STOP_FILE = "stop"  # in LAUNCH_DIR: the launcher asks every worker to stop after this step, with a checkpoint
+@dataclass
+class _Step:
+    """One training step's outcome, as every rank agreed on it in the step's reduction."""
+
+    row: dict[str, Any]  # the metrics row (rank 0 completes it)
+    extras: dict[str, Any] = field(default_factory=dict)  # this rank's `metrics:` entries (flush steps)
+    flush: bool = False  # a sync point: rows go to rank 0
+    validate: bool = False
+    save: bool = False
+    stopping: bool = False  # the launcher asked to stop (a checkpoint is written now)
 
 
 class Worker:
-    """The state of one rank; `run()` trains to the configured step."""
+    """The state of one rank; `setup()` then `run()` trains to the configured step."""
 
-    def __init__(self, job: dict[str, Any], rank: int, world: int, local_rank: int) -> None:
-        self.job = job
-        self.cfg = job["config"]
-        self.rank, self.world, self.local_rank = rank, world, local_rank
-        self.run_dir = Path(job["run_dir"])
-        self.pnode = job["ranks"][rank]
-        self.log_enabled = bool(self.cfg.get("progress", True))
+    def __init__(self, job: Job, place: WorkerPlace) -> None:
+        self.job, self.cfg = job, job.train
+        self.place = place
+        self.rank, self.world, self.local_rank = place.rank, place.world, place.local_rank
+        self.attempt = job.attempt + place.restart
+        self.run_dir = job.run_path
+        self.log_enabled = bool(self.cfg.progress)
+        self.log: MetricsLog | None = None
 
-    # -- set-up ------------------------------------------------------------------------------
     def say(self, msg: str) -> None:
         if self.log_enabled:
             print(msg, flush=True)
 
+    # -- set-up ------------------------------------------------------------------------------
     def setup(self) -> None:
-        cfg, job = self.cfg, self.job
-        if self.world != len(job["ranks"]):
-            raise TrainingError(f"WORLD_SIZE is {self.world} but the placement has {len(job['ranks'])} PNodes")
-        # Data-parallel replicas: world rank = replica x P + plan rank, P = the PNodes of one replica.
-        plan_ranks = list(job.get("plan_ranks") or job["ranks"])
-        P = len(plan_ranks)
+        """Where this rank stands, its process groups, its stages and its data (in that order: every rank
+        creates the process groups in the same order)."""
+        self._layout()
+        self._connect()
+        self._build()
+        self._data()
+
+    def _layout(self) -> None:
+        """Replica and plan rank of this world rank (world rank = replica x P + plan rank), device, threads."""
+        job = self.job
+        if self.world != len(job.ranks):
+            raise TrainingError(f"WORLD_SIZE is {self.world} but the job places {len(job.ranks)} workers "
+                                f"({len(job.batch_shares)} replica(s) x {len(job.plan_ranks)} PNodes): start "
+                                f"{len(job.ranks)} processes")
+        self.pnode = job.ranks[self.rank]
+        P = len(job.plan_ranks)
         self.replica, self.local = divmod(self.rank, P)
-        shares = [int(x) for x in (job.get("batch_shares") or [cfg["batch"]])]
-        if P * len(shares) != self.world:
-            raise TrainingError(f"WORLD_SIZE {self.world} is not {len(shares)} replicas x {P} PNodes")
-        self.device = worker_device(job["device"], self.local_rank,
-                                    torch.cuda.device_count() if job["device"] == "cuda" else 0)
+        self.shares = list(job.batch_shares)
+        self.device = worker_device(job.device, self.local_rank,
+                                    torch.cuda.device_count() if job.device == "cuda" else 0)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        torch.set_num_threads(int(cfg["threads"]))
-        if cfg.get("deterministic"):
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
+        if self.cfg.deterministic:
             use_deterministic_kernels()
-        timeout = timedelta(seconds=float(cfg["comm_timeout"]))
-        # Under `vgraph launch`: a store bound to MASTER_ADDR only, keys behind the run's token
-        # (rendezvous.py); under torchrun: torchrun's own rendezvous.
-        store = None if os.environ.get("TORCHELASTIC_RUN_ID") else rendezvous_store(self.rank, self.world, timeout)
-        dist.init_process_group(job["backend"], rank=self.rank, world_size=self.world, timeout=timeout, store=store)
-        self.ctrl = ControlGroup(self.rank, self.world,
-                                 dist.new_group(backend="gloo") if job.get("control_group", job["backend"] != "gloo")
-                                 else None)
-        transport = Transport(self.device, stage_through_cpu=bool(job.get("stage_through_cpu")),
-                              offset=self.replica * P)
 
-        source = loads(job["network_yaml"], file=job["network_file"])
-        graph = apply_assignment(source, job["pipeline_before"], job["assignment"], job["pipeline_after"],
-                                 job["target"])
+    def _connect(self) -> None:
+        """The default process group (rendezvous.py: behind the run's secret) and the control group."""
+        job = self.job
+        timeout = timedelta(seconds=job.comm_timeout)
+        if self.place.launcher != "vgraph":  # vgraph launch names the interface itself (launch.py)
+            os.environ.update(gloo_environment(self.place.master_addr))
+        store = process_group_store(self.place, timeout)
+        dist.init_process_group(job.backend, rank=self.rank, world_size=self.world, timeout=timeout, store=store)
+        self.ctrl = ControlGroup(self.rank, self.world, dist.new_group(backend="gloo") if job.control_group else None)
+
+    def _build(self) -> None:
+        """The placed graph (checked against the launcher's), the plan, this rank's stages and gradient sync."""
+        job = self.job
+        source = loads(job.network_yaml, file=job.network_file)
+        graph = apply_assignment(source, job.pipeline_before, job.assignment, job.pipeline_after, job.target)
         final = assignment_of(graph)
-        if final != job["final_assignment"]:
+        if final != job.final_assignment:
             raise TrainingError("this worker's placed graph differs from the launcher's (different vgraph "
                                 "versions or pass plugins on the machines?)")
         self.graph = graph
-        plan = make_plan(graph, final, plan_ranks)
+        P = len(job.plan_ranks)
+        plan = make_plan(graph, final, list(job.plan_ranks))
         self.dtype = compute_dtype(graph)
         precision = graph.meta.get("precision") or {}
         self.loss_scaling = bool(precision.get("loss_scaling")) and self.dtype == torch.float16
         self.amp = (lambda: torch.autocast(self.device.type, dtype=self.dtype)) if self.dtype != torch.float32 \
             else contextlib.nullcontext
-        self.scaler = SharedLossScaler(self.loss_scaling, float(cfg["initial_loss_scale"]))
-        self.stages = StageRunner(plan, self.local, P, self.device, transport, self.amp, self.scaler, cfg,
-                                  replica=self.replica, tie_groups=tie_groups(plan, len(shares), self.replica),
-                                  stage_through_cpu=bool(job.get("stage_through_cpu")))
-        self.grad_sync = self._grad_sync(len(shares), P, job["backend"])
+        self.scaler = SharedLossScaler(self.loss_scaling, self.cfg.initial_loss_scale)
+        self.loss_check = LossCheck(self.scaler, self.loss_scaling, self.cfg.max_skipped_steps, graph, self.run_dir)
+        transport = Transport(self.device, stage_through_cpu=job.stage_through_cpu, offset=self.replica * P)
+        self.stages = StageRunner(plan, self.local, P, self.device, transport, self.amp, self.scaler,
+                                  seed=self.cfg.seed, lr=self.cfg.lr, pipeline=job.pipeline, replica=self.replica,
+                                  tie_groups=tie_groups(plan, len(self.shares), self.replica),
+                                  stage_through_cpu=job.stage_through_cpu)
+        self.grad_sync = self._grad_sync(len(self.shares), P)
         self.figures = PNodeFigures(self.device, lambda: self.stages.transport.wait_s + (
             self.grad_sync.wait_s if self.grad_sync is not None else 0.0),
             tracked=lambda: (*self.stages.modules.values(), *(o for n in self.stages.optims.values()
                                                                for o in n.optimizers)))
 
-        self.seq_len = int(job["run_info"]["seq_len"])
-        self.dataset = self._open_data()
-        self.batch = int(cfg["batch"])
-        self.shares = shares
-        self.share, self.share_offset = shares[self.replica], sum(shares[:self.replica])
-        self.sizes = micro_batch_sizes(self.share, min(int(cfg["micro_batches"]), self.share))
-        self.checkpoints = GatheredCheckpoints(self.ctrl, self.stages, job, self.scaler,
-                                               len(self.sizes), self.say)
-
-    def _grad_sync(self, replicas: int, plan_ranks: int, backend: str) -> GradientSync | None:
+    def _grad_sync(self, replicas: int, plan_ranks: int) -> GradientSync | None:
         """The stage group's gradient sum (grad_sync.py), after checking the replicas hold the same
         parameters (replica_groups.py); None without replicas."""
+        self.group_device = self.device if self.job.backend == "nccl" else torch.device("cpu")
         if replicas < 2:
             return None
         group = stage_groups(replicas, plan_ranks)[self.local]
         params, users, late = self.stages.sync_order()
-        self.group_device = self.device if backend == "nccl" else torch.device("cpu")
         try:
             check_same_layout(group, params, device=self.group_device)
         except ReplicaLayoutError as exc:
             raise TrainingError(str(exc)) from None
         sync = GradientSync(params, group, size=replicas, position=self.replica, users=users, late=late,
-                            bucket_bytes=int(self.cfg.get("bucket_bytes") or DEFAULT_BUCKET_BYTES))
+                            bucket_bytes=self.job.bucket_bytes)
         self.stages.grad_sync = sync
         return sync
+
+    def _data(self) -> None:
+        """The corpus the launcher prepared, this replica's share of the batch and its micro-batches."""
+        job = self.job
+        self.seq_len = int(job.run_info["seq_len"])
+        self.dataset = self._open_data()
+        self.batch = self.cfg.batch
+        self.share, self.share_offset = self.shares[self.replica], sum(self.shares[:self.replica])
+        self.sizes = micro_batch_sizes(self.share, min(job.micro_batches, self.share))
+        self.checkpoints = GatheredCheckpoints(self.ctrl, self.stages, job, self.scaler, len(self.sizes), self.say,
+                                               attempt=self.attempt)
+
+    def _open_data(self) -> TokenShards:
+        """The corpus the launcher prepared and verified, through memory maps (sizes checked again here)."""
+        job = self.job
+        try:
+            corpus = open_prepared(job.data_path, verify="size")
+            if corpus.digest != job.data_digest:
+                raise DataError(f"{job.data_path}: the corpus changed after the launcher checked it")
+            return TokenShards(corpus, seq_len=self.seq_len, vocab=int(job.run_info["vocab_size"]), seed=self.cfg.seed)
+        except DataError as exc:
+            raise TrainingError(f"training data: {exc}") from None
+
+    def _whole_targets(self, step: int) -> torch.Tensor:
+        """What `run_round` weighs a replica's loss against: the global batch's targets, of which only the
+        count of tokens a cross-entropy cost does not ignore matters.  Token windows hold ids inside the
+        vocabulary only, so unless a cost ignores such an id that count is batch x seq_len, and zeros (never
+        an ignored id then) count the same without reading the other replicas' samples."""
+        vocab = int(self.job.run_info["vocab_size"])
+        ignored = {int(n.cfg.get("ignore_index", -100)) for n in self.graph.nodes
+                   if n.type in ("cost", "tied_lm_head_ce")}
+        if any(0 <= i < vocab for i in ignored):
+            return self.dataset.batch(step, self.batch)[1]
+        return torch.zeros((self.batch, self.seq_len), dtype=torch.int64)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Resume (when the run directory has a checkpoint), then train step by step to `train.steps`."""
+        start = self.checkpoints.resume()
+        self.stages.sync_tied_weights()
+        if self.rank == 0:
+            self.log = self._open_log(start)
+        self._announce(start)
+        self._pending: list[dict[str, Any]] = []
+        self._start_time = self._last_flush = self._last_print = time.perf_counter()
+        dist.barrier(group=self.ctrl.group)  # rank 0's set-up (log files, TensorBoard's drawing) is not step 1's idle
+        for step in range(start + 1, self.cfg.steps + 1):
+            done = self._train_step(step)
+            self._after_step(step, done)
+            if done.stopping:
+                self.say(f"stopped after step {step} as asked")
+                break
+        if self.log is not None:
+            self.log.plot(self.run_dir / "loss_curve.png", self.graph.name)
+            self.log.close()
+        clear_dropout_key()
+        dist.barrier(group=self.ctrl.group)
+
+    def _open_log(self, start: int) -> MetricsLog:
+        """Rank 0's metrics.jsonl / .csv (and TensorBoard), cut back to the resumed step."""
+        metric_names = [m.name for m in self.stages.plan.metrics if m.name not in ("step", "loss", "lr")]
+        columns = ["step", "loss", "lr", "tokens_per_s", "elapsed_s", "val_loss", "loss_scale", "boundary_bytes",
+                   *metric_names]
+        log = MetricsLog(self.run_dir, columns, sink=self._tensorboard())
+        log.restart(start)
+        return log
+
+    def _announce(self, start: int) -> None:
+        if self.rank == 0:
+            self.say(f"{self.graph.name}: {len(self.graph)} VNodes on {self.world} worker(s) ({len(self.shares)} "
+                     f"replica(s), batch shares {self.shares}), {len(self.sizes)} micro-batch(es) of {self.sizes}; "
+                     f"steps {start + 1}..{self.cfg.steps}; predicted traffic {self.job.predicted_bytes:,.0f} "
+                     f"bytes/step")
+        for task in self.stages.tasks:
+            params = sum(p.numel() for p in self.stages.modules[task.id].parameters())
+            self.say(f"task {task.id}: {len(task.graph)} VNodes, {params:,} parameters, "
+                     f"{len(task.receives)} inputs, {len(task.sends)} outputs")
+
+    def _train_step(self, step: int) -> _Step:
+        """Forward, backward, the gradient sums, the step's reduction, the loss check and the update."""
+        cfg = self.cfg
+        self.figures.begin_step()
+        lo, hi = self.share_offset, self.share_offset + self.share
+        inputs, targets = self.dataset.batch(step, self.batch, lo, hi)  # this replica's samples only
+        factor = lr_factor(step, cfg)
+        for optim in self.stages.optims.values():
+            optim.set_factor(factor)
+        costs = self.stages.run_round(step, inputs, targets, self.sizes, train=True, offset=lo,
+                                      whole=self._whole_targets(step) if len(self.shares) > 1 else None)
+        self.stages.finish_gradients()  # the replicas' buckets still in flight (grad_sync.py)
+        done = _Step({"step": step, "lr": cfg.lr * factor})
+        done.validate = cfg.val_every > 0 and (step % cfg.val_every == 0 or step == cfg.steps)
+        done.save = step == cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0)
+        done.flush = done.save or done.validate or step % (cfg.log_every or 1) == 0
+        if done.flush:
+            done.extras = local_metric_values(self.stages, costs, self.scaler.scale)
+        # One reduction: the loss, the summed gradients' squared norm (one replica counts them), a
+        # non-finite gradient, the traffic since the previous reduction (the weight sync that preceded this
+        # step, then its activations, gradients, tied-weight gradients and all-reduce: what placement_report
+        # prices per step), and a stop request (the launcher got Ctrl-C/SIGTERM), so every rank decides alike.
+        sent = self.stages.traffic
+        with self.figures.waiting():
+            loss, sumsq, bad_grads, step_bytes, stopping = self.ctrl.all_reduce(
+                [float(sum(costs.values())) if costs else 0.0, self._local_sumsq(), self._local_bad_grads(),
+                 sent, float(self._stop_file.exists())])
+        self.stages.traffic = 0
+        done.stopping = stopping > 0
+        done.save = done.save or done.stopping
+        done.flush = done.flush or done.stopping
+        self.loss_check.check(step, loss)
+        self._optimizer_step(bad_grads > 0, sumsq)
+        self.stages.sync_tied_weights()
+        self.figures.end_step(step, sent)
+        done.row.update(loss=loss, boundary_bytes=int(step_bytes))
+        if self.loss_scaling:
+            done.row["loss_scale"] = self.scaler.scale
+        return done
+
+    def _local_sumsq(self) -> float:
+        if not self.cfg.grad_clip or self.replica != 0:  # the summed gradients: one replica counts them
+            return 0.0
+        return float(sum(float(p.grad.double().pow(2).sum()) for p in self.stages.trainable if p.grad is not None))
+
+    def _local_bad_grads(self) -> float:
+        if not self.loss_scaling:
+            return 0.0
+        return float(any(not bool(torch.isfinite(p.grad).all()) for p in self.stages.trainable
+                         if p.grad is not None))
+
+    def _after_step(self, step: int, done: _Step) -> None:
+        """At sync points: rows, metrics and figures to rank 0, validation; at checkpoints: the checkpoint."""
+        self._pending.append(done.row)
+        if done.flush:
+            gathered = self.ctrl.gather((done.extras, self.figures.take()))
+            val_loss = self.validate() if done.validate else None
+            if self.rank == 0:
+                self._log_rows(step, gathered, val_loss)
+            self._pending = []
+            self._last_flush = time.perf_counter()
+        if done.save:
+            self._check_replicas()
+            path = self.checkpoints.save(step)
+            if path is not None:
+                self.say(f"checkpoint {path}")
+            if self.log is not None:
+                # Drawn at checkpoints and at the end only: matplotlib's seconds on rank 0 would be every
+                # other worker's idle time at each validation.
+                self.log.plot(self.run_dir / "loss_curve.png", self.graph.name)
+            self._last_flush = time.perf_counter()
+        hold = self.job.hold
+        if hold and hold["rank"] == self.rank and hold["step"] == step:
+            self._hold(step)
+
+    def _log_rows(self, step: int, gathered: list, val_loss: float | None) -> None:
+        """Rank 0: complete the rows since the last sync point and append them to the log."""
+        now = time.perf_counter()
+        pending = self._pending
+        for r in pending:
+            r["tokens_per_s"] = self.batch * self.seq_len * len(pending) / max(now - self._last_flush, 1e-9)
+            r["elapsed_s"] = now - self._start_time
+        for part, _ in gathered:
+            pending[-1].update(part)
+        attach(pending, [figures for _, figures in gathered], self.job.ranks)
+        if val_loss is not None:
+            pending[-1]["val_loss"] = val_loss
+        self.log.append(pending)
+        if now - self._last_print >= 2.0 or step == self.cfg.steps or val_loss is not None:
+            self._last_print = now
+            r = pending[-1]
+            self.say(f"step {step}/{self.cfg.steps} loss {r['loss']:.4f} tok/s {r['tokens_per_s']:,.0f} "
+                     f"lr {r['lr']:.2e}" + (f" val {val_loss:.4f}" if val_loss is not None else ""))
 
     def _check_replicas(self) -> None:
         """Before a checkpoint: the replicas of this stage still hold the same weights and optimizer state."""
@@ -199,161 +394,17 @@ class Worker:
             except ReplicaLayoutError as exc:
                 raise TrainingError(str(exc)) from None
 
-    def _whole_targets(self, step: int) -> torch.Tensor:
-        """What `run_round` weighs a replica's loss against: the global batch's targets, of which only the
-        count of tokens a cross-entropy cost does not ignore matters.  Token windows hold ids inside the
-        vocabulary only, so unless a cost ignores such an id that count is batch x seq_len, and zeros (never
-        an ignored id then) count the same without reading the other replicas' samples."""
-        vocab = int(self.job["run_info"]["vocab_size"])
-        ignored = {int(n.cfg.get("ignore_index", -100)) for n in self.graph.nodes
-                   if n.type in ("cost", "tied_lm_head_ce")}
-        if any(0 <= i < vocab for i in ignored):
-            return self.dataset.batch(step, self.batch)[1]
-        return torch.zeros((self.batch, self.seq_len), dtype=torch.int64)
-
-    def _open_data(self) -> TokenShards:
-        """The corpus the launcher prepared and verified, through memory maps (sizes checked again here)."""
-        try:
-            corpus = open_prepared(self.job["data_dir"], verify="size")
-            if corpus.digest != self.job["data_digest"]:
-                raise DataError(f"{self.job['data_dir']}: the corpus changed after the launcher checked it")
-            return TokenShards(corpus, seq_len=self.seq_len, vocab=int(self.job["run_info"]["vocab_size"]),
-                               seed=int(self.cfg["seed"]))
-        except DataError as exc:
-            raise TrainingError(f"training data: {exc}") from None
-
-    # -- the loop -------------------------------------------------------------------------------
-    def run(self) -> None:
-        cfg = self.cfg
-        start = self.checkpoints.resume()
-        steps = int(cfg["steps"])
-        self.stages.sync_tied_weights()
-        log: MetricsLog | None = None
-        if self.rank == 0:
-            metric_names = [m.name for m in self.stages.plan.metrics if m.name not in ("step", "loss", "lr")]
-            columns = ["step", "loss", "lr", "tokens_per_s", "elapsed_s", "val_loss", "loss_scale",
-                       "boundary_bytes", *metric_names]
-            log = MetricsLog(self.run_dir, columns, sink=self._tensorboard())
-            log.restart(start)
-            self.say(f"{self.graph.name}: {len(self.graph)} VNodes on {self.world} worker(s) ("
-                     f"{len(self.shares)} replica(s), batch shares {self.shares}), {len(self.sizes)} micro-batch(es) "
-                     f"of {self.sizes}; steps {start + 1}..{steps}; predicted traffic "
-                     f"{self.job.get('predicted_bytes', self.job['predicted_cut_bytes']):,.0f} bytes/step")
-        for task in self.stages.tasks:
-            params = sum(p.numel() for p in self.stages.modules[task.id].parameters())
-            self.say(f"task {task.id}: {len(task.graph)} VNodes, {params:,} parameters, "
-                     f"{len(task.receives)} inputs, {len(task.sends)} outputs")
-        log_every = int(cfg.get("log_every") or 1)
-        val_every = int(cfg["val_every"])
-        ckpt_every = int(cfg["checkpoint_every"])
-        tokens_per_step = self.batch * self.seq_len
-        pending: list[dict[str, Any]] = []
-        consecutive_bad = 0
-        start_time = last_flush = last_print = time.perf_counter()
-        hold = self.job.get("hold")
-        dist.barrier(group=self.ctrl.group)  # rank 0's set-up (log files, TensorBoard's drawing) is not step 1's idle
-        for step in range(start + 1, steps + 1):
-            self.figures.begin_step()
-            lo, hi = self.share_offset, self.share_offset + self.share
-            inputs, targets = self.dataset.batch(step, self.batch, lo, hi)  # this replica's samples only
-            factor = lr_factor(step, _Schedule(cfg))
-            for optim in self.stages.optims.values():
-                optim.set_factor(factor)
-            replicated = len(self.shares) > 1
-            costs = self.stages.run_round(step, inputs, targets, self.sizes, train=True, offset=lo,
-                                          whole=self._whole_targets(step) if replicated else None)
-            self.stages.finish_gradients()  # the replicas' buckets still in flight (grad_sync.py)
-            loss_local = float(sum(costs.values())) if costs else 0.0
-            validate = val_every > 0 and (step % val_every == 0 or step == steps)
-            save_now = step == steps or (ckpt_every > 0 and step % ckpt_every == 0)
-            flush = save_now or validate or step % log_every == 0
-            extras = local_metric_values(self.stages, costs, self.scaler.scale) if flush else {}
-            sumsq = 0.0
-            if cfg.get("grad_clip") and self.replica == 0:  # the summed gradients: one replica counts them
-                sumsq = float(sum(float(p.grad.double().pow(2).sum()) for p in self.stages.trainable
-                                  if p.grad is not None))
-            bad_grads = 0.0
-            if self.loss_scaling:
-                bad_grads = float(any(not bool(torch.isfinite(p.grad).all()) for p in self.stages.trainable
-                                      if p.grad is not None))
-            # Traffic since the previous reduction: the weight sync that preceded this step, then its
-            # activations, gradients and tied-weight gradients (what placement_report prices per step).
-            # A stop request (the launcher got Ctrl-C/SIGTERM) travels in the same reduction, so every
-            # rank stops after the same step, with a checkpoint.
-            sent = self.stages.traffic
-            with self.figures.waiting():
-                loss, sumsq, bad_grads, step_bytes, stopping = self.ctrl.all_reduce(
-                    [loss_local, sumsq, bad_grads, sent, float(self._stop_file.exists())])
-            if stopping > 0:
-                save_now = flush = True
-            self.stages.traffic = 0
-            if math.isfinite(loss):
-                consecutive_bad = 0
-            else:
-                consecutive_bad += 1
-                if not self.loss_scaling or consecutive_bad > int(cfg["max_skipped_steps"]):
-                    raise TrainingError(self._diverged(step, loss, consecutive_bad))
-            self._optimizer_step(bad_grads > 0, sumsq)
-            self.stages.sync_tied_weights()
-            self.figures.end_step(step, sent)
-
-            row = {"step": step, "loss": loss, "lr": float(cfg["lr"]) * factor, "boundary_bytes": int(step_bytes)}
-            if self.loss_scaling:
-                row["loss_scale"] = self.scaler.scale
-            pending.append(row)
-            if flush:
-                gathered = self.ctrl.gather((extras, self.figures.take()))
-                val_loss = self.validate() if validate else None
-                now = time.perf_counter()
-                if self.rank == 0:
-                    for r in pending:
-                        r["tokens_per_s"] = tokens_per_step * len(pending) / max(now - last_flush, 1e-9)
-                        r["elapsed_s"] = now - start_time
-                    for part, _ in gathered:
-                        pending[-1].update({k: v for k, v in part.items()})
-                    attach(pending, [figures for _, figures in gathered], self.job["ranks"])
-                    if val_loss is not None:
-                        pending[-1]["val_loss"] = val_loss
-                    log.append(pending)
-                    if now - last_print >= 2.0 or step == steps or validate:
-                        last_print = now
-                        r = pending[-1]
-                        self.say(f"step {step}/{steps} loss {r['loss']:.4f} tok/s {r['tokens_per_s']:,.0f} "
-                                 f"lr {r['lr']:.2e}" + (f" val {val_loss:.4f}" if val_loss is not None else ""))
-                pending = []
-                last_flush = time.perf_counter()
-            if save_now:
-                self._check_replicas()
-                path = self.checkpoints.save(step)
-                if path is not None:
-                    self.say(f"checkpoint {path}")
-                if self.rank == 0 and log is not None:
-                    # Drawn at checkpoints and at the end only: matplotlib's seconds on rank 0 would be
-                    # every other worker's idle time at each validation.
-                    log.plot(self.run_dir / "loss_curve.png", self.graph.name)
-                last_flush = time.perf_counter()
-            if hold and int(hold["rank"]) == self.rank and int(hold["step"]) == step:
-                self._hold(step)
-            if stopping > 0:
-                self.say(f"stopped after step {step} as asked")
-                break
-        if self.rank == 0 and log is not None:
-            log.plot(self.run_dir / "loss_curve.png", self.graph.name)
-            log.close()
-        clear_dropout_key()
-        dist.barrier(group=self.ctrl.group)
-
     def _tensorboard(self) -> TensorBoardLog | None:
         """Rank 0's TensorBoard sink (unless --no-tensorboard): the placed graph drawn by PNode, the settings."""
-        if not self.cfg.get("tensorboard", True):
+        if not self.cfg.tensorboard:
             return None
         placement = None
         try:
-            placement = json.loads((self.run_dir / "placement.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            placement = json.loads(read_input(self.run_dir / "placement.json", what="placement.json"))
+        except (VGraphError, ValueError):
             pass  # the drawing then takes each VNode's PNode from the graph itself
-        settings = dict(self.job["run_info"], pipeline=self.cfg.get("pipeline"),
-                        micro_batches=self.cfg.get("micro_batches"), batch_shares=self.shares)
+        settings = dict(self.job.run_info, pipeline=self.job.pipeline, micro_batches=self.job.micro_batches,
+                        batch_shares=self.shares)
         return TensorBoardLog(self.run_dir, settings=settings, graph=self.graph,
                               placement=placement if isinstance(placement, dict) else None, say=self.say)
 
@@ -367,7 +418,7 @@ class Worker:
                     for p in self.stages.trainable:
                         if p.grad is not None:
                             p.grad.mul_(1.0 / scale)
-                clip = self.cfg.get("grad_clip")
+                clip = self.cfg.grad_clip
                 if clip:
                     total = math.sqrt(sumsq) / scale
                     coef = min(1.0, float(clip) / (total + 1e-6))
@@ -386,7 +437,7 @@ class Worker:
     def validate(self) -> float:
         total, count = 0.0, 0
         for i, (inputs, targets) in enumerate(self.dataset.val_batches(self.batch)):
-            if i >= int(self.cfg["val_batches"]):
+            if i >= self.cfg.val_batches:
                 break
             if self.replica == 0:  # replicas hold the same weights: one evaluates
                 costs = self.stages.run_round(0, inputs, targets, [inputs.shape[0]], train=False)
@@ -395,34 +446,21 @@ class Worker:
         (total,) = self.ctrl.all_reduce([total])
         return total / max(count, 1)
 
-    def _diverged(self, step: int, value: float, streak: int) -> str:
-        why = (f"the loss scaler skipped {streak} steps in a row without recovering" if self.loss_scaling
-               else "training stopped before applying that step's update")
-        return (f"network {self.graph.name!r}: the loss at step {step} is {value} (not finite); {why}. Resume "
-                f"from the last checkpoint (--resume) with a lower --lr, or clip gradients with --grad-clip 1.0.")
-
     @property
     def _stop_file(self) -> Path:
         """Written by the launcher on this machine at the first Ctrl-C/SIGTERM (launch.py)."""
-        return Path(self.job["run_dir"]) / LAUNCH_DIR / STOP_FILE
+        return self.run_dir / LAUNCH_DIR / STOP_FILE
 
     def _hold(self, step: int) -> None:
-        """Test hook: stop after `step` (others block on this rank) until killed or released."""
-        launch_dir = self.run_dir / LAUNCH_DIR
-        (launch_dir / f"held-{self.pnode}").write_text(f"{step}\n")
+        """Test hook: stop after `step` (others block on this rank) until killed or released.  Once per run
+        directory: a worker set restarted by torchrun from the same job file does not hold again."""
+        marker = self.run_dir / LAUNCH_DIR / f"held-{self.pnode}"
+        if marker.exists():
+            return
+        atomic_write(marker, json.dumps({"step": step, "pid": os.getpid()}) + "\n")
         deadline = time.monotonic() + 300
-        while not (launch_dir / "release").exists() and time.monotonic() < deadline:
+        while not (self.run_dir / LAUNCH_DIR / "release").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
-
-
-class _Schedule:
-    """The fields `node_optimizers.lr_factor` reads, from the job's config dict."""
-
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        self.warmup = int(cfg.get("warmup") or 0)
-        self.schedule = cfg.get("schedule") or "constant"
-        self.steps = int(cfg["steps"])
-        self.min_lr_ratio = float(cfg.get("min_lr_ratio", 0.1))
 
 
 def _peer_lost(exc: BaseException) -> bool:
@@ -434,28 +472,35 @@ def _peer_lost(exc: BaseException) -> bool:
                                       "Timed out", "timed out"))
 
 
+def _user_error(job: Job | None, rank: int | None, exc: VGraphError) -> int:
+    """Print a user-facing error; every rank that raised writes it for the launcher (identical texts when
+    the decision was collective), which then does not restart."""
+    text = "\n".join(str(d) for d in exc.diagnostics)
+    print(f"error: {text}", file=sys.stderr, flush=True)
+    if job is not None and rank is not None:
+        with contextlib.suppress(VGraphError):
+            atomic_write(job.run_path / LAUNCH_DIR / f"error-{rank}.txt", text + "\n")
+    return EXIT_USER_ERROR
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vgraph.backends.torch.distributed.worker JOB.json` (torchrun environment)."""
+    """`python -m vgraph.backends.torch.distributed.worker JOB.json` (see the module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1:
+    if len(args) != 1 or args[0].startswith("-"):
         print("usage: python -m vgraph.backends.torch.distributed.worker JOB.json", file=sys.stderr)
         return 2
-    job = json.loads(Path(args[0]).read_text(encoding="utf-8"))
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    worker = Worker(job, rank, world, local_rank)
+    job: Job | None = None
+    place: WorkerPlace | None = None
     try:
-        load_plugins(job.get("plugins", ()))  # what the launcher loaded: installed op types, --plugin files
+        place = worker_place(os.environ)
+        job = Job.read(args[0])
+        load_plugins(job.plugins)  # what the launcher loaded: installed op types, --plugin files
+        worker = Worker(job, place)
         worker.setup()
         worker.run()
         return 0
     except VGraphError as exc:
-        text = "\n".join(str(d) for d in exc.diagnostics)
-        print(f"error: {text}", file=sys.stderr, flush=True)
-        # Every rank that raised writes its message; a collective decision gives identical texts.
-        (Path(job["run_dir"]) / LAUNCH_DIR / f"error-{rank}.txt").write_text(text + "\n", encoding="utf-8")
-        return EXIT_USER_ERROR
+        return _user_error(job, place.rank if place is not None else None, exc)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

@@ -1,0 +1,182 @@
+"""The worker processes `vgraph launch` starts on its machine: forked fast, their output relayed, their fate watched.
+
+Why a module of its own: launch.py decides *what* runs (placement, job,
+restarts); this is *how* the local workers run: forked from a forkserver that
+imported torch once (a worker, and a restart, starts in milliseconds instead
+of seconds), with the torchrun environment, their stdout and stderr relayed
+line by line prefixed with their PNode, killed with the launcher (Linux
+PR_SET_PDEATHSIG), and watched until all succeed or the first one fails
+(then the others are stopped: SIGTERM, then SIGKILL after a grace period).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+from .rendezvous import TOKEN_ENV, gloo_environment
+
+__all__ = ["Supervisor", "TERMINATE_GRACE_S"]
+
+TERMINATE_GRACE_S = 5.0
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies, so no orphan keeps a port or a GPU.
+
+    A worker's parent is the forkserver, which exits when the launcher does."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _worker_process(job_path: str, env: dict[str, str], output: Any) -> None:
+    """A worker's entry point, forked from the forkserver (torch is already imported there).
+
+    Its stdout and stderr, Python's and C's alike, go into `output`, a pipe the
+    launcher reads and prefixes with the PNode id.
+    """
+    os.dup2(output.fileno(), 1)
+    os.dup2(output.fileno(), 2)
+    output.close()
+    os.environ.update(env)
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group: the launcher alone decides (a stop request, launch()).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .worker import main as worker_main
+
+    sys.exit(worker_main([job_path]))
+
+
+def _context() -> Any:
+    """Workers fork from a forkserver that imported vgraph and torch once: a worker (and a restart)
+    starts in milliseconds instead of seconds, and nothing is forked from the launcher's threads."""
+    import multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # torch._dynamo: the first optimizer built imports it (1-2 s), once here instead of in every worker.
+    ctx.set_forkserver_preload(["vgraph.backends.torch.distributed.launch", "torch._dynamo"])
+    return ctx
+
+
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """multiprocessing re-runs the parent's main script in a child unless it is guarded by
+    `if __name__ == "__main__"`; a worker needs nothing from it, so it is hidden while starting one."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+@dataclass
+class _Worker:
+    rank: int
+    pnode: str
+    process: Any  # multiprocessing.Process
+    relay: threading.Thread
+
+
+class Supervisor:
+    """Starts the local workers of one attempt, relays their output, and waits for the outcome."""
+
+    def __init__(self, emit: Callable[[str], None], token: str = "") -> None:
+        self.emit = emit
+        self.token = token  # the run's shared secret (rendezvous.py), handed to each worker
+        self.workers: list[_Worker] = []
+
+    def start(self, job_path: Path, ranks: Sequence[int], pnodes: Sequence[str], world: int, addr: str, port: int,
+              threads: int) -> None:
+        ctx = _context()
+        for local_rank, rank in enumerate(ranks):
+            env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                       LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(len(ranks)), OMP_NUM_THREADS=str(threads),
+                       MKL_NUM_THREADS=str(threads), VGRAPH_PNODE=pnodes[rank], **{TOKEN_ENV: self.token},
+                       **gloo_environment(addr))  # gloo on the interface towards the master, not loopback
+            reader, writer = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_worker_process, args=(str(job_path), env, writer),
+                                  name=f"vgraph-worker-{pnodes[rank]}", daemon=True)
+            with _main_module_hidden():
+                process.start()
+            writer.close()
+            relay = threading.Thread(target=self._relay, args=(pnodes[rank], reader), daemon=True)
+            relay.start()
+            self.workers.append(_Worker(rank, pnodes[rank], process, relay))
+
+    def _relay(self, pnode: str, reader: Any) -> None:
+        fd = reader.fileno()
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                self.emit(f"[{pnode}] {line.decode('utf-8', 'replace').rstrip()}")
+        if pending.strip():
+            self.emit(f"[{pnode}] {pending.decode('utf-8', 'replace').rstrip()}")
+        reader.close()
+
+    def pids(self) -> dict[str, int]:
+        return {w.pnode: w.process.pid for w in self.workers}
+
+    def wait(self, poll_s: float = 0.02, trouble: Callable[[], str | None] | None = None
+             ) -> tuple[bool, dict[int, int], list[int]]:
+        """(all succeeded, exit code per rank, ranks that failed first).  `trouble` (several machines:
+        membership.py) says why the workers must stop although none failed here: then none counts as lost."""
+        while True:
+            why = trouble() if trouble is not None else None
+            if why:
+                self.emit(f"launch: {why}; stopping this machine's workers")
+                self.stop()
+                return False, {w.rank: w.process.exitcode for w in self.workers}, []
+            codes = {w.rank: w.process.exitcode for w in self.workers}
+            failed = [r for r, c in codes.items() if c not in (None, 0)]
+            if failed:
+                first = {r: codes[r] for r in failed}
+                self.stop()
+                final = {w.rank: w.process.exitcode for w in self.workers}
+                # Ranks killed by a signal before we stopped anyone are the lost ones; else the first to exit.
+                lost = [r for r, c in first.items() if c is not None and c < 0] or failed
+                return False, final, lost
+            if all(c == 0 for c in codes.values()):
+                self._join()
+                return True, {r: 0 for r in codes}, []
+            time.sleep(poll_s)
+
+    def stop(self) -> None:
+        alive = [w for w in self.workers if w.process.exitcode is None]
+        for w in alive:
+            w.process.terminate()
+        deadline = time.monotonic() + TERMINATE_GRACE_S
+        for w in alive:
+            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if w.process.exitcode is None:
+                w.process.kill()
+                w.process.join()
+        self._join()
+
+    def _join(self) -> None:
+        for w in self.workers:
+            w.relay.join(timeout=5)
