@@ -39,7 +39,7 @@ class Partition(Pass):
     preserves_semantics = True  # placement annotations only
     after = ("dead-nodes", "precision")
     options = {
-        "fleet": Option(str, None, "fleet spec file (default: the caller's ctx.data['fleet'])"),
+        "fleet": Option(str, None, "fleet spec file (default: the caller's ctx.data['fleet'])", names_file=True),
         "batch": Option(int, DEFAULT_BATCH, "samples per training step"),
         "micro_batches": Option(int, 1, "micro-batches per step (1F1B pipeline: bounds resident activations)"),
         "replicas": Option(str, "auto", "data-parallel replicas of the pipeline: a number, or auto (the plan of "

@@ -259,3 +259,54 @@ def test_hostile_value_is_a_diagnostic(command: str, dest: str, value: str, worl
     assert err.strip() and "Traceback" not in err and "\x1b" not in err, err[-2000:]
     assert len(err) < 20_000, "a diagnostic must not quote unbounded input"
     assert _snapshot(world, cwd) == before, f"{argv!r} changed files outside its output"
+
+
+# -- symlinked run files (issue 21): every reader of a run reads only the run's own regular files -----------
+
+SECRET = "SECRET-d41d8"
+
+
+def _linked_run(world: Path, tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A copy of the trained run whose `name` is a symlink to a copy outside the run (which would work if
+    followed: the test is that it is not), and that outside copy."""
+    run = tmp_path / "run"
+    shutil.copytree(world / "run", run, symlinks=True)
+    step = next(p for p in run.iterdir() if p.name.startswith("step-"))
+    inside = {"latest": run / "latest", "step": step, "model": step / "model.safetensors",
+              "state": step / "state.json", "network.yml": run / "network.yml",
+              "metrics.jsonl": run / "metrics.jsonl", "run.json": run / "run.json"}[name]
+    outside = tmp_path / "elsewhere" / inside.name
+    outside.parent.mkdir()
+    shutil.move(str(inside), str(outside))
+    if outside.is_file() and outside.suffix in (".json", ".jsonl", ".yml", ""):
+        with open(outside, "a", encoding="utf-8") as f:  # a marker that must never reach a page
+            f.write("" if name == "latest" else f"\n# {SECRET}\n" if name == "network.yml" else "")
+    inside.symlink_to(outside, target_is_directory=outside.is_dir())
+    return run, outside
+
+
+@pytest.mark.parametrize("name", ["latest", "step", "model", "state"])
+@pytest.mark.parametrize("command", ["generate", "train-resume"])
+def test_a_symlinked_checkpoint_is_a_diagnostic(command: str, name: str, world: Path, tmp_path: Path,
+                                                capsys) -> None:
+    run, outside = _linked_run(world, tmp_path, name)
+    before = _snapshot(outside.parent)
+    argv = (["generate", str(run), "--max-new-tokens", "1"] if command == "generate" else
+            ["train", str(world / "net.yml"), "--data", str(world / "corpus.txt"), "--steps", "2", "--batch", "2",
+             "--val-every", "0", "--out", str(run), "--resume", "--quiet", "--threads", "1"])
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert "symbolic link" in err
+    assert _snapshot(outside.parent) == before
+
+
+@pytest.mark.parametrize("name", ["latest", "network.yml", "metrics.jsonl", "run.json", "model"])
+def test_report_never_follows_a_symlinked_run_file(name: str, world: Path, tmp_path: Path, capsys) -> None:
+    run, outside = _linked_run(world, tmp_path, name)
+    before = _snapshot(outside.parent)
+    out = tmp_path / "report.html"
+    assert main(["report", str(run), "-o", str(out)]) == 0
+    page = out.read_text()
+    assert SECRET not in page and (name == "model" or "symbolic link" in page)
+    assert _snapshot(outside.parent) == before

@@ -187,6 +187,11 @@ def load_checkpoint(
     """
     path = Path(directory)
     state_file = path / STATE_JSON_FILE
+    for part in (path, state_file, path / OPTIMIZER_JSON_FILE, path / MODEL_FILE, path / OPTIMIZER_TENSORS_FILE,
+                 path / STATE_TENSORS_FILE):
+        if part.is_symlink():  # a run's files are read from the run itself (vgraph/run/files.py's rule)
+            raise CheckpointError(f"{part} is a symbolic link; a checkpoint's files are read only from the "
+                                  f"checkpoint itself")
     if not state_file.is_file():
         hint = ""
         if (path / LATEST_POINTER).is_file():
@@ -219,20 +224,26 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     checkpoint is complete, so that state means files were removed by hand.
     """
     pointer = Path(run_dir) / LATEST_POINTER
-    if not pointer.is_file():
+    if not pointer.is_file() and not pointer.is_symlink():
         return None
     try:
-        with open(pointer, "rb") as f:
+        fd = os.open(pointer, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
             raw = f.read(_MAX_POINTER_BYTES + 1)  # a pointer is one short name: never read a huge file
         name = raw.decode("utf-8").strip()
     except OSError as exc:
-        raise CheckpointError(f"cannot read {pointer}: {exc.strerror or exc}") from None
+        why = "it is a symbolic link (a run's files are read from the run itself)" if pointer.is_symlink() else (
+            exc.strerror or exc)
+        raise CheckpointError(f"cannot read {pointer}: {why}") from None
     except UnicodeDecodeError:
         raise CheckpointError(f"{pointer} is not UTF-8 text: not a pointer vgraph wrote") from None
     if (not name or len(raw) > _MAX_POINTER_BYTES or Path(name).name != name or name in (".", "..")
             or not name.isprintable()):
         raise CheckpointError(f"{pointer} holds an invalid checkpoint name {quote(name)}")
     target = Path(run_dir) / name
+    if target.is_symlink():
+        raise CheckpointError(f"{pointer} names {target}, a symbolic link; a run's checkpoints are read from the "
+                              f"run itself")
     if not (target / STATE_JSON_FILE).is_file():
         raise CheckpointError(f"{pointer} points to {target}, which is not a complete checkpoint")
     return target

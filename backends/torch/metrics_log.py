@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 
 import torch
 
-from vgraph.base.safeio import atomic_write, read_input
+from vgraph.base.safeio import atomic_write
+from vgraph.run.files import METRICS_JSONL, RunReader
 
 from .lower import VGraphModule
 from .node_optimizers import NodeOptimizers
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["MetricsLog", "MetricsSink", "metric_columns", "metric_values", "step_rows", "progress_bar", "run_banner",
            "LineProgress", "read_rows"]
 
-METRICS_LIMIT = 2**40  # our own file, read bounded all the same (safeio)
 
 
 class MetricsSink(Protocol):
@@ -126,18 +126,10 @@ class MetricsLog:
         self._drawn = (path, self._version)
 
 def read_rows(jsonl: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (none if it is missing; a line torn by a kill, or without an integer step,
-    is skipped): what a resumed run keeps, and what `vgraph launch` returns as its history."""
-    rows = []
-    if jsonl.is_file():
-        for line in read_input(jsonl, what="metrics file", limit=METRICS_LIMIT).splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a line torn by a kill
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows.append(row)
-    return rows
+    """The rows of a metrics.jsonl, read as every reader of a run reads it (vgraph/run/files.py: bounded, no
+    symlink followed, a torn or damaged line skipped, one row per step, the last written, numbers checked;
+    none if it is missing): what a resumed run keeps, and what `vgraph launch` returns as its history."""
+    return RunReader(jsonl.parent).metrics() if jsonl.name == METRICS_JSONL else []
 
 
 def _finite(v: Any) -> bool:

@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 
 from vgraph.base.diagnostics import VGraphError
+from vgraph.run.files import RunReader
 from vgraph.yamlio import loads
 
 from . import checkpoint as ckpt
@@ -267,8 +268,9 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
     check_finite(state.model_state, target)
     source = definition_graph(yaml_text, f"{target}/network.yml", run)
     stored = Path(path) / "network.yml"
-    if stored.is_file() and stored.read_text(encoding="utf-8") != yaml_text:  # a run directory was given
-        require_match(source, loads(stored.read_text(encoding="utf-8"), file=str(stored)),
+    stored_text = RunReader(Path(path)).text("network.yml", "network file") if Path(path).is_dir() else None
+    if stored_text is not None and stored_text != yaml_text:  # a run directory was given
+        require_match(source, loads(stored_text, file=str(stored)),
                       checkpoint=str(target), given_label=str(stored), changes=run.get("semantic_changes") or ())
     graph = prepare_graph(source, passes=passes_for_definition(run), fuse=fuse and run.get("fuse", True),
                           target=device_target(torch_device))

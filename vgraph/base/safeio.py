@@ -153,6 +153,14 @@ def read_input(path: str | os.PathLike, *, what: str = "file", limit: int = MAX_
         raise VGraphError(f"{shown}: no such {what}") from None
     except OSError as exc:
         raise VGraphError(f"{shown}: cannot read: {_why(exc)}") from None
+    raw = read_open_file(fd, shown, what=what, limit=limit)
+    return raw if binary else decode_text(raw, shown)
+
+
+def read_open_file(fd: int, shown: str, *, what: str = "file", limit: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of the file open as `fd` (closed here), refused unless it is a regular file of at most
+    `limit` bytes; at most `limit` + 1 bytes are read.  Shared by `read_input` and the run reader
+    (vgraph/run/files.py), which opens its files itself (relative to the run, through no symlink)."""
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
@@ -175,9 +183,11 @@ def read_input(path: str | os.PathLike, *, what: str = "file", limit: int = MAX_
         os.close(fd)
     if total > limit:
         raise VGraphError(f"{shown}: more than {limit} bytes; a {what} is at most {limit} bytes")
-    raw = b"".join(chunks)
-    if binary:
-        return raw
+    return b"".join(chunks)
+
+
+def decode_text(raw: bytes, shown: str) -> str:
+    """`raw` as UTF-8 text, or a VGraphError naming the line of the first byte that is not."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -186,4 +196,5 @@ def read_input(path: str | os.PathLike, *, what: str = "file", limit: int = MAX_
                           f"{raw[exc.start:exc.start + 1]!r})") from None
 
 
-__all__ = ["atomic_write", "check_output", "read_input", "same_file", "MAX_INPUT_BYTES"]
+__all__ = ["atomic_write", "check_output", "read_input", "read_open_file", "decode_text", "same_file",
+           "MAX_INPUT_BYTES"]

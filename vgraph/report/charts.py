@@ -57,6 +57,8 @@ def nice_ticks(lo: float, hi: float, count: int = 5) -> list[float]:
     if hi == lo:
         return [lo]
     raw = (hi - lo) / max(1, count)
+    if not (math.isfinite(raw) and raw >= 1e-300 * max(1.0, abs(lo), abs(hi))):
+        return [lo, hi]  # a span past float range (-1.7e308 to 1.7e308), or one float apart: no round steps
     power = 10 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
     first = math.ceil(lo / step - 1e-9) * step

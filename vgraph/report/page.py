@@ -25,13 +25,13 @@ from __future__ import annotations
 import datetime
 import html
 import json
-import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from vgraph.base.diagnostics import VGraphError, printable
+from vgraph.base.numbers import is_number
 from vgraph.base.safeio import atomic_write, check_output
 from vgraph.report.charts import PALETTE, Series, format_number, line_chart
 from vgraph.run import files
@@ -76,16 +76,11 @@ def read_run(run_dir: str | Path) -> RunRecord:
     if not any((path / name).is_file() for name in (files.RUN_JSON, files.METRICS_JSONL)):
         raise VGraphError(f"{shown}: not a run directory of vgraph train or vgraph launch (it has no run.json "
                           f"and no metrics.jsonl yet)")
-    reader = files.RunReader(path)
+    reader = files.RunReader(path)  # only the run's own regular files, bounded, numbers checked (run/files.py)
     rec = RunRecord(path, notes=reader.notes, inputs=reader.read)
-    noted = len(rec.notes)
-    run = reader.json(files.RUN_JSON)
-    rec.run = run if isinstance(run, dict) else {}
-    if not isinstance(run, dict) and len(rec.notes) == noted:  # read, but `null`, a list, a string
-        rec.notes.append("run.json does not hold a JSON object; settings not shown")
+    rec.run = reader.run_info()
     rec.rows = reader.metrics()
-    placement = reader.json(files.PLACEMENT_JSON, optional=True)
-    rec.placement = placement if isinstance(placement, dict) else None
+    rec.placement = reader.placement()
     rec.job = reader.latest_job()
     rec.network_yaml = reader.text(files.NETWORK_YML, "network file")
     rec.checkpoint = reader.latest_checkpoint_name()
@@ -172,7 +167,8 @@ def _summary(rec: RunRecord) -> str:
 
 
 def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A number the page may compute with: the one checked reader's rule (finite, normal, float range)."""
+    return is_number(x)
 
 
 def _points(rows: Iterable[Mapping[str, Any]], key: str) -> list[tuple[float, float]]:
@@ -225,16 +221,34 @@ def _network_caption(rec: RunRecord) -> str:
     return f'<p class="caption">{html.escape(printable(text, 600))}</p>'
 
 
-def _pnode_section(rec: RunRecord) -> str:
-    rows = [r for r in rec.rows if isinstance(r.get("pnodes"), dict)]
+MAX_PNODES_SHOWN = 64  # a fleet's PNodes fit; a damaged or hostile metrics file naming 100,000 does not
+
+
+def _pnodes_measured(rec: RunRecord) -> tuple[list[str], dict[str, list[tuple[int, Mapping[str, Any]]]], int]:
+    """(the PNodes shown, each PNode's (step, figures) in step order, how many are not shown), in one pass
+    over the rows: the report is linear in the metrics, whatever the number of PNode names.  Shown are
+    placement.json's PNodes and the most recently measured, at most MAX_PNODES_SHOWN, in order of appearance."""
     predicted = (rec.placement or {}).get("pnodes") or {}
-    pnodes = list(dict.fromkeys([*(p for r in rows for p in r["pnodes"]), *predicted]))
+    own: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+    for r in rec.rows:
+        for p, figures in (r.get("pnodes") or {}).items():
+            own.setdefault(p, []).append((r["step"], figures))
+    everyone = list(dict.fromkeys([*own, *predicted]))
+    if len(everyone) <= MAX_PNODES_SHOWN:
+        return everyone, own, 0
+    recent = sorted(own, key=lambda p: own[p][-1][0], reverse=True)
+    keep = set(list(dict.fromkeys([*predicted, *recent]))[:MAX_PNODES_SHOWN])
+    return [p for p in everyone if p in keep], own, len(everyone) - len(keep)
+
+
+def _pnode_section(rec: RunRecord) -> str:
+    predicted = (rec.placement or {}).get("pnodes") or {}
+    pnodes, own, hidden = _pnodes_measured(rec)
     charts = []
     for key, title, unit in (("step_s", "Step time per PNode", "seconds"),
                              ("idle_s", "Idle (bubble) time per PNode", "seconds"),
                              ("bytes_sent", "Bytes sent per PNode", "bytes / step")):
-        series = [Series(str(p), [(r["step"], r["pnodes"][p].get(key)) for r in rows
-                                  if isinstance(r["pnodes"].get(p), dict) and _finite(r["pnodes"][p].get(key))],
+        series = [Series(str(p), [(s, f[key]) for s, f in own.get(p, ()) if _finite(f.get(key))],
                          PNODE_COLORS[i % len(PNODE_COLORS)]) for i, p in enumerate(pnodes)]
         charts.append(line_chart(title, series, y_label=unit, css_class=f"chart pnode-{key}"))
     head = ("<tr><th>PNode</th><th>VNodes</th><th>predicted s/step</th><th>measured s/step (median)</th>"
@@ -242,8 +256,7 @@ def _pnode_section(rec: RunRecord) -> str:
             "<th>predicted tensor memory</th><th>measured tensor peak</th><th>process peak RSS</th>"
             "<th>capacity</th></tr>")
     body = [_pnode_row(p, predicted.get(p) if isinstance(predicted.get(p), dict) else {},
-                       [r["pnodes"][p] for r in rows if isinstance(r["pnodes"].get(p), dict)], _on_cuda(rec))
-            for p in pnodes]
+                       [f for _, f in own.get(p, ())], _on_cuda(rec)) for p in pnodes]
     body.append(_total_row(rec))
     old = bool(predicted) and not any("bytes_sent_per_step" in v for v in predicted.values() if isinstance(v, dict))
     basis = ("Bytes are what each PNode sends (its boundary activations forward, their gradients back, tied-weight "
@@ -256,7 +269,9 @@ def _pnode_section(rec: RunRecord) -> str:
               "process peak RSS (Python, torch's runtime and allocator caches included) is shown on its own.")
     idle = ("Idle time is time blocked on peers (pipeline bubble, gradient ring, the step's reduction; also a "
             "peer's work between steps, e.g. rank 0 writing logs, validating or checkpointing).")
-    caption = " ".join((basis, memory, idle))
+    shown = (f"{hidden:,} PNodes not shown: the page shows placement.json's PNodes and the most recently "
+             f"measured, at most {MAX_PNODES_SHOWN}." if hidden else "")
+    caption = " ".join(filter(None, (basis, memory, idle, shown)))
     return ('<section><h2>PNodes</h2><div class="charts">' + "".join(charts) + "</div><table>" + head
             + "".join(body) + f'</table><p class="caption">{html.escape(caption)}</p></section>')
 
@@ -387,17 +402,20 @@ def _drawable_placement(placement: Mapping[str, Any] | None, graph: Any) -> Mapp
 
 def compiled_graph(rec: RunRecord):
     """The graph the run trained: its network.yml through the run's passes (and, for launch, its placement)."""
-    from vgraph.run.compiled_graph import apply_assignment, definition_spec, training_spec
+    from vgraph.run.compiled_graph import apply_assignment, definition_spec, refuse_files_named, training_spec
     from vgraph.transform.pipeline import run_pipeline
     from vgraph.yamlio import loads
 
     source = loads(rec.network_yaml or "", file=str(rec.path / files.NETWORK_YML))
-    job = rec.job or {}
+    job = rec.job or {}  # its fields' types are checked by the reader (run/files.py)
     if isinstance(job.get("assignment"), dict):
-        return apply_assignment(source, str(job.get("pipeline_before") or ""), job["assignment"],
-                                str(job.get("pipeline_after") or ""), str(job.get("target") or "cpu"))
-    precision = rec.run.get("precision") if isinstance(rec.run.get("precision"), dict) else {}
+        before, after = job.get("pipeline_before") or "", job.get("pipeline_after") or ""
+        for spec in (before, after):
+            refuse_files_named(spec, "the job file")
+        return apply_assignment(source, before, job["assignment"], after, job.get("target") or "cpu")
+    precision = rec.run.get("precision") or {}
     target = str(precision.get("target") or "cpu")
+    refuse_files_named(rec.run.get("passes"), files.RUN_JSON)
     spec = training_spec(definition_spec(rec.run), rec.run.get("fuse", True) is not False)
     graph = source.copy()
     if spec != "":

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.ir.graph import Graph
-from vgraph.transform.pipeline import build_pipeline, run_pipeline
+from vgraph.transform.pipeline import build_pipeline, options_naming_files, run_pipeline
 
-__all__ = ["NO_FUSE_PIPELINE", "training_spec", "preserving_spec", "definition_spec", "apply_assignment"]
+__all__ = ["NO_FUSE_PIPELINE", "training_spec", "preserving_spec", "definition_spec", "apply_assignment",
+           "refuse_files_named"]
 
 NO_FUSE_PIPELINE = "dead-nodes,precision"
 
@@ -59,3 +61,16 @@ def apply_assignment(source: Graph, before: str, assignment: Mapping[str, str], 
     if after:
         run_pipeline(graph, after, target=target)
     return graph
+
+
+def refuse_files_named(spec: str | None, where: str) -> None:
+    """A VGraphError when the pipeline `spec`, read from the run file `where`, sets an option that names a
+    file (`partition{fleet=...}`): a reader of a run never opens a path the run's files name (the run may
+    be someone else's, and what the pass would say about that file, e.g. a parse error quoting it, would
+    end up in a page meant for sharing)."""
+    if not spec:
+        return
+    named = options_naming_files(spec)
+    if named:
+        raise VGraphError(f"{where}'s passes name a file ({quote(named[0], 120)}); a reader of a run opens no "
+                          f"path the run's files name")

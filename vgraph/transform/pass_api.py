@@ -37,6 +37,7 @@ class Option:
     choices: tuple[Any, ...] | None = None
     min: float | None = None
     max: float | None = None
+    names_file: bool = False  # the value is a path the pass opens (a pipeline read from a run may not set it)
 
     @property
     def type_name(self) -> str:

@@ -140,6 +140,17 @@ def parse_pipeline(spec: str) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
+def options_naming_files(spec: str) -> list[str]:
+    """The `pass{option=value}` items of `spec` whose option names a file the pass would open
+    (`Option.names_file`): a reader of someone else's run (`vgraph report`) must not run those."""
+    named = []
+    for name, opts in parse_pipeline(spec):
+        declared = get_pass(name).options
+        named += [f"{name}{{{key}={value}}}" for key, value in opts.items()
+                  if key in declared and declared[key].names_file]
+    return named
+
+
 def build_pipeline(spec: str | Sequence[str | Pass] | None) -> list[Pass]:
     """Pass instances from text, names or instances (None: the default pipeline)."""
     if spec is None:
