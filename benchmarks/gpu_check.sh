@@ -39,7 +39,7 @@ if "$PY" -c "import torch" >/dev/null 2>&1; then
   trap 'rm -rf "$SITE"' EXIT
   # Lay vgraph out as an install would (package-dir mapping + entry points), from pyproject.toml.
   "$PY" - "$ROOT" "$SITE" <<'EOF'
-import shutil, sys, tomllib
+import re, shutil, sys, tomllib
 from pathlib import Path
 root, site = Path(sys.argv[1]), Path(sys.argv[2])
 cfg = tomllib.loads((root / "pyproject.toml").read_text())
@@ -47,9 +47,11 @@ ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
 for package, source in cfg["tool"]["setuptools"]["package-dir"].items():
     shutil.copytree(root / source, site / package.replace(".", "/"), ignore=ignore, dirs_exist_ok=True)
 project = cfg["project"]
-info = site / f"{project['name']}-{project['version']}.dist-info"
+version = project.get("version") or re.search(r'^__version__ = "([^"]+)"', (root / "vgraph" / "__init__.py").read_text(),
+                                              re.M).group(1)  # dynamic: vgraph.__version__ is the source
+info = site / f"{project['name']}-{version}.dist-info"
 info.mkdir()
-(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {version}\n")
 (info / "entry_points.txt").write_text("".join(
     f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items()) + "\n"
     for group, entries in project.get("entry-points", {}).items()))
