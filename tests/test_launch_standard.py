@@ -55,8 +55,8 @@ def common(files: Path) -> dict:
 
 
 def emit(files: Path, out: Path, **over) -> Path:
-    launch(LaunchConfig(**common(files), out=out, fleet=str(files / "fleet.yml"), micro_batches=MICRO, replicas=2,
-                        emit_job=out.parent / f"{out.name}-job", log=lambda line: None, **over))
+    launch(LaunchConfig(**{**common(files), **over}, out=out, fleet=str(files / "fleet.yml"), micro_batches=MICRO,
+                        replicas=2, emit_job=out.parent / f"{out.name}-job", log=lambda line: None))
     return out.parent / f"{out.name}-job" / "job.json"
 
 
@@ -104,7 +104,7 @@ def test_torchrun_restarts_a_killed_worker_set_from_the_last_checkpoint(files: P
 
 def test_two_processes_with_slurm_variables_train_like_vgraph_train(files: Path, tmp_path: Path) -> None:
     ref = train(TrainConfig(**common(files), out=tmp_path / "ref"))
-    job = emit(files, tmp_path / "run")
+    job = emit(files, tmp_path / "run", progress=True)  # rank 0 draws its own bar (progress.py)
     port = free_port()
     procs = []
     for rank in (0, 1):
@@ -122,6 +122,8 @@ def test_two_processes_with_slurm_variables_train_like_vgraph_train(files: Path,
             out.close()
     got = rows(tmp_path / "run")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    shown = (tmp_path / "rank0.log").read_text()  # captured, so the bar prints lines, as `vgraph train`'s does
+    assert f"tiny-std: step {STEPS}/{STEPS} (100%) loss=" in shown and "eta" in shown
     for key in ("loss", "val_loss"):
         mine = [r[key] for r in got if key in r]
         theirs = [r[key] for r in ref.history if key in r]

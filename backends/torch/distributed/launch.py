@@ -100,6 +100,7 @@ from .grad_sync import DEFAULT_BUCKET_BYTES
 from .job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
 from .membership import MachineLost, Machines, decide
 from .plan import PIPELINES
+from .progress import LaunchBar
 from .rendezvous import TOKEN_ENV, check_token, free_port, probe_port
 from .supervisor import Supervisor
 from ..interrupt import StopRequest
@@ -367,6 +368,7 @@ class _Run:
     data_digest: str
     tokenizer: str  # relative to run_dir
     home: dict[str, int] | None = None  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
+    bar: LaunchBar | None = None  # rank 0's progress, drawn here (progress.py)
 
     @property
     def launch_dir(self) -> Path:
@@ -376,16 +378,19 @@ class _Run:
 def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
     """Check the settings, open the run directory (machine 0), tokenise the data once, write the run's files."""
     _validate(cfg)
+    emitting = cfg.emit_job is not None
     lock = threading.Lock()
 
-    def emit(line: str) -> None:
+    def out(line: str) -> None:
         with lock:
             if cfg.log is not None:
                 cfg.log(line)
             else:
                 print(line, file=sys.stderr, flush=True)
 
-    emitting = cfg.emit_job is not None
+    # On stderr, rank 0's progress is a bar drawn here (progress.py); given a log callback, status lines.
+    bar = LaunchBar(out) if cfg.progress and cfg.log is None and not emitting else None
+    emit = bar.write if bar is not None else out
     token = os.environ.get(TOKEN_ENV) or ""
     if not emitting:  # torchrun has its own rendezvous; srun workers check the token themselves
         token = check_token(token or None, cfg.nnodes)  # before anything is written or started
@@ -420,7 +425,7 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
     options = {"batch": str(cfg.batch), "micro_batches": str(micro), "replicas": str(cfg.replicas)}
     before, partition, after = split_pipeline(cfg.passes, cfg.fuse, options)
     run = _Run(cfg, machines, emit, emit if cfg.progress else (lambda line: None), token, fleet, source, yaml_text,
-               network_file, micro, run_dir, lead, before, partition, after, target, {}, "", "", "")
+               network_file, micro, run_dir, lead, before, partition, after, target, {}, "", "", "", bar=bar)
     _write_data(run, vocab, seq_len, device)
     return run
 
@@ -578,7 +583,7 @@ def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
             f"{attempt.comm.describe()}, {_micro_per_replica(run.micro, placement.shares)} {cfg.pipeline}, predicted "
             f"traffic {placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt "
             f"{attempt.number}")
-    supervisor = Supervisor(run.emit, run.token)
+    supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None)
     try:
         supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), cfg.master_addr, port,
                          attempt.threads)
@@ -588,6 +593,9 @@ def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
     except BaseException:
         supervisor.stop()
         raise
+    finally:
+        if run.bar is not None:
+            run.bar.close()  # the attempt's bar ends; a restart draws its own from the resumed step
     ranks = attempt.ranks
     return {"attempt": attempt.number, "ranks": ranks, "exit_codes": {ranks[r]: c for r, c in codes.items()},
             "lost": [ranks[r] for r in lost], "ok": ok, "codes": codes, "lost_ranks": lost}

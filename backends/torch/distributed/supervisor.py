@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from .progress import PROGRESS_ENV
 from .rendezvous import TOKEN_ENV, gloo_environment
 
 __all__ = ["Supervisor", "TERMINATE_GRACE_S"]
@@ -97,9 +98,11 @@ class _Worker:
 class Supervisor:
     """Starts the local workers of one attempt, relays their output, and waits for the outcome."""
 
-    def __init__(self, emit: Callable[[str], None], token: str = "") -> None:
+    def __init__(self, emit: Callable[[str], None], token: str = "", take: Callable[[str], bool] | None = None
+                 ) -> None:
         self.emit = emit
         self.token = token  # the run's shared secret (rendezvous.py), handed to each worker
+        self.take = take  # rank 0's progress events go there instead of the output (progress.LaunchBar)
         self.workers: list[_Worker] = []
 
     def start(self, job_path: Path, ranks: Sequence[int], pnodes: Sequence[str], world: int, addr: str, port: int,
@@ -109,6 +112,7 @@ class Supervisor:
             env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(len(ranks)), OMP_NUM_THREADS=str(threads),
                        MKL_NUM_THREADS=str(threads), VGRAPH_PNODE=pnodes[rank], **{TOKEN_ENV: self.token},
+                       **{PROGRESS_ENV: "events" if self.take is not None else "lines"},
                        **gloo_environment(addr))  # gloo on the interface towards the master, not loopback
             reader, writer = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_worker_process, args=(str(job_path), env, writer),
@@ -133,7 +137,9 @@ class Supervisor:
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                self.emit(f"[{pnode}] {line.decode('utf-8', 'replace').rstrip()}")
+                text = line.decode("utf-8", "replace").rstrip()
+                if self.take is None or not self.take(text):
+                    self.emit(f"[{pnode}] {text}")
         if pending.strip():
             self.emit(f"[{pnode}] {pending.decode('utf-8', 'replace').rstrip()}")
         reader.close()

@@ -86,6 +86,7 @@ from .replica_groups import ReplicaLayoutError, check_replicas_agree, check_same
 from .loss_scaler import SharedLossScaler
 from .plan import make_plan, micro_batch_sizes
 from .pnode_figures import PNodeFigures, attach
+from .progress import RankZeroProgress, progress_mode
 from .rendezvous import gloo_environment, process_group_store
 from .rank_zero import GatheredCheckpoints, local_metric_values
 from .stage_runner import StageRunner
@@ -124,9 +125,14 @@ class Worker:
         self.run_dir = job.run_path
         self.log_enabled = bool(self.cfg.progress)
         self.log: MetricsLog | None = None
+        self.progress: RankZeroProgress | None = None  # rank 0's bar, events or lines (progress.py)
 
     def say(self, msg: str) -> None:
-        if self.log_enabled:
+        if not self.log_enabled:
+            return
+        if self.progress is not None:
+            self.progress.write(msg)  # above rank 0's bar, when it draws one
+        else:
             print(msg, flush=True)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -256,9 +262,12 @@ class Worker:
         self.stages.sync_tied_weights()
         if self.rank == 0:
             self.log = self._open_log(start)
+            if self.log_enabled:
+                self.progress = RankZeroProgress(progress_mode(os.environ, self.place.launcher), self.cfg.steps,
+                                                 start, self.graph.name, lambda line: print(line, flush=True))
         self._announce(start)
         self._pending: list[dict[str, Any]] = []
-        self._start_time = self._last_flush = self._last_print = time.perf_counter()
+        self._start_time = self._last_flush = time.perf_counter()
         dist.barrier(group=self.ctrl.group)  # rank 0's set-up (log files, TensorBoard's drawing) is not step 1's idle
         for step in range(start + 1, self.cfg.steps + 1):
             done = self._train_step(step)
@@ -269,6 +278,8 @@ class Worker:
         if self.log is not None:
             self.log.plot(self.run_dir / "loss_curve.png", self.graph.name)
             self.log.close()
+        if self.progress is not None:
+            self.progress.close()
         clear_dropout_key()
         dist.barrier(group=self.ctrl.group)
 
@@ -380,11 +391,8 @@ class Worker:
         if val_loss is not None:
             pending[-1]["val_loss"] = val_loss
         self.log.append(pending)
-        if now - self._last_print >= 2.0 or step == self.cfg.steps or val_loss is not None:
-            self._last_print = now
-            r = pending[-1]
-            self.say(f"step {step}/{self.cfg.steps} loss {r['loss']:.4f} tok/s {r['tokens_per_s']:,.0f} "
-                     f"lr {r['lr']:.2e}" + (f" val {val_loss:.4f}" if val_loss is not None else ""))
+        if self.progress is not None:
+            self.progress.report(step, pending[-1], val_loss)
 
     def _check_replicas(self) -> None:
         """Before a checkpoint: the replicas of this stage still hold the same weights and optimizer state."""
