@@ -7,6 +7,8 @@ The pass in three modules, by job:
 * `partition_plan`: one pipeline's `Plan` (an assignment with its numbers),
   `plan_partition` and `apply_plan`;
 * `partition_replicas`: R replicas of an S-stage pipeline;
+* `partition_compress`: the same with cut edges priced compressed (`compress=auto`)
+  and the replicas' gradients all-reduced as `grad_compress` says;
 * this module: the `Partition` pass, which picks and applies a plan.
 
 `partition_ilp` holds the exact oracle the tests and benchmarks compare with.
@@ -23,9 +25,12 @@ from vgraph.cost.remat import RECOMPUTE, candidates, closed, marked_ids
 from vgraph.ir.graph import Graph
 from vgraph.transform.pass_api import Option, Pass, PassContext, PassError
 
+from vgraph.cost.compression import parse_grad_compress
+
+from .partition_compress import describe_choice, plan_compressed
 from .partition_plan import Plan, apply_plan, plan_partition
 from .partition_problem import Evaluation, PartitionError, Problem, Unit, better, build_problem, evaluate
-from .partition_replicas import apply_replica_plan, parse_replicas, plan_replicas
+from .partition_replicas import apply_replica_plan, parse_replicas
 from .partition_solve import solve
 
 __all__ = ["Evaluation", "Partition", "PartitionError", "Plan", "Problem", "Unit", "apply_plan", "better",
@@ -47,6 +52,13 @@ class Partition(Pass):
         "remat": Option(str, "auto", "auto: when no plan fits the memory, plan again with every remat candidate "
                                      "recomputed (vgraph/cost/remat.py) and say so; off: never",
                         choices=("auto", "off")),
+        "compress": Option(str, "off", "auto: also plan with every float cut edge sent int8 both ways (codec "
+                                       "compute included) and keep that plan when its predicted step is lower; "
+                                       "the choice is what compress-boundary{activations=auto,gradients=auto} "
+                                       "inserts (partition_compress.py)", choices=("off", "auto")),
+        "grad_compress": Option(str, "none", "how the replicas all-reduce gradients, as vgraph launch "
+                                             "--grad-compress: none or powersgd[:rank=R,start=N] (priced by "
+                                             "the step cost model: fewer bytes, more compute)"),
     }
 
     def run(self, graph: Graph, ctx: PassContext) -> Counter:
@@ -58,16 +70,20 @@ class Partition(Pass):
             raise PassError(f"pass 'partition': batch and micro_batches must be >= 1, got {batch}, {micro}")
         try:
             replicas = parse_replicas(self.opts["replicas"])
+            grad_compress = parse_grad_compress(self.opts["grad_compress"])
         except ValueError as exc:
             raise PassError(f"pass 'partition': {exc}") from None
         fleet = resolve_fleet(fleet_spec)
+        auto = self.opts["compress"] == "auto"
         try:
             with paused_gc():
-                rplan, cm = plan_replicas(graph, fleet, batch=batch, micro_batches=micro, replicas=replicas)
+                rplan, cm, chosen = plan_compressed(graph, fleet, batch=batch, micro_batches=micro,
+                                                    replicas=replicas, grad_compress=grad_compress, auto=auto)
         except PartitionError as exc:
             if self.opts["remat"] == "off" or marked_ids(graph):
                 raise
-            rplan, cm = self._plan_with_remat(graph, fleet, batch, micro, replicas, exc, ctx)
+            rplan, cm, chosen = self._plan_with_remat(graph, fleet, batch, micro, replicas, exc, ctx,
+                                                      grad_compress, auto)
         if rplan.base is not None:  # one pipeline over the fleet: the pass's own plan, as before
             changed = apply_plan(graph, rplan.base, cm, fleet)
             graph.meta["placement"].update(rplan.summary())
@@ -80,6 +96,11 @@ class Partition(Pass):
                      f"{'s' * (rplan.stages != 1)} ({rplan.replicas * rplan.stages} of "
                      f"{len(fleet)} PNodes, batch shares {rplan.shares})")
         placed = graph.meta["placement"]
+        if grad_compress.enabled:
+            placed["grad_compress"] = grad_compress.text()
+        if auto:
+            placed["compress"] = chosen
+            ctx.notes.append(describe_choice(chosen))
         ctx.notes.append(f"partition: {len(graph)} VNodes on {where} of {fleet.name!r}, predicted step "
                          f"{rplan.cost.step_seconds:.4g} s (all-reduce {rplan.cost.allreduce_seconds:.4g} s), "
                          f"bottleneck {placed['bottleneck_seconds']:.4g} s ('{placed['bottleneck_pnode']}'), "
@@ -88,7 +109,7 @@ class Partition(Pass):
 
     @staticmethod
     def _plan_with_remat(graph: Graph, fleet, batch: int, micro: int, replicas, without: PartitionError,
-                         ctx: PassContext):
+                         ctx: PassContext, grad_compress, auto: bool):
         """No plan fits as the network keeps every activation: mark every remat candidate and plan again."""
         cm = cost_model(graph, batch=batch, micro_batches=micro)
         ids = list(cm.node_columns["id"])
@@ -99,7 +120,8 @@ class Partition(Pass):
             graph.node(nid).set_config(remat=RECOMPUTE)
         try:
             with paused_gc():
-                planned = plan_replicas(graph, fleet, batch=batch, micro_batches=micro, replicas=replicas)
+                planned = plan_compressed(graph, fleet, batch=batch, micro_batches=micro, replicas=replicas,
+                                          grad_compress=grad_compress, auto=auto)
         except PartitionError:
             for nid in marks:
                 graph.node(nid).set_config(remat=None)

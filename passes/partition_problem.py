@@ -135,8 +135,7 @@ def build_problem(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
     # unit graph: cut edges aggregated per unit pair, p < q
     src = index[cm.array("edge:src").astype(np.int64)]
     dst = index[cm.array("edge:dst").astype(np.int64)]
-    w = (cm.array("edge:bytes_per_sample").astype(float) * np.where(cm.array("edge:gradient"), 2.0, 1.0)
-         * cm.batch)
+    w = cm.edge_round_trip() * cm.batch
     ties: list[tuple[int, int, int]] = []
     for t in cm.ties:
         a, b = unit_of[t.publisher], unit_of[t.user]

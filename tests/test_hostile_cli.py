@@ -58,6 +58,7 @@ STRING_KINDS: dict[tuple[str | None, str], str] = {
     (None, "prompt"): "free-text",  # any text is a prompt
     ("probe", "id"): "pnode-id", ("probe", "append"): "fleet-to-append", ("probe", "peer"): "endpoint",
     ("probe", "listen"): "endpoint", ("probe", "bandwidth"): "bandwidth",
+    (None, "grad_compress"): "grad-compress",
 }
 STRING_VALUES = {
     "input-file": INPUT_FILE, "plugin": [v for v in INPUT_FILE if v != "empty"],  # an empty plugin is valid
@@ -68,6 +69,9 @@ STRING_VALUES = {
     "fleet-to-append": OUTPUT_FILE + ["empty", "binary", "fifo", "newline"],
     "endpoint": ["nohost", "host:", ":80", "h:0", "h:99999", "h:abc", "", "x\x1b[2J:1"],
     "bandwidth": ["fast", "-1", "0", "nan", "inf", "1e400Gbit/s", ""],
+    "grad-compress": ["topk", "powersgd:rank=0", "powersgd:rank=nan", "powersgd:rank=1e9", "powersgd:rank=2.5",
+                      "powersgd:start=1", "powersgd:rank=4,rank=4", "powersgd:bits=2", "powersgd:min_rate=inf",
+                      "none:rank=4", "powersgd:rank=\x1b[2J", ""],
 }
 
 

@@ -22,6 +22,7 @@ from vgraph import REGISTRY, Graph, VGraphError
 from vgraph.backends.onnx import lower_network, value_name
 from vgraph.backends.onnx.check import check_network, onnx_outputs, random_feeds, random_weights
 from vgraph.backends.torch import kernels as K
+from vgraph.backends.torch.compression import Codec
 from vgraph.ir.builder import NetBuilder
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -43,6 +44,8 @@ def _rope(cfg) -> float | None:
 
 def _ref_node(graph: Graph, n, xs: list[torch.Tensor], w: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     cfg, t = n.cfg, n.type
+    if t == "compress":  # the activation's wire round trip (backends/torch/compression.py defines it)
+        return [Codec(cfg["activations"], cfg["scale"]).round_trip(xs[0])]
     if t == "linear":
         if cfg.get("tie_weight_alias"):
             pub = graph.publishers()[cfg["tie_weight_alias"]]
@@ -165,7 +168,26 @@ SINGLE_OP_CASES = {
     "mask-off": lambda: _single("mask", [(S, S)], causal=False, random_prob=0.5),
     "cost-mse": lambda: _single("cost", [(S, D), (S, D)], cost=True, cost_function="mse"),
     "cost-ce_logits": lambda: _single("cost", [(S, V)], cost=True, cost_function="ce_logits", vocab_size=V),
+    "compress-int8-token": lambda: _single("compress", [(S, D)], activations="int8", scale="token"),
+    "compress-int8-channel": lambda: _single("compress", [(3, S, D)], activations="int8", scale="channel"),
+    "compress-int8-vector": lambda: _single("compress", [(D,)], activations="int8"),
+    "compress-fp16": lambda: _single("compress", [(S, D)], activations="fp16"),
+    "compress-bf16": lambda: _single("compress", [(S, D)], activations="bf16"),
+    "compress-none": lambda: _single("compress", [(S, D)], activations="none", gradients="int8"),
 }
+
+
+@pytest.mark.parametrize("scale", ["token", "channel"])
+def test_compress_int8_is_bit_for_bit_torchs_with_zero_and_non_finite_groups(scale: str) -> None:
+    graph = _single("compress", [(3, S, D)], activations="int8", scale=scale)
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((2, 3, S, D)) * 10.0 ** rng.integers(-6, 6, (2, 3, S, 1))).astype(np.float32)
+    x[0, 0, 1] = 0.0
+    x[0, 1, 2, 3], x[1, 2, 0, 0], x[1, 0, 4, 5] = np.nan, np.inf, -np.inf
+    got, _ = onnx_outputs(lower_network(graph, {}), {"op:in0": x})
+    want = Codec("int8", scale).round_trip(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(got["op:0"], want)  # equal NaN positions too
+    assert np.isnan(want).any() and (want == 0).any()
 
 
 @pytest.mark.parametrize("case", sorted(SINGLE_OP_CASES))

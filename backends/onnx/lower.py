@@ -741,3 +741,35 @@ def _lower_receive(n: NodeLowering) -> list[str]:
 def _lower_weight_replica(n: NodeLowering) -> list[str]:
     """No computation: tied readers resolve the alias to this node's `weight` initializer."""
     return []
+
+
+@register_lowering("compress")
+def _lower_compress(n: NodeLowering) -> list[str]:
+    """The activation's wire round trip (inference has no gradient): casts for fp16/bf16; for int8 the
+    torch backend's arithmetic op for op (compression.py: max |x| / 127 per group, Round is half to even
+    in both, a group holding NaN or infinity becomes NaN), so both give the same bits."""
+    x, codec = n.inputs[0], n.cfg["activations"]
+    if codec == "none":
+        return [n.op("Identity", [x], out=n.out(0))]
+    if codec in ("fp16", "bf16"):
+        half = n.op("Cast", [x], "wire", to=TensorProto.FLOAT16 if codec == "fp16" else TensorProto.BFLOAT16)
+        return [n.op("Cast", [half], out=n.out(0), to=TensorProto.FLOAT)]
+    rank = 1 + len(n.input_types[0].shape)
+    axes = ([] if rank == 1 else [rank - 1] if n.cfg["scale"] == "token" or rank == 2
+            else list(range(1, rank - 1)))
+    amax = n.op("Abs", [x], "abs")
+    bad = n.op("Cast", [n.op("Or", [n.op("IsNaN", [x], "is_nan"), n.op("IsInf", [x], "is_inf")], "bad")],
+               "bad_float", to=TensorProto.FLOAT)
+    if axes:
+        amax = n.op("ReduceMax", [amax, n.int64s("axes", axes)], "amax", keepdims=1)
+        bad = n.op("ReduceMax", [bad, n.int64s("bad_axes", axes)], "group_bad", keepdims=1)
+    zero = n.float_const("float32_zero", 0.0)
+    scale = n.op("Div", [amax, n.float_const("int8_qmax", 127.0)], "scale")
+    usable = n.op("Greater", [scale, zero], "usable")
+    safe = n.op("Where", [usable, scale, n.float_const("float32_one", 1.0)], "safe_scale")
+    codes = n.op("Clip", [n.op("Round", [n.op("Div", [x, safe], "ratio")], "rounded"),
+                          n.float_const("int8_qmin", -127.0), n.float_const("int8_qmax", 127.0)], "codes")
+    codes = n.op("Where", [usable, codes, zero], "codes_or_zero")
+    y = n.op("Mul", [codes, scale], "dequantized")
+    nan = n.local_const("nan", np.asarray(np.nan, dtype=np.float32))  # NaN != NaN: not a shared constant
+    return [n.op("Where", [n.op("Greater", [bad, zero], "group_not_finite"), nan, y], out=n.out(0))]

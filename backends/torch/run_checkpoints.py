@@ -22,6 +22,7 @@ import torch
 from vgraph.ir.graph import Graph
 
 from . import checkpoint as ckpt
+from .compression import boundary_state, compress_modules, load_boundary_state
 from .lower import VGraphModule, param_sources
 from .node_optimizers import NodeOptimizers
 from .run_network import check_finite, check_resumed_network
@@ -105,6 +106,7 @@ def save_run_checkpoint(run_dir: Path, step: int, state: TrainingState, run_info
         "run": json.loads(json.dumps(run_info, default=str)),
         "network_yaml": yaml_text,
         "tokenizer_json": tokenizer_json,
+        "compression": {"boundary": boundary_state(compress_modules(module))},  # error feedback: compression.py
     }
     path = ckpt.save_checkpoint(run_dir / f"{CHECKPOINT_PREFIX}{step:08d}", step=step,
                                 model_state=model_state, optimizer_states=opt_state,
@@ -149,6 +151,7 @@ def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable
     state.optimizers.load_state_by_key(optimizer_state_to_graph(saved.optimizer_states, module.network))
     if saved.extra.get("grad_scaler") and state.scaler.is_enabled():
         state.scaler.load_state_dict(saved.extra["grad_scaler"])
+    load_boundary_state(compress_modules(module), (saved.extra.get("compression") or {}).get("boundary"), device)
     ckpt.restore_rng_state(saved.rng_state)
     say(f"resumed from {latest} at step {saved.step}")
     return saved.step

@@ -22,7 +22,9 @@ the precision pass ran, else the declared one):
 
 Per edge: the bytes one step moves if the edge is cut, the forward activation
 plus its gradient on the way back (integer tensors have no gradient), times
-the batch.  A tied weight used on a PNode other than its publisher's costs a
+the batch.  An edge leaving a `compress` VNode (the compress-boundary pass)
+moves each direction in that VNode's wire format (`vgraph.ops.boundary.wire_bytes`:
+what the workers of `vgraph launch` send and count).  A tied weight used on a PNode other than its publisher's costs a
 weight sync per step: the user's gradient goes to the owner and the updated
 weight comes back (2 x the weight at its dtype, independent of the batch),
 and the user's PNode holds a replica (weight + gradient).
@@ -40,9 +42,11 @@ from typing import Iterable, Mapping, NamedTuple
 import numpy as np
 
 from vgraph.cost.analyze import human
+from vgraph.cost.compression import NO_GRAD_COMPRESSION, GradCompression, parse_grad_compress
 from vgraph.cost.remat import NO_REMAT, RematLayout, marked_ids, remat_layout
 from vgraph.ir.graph import Graph, VNode
 from vgraph.ops import REGISTRY, OpDef
+from vgraph.ops.boundary import wire_bytes
 from vgraph.ops.schema import DTYPE_OF_PRECISION
 from vgraph.types import DTYPE_BYTES, TensorType
 
@@ -92,10 +96,11 @@ class EdgeCost(NamedTuple):
     dst: str
     dst_slot: int
     bytes_per_sample: int  # forward activation
-    gradient: bool  # a gradient of the same size flows back
+    gradient: bool  # a gradient flows back
+    back_bytes_per_sample: int  # that gradient (the activation's size unless compressed; 0 without one)
 
     def bytes_per_step(self, batch: int) -> int:
-        return self.bytes_per_sample * batch * (2 if self.gradient else 1)
+        return (self.bytes_per_sample + self.back_bytes_per_sample) * batch
 
 
 class TieCost(NamedTuple):
@@ -125,13 +130,18 @@ class CostModel:
     """
 
     def __init__(self, name: str, batch: int, micro_batches: int, node_columns: dict[str, list],
-                 edge_columns: dict[str, list], ties: list[TieCost], remat: RematLayout | None = None) -> None:
+                 edge_columns: dict[str, list], ties: list[TieCost], remat: RematLayout | None = None,
+                 grad_compress: GradCompression = NO_GRAD_COMPRESSION) -> None:
         self.name = name
+        self.grad_compress = grad_compress  # how replicas all-reduce gradients (vgraph/cost/compression.py)
         self.remat = remat if remat is not None else NO_REMAT
         self.batch = batch
         self.micro_batches = micro_batches
         self.node_columns = node_columns  # id, type, group, params, param_dtype, param_bytes, ...
-        self.edge_columns = edge_columns  # src (node index), src_slot, dst (node index), dst_slot, ...
+        # src (node index), src_slot, dst (node index), dst_slot, bytes_per_sample, gradient,
+        # back_bytes_per_sample, codec_flops (training FLOPs per sample the producer spends when the edge is cut:
+        # 0 unless priced compressed by compression.with_compressed_edges)
+        self.edge_columns = edge_columns
         self.ties = ties
 
     @cached_property
@@ -143,8 +153,14 @@ class CostModel:
     def edges(self) -> list[EdgeCost]:
         c = self.edge_columns
         ids = self.node_columns["id"]
-        return [EdgeCost(ids[s], ss, ids[d], ds, b, g) for s, ss, d, ds, b, g in
-                zip(c["src"], c["src_slot"], c["dst"], c["dst_slot"], c["bytes_per_sample"], c["gradient"])]
+        return [EdgeCost(ids[s], ss, ids[d], ds, b, g, k) for s, ss, d, ds, b, g, k in
+                zip(c["src"], c["src_slot"], c["dst"], c["dst_slot"], c["bytes_per_sample"], c["gradient"],
+                    c["back_bytes_per_sample"])]
+
+    def edge_round_trip(self) -> np.ndarray:
+        """Per edge (column order): bytes per sample both ways if cut, activation + gradient."""
+        c = self.edge_columns
+        return np.asarray(c["bytes_per_sample"], dtype=float) + np.asarray(c["back_bytes_per_sample"], dtype=float)
 
     def train_flops_per_sample(self) -> np.ndarray:
         """Forward + backward + rematerialised FLOPs of each VNode for one sample (node order)."""
@@ -200,7 +216,7 @@ class CostModel:
             if a != b:
                 out.setdefault(a, [0, 0])[0] += e.bytes_per_sample
                 if e.gradient:
-                    out.setdefault(b, [0, 0])[0] += e.bytes_per_sample
+                    out.setdefault(b, [0, 0])[0] += e.back_bytes_per_sample
         for t in self.ties:
             a, b = assign[t.publisher], assign[t.user]
             if a != b:
@@ -243,6 +259,7 @@ class CostModel:
                       for c in self.nodes.values()],
             "edges": [{"from": e.src, "from_slot": e.src_slot, "to": e.dst, "to_slot": e.dst_slot,
                        "bytes_per_sample": e.bytes_per_sample, "gradient": e.gradient,
+                       "gradient_bytes_per_sample": e.back_bytes_per_sample,
                        "bytes_per_step": self.edge_bytes(e)} for e in self.edges],
             "ties": [{"alias": t.alias, "publisher": t.publisher, "user": t.user,
                       "weight_bytes": t.weight_bytes, "sync_bytes_per_step": t.sync_bytes_per_step}
@@ -261,21 +278,25 @@ def tensor_bytes(t: TensorType, activation: str | None = None) -> int:
     return t.numel * DTYPE_BYTES[effective_dtype(t.dtype, activation)]
 
 
-def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int = 1) -> CostModel:
-    """Costs of every VNode and edge of a verified graph (types inferred).
+def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int = 1,
+               grad_compress: GradCompression | str | None = None) -> CostModel:
+    """Costs of every VNode and edge of a verified graph (types inferred); `grad_compress` says how
+    replicas would all-reduce its gradients (vgraph/cost/compression.py).
 
     Written as one tight loop (about 5 us a VNode): partitioning a 100k-VNode
     network starts here.
     """
     if batch < 1 or micro_batches < 1:
         raise ValueError("batch and micro_batches must be >= 1")
+    grad_compress = parse_grad_compress(grad_compress)
     inputs_of = graph.input_index()
     vnodes = {nid: graph.node(nid) for nid in graph.node_ids()}
     endpoint_slots = {(ep.node, ep.slot) for ep in graph.iter_endpoints()}
     cols: dict[str, list] = {f: [] for f in NodeCost._fields}
     ecols: dict[str, list] = {f: [] for f in ("src", "src_slot", "dst", "dst_slot", "bytes_per_sample",
-                                              "gradient")}
+                                              "gradient", "back_bytes_per_sample")}
     ties: list[TieCost] = []
+    trained_shapes: list[tuple[tuple[int, ...], ...]] = []  # per VNode, its trained parameters' shapes
     publishers = graph.publishers()
     attrs = graph.attrs
     net_param = DTYPE_OF_PRECISION[attrs.get("param_precision") or attrs.get("precision") or "float32"]
@@ -284,7 +305,7 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
     index = {nid: i for i, nid in enumerate(vnodes)}
     (c_id, c_type, c_group, c_params, c_pdtype, c_pbytes, c_grad, c_master, c_adam, c_act,
      c_flops) = (cols[f].append for f in NodeCost._fields[:11])
-    e_src, e_src_slot, e_dst, e_dst_slot, e_bytes, e_grad = (ecols[f].append for f in ecols)
+    e_src, e_src_slot, e_dst, e_dst_slot, e_bytes, e_grad, e_back = (ecols[f].append for f in ecols)
     for i, n in enumerate(vnodes.values()):
         op = ops.get(n.type)
         if op is None:
@@ -300,7 +321,8 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
         cfg = n.cfg
         slots = inputs_of[n.id]
         outs = n.outputs
-        params = sum(prod(s) for s in op.param_shapes(cfg).values()) if op.params is not None else 0
+        shapes = op.param_shapes(cfg) if op.params is not None else {}
+        params = sum(prod(s) for s in shapes.values())
         flops = 0
         if op.flops and outs:
             ins = _input_types(n, op, cfg, slots, vnodes)
@@ -319,6 +341,7 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
             for slot, t in enumerate(outs):
                 if slot in used or (nid, slot) in endpoint_slots:
                     activation += t.numel * dtype_bytes[effective_dtype(t.dtype, act)]
+        trained_shapes.append(tuple(shapes.values()) if trained else ())
         if trained:
             grad = pbytes
             master = params * FP32 if pdtype != "float32" else 0
@@ -347,8 +370,17 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
             e_src_slot(e.src_slot)
             e_dst(i)
             e_dst_slot(e.dst_slot)
-            e_bytes(t.numel * dtype_bytes[effective_dtype(t.dtype, src_prec.get("activation") if src_prec else None)])
-            e_grad(t.dtype in _FLOAT)
+            dtype = effective_dtype(t.dtype, src_prec.get("activation") if src_prec else None)
+            fwd = t.numel * dtype_bytes[dtype]
+            grad = t.dtype in _FLOAT
+            back = fwd if grad else 0
+            if src.type == "compress":  # each direction in its wire format
+                scfg = src.cfg
+                fwd = wire_bytes(t.shape, dtype, scfg["activations"], scfg["scale"])
+                back = wire_bytes(t.shape, dtype, scfg["gradients"], scfg["scale"]) if grad else 0
+            e_bytes(fwd)
+            e_grad(grad)
+            e_back(back)
         if op.tied_params is not None:
             for alias, shape in op.tied(cfg).values():
                 pub = publishers.get(alias)
@@ -356,6 +388,8 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
                     pprec = pub.meta.get("precision")
                     pub_dtype = (pprec.get("param") if pprec else None) or graph.param_dtype(pub)
                     ties.append(TieCost(alias, pub.id, n.id, prod(shape) * dtype_bytes[pub_dtype]))
+    cols["trained_shapes"] = trained_shapes
+    ecols["codec_flops"] = [0] * len(ecols["src"])
     cols["recompute_bytes"] = [0] * len(cols["id"])
     cols["recompute_flops"] = [0] * len(cols["id"])
     layout = None
@@ -369,7 +403,7 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
         for nid in layout.recomputed:
             k = index[nid]
             cols["recompute_bytes"][k], act[k] = act[k], 0
-    return CostModel(graph.name, batch, micro_batches, cols, ecols, ties, layout)
+    return CostModel(graph.name, batch, micro_batches, cols, ecols, ties, layout, grad_compress)
 
 
 def _input_types(n: VNode, op: OpDef, cfg: dict, slots: dict, vnodes: dict) -> list[TensorType]:

@@ -19,6 +19,8 @@ with batch share b, M_r = min(M, b) micro-batches and stage s on PNode p:
                 + 2 * sum of latencies of its stage-to-stage links   (fill and drain)
     reduce(s)   = 2 (R - 1) / R * grad_bytes(s) / slowest link of stage s's group
                 + 2 (R - 1) * the group's largest latency          (ring all-reduce)
+                  (PowerSGD, `--grad-compress`: grad_bytes(s) is what it all-reduces, the latency counts
+                  three rounds, and its FLOPs on the group's slowest member are added; compression.py)
     step        = max_r replica(r) + max_s reduce(s)
 
 When PNode p carries `vgraph probe`'s figures (vgraph/cost/op_kinds.py), compute is priced per op kind
@@ -52,6 +54,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
+from vgraph.cost.compression import per_node
 from vgraph.cost.costmodel import CostModel
 from vgraph.cost.op_kinds import KINDS, op_kind
 
@@ -76,6 +79,11 @@ class StageLoads:
     activation_bytes: np.ndarray  # [S] kept for backward, per sample
     kind_flops: np.ndarray | None = None  # [K, S] training FLOPs per sample by op kind (op_kinds.KINDS)
     kind_ops: np.ndarray | None = None  # [K, S] VNodes by op kind
+    # Gradient compression (vgraph/cost/compression.py), with replicas only: FLOPs a stage member spends
+    # compressing its gradients per step, the memory it keeps for that, all-reduces per bucket.
+    reduce_flops: np.ndarray | None = None  # [S]
+    reduce_memory: np.ndarray | None = None  # [S] bytes
+    reduce_rounds: int = 1
 
     @property
     def stages(self) -> int:
@@ -111,16 +119,21 @@ class LoadColumns:
         col = cm.array
         self.ids: list[str] = cm.node_columns["id"]
         self.flops = cm.train_flops_per_sample()  # forward + backward (+ recomputed forwards, remat)
-        self.grad = col("grad_bytes").astype(float)
+        # What a stage all-reduces, the compression's FLOPs and memory (compression.py; plain: the gradients).
+        self.rounds = 3 if cm.grad_compress.enabled else 1
+        self.grad, self.reduce_flops, self.reduce_memory = per_node(
+            cm.node_columns.get("trained_shapes") or [()] * len(self.ids), col("grad_bytes").astype(float),
+            col("params").astype(float), cm.grad_compress)
         self.static = (col("param_bytes") + col("grad_bytes") + col("master_bytes") + col("adam_bytes")).astype(float)
         self.act = col("activation_bytes").astype(float)
         if len(cm.edge_columns["src"]):
             self.src = col("edge:src").astype(np.int64)
             self.dst = col("edge:dst").astype(np.int64)
-            self.edge_bytes = col("edge:bytes_per_sample").astype(float) * np.where(col("edge:gradient"), 2.0, 1.0)
+            self.edge_bytes = cm.edge_round_trip()
+            self.edge_flops = col("edge:codec_flops").astype(float)
         else:
             self.src = self.dst = np.zeros(0, dtype=np.int64)
-            self.edge_bytes = np.zeros(0)
+            self.edge_bytes = self.edge_flops = np.zeros(0)
         self.kind = vnode_kinds(cm)
         at = {nid: i for i, nid in enumerate(self.ids)} if cm.ties else {}
         self.ties = [(at[t.publisher], at[t.user], float(t.sync_bytes_per_step), float(t.replica_bytes))
@@ -146,6 +159,9 @@ class LoadColumns:
             cut = s != t
             np.add.at(p2p, (s[cut], t[cut]), self.edge_bytes[cut])
             p2p = p2p + p2p.T
+            codec = np.bincount(s[cut], weights=self.edge_flops[cut], minlength=stages)  # compressed edges
+            flops = flops + codec
+            kind_flops[KINDS.index("elementwise")] += codec
         sync = np.zeros((stages, stages))
         for pub, user, sync_bytes, replica_bytes in self.ties:
             a, b = where[pub], where[user]
@@ -153,7 +169,10 @@ class LoadColumns:
                 sync[a, b] += sync_bytes
                 sync[b, a] += sync_bytes
                 static[b] += replica_bytes
-        return StageLoads(flops, p2p, sync, grad, static, act, kind_flops, kind_ops)
+        return StageLoads(flops, p2p, sync, grad, static, act, kind_flops, kind_ops,
+                          reduce_flops=np.bincount(where, weights=self.reduce_flops, minlength=stages),
+                          reduce_memory=np.bincount(where, weights=self.reduce_memory, minlength=stages),
+                          reduce_rounds=self.rounds)
 
 
 def stage_loads(cm: CostModel, stage_of: Mapping[str, int], stages: int) -> StageLoads:
@@ -324,12 +343,16 @@ def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Se
     factor = (micro + S - 1) / micro
     replica = work.max(axis=1) * factor + sync.max(axis=1) + latency
     reduce = np.zeros(S)
+    resident = resident_array(np.asarray(shares), micro_batches, S).astype(float)
+    memory = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
     if R > 1:
         for s in range(S):
             slowest, worst = _slowest_link(fa, idx[:, s])
-            reduce[s] = 2 * (R - 1) / R * loads.grad_bytes[s] / slowest + 2 * (R - 1) * worst
-    resident = resident_array(np.asarray(shares), micro_batches, S).astype(float)
-    memory = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
+            reduce[s] = (2 * (R - 1) / R * loads.grad_bytes[s] / slowest
+                         + 2 * (R - 1) * worst * loads.reduce_rounds)
+        if loads.reduce_flops is not None:  # compressing gradients: the slowest member of each group
+            reduce += loads.reduce_flops / fa.flops[idx].min(axis=0)
+            memory = memory + loads.reduce_memory[None, :]
     p2p_bytes = b * float(np.triu(loads.p2p).sum()) + float(np.triu(loads.sync).sum())
     allreduce_bytes = np.array([ring_allreduce_bytes(R, g) for g in loads.grad_bytes])
     pipeline = float(replica.max())

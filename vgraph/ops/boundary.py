@@ -16,12 +16,33 @@ wire.  A tied weight read on a PNode other than its publisher's becomes a
   sample, e.g. "[512, 512]", "[]" for a scalar) and `dtype` give its type.
 - `weight_replica`: no inputs or outputs; owns a `weight` of config `shape`
   (optimizer "none": the owner updates it and sends it back every step).
+- `compress`: what crosses one cut edge, compressed (the `compress-boundary`
+  pass puts one on the producer's side of every cut edge it compresses).  Its
+  output is its input after a round trip through the wire format of
+  `activations`; in backward, the gradient after a round trip through the
+  format of `gradients` (with `error_feedback`, the sender of the gradient adds
+  what the previous rounding lost).  `vgraph train` computes exactly that in
+  one process; `vgraph launch` sends the wire format itself (the transport
+  encodes and decodes, plan.py), so both train the same numbers.  It holds no
+  weights: a checkpoint of a compressed run is a checkpoint of the network
+  without it.
+
+Wire formats (`wire_bytes` is what the cost model prices and the workers count):
+`none` the tensor as it is; `fp16` / `bf16` two bytes an element; `int8` one
+byte an element plus one float32 scale per group: per *token* (a group is the
+last dimension: one scale per sample and position) or per *channel* (a group
+is one channel of one sample across its positions: per-sample rank 2 or more).
+A group's scale is max |x| / 127 and an element travels as round(x / scale)
+(half to even) clamped to [-127, 127]; a group holding NaN or infinity
+travels as scale NaN, so it arrives as NaN rather than as a finite lie.
 """
 from __future__ import annotations
 
+from math import prod
+
 from vgraph.ops.registry import Config, InferCtx, OpDef, register_op
 from vgraph.ops.schema import F, Schema
-from vgraph.types import ShapeError, TensorType
+from vgraph.types import DTYPE_BYTES, ShapeError, TensorType
 
 DTYPES = ("float32", "float16", "bfloat16", "int64", "string")
 _PEER = (F("peer_pnode", required=True, doc="the PNode on the other side of the cut"),
@@ -82,4 +103,76 @@ register_op(OpDef(
     params=lambda cfg: {"weight": tuple(cfg["shape"])},
 ))
 
-BOUNDARY_TYPES = ("send", "receive", "weight_replica")
+BOUNDARY_TYPES = ("send", "receive", "weight_replica")  # what exists only in a per-PNode part
+
+# -- compression of what crosses a cut ------------------------------------------------------------
+
+CODECS = ("none", "fp16", "bf16", "int8")
+SCALES = ("token", "channel")
+CODEC_DTYPE = {"fp16": "float16", "bf16": "bfloat16"}
+SCALE_BYTES = 4  # an int8 group's scale travels as float32
+# FLOPs per element of one encode and decode (int8: |x|, the group max, the division, the rounding, the
+# clamp, the product back; a cast each way for the halves): the cost model's compute of a `compress`.
+CODEC_FLOPS = {"none": 0, "fp16": 2, "bf16": 2, "int8": 6}
+COMPRESSION_PASS = "compress-boundary"  # the pass that adds `compress` VNodes
+
+
+def scale_count(shape: tuple[int, ...], scale: str) -> int:
+    """float32 scales an int8 tensor of per-sample `shape` sends per sample."""
+    if not shape:
+        return 1  # a per-sample scalar is a group of its own
+    if scale == "token" or len(shape) < 2:  # channel needs positions to span (the op refuses it, the pass
+        return prod(shape) // shape[-1] if shape[-1] else 0  # falls back to token)
+    return shape[-1]
+
+
+def wire_bytes(shape: tuple[int, ...], dtype: str, codec: str, scale: str = "token") -> int:
+    """Bytes per sample of a `dtype` tensor of per-sample `shape` in wire format `codec`."""
+    numel = prod(shape)
+    if codec == "none":
+        return numel * DTYPE_BYTES[dtype]
+    if codec in CODEC_DTYPE:
+        return numel * DTYPE_BYTES[CODEC_DTYPE[codec]]
+    if codec == "int8":
+        return numel + SCALE_BYTES * scale_count(shape, scale)
+    raise ValueError(f"unknown codec {codec!r}: one of {', '.join(CODECS)}")
+
+
+def compress_label(cfg: Config) -> str:
+    """What a `compress` VNode sends, in words (drawings, listings)."""
+    def one(codec: str) -> str:
+        return f"{codec}/{cfg['scale']}" if codec == "int8" else codec
+    ef = " + error feedback" if cfg.get("error_feedback") and cfg["gradients"] != "none" else ""
+    return f"fwd {one(cfg['activations'])}, bwd {one(cfg['gradients'])}{ef}"
+
+
+def _compress_infer(ctx: InferCtx) -> list[TensorType]:
+    x = ctx.single()
+    uses_int8 = "int8" in (ctx.cfg["activations"], ctx.cfg["gradients"])
+    if uses_int8 and ctx.cfg["scale"] == "channel" and len(x.shape) < 2:
+        raise ShapeError(f"scale=channel needs a per-sample rank of 2 or more (one scale per channel across "
+                         f"positions), the input is {list(x.shape)}: use scale=token")
+    return [x]
+
+
+def _compress_advice(cfg: Config) -> list[str]:
+    if cfg.get("error_feedback") and cfg["gradients"] == "none":
+        return ["error_feedback has no effect with gradients=none (nothing is rounded on the way back)"]
+    return []
+
+
+register_op(OpDef(
+    "compress", "boundary",
+    "what crosses a cut edge, sent in a smaller wire format (activations forward, gradients back)",
+    schema=Schema((
+        F("activations", default="int8", choices=CODECS, doc="wire format of the tensor sent forward"),
+        F("gradients", default="int8", choices=CODECS, doc="wire format of its gradient sent back"),
+        F("scale", default="token", choices=SCALES,
+          doc="int8 groups: token (one scale per position) or channel (per channel across positions)"),
+        F("error_feedback", "bool", False,
+          doc="the gradient's sender adds what the previous rounding lost (per sample position)"),
+        F("peer_pnode", doc="the PNode the tensor goes to (set by the pass; informational)"))),
+    infer=_compress_infer,
+    flops=lambda cfg, ins, outs: prod(ins[0].shape) * CODEC_FLOPS[cfg["activations"]],
+    advice=_compress_advice,
+))

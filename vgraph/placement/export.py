@@ -85,7 +85,7 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
     placed = graph.meta.get("placement") or {}
     batch = batch or placed.get("batch") or DEFAULT_BATCH
     micro_batches = micro_batches or placed.get("micro_batches") or 1
-    cm = cm or cost_model(graph, batch=batch, micro_batches=micro_batches)
+    cm = cm or cost_model(graph, batch=batch, micro_batches=micro_batches, grad_compress=placed.get("grad_compress"))
     assign = assignment_of(graph)
     unknown = sorted(set(assign.values()) - set(fleet.ids))
     if unknown:

@@ -77,6 +77,7 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
                        "bytes_per_step": float(cost.allreduce_bytes[s]),
                        "seconds": float(cost.allreduce_stage_seconds[s])} for s in range(len(rows[0]))],
         "allreduce_bytes_per_step": float(cost.allreduce_bytes.sum()),
+        "grad_compress": cm.grad_compress.text(),  # grad_bytes: what a group all-reduces under it
     })
     if R == 1:
         out["bytes_per_step"] = float(report["cut_bytes_per_step"])

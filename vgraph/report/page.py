@@ -412,7 +412,8 @@ def compiled_graph(rec: RunRecord):
         before, after = job.get("pipeline_before") or "", job.get("pipeline_after") or ""
         for spec in (before, after):
             refuse_files_named(spec, "the job file")
-        return apply_assignment(source, before, job["assignment"], after, job.get("target") or "cpu")
+        return apply_assignment(source, before, job["assignment"], after, job.get("target") or "cpu",
+                                job.get("plan_choices"))
     precision = rec.run.get("precision") or {}
     target = str(precision.get("target") or "cpu")
     refuse_files_named(rec.run.get("passes"), files.RUN_JSON)

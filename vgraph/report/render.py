@@ -20,8 +20,9 @@ from collections import OrderedDict
 from typing import Any, Mapping
 
 from vgraph.base.diagnostics import VGraphError, printable
-from vgraph.cost.costmodel import DEFAULT_BATCH, cost_model, effective_dtype, tensor_bytes
+from vgraph.cost.costmodel import DEFAULT_BATCH, cost_model, effective_dtype
 from vgraph.ir.graph import Graph, VNode
+from vgraph.ops.boundary import compress_label
 
 CATEGORY_COLORS = {"layer": "#dbeafe", "activation": "#dcfce7", "structural": "#f1f5f9", "training": "#fce7f3",
                    "text": "#ede9fe", "boundary": "#fef9c3"}
@@ -104,6 +105,7 @@ def to_dot(graph: Graph, *, group_by: str = "colocate", collapse: bool = False,
         if key is not None:
             lines.append("  }")
     cm = cost_model(graph, batch=batch) if assign else None
+    sizes = {(c.src, c.src_slot, c.dst, c.dst_slot): cm.edge_bytes(c) for c in cm.edges} if cm else {}
     seen: dict[tuple, int] = {}
     for e in graph.edges:
         src, dst = r(e.src), r(e.dst)
@@ -118,12 +120,8 @@ def to_dot(graph: Graph, *, group_by: str = "colocate", collapse: bool = False,
         if internal_repeat:
             count = repeats.get(src, (0, 1))[1] - 1
             attrs.update(style="dashed", constraint="false", label=f"x{count}", color="#475569")
-        if cut:
-            t = graph.node(e.src).outputs[e.src_slot] if graph.node(e.src).outputs else None
-            size = 0
-            if t is not None:
-                prec = graph.node(e.src).meta.get("precision") or {}
-                size = tensor_bytes(t, prec.get("activation")) * batch * (2 if t.kind == "float" else 1)
+        if cut:  # bytes both ways, as the cost model prices the edge (compressed after a `compress`)
+            size = sizes.get((e.src, e.src_slot, e.dst, e.dst_slot), 0)
             attrs.update(color=CUT_COLOR, penwidth="2.2", fontcolor=CUT_COLOR,
                          label=f"{_bytes(size)}/step")
         lines.append(f"  {_q(src)} -> {_q(dst)}" + (f" [{_attrs(attrs)}]" if attrs else "") + ";")
@@ -175,6 +173,8 @@ def _node_decl(n: VNode, repeats: Mapping[str, tuple]) -> str:
     lines = [_display_id(n.id, repeats)]
     fused = [x for x in str(n.config.get("fused_from") or "").split(",") if x.strip()]
     lines.append(n.type + (f" (fused from {len(fused)})" if fused else ""))
+    if n.type == "compress":  # what crosses the cut after it, each way
+        lines.append(compress_label(n.cfg))
     prec = n.meta.get("precision") or {}
     if n.outputs:
         outs = n.outputs

@@ -10,8 +10,14 @@ order, so the rules live here once:
   network computes (a run whose pass changed the function stores the changed
   network, on which only the others run again);
 * `apply_assignment`: a partitioned run's graph: the passes up to the
-  partition, its VNode -> PNode assignment, the passes after it (fusions after
-  the partition respect the placement).
+  partition, its VNode -> PNode assignment (and the choices of the partition
+  that passes after it read: `PLAN_CHOICES`), the passes after it (fusions
+  after the partition respect the placement);
+* `network_changes`: the changes that make a partitioned run's network
+  another than its definition: every pass that changed what it computes but
+  compress-boundary, whose `compress` VNodes hold no weights and only round
+  what crosses a cut (`compression_changes` lists those), so the run's
+  checkpoints are checkpoints of the network as given.
 """
 from __future__ import annotations
 
@@ -19,12 +25,14 @@ from typing import Any, Mapping
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.ir.graph import Graph
-from vgraph.transform.pipeline import build_pipeline, options_naming_files, run_pipeline
+from vgraph.ops.boundary import COMPRESSION_PASS
+from vgraph.transform.pipeline import SEMANTIC_CHANGES, build_pipeline, options_naming_files, run_pipeline
 
 __all__ = ["NO_FUSE_PIPELINE", "training_spec", "preserving_spec", "definition_spec", "apply_assignment",
-           "refuse_files_named"]
+           "refuse_files_named", "PLAN_CHOICES", "network_changes", "compression_changes"]
 
 NO_FUSE_PIPELINE = "dead-nodes,precision"
+PLAN_CHOICES = ("compress",)  # graph.meta["placement"] keys a partition decides and passes after it read
 
 
 def training_spec(passes: str | None, fuse: bool) -> str | None:
@@ -46,8 +54,10 @@ def definition_spec(run: Mapping[str, Any]) -> str | None:
     return preserving_spec(passes) if run.get("semantic_changes") else passes
 
 
-def apply_assignment(source: Graph, before: str, assignment: Mapping[str, str], after: str, target: str) -> Graph:
-    """The placed, optimised graph: passes up to the partition, its assignment, passes after it.
+def apply_assignment(source: Graph, before: str, assignment: Mapping[str, str], after: str, target: str,
+                     choices: Mapping[str, Any] | None = None) -> Graph:
+    """The placed, optimised graph: passes up to the partition, its assignment (and `choices`, the
+    partition's `PLAN_CHOICES`, e.g. what compress=auto chose), passes after it.
 
     The launcher, every worker and the report build the graph this way, so they
     agree on it without shipping it.
@@ -58,6 +68,8 @@ def apply_assignment(source: Graph, before: str, assignment: Mapping[str, str], 
     for node in graph.nodes:
         if node.id in assignment:
             node.meta["pnode"] = assignment[node.id]
+    if choices:
+        graph.meta.setdefault("placement", {}).update({k: v for k, v in choices.items() if k in PLAN_CHOICES})
     if after:
         run_pipeline(graph, after, target=target)
     return graph
@@ -74,3 +86,14 @@ def refuse_files_named(spec: str | None, where: str) -> None:
     if named:
         raise VGraphError(f"{where}'s passes name a file ({quote(named[0], 120)}); a reader of a run opens no "
                           f"path the run's files name")
+
+
+def network_changes(graph: Graph) -> list[str]:
+    """Specs of the passes that made `graph` compute another function than its definition, compression
+    at the cuts aside (see the module docstring)."""
+    return [c["spec"] for c in graph.meta.get(SEMANTIC_CHANGES, ()) if c.get("pass") != COMPRESSION_PASS]
+
+
+def compression_changes(graph: Graph) -> list[str]:
+    """Specs of the compress-boundary passes that changed `graph`."""
+    return [c["spec"] for c in graph.meta.get(SEMANTIC_CHANGES, ()) if c.get("pass") == COMPRESSION_PASS]

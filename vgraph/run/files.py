@@ -331,7 +331,7 @@ RUN_FIELDS = {"network": _text, "passes": _text_or_none, "fuse": _flag, "precisi
               "device": _text}
 PLACEMENT_FIELDS = {"network": _text, "pnodes": _objects, "assignment": _names}
 JOB_FIELDS = {"pipeline_before": _text, "pipeline_after": _text, "target": _text, "assignment": _names,
-              "ranks": _texts}
+              "ranks": _texts, "plan_choices": _object}
 
 
 class TooDeep(ValueError):

@@ -35,7 +35,10 @@ methods such hooks call (`buffer`, `index`, `is_last`, `gradients`,
 `parameters`), so gradient compression (torch's `fp16_compress_hook`,
 `powerSGD_hook`) plugs in with `hook=` and `hook_state=`.  One difference:
 DDP's hooks return the *mean*, and this sum must not be divided;
-`summed(hook)` turns an averaging hook into a summing one.
+`summed(hook)` turns an averaging hook into a summing one.  A hook that
+all-reduces something else than the bucket says what with `wire=`: the
+elements of each all-reduce it runs for a bucket (grad_compress.py), each
+counted by the ring formula below.
 
 **Bytes** are not measured on the wire (gloo and NCCL pick their own
 algorithms) but counted from the formula the step cost model prices
@@ -178,13 +181,14 @@ class GradientSync:
     def __init__(self, params: Sequence[torch.nn.Parameter], group: Any, *, size: int, position: int,
                  users: Mapping[str, Collection[torch.nn.Parameter]], late: Collection[torch.nn.Parameter] = (),
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, hook: CommHook | None = None,
-                 hook_state: Any = None) -> None:
+                 hook_state: Any = None, wire: Callable[[Bucket], list[int]] | None = None) -> None:
         self.params = list(params)
         if len({id(p) for p in self.params}) != len(self.params):
             raise ValueError("a parameter is listed twice")
         self.group, self.size, self.position = group, size, position
         self.hook = hook or allreduce_sum
         self.hook_state = group if hook is None else hook_state
+        self.wire = wire  # elements of each all-reduce the hook runs for a bucket (None: the bucket)
         layout = bucket_layout(self.params, bucket_bytes)
         self.buckets = [Bucket(i, len(layout), [self.params[j] for j in members])
                         for i, members in enumerate(layout)]
@@ -301,8 +305,14 @@ class GradientSync:
             self._launch(self.buckets[self._next])
             self._next += 1
 
+    @property
+    def layout(self) -> list[int]:
+        """Elements per bucket (what a compression hook's state is keyed by)."""
+        return [b.flat.numel() for b in self.buckets]
+
     def _launch(self, bucket: Bucket) -> None:
+        numels = self.wire(bucket) if self.wire is not None else [bucket.flat.numel()]  # before the hook runs
         bucket.future = self.hook(self.hook_state, bucket)
-        sent = ring_bytes_sent(bucket.flat.numel(), bucket.flat.element_size(), self.size, self.position)
+        sent = sum(ring_bytes_sent(n, bucket.flat.element_size(), self.size, self.position) for n in numels)
         self.bytes_sent += sent
         self._round_bytes += sent

@@ -32,6 +32,8 @@ from typing import Any, Union
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import atomic_write, read_input
+from vgraph.cost.compression import parse_grad_compress
+from vgraph.run.compiled_graph import PLAN_CHOICES
 
 from ..train_config import TrainConfig
 from .plan import PIPELINES
@@ -85,6 +87,8 @@ class Job:
     bucket_bytes: int  # gradient buckets of the replicas' all-reduce
     plugins: list[str] = field(default_factory=list)  # plugin files the launcher loaded
     hold: dict[str, int] | None = None  # test hook: {"rank", "step"}: that rank stops after that step, once
+    grad_compress: str = "none"  # the replicas' all-reduce (vgraph/cost/compression.py: none | powersgd:...)
+    plan_choices: dict[str, Any] = field(default_factory=dict)  # the partition's choices later passes read
     version: int = JOB_VERSION
     path: Path | None = field(default=None, compare=False)  # the file it was read from (not written)
 
@@ -177,6 +181,12 @@ class Job:
             problems.append(f"data_dir: {quote(self.data_dir, 60)} is empty or holds control characters")
         if len(self.data_digest) != 64 or any(c not in "0123456789abcdef" for c in self.data_digest):
             problems.append(f"data_digest: {quote(self.data_digest, 70)} is not a SHA-256 in hex")
+        try:
+            parse_grad_compress(self.grad_compress)
+        except ValueError as exc:
+            problems.append(f"grad_compress: {exc}")
+        if set(self.plan_choices) - set(PLAN_CHOICES):
+            problems.append(f"plan_choices: only {', '.join(PLAN_CHOICES)}")
         if self.hold is not None and set(self.hold) != {"rank", "step"}:
             problems.append("hold: expected {\"rank\": R, \"step\": S}")
         seq_len = self.run_info.get("seq_len")

@@ -90,8 +90,9 @@ from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
 from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
-from vgraph.run.compiled_graph import apply_assignment
-from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline, semantic_changes
+from vgraph.cost.compression import parse_grad_compress
+from vgraph.run.compiled_graph import PLAN_CHOICES, apply_assignment, compression_changes, network_changes
+from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
 
 from .. import checkpoint as ckpt
 from .. import data as D
@@ -130,6 +131,7 @@ class LaunchConfig(TrainConfig):
     comm_timeout: float = 300.0  # seconds a worker waits on a peer before giving up
     bucket_bytes: int = DEFAULT_BUCKET_BYTES  # gradient buckets of the replicas' all-reduce (grad_sync.py)
     link_timeout: float = 10.0  # several machines: seconds of silence after which a machine is lost (membership.py)
+    grad_compress: str = "none"  # the replicas' all-reduce: none | powersgd[:rank=R,start=N] (grad_compress.py)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -195,6 +197,7 @@ class Placement:
     report: dict[str, Any]  # placement_report (placement.json)
     rows: list[list[str]] = field(default_factory=list)  # per replica, its PNodes in stage order
     shares: list[int] = field(default_factory=list)  # per replica, its samples of the global batch
+    choices: dict[str, Any] = field(default_factory=dict)  # the partition's choices the passes after it read
 
     @property
     def world(self) -> list[str]:
@@ -205,7 +208,7 @@ class Placement:
 
 def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: str, target: str, batch: int,
           micro_batches: int, assignment: dict[str, str] | None = None,
-          replicas: tuple[list[list[str]], list[int]] | None = None) -> Placement:
+          replicas: tuple[list[list[str]], list[int]] | None = None, grad_compress: str = "none") -> Placement:
     """Partition `source` onto `fleet` (or take `assignment`) and build the placed graph the workers build.
 
     A given `assignment` names the VNodes as the partition pass would see them
@@ -224,6 +227,7 @@ def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: st
         planned = graph.meta.get("placement") or {}
         if planned.get("replicas", 1) > 1:
             replicas = (planned["replica_pnodes"], planned["batch_shares"])
+        choices = {k: planned[k] for k in PLAN_CHOICES if k in planned}
     else:
         missing = [n.id for n in graph.nodes if n.id not in assignment]
         unknown = sorted(set(assignment.values()) - set(fleet.ids))
@@ -235,14 +239,17 @@ def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: st
         if problems:
             raise VGraphError(f"the given placement {'; '.join(problems)}")
         assignment = {n.id: assignment[n.id] for n in graph.nodes}
-    placed = apply_assignment(source, before, assignment, after, target)
+        choices = {}
+    placed = apply_assignment(source, before, assignment, after, target, choices)
     final = assignment_of(placed)
     ranks = list(dict.fromkeys(final[n.id] for n in placed.topo_order()))
-    placed.meta["placement"] = {"batch": batch, "micro_batches": micro_batches}
+    placed.meta["placement"] = {"batch": batch, "micro_batches": micro_batches, "grad_compress": grad_compress,
+                                **choices}
     if replicas is not None:
         placed.meta["placement"].update(replica_pnodes=replicas[0], batch_shares=replicas[1])
     report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches)
-    return Placement(placed, assignment, final, ranks, report, report["replica_pnodes"], report["batch_shares"])
+    return Placement(placed, assignment, final, ranks, report, report["replica_pnodes"], report["batch_shares"],
+                     choices)
 
 
 def read_placement_layout(path: str | Path) -> tuple[dict[str, str], tuple[list[list[str]], list[int]] | None]:
@@ -317,6 +324,10 @@ def _validate(cfg: LaunchConfig) -> None:
         raise VGraphError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
     if isinstance(cfg.bucket_bytes, bool) or not isinstance(cfg.bucket_bytes, int) or not 1 <= cfg.bucket_bytes <= 2**62:
         raise VGraphError(f"--bucket-size must be a whole number of bytes from 1 to 2**62, got {cfg.bucket_bytes!r}")
+    try:
+        parse_grad_compress(cfg.grad_compress)
+    except ValueError as exc:
+        raise VGraphError(f"--grad-compress: {exc}") from None
     if cfg.emit_job is not None and cfg.node_rank != 0:
         raise VGraphError("--emit-job writes the job once, on machine 0: drop --node-rank (torchrun and srun "
                           "start every machine's workers from that one job file)")
@@ -422,7 +433,9 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
         for stale in [*launch_dir.glob("held-*"), *launch_dir.glob("error-*"), launch_dir / "release"]:
             stale.unlink(missing_ok=True)
     target = device_target(device)
-    options = {"batch": str(cfg.batch), "micro_batches": str(micro), "replicas": str(cfg.replicas)}
+    grad_compress = parse_grad_compress(cfg.grad_compress).text()
+    options = {"batch": str(cfg.batch), "micro_batches": str(micro), "replicas": str(cfg.replicas),
+               **({"grad_compress": grad_compress} if grad_compress != "none" else {})}
     before, partition, after = split_pipeline(cfg.passes, cfg.fuse, options)
     run = _Run(cfg, machines, emit, emit if cfg.progress else (lambda line: None), token, fleet, source, yaml_text,
                network_file, micro, run_dir, lead, before, partition, after, target, {}, "", "", "", bar=bar)
@@ -444,6 +457,7 @@ def _write_data(run: _Run, vocab: int, seq_len: int, device: Any) -> None:
         "data": data.description, "data_digest": data.digest, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
         "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "lr": cfg.lr, "steps": cfg.steps,
         "warmup": cfg.warmup, "schedule": cfg.schedule,
+        "grad_compress": parse_grad_compress(cfg.grad_compress).text(),
     }
     if run.lead and (not (run.run_dir / "network.yml").exists() or not cfg.resume):
         atomic_write_text(run.run_dir / "network.yml", run.yaml_text)
@@ -473,8 +487,9 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     None when no worker of this machine is left in the run (across machines, after a shrink)."""
     cfg = run.cfg
     placement = place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
-                      target=run.target, batch=cfg.batch, micro_batches=run.micro, assignment=given, replicas=layout)
-    changes = semantic_changes(placement.graph)
+                      target=run.target, batch=cfg.batch, micro_batches=run.micro, assignment=given, replicas=layout,
+                      grad_compress=run.run_info["grad_compress"])
+    changes = network_changes(placement.graph)  # compression at the cuts adds no weights: checkpoints stay true
     if changes:  # checkpoints carry the network as given: training another function would make them lie
         raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "
                             f"stores the network as given: write the changed network first (vgraph optimize "
@@ -490,6 +505,7 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
                        torch.distributed.is_nccl_available(), cfg.comm)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
     info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}),
+                compression=compression_changes(placement.graph),
                 launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": run.micro, "attempt": number})
     if run.lead:
         atomic_write_text(run.run_dir / "run.json", json.dumps(info, indent=2, default=str) + "\n")
@@ -538,6 +554,7 @@ def _job(run: _Run, placement: Placement, comm: Any, info: dict[str, Any], numbe
         run_info=json.loads(json.dumps(info, default=str)), attempt=number, train=train,
         micro_batches=run.micro, pipeline=cfg.pipeline, comm_timeout=float(cfg.comm_timeout),
         bucket_bytes=cfg.bucket_bytes, plugins=loaded_files(),  # every worker loads the launcher's plugin files
+        grad_compress=run.run_info["grad_compress"], plan_choices=placement.choices,
         hold={"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None)
 
 
@@ -730,6 +747,10 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bucket-size", type=options.byte_size, default=DEFAULT_BUCKET_BYTES, metavar="SIZE",
                    help="gradient bucket of the replicas' all-reduce, e.g. 25M (default 25 MiB, as DDP): a bucket "
                         "is all-reduced as soon as its gradients are final in the last backward")
+    p.add_argument("--grad-compress", default="none", metavar="none|powersgd[:rank=R,start=N]",
+                   help="the replicas' gradient all-reduce: none (default) or PowerSGD with error feedback "
+                        "(torch's powerSGD_hook; rank R, default 4, after N plain steps, default 2); the planner "
+                        "prices it")
     p.add_argument("--link-timeout", type=options.positive_float, default=10.0, metavar="S",
                    help="several machines: a machine silent for S seconds is lost (its link or itself); the "
                         "others stop their workers (default 10; see membership.py)")
@@ -783,7 +804,8 @@ def run_launch(args: argparse.Namespace) -> int:
         corpus_bytes=args.corpus_bytes or D.DEFAULT_CORPUS_MAX_BYTES, progress=not args.quiet,
         micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
-        comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
+        comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout,
+        grad_compress=args.grad_compress, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard,
         emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)))
     from ..cli import print_result

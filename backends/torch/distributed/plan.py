@@ -21,6 +21,15 @@ the wire is the producer's activation at the effective dtype the cost model
 prices (`vgraph.cost.costmodel`), and, for floats, its gradient comes back the
 same way.  Between two tasks of one rank the tensor is handed over in memory.
 
+**Compression.**  A `compress` VNode (the compress-boundary pass) sits on the
+producer's side of a cut edge, so in the producer's task it feeds a `send`.
+There it is lifted out of the program (`_lift_compression`): the send reads
+its input, and the transfer carries its `Compression`, so the transport sends
+the wire format itself (stage_runner.py: the producer encodes the activation,
+the consumer decodes it, and the other way round for the gradient, with the
+error feedback at the gradient's sender).  The bytes on the wire are
+`vgraph.ops.boundary.wire_bytes`, as the cost model prices the edge.
+
 **Ties.**  A `weight_replica` whose publisher is on another rank is synced
 every step: the replica's gradient goes to the owner (added to the owner's
 before its optimizer steps) and the updated weight comes back, 2 x the
@@ -51,10 +60,11 @@ from typing import Iterable, Literal, Sequence
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.ir.graph import Graph
+from vgraph.ops.boundary import wire_bytes
 from vgraph.placement.export import split_network
 from vgraph.run import layout
 
-__all__ = ["Task", "Transfer", "Tie", "MetricSource", "DistPlan", "make_plan", "stages", "Op", "rank_ops",
+__all__ = ["Task", "Transfer", "Compression", "Tie", "MetricSource", "DistPlan", "make_plan", "stages", "Op", "rank_ops",
            "schedule_ops", "PIPELINES", "weight_ops", "sends_of", "message_order", "Message", "micro_batch_sizes"]
 
 _REDUCED = ("float16", "bfloat16")
@@ -81,6 +91,21 @@ class Task:
 
 
 @dataclass(frozen=True)
+class Compression:
+    """What a lifted `compress` VNode did: the wire formats of the transfer, each way."""
+
+    node: str  # the compress VNode (its error-feedback rows are checkpointed under this id)
+    activations: str
+    gradients: str
+    scale: str
+    error_feedback: bool
+
+    def codec(self, kind: str) -> str:
+        """The wire format of message kind 'a' (activation) or 'g' (gradient)."""
+        return self.activations if kind == "a" else self.gradients
+
+
+@dataclass(frozen=True)
 class Transfer:
     """One cut edge: `src`:`src_slot` (task `src_task`) feeds `dst`:`dst_slot` (task `dst_task`)."""
 
@@ -96,12 +121,20 @@ class Transfer:
     dst: str
     dst_slot: int
     shape: tuple[int, ...]  # per sample
-    dtype: str  # on the wire
+    dtype: str  # of the tensor (on the wire unless compressed)
     grad: bool  # a gradient flows back
+    compression: Compression | None = None  # the wire formats, when a compress VNode fed the send
 
     @property
     def remote(self) -> bool:
         return self.src_rank != self.dst_rank
+
+    def bytes_per_sample(self) -> int:
+        """Bytes one sample of this transfer puts on the wire, both ways."""
+        c = self.compression
+        fwd = wire_bytes(self.shape, self.dtype, c.activations if c else "none", c.scale if c else "token")
+        back = wire_bytes(self.shape, self.dtype, c.gradients if c else "none", c.scale if c else "token")
+        return fwd + (back if self.grad else 0)
 
 
 @dataclass(frozen=True)
@@ -162,15 +195,10 @@ class DistPlan:
 
     def cut_bytes_per_step(self, batch: int) -> int:
         """Bytes the plan moves between ranks in one training step of `batch` samples."""
-        from vgraph.types import DTYPE_BYTES
-
         total = 0
         for tr in self.transfers:
             if tr.remote:
-                numel = 1
-                for d in tr.shape:
-                    numel *= d
-                total += numel * batch * DTYPE_BYTES[tr.dtype] * (2 if tr.grad else 1)
+                total += tr.bytes_per_sample() * batch
         for tie in self.ties:
             if tie.remote:
                 numel = 1
@@ -227,6 +255,9 @@ def make_plan(graph: Graph, assignment: dict[str, str], ranks: Sequence[str] | N
     task_of = {nid: f"{assignment[nid]}#{stage_of[nid]}" for nid in stage_of}
     parts = split_network(graph, task_of)
     precision = graph.meta.get("precision")
+    lifted: dict[str, Compression] = {}
+    for part in parts.values():
+        lifted.update(_lift_compression(part))
     tasks: dict[str, Task] = {}
     order = sorted(parts, key=lambda tid: (int(tid.rsplit("#", 1)[1]), rank_of[tid.rsplit("#", 1)[0]]))
     for tid in order:
@@ -241,7 +272,7 @@ def make_plan(graph: Graph, assignment: dict[str, str], ranks: Sequence[str] | N
                 task.send_outputs[ep.node] = ep.name
         tasks[tid] = task
 
-    transfers = _transfers(graph, tasks)
+    transfers = _transfers(graph, tasks, lifted)
     for tr in transfers:
         tasks[tr.src_task].sends.append(tr.index)
         tasks[tr.dst_task].receives.append(tr.index)
@@ -250,7 +281,25 @@ def make_plan(graph: Graph, assignment: dict[str, str], ranks: Sequence[str] | N
     return DistPlan(graph, list(ranks), tasks, transfers, ties, metrics)
 
 
-def _transfers(graph: Graph, tasks: dict[str, Task]) -> list[Transfer]:
+def _lift_compression(part: Graph) -> dict[str, Compression]:
+    """send id -> the `compress` VNode that fed it, taken out of the task's program (the send now reads its
+    input): the transport encodes and decodes on the wire instead."""
+    out: dict[str, Compression] = {}
+    for node in list(part.nodes_of_type("compress")):
+        users = part.out_edges(node.id)
+        feed = part.input_edge(node.id, 0)
+        if feed is None or len(users) != 1 or part.node(users[0].dst).type != "send":
+            continue  # not at a cut (same rank): it stays in the program, which computes it alike
+        send, cfg = users[0].dst, node.cfg
+        part.remove_edge(users[0])
+        part.remove_node(node.id)
+        part.add_edge(feed.src, feed.src_slot, send, 0, feed.loc)
+        out[send] = Compression(node.id, cfg["activations"], cfg["gradients"], cfg["scale"],
+                                bool(cfg.get("error_feedback")) and cfg["gradients"] != "none")
+    return out
+
+
+def _transfers(graph: Graph, tasks: dict[str, Task], lifted: dict[str, Compression]) -> list[Transfer]:
     sends: dict[tuple[str, str, int], str] = {}  # (task, consumer VNode, its slot) -> send id
     for task in tasks.values():
         for n in task.graph.nodes:
@@ -272,7 +321,7 @@ def _transfers(graph: Graph, tasks: dict[str, Task]) -> list[Transfer]:
     for i, (st, dt, send_id, recv_id, src, src_slot, dst, dst_slot, t) in enumerate(found):
         dtype = _wire_dtype(graph, src, t.dtype)
         out.append(Transfer(i, st.id, dt.id, st.rank, dt.rank, send_id, recv_id, src, src_slot, dst, dst_slot,
-                            tuple(t.shape), dtype, t.kind == "float"))
+                            tuple(t.shape), dtype, t.kind == "float", lifted.get(send_id)))
     return out
 
 

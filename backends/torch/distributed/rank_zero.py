@@ -5,6 +5,12 @@ global layout: rank 0 gathers every rank's parameters and optimizer state and
 writes one checkpoint, atomically, then moves `latest`.  A run resumes from
 it on any partition (rank 0 reads it and scatters each rank its share), or
 on one process with `vgraph train --resume`.
+
+Compression state travels in the checkpoint's `extra["compression"]`: the
+error-feedback residuals of the `compress` VNodes (`boundary`: per VNode,
+rows of the global batch, merged from the ranks that send those gradients;
+the same entry `vgraph train` writes) and every rank's PowerSGD state
+(`powersgd`, by world rank: each replica's error buffers are its own).
 """
 from __future__ import annotations
 
@@ -18,10 +24,12 @@ from vgraph.base.safeio import read_input
 from vgraph.run import layout
 
 from .comm import ControlGroup
+from .grad_compress import PowerSGD
 from .job import Job
 from .loss_scaler import SharedLossScaler
 from .stage_runner import StageRunner
 from .. import checkpoint as ckpt
+from ..compression import merge_residuals
 from ..run_checkpoints import (CHECKPOINT_PREFIX, clean_stale, optimizer_state_to_graph,
                                optimizer_state_to_unfused, prune_checkpoints)
 from ..train_config import TrainingError
@@ -58,20 +66,23 @@ class GatheredCheckpoints:
     """Saving and resuming a partitioned run's checkpoints: rank 0 reads and writes, every rank takes part."""
 
     def __init__(self, ctrl: ControlGroup, stages: StageRunner, job: Job, scaler: SharedLossScaler,
-                 micro_batches: int, say: Callable[[str], None], attempt: int = 0) -> None:
+                 micro_batches: int, say: Callable[[str], None], attempt: int = 0,
+                 powersgd: PowerSGD | None = None) -> None:
         self.ctrl, self.stages, self.job = ctrl, stages, job
         self.run_dir = job.run_path
         self.attempt = attempt
         self.scaler = scaler
         self.micro_batches = micro_batches
         self.say = say
+        self.powersgd = powersgd
 
     def _local_state(self) -> dict[str, Any]:
         """This rank's parameters and optimizer state, unfused layout, replicas left out (CPU copies)."""
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, Any]] = {}
+        compression = self._local_compression()
         if self.stages.replica:  # data-parallel replicas are identical: replica 0's share is the checkpoint
-            return {"model": model, "optim": optim}
+            return {"model": model, "optim": optim, "compression": compression}
         for task in self.stages.tasks:
             module = self.stages.modules[task.id]
             replicas = {f"{n.id}." for n in task.graph.nodes if n.type == "weight_replica"}
@@ -83,7 +94,15 @@ class GatheredCheckpoints:
                 if not any(key.startswith(r) for r in replicas):
                     optim[key] = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
                                   for k, v in state.items()}
-        return {"model": model, "optim": optim}
+        return {"model": model, "optim": optim, "compression": compression}
+
+    def _local_compression(self) -> dict[str, Any]:
+        """This rank's error-feedback residuals and PowerSGD state (CPU copies)."""
+        boundary = {node: state for node, fb in self.stages.feedback.items() if (state := fb.state()) is not None}
+        sync = self.stages.grad_sync
+        powersgd = (self.powersgd.state_dict(sync.layout) if self.powersgd is not None and sync is not None
+                    else None)
+        return {"boundary": boundary, "powersgd": powersgd}
 
     def save(self, step: int) -> Path | None:
         """Gather every rank's share; rank 0 writes checkpoint `step` and prunes old ones (its path; None elsewhere)."""
@@ -95,6 +114,9 @@ class GatheredCheckpoints:
         for part in parts:
             model.update(part["model"])
             optim.update(part["optim"])
+        compression = {"boundary": merge_residuals([part["compression"]["boundary"] for part in parts]),
+                       "powersgd": {rank: part["compression"]["powersgd"] for rank, part in enumerate(parts)
+                                    if part["compression"]["powersgd"] is not None}}
         job = self.job
         extra = {
             "layout": "unfused",
@@ -104,6 +126,7 @@ class GatheredCheckpoints:
             "tokenizer_json": read_input(job.path_of(job.tokenizer), what="tokenizer"),
             "launch": {"ranks": job.ranks, "assignment": job.final_assignment,
                        "micro_batches": self.micro_batches, "attempt": self.attempt},
+            "compression": compression,
         }
         path = ckpt.save_checkpoint(self.run_dir / f"{CHECKPOINT_PREFIX}{step:08d}", step=step, model_state=model,
                                     optimizer_states=optim, rng_state=ckpt.capture_rng_state(), extra=extra)
@@ -131,7 +154,17 @@ class GatheredCheckpoints:
                     own[key].copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
                 self.stages.optims[task.id].load_state_by_key(optimizer_state_to_graph(mine["optim"], module.network))
         self.scaler.load_state_dict(mine["grad_scaler"])
+        self._load_compression(mine.get("compression") or {})
         return int(mine["step"])
+
+    def _load_compression(self, saved: dict[str, Any]) -> None:
+        for node, feedback in self.stages.feedback.items():
+            feedback.load((saved.get("boundary") or {}).get(node), self.stages.device)
+        sync = self.stages.grad_sync
+        if self.powersgd is not None and sync is not None:
+            why = self.powersgd.load_state_dict(saved.get("powersgd"), sync.layout, sync.buckets[0].flat.device)
+            if why is not None:
+                self.say(f"note: PowerSGD starts afresh: {why}")
 
     def _resume_payloads(self) -> list[Any]:
         try:
@@ -155,8 +188,11 @@ class GatheredCheckpoints:
             if missing:
                 return [{"error": f"checkpoint {latest} has no {', '.join(missing[:4])}: it is not a checkpoint "
                                   f"of this network"}] * self.ctrl.world
+            saved = state.extra.get("compression") or {}
             out.append({"step": state.step, "model": {k: state.model_state[k] for k in keys},
                         "optim": {k: v for k, v in state.optimizer_states.items() if k in keys},
-                        "grad_scaler": state.extra.get("grad_scaler")})
+                        "grad_scaler": state.extra.get("grad_scaler"),
+                        "compression": {"boundary": saved.get("boundary") or {},
+                                        "powersgd": (saved.get("powersgd") or {}).get(r)}})
         self.say(f"resumed from {latest} at step {state.step}")
         return out

@@ -13,6 +13,13 @@ backward is each task's last, so gradient buckets are all-reduced while the
 rest of the backward runs; `sync_order` gives it the parameters in the order
 their gradients become final.
 
+A transfer with a `Compression` (plan.py) travels in its wire formats: the
+sender of each tensor encodes it and the receiver decodes it
+(`compression.Codec`), exactly the round trip the `compress` VNode computes
+in one process; the gradient's sender (the consumer) keeps the
+error-feedback residuals, per compress VNode and global sample row
+(`feedback`, checkpointed by rank_zero.py).
+
 Micro-batching is exact: a cost is a mean over its tokens, so micro-batch m's
 loss is weighted by its share of the batch's counted tokens (targets equal to
 `ignore_index` do not count), and dropout masks are keyed by the global
@@ -32,6 +39,7 @@ from .grad_sync import GradientSync
 from .loss_scaler import SharedLossScaler
 from .plan import DistPlan, Message, Op, Task, message_order, schedule_ops
 from .tie_sync import TieSync
+from ..compression import Codec, ErrorFeedback
 from ..dropout import set_dropout_key
 from ..lower import VGraphModule, compile_network
 from ..node_optimizers import NodeOptimizers
@@ -41,6 +49,15 @@ __all__ = ["StageRunner"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 _CE_COSTS = ("ce", "ce_logits")
+
+
+_PLAIN = Codec("none")
+
+
+def _codec(tr: Any, kind: str) -> Codec:
+    """The wire format of a transfer's message kind ('a' activation, 'g' gradient)."""
+    c = tr.compression
+    return _PLAIN if c is None else Codec(c.codec(kind), c.scale)
 
 
 class StageRunner:
@@ -69,6 +86,10 @@ class StageRunner:
         self.ties = TieSync(plan, rank, replica=replica, groups=tie_groups or {}, owner_params=self.owner_params,
                             replica_params=self.replica_params, stage_through_cpu=stage_through_cpu)
         self.trainable = [p for o in self.optims.values() for p in o.trainable]
+        # Error-feedback residuals of the compressed transfers whose gradient this rank sends back.
+        self.feedback: dict[str, ErrorFeedback] = {
+            tr.compression.node: ErrorFeedback() for tr in plan.transfers
+            if tr.compression is not None and tr.compression.error_feedback and tr.dst_rank == rank}
         self._feeds = {task.id: self._feed_plan(task) for task in self.tasks}
         self._rounds: dict[tuple[tuple[int, ...], bool], tuple[list[Op], dict]] = {}
 
@@ -160,7 +181,7 @@ class StageRunner:
             rows = []
             for msg in messages:
                 tr = self.plan.transfers[msg.index]
-                rows.append((msg, (sizes[msg.micro], *tr.shape), _DTYPES[tr.dtype]))
+                rows.append((msg, *_codec(tr, msg.kind).wire((sizes[msg.micro], *tr.shape), _DTYPES[tr.dtype])))
             expected[src] = rows
         return expected
 
@@ -225,7 +246,8 @@ class StageRunner:
                     final = (sync.last_backward(task.id) if sync is not None and op.micro == last
                              else contextlib.nullcontext())
                     with final:  # the task's last backward: its gradients are final (grad_sync.py)
-                        self._backward(task, op.micro, weights[task.id], *stash.pop((task.id, op.micro)), local)
+                        self._backward(task, op.micro, weights[task.id], *stash.pop((task.id, op.micro)), local,
+                                       offsets[op.micro])
                 elif op.kind == "tie_grad":
                     self.ties.grad(op.tie)
         transport.end()
@@ -241,8 +263,11 @@ class StageRunner:
         received: dict[str, torch.Tensor] = {}
         for i in task.receives:
             tr = self.plan.transfers[i]
-            value = (self.transport.recv(tr.src_rank, Message("a", i, m)) if tr.remote
-                     else local.pop(("a", i, m)))
+            if tr.remote:
+                value = self.transport.recv(tr.src_rank, Message("a", i, m))
+                value = _codec(tr, "a").decode(value, (tokens.shape[0], *tr.shape), _DTYPES[tr.dtype])
+            else:
+                value = local.pop(("a", i, m))
             if train and tr.grad:
                 value = value.detach().requires_grad_(True)
             received[tr.recv_id] = value
@@ -257,15 +282,16 @@ class StageRunner:
                 outs = program(*args)
         for i in task.sends:
             tr = self.plan.transfers[i]
-            wire = outs[task.send_outputs[tr.send_id]].detach().to(_DTYPES[tr.dtype])
+            value = outs[task.send_outputs[tr.send_id]].detach().to(_DTYPES[tr.dtype])
+            codec = _codec(tr, "a")
             if tr.remote:
-                self.transport.send(tr.dst_rank, Message("a", i, m), wire)
+                self.transport.send(tr.dst_rank, Message("a", i, m), codec.encode(value))
             else:
-                local[("a", i, m)] = wire
+                local[("a", i, m)] = codec.round_trip(value)
         return outs, received
 
     def _backward(self, task: Task, m: int, weights: dict[str, list[float]], outs: dict, received: dict,
-                  local: dict) -> None:
+                  local: dict, offset: int) -> None:
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         for name in task.costs:
@@ -278,8 +304,12 @@ class StageRunner:
             tr = self.plan.transfers[i]
             if not tr.grad:
                 continue
-            grad = self.transport.recv(tr.dst_rank, Message("g", i, m)) if tr.remote else local.pop(("g", i, m))
             value = outs[task.send_outputs[tr.send_id]]
+            if tr.remote:
+                grad = self.transport.recv(tr.dst_rank, Message("g", i, m))
+                grad = _codec(tr, "g").decode(grad, (value.shape[0], *tr.shape), _DTYPES[tr.dtype])
+            else:
+                grad = local.pop(("g", i, m))
             if value.requires_grad:
                 grad = grad.to(value.dtype)
                 seen = by_value.get(id(value))
@@ -295,10 +325,13 @@ class StageRunner:
                 continue
             leaf = received[tr.recv_id]
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            codec = _codec(tr, "g")
+            feedback = self.feedback.get(tr.compression.node) if tr.compression is not None else None
+            wire = feedback.encode(codec, grad, offset) if feedback is not None else codec.encode(grad)
             if tr.remote:
-                self.transport.send(tr.src_rank, Message("g", i, m), grad)
+                self.transport.send(tr.src_rank, Message("g", i, m), wire)
             else:
-                local[("g", i, m)] = grad
+                local[("g", i, m)] = codec.decode(wire, tuple(grad.shape), grad.dtype)
 
     def finish_gradients(self) -> None:
         """After a training round: wait for the replicas' gradient sums (grad_sync.py); their bytes count

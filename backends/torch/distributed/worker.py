@@ -70,6 +70,7 @@ import torch.distributed as dist
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.base.safeio import atomic_write, read_input
+from vgraph.cost.compression import parse_grad_compress
 from vgraph.data.shards import DataError, open_prepared
 from vgraph.placement.export import assignment_of
 from vgraph.plugins import load_plugins
@@ -79,6 +80,7 @@ from vgraph.yamlio import loads
 from ..data import TokenShards
 from .comm import ControlGroup, Transport
 from .comm_choice import worker_device
+from .grad_compress import PowerSGD
 from .grad_sync import GradientSync
 from .job import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, Job
 from .launchers import WorkerPlace, worker_place
@@ -178,7 +180,8 @@ class Worker:
         """The placed graph (checked against the launcher's), the plan, this rank's stages and gradient sync."""
         job = self.job
         source = loads(job.network_yaml, file=job.network_file)
-        graph = apply_assignment(source, job.pipeline_before, job.assignment, job.pipeline_after, job.target)
+        graph = apply_assignment(source, job.pipeline_before, job.assignment, job.pipeline_after, job.target,
+                                 job.plan_choices)
         final = assignment_of(graph)
         if final != job.final_assignment:
             raise TrainingError("this worker's placed graph differs from the launcher's (different vgraph "
@@ -208,6 +211,7 @@ class Worker:
         """The stage group's gradient sum (grad_sync.py), after checking the replicas hold the same
         parameters (replica_groups.py); None without replicas."""
         self.group_device = self.device if self.job.backend == "nccl" else torch.device("cpu")
+        self.powersgd: PowerSGD | None = None
         if replicas < 2:
             return None
         group = stage_groups(replicas, plan_ranks)[self.local]
@@ -216,8 +220,16 @@ class Worker:
             check_same_layout(group, params, device=self.group_device)
         except ReplicaLayoutError as exc:
             raise TrainingError(str(exc)) from None
+        spec = parse_grad_compress(self.job.grad_compress)
+        hook: dict[str, Any] = {}
+        if spec.enabled:
+            if any(p.dim() == 0 for p in params):
+                raise TrainingError("--grad-compress powersgd views every gradient as a matrix of its first "
+                                    "dimension's rows; this stage trains a scalar parameter: use --grad-compress none")
+            self.powersgd = PowerSGD(group, spec, replicas, self.cfg.seed)
+            hook = {"hook": self.powersgd.hook, "hook_state": self.powersgd.state, "wire": self.powersgd.wire_numels}
         sync = GradientSync(params, group, size=replicas, position=self.replica, users=users, late=late,
-                            bucket_bytes=self.job.bucket_bytes)
+                            bucket_bytes=self.job.bucket_bytes, **hook)
         self.stages.grad_sync = sync
         return sync
 
@@ -230,7 +242,7 @@ class Worker:
         self.share, self.share_offset = self.shares[self.replica], sum(self.shares[:self.replica])
         self.sizes = micro_batch_sizes(self.share, min(job.micro_batches, self.share))
         self.checkpoints = GatheredCheckpoints(self.ctrl, self.stages, job, self.scaler, len(self.sizes), self.say,
-                                               attempt=self.attempt)
+                                               attempt=self.attempt, powersgd=self.powersgd)
 
     def _open_data(self) -> TokenShards:
         """The corpus the launcher prepared and verified, through memory maps (sizes checked again here)."""
@@ -420,6 +432,8 @@ class Worker:
         scale = self.scaler.scale
         if found_inf:  # every rank skips together (the flag was all-reduced)
             self.scaler.update(True)
+            if self.powersgd is not None:  # its error buffers took the non-finite gradients in
+                self.powersgd.forget()
         else:
             with torch.no_grad():
                 if self.scaler.enabled:
