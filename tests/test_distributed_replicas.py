@@ -261,3 +261,31 @@ def test_replicas_that_drifted_apart_are_named_before_a_checkpoint(values, ok):
         assert results == {0: "ok", 1: "ok"}
     else:
         assert all("no longer hold the same values (1 tensor(s), e.g. x.weight:exp_avg)" in m for m in results.values())
+
+
+def test_an_ignored_real_token_is_counted_over_the_global_batch(files, tmp_path):
+    """A cross-entropy cost that ignores a real token id: each replica weighs its loss by the non-ignored
+    tokens of the *global* batch (it reads the other replicas' targets only then), so unequal shares still
+    sum to `vgraph train`'s loss.  Counting every token instead (right when the ignored id is outside the
+    vocabulary) makes the losses differ by the ignored share."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer
+
+    ref_dir = tmp_path / "probe"
+    train(TrainConfig(**{**common(files), "steps": 1, "val_every": 0}, out=ref_dir))
+    tok = Tokenizer.from_file(str(ref_dir / "tokenizer.json"))
+    frequent = Counter(tok.encode((files / "corpus.txt").read_text(encoding="utf-8")[:20_000]).ids).most_common(1)[0][0]
+    g = tiny()
+    [cost] = [n for n in g.nodes if n.type == "cost"]
+    cost.set_config(ignore_index=frequent)
+    vgraph.save(g, tmp_path / "net_ignore.yml")
+    cfg = {**common(files), "network": str(tmp_path / "net_ignore.yml"), "steps": 3, "val_every": 0}
+    ref = train(TrainConfig(**cfg, out=tmp_path / "ref"))
+    two = (files / "fleet4.yml").read_text().replace("flops: 1G", "flops: 3G", 1)
+    (tmp_path / "two.yml").write_text(two.replace("name: four", "name: uneven"))
+    run = launch(LaunchConfig(**cfg, out=tmp_path / "run", fleet=str(tmp_path / "two.yml"), micro_batches=1,
+                              replicas=2))
+    assert run.placement["replicas"] == 2 and len(set(run.placement["batch_shares"])) == 2
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in run.history], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in ref.history], dtype=torch.float64), rtol=1e-5, atol=0)

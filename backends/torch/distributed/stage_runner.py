@@ -28,6 +28,7 @@ sample index (dropout.py).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
@@ -58,6 +59,18 @@ def _codec(tr: Any, kind: str) -> Codec:
     """The wire format of a transfer's message kind ('a' activation, 'g' gradient)."""
     c = tr.compression
     return _PLAIN if c is None else Codec(c.codec(kind), c.scale)
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """The global batch a replica trains a share of: what its losses are weighted against.
+
+    `counted_tokens(ignore_index)`: how many of the global batch's target tokens a cross-entropy cost with
+    that ignore_index counts.  A function rather than the targets themselves, so a replica reads the other
+    replicas' samples only when an ignored id can occur in them at all."""
+
+    samples: int
+    counted_tokens: Callable[[int], int]
 
 
 class StageRunner:
@@ -186,12 +199,12 @@ class StageRunner:
         return expected
 
     def _cost_weights(self, task: Task, targets: list[torch.Tensor], sizes: Sequence[int],
-                      whole: torch.Tensor | None = None) -> dict[str, list[float]]:
+                      whole: GlobalBatch | None = None) -> dict[str, list[float]]:
         """Per cost, each micro-batch's share of the batch's loss (token counts for cross-entropy).
 
-        `whole`: the targets of the global batch when this rank's replica trains on a share of it: the
-        shares are then of the global batch, so the replicas' gradients sum to the global batch's."""
-        total = sum(sizes) if whole is None else int(whole.shape[0])
+        `whole`: the global batch when this rank's replica trains on a share of it: the shares are then of
+        the global batch, so the replicas' gradients sum to the global batch's."""
+        total = sum(sizes) if whole is None else whole.samples
         out = {}
         cost_node = {ep.name: ep.node for ep in task.graph.costs}
         for name in task.costs:
@@ -200,7 +213,7 @@ class StageRunner:
             if ce and task.graph.input_edge(node.id, 1) is None:
                 ignore = int(node.cfg.get("ignore_index", -100))
                 counts = [int((t != ignore).sum()) for t in targets]
-                denominator = sum(counts) if whole is None else int((whole != ignore).sum())
+                denominator = sum(counts) if whole is None else whole.counted_tokens(ignore)
                 if denominator > 0:
                     out[name] = [c / denominator for c in counts]
                     continue
@@ -208,12 +221,12 @@ class StageRunner:
         return out
 
     def run_round(self, step: int, inputs: torch.Tensor, targets: torch.Tensor, sizes: Sequence[int], *,
-                  train: bool, offset: int = 0, whole: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  train: bool, offset: int = 0, whole: GlobalBatch | None = None) -> dict[str, torch.Tensor]:
         """One round (forward+backward of a step, or a forward-only evaluation); returns this rank's costs,
         each the weighted sum over micro-batches (float32).
 
-        A replica trains on samples `offset`.. of the global batch whose targets are `whole` (dropout is
-        keyed by the global sample index, losses weighted by shares of the global batch)."""
+        A replica trains on samples `offset`.. of the global batch `whole` (dropout is keyed by the global
+        sample index, losses weighted by shares of the global batch)."""
         ops, expected = self._round(sizes, train)
         sent_before = self.transport.bytes_sent + self.ties.bytes_sent
         tokens = list(torch.split(inputs.to(self.device), list(sizes)))

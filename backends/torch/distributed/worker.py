@@ -91,7 +91,7 @@ from .pnode_figures import PNodeFigures, attach
 from .progress import RankZeroProgress, progress_mode
 from .rendezvous import gloo_environment, process_group_store
 from .rank_zero import GatheredCheckpoints, local_metric_values
-from .stage_runner import StageRunner
+from .stage_runner import GlobalBatch, StageRunner
 from .tie_sync import tie_groups
 from ..dropout import clear_dropout_key
 from ..lower import compute_dtype
@@ -255,17 +255,19 @@ class Worker:
         except DataError as exc:
             raise TrainingError(f"training data: {exc}") from None
 
-    def _whole_targets(self, step: int) -> torch.Tensor:
-        """What `run_round` weighs a replica's loss against: the global batch's targets, of which only the
-        count of tokens a cross-entropy cost does not ignore matters.  Token windows hold ids inside the
-        vocabulary only, so unless a cost ignores such an id that count is batch x seq_len, and zeros (never
-        an ignored id then) count the same without reading the other replicas' samples."""
-        vocab = int(self.job.run_info["vocab_size"])
-        ignored = {int(n.cfg.get("ignore_index", -100)) for n in self.graph.nodes
-                   if n.type in ("cost", "tied_lm_head_ce")}
-        if any(0 <= i < vocab for i in ignored):
-            return self.dataset.batch(step, self.batch)[1]
-        return torch.zeros((self.batch, self.seq_len), dtype=torch.int64)
+    def _global_batch(self, step: int) -> GlobalBatch:
+        """The global batch of `step`, which a replica's losses are weighted against.  Token windows hold ids
+        inside the vocabulary, so a cross-entropy cost whose ignore_index lies outside it counts every target
+        token (batch x seq_len) and nothing of the other replicas' samples is read; only an ignore_index that
+        is a real token id makes the replica count it in the whole batch's targets."""
+        vocab, full = int(self.job.run_info["vocab_size"]), self.batch * self.seq_len
+
+        def counted_tokens(ignore: int) -> int:
+            if not 0 <= ignore < vocab:
+                return full
+            return int((self.dataset.batch(step, self.batch)[1] != ignore).sum())
+
+        return GlobalBatch(self.batch, counted_tokens)
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> None:
@@ -325,7 +327,7 @@ class Worker:
         for optim in self.stages.optims.values():
             optim.set_factor(factor)
         costs = self.stages.run_round(step, inputs, targets, self.sizes, train=True, offset=lo,
-                                      whole=self._whole_targets(step) if len(self.shares) > 1 else None)
+                                      whole=self._global_batch(step) if len(self.shares) > 1 else None)
         self.stages.finish_gradients()  # the replicas' buckets still in flight (grad_sync.py)
         done = _Step({"step": step, "lr": cfg.lr * factor})
         done.validate = cfg.val_every > 0 and (step % cfg.val_every == 0 or step == cfg.steps)
