@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -43,3 +44,13 @@ def signal_after_rows(metrics: Path, rows: int, signum: int, timeout_s: float = 
         yield
     finally:
         watcher.join()
+
+
+def modes_against_umask(root: Path, umask: int) -> list[str]:
+    """Every file and directory under `root` whose mode is not what `umask` allows (0o666/0o777 minus it)."""
+    wrong = []
+    for path in sorted(root.rglob("*")):
+        want = (0o777 if path.is_dir() else 0o666) & ~umask
+        if not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) != want:
+            wrong.append(f"{path.relative_to(root)}: {oct(stat.S_IMODE(path.stat().st_mode))}, not {oct(want)}")
+    return wrong

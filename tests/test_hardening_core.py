@@ -14,7 +14,7 @@ from conftest import ROOT, TINY
 from hardening_util import file_size_limit
 from vgraph import VGraphError, load, loads
 from vgraph.base.diagnostics import Diagnostic, SourceLoc, printable, quote
-from vgraph.base.safeio import atomic_write, check_output, read_input
+from vgraph.base.safeio import atomic_write, atomic_write_with, check_output, read_input
 from vgraph.cli.main import main
 from vgraph.cost.fleet import FleetError, load_fleet, loads_fleet
 from vgraph.report.render import render_svg
@@ -119,6 +119,47 @@ def test_atomic_write_keeps_the_mode_of_a_replaced_file_and_respects_the_umask(t
         assert stat.S_IMODE(shared.stat().st_mode) == 0o664 and shared.read_text() == "new"
     finally:
         os.umask(old)
+
+
+def _private_writer(content: bytes):
+    """A library's way of writing by name (safetensors' save_file): its own temporary, 0600, renamed over."""
+    def write(path: Path) -> None:
+        own = path.with_name(path.name + ".own")
+        fd = os.open(own, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, content)
+        os.close(fd)
+        os.replace(own, path)
+    return write
+
+
+def test_a_file_a_library_writes_by_name_gets_the_umask_mode(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        out = atomic_write_with(tmp_path / "t.safetensors", _private_writer(b"new"))
+        assert stat.S_IMODE(out.stat().st_mode) == 0o640 and out.read_bytes() == b"new"
+        out.chmod(0o664)
+        atomic_write_with(out, _private_writer(b"newer"))  # a replaced file keeps its mode
+        assert stat.S_IMODE(out.stat().st_mode) == 0o664 and out.read_bytes() == b"newer"
+    finally:
+        os.umask(old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors"]  # no temporary left
+
+
+def test_a_library_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "t.safetensors"
+    target.write_bytes(b"old")
+
+    def failing(path: Path) -> None:
+        path.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(VGraphError, match="t.safetensors: cannot write: No space left on device"):
+        atomic_write_with(target, failing)
+    with pytest.raises(ValueError, match="not an OSError"):
+        atomic_write_with(target, lambda path: (_ for _ in ()).throw(ValueError("not an OSError")))
+    assert [p.name for p in tmp_path.iterdir()] == ["t.safetensors"] and target.read_bytes() == b"old"
+    with pytest.raises(VGraphError, match="is a directory"):
+        atomic_write_with(tmp_path, _private_writer(b"x"))
 
 
 def _disk_full(monkeypatch) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY
-from hardening_util import signal_after_rows
+from hardening_util import modes_against_umask, signal_after_rows
 from vgraph.backends.torch import checkpoint as ckpt
 from vgraph.backends.torch import cli
 from vgraph.backends.torch.data import default_corpus_documents
@@ -163,12 +163,15 @@ def test_data_that_is_not_a_readable_text_file_is_a_diagnostic(data: str, tmp_pa
     assert "Traceback" not in err and data in err
 
 
-def test_run_files_respect_the_umask(tmp_path: Path, corpus: str) -> None:
-    old = os.umask(0o022)
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_run_files_respect_the_umask(tmp_path: Path, corpus: str, umask: int) -> None:
+    """Every file of the run, checkpoints included (safetensors writes its files 0600 by itself)."""
+    old = os.umask(umask)
     try:
         out = tmp_path / "run"
         assert cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), *QUICK]) == 0
     finally:
         os.umask(old)
-    for name in ("latest", "network.yml", "run.json", "metrics.csv", "metrics.jsonl", "tokenizer.json"):
-        assert stat.S_IMODE((out / name).stat().st_mode) == 0o644, name
+    names = {p.name for p in out.rglob("*")}
+    assert {"latest", "network.yml", "run.json", "metrics.jsonl", "model.safetensors", "state.json"} <= names
+    assert modes_against_umask(out, umask) == []

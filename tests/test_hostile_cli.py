@@ -37,7 +37,8 @@ NUMBERS = {
     "name": [""],  # a JSONL field or column name: any text but none
 }
 # Paths are names of entries the `world` fixture creates (see _hostile_path).
-INPUT_FILE = ["missing", "dir", "fifo", "/dev/zero", "empty", "binary", "newline", "", "unreadable"]
+INPUT_FILE = ["missing", "dir", "fifo", "/dev/zero", "empty", "binary", "newline", "", "unreadable",
+              "unknown-name", "dotdot-name", "escape-name"]  # the last three: not a shipped name either
 INPUT_FILE_OR_DIR = ["missing", "empty-dir", "fifo", "/dev/zero", "binary", "newline", "", "unreadable"]
 OUTPUT_FILE = ["dir", "below-file", "/dev/null", "the-input", ""]
 OUTPUT_DIR = ["file", "below-file", "/dev/null", ""]
@@ -81,7 +82,7 @@ def _baseline(command: str, w: Path, out: Path) -> tuple[list[str], dict[str, st
     train = {"--data": corpus, "--steps": "1", "--batch": "2", "--val-every": "0", "--out": str(out / "run"),
              "--quiet": None, "--threads": "1"}
     table = {
-        "validate": ([net], {}), "analyze": ([net], {}), "passes": ([], {}), "ops": ([], {}),
+        "validate": ([net], {}), "analyze": ([net], {}), "passes": ([], {}), "ops": ([], {}), "networks": ([], {}),
         "optimize": ([net], {"-o": str(out / "o.yml")}), "render": ([net], {"-o": str(out / "o.svg")}),
         "partition": ([net], {"--fleet": fleet, "-o": str(out / "parts")}),
         "export-onnx": ([net], {"-o": str(out / "o.onnx")}), "check-onnx": ([net], {}),
@@ -128,7 +129,7 @@ def _kind(command: str, action: argparse.Action) -> str | None:
     name = getattr(action.type, "__name__", "")
     if name == "compile_target":
         return "target"
-    if action.type is not None and name != "path":
+    if action.type is not None and name not in ("path", "network_file", "fleet_file"):
         return name if name in NUMBERS else None  # a bare int/float is an unchecked number: unclassified
     return STRING_KINDS.get((command, action.dest)) or STRING_KINDS.get((None, action.dest))
 
@@ -201,7 +202,11 @@ def world(tmp_path_factory) -> Path:
 def _hostile_path(value: str, w: Path) -> str:
     h = w / "hostile"
     named = {"missing": str(h / "missing.yml"), "newline": str(h / "new\nline\x1b[2J.yml"),
-             "below-file": str(h / "file" / "below"), "the-input": str(w / "net.yml")}
+             "below-file": str(h / "file" / "below"), "the-input": str(w / "net.yml"),
+             # names, not paths: looked up among the shipped networks and fleets, and refused naming them; with
+             # '..' or a control character a name is a path like any other (never a way into the package)
+             "unknown-name": "no_such_network_or_fleet", "dotdot-name": "../t4x4",
+             "escape-name": "t4x4\x1b[2J"}
     if value in named:
         return named[value]
     if value in ("dir", "empty-dir", "fifo", "empty", "binary", "file", "unreadable"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tomllib
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,8 @@ def _copy_of_sources(tmp_path: Path) -> Path:
     root = tmp_path / "src"
     root.mkdir()
     shutil.copy(ROOT / "pyproject.toml", root)
-    for name in ("vgraph", "passes", "backends"):
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
+    for name in set(mapping.values()):  # every folder pyproject maps into the package (networks/ too)
         shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     return root
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from browser_util import colour_mask, drawn_label_sizes, ink, screenshot
+from hardening_util import modes_against_umask
 from conftest import FIXTURES
 from vgraph.backends.torch.data import default_corpus_documents
 from vgraph.cli.main import main
@@ -166,10 +168,25 @@ def launched(corpus: Path, tmp_path_factory) -> tuple[Path, str]:
     fleet.write_text("name: pair\npnodes:\n" + "".join(
         f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(2)))
     run = work / "run"
-    out = cli("launch", str(TINY), "--fleet", str(fleet), "--replicas", "1", "--data", str(corpus),
-              "--steps", str(STEPS), "--val-every", "3", "--val-batches", "2", "--threads", "1", "--out", str(run),
-              "--quiet")
+    old = os.umask(LAUNCH_UMASK)  # the workers inherit it: every file they write must honour it
+    try:
+        out = cli("launch", str(TINY), "--fleet", str(fleet), "--replicas", "1", "--data", str(corpus),
+                  "--steps", str(STEPS), "--val-every", "3", "--val-batches", "2", "--threads", "1",
+                  "--out", str(run), "--quiet")
+    finally:
+        os.umask(old)
     return run, out
+
+
+LAUNCH_UMASK = 0o027
+
+
+@pytest.mark.slow
+def test_every_file_of_a_launch_run_honours_the_umask(launched) -> None:
+    """Checkpoints (safetensors writes 0600 by itself), the launch directory, event files: all as the umask says."""
+    run, _ = launched
+    assert (run / "step-00000006" / "model.safetensors").is_file() and (run / "launch").is_dir()
+    assert modes_against_umask(run, LAUNCH_UMASK) == []
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing vgraph and its dependencies into .venv"
   "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
   "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,bench]"  # extras: the tests' and the benchmarks' own needs
   echo "$want" > "$STAMP"
 fi
 

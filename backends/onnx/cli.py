@@ -28,7 +28,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     from vgraph.base import options
     from vgraph.cli.main import add_plugin_option
 
-    p.add_argument("file", metavar="FILE", type=options.path, help="network YAML")
+    p.add_argument("file", metavar="FILE", type=options.network_file, help="network YAML or a shipped network's name")
     p.add_argument("--checkpoint", metavar="CKPT", type=options.path,
                    help="vgraph checkpoint directory, run directory or model .safetensors file")
     p.add_argument("--passes", metavar="SPEC",

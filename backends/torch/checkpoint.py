@@ -50,7 +50,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vgraph.base.diagnostics import quote
-from vgraph.base.safeio import atomic_write
+from vgraph.base.safeio import atomic_write, atomic_write_with
 
 try:  # numpy is optional; only needed to (de)serialise numpy RNG state.
     import numpy as np
@@ -402,8 +402,8 @@ def _dedupe(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
 def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     unique, aliases = _dedupe(tensors)
     metadata = {"format": "pt", _ALIASES_METADATA_KEY: json.dumps(aliases, sort_keys=True)}
-    save_file(unique, os.fspath(path), metadata=metadata)
-    _fsync_file(path)
+    # Through the core's writer: save_file alone leaves the file 0600 whatever the umask (safeio.py).
+    atomic_write_with(path, lambda tmp: save_file(unique, os.fspath(tmp), metadata=metadata))
 
 
 def _read_tensors(path: Path, device: str) -> dict[str, torch.Tensor]:
@@ -449,14 +449,6 @@ def _read_json(path: Path) -> Any:
     if data.get("version") != VERSION:
         raise CheckpointError(f"{path} has format version {data.get('version')}; this code reads {VERSION}")
     return data
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -31,7 +31,8 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
         description="Train a network on a text corpus (default: the embedded standard-library "
                     "docstrings) with the production precision policy. The run directory gets the "
                     "network, tokenizer, metrics.jsonl/csv, loss_curve.png and checkpoints.")
-    p.add_argument("network", metavar="FILE", type=options.path, help="network YAML")
+    p.add_argument("network", metavar="FILE", type=options.network_file,
+                   help="network YAML, or a shipped network's name (vgraph networks)")
     p.add_argument("--data", metavar="PATH", type=options.path,
                    help="a directory `vgraph data prepare` wrote (shards read through memory maps), or text/JSONL/"
                         "Parquet files, a directory or a glob (prepared into the cache); default: the embedded corpus")

@@ -44,7 +44,8 @@ def register_probe(subparsers: argparse._SubParsersAction) -> None:
         "probe", help="measure this machine for a network: its fleet entry (FLOP/s per op kind, memory, link)",
         description="Measure this machine with the network's own operations (a large GEMM, every VNode of the "
                     "training program, the whole program, per precision) and write its fleet PNode entry.")
-    p.add_argument("network", metavar="FILE", nargs="?", type=options.path, help="network YAML (not with --serve)")
+    p.add_argument("network", metavar="FILE", nargs="?", type=options.network_file,
+                   help="network YAML or a shipped network's name (not with --serve)")
     p.add_argument("--id", help="the PNode's id (default: this machine's host name)")
     p.add_argument("-o", "--output", metavar="PNODE.yml", type=options.path, help="write a fleet of this one PNode")
     p.add_argument("--append", metavar="FLEET.yml", type=options.path, help="add the PNode to this fleet file")

@@ -99,6 +99,20 @@ def path(text: str) -> str:
     return text
 
 
+def network_file(text: str) -> str:
+    """A network YAML file, or the name of a network that ships with vgraph (`vgraph networks`)."""
+    from vgraph.base.shipped import resolve
+
+    return resolve(path(text), "network")
+
+
+def fleet_file(text: str) -> str:
+    """A fleet YAML file to read, or the name of a fleet that ships with vgraph (`vgraph networks`)."""
+    from vgraph.base.shipped import resolve
+
+    return resolve(path(text), "fleet")
+
+
 def compile_target(text: str) -> str:
     """--target: cpu or cuda-smXY (the compute capability, e.g. cuda-sm80)."""
     if text != "cpu" and not re.fullmatch(r"cuda-sm[1-9][0-9]{1,2}", text):
@@ -118,4 +132,4 @@ def replicas(text: str) -> str:
 
 
 __all__ = ["positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float",
-           "byte_size", "replicas", "path", "compile_target", "MAX_SEED"]
+           "byte_size", "replicas", "path", "network_file", "fleet_file", "compile_target", "MAX_SEED"]

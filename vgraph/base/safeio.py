@@ -19,7 +19,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, NoReturn
 
 from vgraph.base.diagnostics import VGraphError, printable
 
@@ -97,8 +97,56 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, make_parents: bo
     full, read-only, permission, a directory in the way) become a VGraphError
     naming the path.
     """
-    target = Path(path)
     raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+
+    def fill(fd: int) -> None:
+        view = memoryview(raw)
+        while view:
+            view = view[os.write(fd, view):]
+
+    return _write_via_temporary(path, make_parents, durable, fill=fill)
+
+
+def atomic_write_with(path: str | os.PathLike, write: Callable[[Path], None], *,
+                      make_parents: bool = True) -> Path:
+    """`atomic_write` for a file a library writes by name: `write(tmp)` writes the temporary beside `path`.
+
+    Why: safetensors' `save_file` writes a file of its own and renames it
+    into place with mode 0600 whatever the umask (checkpoints came out
+    0600), so the mode is set here afterwards, on whatever file `write`
+    left under the temporary's name; then fsync and rename as above.
+    """
+    return _write_via_temporary(path, make_parents, True, by_name=write)
+
+
+def _write_via_temporary(path: str | os.PathLike, make_parents: bool, durable: bool, *,
+                         fill: Callable[[int], None] | None = None,
+                         by_name: Callable[[Path], None] | None = None) -> Path:
+    """A temporary beside `path`, written through its descriptor (`fill`) or by name (`by_name`), given its
+    mode, fsynced when `durable`, renamed over `path`; removed on any failure."""
+    target, shown, mode, fd, tmp = _temporary_beside(path, make_parents)
+    try:
+        if by_name is not None:
+            os.close(fd)
+            by_name(Path(tmp))
+            fd = os.open(tmp, os.O_RDONLY)  # the file the writer left there, perhaps a new one
+        try:
+            if fill is not None:
+                fill(fd)
+            if durable:
+                os.fsync(fd)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException as exc:
+        _discard(tmp, shown, exc)
+    return target
+
+
+def _temporary_beside(path: str | os.PathLike, make_parents: bool) -> tuple[Path, str, int, int, str]:
+    """(target, its printable name, the mode it will have, fd and name of a fresh temporary beside it)."""
+    target = Path(path)
     shown = printable(str(target))
     if target.is_dir():
         raise VGraphError(f"{shown}: is a directory; cannot write a file there")
@@ -113,26 +161,18 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, make_parents: bo
         fd, tmp = tempfile.mkstemp(dir=target.parent or ".", prefix=f".{target.name}.", suffix=".tmp")
     except OSError as exc:
         raise VGraphError(f"{shown}: cannot write: {_why(exc)}") from None
+    return target, shown, mode, fd, tmp
+
+
+def _discard(tmp: str, shown: str, exc: BaseException) -> NoReturn:
+    """Remove a failed write's temporary and raise: an OSError as a VGraphError naming the target."""
     try:
-        try:
-            view = memoryview(raw)
-            while view:
-                view = view[os.write(fd, view):]
-            if durable:
-                os.fsync(fd)
-            os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
-        os.replace(tmp, target)
-    except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        if isinstance(exc, OSError):
-            raise VGraphError(f"{shown}: cannot write: {_why(exc)}") from None
-        raise
-    return target
+        os.unlink(tmp)
+    except OSError:
+        pass
+    if isinstance(exc, OSError):
+        raise VGraphError(f"{shown}: cannot write: {_why(exc)}") from None
+    raise exc
 
 
 def read_input(path: str | os.PathLike, *, what: str = "file", limit: int = MAX_INPUT_BYTES,
@@ -196,5 +236,5 @@ def decode_text(raw: bytes, shown: str) -> str:
                           f"{raw[exc.start:exc.start + 1]!r})") from None
 
 
-__all__ = ["atomic_write", "check_output", "read_input", "read_open_file", "decode_text", "same_file",
-           "MAX_INPUT_BYTES"]
+__all__ = ["atomic_write", "atomic_write_with", "check_output", "read_input", "read_open_file", "decode_text",
+           "same_file", "MAX_INPUT_BYTES"]

@@ -13,7 +13,7 @@ from vgraph.cli.common import EXIT_INVALID, add_plugin_option, command, load_net
 @command("validate")
 def _validate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check network YAML files; exit 2 listing every problem")
-    p.add_argument("files", nargs="+", metavar="FILE", type=options.path)
+    p.add_argument("files", nargs="+", metavar="FILE", type=options.network_file)
     add_plugin_option(p)
     p.set_defaults(func=_validate)
 
@@ -42,9 +42,9 @@ def _validate(args: argparse.Namespace) -> int:
 @command("analyze")
 def _analyze_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("analyze", help="shapes, parameters, FLOPs and memory per node and group")
-    p.add_argument("file", metavar="FILE", type=options.path)
+    p.add_argument("file", metavar="FILE", type=options.network_file)
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
-    p.add_argument("--fleet", metavar="FLEET.yml", type=options.path,
+    p.add_argument("--fleet", metavar="FLEET.yml", type=options.fleet_file,
                    help="show the training-step cost model (bytes by kind, FLOPs per step) and the fleet")
     p.add_argument("--batch", type=_positive_int, default=None,
                    help="samples per step for the cost model (default 8; implies the cost model)")
@@ -154,8 +154,8 @@ def _pipeline_with_partition(spec: str | None, batch: int, micro_batches: int, r
 @command("partition")
 def _partition_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("partition", help="place a network on a fleet; write one network per PNode")
-    p.add_argument("file", metavar="FILE", type=options.path)
-    p.add_argument("--fleet", required=True, metavar="FLEET.yml", type=options.path,
+    p.add_argument("file", metavar="FILE", type=options.network_file)
+    p.add_argument("--fleet", required=True, metavar="FLEET.yml", type=options.fleet_file,
                    help="the PNodes (networks/fleets/*.yml)")
     p.add_argument("--batch", type=_positive_int, default=8, help="samples per training step (default 8)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step (per replica)")
@@ -201,10 +201,10 @@ def _partition(args: argparse.Namespace) -> int:
 @command("render")
 def _render_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("render", help="draw a network as SVG (Graphviz): groups, PNodes, fused and cut edges")
-    p.add_argument("file", metavar="FILE", type=options.path)
+    p.add_argument("file", metavar="FILE", type=options.network_file)
     p.add_argument("-o", "--output", required=True, metavar="OUT.svg", type=options.path)
     p.add_argument("--passes", metavar="SPEC", default=None, help="run a pipeline first, e.g. 'fuse-heads'")
-    p.add_argument("--fleet", metavar="FLEET.yml", type=options.path,
+    p.add_argument("--fleet", metavar="FLEET.yml", type=options.fleet_file,
                    help="partition onto this fleet first (adds 'partition')")
     p.add_argument("--batch", type=_positive_int, default=8, help="batch for the partition and cut bytes")
     p.add_argument("--group-by", choices=("colocate", "pnode"), default=None,
@@ -244,7 +244,7 @@ def _render(args: argparse.Namespace) -> int:
 @command("optimize")
 def _optimize_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("optimize", help="run a pass pipeline and write the rewritten network")
-    p.add_argument("file", metavar="FILE", type=options.path)
+    p.add_argument("file", metavar="FILE", type=options.network_file)
     p.add_argument("-o", "--output", required=True, metavar="OUT.yml", type=options.path)
     p.add_argument("--passes", metavar="SPEC", default=None,
                    help="pipeline, e.g. 'fuse-heads,precision{target=cuda-sm80}' "
@@ -299,6 +299,21 @@ def _ops(args: argparse.Namespace) -> int:
     from vgraph.cli.op_listing import run_ops
 
     return run_ops(args)
+
+
+@command("networks")
+def _networks_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("networks", help="list the networks and fleets that ship with vgraph (every command "
+                                        "that reads a network or a fleet takes their names)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=_networks)
+
+
+def _networks(args: argparse.Namespace) -> int:
+    from vgraph.cli.network_listing import print_listing
+
+    print_listing(args.json)
+    return 0
 
 
 @command("passes")

@@ -725,8 +725,10 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                     "PNode (torch.distributed; pipelined micro-batches, boundary tensors by send/recv). A "
                     "worker that dies is detected and the run restarts from the last checkpoint. The run "
                     "directory is the one `vgraph train` writes.")
-    p.add_argument("network", metavar="FILE", type=options.path, help="network YAML")
-    p.add_argument("--fleet", required=True, metavar="FLEET", type=options.path, help="fleet spec YAML (PNodes)")
+    p.add_argument("network", metavar="FILE", type=options.network_file,
+                   help="network YAML, or a shipped network's name (vgraph networks)")
+    p.add_argument("--fleet", required=True, metavar="FLEET", type=options.fleet_file,
+                   help="fleet spec YAML (PNodes), or a shipped fleet's name")
     p.add_argument("--micro-batches", type=_positive_int, metavar="M",
                    help="micro-batches per step, pipelined over the PNodes (default min(batch, 2 x PNodes))")
     p.add_argument("--pipeline", choices=PIPELINES, default="1f1b",
