@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -215,6 +216,17 @@ def test_chromium_shows_the_launch_report_with_pnode_curves(launched, tmp_path: 
     assert "launch run, 6 logged step(s)" in cli("report", str(run), "-o", str(page))
     html = page.read_text()
     assert 'class="chart pnode-step_s"' in html and "PNode w0" in html and "PNode w1" in html
+    # The run matches its plan: predicted and measured bytes agree per PNode and in all (both: bytes sent), and
+    # each PNode's tensor peak stands beside its tensor estimate, its RSS apart.
+    section = html[html.index("<h2>PNodes</h2>"):]
+    table = section[section.index("<table>"):section.index("</table>")]
+    rows = [[re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", r, re.S)]
+            for r in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.S)[1:]]
+    assert [r[0] for r in rows] == ["w0", "w1", "all PNodes"]
+    for row in rows:
+        assert row[5] == row[6] != "-", row
+    for row in rows[:2]:
+        assert all(cell.endswith(("KiB", "MiB")) for cell in row[7:10]), row
     pixels = screenshot(page, tmp_path / "shot.png", 1300, 3000)
     assert ink(pixels) > 0.01
     assert shows(pixels[:700], LOSS_COLOR, 300) and shows(pixels[:700], VAL_COLOR, 150)

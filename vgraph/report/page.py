@@ -7,7 +7,7 @@ loss and validation curves, throughput, the network as the run compiled it
 `vgraph launch` run, the memory estimate next to what was measured, and the
 settings in one file anyone can open offline.
 
-Self-contained and inert: inline SVG (charts drawn by report_charts.py, the
+Self-contained and inert: inline SVG (charts drawn by charts.py, the
 network by render.py and sanitised by svg_embed.py), inline CSS, no script,
 no font or image fetched, and a Content-Security-Policy that forbids
 fetching anyway.  Every string from the run (network name, node ids,
