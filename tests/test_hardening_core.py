@@ -266,7 +266,7 @@ def test_a_partition_directory_holds_exactly_one_partition(tmp_path: Path, capsy
     assert {"p0.yml", "p1.yml", "placement.json"} <= set(first)
     (out / "notes.txt").write_text("mine")
     assert main(["partition", str(TINY), "--fleet", str(one), "-o", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "placement.json", "solo.yml"]
+    assert sorted(p.name for p in out.iterdir()) == [".vgraph-outputs.json", "notes.txt", "placement.json", "solo.yml"]
     (out / "placement.json").unlink()
     (out / "placement.json").mkdir()
     capsys.readouterr()

@@ -40,8 +40,9 @@ NUMBERS = {
 INPUT_FILE = ["missing", "dir", "fifo", "/dev/zero", "empty", "binary", "newline", "", "unreadable",
               "unknown-name", "dotdot-name", "escape-name"]  # the last three: not a shipped name either
 INPUT_FILE_OR_DIR = ["missing", "empty-dir", "fifo", "/dev/zero", "binary", "newline", "", "unreadable"]
-OUTPUT_FILE = ["dir", "below-file", "/dev/null", "the-input", ""]
-OUTPUT_DIR = ["file", "below-file", "/dev/null", ""]
+# Outputs inside what a run owns (issue 21): the trained run's checkpoint, its metrics, its launch folder.
+OUTPUT_FILE = ["dir", "below-file", "/dev/null", "the-input", "", "checkpoint-file", "run-metrics"]
+OUTPUT_DIR = ["file", "below-file", "/dev/null", "", "checkpoint-dir", "run-launch-dir"]
 PASSES = ["no-such-pass", "fuse-heads{", "fuse-heads{nope=1}", "precision{target=nan}", "x\x1b[2J"]
 
 # Options that take a string, by destination (command-specific first).
@@ -201,12 +202,16 @@ def world(tmp_path_factory) -> Path:
 
 def _hostile_path(value: str, w: Path) -> str:
     h = w / "hostile"
+    step = next((w / "run").glob("step-*"))
     named = {"missing": str(h / "missing.yml"), "newline": str(h / "new\nline\x1b[2J.yml"),
              "below-file": str(h / "file" / "below"), "the-input": str(w / "net.yml"),
              # names, not paths: looked up among the shipped networks and fleets, and refused naming them; with
              # '..' or a control character a name is a path like any other (never a way into the package)
              "unknown-name": "no_such_network_or_fleet", "dotdot-name": "../t4x4",
-             "escape-name": "t4x4\x1b[2J"}
+             "escape-name": "t4x4\x1b[2J",
+             "checkpoint-file": str(step / "model.safetensors"),
+             "checkpoint-dir": str(step / "sub"), "run-metrics": str(w / "run" / "metrics.jsonl"),
+             "run-launch-dir": str(w / "run" / "launch" / "sub")}
     if value in named:
         return named[value]
     if value in ("dir", "empty-dir", "fifo", "empty", "binary", "file", "unreadable"):

@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 
 from vgraph.base.diagnostics import VGraphError
-from vgraph.run.files import RunReader
+from vgraph.run.files import RunLock, RunReader
 from vgraph.yamlio import loads
 
 from . import checkpoint as ckpt
@@ -92,7 +92,8 @@ def train(config: TrainConfig) -> TrainResult:
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     threads = torch.get_num_threads()
     try:
-        return _train(config, say)
+        with RunLock.held():  # the run directory's lock, taken when it is opened, is held until here
+            return _train(config, say)
     finally:
         if config.deterministic:
             torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)

@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.base.safeio import check_output_dir
 from vgraph.ir.graph import Graph
 from vgraph.plugins import loaded_files
 from vgraph.run.compiled_graph import NO_FUSE_PIPELINE, training_spec  # shared with `vgraph report`
+from vgraph.run.files import RunLock, refuse_foreign
 from vgraph.run.network_match import fingerprint
 from vgraph.transform.pipeline import semantic_changes
 from vgraph.yamlio import dumps, load
@@ -213,7 +216,7 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
     loss_scaling = bool(precision.get("loss_scaling")) and dtype == torch.float16
 
     run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
-    latest = open_run_dir(run_dir, cfg.resume)
+    latest = open_run_dir(run_dir, cfg.resume, inputs=(cfg.network, cfg.data, *loaded_files()))
 
     # Memory: refuse before anything large is allocated.
     with phase(say, "memory estimate") as details:
@@ -236,10 +239,19 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
                     data, run_info)
 
 
-def open_run_dir(run_dir: Path, resume: bool) -> Path | None:
-    """Create `run_dir` (or clean a killed run's temporaries from it); its latest checkpoint, which
-    only `--resume` may continue.  `vgraph train` and `vgraph launch` (machine 0) both open runs here."""
+def open_run_dir(run_dir: Path, resume: bool, *, command: str = "vgraph train",
+                 inputs: Sequence[str | Path | None] = ()) -> Path | None:
+    """Create `run_dir` (or clean a killed run's temporaries from it) and take its lock; its latest
+    checkpoint, which only `--resume` may continue.  `vgraph train` and `vgraph launch` (machine 0) both
+    open runs here, under the core's rules (vgraph/run/files.py): the directory is not an input, does not
+    lie inside one or inside another run's files, is a run or holds none of a run's names, and one process
+    writes it at a time (the lock is held until the caller's `RunLock.held()` block ends)."""
+    check_output_dir(run_dir, inputs=[i for i in inputs if isinstance(i, (str, Path))], what="run directory")
+    refuse_foreign(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock.acquire(run_dir, command)
+    if lock.note:
+        print(lock.note, file=sys.stderr)
     clean_stale(run_dir)
     latest = None
     try:

@@ -15,6 +15,8 @@ exits 2 instead of showing a traceback.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import stat
 import tempfile
@@ -44,23 +46,174 @@ def _why(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
 
 
+Owner = Callable[[Path], "str | None"]
+_OWNERS: list[Owner] = []
+
+
+def register_owner(owner: Owner) -> None:
+    """Add a rule that says why a (resolved) path belongs to something no command may write into, or None.
+
+    The core's one registered rule is the run directory's (vgraph/run/files.py: a run's checkpoints, job
+    files, tokens, metrics); this layer knows no run, so the rule is handed in, not imported."""
+    if owner not in _OWNERS:
+        _OWNERS.append(owner)
+
+
 def check_output(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = (),
                  what: str = "output") -> Path:
-    """`path` as a Path, after refusing what would destroy something: an output that
-    is an existing directory, or that is (the same file as) one of `inputs`."""
+    """`path` as a Path, after refusing what would destroy something: an output that is an existing
+    directory or device, that is (the same file as) one of `inputs` or lies inside an input directory,
+    or that lies inside something a run owns (`register_owner`), all resolved through symlinks."""
     out = Path(path)
     if str(path) == "":
         raise VGraphError(f"{what}: the path is empty")
     if out.is_dir():
         raise VGraphError(f"{printable(str(out))}: {what} is a directory; give a file name")
     _refuse_special(out)
+    _refuse_inputs_and_owned(out, inputs, what)
+    return out
+
+
+def check_output_dir(path: str | os.PathLike, *, inputs: Iterable[str | os.PathLike | None] = (),
+                     what: str = "output directory") -> Path:
+    """`path` as a Path for a command that writes files into it: refused when it is a file or device, is
+    or lies inside an input, or lies inside something a run owns.  An input inside it is fine: each file
+    written there is checked with `check_output`, so none replaces an input (see `OutputDir`)."""
+    out = Path(path)
+    shown = printable(str(out))
+    if str(path) == "":
+        raise VGraphError(f"{what}: the path is empty")
+    if out.exists() and not out.is_dir():
+        raise VGraphError(f"{shown}: not a directory; the {what} must be a directory (or not exist yet)")
+    _refuse_inputs_and_owned(out, inputs, what)
+    return out
+
+
+def _refuse_inputs_and_owned(out: Path, inputs: Iterable[str | os.PathLike | None], what: str) -> None:
+    real = Path(os.path.realpath(out))
+    shown = printable(str(out))
     for given in inputs:
         if given is None:
             continue
-        if same_file(out, Path(given)):
-            raise VGraphError(f"{printable(str(out))}: {what} is the input {printable(str(given))}; "
+        source = Path(os.path.realpath(given))
+        if same_file(out, Path(given)) or real == source:
+            raise VGraphError(f"{shown}: {what} is the input {printable(str(given))}; "
                               f"refusing to overwrite an input (write to another file)")
-    return out
+        if source in real.parents and source.is_dir():
+            raise VGraphError(f"{shown}: {what} lies inside the input directory {printable(str(given))}; "
+                              f"write it outside what the command reads")
+    for owner in _OWNERS:
+        why = owner(real)
+        if why:
+            raise VGraphError(f"{shown}: {why}; a command never writes there (write the {what} elsewhere)")
+
+
+MANIFEST = ".vgraph-outputs.json"  # in a directory a command writes into: what it wrote there, by content
+
+
+class OutputDir:
+    """A directory a command writes several files into, replacing only files it can prove it wrote.
+
+    Why: `partition -o DIR` used to delete whatever an earlier placement.json listed (a placement.json
+    from elsewhere named files it never wrote), and `optimize --dump-dir` wrote over whatever was there.
+    The proof is a manifest (MANIFEST, in the directory) of the files this command wrote there and the
+    SHA-256 of each: a file may be replaced or removed only when the manifest lists it and its content
+    is still what was written (a file edited since, or put there by anyone else, is refused, never
+    lost).  Every file is checked with `check_output` (not an input, not inside something a run owns)
+    before the first one is written (`plan`), and written atomically; the manifest is rewritten after
+    each file, so an interrupted command still knows what it wrote.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, command: str,
+                 inputs: Iterable[str | os.PathLike | None] = ()) -> None:
+        self.inputs = [i for i in inputs if i is not None]
+        self.path = check_output_dir(path, inputs=self.inputs)
+        self.command = command
+        self.previous = self._read_manifest()
+        self.written: dict[str, str] = {}
+
+    def plan(self, names: Iterable[str]) -> None:
+        """Refuse, before anything is written, any of `names` that may not be (re)written."""
+        for name in names:
+            self.check(name)
+
+    def check(self, name: str) -> Path:
+        """DIR/`name`, if this command may write it: a plain name, checked as an output, and either absent
+        or a file this command wrote there and nobody changed since."""
+        if not name or Path(name).name != name or name in (".", "..", MANIFEST):
+            raise VGraphError(f"{printable(name)}: not a plain file name for {printable(str(self.path))}")
+        target = check_output(self.path / name, inputs=self.inputs)
+        if (os.path.lexists(target) and name not in self.written) and not self._ours(name):
+            raise VGraphError(f"{printable(str(target))}: exists and was not written there by vgraph "
+                              f"{self.command} (or was changed since); refusing to replace a file it cannot "
+                              f"prove it wrote: move it away or write to another directory")
+        return target
+
+    def write(self, name: str, data: bytes | str) -> Path:
+        target = self.check(name)
+        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        atomic_write(target, raw)
+        self._record(name, hashlib.sha256(raw).hexdigest())
+        return target
+
+    def wrote(self, name: str) -> Path:
+        """Record DIR/`name`, just written by another writer (after `check(name)`), as this command's."""
+        self._record(name, _digest(self.path / name))
+        return self.path / name
+
+    def remove_stale(self) -> list[str]:
+        """Remove the files an earlier run of this command wrote here and this one did not (only those
+        still as written); returns their names."""
+        removed = []
+        for name in sorted(set(self.previous) - set(self.written)):
+            if self._ours(name) and not any(same_file(self.path / name, Path(i)) for i in self.inputs):
+                try:
+                    (self.path / name).unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    raise VGraphError(f"{printable(str(self.path / name))}: left from an earlier {self.command} "
+                                      f"and cannot be removed: {_why(exc)}") from None
+                removed.append(name)
+        self._save({k: v for k, v in {**self.previous, **self.written}.items() if k not in removed})
+        return removed
+
+    def _ours(self, name: str) -> bool:
+        path = self.path / name
+        return (name in self.previous and not path.is_symlink() and path.is_file()
+                and _digest(path) == self.previous[name])
+
+    def _record(self, name: str, digest: str) -> None:
+        self.written[name] = digest
+        self._save({**self.previous, **self.written})
+
+    def _save(self, entries: dict[str, str]) -> None:
+        atomic_write(self.path / MANIFEST, json.dumps({"written_by": f"vgraph {self.command}",
+                                                       "files": dict(sorted(entries.items()))}, indent=1) + "\n")
+
+    def _read_manifest(self) -> dict[str, str]:
+        path = self.path / MANIFEST
+        if not os.path.lexists(path):
+            return {}
+        try:
+            doc = json.loads(read_input(path, what="output manifest", limit=16 * 2**20))
+            files = doc["files"]
+            return {str(k): str(v) for k, v in files.items() if isinstance(k, str) and Path(k).name == k}
+        except (VGraphError, ValueError, KeyError, TypeError, AttributeError):
+            raise VGraphError(f"{printable(str(path))}: not a list of outputs vgraph wrote; move it away or write "
+                              f"to another directory") from None
+
+
+def _digest(path: Path) -> str:
+    """SHA-256 of a file's content, read in chunks."""
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        return ""
+    return h.hexdigest()
 
 
 def same_file(a: Path, b: Path) -> bool:
@@ -236,5 +389,5 @@ def decode_text(raw: bytes, shown: str) -> str:
                           f"{raw[exc.start:exc.start + 1]!r})") from None
 
 
-__all__ = ["atomic_write", "atomic_write_with", "check_output", "read_input", "read_open_file", "decode_text",
-           "same_file", "MAX_INPUT_BYTES"]
+__all__ = ["atomic_write", "atomic_write_with", "check_output", "check_output_dir", "OutputDir", "register_owner",
+           "read_input", "read_open_file", "decode_text", "same_file", "MAX_INPUT_BYTES", "MANIFEST"]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from vgraph.base import options
 from vgraph.base.diagnostics import VGraphError, printable
@@ -266,8 +268,12 @@ def _optimize(args: argparse.Namespace) -> int:
     from vgraph.yamlio import save
 
     check_output(args.output, inputs=(args.file, *args.plugin))
+    inputs = (args.file, *args.plugin)
+    if args.dump_dir and Path(os.path.realpath(args.dump_dir)) in Path(os.path.realpath(args.output)).parents:
+        raise VGraphError(f"{printable(args.output)}: -o lies inside --dump-dir {printable(args.dump_dir)}, whose "
+                          f"files the dumps write; write the output elsewhere")
     graph = load_network(args.file)
-    dumps = [DumpInstrument(args.dump_dir, draw=render_svg)] if args.dump_dir else []
+    dumps = [DumpInstrument(args.dump_dir, draw=render_svg, inputs=inputs)] if args.dump_dir else []
     pm = run_pipeline(graph, args.passes, target=args.target, explain=args.explain, instruments=dumps,
                       verify=not args.no_verify)
     save(graph, args.output)

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 from vgraph.base.diagnostics import VGraphError, printable
 from vgraph.cli import commands as _commands  # noqa: F401  (registers the core commands)
 from vgraph.cli.common import CORE_COMMANDS, EXIT_INVALID, add_plugin_option, load_network  # noqa: F401
+from vgraph.run import files as _run_files  # noqa: F401  (registers the run's ownership rule with safeio)
 from vgraph.plugins import PluginError, discover, guarded
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from vgraph.base.diagnostics import Diagnostic, VGraphError, printable
-from vgraph.base.safeio import atomic_write, check_output, read_input, same_file
+from vgraph.base.safeio import OutputDir, read_input
 from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.cost.op_kinds import vnode_seconds
@@ -291,64 +291,31 @@ def export_partition(graph: Graph, fleet: Fleet | str, out_dir: str | Path, *, b
     """Write DIR/<pnode>.yml per PNode, DIR/placement.json (and DIR/<pnode>.<fmt> per format);
     returns the placement report with a "files" list.
 
-    DIR then holds exactly one partition: the files an earlier placement.json
-    listed and this one does not are removed (nothing else in DIR is touched).
-    A file to write that is one of `inputs` (the network, the fleet) is refused
-    before anything is written.  Every file is written atomically.
+    DIR then holds exactly one partition: the files an earlier partition wrote
+    there and this one does not are removed.  Only files vgraph partition can
+    prove it wrote (DIR's manifest, `safeio.OutputDir`) are replaced or removed;
+    any other file of the same name, an input, or a DIR inside a run's files
+    is refused before anything is written.  Every file is written atomically.
     """
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise VGraphError(f"{printable(out)}: not a directory; -o names the directory of the partition")
     report = placement_report(graph, fleet, batch=batch, micro_batches=micro_batches)
     parts: dict[str, Graph] = {}
     for assignment in report["replica_assignments"]:  # every replica's PNodes get their network
         parts.update(split_network(graph, assignment))
     exporters = {fmt: find_exporter(fmt) for fmt in formats}  # fail before writing anything
-    planned = [out / f"{pid}.{ext}" for pid in parts for ext in ("yml", *formats)] + [out / PLACEMENT_FILE]
-    for path in planned:
-        check_output(path, inputs=inputs)
-    stale = _files_of_earlier_partition(out)
+    out = OutputDir(out_dir, command="partition", inputs=inputs)  # replaces only what it wrote (safeio.py)
+    out.plan([f"{pid}.{ext}" for pid in parts for ext in ("yml", *formats)] + [PLACEMENT_FILE])
     files = []
     for pid, part in parts.items():
-        path = out / f"{pid}.yml"
-        save(part, path)
-        files.append(str(path))
+        save(part, out.check(f"{pid}.yml"))
+        files.append(str(out.wrote(f"{pid}.yml")))
         for fmt, exporter in exporters.items():
             model = exporter(graph, report["pnodes"][pid]["vnodes"], name=part.name)
             data = model if isinstance(model, (bytes, bytearray)) else model.SerializeToString()
-            fpath = out / f"{pid}.{fmt}"
-            atomic_write(fpath, bytes(data))
-            files.append(str(fpath))
+            files.append(str(out.write(f"{pid}.{fmt}", bytes(data))))
     report["files"] = files
-    atomic_write(out / PLACEMENT_FILE, json.dumps(report, indent=2) + "\n")
-    files.append(str(out / PLACEMENT_FILE))
-    keep = {Path(f).name for f in files}
-    for name in sorted(stale - keep):
-        if any(same_file(out / name, Path(i)) for i in inputs if i is not None):
-            continue
-        try:
-            (out / name).unlink(missing_ok=True)
-        except OSError as exc:
-            raise VGraphError(f"{printable(out / name)}: left from an earlier partition and cannot be "
-                              f"removed: {exc.strerror}") from None
+    files.append(str(out.write(PLACEMENT_FILE, json.dumps(report, indent=2) + "\n")))
+    out.remove_stale()  # DIR holds one partition: what an earlier partition wrote and this one did not goes
     return report
-
-
-def _files_of_earlier_partition(out: Path) -> set[str]:
-    """The file names an existing DIR/placement.json lists (only plain names inside DIR)."""
-    path = out / PLACEMENT_FILE
-    if not path.exists():
-        return set()
-    try:
-        listed = json.loads(read_input(path, what="placement.json")).get("files", [])
-    except (ValueError, AttributeError):
-        raise VGraphError(f"{printable(path)}: exists but is not a placement vgraph wrote; move it away or "
-                          f"write the partition to another directory") from None
-    if not isinstance(listed, list):
-        return set()
-    names = {Path(str(f)).name for f in listed}
-    return {n for n in names if n and n not in (".", "..") and n.endswith((".yml", ".json", ".onnx"))
-            and "/" not in n and "\\" not in n}
 
 
 def load_parts(directory: str | Path) -> tuple[dict[str, Graph], dict]:

@@ -29,17 +29,19 @@ import json
 import os
 import re
 import stat
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from vgraph.base.diagnostics import VGraphError, printable
 from vgraph.base.numbers import is_number, number_or_none
-from vgraph.base.safeio import decode_text, read_open_file
+from vgraph.base.safeio import decode_text, read_open_file, register_owner
 
 __all__ = ["RUN_JSON", "NETWORK_YML", "TOKENIZER_JSON", "METRICS_JSONL", "METRICS_CSV", "PLACEMENT_JSON",
            "LOSS_CURVE_PNG", "LATEST", "CHECKPOINT_PREFIX", "MODEL_FILE", "STATE_JSON", "LAUNCH_DIR", "STOP_FILE",
-           "TOKENS_FILE", "JOB_FILE", "checkpoint_name", "job_name", "RunReader", "MAX_METRICS_BYTES",
+           "TOKENS_FILE", "JOB_FILE", "LOCK_FILE", "RunLock", "RunInUse", "refuse_foreign", "owned_by_run", "looks_like_run", "is_checkpoint", "run_owner", "checkpoint_name", "job_name", "RunReader", "MAX_METRICS_BYTES",
            "clean_json", "metrics_row"]
 
 RUN_JSON = "run.json"
@@ -62,6 +64,211 @@ MAX_RUN_FILE_BYTES = 64 * 2**20  # run.json, placement.json, a job file (a 100k-
 MAX_POINTER_BYTES = 4096
 MAX_JSON_DEPTH = 64  # vgraph writes at most 4 levels; deeper is damage or hostility (RecursionError)
 MAX_STEP = 2**62  # the largest --steps (vgraph/base/options.py)
+
+
+LOCK_FILE = ".vgraph-lock"  # the advisory lock of the process writing the run (`RunLock`); its presence marks a run
+EVENTS_PREFIX = "events.out.tfevents."
+_OWNED_NAMES = {RUN_JSON: "settings", NETWORK_YML: "network", TOKENIZER_JSON: "tokenizer", METRICS_JSONL: "metrics",
+                METRICS_CSV: "metrics", PLACEMENT_JSON: "placement", LOSS_CURVE_PNG: "loss curve",
+                LATEST: "checkpoint pointer", LOCK_FILE: "lock", LAUNCH_DIR: "job files, tokens and stop request"}
+
+
+def owned_by_run(name: str) -> str | None:
+    """What a run keeps under the top-level entry `name` of its directory, or None when it is not the run's
+    (a report written beside it, a user's notes)."""
+    if name in _OWNED_NAMES:
+        return _OWNED_NAMES[name]
+    if name.startswith((CHECKPOINT_PREFIX, "." + CHECKPOINT_PREFIX)):
+        return "checkpoint"
+    if name.startswith(EVENTS_PREFIX):
+        return "TensorBoard events"
+    return None
+
+
+def looks_like_run(directory: Path) -> bool:
+    """Whether `directory` holds a run's marks (its lock, run.json, metrics.jsonl or `latest`)."""
+    return any((directory / name).is_file() for name in (LOCK_FILE, RUN_JSON, METRICS_JSONL, LATEST))
+
+
+def is_checkpoint(directory: Path) -> bool:
+    """Whether `directory` is a checkpoint folder (in a run or copied out of one)."""
+    return (directory / STATE_JSON).is_file() and (directory / MODEL_FILE).is_file()
+
+
+def run_owner(path: Path) -> str | None:
+    """Why `path` (resolved) lies inside something a run owns, or None: the rule `safeio.check_output` applies
+    to every command's outputs (registered below), so `report -o RUN/step-3/model.safetensors`,
+    `export-onnx --checkpoint CKPT -o CKPT/model.safetensors` or `-o RUN/launch/job-0.json` are refused."""
+    for parent in path.parents:
+        if is_checkpoint(parent):
+            return f"lies inside the checkpoint {printable(str(parent), 200)}"
+        if looks_like_run(parent):
+            top = path.relative_to(parent).parts[0]
+            what = owned_by_run(top)
+            return (f"is part of the run {printable(str(parent), 200)} ({printable(top, 80)}: its {what})"
+                    if what else None)
+    return None
+
+
+register_owner(run_owner)
+
+
+class RunInUse(VGraphError):
+    """Another process holds the run's lock."""
+
+
+class RunLock:
+    """One writer per run directory: an advisory lock (flock) on RUN/.vgraph-lock, which names its holder.
+
+    Why: two `vgraph train --resume` on one run both exited 0 and left metrics.jsonl with 1,600 duplicated,
+    out-of-order steps.  The lock is the kernel's (`fcntl.flock`), so a process killed by any signal
+    releases it; the file keeps the holder's pid, host, command and start time, for the message a second
+    writer gets.  Taking a lock whose file still names a holder means that holder died without releasing
+    it (a stale lock: the kernel dropped its flock): on this host that is certain and the lock is taken
+    over with a note; a holder on another host (a run directory on a shared file system, whose flock may
+    not reach across machines) cannot be checked from here, so the run is refused, with the command that
+    clears the lock once that process is known to be gone.
+
+    Locks are counted per process (`acquire` of a run this process already holds returns the same lock),
+    so one process may open its own run twice (a launcher and its in-process helpers); `held()` scopes
+    every lock taken in a block.
+    """
+
+    _held: dict[str, "RunLock"] = {}
+
+    def __init__(self, run_dir: Path, fd: int, note: str | None) -> None:
+        self.run_dir = run_dir
+        self.fd: int | None = fd
+        self.count = 1
+        self.note = note  # what the lock said about an earlier holder (a stale lock taken over)
+
+    @classmethod
+    def acquire(cls, run_dir: Path, command: str) -> "RunLock":
+        import fcntl
+        import socket
+
+        key = os.path.realpath(run_dir)
+        held = cls._held.get(key)
+        if held is not None and held.fd is not None:
+            held.count += 1
+            return held
+        path = Path(run_dir) / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+                         0o666)
+        except OSError as exc:
+            raise VGraphError(f"{printable(str(path))}: cannot open the run's lock: {exc.strerror}") from None
+        try:
+            previous = _holder(os.read(fd, 4096))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RunInUse(f"{printable(str(run_dir))} is in use by {_describe(previous)}: one process writes "
+                               f"a run at a time; wait for it to end or stop it (Ctrl-C saves a checkpoint)"
+                               ) from None
+            host = socket.gethostname()
+            note = None
+            if previous:
+                if previous.get("host") != host:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    raise RunInUse(f"{printable(str(run_dir))} was locked by {_describe(previous)}, on another "
+                                   f"machine, which this one cannot check; if that process is gone, remove "
+                                   f"{printable(str(path))} and run again")
+                note = (f"note: {printable(str(run_dir))} was left locked by {_describe(previous)}, which is no "
+                        f"longer running (killed?); the lock is taken over")
+            me = {"pid": os.getpid(), "host": host, "command": command,
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        lock = cls(Path(run_dir), fd, note)
+        cls._held[key] = lock
+        return lock
+
+    def release(self) -> None:
+        """Give the lock back (the last of this process's holds): the file is emptied, then unlocked."""
+        if self.fd is None:
+            return
+        self.count -= 1
+        if self.count > 0:
+            return
+        import fcntl
+
+        fd, self.fd = self.fd, None
+        self._held.pop(os.path.realpath(self.run_dir), None)
+        try:
+            os.ftruncate(fd, 0)  # no holder named: the next writer sees a released lock, not a stale one
+        except OSError:
+            pass
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    @classmethod
+    @contextmanager
+    def held(cls) -> Iterator[None]:
+        """Release, at the end of the block, every run lock this process took inside it (however the
+        block ends): `vgraph train` and `vgraph launch` open their run deep inside and hold it until they
+        return."""
+        before = set(cls._held)
+        try:
+            yield
+        finally:
+            for key in [k for k in cls._held if k not in before]:
+                lock = cls._held.get(key)
+                while lock is not None and lock.fd is not None:
+                    lock.release()
+
+
+def _holder(raw: bytes) -> dict[str, Any]:
+    """The holder a lock file names ({} for an empty or damaged one)."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return {}
+    return doc if isinstance(doc, dict) and "pid" in doc else {}
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder:
+        return "another process"
+    return (f"{printable(str(holder.get('command', 'a vgraph command')), 40)} (pid "
+            f"{printable(str(holder.get('pid')), 20)} on host {printable(str(holder.get('host')), 80)}, since "
+            f"{printable(str(holder.get('since')), 40)})")
+
+
+def refuse_foreign(run_dir: Path) -> None:
+    """A VGraphError when `run_dir` exists, is not a run, and holds entries a run would write (run.json,
+    metrics.jsonl, step-*, ...): a run replaces only files it can prove it wrote, and an existing directory
+    proves it is a run by its lock file (every run writes it first), or, for runs of a vgraph before the
+    lock, by a run.json of theirs.  Anything else in the directory is never touched."""
+    if not run_dir.is_dir() or (run_dir / LOCK_FILE).is_file() or _legacy_run(run_dir):
+        return
+    try:
+        clashes = sorted(n for n in os.listdir(run_dir) if owned_by_run(n))
+    except OSError as exc:
+        raise VGraphError(f"{printable(str(run_dir))}: cannot list the run directory: {exc.strerror}") from None
+    if clashes:
+        shown = ", ".join(printable(n, 60) for n in clashes[:4]) + (f" and {len(clashes) - 4} more"
+                                                                  if len(clashes) > 4 else "")
+        raise VGraphError(f"{printable(str(run_dir))}: is not a vgraph run but holds {shown}, which a run would "
+                          f"replace; a run replaces only files it wrote: choose a new or empty directory")
+
+
+def _legacy_run(run_dir: Path) -> bool:
+    """run.json of a run written before the lock file: an object with the settings vgraph records."""
+    reader = RunReader(run_dir)
+    run = reader.json(RUN_JSON, optional=True)
+    return isinstance(run, dict) and {"network", "seed", "batch", "steps"} <= set(run)
 
 
 def checkpoint_name(step: int) -> str:

@@ -234,12 +234,18 @@ class Instrument(Protocol):
 class DumpInstrument:
     """Writes the graph after each pass as DIR/NN_passname.yml, and its drawing as NN_passname.svg when given
     a `draw` function (the CLI passes Graphviz's; the pass manager itself draws nothing, so the transform
-    layer never imports the report layer)."""
+    layer never imports the report layer).
 
-    def __init__(self, directory: str | Path, draw: Callable[[Graph], str] | None = None) -> None:
-        self.dir = Path(directory)
+    DIR is an `OutputDir` (base/safeio.py): no dump replaces one of `inputs` (the network being optimised
+    may be DIR/00_input.yml) or a file the dumps did not write there."""
+
+    def __init__(self, directory: str | Path, draw: Callable[[Graph], str] | None = None,
+                 inputs: Sequence[str | Path | None] = ()) -> None:
+        from vgraph.base.safeio import OutputDir
+
+        self.out = OutputDir(directory, command="optimize --dump-dir", inputs=inputs)
+        self.dir = self.out.path
         self.draw = draw
-        self.dir.mkdir(parents=True, exist_ok=True)
 
     def before(self, index: int, p: Pass, graph: Graph) -> None:
         if index == 0:
@@ -249,10 +255,10 @@ class DumpInstrument:
         self._write(graph, f"{index + 1:02d}_{p.name}")
 
     def _write(self, graph: Graph, stem: str) -> None:
-        from vgraph.base.safeio import atomic_write
         from vgraph.yamlio import save
 
-        save(graph, self.dir / f"{stem}.yml")
+        save(graph, self.out.check(f"{stem}.yml"))
+        self.out.wrote(f"{stem}.yml")
         if self.draw is None:
             return
         try:
@@ -260,7 +266,7 @@ class DumpInstrument:
         except VGraphError:
             self.draw = None  # no Graphviz here: YAML dumps only
             return
-        atomic_write(self.dir / f"{stem}.svg", svg)
+        self.out.write(f"{stem}.svg", svg)
 
 
 def fingerprint(graph: Graph) -> str:

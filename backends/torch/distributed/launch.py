@@ -92,6 +92,7 @@ from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
 from vgraph.cost.compression import parse_grad_compress
 from vgraph.run.compiled_graph import PLAN_CHOICES, apply_assignment, compression_changes, network_changes
+from vgraph.run.files import RunLock
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
 
 from .. import checkpoint as ckpt
@@ -344,10 +345,11 @@ def launch(config: LaunchConfig) -> LaunchResult:
     restore = stop.install()
     machines = Machines()  # several machines: opened by _prepare (membership.py)
     try:
-        run = _prepare(config, stop, machines)
-        if config.emit_job is not None:
-            return _emit_job(run, Path(config.emit_job))
-        return _collect(run, _attempts(run, stop))
+        with RunLock.held():  # machine 0's lock of the run directory (taken in _prepare), held until here
+            run = _prepare(config, stop, machines)
+            if config.emit_job is not None:
+                return _emit_job(run, Path(config.emit_job))
+            return _collect(run, _attempts(run, stop))
     finally:
         machines.close()
         restore()
@@ -425,7 +427,7 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
     launch_dir = run_dir / LAUNCH_DIR
     lead = cfg.node_rank == 0
     if lead:
-        open_run_dir(run_dir, cfg.resume)  # refuses an existing run unless --resume
+        open_run_dir(run_dir, cfg.resume, command="vgraph launch")  # an existing run only with --resume; locked
     launch_dir.mkdir(parents=True, exist_ok=True)
     (launch_dir / STOP_FILE).unlink(missing_ok=True)
     stop.on_request = lambda: atomic_write_text(launch_dir / STOP_FILE, "stop\n")
