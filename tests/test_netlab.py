@@ -85,7 +85,8 @@ def test_the_cpu_quota_holds() -> None:
         group = tb.hosts[0].cgroup
         assert tb.controller.version in (1, 2)
         if tb.controller.version == 1:
-            assert (group / "cpu.cfs_quota_us").read_text().strip() == "25000"
+            assert (group / "cpu.cfs_quota_us").read_text().strip() == "2500"
+            assert (group / "cpu.cfs_period_us").read_text().strip() == "10000"
             assert (tb.hosts[1].cgroup / "cpu.cfs_quota_us").read_text().strip() == "-1"
         got = measure_cpu(tb, 0, seconds=1.5, workers=2)  # two busy processes share a quarter of a core
         stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
@@ -253,5 +254,6 @@ def test_rates_read_like_a_fleet_bandwidth() -> None:
     assert netlab.rate_bytes("20Mbit/s") == 2.5e6 and netlab.rate_bytes("1Gbps") == 1.25e8
     assert netlab.rate_bytes(1e6) == 1e6 and netlab.rate_bytes(None) is None
     burst_20 = netlab._tbf(2.5e6)
-    assert burst_20[:3] == ["tbf", "rate", "20000000bit"] and int(burst_20[4]) >= 64 * 1024
+    assert burst_20[:3] == ["tbf", "rate", "20000000bit"] and int(burst_20[4]) == 16 * 1024
+    assert int(netlab._tbf(1.25e8)[4]) == 250_000  # 2 ms at 1 Gbit/s
     assert not math.isnan(netlab.rate_bytes("0.5Mbit/s"))

@@ -30,7 +30,7 @@ at once never collide, even on the same subnet):
   add ... netem` answers "Specified qdisc kind is unknown"), so links have the veth's microseconds of
   latency; a fleet's region latencies cannot be reproduced here;
 * CPU share: every host gets a cgroup in the CPU controller, `cpu.cfs_quota_us` = share x
-  `cpu.cfs_period_us` (100 ms) under cgroup v1 (this machine kind: the v1 `cpu` hierarchy at
+  `cpu.cfs_period_us` (10 ms, see PERIOD_US) under cgroup v1 (this machine kind: the v1 `cpu` hierarchy at
   /sys/fs/cgroup/cpu, the unified v2 hierarchy holding only hugetlb), or `cpu.max` under cgroup v2 when
   the CPU controller is there instead.  Shares may sum to at most the cores this process may use
   (`sched_getaffinity`).  A host without a share still gets a cgroup (no quota): it is how the testbed finds
@@ -76,7 +76,9 @@ from typing import Any, Callable, Sequence
 TAG_PREFIX = "vgnl"
 DEFAULT_SUBNET = "10.213.0.0/24"
 IFACE = "eth0"  # every host's interface, inside its namespace
-PERIOD_US = 100_000  # CFS period of the quotas
+PERIOD_US = 10_000  # CFS period of the quotas: 10 ms, so that a training step of tens of milliseconds is slowed
+# evenly; with the kernel's default 100 ms a 0.5-core host runs 50 ms flat out, then stops for 50 ms, and the
+# step that meets the stop takes 50 ms longer than the one before (per-step times then say little)
 _TAG = re.compile(rf"^{TAG_PREFIX}-(\d+)-(\d+)-(\d+)(?:-|$)")
 _COUNTER = itertools.count()
 _SELF = Path(__file__).resolve()
@@ -105,7 +107,7 @@ class CpuController:
     version: int
 
     def set_quota(self, group: Path, cores: float | None) -> None:
-        quota = -1 if cores is None else max(1000, int(round(cores * PERIOD_US)))
+        quota = -1 if cores is None else int(round(cores * PERIOD_US))
         if self.version == 1:
             (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
@@ -187,11 +189,13 @@ def rate_bytes(rate: float | str | None) -> float | None:
 
 
 def _tbf(rate: float) -> list[str]:
-    """tbf arguments for `rate` bytes/s.  The bucket holds 5 ms at the rate but at least 128 KiB: a veth hands
-    tbf 64 KiB GSO segments, and a bucket smaller than one makes tbf split them (measured: the rate then
-    falls short by a tenth at 1 Gbit/s).  The queue holds 100 ms at the rate (at least 256 KiB) so TCP
-    finds the rate without drops from a queue shorter than its window."""
-    burst = max(128 * 1024, int(rate * 0.005))
+    """tbf arguments for `rate` bytes/s.  The bucket holds 2 ms at the rate, at least 16 KiB: a larger one lets
+    a burst through at line speed after a pause (a 128 KiB bucket passed a pipeline step's ~128 KB of
+    activations at once, so a 20 Mbit/s link carried a step's traffic in less time than 20 Mbit/s allows).
+    tbf splits the veth's 64 KiB GSO segments when the bucket is smaller than one, at little cost (measured,
+    sustained TCP: 19.2 against 19.6 Mbit/s at 20 Mbit/s, 945 against 958 at 1 Gbit/s, with a 128 KiB
+    bucket).  The queue holds 100 ms at the rate (at least 256 KiB) so TCP finds the rate without drops."""
+    burst = max(16 * 1024, int(rate * 0.002))
     limit = max(256 * 1024, int(rate * 0.1)) + burst
     return ["tbf", "rate", f"{int(rate * 8)}bit", "burst", str(burst), "limit", str(limit)]
 
@@ -262,8 +266,8 @@ class Testbed:
             cores = float(value)
         except (TypeError, ValueError):
             raise NetlabError(f"cpu must be a number of cores, got {value!r}") from None
-        if not (0.01 <= cores <= usable_cores()):
-            raise NetlabError(f"cpu must be between 0.01 and {usable_cores()} cores, got {value!r}")
+        if not (0.1 <= cores <= usable_cores()):  # the kernel's least quota is 1 ms of the 10 ms period
+            raise NetlabError(f"cpu must be between 0.1 and {usable_cores()} cores, got {value!r}")
         return cores
 
     @staticmethod
