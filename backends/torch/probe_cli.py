@@ -173,7 +173,7 @@ def measure_link(host: str, port: int, seconds: float) -> float:
     """Bytes/s this machine sends to a `vgraph probe --serve` at host:port, as the receiver counted them."""
     payload = b"\0" * (1 << 20)
     try:
-        with socket.create_connection((host, port), timeout=10) as conn:
+        with _connect(host, port) as conn:
             conn.sendall(json.dumps({"seconds": seconds}).encode() + b"\n")
             end = time.perf_counter() + seconds
             while time.perf_counter() < end:
@@ -187,6 +187,18 @@ def measure_link(host: str, port: int, seconds: float) -> float:
     if not isinstance(reply, dict) or not reply.get("seconds") or not reply.get("bytes"):
         raise VGraphError(f"--peer {host}:{port}: no measurement came back (not a `vgraph probe --serve`?)")
     return float(reply["bytes"]) / float(reply["seconds"])
+
+
+def _connect(host: str, port: int, patience: float = 10.0) -> socket.socket:
+    """A connection to the peer, retried for `patience` seconds while it refuses (it may still be starting)."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return socket.create_connection((host, port), timeout=10)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def serve(addr: str, port: int, *, once: bool = False, ready: threading.Event | None = None) -> None:

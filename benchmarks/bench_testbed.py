@@ -1,0 +1,314 @@
+"""Predicted against measured: vgraph's plans run on the multi-host testbed, next to what the planner predicted.
+
+    .venv/bin/python benchmarks/bench_testbed.py                 # the full run: ~25 min on a quiet 2-core machine
+    .venv/bin/python benchmarks/bench_testbed.py --smoke         # the suite's setting (~1 min)
+
+Every host is a network namespace of tools/netlab.py with a CPU quota of `--cpu` cores and a link of the
+row's rate each way (tbf; no latency: this kernel has no netem).  For each network and rate:
+
+1. each of the 4 hosts is probed inside its quota: `vgraph probe NETWORK --peer <next host> --threads 1
+   --append fleet.yml` (its link measured against `vgraph probe --serve` on the next host), so the fleet
+   is measured, not written;
+2. plans of fixed shape run (the network's units cut into that many stages where the cost model balances
+   them; the planner itself may merge stages where a cut does not pay), one `vgraph launch
+   --nnodes N --node-rank i --master-addr <host 0>` per host, `--placement` forcing the layout: one host;
+   one pipeline over 2 and over 4 hosts; 2 replicas of 2 stages; 4 replicas of 1 stage (the one-host plan
+   runs once per network: no link is involved);
+3. the predicted step is the launch's placement.json `step_seconds`, the measured one the median of the
+   per-step wall times after `--warmup` steps (metrics.jsonl `elapsed_s`, the last step's checkpoint left
+   out); and the planner's own pick on the 4-host fleet (`vgraph partition --replicas auto`'s plan) is
+   compared with the plan measured fastest (run as well when its shape is not among the others).
+
+Prints a table (predicted, measured, ratio per plan; per network and rate the pick and the fastest), draws
+predicted against measured (`--plot`), and ends with `worst predicted/measured: X; pick vs fastest: Y`
+(X: the ratio farthest from 1; Y: the pick's measured step over the fastest's, worst group).  Needs root
+(the testbed).  The figures need a quiet machine (`uptime` load < 1.5): the hosts' quotas add up to the
+machine's cores, and anything else running is stolen from them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tools.netlab import NetlabError, Testbed, check_available  # noqa: E402
+
+VGRAPH = str(Path(sys.executable).with_name("vgraph"))
+TOKEN = "bench-testbed-secret-0123456789"
+SHAPES = {"one host": (1, 1), "pipeline x2": (2, 1), "pipeline x4": (4, 1), "2x2 replicas": (2, 2),
+          "4x1 replicas": (1, 4)}  # name -> (stages, replicas)
+NETWORKS = {  # name -> TransformerSpec fields (fp32, dropout as production)
+    "tb-small": dict(layers=3, vocab=256, seq_len=32, dim=64, heads=2, ffn=128, head_up=128),
+    "tb-medium": dict(layers=4, vocab=512, seq_len=64, dim=128, heads=4, ffn=256, head_up=256),
+}
+
+
+@dataclass
+class Row:
+    network: str
+    rate: str
+    plan: str
+    stages: int
+    replicas: int
+    predicted: float
+    measured: float
+    pick: bool = False
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.measured
+
+
+def network_file(name: str, where: Path) -> Path:
+    import vgraph
+    from tools.gen_networks import TransformerSpec, transformer
+
+    path = where / f"{name}.yml"
+    if name == "tiny":
+        shutil.copy(ROOT / "tests" / "fixtures" / "tiny_1l_fp32.yml", path)
+    else:
+        vgraph.save(transformer(TransformerSpec(name, precision=None, **NETWORKS[name])), path)
+    return path
+
+
+def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, concurrent: bool) -> None:
+    """Each host's entry from `vgraph probe` inside its quota (one at a time unless `concurrent`), its link
+    measured to the next host; the entries joined into `fleet`."""
+    from vgraph.cost.fleet import fleet_text, load_fleet
+
+    n = len(tb.hosts)
+    order = [[i] for i in range(n)] if not concurrent else [list(range(n))]
+    for group in order:
+        servers = [tb.popen((i + 1) % n, [VGRAPH, "probe", "--serve", "--once", "--listen",
+                                           f"{tb.ips[(i + 1) % n]}:{29400 + i}"]) for i in group]
+        entries = tb.run_all([[VGRAPH, "probe", str(network), "--id", f"h{i}", "--peer",
+                               f"{tb.ips[(i + 1) % n]}:{29400 + i}", "--seconds", str(seconds), "--threads", "1",
+                               "--no-precisions", "-o", str(fleet.with_name(f"{fleet.stem}-h{i}.yml"))]
+                              if i in group else None for i in range(n)], timeout=600)
+        for i, done in enumerate(entries):
+            if done is not None and done.returncode != 0:
+                raise RuntimeError(f"probe of host {i} failed:\n{done.stdout[-3000:]}")
+        for s in servers:
+            s.wait(timeout=60)
+    pnodes = [load_fleet(fleet.with_name(f"{fleet.stem}-h{i}.yml")).pnodes[0] for i in range(n)]
+    fleet.write_text(fleet_text(fleet.stem, pnodes, f"probed on the testbed: {n} hosts"))
+
+
+def forced_placement(network: Path, fleet_path: Path, stages: int, replicas: int, batch: int, micro: int,
+                     out: Path) -> dict:
+    """A --placement file for `stages` x `replicas`: the network's units (colocation groups, in chain order,
+    priced by the cost model on the probed fleet) cut into `stages` contiguous stages with the least
+    slowest stage, replica r's stage s on host r x stages + s (rank i on host i), equal batch shares.
+    The planner itself may use fewer stages than asked where a cut does not pay; here the shape is fixed."""
+    import vgraph
+    from vgraph.backends.torch.distributed.launch import split_pipeline
+    from vgraph.cost.costmodel import cost_model
+    from vgraph.cost.fleet import load_fleet
+    from vgraph.cost.stepcost import batch_shares
+    from vgraph.passes.partition_problem import build_problem
+    from vgraph.transform.pipeline import run_pipeline
+
+    graph = vgraph.load(network)
+    run_pipeline(graph, split_pipeline(None, True, {})[0], target="cpu")
+    cm = cost_model(graph, batch=batch, micro_batches=micro)
+    problem = build_problem(graph, load_fleet(fleet_path), batch=batch, micro_batches=micro, cm=cm, view="groups")
+    chunk = least_max_cut(problem.compute.tolist(), stages)
+    rows = [[f"h{r * stages + s}" for s in range(stages)] for r in range(replicas)]
+    layout = {"assignment": {v: rows[0][chunk[u]] for v, u in problem.unit_of.items()}, "replica_pnodes": rows,
+              "batch_shares": batch_shares(batch, [1.0] * replicas)}
+    out.write_text(json.dumps(layout))
+    return layout
+
+
+def least_max_cut(costs: list[float], parts: int) -> list[int]:
+    """Part of each item when `costs` (in order) are cut into `parts` non-empty contiguous runs with the least
+    largest run (dynamic programming over prefix sums; a network has tens of units)."""
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot cut {n} units into {parts} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = [[math.inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    out, j = [0] * n, n
+    for k in range(parts, 0, -1):
+        i = cut[k][j]
+        out[i:j] = [k - 1] * (j - i)
+        j = i
+    return out
+
+
+def planner_pick(network: Path, fleet_path: Path, batch: int, micro: int) -> tuple[int, int]:
+    """(stages, replicas) of the plan `vgraph launch --replicas auto` would run on the whole fleet."""
+    import vgraph
+    from vgraph.backends.torch.distributed.launch import split_pipeline
+    from vgraph.cost.fleet import load_fleet
+    from vgraph.passes.partition_replicas import plan_replicas
+    from vgraph.transform.pipeline import run_pipeline
+
+    graph = vgraph.load(network)
+    run_pipeline(graph, split_pipeline(None, True, {})[0], target="cpu")
+    plan, _ = plan_replicas(graph, load_fleet(fleet_path), batch=batch, micro_batches=micro)
+    return plan.stages, plan.replicas
+
+
+def run_plan(tb: Testbed, network: Path, fleet: Path, corpus: Path, placement: Path, hosts: int, where: Path,
+             args: argparse.Namespace) -> tuple[float, float]:
+    """(predicted, measured median) step seconds of one launch over hosts 0 .. hosts-1."""
+    shutil.rmtree(where, ignore_errors=True)
+    common = [VGRAPH, "launch", str(network), "--fleet", str(fleet), "--placement", str(placement),
+              "--data", str(corpus), "--steps", str(args.warmup + args.steps), "--batch", str(args.batch),
+              "--micro-batches", str(args.micro_batches), "--threads", "1", "--val-every", "0",
+              "--checkpoint-every", "0", "--no-tensorboard", "--quiet", "--seed", "0"]
+    several = ["--master-addr", tb.ips[0], "--master-port", "29500"] if hosts > 1 else []
+    argvs = [[*common, *several, "--out", str(where / f"node{i}"),
+              *(["--nnodes", str(hosts), "--node-rank", str(i)] if hosts > 1 else [])] for i in range(hosts)]
+    env = dict(os.environ, VGRAPH_LAUNCH_TOKEN=TOKEN, OMP_NUM_THREADS="1")
+    done = tb.run_all(argvs + [None] * (len(tb.hosts) - hosts), env=env, timeout=args.plan_timeout)
+    for i, d in enumerate(done[:hosts]):
+        if d.returncode != 0:
+            raise RuntimeError(f"launch on host {i} failed:\n{d.stdout[-3000:]}")
+    predicted = json.loads((where / "node0" / "placement.json").read_text())["step_seconds"]
+    rows = [json.loads(line) for line in (where / "node0" / "metrics.jsonl").read_text().splitlines() if line]
+    times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])][args.warmup:]
+    return float(predicted), statistics.median(times)
+
+
+def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: Path, args: argparse.Namespace,
+          with_one_host: bool) -> list[Row]:
+    """Every plan of one network at one link rate, and the planner's pick among them."""
+    fleet = work / f"fleet-{name}-{rate.replace('/', '')}.yml"
+    probe_hosts(tb, network, fleet, args.link_seconds, concurrent=args.smoke)
+    shapes = {k: v for k, v in SHAPES.items() if v[0] * v[1] <= len(tb.hosts)
+              and (with_one_host or v != (1, 1))}
+    pick = planner_pick(network, fleet, args.batch, args.micro_batches)
+    if pick not in shapes.values():
+        shapes[f"pick {pick[0]}x{pick[1]}"] = pick
+    rows = []
+    for plan, (S, R) in shapes.items():
+        placement = work / f"placement-{name}-{S}x{R}.json"
+        forced_placement(network, fleet, S, R, args.batch, args.micro_batches, placement)
+        predicted, measured = run_plan(tb, network, fleet, corpus, placement, S * R, work / "run", args)
+        rows.append(Row(name, rate, plan, S, R, predicted, measured, pick=(S, R) == pick))
+        print(f"  {name} {rate} {plan}: predicted {predicted:.4f} s, measured {measured:.4f} s", file=sys.stderr,
+              flush=True)
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    out = ["| network | link | plan | predicted s | measured s | predicted/measured |",
+           "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r.network} | {'-' if r.plan == 'one host' else r.rate} | {r.plan}{' (pick)' if r.pick else ''} "
+                   f"| {r.predicted:.4f} | {r.measured:.4f} | {r.ratio:.2f} |")
+    return "\n".join(out)
+
+
+def verdicts(rows: list[Row]) -> tuple[float, float, list[str]]:
+    """(the ratio farthest from 1, the worst pick's measured step over its group's fastest, lines)."""
+    worst = max((r.ratio for r in rows), key=lambda x: abs(math.log(x)))
+    lines, picks = [], []
+    for net, rate in dict.fromkeys((r.network, r.rate) for r in rows if r.plan != "one host"):
+        mine = [r for r in rows if r.network == net and (r.rate == rate or r.plan == "one host")]
+        fastest = min(mine, key=lambda r: r.measured)
+        chosen = next(r for r in mine if r.pick and r.rate == rate)
+        picks.append(chosen.measured / fastest.measured)
+        lines.append(f"{net} at {rate}: the planner picks {chosen.plan} ({chosen.measured:.4f} s measured), the "
+                     f"fastest measured is {fastest.plan} ({fastest.measured:.4f} s): {picks[-1]:.2f}x")
+    return worst, max(picks), lines
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for (net, rate), marker in zip(dict.fromkeys((r.network, r.rate) for r in rows), "os^vDP*"):
+        mine = [r for r in rows if (r.network, r.rate) == (net, rate)]
+        ax.scatter([r.measured for r in mine], [r.predicted for r in mine], marker=marker, label=f"{net}, {rate}")
+    lo = min(min(r.measured, r.predicted) for r in rows) / 1.5
+    hi = max(max(r.measured, r.predicted) for r in rows) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="predicted = measured")
+    for f in (0.75, 1.25):
+        ax.plot([lo, hi], [lo * f, hi * f], "k:", lw=0.6)
+    ax.set(xscale="log", yscale="log", xlabel="measured step (s)", ylabel="predicted step (s)",
+           title="vgraph's plans on the netlab testbed (dotted: +-25%)")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        axis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="the tiny network, 2 hosts, one rate, 3 plans, few steps")
+    ap.add_argument("--networks", default="tb-small,tb-medium")
+    ap.add_argument("--rates", default="1Gbit/s,20Mbit/s")
+    ap.add_argument("--cpu", type=float, default=0.5, help="cores per host (4 hosts: at most a quarter each)")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps per plan")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--link-seconds", type=float, default=3.0, help="length of each probe's link measurement")
+    ap.add_argument("--plan-timeout", type=float, default=900.0)
+    ap.add_argument("--plot", default="testbed_plans.png")
+    args = ap.parse_args(argv)
+    hosts = 4
+    networks, rates = args.networks.split(","), args.rates.split(",")
+    if args.smoke:
+        hosts, networks, rates = 2, ["tiny"], ["1Gbit/s"]
+        args.steps, args.warmup, args.link_seconds = 3, 1, 0.5
+    try:
+        check_available()
+    except NetlabError as exc:
+        print(f"bench_testbed: {exc}", file=sys.stderr)
+        return 2
+    print(f"load before: {os.getloadavg()[0]:.2f}; {hosts} hosts of {args.cpu:g} core(s); batch {args.batch}, "
+          f"{args.micro_batches} micro-batches; {args.steps} measured steps after {args.warmup}", flush=True)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="bench-testbed-") as tmp:
+        work = Path(tmp)
+        from vgraph.backends.torch.data import default_corpus_documents
+
+        corpus = work / "corpus.txt"
+        corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=200_000)), encoding="utf-8")
+        for name in networks:
+            network = network_file(name, work)
+            for k, rate in enumerate(rates):
+                with Testbed(hosts, rate=rate, cpu=args.cpu) as tb:
+                    rows += group(tb, name, network, rate, work, corpus, args, with_one_host=k == 0)
+    print(table(rows))
+    worst, pick, lines = verdicts(rows)
+    print("\n".join(lines))
+    plot(rows, Path(args.plot))
+    print(f"plot: {args.plot}; load after: {os.getloadavg()[0]:.2f}")
+    print(f"worst predicted/measured: {worst:.2f}; pick vs fastest: {pick:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
