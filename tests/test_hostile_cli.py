@@ -74,6 +74,7 @@ STRING_VALUES = {
     "grad-compress": ["topk", "powersgd:rank=0", "powersgd:rank=nan", "powersgd:rank=1e9", "powersgd:rank=2.5",
                       "powersgd:start=1", "powersgd:rank=4,rank=4", "powersgd:bits=2", "powersgd:min_rate=inf",
                       "none:rank=4", "powersgd:rank=\x1b[2J", ""],
+    "op-type": ["no-such-op", "x\x1b[2J", "two words", "", "../gelu", "a" * 201],
 }
 
 
@@ -130,6 +131,8 @@ def _kind(command: str, action: argparse.Action) -> str | None:
     name = getattr(action.type, "__name__", "")
     if name == "compile_target":
         return "target"
+    if name == "op_type":
+        return "op-type"
     if action.type is not None and name not in ("path", "network_file", "fleet_file"):
         return name if name in NUMBERS else None  # a bare int/float is an unchecked number: unclassified
     return STRING_KINDS.get((command, action.dest)) or STRING_KINDS.get((None, action.dest))

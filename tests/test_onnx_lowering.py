@@ -238,17 +238,39 @@ FUSE = "fuse-heads,fuse-lm-head-ce"
     (NET6, None), (NET6, FUSE),
     pytest.param(NET8, None, marks=pytest.mark.slow), pytest.param(NET8, FUSE, marks=pytest.mark.slow),
 ], ids=["net6", "net6-fused", "net8", "net8-fused"])
-def test_check_onnx_passes_on_production_networks(path, passes, capsys) -> None:
+def test_check_onnx_passes_on_production_networks(path, passes) -> None:
+    """check-onnx's comparisons (one input scale here; the CLI runs three) on the production networks; on the
+    fused 6-layer network also the inference export at three sequence lengths and its KV-cache decoder (the
+    fused attention's cache; the per-head one is checked on the tiny fixtures, and both by the 6-layer
+    generate check in TESTING.md)."""
+    from vgraph.backends.onnx.check import check_network
+    from vgraph.backends.onnx.inference_check import check_network_and_export
+    from vgraph.transform.pipeline import run_pipeline
+
+    graph = vgraph.load(path)
+    if passes:
+        run_pipeline(graph, passes)
+    inference = path == NET6 and passes is not None
+    report = (check_network_and_export if inference else check_network)(graph, batch=1, scales=(1.0,))
+    assert report.ok, report.format()
+    head, loss = ("lm_head_ce:1", "lm_head_ce:0") if passes else ("lm_head:0", "loss:0")
+    cases = [(o.case, o.name, o.value) for o in report.outputs]
+    seq = 128
+    assert cases == [("training graph, x1", "logits", head), ("training graph, x1", "ce_loss", loss)] + (
+        [*((f"inference, sequence {n}", "logits", head) for n in (1, seq // 2 + 1, seq)),
+         (f"KV cache, {seq // 2}+1x{seq // 2}", "logits", head)] if inference else [])
+
+
+def test_check_onnx_cli_prints_every_case_and_passes(capsys) -> None:
     from vgraph.backends.onnx.cli import main
 
-    assert main(["check-onnx", str(path), "--batch", "1"] + (["--passes", passes] if passes else [])) == 0
-    out = capsys.readouterr().out
-    print(out)
-    rows = [line.split() for line in out.splitlines() if line.startswith(("logits", "ce_loss"))]
-    assert [r[0] for r in rows] == ["logits", "ce_loss"] and all(r[-1] == "ok" for r in rows)
-    head = "lm_head_ce" if passes else "lm_head"
-    assert rows[0][1] == (f"{head}:1" if passes else "lm_head:0")
-    assert out.rstrip().endswith("PASS")
+    assert main(["check-onnx", str(TINY_FP32), "--batch", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = [f"training graph, x{s} " for s in ("0.1", "0.1", "1", "1", "10", "10")] + [
+        f"inference, sequence {n} " for n in (1, 5, 8)] + ["KV cache, 4+1x4 "]
+    rows = lines[3:-1]
+    assert len(rows) == len(expected) and all(r.startswith(e) for r, e in zip(rows, expected)), lines
+    assert all(r.endswith(" ok") for r in rows) and lines[-1] == "PASS"
 
 
 def test_check_onnx_on_hand_fused_graph_agrees() -> None:
@@ -287,8 +309,9 @@ def test_export_onnx_from_checkpoint_reproduces_the_torch_module(tmp_path, capsy
     save_checkpoint(tmp_path / "run" / "step-1", model_state=module.state_dict(), optimizer_states={},
                     rng_state={}, step=1)
     out = tmp_path / "tiny.onnx"
-    assert main(["export-onnx", str(TINY_FP32), "--checkpoint", str(tmp_path / "run"), "-o", str(out)]) == 0
-    assert "embedder:in0[batch, 8]" in capsys.readouterr().out
+    assert main(["export-onnx", str(TINY_FP32), "--checkpoint", str(tmp_path / "run"), "-o", str(out),
+                 "--with-loss"]) == 0
+    assert "embedder:in0[batch, sequence], loss:in1[batch, sequence]" in capsys.readouterr().out
     model = onnx.load(str(out))
     onnx.checker.check_model(model, full_check=True)
     feeds = random_feeds(graph, 2, seed=7)
@@ -298,10 +321,18 @@ def test_export_onnx_from_checkpoint_reproduces_the_torch_module(tmp_path, capsy
     np.testing.assert_allclose(got["lm_head:0"], want["logits"].numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(got["loss:0"], want["ce_loss"].numpy(), rtol=1e-4, atol=1e-5)
 
+    # The default export: logits only, no targets input.
+    assert main(["export-onnx", str(TINY_FP32), "--checkpoint", str(tmp_path / "run"), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "inputs:  embedder:in0[batch, sequence]\n" in printed and "outputs: lm_head:0[batch, sequence, 64]" in printed
+    got, _ = onnx_outputs(onnx.load(str(out)), feeds)
+    assert set(got) == {"lm_head:0"}
+    np.testing.assert_allclose(got["lm_head:0"], want["logits"].numpy(), rtol=1e-4, atol=1e-5)
+
     # The same (unfused-layout) checkpoint exported through the fusion passes: same function.
     fused_out = tmp_path / "tiny_fused.onnx"
     assert main(["export-onnx", str(TINY_FP32), "--checkpoint", str(tmp_path / "run" / "step-1"),
-                 "--passes", FUSE, "-o", str(fused_out)]) == 0
+                 "--passes", FUSE, "-o", str(fused_out), "--with-loss"]) == 0
     fused, _ = onnx_outputs(onnx.load(str(fused_out)), fused_feeds(feeds))
     assert not any(n.name.startswith("block0_head") for n in onnx.load(str(fused_out)).graph.node)
     np.testing.assert_allclose(fused["lm_head_ce:1"], want["logits"].numpy(), rtol=1e-4, atol=1e-5)

@@ -1,13 +1,14 @@
 """Per-op parity of the ONNX lowering: onnxruntime vs the torch backend, for every catalog op.
 
-Each op with an inference meaning is lowered alone (its float inputs are
-network inputs with declared shapes) and run in onnxruntime.  It is compared
-with the torch backend through ``check_network`` (what ``vgraph check-onnx``
-does) and with a small node-by-node interpreter over
+Each op with an inference meaning is lowered alone, on each of the examples
+its OpDef declares (``vgraph.ir.builder.example_graph``: float inputs are network
+inputs with declared shapes), and run in onnxruntime.  It is compared with
+the torch backend through ``check_network`` (what ``vgraph check-onnx`` does)
+and with a small node-by-node interpreter over
 ``vgraph.backends.torch.kernels``, the functions that define the ops'
 semantics.  Weights are random O(1) values (not the torch init, whose zero
 biases and unit norm scales would leave parts of each op untested).  All
-float32; tolerance rtol 1e-4, atol 1e-5.
+float32; tolerance rtol 1e-4, atol 1e-5 element-wise against the kernels.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from vgraph.backends.onnx import lower_network, value_name
 from vgraph.backends.onnx.check import check_network, onnx_outputs, random_feeds, random_weights
 from vgraph.backends.torch import kernels as K
 from vgraph.backends.torch.compression import Codec
-from vgraph.ir.builder import NetBuilder
+from vgraph.ir.builder import NetBuilder, example_graph
 
 RTOL, ATOL = 1e-4, 1e-5
 S, D, HD, V = 8, 16, 8, 24
@@ -86,6 +87,8 @@ def _ref_node(graph: Graph, n, xs: list[torch.Tensor], w: Mapping[str, torch.Ten
     }
     if t == "broadcast":
         return [xs[0]] * cfg["num_outputs"]
+    if t in ("weight_replica", "send", "receive"):  # a publisher owns its weight; boundaries pass tensors on
+        return list(xs)
     return [simple[t](xs)]
 
 
@@ -108,9 +111,10 @@ def reference_run(graph: Graph, weights: Mapping[str, np.ndarray],
 def assert_parity(graph: Graph, batch: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
     """onnxruntime == the torch backend (check-onnx's comparison) == the kernels reference."""
     weights = random_weights(graph, seed)
-    report = check_network(graph, weights=weights, batch=batch, seed=seed)
+    report = check_network(graph, weights=weights, batch=batch, seed=seed, scales=(1.0, 10.0))
     assert report.ok, report.format()
-    assert len(report.outputs) == len(graph.outputs) + len(graph.costs)
+    float_inputs = any(v.dtype == np.float32 for v in random_feeds(graph, 1).values())
+    assert len(report.outputs) == (2 if float_inputs else 1) * (len(graph.outputs) + len(graph.costs))
     feeds = random_feeds(graph, batch, seed)
     got, provider = onnx_outputs(lower_network(graph, weights), feeds)
     want = reference_run(graph, weights, feeds)
@@ -122,7 +126,7 @@ def assert_parity(graph: Graph, batch: int = 2, seed: int = 0) -> dict[str, np.n
 
 
 # ---------------------------------------------------------------------------
-# One-op networks
+# One-op networks: the examples every catalog op declares (what `check-onnx --ops` runs)
 # ---------------------------------------------------------------------------
 
 
@@ -137,44 +141,8 @@ def _single(type_name: str, shapes: list[tuple[int, ...]], cost: bool = False, *
     return b.build()
 
 
-ATTN = dict(seq_len=S, position_encoding="rope", rope_theta=10000.0)
-
-SINGLE_OP_CASES = {
-    "linear": lambda: _single("linear", [(S, D)], in_dim=D, out_dim=12),
-    "layernorm": lambda: _single("layernorm", [(S, D)], dim=D, eps=1e-5),
-    "attention_head-rope-causal": lambda: _single("attention_head", [(S, D)], head_dim=HD, input_dim=D,
-                                                  causal=True, **ATTN),
-    "attention_head-plain": lambda: _single("attention_head", [(S, D)], head_dim=HD, input_dim=D,
-                                            seq_len=S, causal=False, position_encoding="none"),
-    "attention-rope-causal": lambda: _single("attention", [(S, D)], num_heads=2, head_dim=HD, dim=D,
-                                             causal=True, **ATTN),
-    "attention-projection": lambda: _single("attention", [(S, 12)], num_heads=3, head_dim=6, dim=12,
-                                            causal=True, output_projection=True, **ATTN),
-    "attention-narrow": lambda: _single("attention", [(S, D)], num_heads=2, head_dim=4, dim=D, causal=True,
-                                        **ATTN),
-    "attention-plain": lambda: _single("attention", [(S, D)], num_heads=2, head_dim=HD, dim=D, seq_len=S,
-                                       causal=False, position_encoding="none"),
-    "relu": lambda: _single("relu", [(S, D)]),
-    "gelu": lambda: _single("gelu", [(S, D)]),
-    "silu": lambda: _single("silu", [(S, D)]),
-    "swiglu": lambda: _single("swiglu", [(S, D)]),
-    "dropout": lambda: _single("dropout", [(S, D)], rate=0.5),
-    "broadcast": lambda: _single("broadcast", [(S, D)], num_outputs=3),
-    "stack-last": lambda: _single("stack", [(S, 4), (S, 6), (S, 2)], axis=-1),
-    "stack-first": lambda: _single("stack", [(3, D), (S, D)], axis=0),
-    "add": lambda: _single("add", [(S, D), (S, D)]),
-    "reshape": lambda: _single("reshape", [(S, D)], target_shape=[2, -1, 4]),
-    "mask-causal": lambda: _single("mask", [(3, S, S)], causal=True, mask_val=-1e4),
-    "mask-off": lambda: _single("mask", [(S, S)], causal=False, random_prob=0.5),
-    "cost-mse": lambda: _single("cost", [(S, D), (S, D)], cost=True, cost_function="mse"),
-    "cost-ce_logits": lambda: _single("cost", [(S, V)], cost=True, cost_function="ce_logits", vocab_size=V),
-    "compress-int8-token": lambda: _single("compress", [(S, D)], activations="int8", scale="token"),
-    "compress-int8-channel": lambda: _single("compress", [(3, S, D)], activations="int8", scale="channel"),
-    "compress-int8-vector": lambda: _single("compress", [(D,)], activations="int8"),
-    "compress-fp16": lambda: _single("compress", [(S, D)], activations="fp16"),
-    "compress-bf16": lambda: _single("compress", [(S, D)], activations="bf16"),
-    "compress-none": lambda: _single("compress", [(S, D)], activations="none", gradients="int8"),
-}
+SINGLE_OP_CASES = {f"{op.name}-{ex.label or i}": (op.name, ex) for op in REGISTRY if op.origin == "vgraph"
+                   for i, ex in enumerate(op.examples)}
 
 
 @pytest.mark.parametrize("scale", ["token", "channel"])
@@ -192,7 +160,16 @@ def test_compress_int8_is_bit_for_bit_torchs_with_zero_and_non_finite_groups(sca
 
 @pytest.mark.parametrize("case", sorted(SINGLE_OP_CASES))
 def test_single_op_parity(case: str) -> None:
-    assert_parity(SINGLE_OP_CASES[case]())
+    op, ex = SINGLE_OP_CASES[case]
+    assert_parity(example_graph(op, dict(ex.config), ex.inputs))
+
+
+def test_variadic_examples_really_join_every_input() -> None:
+    """A stack's inputs past the first are fed by identity VNodes (an unconnected slot past the minimum
+    would not exist): the example joins all three."""
+    ex = next(e for e in REGISTRY.get("stack").examples if e.label == "features")
+    g = example_graph("stack", dict(ex.config), ex.inputs)
+    assert g.node("op").outputs[0].shape == (S, 12) and g.num_inputs("op") == 3
 
 
 def test_cost_ce_from_probabilities() -> None:
@@ -267,17 +244,15 @@ def test_text_io_ops_are_refused_with_the_node_named() -> None:
         lower_network(b.build(), None)
 
 
-def test_every_catalog_op_has_a_lowering_and_a_parity_case() -> None:
+def test_every_catalog_op_has_a_lowering_and_examples() -> None:
     from vgraph.backends.onnx import LOWERINGS
 
-    covered = {case.split("-")[0] for case in SINGLE_OP_CASES} | {
-        "cost", "embedder", "tied_lm_head_ce", "send", "receive", "weight_replica"}  # boundary: below
-    text_io = {"tokenizer", "detokenizer"}
+    text_io, no_computation = {"tokenizer", "detokenizer"}, {"weight_replica"}
     for op in REGISTRY:
         if op.origin != "vgraph":
             continue
         assert op.name in LOWERINGS, op.name
-        assert op.name in covered | text_io, f"no parity case for {op.name}"
+        assert op.examples or op.name in text_io | no_computation, f"no examples for {op.name}"
 
 
 # ---------------------------------------------------------------------------
@@ -309,3 +284,61 @@ def test_boundary_ops_of_a_part_pass_tensors_through() -> None:
     got, _ = onnx_outputs(model, {"rx:in0": x})
     (out,) = got.values()
     np.testing.assert_array_equal(out, np.maximum(x, 0))
+
+
+# ---------------------------------------------------------------------------
+# vgraph check-onnx --ops
+# ---------------------------------------------------------------------------
+
+
+def _ops(argv, capsys) -> tuple[int, str, str]:
+    from vgraph.backends.onnx.cli import main
+
+    code = main(["check-onnx", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_check_onnx_ops_passes_the_catalog_and_fails_a_tanh_gelu(capsys, monkeypatch) -> None:
+    code, out, _ = _ops(["--ops", "gelu", "linear", "attention"], capsys)
+    assert code == 0 and out.rstrip().endswith("PASS")
+    assert "gelu #1 x0.01" in out and "gelu #1 x100" in out and "linear tied x3" in out
+    assert "attention projection x0.3" in out
+    from vgraph.backends.onnx import LOWERINGS
+
+    monkeypatch.setitem(LOWERINGS, "gelu", lambda n: [n.op("Gelu", [n.inputs[0]], out=n.out(0), approximate="tanh")])
+    code, out, _ = _ops(["--ops", "gelu"], capsys)
+    failed = [line.split()[2] for line in out.splitlines() if line.endswith(" FAIL")]
+    assert code == 1 and {"x1", "x3"} <= set(failed) and "x0.01" not in failed
+
+
+def test_check_onnx_ops_adds_the_configs_a_network_uses(capsys) -> None:
+    from tests.conftest import TINY
+
+    code, out, _ = _ops([str(TINY), "--ops", "stack", "swiglu"], capsys)
+    assert code == 0
+    assert "stack as 'block0_stack' x1 " in out and "stack as 'block1_stack'" not in out  # same config: once
+    assert "swiglu as 'head_swiglu' x1 " in out and "swiglu #1 x1 " in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--ops", "no_such_op"], "unknown op type 'no_such_op'"),
+    (["--ops", "gelu", "--checkpoint", "run"], "--checkpoint does not apply"),
+    (["--ops", "gelu", "--passes", "fuse-heads"], "--passes does not apply"),
+    ([], "needs a network FILE"),
+])
+def test_check_onnx_ops_refuses_what_does_not_apply(argv, message, capsys) -> None:
+    code, _, err = _ops(argv, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_an_op_without_examples_needs_a_network(capsys) -> None:
+    from vgraph import OpDef, register_op
+    from vgraph.backends.onnx import register_lowering as onnx_lowering
+    from vgraph.backends.torch import register_lowering as torch_lowering
+
+    register_op(OpDef("twice_noex", "activation", "2 x", origin="test"), replace=True)
+    torch_lowering("twice_noex", replace=True)(lambda ctx: [ctx.call(torch.mul, ctx.inputs[0], 2.0)])
+    onnx_lowering("twice_noex", lambda n: [n.op("Add", [n.inputs[0], n.inputs[0]], out=n.out(0))], replace=True)
+    code, _, err = _ops(["--ops", "twice_noex"], capsys)
+    assert code == 2 and "declares no examples" in err and "no network was given" in err

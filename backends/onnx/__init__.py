@@ -5,17 +5,21 @@
   ``{"<vnode>.<param>": numpy array}`` mapping, so lowering needs no torch.
 * ``subgraph``: any set of VNodes as its own model, boundary tensors named
   ``"<producer>:<slot>"``; splitting a partition into runnable pieces.
+* ``inference``: the served model (logits, dynamic batch and sequence, a KV
+  cache) and ``Decoder``, which samples through it.
 * ``check``: the torch backend vs onnxruntime on the same inputs.
 * ``cli``: ``vgraph export-onnx`` and ``vgraph check-onnx``.
 """
 from __future__ import annotations
 
-from .lower import (BATCH_DIM, LOWERINGS, OPSET, NodeLowering, build_model, expected_param_shapes,
-                    input_name, lower_network, onnx_dims, param_key, register_lowering, value_name)
+from .lower import (BATCH_DIM, LOWERINGS, OPSET, PAST, SEQUENCE_DIM, NodeLowering, build_model, context_length,
+                    expected_param_shapes, input_name, lower_network, onnx_dims, param_key, register_lowering,
+                    value_name)
+from .inference import Decoder, inference_outputs, lower_inference
 from .subgraph import (Boundary, Piece, boundary, export_pieces, export_subgraph, run_in_sequence,
                        split_topological, stages)
 
-__all__ = ["BATCH_DIM", "LOWERINGS", "OPSET", "NodeLowering", "build_model", "expected_param_shapes",
-           "input_name", "lower_network", "onnx_dims", "param_key", "register_lowering", "value_name",
+__all__ = ["BATCH_DIM", "LOWERINGS", "OPSET", "PAST", "SEQUENCE_DIM", "NodeLowering", "context_length",
+           "build_model", "expected_param_shapes", "input_name", "lower_network", "onnx_dims", "param_key", "register_lowering", "value_name",
            "Boundary", "Piece", "boundary", "export_pieces", "export_subgraph", "run_in_sequence",
-           "split_topological", "stages"]
+           "split_topological", "stages", "Decoder", "inference_outputs", "lower_inference"]

@@ -1,12 +1,20 @@
 """``vgraph export-onnx`` and ``vgraph check-onnx`` (registered through ``vgraph.commands``).
 
-    vgraph export-onnx FILE [--checkpoint CKPT] [--passes SPEC] -o OUT.onnx
+    vgraph export-onnx FILE [--checkpoint CKPT] [--passes SPEC] [--with-loss | --kv-cache] -o OUT.onnx
     vgraph check-onnx FILE [--checkpoint CKPT] [--batch B] [--passes SPEC]
+    vgraph check-onnx [FILE] --ops [TYPE ...]
 
-Without ``--checkpoint`` the weights are the torch backend's seeded
-initialisation (``--seed``), so an export and a training run of the same seed
-start from the same model.  ``check-onnx`` exits 0 when every output agrees,
-1 when one does not, 2 for a user error (bad file, mismatched checkpoint).
+``export-onnx`` writes the inference model (``inference.py``): logits, batch
+and sequence dynamic; ``--with-loss`` adds the costs and their targets,
+``--kv-cache`` makes it a decoder with past keys and values.  Without
+``--checkpoint`` the weights are the torch backend's seeded initialisation
+(``--seed``), so an export and a training run of the same seed start from the
+same model.  ``check-onnx`` compares the torch backend and onnxruntime
+(``check.py``: realistic weights at several input scales, or the
+checkpoint's; the inference export and its KV cache, ``inference_check.py``);
+with ``--ops`` each op type alone (``op_check.py``).  It exits 0 when every
+output agrees, 1 when one does not, 2 for a user error (bad file, mismatched
+checkpoint).
 """
 from __future__ import annotations
 
@@ -24,26 +32,34 @@ from vgraph.base.safeio import atomic_write, check_output
 EXTERNAL_DATA_BYTES = 1_800_000_000
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, *, file_optional: bool = False) -> None:
     from vgraph.base import options
     from vgraph.cli.main import add_plugin_option
 
-    p.add_argument("file", metavar="FILE", type=options.network_file, help="network YAML or a shipped network's name")
+    p.add_argument("file", metavar="FILE", type=options.network_file, nargs="?" if file_optional else None,
+                   help="network YAML or a shipped network's name" + (
+                       " (with --ops: optional, adds the configs its VNodes have)" if file_optional else ""))
     p.add_argument("--checkpoint", metavar="CKPT", type=options.path,
                    help="vgraph checkpoint directory, run directory or model .safetensors file")
     p.add_argument("--passes", metavar="SPEC",
                    help="run these passes first, e.g. fuse-heads,fuse-lm-head-ce (default: none)")
-    p.add_argument("--seed", type=options.seed, default=0, help="initialisation seed without --checkpoint (default 0)")
+    p.add_argument("--seed", type=options.seed, default=0, help="seed of the weights without --checkpoint and of "
+                                                                "the random inputs (default 0)")
     add_plugin_option(p)
 
 
 def register_export(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("export-onnx", help="write the network as an ONNX model (float32, dynamic batch)",
+    p = subparsers.add_parser("export-onnx", help="write the network's inference model as ONNX (float32 logits; "
+                                                  "batch and sequence dynamic)",
                               description=__doc__.split("\n\n")[0])
     _common(p)
     p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", type=options.path)
     p.add_argument("--no-weights", action="store_true",
                    help="make the parameters named graph inputs instead of storing them")
+    p.add_argument("--with-loss", action="store_true",
+                   help="also return the costs (the model then takes their targets)")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="a decoder: takes and returns every attention VNode's past keys and values")
     p.set_defaults(func=_export)
 
 
@@ -51,11 +67,18 @@ def register_check(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("check-onnx",
                               help="run the torch backend and onnxruntime on the same random inputs; "
                                    "compare every output")
-    _common(p)
+    _common(p, file_optional=True)
     from vgraph.base import options
-    p.add_argument("--batch", type=options.positive_int, default=1, help="batch size of the random inputs (default 1)")
-    p.add_argument("--rtol", type=options.non_negative_float, default=None, help="relative tolerance (default 1e-4)")
-    p.add_argument("--atol", type=options.non_negative_float, default=None, help="absolute tolerance (default 1e-5)")
+
+    p.add_argument("--batch", type=options.positive_int, default=None,
+                   help="batch size of the random inputs (default 1; 2 with --ops)")
+    p.add_argument("--rtol", type=options.non_negative_float, default=None,
+                   help="relative tolerance (default: float32's, 2^-15; see docs)")
+    p.add_argument("--atol", type=options.non_negative_float, default=None,
+                   help="absolute tolerance (default: float32's, 2^-20)")
+    p.add_argument("--ops", nargs="*", metavar="TYPE", type=options.op_type,
+                   help="check op types alone (default: every type both backends lower, or that FILE uses) on "
+                        "their examples and FILE's configs, at input scales 0.01 to 100")
     p.set_defaults(func=_check)
 
 
@@ -82,12 +105,15 @@ def _export(args: argparse.Namespace) -> int:
     import onnx
 
     from .check import fp32_graph
-    from .lower import expected_param_shapes, lower_network
+    from .inference import lower_inference
+    from .lower import SEQUENCE_DIM, context_length, expected_param_shapes
 
+    if args.with_loss and args.kv_cache:
+        raise VGraphError("--with-loss and --kv-cache exclude each other: a decoder returns logits only")
     out = check_output(args.output, inputs=(args.file, args.checkpoint, *args.plugin))
     graph = fp32_graph(_graph(args))
     weights = None if args.no_weights else _weights(args, graph)
-    model = lower_network(graph, weights)
+    model = lower_inference(graph, weights, with_loss=args.with_loss, kv_cache=args.kv_cache)
     model = onnx.shape_inference.infer_shapes(model)  # value shapes for viewers such as Netron
     external = model.ByteSize() > EXTERNAL_DATA_BYTES
     if external:
@@ -100,9 +126,13 @@ def _export(args: argparse.Namespace) -> int:
     data = f", tensors in {out.name}.data" if external else ""
     print(f"wrote {out}: {len(model.graph.node)} ONNX nodes from {len(graph)} VNodes, {params:,} parameters"
           f"{' (as graph inputs)' if weights is None else ''}{data}; opset {model.opset_import[0].version}, "
-          "float32")
-    print("inputs:  " + ", ".join(_describe(v) for v in model.graph.input if v.name not in keys))
-    print("outputs: " + ", ".join(_describe(v) for v in model.graph.output))
+          f"float32; {SEQUENCE_DIM} 1 to {context_length(graph)}")
+    inputs = [v for v in model.graph.input if v.name not in keys]
+    print("inputs:  " + ", ".join(_describe(v) for v in inputs if not v.name.startswith("past_"))
+          + (f" + past keys and values of {sum(v.name.startswith('past_key:') for v in inputs)} attention VNodes"
+             if args.kv_cache else ""))
+    print("outputs: " + ", ".join(_describe(v) for v in model.graph.output if not v.name.startswith("present_"))
+          + (" + their present keys and values" if args.kv_cache else ""))
     return 0
 
 
@@ -140,13 +170,42 @@ def _describe(vi) -> str:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from .check import ATOL, RTOL, check_network
+    from .inference_check import check_network_and_export
 
+    if args.ops is not None:
+        return _check_ops(args)
+    if args.file is None:
+        raise VGraphError("check-onnx needs a network FILE (or --ops to check op types alone)")
     graph = _graph(args)
-    weights = _weights(args, graph) if args.checkpoint else None
-    report = check_network(graph, weights=weights, batch=args.batch, seed=args.seed,
-                           rtol=RTOL if args.rtol is None else args.rtol,
-                           atol=ATOL if args.atol is None else args.atol)
+    weights = weights_from_checkpoint_of(args, graph)
+    report = check_network_and_export(graph, weights=weights, batch=args.batch or 1, seed=args.seed,
+                                      rtol=args.rtol, atol=args.atol)
+    print(report.format())
+    return 0 if report.ok else 1
+
+
+def weights_from_checkpoint_of(args: argparse.Namespace, graph):
+    from .check import weights_from_checkpoint
+
+    return weights_from_checkpoint(args.checkpoint, graph, given=args.file) if args.checkpoint else None
+
+
+def _check_ops(args: argparse.Namespace) -> int:
+    from .op_check import check_ops, op_cases
+
+    if args.checkpoint or args.passes:
+        raise VGraphError(f"--ops checks op types on seeded weights: {'--checkpoint' if args.checkpoint else '--passes'}"
+                          " does not apply (check a network with it instead)")
+    network = None
+    if args.file is not None:
+        import vgraph
+
+        network = vgraph.load(args.file)
+    cases, notes = op_cases(args.ops, network)
+    if not cases:
+        raise VGraphError("--ops: nothing to check" + (f" ({'; '.join(notes)})" if notes else ""))
+    report = check_ops(cases, batch=args.batch or 2, seed=args.seed, rtol=args.rtol, atol=args.atol)
+    report.notes += notes
     print(report.format())
     return 0 if report.ok else 1
 

@@ -21,7 +21,19 @@ Conventions of the produced model (a user finds every VNode in Netron):
   shape-inferred in milliseconds.
 * Every graph input/output has ``"batch"`` as its (symbolic) first dimension
   and vgraph's per-sample shape after it; a cost's loss, a mean over the whole
-  batch, is a scalar.
+  batch, is a scalar.  With ``sequence=`` (the inference export,
+  ``inference.py``) the per-sample axis 0 of every input and output, the
+  sequence, is symbolic too, from 1 up to the network's context length:
+  position tables (RoPE, learned positions) and causal masks are built for the
+  context length and sliced to the positions a call covers.
+* With ``kv_cache=True`` every attention VNode whose lowering declares a
+  cache takes its past keys and values as graph inputs ``"past_key:<vnode>"``
+  and ``"past_value:<vnode>"`` and returns them extended by this call's
+  positions as ``"present_key:<vnode>"`` and ``"present_value:<vnode>"``; the
+  new positions start at the past length (RoPE angles and the causal mask
+  are offset by it).  Every other VNode must be declared ``positionwise``
+  (its output at a position reads only that position), else the export is
+  refused naming it: running it on the new positions alone would be wrong.
 * Computation is in float32 whatever precision the YAML declares (costs are
   float32 anyway): the export is for checking and running inference, and
   float32 is the precision every runtime supports on every device.
@@ -48,7 +60,14 @@ from vgraph.plugins import require_lowering
 __all__ = [
     "OPSET",
     "BATCH_DIM",
+    "SEQUENCE_DIM",
+    "PAST_DIM",
+    "TOTAL_DIM",
+    "PAST",
     "LOWERINGS",
+    "TRAITS",
+    "LoweringTraits",
+    "CacheSlot",
     "NodeLowering",
     "register_lowering",
     "lower_network",
@@ -57,6 +76,7 @@ __all__ = [
     "input_name",
     "param_key",
     "network_input_type",
+    "context_length",
     "onnx_dims",
     "expected_param_shapes",
 ]
@@ -66,6 +86,12 @@ __all__ = [
 OPSET = 20
 #: Name of the symbolic batch dimension of every graph input and output.
 BATCH_DIM = "batch"
+#: Symbolic dimensions of the inference export: this call's positions, the cached ones, and both.
+SEQUENCE_DIM = "sequence"
+PAST_DIM = "past_sequence"
+TOTAL_DIM = "total_sequence"
+#: Marks the growing axis in a lowering's declared cache shape (see ``LoweringTraits.kv_cache``).
+PAST = "past"
 
 _ELEM_TYPE = {"float32": TensorProto.FLOAT, "int64": TensorProto.INT64, "string": TensorProto.STRING}
 
@@ -163,6 +189,16 @@ class NodeLowering:
         return (self.node.id, slot) in self._b.needed
 
     @property
+    def dynamic_sequence(self) -> bool:
+        """Whether the sequence axis is symbolic (the inference export): no rule may bake in its length."""
+        return self._b.sequence is not None
+
+    @property
+    def cache(self) -> CacheSlot | None:
+        """This node's past/present key and value names when exporting a KV-cache decoder, else None."""
+        return self._b.caches.get(self.node.id)
+
+    @property
     def float_type(self) -> int:
         """ONNX element type of activations (float32)."""
         return TensorProto.FLOAT
@@ -229,12 +265,44 @@ class NodeLowering:
         y = self.op("MatMul", [x, wt], f"{tag}_matmul")
         return self.op("Add", [y, bias], f"{tag}_bias", out=out)
 
-    def rope(self, x: str, seq_len: int, head_dim: int, theta: float, tag: str) -> str:
-        """Rotate-half RoPE (GPT-NeoX / Llama) of ``x[..., S, hd]`` with float64-built tables."""
+    def length(self, x: str, axis: int, tag: str = "length") -> str:
+        """The runtime length of ``x``'s ``axis`` as an int64 ``[1]`` value (one ``Shape`` per value and axis:
+        the heads of a layer read one input, so they share it)."""
+        end = {"end": axis + 1} if axis != -1 else {}
+        return self._b.memo(("length", x, axis), lambda: self.op("Shape", [x], f"{tag}_length", start=axis, **end))
+
+    def past_length(self) -> str:
+        """Positions already in the KV cache, an int64 ``[1]`` value: 0 without a cache.
+
+        Every cache of one call has the same past length, so it is read once,
+        from the first cached node's past keys.
+        """
+        return self._b.past_length()
+
+    def window(self, table: str, length: str, tag: str, *, axis: int = 0) -> str:
+        """Rows ``[past, past + length)`` of a per-position constant (RoPE tables, causal mask, learned
+        positions): the positions this call covers.  Shared by every reader of the same table and length."""
+        def make() -> str:
+            start = self.past_length()
+            stop = self._b.memo(("stop", length), lambda: self.op("Add", [start, length], f"{tag}_stop"))
+            return self.op("Slice", [table, start, stop, self.const(f"axes_{axis}", np.asarray([axis]))],
+                           f"{tag}_window")
+
+        return self._b.memo(("window", table, length, axis), make)
+
+    def rope(self, x: str, seq_len: int, head_dim: int, theta: float, tag: str, *,
+             positions: str | None = None) -> str:
+        """Rotate-half RoPE (GPT-NeoX / Llama) of ``x[..., S, hd]`` with float64-built tables.
+
+        The tables cover ``seq_len`` positions (the context length); a call
+        takes the rows of its own positions, from the past length on: as many
+        as ``positions`` (default ``x``) has along axis -2.
+        """
         cos, sin = _rope_tables(seq_len, head_dim, theta)
         key = f"rope_s{seq_len}_d{head_dim}_theta{theta:g}"
-        cos_name = self.const(f"{key}_cos", cos)
-        sin_name = self.const(f"{key}_sin", sin)
+        length = self.length(positions or x, -2)
+        cos_name = self.window(self.const(f"{key}_cos", cos), length, "rope_cos")
+        sin_name = self.window(self.const(f"{key}_sin", sin), length, "rope_sin")
         x1, x2 = self.op("Split", [x], f"{tag}_halves", outputs=2, axis=-1, num_outputs=2)
         neg = self.op("Neg", [x2], f"{tag}_neg")
         rotated = self.op("Concat", [neg, x1], f"{tag}_rotate_half", axis=-1)
@@ -242,15 +310,39 @@ class NodeLowering:
         b = self.op("Mul", [rotated, sin_name], f"{tag}_sin")
         return self.op("Add", [a, b], f"{tag}_rope")
 
+    def cached(self, k: str, v: str) -> tuple[str, str]:
+        """``k``, ``v`` (``[..., S, hd]``) after the past ones, returned as this node's present cache.
+
+        Without a cache: ``k``, ``v`` unchanged.  Keys are cached after RoPE, so
+        a past key is never rotated again.
+        """
+        slot = self.cache
+        if slot is None:
+            return k, v
+        k = self.op("Concat", [slot.past_key, k], "present_key", out=slot.present_key, axis=-2)
+        v = self.op("Concat", [slot.past_value, v], "present_value", out=slot.present_value, axis=-2)
+        return k, v
+
     def attend(self, q: str, k: str, v: str, *, seq_len: int, head_dim: int, causal: bool,
-               k_perm: list[int], out: str | None = None) -> str:
-        """softmax(q k^T / sqrt(hd) + causal_mask) v on ``[..., S, hd]`` operands."""
+               k_perm: list[int], out: str | None = None, positions: str | None = None) -> str:
+        """softmax(q k^T / sqrt(hd) + causal_mask) v on ``[..., S, hd]`` operands.
+
+        ``k`` and ``v`` may hold more positions than ``q`` (the cached past):
+        query ``i`` is position ``past + i`` and sees keys ``0 .. past + i``.
+        ``positions`` (default ``q``) has the queries along axis -2.
+        """
         kt = self.op("Transpose", [k], "k_t", perm=k_perm)
         scores = self.op("MatMul", [q, kt], "scores")
         scale = self.float_const(f"attention_scale_d{head_dim}", 1.0 / math.sqrt(head_dim))
         scores = self.op("Mul", [scores, scale], "scaled_scores")
         if causal:
-            mask = self.const(f"causal_mask_s{seq_len}", _causal_additive_mask(seq_len))
+            full = self.const(f"causal_mask_s{seq_len}", _causal_additive_mask(seq_len))
+            length = self.length(positions or q, -2)
+            rows = self.window(full, length, "mask_rows")
+            keys = self._b.memo(("stop", length), lambda: self.op("Add", [self.past_length(), length], "mask_stop"))
+            mask = self._b.memo(("mask", rows, keys), lambda: self.op(
+                "Slice", [rows, self.const("axes_0_start", np.zeros(1, dtype=np.int64)), keys,
+                          self.const("axes_1", np.asarray([1]))], "causal_mask"))
             scores = self.op("Add", [scores, mask], "masked_scores")
         probs = self.op("Softmax", [scores], "probs", axis=-1)
         return self.op("MatMul", [probs, v], "attend", out=out)
@@ -284,12 +376,93 @@ Lowering = Callable[[NodeLowering], Sequence[str | None]]
 LOWERINGS: dict[str, Lowering] = {}
 
 
-def register_lowering(op_name: str, rule: Lowering | None = None, *, replace: bool = False):
+@dataclass(frozen=True)
+class LoweringTraits:
+    """What a lowering declares about the sequence axis (read by the KV-cache export).
+
+    ``positionwise``: the node's output at a position reads only that position
+    of its inputs (linear, layer norm, activations, residual adds): running it
+    on a call's new positions alone is exact.  A bool, or a predicate of the
+    VNode when it depends on the config (``stack`` along the sequence axis is
+    not positionwise).
+
+    ``kv_cache``: for a node that mixes positions through attention, the
+    per-sample shape of its cached keys (values have the same), with
+    :data:`PAST` marking the growing axis, e.g. ``(PAST, head_dim)``; ``None``
+    for a config that cannot be cached (attention that is not causal).  Such a
+    rule reads :attr:`NodeLowering.cache` and extends it with
+    :meth:`NodeLowering.cached`.
+
+    A node that is neither cannot run incrementally and the KV-cache export
+    refuses it by name; the default (neither) is the safe one for a plugin.
+    """
+
+    positionwise: bool | Callable[[VNode], bool] = False
+    kv_cache: Callable[[Mapping[str, Any]], tuple[int | str, ...] | None] | None = None
+
+    def is_positionwise(self, node: VNode) -> bool:
+        p = self.positionwise
+        return bool(p(node) if callable(p) else p)
+
+    def cache_shape(self, node: VNode) -> tuple[int | str, ...] | None:
+        return self.kv_cache(node.cfg) if self.kv_cache is not None else None
+
+
+#: canonical op name -> what its lowering declares (absent: ``LoweringTraits()``).
+TRAITS: dict[str, LoweringTraits] = {}
+
+
+@dataclass(frozen=True)
+class CacheSlot:
+    """One cached VNode's graph inputs and outputs in a KV-cache decoder.
+
+    ``shape`` is the per-sample cache shape with ``PAST`` at ``axis``; past
+    and present tensors are ``[batch, *shape]``.
+    """
+
+    node: str
+    shape: tuple[int | str, ...]
+
+    @property
+    def axis(self) -> int:
+        return self.shape.index(PAST)
+
+    @property
+    def past_key(self) -> str:
+        return f"past_key:{self.node}"
+
+    @property
+    def past_value(self) -> str:
+        return f"past_value:{self.node}"
+
+    @property
+    def present_key(self) -> str:
+        return f"present_key:{self.node}"
+
+    @property
+    def present_value(self) -> str:
+        return f"present_value:{self.node}"
+
+    def dims(self, growing: str, batch_dim: str = BATCH_DIM) -> list[int | str]:
+        return [batch_dim, *(growing if d == PAST else d for d in self.shape)]
+
+    def describe(self) -> dict[str, Any]:
+        """The model metadata entry (``vgraph.kv_cache``) a runtime reads to feed and carry the cache."""
+        return {"node": self.node, "past_key": self.past_key, "past_value": self.past_value,
+                "present_key": self.present_key, "present_value": self.present_value,
+                "shape": [PAST_DIM if d == PAST else d for d in self.shape], "axis": self.axis + 1}
+
+
+def register_lowering(op_name: str, rule: Lowering | None = None, *, replace: bool = False,
+                      positionwise: bool | Callable[[VNode], bool] = False,
+                      kv_cache: Callable[[Mapping[str, Any]], tuple[int | str, ...] | None] | None = None):
     """Register the ONNX lowering of a VNode type (usable as a decorator).
 
     ``rule(n: NodeLowering)`` returns one value name per output slot.  A plugin
     that adds an op type with ``vgraph.register_op`` registers its lowering
-    here under the same name.
+    here under the same name.  ``positionwise`` and ``kv_cache`` declare how
+    the rule treats the sequence axis (:class:`LoweringTraits`); they matter
+    only to the KV-cache export, which refuses a node that declares neither.
     """
     def deco(fn: Lowering) -> Lowering:
         from vgraph.ops import REGISTRY
@@ -298,9 +471,14 @@ def register_lowering(op_name: str, rule: Lowering | None = None, *, replace: bo
         if canon in LOWERINGS and not replace:
             raise ValueError(f"an ONNX lowering for {canon!r} is already registered")
         LOWERINGS[canon] = fn
+        TRAITS[canon] = LoweringTraits(positionwise, kv_cache)
         return fn
 
     return deco(rule) if rule is not None else deco
+
+
+def traits_of(node: VNode) -> LoweringTraits:
+    return TRAITS.get(node.type, LoweringTraits())
 
 
 # ---------------------------------------------------------------------------
@@ -320,9 +498,34 @@ class _ModelBuilder:
     node_names: set[str] = field(default_factory=set)
     const_values: dict[str, np.ndarray] = field(default_factory=dict)
     publishers: dict[str, VNode] = field(default_factory=dict)
+    sequence: str | None = None  # the symbolic sequence dimension, None: shapes as the IR infers them
+    caches: dict[str, CacheSlot] = field(default_factory=dict)  # VNode id -> its KV cache (decoder export)
+    _past: str | None = None
+
+    _memo: dict[tuple, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.publishers = self.graph.publishers()
+
+    def memo(self, key: tuple, make: Callable[[], str]) -> str:
+        """A derived value (a length, a table window) made once per model and shared by every reader."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    def past_length(self) -> str:
+        """int64 [1]: the cache's past length (the first cache's growing axis), or a constant 0."""
+        if self._past is None:
+            if not self.caches:
+                self._past = self.const("axes_0_start", np.zeros(1, dtype=np.int64))
+            else:
+                slot = next(iter(self.caches.values()))
+                self._past = self.unique("past_length")
+                node = helper.make_node("Shape", [slot.past_key], [self._past], name=self.unique_node("past_length"),
+                                        start=slot.axis + 1, end=slot.axis + 2)
+                node.doc_string = "positions already in the KV cache"
+                self.nodes.append(node)
+        return self._past
 
     def unique(self, name: str) -> str:
         return _reserve(self.used_names, name)
@@ -394,25 +597,26 @@ def build_model(
     batch_dim: str = BATCH_DIM,
     opset: int = OPSET,
     model_name: str | None = None,
+    sequence: str | None = None,
+    kv_cache: bool = False,
 ) -> onnx.ModelProto:
     """Lower the VNodes ``node_ids`` (default: all) of a verified ``graph`` to one ONNX model.
 
     Inputs are derived, in this order: values produced by VNodes outside
-    ``node_ids`` (``"src:slot"``), unconnected input slots (``"n:in<k>"``),
-    then parameters when ``weights`` is None (``"n.<param>"``).  ``outputs``
-    lists the ``(node, slot)`` values to expose as graph outputs (named
-    ``"node:slot"``); default: the network's outputs and costs.
+    ``node_ids`` (``"src:slot"``), unconnected input slots (``"n:in<k>"``)
+    that some lowering reads, then parameters when ``weights`` is None
+    (``"n.<param>"``), then past keys and values with ``kv_cache``.
+    ``outputs`` lists the ``(node, slot)`` values to expose as graph outputs
+    (named ``"node:slot"``); default: the network's outputs and costs.
+    ``sequence`` names a symbolic sequence dimension (see the module doc);
+    ``kv_cache`` needs it.
     """
     if opset < 18:
         raise ValueError(f"the ONNX lowering needs opset >= 18; got {opset}")
-    ids = set(n.id for n in graph.nodes) if node_ids is None else set(node_ids)
-    unknown = ids - {n.id for n in graph.nodes}
-    if unknown:
-        raise VGraphError(f"no such VNode(s) in network {graph.name!r}: {', '.join(sorted(unknown))}")
-    order = [n for n in graph.topo_order() if n.id in ids]
-    for n in order:
-        if not n.outputs:
-            raise _error(n, "node has no inferred types; run vgraph.verify(graph) first")
+    if kv_cache and sequence is None:
+        raise ValueError("a KV-cache decoder needs a symbolic sequence dimension (sequence=...)")
+    order = _lowered_nodes(graph, node_ids)
+    ids = {n.id for n in order}
     if outputs is None:
         outputs = [(ep.node, ep.slot) for ep in [*graph.outputs, *graph.costs]]
     outputs = list(dict.fromkeys((str(n), int(s)) for n, s in outputs))
@@ -424,37 +628,29 @@ def build_model(
     for n in order:
         for e in graph.in_edges(n.id):
             needed.add((e.src, e.src_slot))
-    b = _ModelBuilder(graph, weights, needed)
-    env: dict[tuple[str, int], str] = {}
-    boundary_inputs: dict[str, onnx.ValueInfoProto] = {}  # values made by VNodes outside the set
-    network_inputs: dict[str, onnx.ValueInfoProto] = {}  # unconnected input slots
+    b = _ModelBuilder(graph, weights, needed, sequence=sequence)
+    io = _GraphIO(b, batch_dim, context_length(graph, order) if sequence else None)
+    if kv_cache:
+        b.caches = _cache_slots(order)
+    env = _lower_nodes(b, io, order)
+    graph_outputs = io.outputs(outputs, env, dict(output_docs or {}))
+    onnx_graph = helper.make_graph(
+        b.nodes, model_name or graph.name, io.graph_inputs(), graph_outputs,
+        initializer=list(b.initializers.values()))
+    opsets = [helper.make_opsetid("", opset)]
+    model = helper.make_model(onnx_graph, opset_imports=opsets, producer_name="vgraph",
+                              producer_version=_vgraph_version())
+    model.ir_version = helper.find_min_ir_version_for(opsets)
+    model.doc_string = f"network {graph.name!r} lowered by vgraph from its IR"
+    return model
 
+
+def _lower_nodes(b: _ModelBuilder, io: _GraphIO, order: Sequence[VNode]) -> dict[tuple[str, int], str]:
+    """Run each VNode's rule in topological order; (node, slot) -> the ONNX value of that output."""
+    ids = {n.id for n in order}
+    env: dict[tuple[str, int], str] = {}
     for n in order:
-        ins: list[str] = []
-        types: list[TensorType] = []
-        for slot in range(graph.num_inputs(n.id)):
-            edge = graph.input_edge(n.id, slot)
-            if edge is None:
-                t = network_input_type(graph, n, slot)
-                name = input_name(n.id, slot)
-                if name not in network_inputs:
-                    network_inputs[name] = _value_info(name, t, [batch_dim, *t.shape],
-                                                     f"network input {slot} of {b.doc_of(n)}")
-                    b.used_names.add(name)
-            else:
-                t = graph.node(edge.src).outputs[edge.src_slot]
-                key = (edge.src, edge.src_slot)
-                if edge.src in ids:
-                    name = env[key]
-                else:
-                    name = value_name(*key)
-                    if name not in boundary_inputs:
-                        boundary_inputs[name] = _value_info(
-                            name, t, onnx_dims(graph, *key, batch_dim),
-                            f"boundary tensor: output {edge.src_slot} of '{edge.src}'")
-                        b.used_names.add(name)
-            ins.append(name)
-            types.append(t)
+        ins, types = io.inputs_of(n, ids, env)
         rule = require_lowering("onnx", n, LOWERINGS)
         for slot in range(n.num_outputs):
             b.used_names.add(value_name(n.id, slot))
@@ -464,34 +660,149 @@ def build_model(
                                  f"{n.num_outputs} outputs")
         for slot, name in enumerate(results):
             if name is None:
-                if (n.id, slot) in needed:
+                if (n.id, slot) in b.needed:
                     raise AssertionError(f"lowering of {n.type} did not compute needed output {slot}")
                 continue
             env[(n.id, slot)] = name
+    return env
 
-    graph_outputs = []
-    docs = dict(output_docs or {})
-    for node_id, slot in outputs:
-        name = value_name(node_id, slot)
-        if env[(node_id, slot)] != name:  # a shared (aliased) value: give it its own name
-            node = helper.make_node("Identity", [env[(node_id, slot)]], [name],
-                                    name=b.unique_node(f"{node_id}/out{slot}"))
-            node.doc_string = b.doc_of(graph.node(node_id))
-            b.nodes.append(node)
-        graph_outputs.append(_value_info(name, graph.node(node_id).outputs[slot],
-                                         onnx_dims(graph, node_id, slot, batch_dim),
-                                         docs.get((node_id, slot), "")))
 
-    onnx_graph = helper.make_graph(
-        b.nodes, model_name or graph.name,
-        [*boundary_inputs.values(), *network_inputs.values(), *b.inputs.values()], graph_outputs,
-        initializer=list(b.initializers.values()))
-    opsets = [helper.make_opsetid("", opset)]
-    model = helper.make_model(onnx_graph, opset_imports=opsets, producer_name="vgraph",
-                              producer_version=_vgraph_version())
-    model.ir_version = helper.find_min_ir_version_for(opsets)
-    model.doc_string = f"network {graph.name!r} lowered by vgraph from its IR"
-    return model
+def _lowered_nodes(graph: Graph, node_ids: Iterable[str] | None) -> list[VNode]:
+    """The VNodes to lower, in topological order; unknown ids and unverified nodes are errors."""
+    ids = set(n.id for n in graph.nodes) if node_ids is None else set(node_ids)
+    unknown = ids - {n.id for n in graph.nodes}
+    if unknown:
+        raise VGraphError(f"no such VNode(s) in network {graph.name!r}: {', '.join(sorted(unknown))}")
+    order = [n for n in graph.topo_order() if n.id in ids]
+    for n in order:
+        if not n.outputs and n.num_outputs:
+            raise _error(n, "node has no inferred types; run vgraph.verify(graph) first")
+    return order
+
+
+def context_length(graph: Graph, order: Sequence[VNode] | None = None) -> int:
+    """The sequence length the network is built for: axis 0 of its first network input (of ``order``)."""
+    for n in (graph.topo_order() if order is None else order):
+        for slot in range(graph.num_inputs(n.id)):
+            if graph.input_edge(n.id, slot) is None:
+                t = network_input_type(graph, n, slot)
+                if not t.shape:
+                    raise _error(n, f"network input {slot} is a scalar: the model has no sequence axis")
+                return int(t.shape[0])
+    raise VGraphError(f"network {graph.name!r} has no network input, so no sequence axis to make dynamic")
+
+
+def _cache_slots(order: Sequence[VNode]) -> dict[str, CacheSlot]:
+    """Every cached VNode's slot; a VNode neither cached nor positionwise is refused, all named at once."""
+    slots: dict[str, CacheSlot] = {}
+    problems: list[Diagnostic] = []
+    for n in order:
+        require_lowering("onnx", n, LOWERINGS)  # loads a plugin's lowering, and with it its traits
+        traits = traits_of(n)
+        shape = traits.cache_shape(n)
+        if shape is not None:
+            if list(shape).count(PAST) != 1:
+                raise _error(n, f"the onnx lowering of {n.type!r} declares a cache shape {list(shape)} "
+                                f"without exactly one {PAST!r} axis")
+            slots[n.id] = CacheSlot(n.id, tuple(shape))
+        elif not traits.is_positionwise(n):
+            why = ("it attends without a causal mask, so earlier outputs would change with later tokens"
+                   if n.type in ("attention", "attention_head") else
+                   f"its onnx lowering declares neither positionwise=True (each position computed from "
+                   f"that position alone) nor a kv_cache")
+            problems.append(Diagnostic(f"a {n.type} cannot run on new positions alone for a KV cache: {why}",
+                                       n.loc, n.id))
+    if problems:
+        raise VGraphError(problems)
+    return slots
+
+
+class _GraphIO:
+    """The graph inputs and outputs of a model being built, with their dims (symbolic sequence or not)."""
+
+    def __init__(self, b: _ModelBuilder, batch_dim: str, context: int | None) -> None:
+        self.b, self.batch_dim, self.context = b, batch_dim, context
+        self.boundary: dict[str, onnx.ValueInfoProto] = {}  # values made by VNodes outside the set
+        self.network: dict[str, onnx.ValueInfoProto] = {}  # unconnected input slots
+
+    def dims(self, node: VNode, shape: Sequence[int], what: str) -> list[int | str]:
+        """``[batch, *shape]``, with the sequence axis symbolic when the model has one."""
+        if self.context is None:
+            return [self.batch_dim, *shape]
+        if not shape or shape[0] != self.context:
+            raise _error(node, f"{what} has per-sample shape {list(shape)}, whose first axis is not the "
+                               f"sequence (length {self.context}): the model cannot take a dynamic sequence")
+        return [self.batch_dim, self.b.sequence, *shape[1:]]
+
+    def inputs_of(self, n: VNode, ids: set[str], env: Mapping[tuple[str, int], str]
+                  ) -> tuple[list[str], list[TensorType]]:
+        graph, b = self.b.graph, self.b
+        ins: list[str] = []
+        types: list[TensorType] = []
+        for slot in range(graph.num_inputs(n.id)):
+            edge = graph.input_edge(n.id, slot)
+            if edge is None:
+                t = network_input_type(graph, n, slot)
+                name = input_name(n.id, slot)
+                if self.context is not None and t.kind == "float" and len(t.shape) < 2:
+                    raise _error(n, f"network input {slot} has per-sample shape {list(t.shape)}: float inputs with "
+                                    "a sequence are [sequence, features], so the model cannot take a dynamic "
+                                    "sequence")
+                if name not in self.network:
+                    self.network[name] = _value_info(name, t, self.dims(n, t.shape, f"network input {slot}"),
+                                                     f"network input {slot} of {b.doc_of(n)}")
+                    b.used_names.add(name)
+            else:
+                t = graph.node(edge.src).outputs[edge.src_slot]
+                key = (edge.src, edge.src_slot)
+                if edge.src in ids:
+                    name = env[key]
+                else:
+                    name = value_name(*key)
+                    if name not in self.boundary:
+                        dims = (onnx_dims(graph, *key, self.batch_dim) if self.context is None else
+                                self.dims(graph.node(edge.src), t.shape, f"output {edge.src_slot}"))
+                        self.boundary[name] = _value_info(name, t, dims, f"boundary tensor: output "
+                                                                           f"{edge.src_slot} of '{edge.src}'")
+                        b.used_names.add(name)
+            ins.append(name)
+            types.append(t)
+        return ins, types
+
+    def outputs(self, wanted: Sequence[tuple[str, int]], env: Mapping[tuple[str, int], str],
+                docs: Mapping[tuple[str, int], str]) -> list[onnx.ValueInfoProto]:
+        b, graph = self.b, self.b.graph
+        out = []
+        for node_id, slot in wanted:
+            name = value_name(node_id, slot)
+            if env[(node_id, slot)] != name:  # a shared (aliased) value: give it its own name
+                node = helper.make_node("Identity", [env[(node_id, slot)]], [name],
+                                        name=b.unique_node(f"{node_id}/out{slot}"))
+                node.doc_string = b.doc_of(graph.node(node_id))
+                b.nodes.append(node)
+            dims = onnx_dims(graph, node_id, slot, self.batch_dim)
+            if self.context is not None and dims:
+                dims = self.dims(graph.node(node_id), graph.node(node_id).outputs[slot].shape, f"output {slot}")
+            out.append(_value_info(name, graph.node(node_id).outputs[slot], dims, docs.get((node_id, slot), "")))
+        for slot in b.caches.values():
+            for name, what in ((slot.present_key, "keys"), (slot.present_value, "values")):
+                vi = helper.make_tensor_value_info(name, TensorProto.FLOAT, slot.dims(TOTAL_DIM, self.batch_dim))
+                vi.doc_string = f"{what} of '{slot.node}' for every position so far: the next call's past {what}"
+                out.append(vi)
+        return out
+
+    def graph_inputs(self) -> list[onnx.ValueInfoProto]:
+        """Every input some ONNX node reads (an unread network input, e.g. targets of a loss that is not
+        exported, is left out), then parameters and past caches."""
+        read = {name for node in self.b.nodes for name in node.input}
+        inputs = [vi for vi in [*self.boundary.values(), *self.network.values()] if vi.name in read]
+        caches = []
+        for slot in self.b.caches.values():
+            for name, what in ((slot.past_key, "keys"), (slot.past_value, "values")):
+                vi = helper.make_tensor_value_info(name, TensorProto.FLOAT, slot.dims(PAST_DIM, self.batch_dim))
+                vi.doc_string = f"cached {what} of '{slot.node}' (RoPE applied), {PAST_DIM} positions; empty at first"
+                caches.append(vi)
+        return [*inputs, *self.b.inputs.values(), *caches]
 
 
 def _vgraph_version() -> str:
@@ -559,27 +870,34 @@ def _per_sample_axis(axis: int) -> int:
     return axis + 1 if axis >= 0 else axis
 
 
-@register_lowering("linear")
+@register_lowering("linear", positionwise=True)
 def _lower_linear(n: NodeLowering) -> list[str]:
     bias = n.param("bias") if "bias" in n.node.op.param_shapes(n.cfg) else None
     return [n.linear(n.inputs[0], n.param("weight"), bias, "linear", out=n.out(0))]
 
 
-@register_lowering("embedder")
+@register_lowering("embedder", positionwise=True)
 def _lower_embedder(n: NodeLowering) -> list[str]:
+    """Token rows, plus the rows of learned positions this call covers (from the past length on)."""
     if n.cfg["position_encoding"] != "learned":  # "rope" rotates inside the heads; "none" adds nothing
         return [n.op("Gather", [n.param("weight"), n.inputs[0]], "lookup", out=n.out(0), axis=0)]
     tokens = n.op("Gather", [n.param("weight"), n.inputs[0]], "lookup", axis=0)
-    return [n.op("Add", [tokens, n.param("position")], "add_position", out=n.out(0))]
+    positions = n.window(n.param("position"), n.length(n.inputs[0], -1), "position")
+    return [n.op("Add", [tokens, positions], "add_position", out=n.out(0))]
 
 
-@register_lowering("layernorm")
+@register_lowering("layernorm", positionwise=True)
 def _lower_layernorm(n: NodeLowering) -> list[str]:
     return [n.op("LayerNormalization", [n.inputs[0], n.param("weight"), n.param("bias")], "layernorm",
                  out=n.out(0), axis=-1, epsilon=float(n.cfg["eps"]))]
 
 
-@register_lowering("attention_head")
+def _causal_cache(shape: Callable[[Mapping[str, Any]], tuple[int | str, ...]]):
+    """A ``kv_cache`` declaration: ``shape(cfg)`` for causal attention; non-causal cannot be cached."""
+    return lambda cfg: shape(cfg) if cfg["causal"] else None
+
+
+@register_lowering("attention_head", kv_cache=_causal_cache(lambda cfg: (PAST, cfg["head_dim"])))
 def _lower_attention_head(n: NodeLowering) -> list[str]:
     cfg, x = n.cfg, n.inputs[0]
     seq, hd = cfg["seq_len"], cfg["head_dim"]
@@ -587,44 +905,53 @@ def _lower_attention_head(n: NodeLowering) -> list[str]:
     k = n.linear(x, n.param("wk"), n.param("bk"), "k")
     v = n.linear(x, n.param("wv"), n.param("bv"), "v")
     if cfg["position_encoding"] == "rope":
-        q = n.rope(q, seq, hd, cfg["rope_theta"], "q")
-        k = n.rope(k, seq, hd, cfg["rope_theta"], "k")
+        q = n.rope(q, seq, hd, cfg["rope_theta"], "q", positions=x)
+        k = n.rope(k, seq, hd, cfg["rope_theta"], "k", positions=x)
+    k, v = n.cached(k, v)
     return [n.attend(q, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 2, 1],
-                     out=n.out(0))]
+                     out=n.out(0), positions=x)]
 
 
-@register_lowering("attention")
+@register_lowering("attention", kv_cache=_causal_cache(lambda cfg: (cfg["num_heads"], PAST, cfg["head_dim"])))
 def _lower_attention(n: NodeLowering) -> list[str]:
     """Fused heads: qkv rows are [q heads, k heads, v heads]; head h is columns h*hd:(h+1)*hd."""
     cfg, x = n.cfg, n.inputs[0]
     seq, heads, hd = cfg["seq_len"], cfg["num_heads"], cfg["head_dim"]
     qkv = n.linear(x, n.param("qkv_weight"), n.param("qkv_bias"), "qkv")
     parts = n.op("Split", [qkv], "qkv_split", outputs=3, axis=-1, num_outputs=3)
-    split_heads = n.int64s("heads_shape", [0, seq, heads, hd])
+    split_heads = n.int64s("heads_shape", [0, 0, heads, hd])  # batch and sequence copied from the input
     per_head = []
     for name, part in zip("qkv", parts):
         shaped = n.op("Reshape", [part, split_heads], f"{name}_heads")
         per_head.append(n.op("Transpose", [shaped], f"{name}_bhsd", perm=[0, 2, 1, 3]))
     q, k, v = per_head
     if cfg["position_encoding"] == "rope":
-        q = n.rope(q, seq, hd, cfg["rope_theta"], "q")
-        k = n.rope(k, seq, hd, cfg["rope_theta"], "k")
-    ctx = n.attend(q, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 1, 3, 2])
+        q = n.rope(q, seq, hd, cfg["rope_theta"], "q", positions=x)
+        k = n.rope(k, seq, hd, cfg["rope_theta"], "k", positions=x)
+    k, v = n.cached(k, v)
+    ctx = n.attend(q, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 1, 3, 2], positions=x)
     ctx = n.op("Transpose", [ctx], "bshd", perm=[0, 2, 1, 3])
-    merged_shape = n.int64s("merged_shape", [0, seq, heads * hd])
+    merged_shape = n.int64s("merged_shape", [0, 0, heads * hd])
     if not cfg["output_projection"]:
         return [n.op("Reshape", [ctx, merged_shape], "merge_heads", out=n.out(0))]
     merged = n.op("Reshape", [ctx, merged_shape], "merge_heads")
     return [n.linear(merged, n.param("out_weight"), n.param("out_bias"), "out", out=n.out(0))]
 
 
-@register_lowering("tied_lm_head_ce")
+@register_lowering("tied_lm_head_ce", positionwise=True)
 def _lower_tied_lm_head_ce(n: NodeLowering) -> list[str | None]:
-    """Inference meaning: logits ``x W^T`` (tied W), mean cross-entropy; logits out only when read."""
+    """Inference meaning: logits ``x W^T`` (tied W), mean cross-entropy; each only when read.
+
+    Positionwise as far as the logits go (the loss, a mean over positions, is
+    never part of a KV-cache decoder); without the loss the targets input is
+    not read, so the model does not ask for it.
+    """
     x, targets = n.inputs
     wt = n.op("Transpose", [n.param("weight")], "weight_t", perm=[1, 0])
     want_logits = n.needs(1)
     logits = n.op("MatMul", [x, wt], "logits", out=n.out(1) if want_logits else None)
+    if not n.needs(0):
+        return [None, logits]
     loss = n.cross_entropy(logits, targets, n.cfg["out_dim"], from_probs=False,
                            ignore_index=n.cfg["ignore_index"], out=n.out(0))
     return [loss, logits if want_logits else None]
@@ -644,23 +971,23 @@ def _lower_cost(n: NodeLowering) -> list[str]:
                             ignore_index=n.cfg["ignore_index"], out=n.out(0))]
 
 
-@register_lowering("relu")
+@register_lowering("relu", positionwise=True)
 def _lower_relu(n: NodeLowering) -> list[str]:
     return [n.op("Relu", [n.inputs[0]], out=n.out(0))]
 
 
-@register_lowering("gelu")
+@register_lowering("gelu", positionwise=True)
 def _lower_gelu(n: NodeLowering) -> list[str]:
     return [n.op("Gelu", [n.inputs[0]], out=n.out(0), approximate="none")]
 
 
-@register_lowering("silu")
+@register_lowering("silu", positionwise=True)
 def _lower_silu(n: NodeLowering) -> list[str]:
     gate = n.op("Sigmoid", [n.inputs[0]], "sigmoid")
     return [n.op("Mul", [n.inputs[0], gate], "silu", out=n.out(0))]
 
 
-@register_lowering("swiglu")
+@register_lowering("swiglu", positionwise=True)
 def _lower_swiglu(n: NodeLowering) -> list[str]:
     value, gate = n.op("Split", [n.inputs[0]], "halves", outputs=2, axis=-1, num_outputs=2)
     sig = n.op("Sigmoid", [gate], "sigmoid")
@@ -668,47 +995,72 @@ def _lower_swiglu(n: NodeLowering) -> list[str]:
     return [n.op("Mul", [value, silu], "gate", out=n.out(0))]
 
 
-@register_lowering("dropout")
+@register_lowering("dropout", positionwise=True)
 def _lower_dropout(n: NodeLowering) -> list[str]:
     """Identity at inference; an explicit node so the VNode is visible in Netron."""
     return [n.op("Identity", [n.inputs[0]], out=n.out(0))]
 
 
-@register_lowering("broadcast")
+@register_lowering("broadcast", positionwise=True)
 def _lower_broadcast(n: NodeLowering) -> list[str]:
     """Fan-out: every output is the input value itself (no ONNX node)."""
     return [n.inputs[0]] * n.node.num_outputs
 
 
-@register_lowering("stack")
+def _off_sequence_axis(node: VNode) -> bool:
+    """A stack joins along the sequence axis (per-sample axis 0) or along features."""
+    rank = len(node.outputs[0].shape) if node.outputs else 0
+    return rank > 0 and node.cfg["axis"] % rank != 0
+
+
+@register_lowering("stack", positionwise=_off_sequence_axis)
 def _lower_stack(n: NodeLowering) -> list[str]:
     return [n.op("Concat", n.inputs, out=n.out(0), axis=_per_sample_axis(n.cfg["axis"]))]
 
 
-@register_lowering("add")
+@register_lowering("add", positionwise=True)
 def _lower_add(n: NodeLowering) -> list[str]:
     return [n.op("Add", n.inputs, out=n.out(0))]
 
 
-@register_lowering("reshape")
+# Positionwise: with a symbolic sequence the lowering accepts only a reshape that keeps the sequence axis.
+@register_lowering("reshape", positionwise=True)
 def _lower_reshape(n: NodeLowering) -> list[str]:
-    """Target = 0 (copy the batch dim) + the inferred per-sample shape (any -1 resolved)."""
+    """Target = 0 (copy the batch dim) + the inferred per-sample shape (any -1 resolved).
+
+    With a symbolic sequence the sequence axis is copied too (a second 0), so
+    only a reshape that keeps per-sample axis 0 can be exported that way.
+    """
     shape = list(n.node.outputs[0].shape)
     if 0 in shape:
         raise _error(n.node, f"cannot export a reshape to an empty shape {shape}")
-    return [n.op("Reshape", [n.inputs[0], n.int64s("shape", [0, *shape])], out=n.out(0))]
+    if not n.dynamic_sequence:
+        return [n.op("Reshape", [n.inputs[0], n.int64s("shape", [0, *shape])], out=n.out(0))]
+    source = list(n.input_types[0].shape)
+    if not (source and shape[0] == source[0]):
+        raise _error(n.node, f"a reshape from {source} to {shape} changes the sequence axis (per-sample axis 0), "
+                             "so the model cannot take a dynamic sequence")
+    return [n.op("Reshape", [n.inputs[0], n.int64s("shape", [0, 0, *shape[1:]])], out=n.out(0))]
 
 
 @register_lowering("mask")
 def _lower_mask(n: NodeLowering) -> list[str]:
-    """Causal: future keys get ``mask_val``; random masking is training-only, so off here."""
+    """Causal: future keys get ``mask_val``; random masking is training-only, so off here.
+
+    The mask is built for the declared ``[.., Sq, Sk]`` and cut to the scores'
+    runtime size, so it also serves a shorter sequence.  Not positionwise: the
+    scores of a KV-cache call would need the past length, which a mask node
+    does not see.
+    """
     x, t = n.inputs[0], n.input_types[0]
     if not n.cfg["causal"]:
         return [n.op("Identity", [x], out=n.out(0))]
     sq, sk = t.shape[-2:]
     future = n.const(f"future_s{sq}x{sk}", np.triu(np.ones((sq, sk), dtype=bool), k=1))
+    ends = n.op("Shape", [x], "scores_size", start=-2)
+    cut = n.op("Slice", [future, n.int64s("starts", [0, 0]), ends, n.int64s("axes", [0, 1])], "future")
     fill = n.local_const("mask_val", np.asarray(n.cfg["mask_val"], dtype=np.float32))
-    return [n.op("Where", [future, fill, x], out=n.out(0))]
+    return [n.op("Where", [cut, fill, x], out=n.out(0))]
 
 
 def _text_io(n: NodeLowering) -> list[str]:
@@ -725,25 +1077,30 @@ register_lowering("detokenizer", _text_io)
 # ---------------------------------------------------------------------------
 
 
-@register_lowering("send")
+@register_lowering("send", positionwise=True)
 def _lower_send(n: NodeLowering) -> list[str]:
     """The tensor handed to the peer PNode: the part's output under the send's id."""
     return [n.op("Identity", [n.inputs[0]], out=n.out(0))]
 
 
-@register_lowering("receive")
+@register_lowering("receive", positionwise=True)
 def _lower_receive(n: NodeLowering) -> list[str]:
     """The tensor from the peer PNode arrives as this part's graph input "<id>:in0"."""
     return [n.op("Identity", [n.inputs[0]], out=n.out(0))]
 
 
-@register_lowering("weight_replica")
+@register_lowering("weight_replica", positionwise=True)
 def _lower_weight_replica(n: NodeLowering) -> list[str]:
     """No computation: tied readers resolve the alias to this node's `weight` initializer."""
     return []
 
 
-@register_lowering("compress")
+def _per_position_codec(node: VNode) -> bool:
+    """int8 with one scale per channel spans positions; every other wire format rounds each position alone."""
+    return node.cfg["activations"] != "int8" or node.cfg["scale"] == "token"
+
+
+@register_lowering("compress", positionwise=_per_position_codec)
 def _lower_compress(n: NodeLowering) -> list[str]:
     """The activation's wire round trip (inference has no gradient): casts for fp16/bf16; for int8 the
     torch backend's arithmetic op for op (compression.py: max |x| / 127 per group, Round is half to even

@@ -2,6 +2,7 @@
 
     vgraph train NETWORK.yml [--data PATH] [--steps N] [--batch B] [--lr LR] [--out DIR] [--resume] ...
     vgraph generate CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
+                    [--backend torch|onnx] [--no-kv-cache]
 
 Also runnable without the entry points: `python -m vgraph.backends.torch.cli train ...`.
 A user's mistake is a VGraphError: its message is printed and the exit status is 2.
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Sequence
 
 from vgraph.base import options
-from vgraph.base.diagnostics import VGraphError
+from vgraph.base.diagnostics import Diagnostic, VGraphError
 from vgraph.cli.main import add_plugin_option
 
 
@@ -130,67 +131,151 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=options.non_negative_float, default=0.8, help="0: greedy (default 0.8)")
     p.add_argument("--top-k", type=_non_negative_int, default=40, help="sample from the k likeliest; 0: all")
     p.add_argument("--seed", type=options.seed, default=0)
-    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available; --backend torch only)")
+    p.add_argument("--backend", choices=BACKENDS, default="torch",
+                   help="compute the logits with the torch backend (default) or with onnxruntime on the "
+                        "network's inference export (float32; the same tokens as torch in float32)")
+    p.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="--backend onnx: keep past keys and values between tokens (default) or recompute "
+                        "the whole context for every token")
     add_plugin_option(p)
     p.set_defaults(func=run_generate)
 
 
+BACKENDS = ("torch", "onnx")
+
+
 def run_generate(args: argparse.Namespace) -> int:
     text = generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, top_k=args.top_k, seed=args.seed, device=args.device)
+                    temperature=args.temperature, top_k=args.top_k, seed=args.seed, device=args.device,
+                    backend=args.backend, kv_cache=args.kv_cache)
     print(text)
     return 0
 
 
 def generate(checkpoint: str, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8,
-             top_k: int = 40, seed: int = 0, device: str | None = None) -> str:
-    """The prompt followed by up to `max_new_tokens` sampled tokens (stops at end-of-text).
+             top_k: int = 40, seed: int = 0, device: str | None = None, backend: str = "torch",
+             kv_cache: bool | None = None) -> str:
+    """The prompt followed by up to `max_new_tokens` sampled tokens (stops at end-of-text)."""
+    ids, prompt_len, tokenizer = generate_ids(checkpoint, prompt, max_new_tokens=max_new_tokens,
+                                              temperature=temperature, top_k=top_k, seed=seed, device=device,
+                                              backend=backend, kv_cache=kv_cache)
+    new = tokenizer.decode(ids[prompt_len:] if prompt else ids[1:], skip_special_tokens=True)
+    return prompt + new
 
-    The network has a fixed sequence length S: the context is the last S
-    tokens, right-padded (causal attention never looks at the padding), and
-    the next token is drawn from the logits at the last real position.
-    """
-    import torch
 
-    from .data import EOT_TOKEN, PAD_TOKEN
-    from .train import load_trained
-
+def generate_ids(checkpoint: str, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8,
+                 top_k: int = 40, seed: int = 0, device: str | None = None, backend: str = "torch",
+                 kv_cache: bool | None = None):
+    """(token ids: the prompt's, then the sampled ones; the prompt's length; the tokenizer)."""
     if temperature < 0:
         raise VGraphError(f"--temperature must be >= 0, got {temperature}")
-    module, tokenizer, graph = load_trained(checkpoint, device=device)
+    source = LogitsSource(checkpoint, backend=backend, kv_cache=kv_cache, device=device)
+    ids = source.encode(prompt)
+    return source.sample(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                         seed=seed), len(ids) if prompt else 0, source.tokenizer
+
+
+class LogitsSource:
+    """A trained run's next-token logits through one backend, and the sampling loop over them.
+
+    The network has a fixed context length S: the context is the last S
+    tokens and the next token is drawn from the logits at its last position.
+    Both backends compute those logits as if the context were run at once
+    (see `_torch_logits`, `vgraph.backends.onnx.Decoder`), and the draw is the
+    same code on the same generator, so equal logits give equal tokens.
+    """
+
+    def __init__(self, checkpoint: str, *, backend: str = "torch", kv_cache: bool | None = None,
+                 device: str | None = None) -> None:
+        from .data import EOT_TOKEN, PAD_TOKEN
+        from .train import load_trained
+
+        if backend not in BACKENDS:
+            raise VGraphError(f"--backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+        if backend != "onnx" and kv_cache is not None:
+            raise VGraphError("--kv-cache/--no-kv-cache apply to --backend onnx (the torch backend recomputes the "
+                              "context)")
+        if backend == "onnx" and device is not None:
+            raise VGraphError("--device applies to --backend torch; onnxruntime runs on CUDA when this machine has "
+                              "it, else on the CPU")
+        module, self.tokenizer, graph = load_trained(checkpoint, device="cpu" if backend == "onnx" else device)
+        self.seq_len = int(graph.nodes_of_type("embedder")[0].cfg["seq_len"])
+        output = _logits_output(graph)
+        self.eot = self.tokenizer.token_to_id(EOT_TOKEN)
+        self.pad = self.tokenizer.token_to_id(PAD_TOKEN) or 0
+        self.next_logits = (_onnx_logits(module, graph, output, kv_cache=kv_cache is not False) if backend == "onnx"
+                            else _torch_logits(module, graph, output, self.seq_len, self.pad))
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's ids; an empty prompt starts from end-of-text (or padding)."""
+        return self.tokenizer.encode(prompt).ids if prompt else [self.eot if self.eot is not None else self.pad]
+
+    def sample(self, ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> list[int]:
+        """`ids` followed by up to `max_new_tokens` drawn tokens (stops at end-of-text)."""
+        import torch
+
+        ids = list(ids)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        for _ in range(max_new_tokens):
+            token = _draw(self.next_logits(ids[-self.seq_len:]), temperature, top_k, generator)
+            if token == self.eot:
+                break
+            ids.append(token)
+        return ids
+
+
+def _torch_logits(module, graph, output: str, seq_len: int, pad: int):
+    """The torch backend's next-token logits: the context right-padded to S (causal attention never
+    looks at the padding), the logits at its last real position."""
+    import torch
+
     embedder = graph.nodes_of_type("embedder")[0]
-    seq_len = int(embedder.cfg["seq_len"])
-    output = _logits_output(graph)
     token_feed = f"{embedder.id}:in0"
     if set(module.feeds_needed((output,))) != {token_feed}:
         raise VGraphError(f"network {graph.name!r}: output {output!r} needs inputs besides token ids "
                           f"({', '.join(module.feeds_needed((output,)))})")
-    eot = tokenizer.token_to_id(EOT_TOKEN)
-    pad = tokenizer.token_to_id(PAD_TOKEN) or 0
-    ids = tokenizer.encode(prompt).ids if prompt else [eot if eot is not None else pad]
-    prompt_len = len(ids) if prompt else 0
-    device_t = next(module.parameters()).device
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            context = ids[-seq_len:]
-            window = torch.full((1, seq_len), pad, dtype=torch.int64)
-            window[0, : len(context)] = torch.tensor(context, dtype=torch.int64)
-            logits = module({token_feed: window.to(device_t)}, want=(output,))[output]
-            last = logits[0, len(context) - 1].float().cpu()
-            if temperature == 0:
-                token = int(last.argmax())
-            else:
-                last = last / temperature
-                if 0 < top_k < last.numel():
-                    threshold = torch.topk(last, top_k).values[-1]
-                    last = last.masked_fill(last < threshold, float("-inf"))
-                token = int(torch.multinomial(torch.softmax(last, dim=-1), 1, generator=generator))
-            if token == eot:
-                break
-            ids.append(token)
-    new = tokenizer.decode(ids[prompt_len:] if prompt else ids[1:], skip_special_tokens=True)
-    return prompt + new
+    device = next(module.parameters()).device
+
+    def next_logits(context: list[int]) -> torch.Tensor:
+        window = torch.full((1, seq_len), pad, dtype=torch.int64)
+        window[0, : len(context)] = torch.tensor(context, dtype=torch.int64)
+        with torch.no_grad():
+            logits = module({token_feed: window.to(device)}, want=(output,))[output]
+        return logits[0, len(context) - 1].float().cpu()
+
+    return next_logits
+
+
+def _onnx_logits(module, graph, output: str, *, kv_cache: bool):
+    """onnxruntime's next-token logits on the network's inference export, with the trained weights."""
+    import torch
+
+    from vgraph.backends.onnx import Decoder
+
+    weights = {k: v.detach().float().cpu().numpy() for k, v in module.state_dict().items()}
+    try:
+        decoder = Decoder.for_network(graph, weights, kv_cache=kv_cache, logits_output=output,
+                                      threads=torch.get_num_threads())
+    except VGraphError as exc:
+        if not kv_cache:
+            raise
+        raise VGraphError(exc.diagnostics + [Diagnostic("--no-kv-cache samples without a cache, recomputing the "
+                                                        "context for every token", severity="warning")]) from None
+    return lambda context: torch.from_numpy(decoder.last_logits(context).copy())
+
+
+def _draw(last, temperature: float, top_k: int, generator) -> int:
+    """The next token from last-position logits: argmax at temperature 0, else top-k sampling."""
+    import torch
+
+    if temperature == 0:
+        return int(last.argmax())
+    last = last / temperature
+    if 0 < top_k < last.numel():
+        threshold = torch.topk(last, top_k).values[-1]
+        last = last.masked_fill(last < threshold, float("-inf"))
+    return int(torch.multinomial(torch.softmax(last, dim=-1), 1, generator=generator))
 
 
 def _logits_output(graph) -> str:

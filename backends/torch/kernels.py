@@ -34,6 +34,7 @@ __all__ = [
     "attention_head",
     "multihead_attention",
     "swiglu",
+    "add_positions",
     "apply_mask",
     "TiedLMHeadCE",
     "tied_lm_head_ce",
@@ -334,6 +335,17 @@ def multihead_attention(
 # --------------------------------------------------------------------------
 # Activations and masks
 # --------------------------------------------------------------------------
+
+
+def add_positions(x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """``x[B, S, D]`` plus the first ``S`` rows of a learned ``[S_max, D]`` position table.
+
+    A sequence shorter than the declared one (an inference call, see the ONNX
+    export's dynamic sequence) gets the positions it covers, as the
+    rotary tables of :func:`rope_cos_sin` do; at the declared length this is
+    ``x + position``.
+    """
+    return x + position[: x.shape[-2]]
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:

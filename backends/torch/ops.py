@@ -273,7 +273,7 @@ def _batch_dim(axis: int) -> int:
 def _embedder(ctx: LowerCtx):
     x = ctx.call(F.embedding, ctx.inputs[0], ctx.param("weight"))
     if ctx.cfg["position_encoding"] == "learned":
-        x = ctx.call(operator.add, x, ctx.param("position"))
+        x = ctx.call(K.add_positions, x, ctx.param("position"))
     return [x]
 
 

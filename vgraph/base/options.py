@@ -113,6 +113,14 @@ def fleet_file(text: str) -> str:
     return resolve(path(text), "fleet")
 
 
+def op_type(text: str) -> str:
+    """An op type's name (`check-onnx --ops TYPE`): printable, no spaces, at most 200 characters.  Whether
+    it exists is known only once plugins are loaded, so the command says that."""
+    if not text or len(text) > 200 or not text.isprintable() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"expected an op type name (vgraph ops lists them), got {quote(text)}")
+    return text
+
+
 def compile_target(text: str) -> str:
     """--target: cpu or cuda-smXY (the compute capability, e.g. cuda-sm80)."""
     if text != "cpu" and not re.fullmatch(r"cuda-sm[1-9][0-9]{1,2}", text):
@@ -131,5 +139,5 @@ def replicas(text: str) -> str:
     return str(value)
 
 
-__all__ = ["positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float",
+__all__ = ["positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float", "op_type",
            "byte_size", "replicas", "path", "network_file", "fleet_file", "compile_target", "MAX_SEED"]

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from math import prod
 
-from vgraph.ops.registry import Config, InferCtx, OpDef, register_op
+from vgraph.ops.registry import Config, InferCtx, OpDef, OpExample, register_op
 from vgraph.ops.schema import F, Schema
 from vgraph.types import DTYPE_BYTES, ShapeError, TensorType
 
@@ -76,6 +76,7 @@ def received_type(cfg: Config) -> TensorType:
 register_op(OpDef(
     "send", "boundary", "hands its input to a VNode on another PNode; output 0 is the same tensor",
     schema=Schema(_PEER), input_kind="any", infer=lambda ctx: [ctx.single()],
+    examples=(OpExample({"peer_pnode": "b", "peer_node": "y"}, ((8, 16),)),),
 ))
 
 
@@ -91,6 +92,7 @@ register_op(OpDef(
     num_inputs=1, input_kind="any",
     network_input=lambda cfg, slot, ins: received_type(cfg),
     infer=_receive_infer,
+    examples=(OpExample({"peer_pnode": "a", "peer_node": "x", "shape": "[8, 16]", "dtype": "float32"}),),
 ))
 
 register_op(OpDef(
@@ -175,4 +177,10 @@ register_op(OpDef(
     infer=_compress_infer,
     flops=lambda cfg, ins, outs: prod(ins[0].shape) * CODEC_FLOPS[cfg["activations"]],
     advice=_compress_advice,
+    examples=(OpExample({"activations": "int8", "scale": "token"}, ((8, 16),), "int8-token"),
+              OpExample({"activations": "int8", "scale": "channel"}, ((3, 8, 16),), "int8-channel"),
+              OpExample({"activations": "int8"}, ((16,),), "int8-vector"),
+              OpExample({"activations": "fp16"}, ((8, 16),), "fp16"),
+              OpExample({"activations": "bf16"}, ((8, 16),), "bf16"),
+              OpExample({"activations": "none", "gradients": "int8"}, ((8, 16),), "none")),
 ))

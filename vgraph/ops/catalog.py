@@ -10,12 +10,15 @@ from __future__ import annotations
 from math import prod
 from typing import Sequence
 
-from vgraph.ops.registry import Config, InferCtx, OpDef, register_op, same_as_input
+from vgraph.ops.registry import Config, InferCtx, OpDef, OpExample, register_op, same_as_input
 from vgraph.ops.schema import F, Schema
 from vgraph.types import ShapeError, TensorType
 
 T = TensorType
+E = OpExample
 ROPE = ("rope", "none")
+# The examples' sizes (`check-onnx --ops`): small, and distinct so a transposed weight cannot fit.
+_S, _D, _HD, _V = 8, 16, 8, 24
 
 
 def _lead(t: TensorType) -> int:
@@ -59,6 +62,8 @@ register_op(OpDef(
                    F("out_dim", "int", required=True, min=1, doc="size of the output's last dimension"))),
     infer=_linear_infer, params=_linear_params, tied_params=_tied_weight,
     flops=lambda cfg, ins, outs: 2 * _lead(ins[0]) * cfg["in_dim"] * cfg["out_dim"],
+    examples=(E({"in_dim": _D, "out_dim": 12}, ((_S, _D),)),
+              E({"in_dim": _D, "out_dim": _V, "tie_weight_alias": "tok"}, ((_S, _D),), "tied")),
 ))
 
 
@@ -94,6 +99,8 @@ register_op(OpDef(
     advice=lambda cfg: ["position_encoding 'rope' does nothing on an embedder: RoPE is applied by the "
                         "attention heads that say position_encoding: rope (write 'none' here)"]
     if cfg["position_encoding"] == "rope" else [],
+    examples=tuple(E({"vocab_size": _V, "dim": _D, "seq_len": _S, "position_encoding": pe}, label=pe)
+                   for pe in ("none", "learned")),
 ))
 
 
@@ -109,6 +116,7 @@ register_op(OpDef(
     infer=_layernorm_infer,
     params=lambda cfg: {"weight": (cfg["dim"],), "bias": (cfg["dim"],)},
     flops=_elementwise(8),
+    examples=(E({"dim": _D}, ((_S, _D),)),),
 ))
 
 _ATTN_COMMON = (
@@ -152,6 +160,8 @@ register_op(OpDef(
                    F("input_dim", "int", required=True, min=1, doc="width of the input"), *_ATTN_COMMON)),
     infer=_head_infer, params=_head_params,
     flops=lambda cfg, ins, outs: _attention_flops(cfg["seq_len"], cfg["input_dim"], 1, cfg["head_dim"]),
+    examples=(E({"head_dim": _HD, "input_dim": _D, "seq_len": _S, "position_encoding": "rope"}, ((_S, _D),), "rope"),
+              E({"head_dim": _HD, "input_dim": _D, "seq_len": _S, "causal": False}, ((_S, _D),), "plain")),
 ))
 
 
@@ -207,6 +217,11 @@ register_op(OpDef(
                    F("output_projection", "bool", False,
                      doc="true: also owns the [dim, num_heads x head_dim] output projection"))),
     infer=_mha_infer, params=_mha_params, flops=_mha_flops, param_sources=_mha_sources,
+    examples=(E({"num_heads": 2, "head_dim": _HD, "dim": _D, "seq_len": _S, "position_encoding": "rope"},
+                ((_S, _D),), "rope"),
+              E({"num_heads": 3, "head_dim": 6, "dim": 12, "seq_len": _S, "output_projection": True,
+                 "position_encoding": "rope"}, ((_S, 12),), "projection"),
+              E({"num_heads": 2, "head_dim": _HD, "dim": _D, "seq_len": _S, "causal": False}, ((_S, _D),), "plain")),
 ))
 
 
@@ -258,13 +273,14 @@ register_op(OpDef(
     flops=lambda cfg, ins, outs: 2 * _lead(ins[0]) * cfg["in_dim"] * cfg["out_dim"]
     + 5 * _lead(ins[0]) * cfg["out_dim"],
     is_cost=True,
+    examples=(E({"in_dim": _D, "out_dim": _V, "tie_weight_alias": "tok"}, ((_S, _D),)),),
 ))
 
 # -- activations --------------------------------------------------------------
 
 for _name, _doc, _cost in (("relu", "max(x, 0)", 1), ("gelu", "Gaussian error linear unit (erf form)", 8),
                            ("silu", "x * sigmoid(x)", 4)):
-    register_op(OpDef(_name, "activation", _doc, flops=_elementwise(_cost)))
+    register_op(OpDef(_name, "activation", _doc, flops=_elementwise(_cost), examples=(E({}, ((_S, _D),)),)))
 
 
 def _swiglu_infer(ctx: InferCtx) -> list[TensorType]:
@@ -275,11 +291,11 @@ def _swiglu_infer(ctx: InferCtx) -> list[TensorType]:
 
 
 register_op(OpDef("swiglu", "activation", "[.., 2n] -> [.., n]: value * silu(gate)",
-                  infer=_swiglu_infer, flops=_elementwise(5)))
+                  infer=_swiglu_infer, flops=_elementwise(5), examples=(E({}, ((_S, _D),)),)))
 register_op(OpDef("dropout", "activation", "random dropout while training, identity otherwise",
                   schema=Schema((F("rate", "float", 0.1, min=0.0, max=0.999999,
                                    doc="probability of zeroing an element (the rest are scaled by 1/(1-rate))"),)),
-                  flops=_elementwise(1)))
+                  flops=_elementwise(1), examples=(E({"rate": 0.5}, ((_S, _D),)),)))
 
 # -- structural ---------------------------------------------------------------
 
@@ -288,6 +304,7 @@ register_op(OpDef(
     schema=Schema((F("num_outputs", "int", 2, min=1, doc="how many output slots carry the copy"),)),
     num_outputs=lambda cfg: cfg["num_outputs"], input_kind="any",
     infer=lambda ctx: [ctx.single()] * ctx.cfg["num_outputs"],
+    examples=(E({"num_outputs": 3}, ((_S, _D),)),),
 ))
 
 
@@ -312,6 +329,7 @@ register_op(OpDef(
     "stack", "structural", "joins its inputs along a per-sample axis (N x [seq, hd] -> [seq, N*hd])",
     schema=Schema((F("axis", "int", -1, doc="per-sample axis to join along; negative counts from the end"),)),
     num_inputs=(1, None), infer=_stack_infer,
+    examples=(E({"axis": -1}, ((_S, 4), (_S, 6), (_S, 2)), "features"), E({"axis": 0}, ((3, _D), (_S, _D)), "rows")),
 ))
 
 
@@ -323,7 +341,7 @@ def _add_infer(ctx: InferCtx) -> list[TensorType]:
 
 
 register_op(OpDef("add", "structural", "adds its two inputs (residual connection)",
-                  num_inputs=2, infer=_add_infer, flops=_elementwise(1)))
+                  num_inputs=2, infer=_add_infer, flops=_elementwise(1), examples=(E({}, ((_S, _D), (_S, _D))),)))
 
 
 def _reshape_infer(ctx: InferCtx) -> list[TensorType]:
@@ -343,7 +361,8 @@ def _reshape_infer(ctx: InferCtx) -> list[TensorType]:
 register_op(OpDef("reshape", "structural", "reshapes to an explicit per-sample shape",
                   schema=Schema((F("target_shape", "shape", required=True,
                                    doc="the per-sample result shape; one -1 is inferred"),)),
-                  input_kind="any", infer=_reshape_infer))
+                  input_kind="any", infer=_reshape_infer,
+                  examples=(E({"target_shape": [2, -1, 4]}, ((_S, _D),)),)))
 
 
 def _mask_infer(ctx: InferCtx) -> list[TensorType]:
@@ -361,6 +380,8 @@ register_op(OpDef(
                      doc="probability of masking each score at random as well"),
                    F("seed", "int", 0, doc="seed of the random mask"))),
     infer=_mask_infer, flops=_elementwise(1),
+    examples=(E({"causal": True, "mask_val": -1e4}, ((3, _S, _S),), "causal"),
+              E({"causal": False, "random_prob": 0.5}, ((_S, _S),), "off")),
 ))
 
 # -- text I/O -----------------------------------------------------------------
@@ -420,4 +441,6 @@ register_op(OpDef(
     input_kind=lambda cfg, slot: "float" if slot == 0 or cfg["cost_function"] == "mse" else "int",
     network_input=_token_targets, infer=_cost_infer,
     flops=lambda cfg, ins, outs: 5 * ins[0].numel, is_cost=True,
+    examples=(E({"cost_function": "mse"}, ((_S, _D), (_S, _D)), "mse"),
+              E({"cost_function": "ce_logits", "vocab_size": _V}, ((_S, _V),), "ce_logits")),
 ))

@@ -41,6 +41,23 @@ def same_as_input(ctx: InferCtx) -> list[TensorType]:
 
 
 @dataclass(frozen=True)
+class OpExample:
+    """A config and input shapes a single VNode of the type can be run with, for `check-onnx --ops`.
+
+    `config` holds Python values (parsed through the op's schema like YAML
+    strings); `inputs` the per-sample shape of each float input slot, in order
+    (integer inputs such as token ids or targets may be left off when the op's
+    `network_input` knows their type).  A weight-tied config gets a publisher of
+    its alias.  Like PyTorch's OpInfo samples: a few small cases that reach
+    every branch of the lowerings (each option value, with and without bias).
+    """
+
+    config: Mapping[str, Any]
+    inputs: tuple[tuple[int, ...], ...] = ()
+    label: str = ""
+
+
+@dataclass(frozen=True)
 class OpDef:
     """Everything the core needs to know about one VNode type."""
 
@@ -64,6 +81,8 @@ class OpDef:
     # Warnings about a valid but likely mistaken config (a setting that has no effect): validation
     # reports them, so a user learns a value is ignored instead of meeting silence.
     advice: Callable[[Config], list[str]] | None = None
+    # Small configs the backends' lowerings are checked on (`vgraph check-onnx --ops`).
+    examples: tuple[OpExample, ...] = ()
 
     # -- arity --------------------------------------------------------------
     def input_range(self) -> tuple[int, int | None]:
