@@ -19,16 +19,35 @@ PLUGIN_DIST = Path(__file__).parent / "plugin_dist"
 VGRAPH_SCRIPT = Path(sys.executable).with_name("vgraph")  # the installed console script
 
 
-@pytest.fixture(scope="session")
-def geglu_site(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("plugin_build")
+def install(work: Path, patch: dict[str, tuple[str, str]] | None = None) -> Path:
+    """pip-install a copy of tests/plugin_dist (with `patch`: file -> (old text, new text)) into `work`/site."""
     source = work / "vgraph-geglu"
     shutil.copytree(PLUGIN_DIST, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    for name, (old, new) in (patch or {}).items():
+        text = (source / name).read_text()
+        assert old in text, f"{name} no longer holds {old!r}: update the fixture"
+        (source / name).write_text(text.replace(old, new))
     site = work / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
                     "--target", str(site), str(source)],
                    check=True, cwd=work, env={**os.environ, "PIP_NO_CACHE_DIR": "1"})
     return site
+
+
+@pytest.fixture(scope="session")
+def geglu_site(tmp_path_factory) -> Path:
+    return install(tmp_path_factory.mktemp("plugin_build"))
+
+
+#: The plugin with a wrong ONNX lowering: tanh-approximated GELU whatever the node asks for, where the
+#: torch lowering computes the exact (erf) one.  Right to about 1e-3 of a unit input, so only a check
+#: whose inputs reach GELU's curved range sees it (issue 23).
+TANH_GELU_PATCH = {"src/vgraph_geglu/onnx_lowering.py": ('approximate=n.cfg["approximate"]', 'approximate="tanh"')}
+
+
+@pytest.fixture(scope="session")
+def tanh_geglu_site(tmp_path_factory) -> Path:
+    return install(tmp_path_factory.mktemp("plugin_build_tanh"), TANH_GELU_PATCH)
 
 
 def env_with(site: Path | None) -> dict[str, str]:

@@ -308,3 +308,67 @@ def declared_lowerings() -> dict[str, dict[str, str]]:
         for name, entries in table.items():
             out.setdefault(_canonical(name), {}).setdefault(backend, entries[0][0])
     return out
+
+
+# -- which distributions a run used ----------------------------------------------------------------
+
+def _distribution_of_origin() -> dict[str, tuple[str, str]]:
+    """An origin string as op types, passes and lowerings carry it ("<distribution> <version>") ->
+    (distribution, version), for every installed distribution with vgraph entry points."""
+    return {p.origin: (p.distribution, p.version)
+            for plugins in _entry_points(tuple(sys.path)).values() for p in plugins}
+
+
+def distributions_used(op_types: Iterable[str] = (), origins: Iterable[str] = ()) -> list[dict[str, str]]:
+    """`{"name", "version"}` of each installed distribution, vgraph itself aside, that defines one of
+    `op_types` or lowers one of them, or is one of `origins` (as passes carry them: "<distribution>
+    <version>") - what a run records in run.json so that a later command lacking one can name the
+    package to install.  Plugin files (`--plugin`) are not distributions; a run records them by path."""
+    from vgraph.ops import REGISTRY
+
+    found_origins: set[str] = set(origins)
+    lowerings = declared_lowerings()
+    for op_type in set(op_types):
+        if op_type in REGISTRY:
+            found_origins.add(REGISTRY.get(op_type).origin)
+            found_origins.update(lowerings.get(_canonical(op_type), {}).values())
+    known = _distribution_of_origin()
+    found = {known[o] for o in found_origins if o in known and known[o][0] != BUILTIN}
+    return [{"name": name, "version": version} for name, version in sorted(found)]
+
+
+def missing_plugins(run: Mapping[str, Any]) -> list[Diagnostic]:
+    """What a command needs to hear when a run's network or passes fail to load here: each distribution
+    the run recorded (run.json's "plugin_distributions") that is not installed, or installed in another
+    version, with the command that installs it; and the --plugin files it was trained with."""
+    installed = {dist: version for dist, version in _distribution_of_origin().values()}
+    notes: list[Diagnostic] = []
+    for rec in run.get("plugin_distributions") or ():
+        if not isinstance(rec, Mapping) or not isinstance(rec.get("name"), str):
+            continue
+        name, version = shown(rec["name"]), shown(rec.get("version") or "")
+        pin = f"{name}=={version}" if version else name
+        if rec["name"] not in installed:
+            notes.append(Diagnostic(f"the run used plugin distribution {name} {version} (an op type or pass of "
+                                    f"it), which is not installed here: pip install '{pin}'", severity="warning"))
+        elif version and installed[rec["name"]] != rec.get("version"):
+            notes.append(Diagnostic(f"the run used plugin distribution {name} {version}; {installed[rec['name']]} "
+                                    f"is installed (pip install '{pin}' for the one it trained with)",
+                                    severity="warning"))
+    files = [f for f in run.get("plugins") or () if isinstance(f, str)]
+    if files:
+        notes.append(Diagnostic(f"the run was trained with --plugin {' --plugin '.join(map(shown, files))}: give "
+                                f"the same plugin files to this command", severity="warning"))
+    return notes
+
+
+def naming_missing_plugins(run: Mapping[str, Any] | None, fn: Callable[[], R]) -> R:
+    """`fn()` (loading a run's network, replaying its passes); a VGraphError it raises gains the plugins the
+    run used that this process lacks (`missing_plugins`), so the message says what to install."""
+    try:
+        return fn()
+    except VGraphError as exc:
+        hints = missing_plugins(run or {})
+        if not hints:
+            raise
+        raise type(exc)(exc.diagnostics + hints) from None

@@ -238,11 +238,13 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
         raise VGraphError(f"{p}: cannot read checkpoint: {exc}") from None
     if graph is not None and trained_yaml:  # the checkpoint says what it was trained on: it must be `graph`
         from vgraph import loads
+        from vgraph.plugins import naming_missing_plugins
         from vgraph.run.network_match import require_match
 
-        trained = loads(trained_yaml, file=f"{p}/network.yml")
+        run = saved.extra.get("run") or {}
+        trained = naming_missing_plugins(run, lambda: loads(trained_yaml, file=f"{p}/network.yml"))
         require_match(trained, graph, checkpoint=str(p), given_label=given or f"network {graph.name!r}",
-                      changes=(saved.extra.get("run") or {}).get("semantic_changes") or ())
+                      changes=run.get("semantic_changes") or ())
     weights = {k: v.detach().to(torch.float32).cpu().numpy() for k, v in state.items()}
     if graph is None or set(expected_param_shapes(graph)) <= set(weights):
         return weights

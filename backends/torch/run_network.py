@@ -22,9 +22,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.base.diagnostics import VGraphError
 from vgraph.ir.graph import Graph
-from vgraph.plugins import shown
+from vgraph.plugins import naming_missing_plugins
 # shared with `vgraph report`
 from vgraph.run.compiled_graph import definition_spec as passes_for_definition, preserving_spec
 from vgraph.run.network_match import NetworkMismatch, difference, require_match
@@ -42,16 +42,9 @@ def trained_network_yaml(graph: Graph) -> str:
 
 
 def definition_graph(yaml_text: str, where: str, run: Mapping[str, Any] | None = None) -> Graph:
-    """A stored network, loaded; if it fails (an op type nobody registered), say which plugin files the run had."""
-    try:
-        return loads(yaml_text, file=where)
-    except VGraphError as exc:
-        files = (run or {}).get("plugins") or []
-        if not files:
-            raise
-        raise VGraphError(exc.diagnostics + [Diagnostic(
-            f"the run was trained with --plugin {' --plugin '.join(map(shown, files))}: give the same "
-            f"plugin files to this command", severity="warning")]) from None
+    """A stored network, loaded; if it fails (an op type nobody registered), say which plugin distributions
+    and files the run had (`vgraph.plugins.missing_plugins`)."""
+    return naming_missing_plugins(run, lambda: loads(yaml_text, file=where))
 
 
 def check_resumed_network(saved_yaml: str | None, saved_run: Mapping[str, Any], yaml_text: str, *,

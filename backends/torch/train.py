@@ -46,6 +46,7 @@ from typing import Any, Callable
 import torch
 
 from vgraph.base.diagnostics import VGraphError
+from vgraph.plugins import naming_missing_plugins
 from vgraph.run.files import RunLock, RunReader
 from vgraph.yamlio import loads
 
@@ -273,7 +274,8 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
     if stored_text is not None and stored_text != yaml_text:  # a run directory was given
         require_match(source, loads(stored_text, file=str(stored)),
                       checkpoint=str(target), given_label=str(stored), changes=run.get("semantic_changes") or ())
-    graph = prepare_graph(source, passes=passes_for_definition(run), fuse=fuse and run.get("fuse", True),
-                          target=device_target(torch_device))
+    graph = naming_missing_plugins(run, lambda: prepare_graph(
+        source, passes=passes_for_definition(run), fuse=fuse and run.get("fuse", True),
+        target=device_target(torch_device)))
     module = compile_network(graph, device=torch_device, train=False, unfused_state=state.model_state)
     return module, Tokenizer.from_str(tokenizer_json), graph

@@ -28,7 +28,8 @@ from vgraph.base.diagnostics import Diagnostic, VGraphError
 from vgraph.base.safeio import check_output_dir
 from vgraph.ir.graph import Graph
 from vgraph.plugins import loaded_files
-from vgraph.run.compiled_graph import NO_FUSE_PIPELINE, training_spec  # shared with `vgraph report`
+from vgraph.run.compiled_graph import (NO_FUSE_PIPELINE, plugin_distributions,  # shared with `vgraph report`
+                                       training_spec)
 from vgraph.run.files import RunLock, refuse_foreign
 from vgraph.run.network_match import fingerprint
 from vgraph.transform.pipeline import semantic_changes
@@ -234,6 +235,7 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
                 "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
                 "semantic_changes": changes, "network_fingerprint": fingerprint(graph),
                 "plugins": loaded_files(),  # named (never loaded) when a later command lacks them
+                "plugin_distributions": plugin_distributions(source, graph),  # likewise, by package
                 "memory_estimate": estimate_record(estimate, device)}  # vs measured: `vgraph report`
     return RunSetup(device, source, yaml_text, graph, seq_len, precision, dtype, loss_scaling, run_dir, latest,
                     data, run_info)

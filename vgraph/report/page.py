@@ -387,9 +387,9 @@ def network_drawing(rec: RunRecord) -> tuple[str | None, str | None]:
                          placement=_drawable_placement(rec.placement, graph))
         return embeddable_svg(svg), None
     except VGraphError as exc:
-        plugins = rec.run.get("plugins") or []
-        hint = (f" (the run was trained with --plugin {', '.join(map(str, plugins))}: give the same files to "
-                f"vgraph report)" if plugins else "")
+        from vgraph.plugins import missing_plugins
+
+        hint = "".join(f"; {d.message}" for d in missing_plugins(rec.run))
         return None, f"the network is not drawn: {exc.diagnostics[0].message}{hint}"
 
 

@@ -18,6 +18,8 @@ order, so the rules live here once:
   compress-boundary, whose `compress` VNodes hold no weights and only round
   what crosses a cut (`compression_changes` lists those), so the run's
   checkpoints are checkpoints of the network as given.
+* `plugin_distributions`: the installed plugin distributions that graph used
+  (run.json's "plugin_distributions", `vgraph.plugins.missing_plugins`).
 """
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ from typing import Any, Mapping
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.ir.graph import Graph
 from vgraph.ops.boundary import COMPRESSION_PASS
-from vgraph.transform.pipeline import SEMANTIC_CHANGES, build_pipeline, options_naming_files, run_pipeline
+from vgraph.plugins import distributions_used
+from vgraph.transform.pipeline import (APPLIED, SEMANTIC_CHANGES, available_passes, build_pipeline,
+                                       options_naming_files, run_pipeline)
 
 __all__ = ["NO_FUSE_PIPELINE", "training_spec", "preserving_spec", "definition_spec", "apply_assignment",
-           "refuse_files_named", "PLAN_CHOICES", "network_changes", "compression_changes"]
+           "refuse_files_named", "PLAN_CHOICES", "network_changes", "compression_changes", "plugin_distributions"]
 
 NO_FUSE_PIPELINE = "dead-nodes,precision"
 PLAN_CHOICES = ("compress",)  # graph.meta["placement"] keys a partition decides and passes after it read
@@ -97,3 +101,13 @@ def network_changes(graph: Graph) -> list[str]:
 def compression_changes(graph: Graph) -> list[str]:
     """Specs of the compress-boundary passes that changed `graph`."""
     return [c["spec"] for c in graph.meta.get(SEMANTIC_CHANGES, ()) if c.get("pass") == COMPRESSION_PASS]
+
+
+def plugin_distributions(source: Graph, graph: Graph) -> list[dict[str, str]]:
+    """The installed plugin distributions (name, version) whose op types the run's network has, before or
+    after its passes, or whose passes it ran: run.json records them so that a command lacking one says
+    which package to install (`vgraph.plugins.missing_plugins`)."""
+    installed = available_passes()
+    ran = list(graph.meta.get(APPLIED) or []) + [c["pass"] for c in graph.meta.get(SEMANTIC_CHANGES) or []]
+    return distributions_used({n.type for n in source.nodes} | {n.type for n in graph.nodes},
+                              [installed[name].origin for name in ran if name in installed])

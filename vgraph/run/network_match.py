@@ -12,14 +12,17 @@ layout: the same VNodes (id, type, and the config keys that define the
 computation: placement, training and precision keys do not), the same
 edges and the same outputs and costs.  A fused network matches the network
 it was fused from: when the direct comparison fails, both sides are first
-brought to their fused form by the built-in semantics-preserving fusions.
-`difference` names the first node, key or edge that differs.
+brought to a common form by every registered pass that keeps what the network
+computes and fuses (declares `preserves_semantics` and `fuses`, which rule-based
+passes do: `fused(...)` records `fused_from`), a plugin's as well as the
+built-in ones, after `dead-nodes`.  `difference` names the first node, key or
+edge that differs.
 """
 from __future__ import annotations
 
 import hashlib
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vgraph.base.diagnostics import VGraphError
@@ -28,8 +31,8 @@ from vgraph.transform.replace import MEMORY_KEYS, PLACEMENT_KEYS, PRECISION_KEYS
 
 #: Config keys that do not change what a network computes (nor its weight layout).
 NON_FUNCTIONAL = frozenset(PLACEMENT_KEYS + PRECISION_KEYS + TRAINING_KEYS + MEMORY_KEYS)
-#: Built-in passes that keep the function and only fuse: both sides of a comparison run them.
-CANONICAL_PASSES = ("dead-nodes", "fuse-heads", "fuse-lm-head-ce")
+#: Run first on both sides: what no endpoint reads has no weights a comparison should see.
+FIRST_PASSES = ("dead-nodes",)
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class Signature:
     nodes: dict[str, tuple[str, tuple[tuple[str, Any], ...]]]  # id -> (type, functional config)
     edges: frozenset[tuple[str, int, str, int]]
     endpoints: tuple[tuple[str, str, str, int], ...]  # (kind, name, node, slot)
-    order: tuple[str, ...]  # node ids in the file's order, for the first difference a message names
+    # node ids in the file's order, for the first difference a message names; not compared: two fusions
+    # applied in another order (or a fused file written by `optimize`) list the same VNodes differently
+    order: tuple[str, ...] = field(compare=False)
 
 
 def signature(graph: Graph) -> Signature:
@@ -51,13 +56,28 @@ def signature(graph: Graph) -> Signature:
     return Signature(nodes, edges, endpoints, tuple(n.id for n in graph.nodes))
 
 
-def canonical(graph: Graph) -> Graph:
-    """A copy of `graph` in fused form (the built-in fusions that keep the function, where installed)."""
-    from vgraph.transform.pipeline import available_passes, run_pipeline
+def canonical_passes() -> list[str]:
+    """`dead-nodes`, then every available pass that preserves semantics and fuses (built-in ones first, then
+    by name; the pipeline orders them by their declarations)."""
+    from vgraph.transform.pipeline import available_passes
 
     installed = available_passes()
+    fusions = []
+    for name in sorted(installed, key=lambda n: (not installed[n].builtin, n)):
+        if name in FIRST_PASSES:
+            continue
+        cls = installed[name].load()  # imported, not announced: only a pass that runs says it overrides
+        if cls.preserves_semantics and cls.fuses:
+            fusions.append(name)
+    return [n for n in FIRST_PASSES if n in installed] + fusions
+
+
+def canonical(graph: Graph) -> Graph:
+    """A copy of `graph` in its common fused form (`canonical_passes`)."""
+    from vgraph.transform.pipeline import run_pipeline
+
     copy = graph.copy()
-    run_pipeline(copy, [name for name in CANONICAL_PASSES if name in installed])
+    run_pipeline(copy, canonical_passes())
     return copy
 
 

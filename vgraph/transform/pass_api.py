@@ -146,6 +146,11 @@ class Pass:
     # function, while a wrong False only makes a run store the network it trained: a pass earns True
     # by declaring it.  The pass manager records every non-preserving pass that changed the graph.
     preserves_semantics: ClassVar[bool] = False
+    # Does it rewrite VNodes into fused ones that record `fused_from` (so weights map through
+    # `vgraph.run.layout`)?  A preserving pass that does is run on both sides when a checkpoint is matched
+    # with a network (`vgraph.run.network_match`), so weights trained with or without it fit either form.
+    # Rule-based passes (`RewritePass`) do; a hand-written `run()` fusion says so.
+    fuses: ClassVar[bool] = False
 
     def __init__(self, **opts: Any) -> None:
         unknown = set(opts) - set(self.options)

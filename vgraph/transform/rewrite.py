@@ -242,6 +242,7 @@ class RewritePass(Pass):
     """
 
     rules: ClassVar[RuleSet | Sequence[Rule]]
+    fuses: ClassVar[bool] = True  # its replacements are built with `fused(...)`, which records `fused_from`
 
     def run(self, graph: Graph, ctx: PassContext) -> Counter:
         rules = self.rules if isinstance(self.rules, RuleSet) else RuleSet(self.rules)

@@ -91,7 +91,8 @@ from vgraph.placement.export import assignment_of, placement_report
 from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
 from vgraph.cost.compression import parse_grad_compress
-from vgraph.run.compiled_graph import PLAN_CHOICES, apply_assignment, compression_changes, network_changes
+from vgraph.run.compiled_graph import (PLAN_CHOICES, apply_assignment, compression_changes, network_changes,
+                                       plugin_distributions)
 from vgraph.run.files import RunLock
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
 
@@ -508,6 +509,7 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
     info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}),
                 compression=compression_changes(placement.graph),
+                plugin_distributions=plugin_distributions(run.source, placement.graph),
                 launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": run.micro, "attempt": number})
     if run.lead:
         atomic_write_text(run.run_dir / "run.json", json.dumps(info, indent=2, default=str) + "\n")

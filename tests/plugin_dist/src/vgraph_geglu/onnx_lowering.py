@@ -14,4 +14,16 @@ def lower(n: NodeLowering) -> list[str]:
 
 
 def register() -> None:
-    register_lowering("geglu", lower)
+    # positionwise: each position's output reads only that position, so a KV-cache decoder may run it on
+    # the new positions alone (`vgraph export-onnx --kv-cache`)
+    register_lowering("geglu", lower, positionwise=True)
+
+
+def lower_gelu_ffn(n: NodeLowering) -> list[str]:
+    up = n.linear(n.inputs[0], n.param("up_weight"), n.param("up_bias"), "up")
+    act = n.op("Gelu", [up], "gelu", approximate="none")
+    return [n.linear(act, n.param("down_weight"), n.param("down_bias"), "down", out=n.out(0))]
+
+
+def register_gelu_ffn() -> None:
+    register_lowering("gelu_ffn", lower_gelu_ffn, positionwise=True)

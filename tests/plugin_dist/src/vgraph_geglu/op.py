@@ -8,7 +8,7 @@ bias), the gated GELU, and `down` ([out_dim, hidden]).  Registered by the
 """
 from __future__ import annotations
 
-from vgraph.ops import F, InferCtx, OpDef, Schema, register_op
+from vgraph.ops import F, InferCtx, OpDef, OpExample, Schema, register_op
 from vgraph.types import ShapeError, TensorType
 
 
@@ -16,7 +16,7 @@ def infer(ctx: InferCtx) -> list[TensorType]:
     """[.., dim] -> [.., out_dim]; a wrong last dimension is the user's error, said with the key."""
     x = ctx.single()
     if not x.shape:
-        raise ShapeError("input is a scalar but geglu needs [.., dim]")
+        raise ShapeError("input is a scalar but a feed-forward needs [.., dim]")
     ctx.require_last_dim(0, ctx.cfg["dim"], "dim")
     return [TensorType(x.shape[:-1] + (ctx.cfg["out_dim"],), ctx.dtype)]
 
@@ -53,6 +53,9 @@ GEGLU = OpDef(
         F("approximate", default="none", choices=("none", "tanh"), doc="GELU form: exact (erf) or tanh"),
     )),
     infer=infer, params=params, flops=flops, param_sources=param_sources,
+    # What `vgraph check-onnx --ops geglu` runs (each GELU form), like PyTorch's OpInfo samples.
+    examples=tuple(OpExample({"dim": 16, "hidden": 24, "out_dim": 12, "approximate": a}, ((8, 16),), a)
+                   for a in ("none", "tanh")),
 )
 
 

@@ -26,3 +26,17 @@ def emit(ctx: LowerCtx):
 
 def register() -> None:
     register_lowering("geglu", origin="vgraph-geglu")(emit)
+
+
+def gelu_ffn(x: torch.Tensor, up_weight: torch.Tensor, up_bias: torch.Tensor, down_weight: torch.Tensor,
+             down_bias: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.gelu(F.linear(x, up_weight, up_bias)), down_weight, down_bias)
+
+
+def emit_gelu_ffn(ctx: LowerCtx):
+    return [ctx.call(gelu_ffn, ctx.inputs[0], ctx.param("up_weight"), ctx.param("up_bias"),
+                     ctx.param("down_weight"), ctx.param("down_bias"))]
+
+
+def register_gelu_ffn() -> None:
+    register_lowering("gelu_ffn", origin="vgraph-geglu")(emit_gelu_ffn)
