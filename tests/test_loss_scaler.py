@@ -86,3 +86,5 @@ def test_a_disabled_scaler_is_one_and_saves_nothing():
     on = SharedLossScaler(True, 2.0 ** 16)
     on.load_state_dict(None)  # a checkpoint of a run without loss scaling: the initial scale stays
     assert on.scale == 2.0 ** 16 and on.tracker == 0
+    on.load_state_dict({"scale": 4.0})  # no growth tracker saved: counting starts at 0, as a fresh GradScaler's
+    assert on.scale == 4.0 and on.tracker == 0

@@ -13,9 +13,9 @@ from hypothesis import given, settings, strategies as st
 from conftest import TINY_FP32
 from vgraph import load
 from vgraph.cost.costmodel import cost_model
-from vgraph.cost.fleet import FleetError, PNode, append_pnode, fleet_text, loads_fleet, pnode_flow
+from vgraph.cost.fleet import Fleet, FleetError, PNode, append_pnode, fleet_text, loads_fleet, pnode_flow
 from vgraph.cost.op_kinds import KINDS, Efficiency, KindCost, format_seconds, parse_seconds
-from vgraph.cost.stepcost import effective_flops, stage_loads, step_cost
+from vgraph.cost.stepcost import FleetArrays, compute_seconds, effective_flops, stage_loads, step_cost
 
 ENTRY = ("name: f\npnodes:\n  - {{id: a, memory: 1GiB, flops: 10G, bandwidth: 1GB/s, accelerator: cpu,\n"
          "     efficiency: {}}}\n")
@@ -103,9 +103,12 @@ def _by_hand(cm, stage_of: dict[str, int], p: PNode, share: int, micro: int, sta
     return total
 
 
-def test_the_step_cost_prices_each_kind_at_its_share_plus_its_overhead() -> None:
+@pytest.mark.parametrize("shares, micro", [([8], 4), ([8], 1), ([7, 1], 4)])
+def test_the_step_cost_prices_each_kind_at_its_share_plus_its_overhead(shares, micro) -> None:
+    """Every replica and stage by hand: one micro-batch (no bubble of overheads to share), and a replica whose
+    one sample runs one micro-batch however many the others run (the overhead counted once, not M times)."""
     graph = load(TINY_FP32)
-    batch, micro = 8, 4
+    batch = sum(shares)
     cm = cost_model(graph, batch=batch, micro_batches=micro)
     eff = Efficiency((("matmul", KindCost(0.5, 4e-5)), ("attention", KindCost(0.1, 2e-4)),
                       ("elementwise", KindCost(0.01, 2e-5)), ("structural", KindCost(None, 5e-6))))
@@ -114,11 +117,16 @@ def test_the_step_cost_prices_each_kind_at_its_share_plus_its_overhead() -> None
     order = [n.id for n in graph.topo_order()]
     stage_of = {v: (0 if i < len(order) // 2 else 1) for i, v in enumerate(order)}
     loads = stage_loads(cm, stage_of, 2)
-    cost = step_cost(loads, [[p, q]], [batch], micro)
-    for s, pnode in enumerate((p, q)):  # compute or traffic, the longer (fast links here: the compute)
-        traffic = batch * max(loads.send[s].sum(), loads.send[:, s].sum()) / pnode.bandwidth
-        assert cost.stage_seconds[0, s] == pytest.approx(max(_by_hand(cm, stage_of, pnode, batch, micro, s), traffic)
-                                                         + loads.sync[s].sum() / pnode.bandwidth, rel=1e-12)
+    cost = step_cost(loads, [[p, q]] * len(shares), shares, micro)
+    fa = FleetArrays(Fleet.of("pq", p, q))
+    compute = compute_seconds(loads, fa, np.array([[0, 1]] * len(shares)), shares, micro)  # placement.json's
+    for r, share in enumerate(shares):
+        for s, pnode in enumerate((p, q)):  # compute or traffic, the longer (fast links here: the compute)
+            by_hand = _by_hand(cm, stage_of, pnode, share, micro, s)
+            traffic = share * max(loads.send[s].sum(), loads.send[:, s].sum()) / pnode.bandwidth
+            assert cost.stage_seconds[r, s] == pytest.approx(max(by_hand, traffic)
+                                                             + loads.sync[s].sum() / pnode.bandwidth, rel=1e-12), (r, s)
+            assert compute[r, s] == pytest.approx(by_hand, rel=1e-12), (r, s)
     # Without the figures: FLOPs / peak, as before.
     plain = step_cost(loads, [[PNode("a", 2 ** 34, 1e10, 1e12), PNode("b", 2 ** 34, 1e10, 1e12)]], [batch], micro)
     assert plain.stage_seconds[0, 0] == pytest.approx(batch * loads.flops[0] / 1e10 + loads.sync[0].sum() / 1e12)

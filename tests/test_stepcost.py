@@ -103,6 +103,51 @@ def test_the_bubble_factor(micro, stages):
     assert cost.step_seconds == pytest.approx(share * bubble(micro, stages), rel=1e-12)
 
 
+def test_a_tied_weight_split_over_stages_is_synced_and_replicated():
+    """The embedder (stage 0) publishes the LM head's weight (stage 1): both stages send the tie's sync
+    bytes every step, and the user's stage holds a replica of the weight."""
+    from tools.gen_networks import TransformerSpec, transformer
+
+    g = transformer(TransformerSpec("tied", layers=1, vocab=64, seq_len=16, dim=32, heads=2, ffn=64, head_up=64,
+                                    precision=None))
+    cm = cost_model(g, batch=4)
+    (tie,) = cm.ties
+    assert (tie.publisher, tie.user) == ("embedder", "lm_head") and tie.sync_bytes_per_step > 0
+    head = {n.id for n in g.nodes if n.id in ("final_norm", "head_up", "head_swiglu", "head_down", "lm_head", "loss")}
+    for user_stage in (1, 0):  # the user after the publisher, and (the same cut numbered the other way) before
+        stage_of = {n.id: int(n.id in head) == user_stage for n in g.nodes}
+        split = stage_loads(cm, {v: int(x) for v, x in stage_of.items()}, 2)
+        whole = stage_loads(cm, {n.id: 0 for n in g.nodes}, 1)
+        assert split.sync.tolist()[user_stage][1 - user_stage] == split.sync[1 - user_stage, user_stage] \
+            == tie.sync_bytes_per_step
+        assert split.static_bytes.sum() == pytest.approx(whole.static_bytes.sum() + tie.replica_bytes)
+        assert whole.sync.sum() == 0
+
+
+def test_stages_that_do_not_talk_pay_no_latency():
+    """A chain of three stages in three regions: the pipeline pays the latency of the links it uses
+    (0-1 and 1-2, twice: fill and drain), not of the link between the first and the last stage."""
+    links = Links({r: Region(r, 1e9, 0.0) for r in "abc"},
+                  {frozenset("ab"): (1e9, 0.010), frozenset("bc"): (1e9, 0.020), frozenset("ac"): (1e9, 0.400)})
+    p = [PNode(r, GIB, 1e12, 1e9, region=r) for r in "abc"]
+    fleet = Fleet.of("chain", *p, links=links)
+    p2p = np.array([[0.0, 8.0, 0.0], [8.0, 0.0, 8.0], [0.0, 8.0, 0.0]])
+    loads = StageLoads(np.full(3, 1e9), p2p, np.zeros((3, 3)), np.ones(3), np.ones(3), np.ones(3))
+    cost = step_cost(loads, [p], [4], 2, fleet)
+    work = 4 * 1e9 / 1e12  # every stage's compute (its 4-byte messages overlap it)
+    assert cost.replica_seconds[0] == pytest.approx((2 + 3 - 1) / 2 * work + 2 * (0.010 + 0.020), rel=1e-12)
+
+
+def test_a_share_smaller_than_the_micro_batches_runs_one_per_sample():
+    """A replica with one sample runs one micro-batch, whatever M: its bubble is (1 + S - 1) / 1 = S."""
+    fast = [PNode(f"f{i}", GIB, 4e9, 100.0) for i in range(2)]
+    cost = step_cost(two_stages(), [fast, fast], [7, 1], micro_batches=4)
+    per_sample = max(3e9 / 4e9, 5 / 100)  # stage 1: compute, or 5 bytes a sample each way, the longer
+    assert cost.replica_seconds[1] == pytest.approx(2 * per_sample + 0.04)
+    assert cost.replica_seconds[0] == pytest.approx((4 + 1) / 4 * 7 * per_sample + 0.04)
+    assert cost.memory[1].tolist() == [1000 + 5 * 1, 2000 + 7 * 1]  # one sample resident
+
+
 @pytest.mark.parametrize("R, grads, expected", [(1, 100, 0), (2, 100, 200), (4, 100, 600), (8, 7, 98)])
 def test_ring_allreduce_bytes(R, grads, expected):
     assert ring_allreduce_bytes(R, grads) == expected
@@ -170,6 +215,22 @@ def test_region_links_price_pipeline_and_allreduce():
             assert (float(bw[0]), float(lat[0])) == fleet.link(x, y)
 
 
+def test_a_ring_pays_the_links_its_members_use():
+    """The all-reduce of a stage group runs over the slowest link a ring through its members uses: a region's
+    own link only when two members share the region (three in one region: its latency, 2 (R - 1) times),
+    the link between two regions when the members are spread over them."""
+    gbit = 1e9 / 8
+    links = Links({"eu": Region("eu", 0.1 * gbit, 0.050), "us": Region("us", 0.1 * gbit, 0.050)},
+                  {frozenset(("eu", "us")): (1 * gbit, 0.005)})
+    p = [PNode(f"{r}{i}", GIB, 1e12, 10 * gbit, region=r) for r in ("eu", "us") for i in range(3)]
+    fleet = Fleet.of("geo", *p, links=links)
+    one = StageLoads(*(np.array(x, dtype=float) for x in ([1e9], [[0.0]], [[0.0]], [300.0], [1.0], [1.0])))
+    together = step_cost(one, [[p[0]], [p[1]], [p[2]]], [2, 2, 2], 1, fleet)  # three in eu
+    assert together.allreduce_seconds == pytest.approx(2 * 2 / 3 * 300 / (0.1 * gbit) + 2 * 2 * 0.050)
+    apart = step_cost(one, [[p[0]], [p[3]]], [3, 3], 1, fleet)  # one in eu, one in us: only the link between
+    assert apart.allreduce_seconds == pytest.approx(2 * 1 / 2 * 300 / (1 * gbit) + 2 * 1 * 0.005)
+
+
 def test_a_plan_must_be_rectangular():
     p = PNode("a", GIB, 1e9, 1e9)
     with pytest.raises(ValueError, match="rows of 2 PNodes"):
@@ -177,5 +238,7 @@ def test_a_plan_must_be_rectangular():
     fa = FleetArrays(Fleet.of("one", p))
     with pytest.raises(ValueError):
         step_cost_of(two_stages(), fa, np.zeros((1, 2), dtype=np.int64), [1, 1], 1)
+    with pytest.raises(ValueError, match="R >= 1"):  # no replica at all
+        step_cost_of(two_stages(), fa, np.zeros((0, 2), dtype=np.int64), [], 1)
     assert math.isfinite(step_cost_of(StageLoads(*(np.array(x, dtype=float) for x in (
         [1.0], [[0.0]], [[0.0]], [1.0], [1.0], [1.0]))), fa, np.zeros((1, 1), dtype=np.int64), [3], 2).step_seconds)

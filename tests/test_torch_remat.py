@@ -11,7 +11,9 @@ from vgraph.backends.torch.dropout import dropout_key
 from vgraph.backends.torch.train import train
 from vgraph.backends.torch.train_config import TrainConfig
 from vgraph.cost.costmodel import cost_model
-from vgraph.cost.remat import RECOMPUTE, marked_ids
+from vgraph.cost.remat import RECOMPUTE, marked_ids, remat_layout
+from vgraph.ir.graph import VNode
+from vgraph.ops.registry import REGISTRY
 from vgraph.passes.remat import candidates, closed, plain_activation, scopes_of
 
 FUSED = "dead-nodes,precision,fuse-heads,fuse-lm-head-ce"
@@ -77,6 +79,94 @@ def test_a_micro_batch_at_a_sample_offset_recomputes_its_own_masks():
     assert moved > 0.01  # the offset chooses other masks: gradients move by percents, far above the tolerance
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
     for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
+
+
+def saved_bytes(graph, ids, targets) -> int:
+    """Bytes autograd keeps for backward over one training step (each storage once, parameters included)."""
+    module = compile_network(graph, seed=0)
+    program = module.program_for(tuple(module.cost_names), training=True)
+    args = [ids if name.startswith("embedder") else targets for name in program.feeds]
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), dropout_key(7, 3):
+        loss = program.module(*args)[module.cost_names[0]]
+    loss.backward()
+    return sum(kept.values())
+
+
+def test_regions_keep_only_their_inputs_for_backward():
+    """What remat is for: a checkpointed region keeps its inputs, not its interior, so the step keeps far
+    fewer bytes for backward (measured with autograd's saved-tensor hooks), and every region with something
+    to recompute is cut out, also after a region with nothing to recompute (the embedder marked alone: its
+    output is read by the next block, outside its group)."""
+    plain = prepare_graph(vgraph.load(TINY), passes=FUSED, target="cpu")
+    marked = mark_all(plain.copy())
+    marked.node("embedder").set_config(remat=RECOMPUTE)
+    layout = remat_layout(marked)
+    assert layout.regions[0] == ("embedder",) and "embedder" not in layout.recomputed
+    emb = plain.nodes_of_type("embedder")[0].cfg
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    gm = step(marked, ids, targets)[2]
+    cut = [name for name, _ in gm.named_children() if name.startswith("remat_")]
+    assert len(cut) == sum(1 for r in layout.regions if set(r) & layout.recomputed) >= 3
+    assert saved_bytes(marked, ids, targets) < 0.5 * saved_bytes(plain, ids, targets)  # measured: 0.12
+
+
+def test_a_region_may_read_the_networks_inputs():
+    """A user's `remat: recompute` on the last projection puts the fused loss in its region (a frontier node),
+    and the loss reads the targets, an input of the network: the region takes it as an input like any other
+    outside value, and trains the same."""
+    plain = prepare_graph(vgraph.load(TINY), passes=FUSED, target="cpu")
+    marked = plain.copy()
+    marked.node("head_down").set_config(remat=RECOMPUTE)
+    emb = plain.nodes_of_type("embedder")[0].cfg
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    loss0, grads0, _ = step(plain, ids, targets)
+    loss1, grads1, gm = step(marked, ids, targets)
+    (region,) = [m for name, m in gm.named_children() if name.startswith("remat_")]
+    (call,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("remat_")]
+    assert "tied_lm_head_ce" in region.body.code and any(a.op == "placeholder" for a in call.args)
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
+
+
+def test_a_region_fed_only_by_the_tokens_trains_its_parameters():
+    """The embedder and a norm after it in its group, the embedder marked: the region's only input is the
+    token ids (no gradient flows into it), yet its parameters must get their gradients (non-reentrant
+    checkpointing; a reentrant one gives them None, and the run would silently stop training them)."""
+    graph = vgraph.load(TINY)
+    values, problems = REGISTRY.get("layernorm").schema.parse(
+        {"dim": "32", "colocate_group": "token_embedding", "colocate_policy": "required", "optimizer": "adam"})
+    assert not problems
+    graph.add_node(VNode("emb_norm", "layernorm", values))
+    (out,) = graph.out_edges("embedder")
+    graph.remove_edge(out)
+    graph.add_edge("embedder", 0, "emb_norm", 0)
+    graph.add_edge("emb_norm", 0, out.dst, out.dst_slot)
+    plain = prepare_graph(graph, passes=FUSED, target="cpu")
+    marked = plain.copy()
+    marked.node("embedder").set_config(remat=RECOMPUTE)
+    assert remat_layout(marked).recomputed == {"embedder"}
+    emb = plain.nodes_of_type("embedder")[0].cfg
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    loss0, grads0, _ = step(plain, ids, targets)
+    loss1, grads1, gm = step(marked, ids, targets)
+    assert any(name.startswith("remat_") for name, _ in gm.named_children())
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    for k in grads0:
+        assert grads1[k] is not None, k
         torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
 
 

@@ -111,7 +111,7 @@ TARGETS: dict[str, Target] = {
                                               "tests/test_torch_equivalence.py", "-k", "not six_layer"),
         timeout=300.0, why="what a training run saves and restores on resume (scaler, optimizer, data RNG)"),
     "stepcost": Target(
-        "vgraph/cost/stepcost.py", ("tests/test_stepcost.py", "tests/test_replica_shares.py"),
+        "vgraph/cost/stepcost.py", ("tests/test_stepcost.py", "tests/test_replica_shares.py", "tests/test_op_kinds.py"),
         functions=("bubble", "resident_samples", "resident_array", "ring_allreduce_bytes", "loads", "link",
                    "stage_rates", "compute_per_sample", "stage_overhead", "compute_seconds", "step_cost_of",
                    "_slowest_link"),
