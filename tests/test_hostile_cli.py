@@ -54,7 +54,7 @@ STRING_KINDS: dict[tuple[str | None, str], str] = {
     ("data prepare", "inputs"): "input-file-or-dir", ("data prepare", "output"): "output-dir",
     (None, "tokenizer"): "input-file",
     ("partition", "output"): "output-dir", (None, "output"): "output-file",
-    (None, "out"): "output-dir", (None, "dump_dir"): "output-dir",
+    (None, "out"): "output-dir", (None, "dump_dir"): "output-dir", ("launch", "emit_job"): "output-dir",
     (None, "passes"): "passes", (None, "device"): "device", (None, "target"): "target",
     (None, "master_addr"): "address",
     (None, "prompt"): "free-text",  # any text is a prompt

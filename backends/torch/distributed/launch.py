@@ -84,7 +84,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import atomic_write, read_input
+from vgraph.base.safeio import atomic_write, check_output_dir, read_input
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
@@ -678,6 +678,9 @@ def _emit_job(run: _Run, folder: Path) -> LaunchResult:
     """--emit-job DIR: place, write DIR/job.json (its run directory relative to DIR, the files in it relative
     to the run directory) and say how to start it under torchrun or srun; trains nothing."""
     cfg = run.cfg
+    # Like every output: never an input, never inside what a run owns (its checkpoints, its launch folder).
+    read = [p for p in (cfg.network, cfg.fleet, cfg.data, cfg.placement) if isinstance(p, (str, Path))]
+    folder = check_output_dir(folder, inputs=read, what="--emit-job directory")
     attempt = _place_attempt(run, run.fleet, 0, *_given_placement(cfg, 0, None), cfg.hold)
     folder.mkdir(parents=True, exist_ok=True)
     attempt.job.run_dir = os.path.relpath(run.run_dir.absolute(), folder.absolute())
