@@ -9,6 +9,7 @@ bytes of the ring formula.  A DDP communication hook plugs in (torch's fp16 comp
 from __future__ import annotations
 
 import contextlib
+import time
 import traceback
 import zlib
 
@@ -67,13 +68,14 @@ def _member(rank: int, port: int, world: int, hook: str, out) -> None:
                     with ctx:
                         loss = sum((params[n] * _x(rank, task, m, n)).sum() for n in USERS[task] if n != "unused")
                         loss.backward()
-            launched_before_finish = sync.launched
+            launched_before_late = sync.launched
             with torch.no_grad():
                 params["late"].grad.add_(100 * (rank + 1))  # the tied replica's gradient arrives
             sync.ready(params["late"])
+            launched = (launched_before_late, sync.launched)  # ... both before finish()
             sent = sync.finish()
             results.append(({n: (None if p.grad is None else p.grad.tolist()) for n, p in params.items()},
-                            launched_before_finish, len(sync.buckets), sent))
+                            launched, len(sync.buckets), sent))
             for p in params.values():
                 p.grad = None
         out.put((rank, results))
@@ -100,8 +102,11 @@ def test_every_rank_ends_with_the_exact_sum(world: int) -> None:
     for step in range(2):
         grads0 = results[0][step][0]
         for r in range(world):
-            grads, launched, buckets, sent = results[r][step]
-            assert buckets >= 3 and launched >= 1  # buckets went out during the last backward, before finish()
+            grads, (before_late, after_late), buckets, sent = results[r][step]
+            # 32-byte buckets [a] [d] [b] [unused, late]: every bucket went out during the last backwards (the
+            # unused parameter when its task's last backward returned) but the late one's, which waits for
+            # the tied gradient, and goes out when it is ready, all before finish()
+            assert buckets == 4 and (before_late, after_late) == (3, 4)
             assert grads["unused"] is None  # no gradient reached it: the optimizer skips it, as in `vgraph train`
             for name in ("a", "b", "d", "late"):
                 assert torch.equal(grads[name], _expected(world, name)), (r, name)
@@ -130,6 +135,27 @@ def test_ring_bytes_add_up_to_the_formula(numel: int, size: int, element: int) -
         assert set(per_member) == {2 * (size - 1) * numel // size * element}
 
 
+def ring_by_hand(numel: int, size: int) -> list[int]:
+    """Elements each member sends in the textbook ring all-reduce (Patarasuk and Yuan 2009; NCCL's ring) of
+    a buffer cut as torch.tensor_split cuts it: in reduce-scatter step k member r sends chunk r - k, in
+    all-gather step k chunk r - k + 1 (mod size), for k = 0 .. size - 2."""
+    chunks = [len(c) for c in torch.tensor_split(torch.zeros(numel), size)]
+    sent = [0] * size
+    for r in range(size):
+        for k in range(size - 1):
+            sent[r] += chunks[(r - k) % size] + chunks[(r - k + 1) % size]
+    return sent
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(numel=st.integers(0, 200), size=st.integers(2, 9), element=st.sampled_from([2, 4]))
+def test_each_member_sends_what_the_textbook_ring_sends(numel: int, size: int, element: int) -> None:
+    """Per member, not only in total: with uneven chunks the members send different amounts (each PNode's
+    measured bytes in the run's figures)."""
+    assert [ring_bytes_sent(numel, element, size, r) for r in range(size)] == \
+        [n * element for n in ring_by_hand(numel, size)]
+
+
 @settings(derandomize=True, max_examples=60, deadline=None)
 @given(sizes=st.lists(st.tuples(st.integers(1, 50), st.sampled_from([torch.float32, torch.float16])), max_size=12),
        cap=st.integers(1, 200))
@@ -143,6 +169,12 @@ def test_buckets_hold_every_parameter_once_in_one_dtype_under_the_cap(sizes, cap
         nbytes = sum(params[i].numel() * params[i].element_size() for i in b)
         assert nbytes <= cap or len(b) == 1
     assert [b[0] for b in layout] == sorted(b[0] for b in layout)
+    for dtype in {p.dtype for p in params}:  # full buckets: one closes only when its dtype's next would not fit
+        mine = [b for b in layout if params[b[0]].dtype == dtype]
+        for b, following in zip(mine, mine[1:]):
+            nbytes = sum(params[i].numel() * params[i].element_size() for i in b)
+            nxt = params[following[0]]
+            assert nbytes + nxt.numel() * nxt.element_size() > cap
 
 
 def test_a_bucket_answers_what_ddp_hooks_ask() -> None:
@@ -152,7 +184,44 @@ def test_a_bucket_answers_what_ddp_hooks_ask() -> None:
     assert [g.shape for g in bucket.gradients()] == [(2, 3), (4,)] and bucket.parameters() == params
     bucket.set_buffer(torch.arange(10.0))
     assert bucket.gradients()[1].tolist() == [6.0, 7.0, 8.0, 9.0]  # views into the one flat buffer
+    exact = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]  # 8 bytes each
+    assert bucket_layout(exact, 16) == [[0, 1], [2]]  # a bucket filled to exactly the cap is full, not over
     with pytest.raises(ValueError, match="bucket_bytes"):
         bucket_layout(params, 0)
     with pytest.raises(ValueError, match="twice"):
         GradientSync([params[0], params[0]], None, size=2, position=0, users={})
+
+
+def _local(hook_result):
+    """A one-member sync whose hook completes at once with `hook_result(bucket)` (no process group)."""
+    def hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(hook_result(bucket))
+        return fut
+
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    sync = GradientSync(params, None, size=1, position=0, users={"t": params}, bucket_bytes=8, hook=hook)
+    return params, sync
+
+
+def test_a_hook_may_return_a_new_tensor() -> None:
+    """A communication hook that answers with a tensor of its own (not the bucket's buffer): the gradients
+    become that tensor's values."""
+    params, sync = _local(lambda bucket: bucket.buffer() * 10)
+    sync.begin()
+    with sync.last_backward("t"):
+        (params[0].sum() * 2 + params[1].sum() * 3).backward()
+    start = time.perf_counter()
+    assert sync.finish() == 0  # one member sends nothing
+    assert params[0].grad.tolist() == [20.0] * 3 and params[1].grad.tolist() == [30.0] * 2
+    assert 0 <= sync.wait_s <= time.perf_counter() - start  # the seconds finish() waited, no more
+
+
+def test_a_gradient_replaced_instead_of_accumulated_is_refused() -> None:
+    params, sync = _local(lambda bucket: bucket.buffer())
+    sync.begin()
+    with sync.last_backward("t"):
+        (params[0].sum() + params[1].sum()).backward()
+    params[1].grad = torch.ones(2)  # no longer a view into its bucket: the sum would miss it
+    with pytest.raises(RuntimeError, match="replaced during the round"):
+        sync.finish()
