@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,8 +26,9 @@ from hypothesis import strategies as st
 
 from vgraph.cost.fleet import Fleet, PNode
 from vgraph.cost.fleet_links import Links, Region
-from vgraph.cost.stepcost import FleetArrays, StageLoads, step_cost_of
-from vgraph.passes.partition_replicas import price_layout
+from vgraph.cost.stepcost import FleetArrays, StageLoads, resident_samples, step_cost_of
+from vgraph.passes.partition_replicas import (REL_TIE, _better, _memory_caps, _replica_counts, _retarget,
+                                              price_layout)
 
 GIB = 2 ** 30
 REL = 1e-9
@@ -101,3 +103,64 @@ def test_the_shares_balance_compute_against_fixed_costs():
     best, best_shares = brute_force(lambda b: step_cost_of(loads, fa, idx, b, 2), 12, 2)
     assert shares == best_shares == [4, 8] and cost.step_seconds == pytest.approx(best, rel=REL)
     assert step_cost_of(loads, fa, idx, [3, 9], 2).step_seconds > 1.04 * best
+
+
+# -- the planner's pieces, each against its definition --------------------------------------------
+
+@settings(derandomize=True, max_examples=80, deadline=None)
+@given(S=st.integers(1, 4), micro=st.integers(1, 6), batch=st.integers(1, 20),
+       rows=st.lists(st.lists(st.integers(0, 400), min_size=4, max_size=4), min_size=1, max_size=3),
+       static=st.lists(st.integers(0, 200), min_size=4, max_size=4),
+       act=st.lists(st.integers(0, 30), min_size=4, max_size=4))
+def test_memory_caps_are_the_largest_share_that_fits(S, micro, batch, rows, static, act):
+    """`_memory_caps` inverts the resident-sample rule in closed form: it must be the largest share b whose
+    every stage fits, found here by trying every b with `stepcost.resident_samples`."""
+    loads = StageLoads(np.ones(S), np.zeros((S, S)), np.zeros((S, S)), np.ones(S), np.array(static[:S], float),
+                       np.array(act[:S], float))
+    memory = np.array([row[:S] for row in rows], dtype=float)
+    caps = _memory_caps(loads, memory, batch, micro, S)
+    for r in range(len(rows)):
+        fits = [b for b in range(1, batch + 1)
+                if all(static[s] + act[s] * resident_samples(b, micro, S) <= memory[r, s] for s in range(S))]
+        assert int(caps[r]) == max(fits, default=0), (r, fits)
+
+
+def test_replica_counts_tried():
+    """Every R up to 24, then a grid growing by 15% to the most replicas the fleet and batch allow."""
+    assert _replica_counts(40, 2, 16, None) == list(range(1, 17))  # the batch bounds R
+    counts = _replica_counts(1000, 1, 1000, None)
+    assert counts[:24] == list(range(1, 25)) and counts[-1] == 1000
+    assert all(b / a <= 1.2 for a, b in zip(counts[23:], counts[24:]))  # no gap in the grid
+    assert _replica_counts(1000, 4, 1000, None)[-1] == 250  # 4 stages: 250 replicas fill the fleet
+    assert _replica_counts(10, 2, 8, 3) == [3] and _replica_counts(10, 2, 8, 6) == []  # asked for: 5 fit at most
+
+
+def test_ties_go_to_the_plan_using_fewer_pnodes():
+    """Plans whose steps differ by less than REL_TIE are equal; the one on fewer PNodes wins them."""
+    step = SimpleNamespace
+    assert _better(step(step_seconds=1.0), 4, step(step_seconds=1.0), 6)
+    assert _better(step(step_seconds=1.0 + REL_TIE / 2), 4, step(step_seconds=1.0), 6)
+    assert not _better(step(step_seconds=1.0), 6, step(step_seconds=1.0), 4)
+    assert not _better(step(step_seconds=1.0 + 2 * REL_TIE), 4, step(step_seconds=1.0), 6)
+    assert _better(step(step_seconds=1.0 - 2 * REL_TIE), 8, step(step_seconds=1.0), 6)
+
+
+def test_a_problem_retargeted_at_fewer_stages_keeps_fewer_resident_samples():
+    """The planner cuts the network for each stage count from one unit problem (the partition pass's, built
+    for the whole fleet): only the activations change, by the ratio of resident samples (1F1B)."""
+    from conftest import TINY
+    from vgraph import load
+    from vgraph.cost.costmodel import cost_model
+    from vgraph.passes.partition_problem import build_problem
+
+    graph = load(TINY)
+    cm = cost_model(graph, batch=8, micro_batches=4)
+    fleet = Fleet.of("four", *[PNode(f"p{i}", 2 ** 34, 1e12, 1e9) for i in range(4)])
+    base = build_problem(graph, fleet, batch=8, micro_batches=4, cm=cm, view="groups")
+    assert base.resident_samples == cm.resident_samples(4) == 8  # ceil(8 / 4) x min(4, 4)
+    for stages, ratio in ((2, 1 / 2), (1, 1 / 4)):  # 4 and 2 resident samples
+        cut = _retarget(base, list(fleet.pnodes[:stages]), cm)
+        assert cut.resident_samples == cm.resident_samples(stages) and cut.pnodes == list(fleet.pnodes[:stages])
+        np.testing.assert_allclose(cut.breakdown[:, 3], base.breakdown[:, 3] * ratio)
+        np.testing.assert_array_equal(cut.breakdown[:, :3], base.breakdown[:, :3])
+        np.testing.assert_allclose(cut.memory, cut.breakdown.sum(axis=1))

@@ -240,5 +240,8 @@ def test_a_plan_must_be_rectangular():
         step_cost_of(two_stages(), fa, np.zeros((1, 2), dtype=np.int64), [1, 1], 1)
     with pytest.raises(ValueError, match="R >= 1"):  # no replica at all
         step_cost_of(two_stages(), fa, np.zeros((0, 2), dtype=np.int64), [], 1)
+    for idx, shares in ((np.zeros((2, 2)), [1]), (np.zeros((1, 3)), [1])):  # a share missing; a stage too many
+        with pytest.raises(ValueError, match="R >= 1"):
+            step_cost_of(two_stages(), fa, idx.astype(np.int64), shares, 1)
     assert math.isfinite(step_cost_of(StageLoads(*(np.array(x, dtype=float) for x in (
         [1.0], [[0.0]], [[0.0]], [1.0], [1.0], [1.0]))), fa, np.zeros((1, 1), dtype=np.int64), [3], 2).step_seconds)
