@@ -40,6 +40,8 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_distributed.py": ["--network", TINY_FP32, "--steps", "2", "--warmup", "1", "--batch", "2",
                              "--micro-batches", "1", "--rounds", "1"],
     "bench_launch_pair.py": None,  # run by gpu_check.sh below
+    "bench_grad_sync.py": ["--network", "tiny", "--procs", "2", "--mib", "1", "--rounds", "1", "--steps", "1",
+                           "--batch", "2", "--micro-batches", "1"],
     "bench_data.py": ["--smoke", "--workdir", "{tmp}/bench-data"],
     "bench_first_step.py": ["--runs", "1"],
     # Two checkouts alternated: here this checkout against itself, one round of the pass benchmark.

@@ -84,7 +84,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import atomic_write, check_output_dir, read_input
+from vgraph.base.safeio import check_output_dir, read_input
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report

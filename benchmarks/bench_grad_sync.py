@@ -1,0 +1,321 @@
+"""The replicas' gradient sum (grad_sync.py) against a bare `dist.all_reduce` and against the old ring, on gloo.
+
+    .venv/bin/python benchmarks/bench_grad_sync.py [--network 6] [--procs 2,4] [--mib 50] [--rounds 7]
+                                                   [--step-procs 2] [--steps 3] [--batch 4] [--micro-batches 2]
+
+Table 1, the sync alone (issue 25's acceptance: at most 1.15x a bare all-reduce of the same bytes): every
+process holds the network's gradients (its trainable parameters' shapes, float32; and, as a second case,
+one `--mib` MiB tensor) and sums them over P processes (gloo, CPU) three ways, alternating within every
+round so that a noisy neighbour hits all alike:
+
+* bare: one `dist.all_reduce` of a flat tensor of the same bytes (what torch gives; the floor);
+* new: `GradientSync` (25 MiB buckets, launched as soon as ready, all waited for), timed from the moment
+  every gradient is final, i.e. without any overlap with a backward;
+* old: the former home-made ring (benchmarks/ring_allreduce_baseline.py: flatten, blocking isend/recv per
+  chunk, clone back).
+
+A figure is the slowest process's time (a collective ends when its last member does); the table shows
+the median and the minimum over `--rounds` and both ratios.  The minimum is the machine's own cost, the
+least disturbed by other load (the ratio the target is read on); on a shared machine the medians carry
+the neighbours' noise, and both are printed side by side.
+
+Table 2, a 2-replica training step as a launch worker runs it (StageRunner.run_round: the network's
+forward and backward over `--micro-batches`, then the sync, then Adam), each replica on half of
+`--batch`, three ways alternating: the old ring after backward; the new sync with its buckets launched
+from the last micro-batch's backward hooks (as `vgraph launch` runs it); and the new sync with every
+bucket launched only after backward.  "wait" is the time spent waiting for the all-reduce after the
+backward; "hidden" is the share of the no-overlap wait that overlapping saved.
+
+The last line is `grad sync / bare all_reduce: X`, the largest new/bare ratio of minimums in table 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from network_paths import LABELS, NETWORK_FILES  # noqa: E402
+
+
+def _network(name: str) -> Path:
+    return NETWORK_FILES.get(name, Path(name))
+
+
+def _prepared(network: Path):
+    import vgraph
+    from vgraph.backends.torch import prepare_graph
+
+    return prepare_graph(vgraph.load(network), target="cpu")
+
+
+def _shapes(network: Path) -> list[tuple[int, ...]]:
+    """The trainable parameters' shapes of `network` as `vgraph launch` trains it (default passes)."""
+    from vgraph.backends.torch import compile_network
+    from vgraph.backends.torch.train import NodeOptimizers
+
+    module = compile_network(_prepared(network), device="cpu", train=True, seed=0)
+    return [tuple(p.shape) for p in NodeOptimizers(module, 1e-3).trainable]
+
+
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+# -- table 1: the sync alone -------------------------------------------------------------------------
+
+def _sync_member(rank: int, world: int, port: int, cases: list, rounds: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ring_allreduce_baseline import GradientRing
+    from vgraph.backends.torch.distributed.grad_sync import GradientSync
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = {}
+    try:
+        for name, shapes in cases:
+            gen = torch.Generator().manual_seed(rank)
+            params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+            grads = [torch.randn(s, generator=gen) for s in shapes]
+            flat = torch.randn(sum(g.numel() for g in grads), generator=gen)
+            sync = GradientSync(params, dist.group.WORLD, size=world, position=rank, users={"t": params})
+            ring = GradientRing(list(range(world)), rank)
+
+            def bare() -> float:
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(flat)
+                return time.perf_counter() - t0
+
+            def new() -> float:
+                sync.begin()
+                with torch.no_grad():
+                    for p, g in zip(params, grads):
+                        p.grad.copy_(g)  # what backward would have accumulated into the buckets
+                dist.barrier()
+                t0 = time.perf_counter()
+                with sync.last_backward("t"):
+                    pass  # every gradient final now: the buckets go out in order
+                sync.finish()
+                return time.perf_counter() - t0
+
+            def old() -> float:
+                for p, g in zip(params, grads):
+                    p.grad = g
+                dist.barrier()
+                t0 = time.perf_counter()
+                ring.all_reduce(params)
+                return time.perf_counter() - t0
+
+            times = {"bare": [], "new": [], "old": []}
+            methods = [("bare", bare), ("new", new), ("old", old)]
+            for r in range(rounds + 1):  # round 0 warms up (gloo's pairs, the allocator)
+                for key, method in methods[r % 3:] + methods[:r % 3]:
+                    t = _slowest(method())
+                    if r:
+                        times[key].append(t)
+            sync.close()
+            results[name] = (4 * flat.numel(), len(sync.buckets), times)
+        out.put((rank, results))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(target, world: int, *args) -> dict:
+    """rank -> what `target` put on the queue, from `world` spawned processes; a process that dies first stops
+    the benchmark with its exit code (its traceback is on stderr) instead of a wait for its result."""
+    import multiprocessing as mp
+    import queue
+
+    from vgraph.backends.torch.distributed.rendezvous import free_port
+
+    ctx = mp.get_context("spawn")  # the parent ran torch ops: no fork after OpenMP started
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(rank, world, port, *args, out)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    try:
+        while len(results) < world:
+            try:
+                rank, value = out.get(timeout=1.0)
+                results[rank] = value
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"bench_grad_sync: a process exited with {dead[0]} (see its traceback above)")
+        return results
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.exitcode is None:
+                p.kill()
+
+
+def sync_table(label: str, shapes: list, mib: float, procs: list[int], rounds: int) -> float:
+    cases = [(f"{label} network's gradients", shapes),
+             (f"one {mib:g} MiB tensor", [(int(mib * 2**20) // 4,)])]
+    print("| gradients | processes | bytes | buckets | bare all_reduce ms (median, min) | new sync ms | "
+          "new / bare (median, min) | old ring ms | old / bare (median, min) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    worst = 0.0
+    for world in procs:
+        results = _spawn(_sync_member, world, cases, rounds)[0]
+        for name, _ in cases:
+            nbytes, buckets, times = results[name]
+            med = {k: statistics.median(v) for k, v in times.items()}
+            low = {k: min(v) for k, v in times.items()}
+            worst = max(worst, low["new"] / low["bare"])
+            print(f"| {name} | {world} | {nbytes:,} | {buckets} | {1e3 * med['bare']:.1f} ({1e3 * low['bare']:.1f}) | "
+                  f"{1e3 * med['new']:.1f} ({1e3 * low['new']:.1f}) | {med['new'] / med['bare']:.2f} "
+                  f"({low['new'] / low['bare']:.2f}) | {1e3 * med['old']:.1f} ({1e3 * low['old']:.1f}) | "
+                  f"{med['old'] / med['bare']:.2f} ({low['old'] / low['bare']:.2f}) |", flush=True)
+    return worst
+
+
+# -- table 2: a 2-replica step ---------------------------------------------------------------------
+
+def _replica(network: str, rank: int, world: int):
+    """This process's replica as a launch worker builds it: the whole network as one stage (StageRunner),
+    the new sync twice (buckets from the backward hooks; buckets only after backward), and the old ring."""
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from ring_allreduce_baseline import GradientRing
+    from vgraph.backends.torch.distributed.comm import Transport
+    from vgraph.backends.torch.distributed.grad_sync import GradientSync
+    from vgraph.backends.torch.distributed.loss_scaler import SharedLossScaler
+    from vgraph.backends.torch.distributed.plan import make_plan
+    from vgraph.backends.torch.distributed.stage_runner import StageRunner
+    from vgraph.backends.torch.lower import compute_dtype
+
+    graph = _prepared(Path(network))
+    plan = make_plan(graph, {n.id: "r" for n in graph.nodes}, ["r"])
+    dtype = compute_dtype(graph)
+    amp = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype != torch.float32 else contextlib.nullcontext
+    stages = StageRunner(plan, 0, 1, torch.device("cpu"), Transport(torch.device("cpu"), offset=rank), amp,
+                         SharedLossScaler(False, 1.0), seed=0, lr=1e-4, replica=rank)
+    params, users, late = stages.sync_order()
+    engines = {"old": None,
+               "new": GradientSync(params, dist.group.WORLD, size=world, position=rank, users=users, late=late),
+               "after": GradientSync(params, dist.group.WORLD, size=world, position=rank, users={}, late=late)}
+    embed = graph.nodes_of_type("embedder")[0].cfg
+    return stages, engines, GradientRing(list(range(world)), rank), int(embed["vocab_size"]), int(embed["seq_len"])
+
+
+def _step_member(rank: int, world: int, port: int, network: str, steps: int, batch: int, micro: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from vgraph.backends.torch.distributed.plan import micro_batch_sizes
+    from vgraph.backends.torch.distributed.stage_runner import GlobalBatch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        stages, engines, ring, vocab, seq = _replica(network, rank, world)
+        share = batch // world
+        sizes = micro_batch_sizes(share, min(micro, share))
+        gen = torch.Generator().manual_seed(0)
+
+        def step(mode: str, n: int) -> tuple[float, float]:
+            ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+            lo = rank * share
+            stages.grad_sync = engines[mode]
+            dist.barrier()
+            t0 = time.perf_counter()
+            whole = GlobalBatch(batch, lambda ignore: int((ids != ignore).sum()))
+            stages.run_round(n, ids[lo:lo + share], ids[lo:lo + share], sizes, train=True, offset=lo, whole=whole)
+            t1 = time.perf_counter()
+            if mode == "old":
+                ring.all_reduce(stages.trainable)
+            else:
+                stages.finish_gradients()
+            t2 = time.perf_counter()
+            for optim in stages.optims.values():
+                for opt in optim.optimizers:
+                    opt.step()
+                optim.zero_grad()
+            return time.perf_counter() - t0, t2 - t1
+
+        times = {m: ([], []) for m in engines}
+        modes = list(times)
+        for r in range(steps + 1):  # round 0 warms up
+            for mode in modes[r % 3:] + modes[:r % 3]:
+                total, wait = step(mode, r * 3 + modes.index(mode) + 1)
+                total, wait = _slowest(total), _slowest(wait)
+                if r:
+                    times[mode][0].append(total)
+                    times[mode][1].append(wait)
+        nbytes = sum(b.nbytes for b in engines["new"].buckets)
+        out.put((rank, (nbytes, len(engines["new"].buckets), sizes, times)))
+    finally:
+        dist.destroy_process_group()
+
+
+def step_table(network: str, label: str, world: int, steps: int, batch: int, micro: int) -> None:
+    nbytes, buckets, sizes, times = _spawn(_step_member, world, network, steps, batch, micro)[0]
+    med = {m: (statistics.median(s), statistics.median(w)) for m, (s, w) in times.items()}
+    print(f"{label} network, {world} replicas of batch share {batch // world} in {len(sizes)} micro-batch(es) "
+          f"{sizes}, {nbytes:,} bytes of gradients in {buckets} bucket(s), medians of {steps} steps:")
+    print()
+    print("| sync | step s | wait for the all-reduce after backward s | wait / no-overlap wait |")
+    print("|---|---:|---:|---:|")
+    names = {"old": "old ring, after backward", "after": "new, buckets launched after backward",
+             "new": "new, buckets launched from the backward hooks (vgraph launch)"}
+    for mode in ("old", "after", "new"):
+        step_s, wait_s = med[mode]
+        print(f"| {names[mode]} | {step_s:.3f} | {wait_s:.3f} | {wait_s / med['after'][1]:.2f} |")
+    print()
+    print(f"hidden behind backward: {1 - med['new'][1] / med['after'][1]:.0%} of the all-reduce's wait; "
+          f"old ring wait / new wait: {med['old'][1] / med['new'][1]:.1f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--network", default="6", help="6, 8, 12, tiny or a YAML path (default 6)")
+    ap.add_argument("--procs", default="2,4", help="process counts for table 1 (default 2,4)")
+    ap.add_argument("--mib", type=float, default=50.0, help="the single tensor's size in MiB (default 50)")
+    ap.add_argument("--rounds", type=int, default=7, help="measured rounds per method in table 1 (default 7)")
+    ap.add_argument("--step-procs", type=int, default=2, help="replicas in table 2 (default 2; 0 skips it)")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per mode in table 2 (default 3)")
+    ap.add_argument("--batch", type=int, default=4, help="global batch of table 2 (default 4)")
+    ap.add_argument("--micro-batches", type=int, default=2, help="micro-batches per replica (default 2)")
+    args = ap.parse_args(argv)
+    import torch
+
+    network = _network(args.network)
+    label = LABELS.get(args.network, network.stem)
+    load = os.getloadavg()
+    print(f"bench_grad_sync: {label} network ({network.name}), gloo on CPU, torch {torch.__version__}, "
+          f"{os.cpu_count()} cores, load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at start")
+    print()
+    worst = sync_table(label, _shapes(network), args.mib, [int(p) for p in args.procs.split(",")], args.rounds)
+    print()
+    if args.step_procs:
+        step_table(str(network), label, args.step_procs, args.steps, args.batch, args.micro_batches)
+        print()
+    load = os.getloadavg()
+    print(f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end")
+    print(f"grad sync / bare all_reduce: {worst:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
