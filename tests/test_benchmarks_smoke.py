@@ -44,6 +44,7 @@ SMOKE: dict[str, list[str] | None] = {
                            "--batch", "2", "--micro-batches", "1"],
     "bench_data.py": ["--smoke", "--workdir", "{tmp}/bench-data"],
     "bench_first_step.py": ["--runs", "1"],
+    "bench_compress.py": ["--smoke"],
     # Two checkouts alternated: here this checkout against itself, one round of the pass benchmark.
     "ab_checkouts.py": ["{root}", "{root}", "--rounds", "1",
                         "--metric", r"8-layer=8-layer production\s+\d+\s+\d+\s+([\d.]+) ms",

@@ -25,6 +25,7 @@ from vgraph.backends.torch.data import default_corpus_documents
 from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
 from vgraph.cost.costmodel import cost_model
 
+from conftest import FIXTURES
 from test_distributed import run_and_kill
 from weights_util import assert_same_weights
 
@@ -120,3 +121,21 @@ def test_a_killed_compressed_run_resumes_exactly(files, tmp_path):
     assert state["boundary"] and all(float(r.abs().max()) > 0 for r in state["boundary"].values())
     assert sorted(state["powersgd"]) == [0, 1, 2, 3]  # every world rank's own error buffers
     assert all(s["error"] and s["p"] and s["iter"] == 4 for s in state["powersgd"].values())
+
+
+@pytest.mark.parametrize("fixture", sorted(FIXTURES.glob("*.yml")), ids=lambda p: p.stem)
+def test_every_fixture_launches_compressed_like_it_trains(fixture, files, tmp_path):
+    """The fixtures (tiny_2l in float16 autocast, tiny_1l_fp32) through int8 cuts on two workers."""
+    need = cost_model(vgraph.load(fixture), batch=BATCH, micro_batches=2).totals()["memory_bytes"]
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text("name: cut\npnodes:\n" + "".join(
+        f"  - {{id: w{i}, memory: {int(0.8 * need)}, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n"
+        for i in range(2)))
+    settings = dict(common(files, steps=3, val_every=0), network=str(fixture))
+    ref = train(TrainConfig(**settings, out=tmp_path / "ref", passes=(
+        f"dead-nodes,precision,partition{{fleet={fleet},batch={BATCH},micro_batches=2,replicas=1}},{COMPRESS}")))
+    run = launch(LaunchConfig(**settings, out=tmp_path / "run", fleet=str(fleet), micro_batches=2,
+                              passes=f"dead-nodes,precision,partition,{COMPRESS}"))
+    assert len(run.attempts[0]["ranks"]) == 2 and run.placement["cut_edges"]
+    torch.testing.assert_close(losses(run.history), losses(ref.history), rtol=1e-5, atol=0)
+    assert {r["boundary_bytes"] for r in run.history} == {run.placement["cut_bytes_per_step"]}

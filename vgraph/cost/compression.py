@@ -168,9 +168,8 @@ def ef_and_factor_bytes(shapes: Iterable[Sequence[int]], spec: GradCompression, 
     if not spec.enabled:
         return 0
     shapes = list(shapes)
-    whole, p, q = allreduce_numel(shapes, spec)
-    total = sum(prod(s) for s in shapes)
-    return (total + p + q) * element
+    _, p, q = allreduce_numel(shapes, spec)
+    return (sum(prod(s) for s in shapes) + p + q) * element
 
 
 def per_node(shapes_column: Sequence[Sequence[Sequence[int]]], grad_bytes: np.ndarray, params: np.ndarray,
