@@ -282,3 +282,16 @@ def test_emit_job_options_are_checked(emitted: Path, tmp_path: Path, capsys) -> 
     assert "file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         launch_main([*args, "--emit-job", ""])
+
+
+def test_a_worker_set_of_the_wrong_size_is_told_how_many_to_start(emitted: Path, capsys, monkeypatch) -> None:
+    """srun with three tasks for a job of two workers: refused before any rendezvous, naming SLURM_NTASKS."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0",
+                        "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "9"}.items():
+        monkeypatch.setenv(name, value)
+    assert worker_main([str(emitted / "jobs" / "job.json")]) == 3
+    err = capsys.readouterr().err
+    assert "SLURM_NTASKS is 3 but the job places 2 workers" in err and "start 2 processes" in err
+    assert "Traceback" not in err

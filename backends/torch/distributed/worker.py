@@ -150,7 +150,8 @@ class Worker:
         """Replica and plan rank of this world rank (world rank = replica x P + plan rank), device, threads."""
         job = self.job
         if self.world != len(job.ranks):
-            raise TrainingError(f"WORLD_SIZE is {self.world} but the job places {len(job.ranks)} workers "
+            started = "SLURM_NTASKS" if self.place.launcher == "slurm" else "WORLD_SIZE"
+            raise TrainingError(f"{started} is {self.world} but the job places {len(job.ranks)} workers "
                                 f"({len(job.batch_shares)} replica(s) x {len(job.plan_ranks)} PNodes): start "
                                 f"{len(job.ranks)} processes")
         self.pnode = job.ranks[self.rank]
