@@ -37,12 +37,15 @@ NUMBERS = {
     "name": [""],  # a JSONL field or column name: any text but none
 }
 # Paths are names of entries the `world` fixture creates (see _hostile_path).
-INPUT_FILE = ["missing", "dir", "fifo", "/dev/zero", "empty", "binary", "newline", "", "unreadable",
+INPUT_FILE = ["missing", "dir", "fifo", "/dev/zero", "empty", "binary", "newline", "", "unreadable", "non-utf8",
               "unknown-name", "dotdot-name", "escape-name"]  # the last three: not a shipped name either
-INPUT_FILE_OR_DIR = ["missing", "empty-dir", "fifo", "/dev/zero", "binary", "newline", "", "unreadable"]
+INPUT_FILE_OR_DIR = ["missing", "empty-dir", "fifo", "/dev/zero", "binary", "newline", "", "unreadable", "non-utf8"]
 # Outputs inside what a run owns (issue 21): the trained run's checkpoint, its metrics, its launch folder.
 OUTPUT_FILE = ["dir", "below-file", "/dev/null", "the-input", "", "checkpoint-file", "run-metrics"]
 OUTPUT_DIR = ["file", "below-file", "/dev/null", "", "checkpoint-dir", "run-launch-dir"]
+NON_UTF8 = "x\udcffy"  # what Python makes of an argument that is not UTF-8 (the byte 0xff)
+# Device types torch knows that no test machine has (issue 21: each was a traceback), and CUDA where absent.
+ABSENT_DEVICES = ["meta", "xpu", "mps", "hpu", "xla", "lazy", "ipu", "mtia", "vulkan", "xpu:1", "mps:0"]
 PASSES = ["no-such-pass", "fuse-heads{", "fuse-heads{nope=1}", "precision{target=nan}", "x\x1b[2J"]
 
 # Options that take a string, by destination (command-specific first).
@@ -65,8 +68,9 @@ STRING_KINDS: dict[tuple[str | None, str], str] = {
 STRING_VALUES = {
     "input-file": INPUT_FILE, "plugin": [v for v in INPUT_FILE if v != "empty"],  # an empty plugin is valid
     "input-file-or-dir": INPUT_FILE_OR_DIR, "output-file": OUTPUT_FILE, "output-dir": OUTPUT_DIR,
-    "passes": PASSES, "device": ["gpu7", "cuda:99", "cpu:x", ""], "target": ["cuda-sm", "tpu-v9", ""],
-    "address": ["not-an-address", "203.0.113.7"], "free-text": [],
+    "passes": PASSES + [NON_UTF8], "device": ["gpu7", "cuda:99", "cpu:x", "", NON_UTF8, *ABSENT_DEVICES],
+    "target": ["cuda-sm", "tpu-v9", "", NON_UTF8], "address": ["not-an-address", "203.0.113.7", NON_UTF8],
+    "free-text": [NON_UTF8],  # any text is a prompt, if it is text
     "pnode-id": ["../x", "a/b", ".hidden", "-x", "x\x1b[2J", "", "a" * 300],
     "fleet-to-append": OUTPUT_FILE + ["empty", "binary", "fifo", "newline"],
     "endpoint": ["nohost", "host:", ":80", "h:0", "h:99999", "h:abc", "", "x\x1b[2J:1"],
@@ -212,7 +216,7 @@ def _hostile_path(value: str, w: Path) -> str:
              # '..' or a control character a name is a path like any other (never a way into the package)
              "unknown-name": "no_such_network_or_fleet", "dotdot-name": "../t4x4",
              "escape-name": "t4x4\x1b[2J",
-             "checkpoint-file": str(step / "model.safetensors"),
+             "non-utf8": str(h / f"{NON_UTF8}.yml"), "checkpoint-file": str(step / "model.safetensors"),
              "checkpoint-dir": str(step / "sub"), "run-metrics": str(w / "run" / "metrics.jsonl"),
              "run-launch-dir": str(w / "run" / "launch" / "sub")}
     if value in named:

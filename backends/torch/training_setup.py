@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.base.diagnostics import Diagnostic, VGraphError, quote
 from vgraph.base.safeio import check_output_dir
 from vgraph.ir.graph import Graph
 from vgraph.plugins import loaded_files
@@ -66,15 +66,36 @@ def phase(say: Callable[[str], None], what: str) -> Iterator[list[str]]:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """`--device` as a torch device (default: CUDA when there is one), refused when it cannot run here."""
+    """`--device` as a torch device (default: CUDA when there is one), refused when it cannot run here.
+
+    Any device type torch knows (meta, xpu, mps, hpu, xla, ...) is accepted by `torch.device`, and failed
+    only later, deep inside, with a traceback: here a type is refused unless this machine has such a
+    device (`torch.<type>.is_available()`, and for an index, that many devices); `meta` holds no data
+    at all, so nothing can be trained or sampled on it."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
-    except RuntimeError:
-        raise TrainingError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise TrainingError(f"--device {name}: CUDA is not available on this machine")
+    except (RuntimeError, ValueError):
+        raise TrainingError(f"--device {quote(name)} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "meta":
+        raise TrainingError(f"--device {quote(name)}: the meta device holds shapes but no data; nothing can be "
+                            f"trained or sampled on it (use cpu or cuda)")
+    backend = getattr(torch, device.type, None)
+    try:
+        count = int(backend.device_count()) if hasattr(backend, "device_count") else 0
+        available = bool(backend.is_available()) if hasattr(backend, "is_available") else False
+    except Exception:  # noqa: BLE001  (a backend torch lists but cannot even query here)
+        count, available = 0, False
+    if not available:
+        what = "CUDA is" if device.type == "cuda" else f"no {device.type} device is"
+        raise TrainingError(f"--device {quote(name)}: {what} not available on this machine (use cpu"
+                            f"{', or cuda' if torch.cuda.is_available() else ''})")
+    if device.index is not None and count and device.index >= count:
+        raise TrainingError(f"--device {quote(name)}: this machine has {count} {device.type} device(s), "
+                            f"numbered from 0")
     return device
 
 

@@ -346,7 +346,8 @@ def _report_parser(sub: argparse._SubParsersAction) -> None:
                                    "about a run directory of vgraph train or vgraph launch, finished or still "
                                    "going: loss and validation curves, throughput, the network as compiled "
                                    "(passes, placement), per-PNode figures, memory estimate vs measured, settings.")
-    p.add_argument("run", metavar="RUN", help="the run directory (--out of vgraph train / vgraph launch)")
+    p.add_argument("run", metavar="RUN", type=options.path,
+                   help="the run directory (--out of vgraph train / vgraph launch)")
     p.add_argument("-o", "--output", required=True, metavar="REPORT.html")
     add_plugin_option(p)
     p.set_defaults(func=_report)

@@ -31,7 +31,9 @@ def load_network(path: str):
 
 
 def add_plugin_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plugin", action="append", default=[], metavar="FILE.py",  # checked by plugins.load_file
+    from vgraph.base import options
+
+    p.add_argument("--plugin", action="append", default=[], metavar="FILE.py", type=options.path,  # and load_file
                    help="load a local plugin file (passes, op types); may repeat")
 
 

@@ -11,7 +11,8 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from vgraph.base.diagnostics import VGraphError, printable
+from vgraph.base import options
+from vgraph.base.diagnostics import VGraphError, printable, quote
 from vgraph.cli import commands as _commands  # noqa: F401  (registers the core commands)
 from vgraph.cli.common import CORE_COMMANDS, EXIT_INVALID, add_plugin_option, load_network  # noqa: F401
 from vgraph.run import files as _run_files  # noqa: F401  (registers the run's ownership rule with safeio)
@@ -81,6 +82,7 @@ def _dispatch(build: Callable[[], argparse.ArgumentParser], argv: list[str]) -> 
         if not getattr(args, "func", None):
             parser.print_help()
             return 0 if not argv else EXIT_INVALID
+        refuse_undecodable(parser, args)  # before anything runs: text that is not UTF-8 is a diagnostic
         load_plugins(args)  # the one loading point: every command sees the same plugins
         return int(args.func(args) or 0)
     except (VGraphError, PluginError) as exc:
@@ -97,6 +99,46 @@ def _dispatch(build: Callable[[], argparse.ArgumentParser], argv: list[str]) -> 
         where = f"{printable(exc.filename)}: " if exc.filename is not None else ""
         print(f"{where}{printable(exc.strerror or exc)}", file=sys.stderr)
         return EXIT_INVALID
+
+
+def refuse_undecodable(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A VGraphError naming every option whose text is not UTF-8, except file and directory names.
+
+    Why one rule here: on Linux an argument is bytes, and Python hands the ones that are not UTF-8 over as
+    lone surrogates ('\\udcff'), which fail only when the text is finally encoded, deep inside a command
+    (a prompt in the tokenizer, an address in the socket library): a traceback.  A file name may be any
+    bytes and works as given, so options of type `options.path` are left alone; every other value of the
+    chosen command (and its subcommand) is checked once, before anything runs."""
+    bad = []
+    for action in _chosen_actions(parser, args):
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(value, list) else [value]
+        if action.type is options.path or not any(isinstance(v, str) and not _utf8(v) for v in values):
+            continue
+        name = action.option_strings[-1] if action.option_strings else action.metavar or action.dest
+        shown = next(v for v in values if isinstance(v, str) and not _utf8(v))
+        bad.append(f"{name}: not UTF-8 text ({quote(shown)}); give text in UTF-8")
+    if bad:
+        raise VGraphError(bad[0] if len(bad) == 1 else "; ".join(bad))
+
+
+def _chosen_actions(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[argparse.Action]:
+    """The actions of `parser` and of each subcommand `args` chose under it."""
+    actions = list(parser._actions)
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(getattr(args, action.dest, None) or "")
+            if sub is not None:
+                actions += _chosen_actions(sub, args)
+    return actions
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 if __name__ == "__main__":
