@@ -212,21 +212,24 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
             last_flush = time.perf_counter()
 
             # -- checkpointing; the loss curve is drawn here and at the end, not at every validation
-            # (matplotlib takes seconds; a killed run keeps the curve of its last checkpoint)
-            if save_now:
+            # (matplotlib takes seconds; a killed run keeps the curve of its last checkpoint).  A stop request
+            # that arrived after `save_now` was decided (during the update, validation or logging) saves too:
+            # the step is finished and logged, and stopping without its checkpoint would lose every step
+            # since the last one.
+            if save_now or stop.requested:
                 result.checkpoint = save_run_checkpoint(run_dir, step, state, setup.run_info, setup.yaml_text,
                                                         tokenizer_json, cfg.keep_checkpoints)
                 log.plot(run_dir / "loss_curve.png", setup.source.name)
                 last_flush = time.perf_counter()
             if stop.requested:
                 break
+        log.plot(run_dir / "loss_curve.png", setup.source.name)  # still under the stop handler: no traceback
     finally:
         tensor_peak.close()
         restore_signals()
         clear_dropout_key()
         bar.close()
         log.close()
-    log.plot(run_dir / "loss_curve.png", setup.source.name)
     result.step = step
     result.val_loss = last_val
     result.skipped_steps = loss_check.skipped_steps
