@@ -33,6 +33,7 @@ Why this shape:
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -49,8 +50,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from vgraph.base.diagnostics import quote
+from vgraph.base.diagnostics import printable, quote
+from vgraph.base.numbers import NumberError, checked_number
 from vgraph.base.safeio import atomic_write, atomic_write_with
+from vgraph.run.files import MAX_STEP
 
 try:  # numpy is optional; only needed to (de)serialise numpy RNG state.
     import numpy as np
@@ -206,7 +209,7 @@ def load_checkpoint(
     try:
         return Checkpoint(
             path=path,
-            step=int(state["step"]),
+            step=_step(state.get("step")),
             model_state=model_state,
             optimizer_states=_decode(optimizer["states"], optimizer_tensors),
             rng_state=_decode(state["rng"], state_tensors),
@@ -214,6 +217,15 @@ def load_checkpoint(
         )
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
         raise CheckpointError(f"malformed checkpoint {path}: {quote(str(exc), 200)}") from None
+
+
+def _step(value: Any) -> int:
+    """The step a checkpoint was taken after: an integer from 0 to MAX_STEP (10**30 or -1 are damage, and
+    a resume would start from them), read through the one checked reader of numbers."""
+    try:
+        return int(checked_number(value, "step", integer=True, low=0, high=MAX_STEP))
+    except NumberError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
@@ -403,7 +415,11 @@ def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     unique, aliases = _dedupe(tensors)
     metadata = {"format": "pt", _ALIASES_METADATA_KEY: json.dumps(aliases, sort_keys=True)}
     # Through the core's writer: save_file alone leaves the file 0600 whatever the umask (safeio.py).
-    atomic_write_with(path, lambda tmp: save_file(unique, os.fspath(tmp), metadata=metadata))
+    try:
+        atomic_write_with(path, lambda tmp: save_file(unique, os.fspath(tmp), metadata=metadata))
+    except SafetensorError as exc:  # a full disk: safetensors' own error, which no caller expects (a traceback)
+        raise OSError(errno.EIO, f"cannot write the checkpoint ({printable(str(exc), 300)})",
+                      os.fspath(path)) from None
 
 
 def _read_tensors(path: Path, device: str) -> dict[str, torch.Tensor]:

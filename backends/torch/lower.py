@@ -252,13 +252,26 @@ class VGraphModule(nn.Module):
         return to_unfused_layout({k: v.detach() for k, v in self.state_dict().items()}, self.network)
 
     def load_unfused_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load unfused-layout parameters (e.g. from an unfused run's checkpoint)."""
-        mine = to_graph_layout(state, self.network)
-        unused = set(state) - set(to_unfused_layout(self.state_dict(), self.network))
+        """Load unfused-layout parameters (e.g. from an unfused run's checkpoint).
+
+        Weights of another shape or a missing parameter are a VGraphError naming them (torch's
+        `load_state_dict` raised RuntimeError "size mismatch", a traceback, e.g. on
+        `train --resume --accept-network-change` with a wider vocabulary)."""
+        own = self.state_dict()
+        unused = set(state) - set(to_unfused_layout(own, self.network))
         if unused:
             raise VGraphError(f"checkpoint has parameters network {self.network.name!r} does not: "
                               f"{', '.join(sorted(unused)[:5])}{' ...' if len(unused) > 5 else ''}")
-        self.load_state_dict(mine, strict=True)
+        wanted = to_unfused_layout({k: v.detach() for k, v in own.items()}, self.network)
+        wrong = [f"{k} {list(state[k].shape)} (the network's is {list(v.shape)})" for k, v in sorted(wanted.items())
+                 if k in state and tuple(state[k].shape) != tuple(v.shape)]
+        missing = sorted(k for k in wanted if k not in state)
+        if wrong or missing:
+            what = (f"weights of other shapes: {'; '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}" if wrong
+                    else f"no weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            raise VGraphError(f"the checkpoint does not fit network {self.network.name!r}: it holds {what}; "
+                              f"a changed network can continue only where its parameters keep their shapes")
+        self.load_state_dict(to_graph_layout(state, self.network), strict=True)
 
     # -- running -------------------------------------------------------------------
     def forward(self, feeds: Mapping[str, Any], want: Want = None) -> dict[str, Any]:

@@ -16,7 +16,8 @@ through Graphviz, as PNG) as an image.
 
 **Resume**: a resumed run redoes the steps after its checkpoint, and
 metrics.jsonl drops the rows past it; here the new writer starts with
-`purge_step = checkpoint step + 1`, which makes TensorBoard's reader discard
+`purge_step = checkpoint step + 1` (0 when it restarts without a checkpoint
+over a killed session's events), which makes TensorBoard's reader discard
 the earlier session's events from that step on, so a curve never holds a step
 twice.  A command that trains nothing (already at its last step) opens no
 writer and leaves no empty event file.
@@ -27,6 +28,7 @@ import io
 import json
 import math
 import re
+import threading
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -124,11 +126,19 @@ class TensorBoardLog:
             return self._writer
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(str(self.run_dir), purge_step=self.start_step + 1 if self.start_step else None,
-                                     flush_secs=FLUSH_SECONDS)
+        _quiet_writer_threads()
+        self._writer = SummaryWriter(str(self.run_dir), purge_step=self._purge_step(), flush_secs=FLUSH_SECONDS)
         self._writer.add_text("run/settings", settings_markdown(self.settings), self.start_step)
         self._add_network_image()
         return self._writer
+
+    def _purge_step(self) -> int | None:
+        """Where TensorBoard drops an earlier session's events: after the checkpoint this run resumes from,
+        or all of them when it restarts from step 0 over event files of a session killed before its first
+        checkpoint (else those steps showed twice); a new run's directory has none to drop."""
+        if self.start_step:
+            return self.start_step + 1
+        return 0 if any(self.run_dir.glob("events.out.tfevents.*")) else None
 
     def _add_network_image(self) -> None:
         if self.graph is None:
@@ -150,6 +160,26 @@ class TensorBoardLog:
         return {"PNodes": {title: ["Multiline", [pnode_tag(p, key) for p in pnodes]]
                            for key, title in (("step_s", "step time (s)"), ("idle_s", "idle / bubble time (s)"),
                                               ("bytes_sent", "bytes sent per step"))}}
+
+
+def _quiet_writer_threads() -> None:
+    """TensorBoard writes events from a thread of its own; when a write fails (a full disk) that thread
+    printed its own OSError traceback, and the same error reaches the training thread anyway at the next
+    write or at close (EventFileWriter re-raises it there), where it becomes a diagnostic.  So an OSError
+    ending one of TensorBoard's writer threads is not printed a second time, as a traceback; every other
+    thread's exception still goes to the hook that was there.  Installed at each writer's opening unless it
+    is the hook already (a caller, a test runner, may have put its own hook in since)."""
+    previous = threading.excepthook
+    if getattr(previous, "vgraph_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook.vgraph_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def settings_markdown(settings: Mapping[str, Any]) -> str:
