@@ -31,9 +31,8 @@ def load_network(path: str):
 
 
 def add_plugin_option(p: argparse.ArgumentParser) -> None:
-    from vgraph.base import options
-
-    p.add_argument("--plugin", action="append", default=[], metavar="FILE.py", type=options.path,  # and load_file
+    action = p.add_argument("--plugin", action="append", default=[], metavar="FILE.py",  # checked by load_file
                    help="load a local plugin file (passes, op types); may repeat")
+    action.names_path = True  # a file name: any bytes (main.refuse_undecodable leaves it alone)
 
 

@@ -107,13 +107,14 @@ def refuse_undecodable(parser: argparse.ArgumentParser, args: argparse.Namespace
     Why one rule here: on Linux an argument is bytes, and Python hands the ones that are not UTF-8 over as
     lone surrogates ('\\udcff'), which fail only when the text is finally encoded, deep inside a command
     (a prompt in the tokenizer, an address in the socket library): a traceback.  A file name may be any
-    bytes and works as given, so options of type `options.path` are left alone; every other value of the
+    bytes and works as given, so options of type `options.path` (or marked `names_path`) are left alone; every other value of the
     chosen command (and its subcommand) is checked once, before anything runs."""
     bad = []
     for action in _chosen_actions(parser, args):
         value = getattr(args, action.dest, None)
         values = value if isinstance(value, list) else [value]
-        if action.type is options.path or not any(isinstance(v, str) and not _utf8(v) for v in values):
+        is_path = action.type is options.path or getattr(action, "names_path", False)
+        if is_path or not any(isinstance(v, str) and not _utf8(v) for v in values):
             continue
         name = action.option_strings[-1] if action.option_strings else action.metavar or action.dest
         shown = next(v for v in values if isinstance(v, str) and not _utf8(v))
