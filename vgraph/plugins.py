@@ -29,6 +29,7 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
 from importlib import metadata
@@ -61,8 +62,27 @@ def shown(text: object) -> str:
     return s if s.isprintable() else repr(s)
 
 
-def guarded(who: str, doing: str, fn: Callable[[], R]) -> R:
-    """Run plugin code; anything it raises, and `sys.exit`, becomes a PluginError naming `who`."""
+class _PluginExited(BaseException):
+    """os._exit called by plugin code while it loads (see `guarded`)."""
+
+    def __init__(self, code: object) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+def guarded(who: str, doing: str, fn: Callable[[], R], *, loading: bool = False) -> R:
+    """Run plugin code; anything it raises, and `sys.exit`, becomes a PluginError naming `who`.
+
+    Ctrl-C while plugin code runs (a plugin that hangs) is a PluginError naming it too, with the exit
+    status of an interrupt (130).  While a plugin `loading` (its module imported, its file executed),
+    `os._exit` is refused as well: it ended vgraph at once, silently, with the status the plugin chose
+    (0: as if the command had worked).  Only while loading, because code that forks (multiprocessing)
+    calls os._exit in its children when a pass runs."""
+    real_exit = os._exit
+    if loading:
+        def refuse_exit(code: int = 0) -> None:
+            raise _PluginExited(code)
+        os._exit = refuse_exit  # type: ignore[assignment]
     try:
         return fn()
     except PluginError:
@@ -72,10 +92,17 @@ def guarded(who: str, doing: str, fn: Callable[[], R]) -> R:
     except SystemExit as exc:
         raise PluginError(f"{who} called sys.exit({exc.code!r}) {doing}; a plugin may not end vgraph "
                           f"(raise an exception with a message instead)") from None
+    except _PluginExited as exc:
+        raise PluginError(f"{who} called os._exit({exc.code!r}) {doing}; a plugin may not end vgraph "
+                          f"(raise an exception with a message instead)") from None
     except KeyboardInterrupt:
-        raise
+        error = PluginError(f"{who}: interrupted {doing} (Ctrl-C while its code ran: does it hang?)")
+        error.exit_status = 130  # type: ignore[attr-defined]
+        raise error from None
     except BaseException as exc:  # noqa: BLE001  (GeneratorExit and friends from a plugin are its bugs too)
         raise PluginError(f"{who} failed {doing}: {type(exc).__name__}: {shown(exc)}") from exc
+    finally:
+        os._exit = real_exit
 
 
 @dataclass(frozen=True)
@@ -109,7 +136,7 @@ class Plugin:
                 obj = getattr(obj, part)
             return obj
 
-        return guarded(self.who, f"to load {self.value!r}", load)
+        return guarded(self.who, f"to load {self.value!r}", load, loading=True)
 
 
 @functools.lru_cache(maxsize=8)
@@ -137,12 +164,12 @@ def discover_groups(prefix: str) -> dict[str, list[Plugin]]:
 
 # -- op types ------------------------------------------------------------------------------------
 
-def _defining_ops(who: str, doing: str, origin: str, fn: Callable[[], R]) -> R:
+def _defining_ops(who: str, doing: str, origin: str, fn: Callable[[], R], *, loading: bool = False) -> R:
     """Run `fn` (plugin code); every op type it registers is recorded as defined by `origin`."""
     from vgraph.ops import REGISTRY
 
     before = {op.name for op in REGISTRY}
-    result = guarded(who, doing, fn)
+    result = guarded(who, doing, fn, loading=loading)
     for op in list(REGISTRY):
         if op.name not in before:
             REGISTRY.set_origin(op.name, origin)
@@ -195,7 +222,8 @@ def load_file(path: str | Path) -> ModuleType:
     sys.modules[name] = module
     _loading_file.append(key)
     try:
-        _defining_ops(label, "while loading", key, lambda: spec.loader.exec_module(module))  # type: ignore
+        _defining_ops(label, "while loading", key, lambda: spec.loader.exec_module(module),  # type: ignore
+                      loading=True)
     except PluginError:
         sys.modules.pop(name, None)
         raise

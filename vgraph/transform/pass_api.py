@@ -14,6 +14,7 @@ Passes are found like any plugin: entry points in the `vgraph.passes` group
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -181,10 +182,24 @@ class Pass:
 LOCAL_PASSES: dict[str, type[Pass]] = {}
 
 
+PASS_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,100}")  # what pipeline text can name (pipeline.py's grammar)
+
+
+def check_pass_name(name: object, who: str) -> str:
+    """`name` if a pipeline can name it, else a PassError saying so about `who`: a name that is not text
+    (`name = 5` sorted against the others was a TypeError traceback), or has spaces, braces, commas or
+    control characters (registered, listed, and never runnable)."""
+    if not isinstance(name, str) or not name:
+        raise PassError(f"{who}: a pass needs a `name` that is text, got {quote(name)}")
+    if not PASS_NAME.fullmatch(name):
+        raise PassError(f"{who}: pass name {quote(name)} cannot be named in a pipeline: use letters, digits, "
+                        f"'-', '_' and '.' (at most 100)")
+    return name
+
+
 def register_pass(cls: type[Pass]) -> type[Pass]:
     """Class decorator for passes defined in a local plugin file or in code."""
-    if not cls.name:
-        raise PassError(f"{cls.__qualname__}: a pass needs a non-empty `name`")
+    check_pass_name(getattr(cls, "name", None), cls.__qualname__)
     if not cls.origin:
         import inspect
 

@@ -25,7 +25,7 @@ from vgraph.base.diagnostics import Diagnostic, VGraphError
 from vgraph.base.gcpause import paused_gc
 from vgraph.ir.graph import Graph
 from vgraph.plugins import Plugin, discover, guarded, shown
-from vgraph.transform.pass_api import LOCAL_PASSES, Pass, PassContext, PassError
+from vgraph.transform.pass_api import LOCAL_PASSES, Pass, PassContext, PassError, check_pass_name
 
 DEFAULT_PIPELINE = "dead-nodes,precision,fuse-heads,fuse-lm-head-ce"
 APPLIED = "applied_passes"  # graph.meta key: names of passes whose results hold
@@ -71,6 +71,7 @@ def available_passes() -> dict[str, PassInfo]:
     """
     found: dict[str, PassInfo] = {}
     for plugin in discover("vgraph.passes"):
+        check_pass_name(plugin.name, plugin.who)
         info = PassInfo(plugin.name, plugin.origin, plugin=plugin, builtin=plugin.builtin)
         found[plugin.name] = _claim(found.get(plugin.name), info)
     for name, cls in LOCAL_PASSES.items():
@@ -134,6 +135,8 @@ def parse_pipeline(spec: str) -> list[tuple[str, dict[str, str]]]:
             key, eq, value = part.partition("=")
             if not eq or not key.strip():
                 raise PassError(f"pipeline {spec!r}: option {part!r} of {m.group(1)!r} is not key=value")
+            if key.strip() in opts:  # which one would win was the parser's accident: say so instead
+                raise PassError(f"pipeline {spec!r}: option {key.strip()!r} of {m.group(1)!r} is given twice")
             opts[key.strip()] = value.strip()
         out.append((m.group(1), opts))
         pos = m.end()
