@@ -422,6 +422,27 @@ def _has_float_inputs(graph: Graph) -> bool:
     return any(network_input_type(graph, graph.node(n), s).kind == "float" for n, s in graph.network_inputs())
 
 
+CHECK_COPIES = 3  # the torch run's activations, onnxruntime's, and the outputs compared: each per sample
+
+
+def _refuse_batch_beyond_memory(graph: Graph, batch: int) -> None:
+    """A VGraphError when `batch` samples cannot fit this machine's memory (numpy's MemoryError traceback
+    for 11.6 TiB of inputs, or an out-of-memory kill, before): float32 activation bytes per sample (the
+    core's analysis) for the torch run, onnxruntime and the comparison, against the available memory."""
+    from vgraph.cost.analyze import analyze
+    from vgraph.cost.host_memory import available_host_memory
+
+    free, source = available_host_memory()
+    if free is None:
+        return
+    per_sample = max(1, analyze(graph).activation_bytes) * CHECK_COPIES
+    if batch * per_sample > free:
+        raise VGraphError(f"--batch {batch}: the check needs about {batch * per_sample / 2**30:,.1f} GiB of "
+                          f"activations ({per_sample:,} bytes per sample, torch and onnxruntime), more than the "
+                          f"{free / 2**30:,.1f} GiB available ({source}); use --batch {max(1, free // per_sample)} "
+                          f"or less")
+
+
 def check_network(graph: Graph, *, weights: Mapping[str, np.ndarray] | None = None, batch: int = 1,
                   seed: int = 0, rtol: float | None = None, atol: float | None = None,
                   scales: Sequence[float] = DEFAULT_SCALES) -> CheckReport:
@@ -439,6 +460,7 @@ def check_network(graph: Graph, *, weights: Mapping[str, np.ndarray] | None = No
     if not scales or bad:
         raise VGraphError(f"input scales must be finite and > 0; got {list(scales)}")
     graph = fp32_graph(graph)
+    _refuse_batch_beyond_memory(graph, batch)
     trained = weights is not None
     base = dict(weights) if trained else random_weights(graph, seed)
     _check_weight_keys(graph, base)

@@ -104,7 +104,7 @@ from .job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
 from .membership import MachineLost, Machines, decide
 from .plan import PIPELINES
 from .progress import LaunchBar
-from .rendezvous import TOKEN_ENV, check_token, free_port, probe_port
+from .rendezvous import TOKEN_ENV, check_master_addr, check_token, free_port, probe_port
 from .supervisor import Supervisor
 from ..interrupt import StopRequest
 from ..metrics_log import read_rows
@@ -308,6 +308,7 @@ def _validate(cfg: LaunchConfig) -> None:
         raise VGraphError(f"comm must be one of {', '.join(COMM_MODES)}, not {cfg.comm!r}")
     if cfg.on_failure not in ON_FAILURE:
         raise VGraphError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {cfg.on_failure!r}")
+    check_master_addr(cfg.master_addr)  # never every interface (rendezvous.py)
     if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
         raise VGraphError(f"--node-rank must be in 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), got {cfg.node_rank}")
     if cfg.nnodes > 1 and cfg.on_failure == "repartition":

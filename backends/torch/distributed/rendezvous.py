@@ -41,6 +41,7 @@ from vgraph.base.diagnostics import VGraphError
 
 TOKEN_ENV = "VGRAPH_LAUNCH_TOKEN"
 MIN_TOKEN_CHARS = 16
+MIN_TOKEN_DISTINCT = 8
 
 
 class RendezvousError(VGraphError):
@@ -54,15 +55,37 @@ def new_token() -> str:
 def check_token(token: str | None, nnodes: int) -> str:
     """The run's token: the environment's, or (one machine only) a fresh one."""
     if token:
-        if len(token) < MIN_TOKEN_CHARS or not token.isprintable():
-            raise RendezvousError(f"{TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} printable characters "
-                                  f"(e.g. the output of: openssl rand -hex 16)")
+        if (len(token) < MIN_TOKEN_CHARS or not token.isprintable() or any(c.isspace() for c in token)
+                or len(set(token)) < MIN_TOKEN_DISTINCT):
+            raise RendezvousError(f"{TOKEN_ENV} must be at least {MIN_TOKEN_CHARS} printable characters, no "
+                                  f"spaces, at least {MIN_TOKEN_DISTINCT} of them different (16 spaces or one "
+                                  f"letter repeated are no secret; e.g. the output of: openssl rand -hex 16)")
         return token
     if nnodes > 1:
         raise RendezvousError(f"several machines need a shared secret: set {TOKEN_ENV} to the same value on "
                               f"every machine (e.g. export {TOKEN_ENV}=$(openssl rand -hex 16)); the rendezvous "
                               f"port is reachable by other hosts")
     return new_token()
+
+
+def check_master_addr(addr: str) -> str:
+    """`--master-addr` unless it is a wildcard (0.0.0.0, ::, 0, an empty name): the rendezvous store
+    listens on that address, and a wildcard listens on every interface of the machine, which the README
+    promises never happens."""
+    plain = addr.strip().strip("[]")
+    wildcard = plain in ("", "*")
+    try:
+        wildcard = wildcard or socket.inet_aton(plain) == b"\0\0\0\0"  # also the legacy forms '0', '0.0'
+    except OSError:
+        pass
+    try:
+        wildcard = wildcard or ipaddress.ip_address(plain).is_unspecified
+    except ValueError:
+        pass
+    if wildcard:
+        raise RendezvousError(f"--master-addr {addr!r} means every interface of this machine; give the address "
+                              f"of machine 0 that the others reach (127.0.0.1 on one machine)")
+    return addr
 
 
 def _family(addr: str) -> socket.AddressFamily:
@@ -207,5 +230,5 @@ def process_group_store(place: Any, timeout: timedelta, env: Mapping[str, str] |
                             {**env, "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port)})
 
 
-__all__ = ["TOKEN_ENV", "RendezvousError", "check_token", "probe_port", "free_port", "rendezvous_store",
+__all__ = ["TOKEN_ENV", "RendezvousError", "check_token", "check_master_addr", "probe_port", "free_port", "rendezvous_store",
            "process_group_store", "new_token", "interface_towards", "gloo_environment"]
