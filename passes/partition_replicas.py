@@ -50,8 +50,8 @@ import numpy as np
 
 from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.cost.fleet import Fleet, PNode
-from vgraph.cost.stepcost import (FleetArrays, LoadColumns, StageLoads, StepCost, batch_shares, bubble,
-                                  resident_samples, stage_rates, step_cost_of)
+from vgraph.cost.stepcost import (FleetArrays, LoadColumns, StageLoads, StepCost, balanced_shares, batch_shares,
+                                  bubble, pipeline_seconds, resident_samples, stage_rates, step_cost_of)
 from vgraph.ir.graph import Graph
 
 from .partition_plan import Plan, plan_partition
@@ -377,16 +377,21 @@ def _stage_groups_in_regions(fa: FleetArrays, fits: np.ndarray, R: int, S: int, 
 
 def price_layout(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, batch: int, micro: int
                  ) -> tuple[list[int], StepCost] | None:
-    """Batch shares for the layout and its step cost; None when it cannot hold the batch."""
+    """Batch shares for the layout and its step cost; None when it cannot hold the batch.
+
+    The shares are balanced on the simulated pipelines (`stepcost.balanced_shares`), starting from the
+    water-filled shares of the linear model b x bubble x seconds per sample + fixed seconds."""
     R, S = idx.shape
     per_sample, fixed, latency = stage_rates(loads, fa, idx)
-    factor = bubble(micro, S)  # shares assume every replica gets >= M samples (exact cost below)
+    factor = bubble(micro, S)  # a replica's share below M runs fewer micro-batches: a guess only
     a = factor * per_sample.max(axis=1)
     c = fixed.max(axis=1) + latency
     caps = _memory_caps(loads, fa.memory[idx], batch, micro, S)
-    shares = batch_shares(batch, a, c, caps)
-    if shares is None:
+    guess = batch_shares(batch, a, c, caps)
+    if guess is None:
         return None
+    shares = guess if R == 1 else balanced_shares(
+        lambda rows, b: pipeline_seconds(loads, fa, idx[rows], b, micro), batch, guess, caps)
     cost = step_cost_of(loads, fa, idx, shares, micro)
     return (shares, cost) if cost.fits else None
 

@@ -2,15 +2,16 @@
 test_replica_shrink.py), checked by brute force over every integer split of the batch, with tied-weight
 sync and link latency nonzero and S >= 2 stages.  No torch here: these run in a second (mutation testing).
 
-Why brute force and these conditions (issue 27, bug 5): the shares are optimised on a model of the step,
+Why brute force and these conditions (issue 27, bug 5): the shares start from a linear model of the step,
 b_r x bubble x a_r + c_r (a_r: the slowest stage's seconds per sample, c_r: tie sync and latency, fixed
-per step).  A wrong bubble factor scales every a_r alike, so with c_r = 0 (no sync, no latency) or S = 1
-(bubble 1 either way) the shares come out the same and only the price of the step, computed elsewhere,
-could show it; with both nonzero the balance between a and c moves and the plan is slower.  The oracle is
-`step_cost_of` itself, the exact price of a plan, minimised over every split of the batch.
+per step), and are then balanced on the simulated pipelines (`stepcost.balanced_shares`).  A wrong factor
+scales every a_r alike, so with c_r = 0 (no sync, no latency) or S = 1 (bubble 1 either way) the shares
+come out the same and only the price of the step could show it; with both nonzero the balance between a
+and c moves and the plan is slower.  The oracle is `step_cost_of` itself, the exact price of a plan,
+minimised over every split of the batch.
 
-Where a replica's share is below M it runs fewer micro-batches (a larger bubble) than the shares assume;
-the shares are then a bound, not the optimum, so the optimality claim is checked where every share is at
+Where a replica's share is below M it runs fewer micro-batches than M, and its time need not grow with
+its share; the balance is then a heuristic, so the optimality claim is checked where every share is at
 least M (`_exact`), which M = 1 always is.
 """
 from __future__ import annotations
@@ -94,15 +95,16 @@ def test_the_planners_shares_give_the_least_step(R, S, micro, extra, speeds, flo
 
 def test_the_shares_balance_compute_against_fixed_costs():
     """Replica 0 computes 5x slower but has the fast link; replica 1 pays 0.4 s of tie sync a step on its slow
-    link.  Its fixed seconds take samples away from it: [4, 8] of 12 (two micro-batches), where a bubble factor
-    of (M + S) / M instead of (M + S - 1) / M weighs compute too much against them and gives [3, 9], 4% slower."""
+    link.  Its fixed seconds take samples away from it: [4, 8] of 12 (two micro-batches), where weighing
+    compute too much against them (a bubble factor of (M + S) / M instead of (M + S - 1) / M, in the closed
+    form these shares once came from) gives [3, 9], more than 3% slower."""
     fa = FleetArrays(geo_fleet([(1e9, 2e8), (1e9, 2e8), (5e9, 1e7), (5e9, 1e7)], (1, 1, 1)))
     loads = loads_of(2, [1e8, 1e8, 1e8], 4e6)
     idx = np.arange(4).reshape(2, 2)
     shares, cost = price_layout(loads, fa, idx, 12, 2)
     best, best_shares = brute_force(lambda b: step_cost_of(loads, fa, idx, b, 2), 12, 2)
     assert shares == best_shares == [4, 8] and cost.step_seconds == pytest.approx(best, rel=REL)
-    assert step_cost_of(loads, fa, idx, [3, 9], 2).step_seconds > 1.04 * best
+    assert step_cost_of(loads, fa, idx, [3, 9], 2).step_seconds > 1.03 * best
 
 
 # -- the planner's pieces, each against its definition --------------------------------------------

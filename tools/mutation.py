@@ -111,11 +111,24 @@ TARGETS: dict[str, Target] = {
                                               "tests/test_torch_equivalence.py", "-k", "not six_layer"),
         timeout=300.0, why="what a training run saves and restores on resume (scaler, optimizer, data RNG)"),
     "stepcost": Target(
-        "vgraph/cost/stepcost.py", ("tests/test_stepcost.py", "tests/test_replica_shares.py", "tests/test_op_kinds.py"),
+        "vgraph/cost/stepcost.py", ("tests/test_stepcost.py", "tests/test_replica_shares.py", "tests/test_op_kinds.py",
+                                    "tests/test_makespan.py"),
         functions=("bubble", "resident_samples", "resident_array", "ring_allreduce_bytes", "loads", "link",
                    "stage_rates", "compute_per_sample", "stage_overhead", "compute_seconds", "step_cost_of",
-                   "_slowest_link"),
+                   "_slowest_link", "pipeline_seconds", "balanced_shares", "tasks"),
         timeout=600.0, why="the predicted step of S stages x R replicas and its bytes, which the planner optimises"),
+    "makespan": Target(
+        "vgraph/cost/makespan.py", ("tests/test_makespan.py", "tests/test_stepcost.py"),
+        functions=("_compile", "makespan"),
+        timeout=600.0, why="the simulated pipeline: the makespan of the workers' op orders"),
+    "schedule": Target(
+        "vgraph/cost/schedule.py", ("tests/test_makespan.py",),
+        functions=("_schedule", "_one_f_one_b", "__init__", "next_op", "complete", "_wake_bwd"),
+        timeout=600.0, why="the per-rank op orders the workers run and the cost model prices (1F1B, GPipe)"),
+    "tasks": Target(
+        "vgraph/cost/tasks.py", ("tests/test_makespan.py", "tests/test_stepcost.py"),
+        functions=("scheduled", "tied_pairs", "depth", "_topological", "chain_tasks"),
+        timeout=600.0, why="the tasks of a cut as the workers run them (stage x depth) and the tensors between"),
     "partition-replicas": Target(
         "passes/partition_replicas.py", ("tests/test_replica_shares.py", "tests/test_partition_replicas.py"),
         functions=("price_layout", "_memory_caps", "_better", "_identical", "_replica_counts", "_retarget",

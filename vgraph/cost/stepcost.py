@@ -16,19 +16,29 @@ with batch share b, M_r = min(M, b) micro-batches and stage s on PNode p:
                           sum_t send(t, s) / bw(q_t -> p))     or receives: the busier direction
     work(r, s)  = max(compute(r, s), link(r, s))
     sync(r, s)  = sum_t tie(s, t) / bw(p -> q_t)              tied weights, once a step
-    replica(r)  = (M_r + S - 1) / M_r * max_s work(r, s)      the pipeline with its bubble
-                + max_s sync(r, s)
-                + 2 * sum of latencies of its stage-to-stage links   (fill and drain)
+    replica(r)  = the makespan of the workers' schedule       `pipeline_seconds`, below
     reduce(s)   = 2 (R - 1) / R * grad_bytes(s) / slowest link of stage s's group
                 + 2 (R - 1) * the group's largest latency          (ring all-reduce)
                   (PowerSGD, `--grad-compress`: grad_bytes(s) is what it all-reduces, the latency counts
                   three rounds, and its FLOPs on the group's slowest member are added; compression.py)
     step        = max_r replica(r) + max_s reduce(s)
 
+A replica's pipeline is priced as the workers run it: its stages' tasks (tasks.py: a stage runs its
+VNodes in one task per depth, so the stage holding the embedder and the tied LM head runs the first task
+and the last), ordered by the same 1F1B or GPipe schedule the torch backend executes (schedule.py), each
+op lasting its share of compute(r, s) on its micro-batch and each tensor its bytes over the sender's link,
+simulated to its makespan (makespan.py).  On S equal stages with no traffic that is the closed form
+(M + S - 1) / M x the stage's time, which this model used for every pipeline until the testbed ran a
+2-stage cut whose first PNode also runs the LM head (h0 -> h1 -> h0) at 2.5x that formula: 1F1B keeps at
+most min(M, S) micro-batches in flight on a rank, and over a chain of three tasks on two ranks the step
+comes out near the serial sum of the stages.
+
 Compute and traffic overlap, and the two directions of a link do not compete: a worker sends with
 `isend` and computes the next micro-batch while its output is on the wire, and a link is full duplex
 (on the netlab testbed each direction has its own rate).  Charging their sum, as this model did before
-the testbed measured it, predicted pipelines over a 20 Mbit/s link 2.4x to 5x slower than they ran.
+the testbed measured it, predicted pipelines over a 20 Mbit/s link 2.4x to 5x slower than they ran.  In
+the simulation a rank's outgoing tensors queue on its link one after another; incoming ones do not queue
+(in a chain a rank's incoming traffic is its neighbours' outgoing, already queued there).
 
 When PNode p carries `vgraph probe`'s figures (vgraph/cost/op_kinds.py), compute is priced per op kind
 k: `flops(s) / flops(p)` becomes `sum_k flops_k(s) / (flops(p) * of_peak_k(p))` and `overhead(s, p)` is
@@ -38,9 +48,10 @@ k: `flops(s) / flops(p)` becomes `sum_k flops_k(s) / (flops(p) * of_peak_k(p))` 
 slow region link (vgraph/cost/fleet_links.py).  The stage groups all-reduce at the
 same time on disjoint PNodes, hence the max; the all-reduce starts after the
 last backward (no overlap is assumed: the prediction is an upper bound there).
-With R = 1 and M = 1 a pipeline runs its stages one after another (bubble S);
+With M = 1 a pipeline runs its tasks and tensors one after another (their sum);
 `bottleneck_seconds`, the partition pass's objective, is max work + sync with
-no bubble, as before.
+no bubble, as before.  Batch shares balance the replicas' simulated pipelines
+(`balanced_shares`, starting from `batch_shares` on a linear model of them).
 
 Memory of stage s on replica r: parameters, gradients and optimizer state of
 its VNodes, a replica of each tied weight it reads from another stage, and the
@@ -57,21 +68,23 @@ import heapq
 from dataclasses import dataclass
 from functools import cached_property
 from math import ceil
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
 from vgraph.cost.compression import per_node
 from vgraph.cost.costmodel import CostModel
+from vgraph.cost.makespan import Durations, TaskEdge, compile_program, makespan
 from vgraph.cost.op_kinds import KINDS, op_kind
+from vgraph.cost.tasks import FORWARD_SHARE, TaskGraphIndex, TaskLoads, chain_tasks
 
 if TYPE_CHECKING:
     from vgraph.cost.fleet import Fleet, PNode
 
 __all__ = ["StageLoads", "StepCost", "FleetArrays", "LoadColumns", "stage_loads", "step_cost", "step_cost_of",
            "compute_per_sample", "stage_overhead", "compute_seconds", "effective_flops", "vnode_kinds",
-           "stage_rates", "ring_allreduce_bytes", "bubble", "resident_array",
-           "resident_samples", "replica_assignment", "batch_shares"]
+           "stage_rates", "ring_allreduce_bytes", "bubble", "resident_array", "pipeline_seconds",
+           "resident_samples", "replica_assignment", "batch_shares", "balanced_shares"]
 
 
 @dataclass
@@ -92,10 +105,20 @@ class StageLoads:
     reduce_memory: np.ndarray | None = None  # [S] bytes
     reduce_rounds: int = 1
     send: np.ndarray | None = None  # [S, S] bytes per sample stage a sends stage b (p2p = send + send.T)
+    # The stages' tasks (vgraph/cost/tasks.py): what the workers schedule; None for hand-made loads, which
+    # are then one task per stage in a chain (`task_view`).
+    tasks: TaskLoads | None = None
 
     @property
     def stages(self) -> int:
         return len(self.flops)
+
+    def task_view(self) -> TaskLoads:
+        """The tasks the workers run for these stages (one per stage in a chain when none were derived)."""
+        if self.tasks is None:
+            send = self.send if self.send is not None else self.p2p / 2
+            self.tasks = chain_tasks(self.flops, send, self.kind_flops, self.kind_ops)
+        return self.tasks
 
 
 def vnode_kinds(cm: CostModel) -> np.ndarray:
@@ -127,6 +150,7 @@ class LoadColumns:
         col = cm.array
         self.ids: list[str] = cm.node_columns["id"]
         self.flops = cm.train_flops_per_sample()  # forward + backward (+ recomputed forwards, remat)
+        self.forward_flops = col("flops").astype(float)
         # What a stage all-reduces, the compression's FLOPs and memory (compression.py; plain: the gradients).
         self.rounds = 3 if cm.grad_compress.enabled else 1
         self.grad, self.reduce_flops, self.reduce_memory = per_node(
@@ -140,9 +164,12 @@ class LoadColumns:
             self.edge_act = col("edge:bytes_per_sample").astype(float)  # forward, src -> dst (its wire format)
             self.edge_grad = col("edge:back_bytes_per_sample").astype(float)  # backward, dst -> src
             self.edge_flops = col("edge:codec_flops").astype(float)
+            self.edge_has_grad = col("edge:gradient").astype(bool)
         else:
             self.src = self.dst = np.zeros(0, dtype=np.int64)
             self.edge_act = self.edge_grad = self.edge_flops = np.zeros(0)
+            self.edge_has_grad = np.zeros(0, dtype=bool)
+        self.graph_index = TaskGraphIndex(len(self.ids), self.src, self.dst)
         self.kind = vnode_kinds(cm)
         at = {nid: i for i, nid in enumerate(self.ids)} if cm.ties else {}
         self.ties = [(at[t.publisher], at[t.user], float(t.sync_bytes_per_step), float(t.replica_bytes))
@@ -182,7 +209,34 @@ class LoadColumns:
         return StageLoads(flops, p2p, sync, grad, static, act, kind_flops, kind_ops,
                           reduce_flops=np.bincount(where, weights=self.reduce_flops, minlength=stages),
                           reduce_memory=np.bincount(where, weights=self.reduce_memory, minlength=stages),
-                          reduce_rounds=self.rounds, send=send)
+                          reduce_rounds=self.rounds, send=send, tasks=self.tasks(where, stages))
+
+    def tasks(self, where: np.ndarray, stages: int) -> TaskLoads:
+        """The tasks of the cut `where` (vgraph/cost/tasks.py): per (stage, depth), its work; per pair of
+        tasks, the bytes between them (a cut edge's compression FLOPs go to its producer's task)."""
+        depth = self.graph_index.depth(where)
+        keys, task_of = np.unique(depth * stages + where, return_inverse=True)
+        T = len(keys)
+        flops = np.bincount(task_of, weights=self.flops, minlength=T)
+        forward = np.bincount(task_of, weights=self.forward_flops, minlength=T)
+        share = np.divide(forward, flops, out=np.full(T, FORWARD_SHARE), where=flops > 0)
+        kind_flops, kind_ops = np.zeros((len(KINDS), T)), np.zeros((len(KINDS), T))
+        np.add.at(kind_flops, (self.kind, task_of), self.flops)
+        np.add.at(kind_ops, (self.kind, task_of), 1.0)
+        edges: tuple[TaskEdge, ...] = ()
+        act = grad = np.zeros(0)
+        if len(self.src):
+            a, b = task_of[self.src], task_of[self.dst]
+            cross = a != b
+            codec = np.bincount(a[cross], weights=self.edge_flops[cross], minlength=T)
+            flops = flops + codec
+            kind_flops[KINDS.index("elementwise")] += codec
+            pairs, inv = np.unique(a[cross] * T + b[cross], return_inverse=True)
+            act = np.bincount(inv, weights=self.edge_act[cross], minlength=len(pairs))
+            grad = np.bincount(inv, weights=self.edge_grad[cross], minlength=len(pairs))
+            flows = np.bincount(inv, weights=self.edge_has_grad[cross], minlength=len(pairs)) > 0
+            edges = tuple(TaskEdge(int(p // T), int(p % T), bool(g)) for p, g in zip(pairs.tolist(), flows))
+        return TaskLoads(keys % stages, keys // stages, flops, share, kind_flops, kind_ops, edges, act, grad)
 
 
 def stage_loads(cm: CostModel, stage_of: Mapping[str, int], stages: int) -> StageLoads:
@@ -287,7 +341,7 @@ class FleetArrays:
 
 
 def step_cost(loads: StageLoads, pnodes: Sequence[Sequence["PNode"]], shares: Sequence[int], micro_batches: int,
-              fleet: "Fleet | None" = None) -> StepCost:
+              fleet: "Fleet | None" = None, pipeline: str = "1f1b") -> StepCost:
     """The cost of a plan: `pnodes[r][s]` runs stage s of replica r on `shares[r]` samples."""
     from vgraph.cost.fleet import Fleet
 
@@ -296,7 +350,7 @@ def step_cost(loads: StageLoads, pnodes: Sequence[Sequence["PNode"]], shares: Se
         fleet = Fleet("plan", tuple(seen.values()))
     arrays = FleetArrays(fleet)
     idx = np.array([[arrays.index[p.id] for p in row] for row in pnodes], dtype=np.int64).reshape(len(pnodes), -1)
-    return step_cost_of(loads, arrays, idx, shares, micro_batches)
+    return step_cost_of(loads, arrays, idx, shares, micro_batches, pipeline)
 
 
 def stage_rates(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -350,18 +404,54 @@ def compute_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares:
     return b[:, None] * compute_per_sample(loads, fa, idx) + micro[:, None] * stage_overhead(loads, fa, idx)
 
 
-def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Sequence[int], micro_batches: int
-                 ) -> StepCost:
+def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Sequence[int],
+                     micro_batches: int, pipeline: str = "1f1b") -> np.ndarray:
+    """[R] seconds of each replica's pipeline: the makespan of the schedule its workers run
+    (vgraph/cost/schedule.py, simulated by vgraph/cost/makespan.py) over the stages' tasks.
+
+    Micro-batch m of replica r has the size the worker cuts (`plan.micro_batch_sizes`); a task's op on it
+    takes size x seconds per sample (per op kind) + the task's fixed overhead, the forward its share of
+    the task's FLOPs, the backward the rest; a tensor between stages occupies the sender's uplink for
+    size x bytes per sample / `Fleet.link` bandwidth, plus the link's latency; a tied pair's sync takes
+    its bytes, half each way, plus a latency each way."""
+    tasks = loads.task_view()
+    S = idx.shape[1]
+    b = np.maximum(np.asarray(shares, dtype=np.int64), 1)
+    micro = np.minimum(max(1, micro_batches), b)
+    on = idx[:, tasks.stage]  # [R, T] the PNode of each task
+    per_sample, overhead = compute_per_sample(tasks, fa, on), stage_overhead(tasks, fa, on)
+    src = tasks.stage[[e.src for e in tasks.edges]].astype(np.int64)
+    dst = tasks.stage[[e.dst for e in tasks.edges]].astype(np.int64)
+    bw, latency = fa.link(idx[:, src], idx[:, dst])
+    bw_back, _ = fa.link(idx[:, dst], idx[:, src])
+    ties, pairs = TaskLoads.tied_pairs(loads.sync)
+    tie = np.zeros((len(idx), len(pairs)))
+    for p, (a, c) in enumerate(pairs):
+        there, lat = fa.link(idx[:, a], idx[:, c])
+        back, _ = fa.link(idx[:, c], idx[:, a])
+        tie[:, p] = loads.sync[a, c] / 2 * (1 / there + 1 / back) + 2 * lat
+    out = np.empty(len(idx))
+    for m in np.unique(micro).tolist():
+        rows = np.flatnonzero(micro == m)
+        sizes = (b[rows] // m)[:, None] + (np.arange(m)[None, :] < (b[rows] % m)[:, None])  # [n, m]
+        compute = sizes[:, None, :] * per_sample[rows][:, :, None] + overhead[rows][:, :, None]  # [n, T, m]
+        forward = compute * tasks.forward[None, :, None]
+        durations = Durations(forward, compute - forward, sizes[:, None, :] * (tasks.act / bw[rows])[:, :, None],
+                              sizes[:, None, :] * (tasks.grad / bw_back[rows])[:, :, None], latency[rows], tie[rows])
+        out[rows] = makespan(compile_program(tasks.scheduled, tasks.edges, S, m, pipeline, ties), durations)
+    return out
+
+
+def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Sequence[int], micro_batches: int,
+                 pipeline: str = "1f1b") -> StepCost:
     """`step_cost` for a plan given as fleet indices `idx[r, s]` (what the planner evaluates by the thousand)."""
     R, S = idx.shape
     if R < 1 or S != loads.stages or len(shares) != R:
         raise ValueError(f"a plan needs R >= 1 rows of {loads.stages} PNodes and R batch shares")
     b = np.asarray(shares, dtype=float)
-    link, sync, latency = _link_terms(loads, fa, idx)
-    micro = np.minimum(max(1, micro_batches), np.maximum(b, 1))
+    link, sync, _ = _link_terms(loads, fa, idx)
     work = np.maximum(compute_seconds(loads, fa, idx, shares, micro_batches), b[:, None] * link)
-    factor = (micro + S - 1) / micro
-    replica = work.max(axis=1) * factor + sync.max(axis=1) + latency
+    replica = pipeline_seconds(loads, fa, idx, shares, micro_batches, pipeline)
     reduce = np.zeros(S)
     resident = resident_array(np.asarray(shares), micro_batches, S).astype(float)
     memory = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
@@ -442,6 +532,41 @@ def batch_shares(batch: int, seconds_per_sample: Sequence[float], fixed: Sequenc
         if out[r] < cap[r]:
             heapq.heappush(heap, (float((out[r] + 1) * a[r] + c[r]), r))
     return out
+
+
+def balanced_shares(seconds: Callable[[np.ndarray, np.ndarray], np.ndarray], batch: int, guess: Sequence[int],
+                    caps: Sequence[int]) -> list[int]:
+    """Integer shares of `batch` (replica r: 1 .. caps[r]) that make the slowest replica the fastest it can
+    be, where `seconds(rows, shares)` gives replica rows[i]'s seconds at shares[i] (the simulated pipeline:
+    no closed form to water-fill), nondecreasing in the share; `guess` (summing to `batch`, within the caps)
+    is where to look, e.g. `batch_shares` on a linear model.
+
+    Greedy from below in a window around the guess: every replica starts w samples below it, and each
+    sample left goes to whoever would finish it earliest (one batched evaluation of the window prices every
+    choice).  That is optimal for a min-max of nondecreasing functions unless a replica ends on the window's
+    edge (it may want fewer samples than the window starts it with, or more than it allows): then the
+    window widens and the search runs again."""
+    guess = np.asarray(guess, dtype=np.int64)
+    cap = np.minimum(np.asarray(caps, dtype=np.int64), batch)
+    R = len(guess)
+    width = 2
+    while True:
+        lo, hi = np.clip(guess - width, 1, cap), np.clip(guess + width, 1, cap)
+        rows = np.repeat(np.arange(R), hi - lo + 1)
+        start = np.concatenate(([0], np.cumsum(hi - lo + 1)[:-1]))
+        table = seconds(rows, lo[rows] + np.arange(len(rows)) - start[rows])  # replica r at lo[r] + k: start[r] + k
+        shares = lo.copy()
+        heap = [(float(table[start[r] + 1]), r) for r in range(R) if hi[r] > lo[r]]
+        heapq.heapify(heap)
+        for _ in range(batch - int(lo.sum())):
+            _, r = heapq.heappop(heap)
+            shares[r] += 1
+            if shares[r] < hi[r]:
+                heapq.heappush(heap, (float(table[start[r] + shares[r] + 1 - lo[r]]), r))
+        edge = ((shares == hi) & (hi < cap)) | ((shares == lo) & (lo > 1))
+        if not edge.any() or width >= batch:
+            return shares.tolist()
+        width *= 4
 
 
 def replica_assignment(assignment: Mapping[str, str], replica_pnodes: Sequence[Sequence[str]], r: int

@@ -139,7 +139,8 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
         "cut_bytes_per_step": sum(c.bytes_per_step for c in cuts) + sum(s["bytes_per_step"] for s in sync),
         "endpoints": endpoints,
     }
-    return with_replicas(report, graph, fleet, cm)  # replicas, step_seconds, ... (replica_report.py)
+    return with_replicas(report, graph, fleet, cm,  # replicas, step_seconds, ... (replica_report.py)
+                         pipeline=str(placed.get("pipeline") or "1f1b"))
 
 
 # -- splitting ------------------------------------------------------------------------------------

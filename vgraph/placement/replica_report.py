@@ -54,8 +54,10 @@ def replica_layout(graph: Graph, assignment: dict[str, str], batch: int) -> tupl
     return rows, [int(x) for x in shares]
 
 
-def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostModel) -> dict[str, Any]:
-    """`report` (a placement report of replica 0 at the global batch) with the replica fields added."""
+def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostModel, pipeline: str = "1f1b"
+                  ) -> dict[str, Any]:
+    """`report` (a placement report of replica 0 at the global batch) with the replica fields added; the
+    pipeline priced as the workers run it under `pipeline` (1f1b or gpipe: vgraph/cost/schedule.py)."""
     assign = report["assignment"]
     rows, shares = replica_layout(graph, assign, cm.batch)
     unknown = sorted({p for row in rows for p in row} - set(fleet.ids))
@@ -65,13 +67,14 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
     stage_of_pnode = {p: s for s, p in enumerate(rows[0])}
     stage_of = {v: stage_of_pnode[p] for v, p in assign.items()}
     loads = stage_loads(cm, stage_of, len(rows[0]))
-    cost = step_cost(loads, [[fleet.pnode(p) for p in row] for row in rows], shares, cm.micro_batches, fleet)
+    cost = step_cost(loads, [[fleet.pnode(p) for p in row] for row in rows], shares, cm.micro_batches, fleet,
+                     pipeline)
     R = len(rows)
     out = dict(report)
     out.update({
         "replicas": R, "replica_pnodes": rows, "batch_shares": shares,
         "replica_assignments": [assign] + [replica_assignment(assign, rows, r) for r in range(1, R)],
-        "step_seconds": cost.step_seconds, "pipeline_seconds": cost.pipeline_seconds,
+        "step_seconds": cost.step_seconds, "pipeline_seconds": cost.pipeline_seconds, "pipeline": pipeline,
         "allreduce_seconds": cost.allreduce_seconds,
         "allreduce": [{"stage": s, "pnodes": [row[s] for row in rows], "grad_bytes": float(loads.grad_bytes[s]),
                        "bytes_per_step": float(cost.allreduce_bytes[s]),
@@ -147,7 +150,8 @@ def rebalanced_shares(graph: Graph, fleet: Fleet, assignment: dict[str, str], ro
     """Batch shares for the replicas `rows` of the graph's stages (after a replica was lost, say): each
     replica's share in proportion to its speed, within its memory (`stepcost.batch_shares`)."""
     from vgraph.cost.costmodel import cost_model
-    from vgraph.cost.stepcost import batch_shares, bubble, stage_rates
+    from vgraph.cost.stepcost import (balanced_shares, batch_shares, bubble, pipeline_seconds, resident_array,
+                                      stage_rates)
 
     cm = cost_model(graph, batch=batch, micro_batches=micro_batches)
     stage_of_pnode = {p: s for s, p in enumerate(rows[0])}
@@ -156,18 +160,14 @@ def rebalanced_shares(graph: Graph, fleet: Fleet, assignment: dict[str, str], ro
     idx = np.array([[fa.index[p] for p in row] for row in rows], dtype=np.int64)
     per_sample, fixed, latency = stage_rates(loads, fa, idx)
     S = len(rows[0])
-    caps = []
-    for r, row in enumerate(rows):  # the largest share every stage of the replica holds
-        cap = 0
-        for b in range(1, batch + 1):
-            cost = step_cost(loads, [[fleet.pnode(p) for p in row]], [b], micro_batches, fleet)
-            if not cost.fits:
-                break
-            cap = b
-        caps.append(cap)
-    shares = batch_shares(batch, bubble(micro_batches, S) * per_sample.max(axis=1), fixed.max(axis=1) + latency,
-                          caps)
-    if shares is None:
+    # The largest share every stage of a replica holds: a stage keeps resident_samples(b) samples' activations
+    # (as `step_cost` prices one replica's memory), which grows with b, so count the shares that fit.
+    resident = resident_array(np.arange(1, batch + 1), micro_batches, S).astype(float)
+    need = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
+    caps = [int((need <= fa.memory[row][None, :]).all(axis=1).cumprod().sum()) for row in idx]
+    guess = batch_shares(batch, bubble(micro_batches, S) * per_sample.max(axis=1), fixed.max(axis=1) + latency,
+                         caps)
+    if guess is None:
         raise VGraphError(f"{len(rows)} replica(s) cannot hold the batch of {batch} (memory, or fewer samples "
                           f"than replicas)")
-    return shares
+    return balanced_shares(lambda r, b: pipeline_seconds(loads, fa, idx[r], b, micro_batches), batch, guess, caps)

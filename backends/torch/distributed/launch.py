@@ -210,7 +210,8 @@ class Placement:
 
 def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: str, target: str, batch: int,
           micro_batches: int, assignment: dict[str, str] | None = None,
-          replicas: tuple[list[list[str]], list[int]] | None = None, grad_compress: str = "none") -> Placement:
+          replicas: tuple[list[list[str]], list[int]] | None = None, grad_compress: str = "none",
+          pipeline: str = "1f1b") -> Placement:
     """Partition `source` onto `fleet` (or take `assignment`) and build the placed graph the workers build.
 
     A given `assignment` names the VNodes as the partition pass would see them
@@ -246,7 +247,7 @@ def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: st
     final = assignment_of(placed)
     ranks = list(dict.fromkeys(final[n.id] for n in placed.topo_order()))
     placed.meta["placement"] = {"batch": batch, "micro_batches": micro_batches, "grad_compress": grad_compress,
-                                **choices}
+                                "pipeline": pipeline, **choices}  # the schedule the step is priced as
     if replicas is not None:
         placed.meta["placement"].update(replica_pnodes=replicas[0], batch_shares=replicas[1])
     report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches)
@@ -492,7 +493,7 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     cfg = run.cfg
     placement = place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
                       target=run.target, batch=cfg.batch, micro_batches=run.micro, assignment=given, replicas=layout,
-                      grad_compress=run.run_info["grad_compress"])
+                      grad_compress=run.run_info["grad_compress"], pipeline=cfg.pipeline)
     changes = network_changes(placement.graph)  # compression at the cuts adds no weights: checkpoints stay true
     if changes:  # checkpoints carry the network as given: training another function would make them lie
         raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "

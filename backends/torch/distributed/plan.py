@@ -38,34 +38,35 @@ collectives of the two ranks (tie_sync.py), not in the point-to-point
 messages below: the schedule only says where the `tie_grad` op falls.  A
 replica on the publisher's own rank simply shares the publisher's Parameter.
 
-**Schedule** (`schedule_ops` / `message_order`).  Micro-batches are pipelined,
-1F1B by default: every rank runs a ready backward when it has one, else a
-ready forward, and keeps at most min(M, ranks) micro-batches in flight, so a
-stage holds the activations the partition's cost model budgets
-(`CostModel.resident_samples`); the per-rank orders come from a deterministic
-simulation every worker repeats.  GPipe (all forwards, then all backwards)
-is the alternative.  Either way every op only needs ops that come before it
-in one global order, and sends never block (isend), so the schedule cannot
-deadlock on any placement.  `message_order` lists, per ordered pair of
-ranks, the messages in the sender's order; receivers read a peer's messages
-in that order (buffering any they do not need yet), which is what NCCL
-requires (no tags) and keeps gloo's matching trivially right.
+**Schedule** (`schedule_ops` / `message_order`).  The per-rank op orders
+are the core's (`vgraph.cost.schedule`: 1F1B by default, GPipe the
+alternative), computed from this plan's tasks (`scheduled_tasks`), so the
+step cost model prices exactly the orders the workers run
+(`vgraph.cost.makespan`); every worker repeats the same deterministic
+computation.  Every op only needs ops that come before it in one global
+order, and sends never block (isend), so the schedule cannot deadlock on any
+placement.  `message_order` lists, per ordered pair of ranks, the messages
+in the sender's order; receivers read a peer's messages in that order
+(buffering any they do not need yet), which is what NCCL requires (no tags)
+and keeps gloo's matching trivially right.
 """
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Sequence
 
 from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.schedule import PIPELINES, Op, ScheduledTask, TiedPair, schedule, weight_round
 from vgraph.ir.graph import Graph
 from vgraph.ops.boundary import wire_bytes
 from vgraph.placement.export import split_network
 from vgraph.run import layout
 
 __all__ = ["Task", "Transfer", "Compression", "Tie", "MetricSource", "DistPlan", "make_plan", "stages", "Op", "rank_ops",
-           "schedule_ops", "PIPELINES", "weight_ops", "sends_of", "message_order", "Message", "micro_batch_sizes"]
+           "schedule_ops", "PIPELINES", "weight_ops", "sends_of", "message_order", "Message", "micro_batch_sizes",
+           "scheduled_tasks", "tied_pairs"]
 
 _REDUCED = ("float16", "bfloat16")
 
@@ -359,17 +360,6 @@ def _metrics(graph: Graph, task_of: dict[str, str]) -> list[MetricSource]:
 
 # -- the schedule ----------------------------------------------------------------------------------
 
-OpKind = Literal["fwd", "bwd", "tie_grad", "tie_weight"]
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: OpKind
-    task: str | None  # fwd / bwd
-    micro: int  # fwd / bwd
-    tie: int | None = None  # tie_grad / tie_weight
-
-
 @dataclass(frozen=True)
 class Message:
     """One tensor between two ranks: activation 'a' / gradient 'g' of a transfer in micro-batch `micro`
@@ -388,28 +378,31 @@ def micro_batch_sizes(batch: int, micro_batches: int) -> list[int]:
     return [base + (1 if m < extra else 0) for m in range(micro_batches)]
 
 
-PIPELINES = ("1f1b", "gpipe")
+def scheduled_tasks(plan: DistPlan) -> tuple[ScheduledTask, ...]:
+    """The plan's tasks as the core schedule sees them (vgraph/cost/schedule.py), in forward order per rank:
+    a forward reads the tasks its transfers come from; a backward waits for the gradients of the tasks its
+    outputs go to (local transfers included: they are handed over in memory, but in order all the same)."""
+    out = []
+    for task in sorted(plan.tasks.values(), key=lambda t: (t.rank, t.stage)):
+        reads = tuple(dict.fromkeys(plan.transfers[i].src_task for i in task.receives))
+        grads = tuple(dict.fromkeys(plan.transfers[i].dst_task for i in task.sends if plan.transfers[i].grad))
+        out.append(ScheduledTask(task.id, task.rank, reads, grads))
+    return tuple(out)
+
+
+def tied_pairs(plan: DistPlan) -> tuple[TiedPair, ...]:
+    """The plan's remote tied weights, as the core schedule syncs them."""
+    return tuple(TiedPair(t.index, (t.owner_rank, t.replica_rank)) for t in plan.ties if t.remote)
 
 
 def schedule_ops(plan: DistPlan, micro_batches: int, *, train: bool, pipeline: str = "1f1b"
                  ) -> dict[int, list[Op]]:
-    """Every rank's ops of one round (a training step, or a forward-only evaluation), in execution order."""
+    """Every rank's ops of one round (a training step, or a forward-only evaluation), in execution order:
+    the core's schedule (`vgraph.cost.schedule.schedule`, the one the step cost model prices) of this plan."""
     if pipeline not in PIPELINES:
         raise VGraphError(f"pipeline schedule must be one of {', '.join(PIPELINES)}, not {pipeline!r}")
-    if train and pipeline == "1f1b":
-        ops = _one_f_one_b(plan, micro_batches)
-    else:
-        ops = {}
-        for rank in range(plan.world_size):
-            mine = plan.tasks_of(rank)
-            ops[rank] = [Op("fwd", t.id, m) for t in mine for m in range(micro_batches)]
-            if train:
-                ops[rank] += [Op("bwd", t.id, m) for t in reversed(mine) for m in range(micro_batches)]
-    if train:
-        for rank in ops:
-            ops[rank] += [Op("tie_grad", None, 0, tie.index) for tie in plan.ties
-                          if tie.remote and rank in (tie.owner_rank, tie.replica_rank)]
-    return ops
+    return schedule(scheduled_tasks(plan), plan.world_size, micro_batches, train=train, pipeline=pipeline,
+                    ties=tied_pairs(plan))
 
 
 def rank_ops(plan: DistPlan, rank: int, micro_batches: int, *, train: bool, pipeline: str = "1f1b") -> list[Op]:
@@ -417,79 +410,9 @@ def rank_ops(plan: DistPlan, rank: int, micro_batches: int, *, train: bool, pipe
     return schedule_ops(plan, micro_batches, train=train, pipeline=pipeline)[rank]
 
 
-def _one_f_one_b(plan: DistPlan, micro_batches: int) -> dict[int, list[Op]]:
-    """1F1B by simulation: each rank runs a ready backward if it has one, else a ready forward, and
-    starts a new micro-batch (in order) only while fewer than min(M, ranks) are in flight on it.
-
-    Every op takes one time unit; the simulated start order of each rank is its schedule.  Executing
-    those orders with blocking receives cannot deadlock: the simulated timeline is a global order in
-    which every op comes after the ops it needs.  The cap can never stall the simulation either: the
-    oldest unfinished micro-batch is in flight on every rank that has started it, and a rank that has
-    not has nothing older in flight, so it may start it.  (Over 60 lines: one simulation loop, kept whole
-    so that the rule above reads in one place.)
-    """
-    cap = max(1, min(micro_batches, plan.world_size))
-    ranks = range(plan.world_size)
-    tasks = {r: plan.tasks_of(r) for r in ranks}
-    fwd_needs = {tid: {plan.transfers[i].src_task for i in task.receives} for tid, task in plan.tasks.items()}
-    bwd_needs = {tid: {plan.transfers[i].dst_task for i in task.sends if plan.transfers[i].grad}
-                 for tid, task in plan.tasks.items()}
-    fwd_done: set[tuple[str, int]] = set()
-    bwd_done: set[tuple[str, int]] = set()
-    in_flight: dict[int, set[int]] = {r: set() for r in ranks}
-    next_start = {r: 0 for r in ranks}
-    left = {(r, m): len(tasks[r]) for r in ranks for m in range(micro_batches)}  # backwards to go
-    order: dict[int, list[Op]] = {r: [] for r in ranks}
-    total = 2 * micro_batches * len(plan.tasks)
-    done = 0
-    while done < total:
-        chosen: list[tuple[int, Op]] = []
-        for r in ranks:
-            op = None
-            for m in sorted(in_flight[r]):  # backward first: oldest micro-batch, last stage first
-                for task in reversed(tasks[r]):
-                    if ((task.id, m) not in bwd_done and (task.id, m) in fwd_done
-                            and all((t, m) in bwd_done for t in bwd_needs[task.id])):
-                        op = Op("bwd", task.id, m)
-                        break
-                if op:
-                    break
-            if op is None:
-                candidates = sorted(in_flight[r])
-                if next_start[r] < micro_batches and len(in_flight[r]) < cap:
-                    candidates.append(next_start[r])
-                for m in candidates:
-                    for task in tasks[r]:
-                        if ((task.id, m) not in fwd_done and (m == 0 or (task.id, m - 1) in fwd_done)
-                                and all((t, m) in fwd_done for t in fwd_needs[task.id])):
-                            op = Op("fwd", task.id, m)
-                            break
-                    if op:
-                        break
-            if op is not None:
-                chosen.append((r, op))
-        if not chosen:
-            raise RuntimeError("1F1B schedule simulation stalled (a bug in distributed/plan.py)")
-        for r, op in chosen:  # all ranks' choices of this time unit complete together
-            order[r].append(op)
-            done += 1
-            if op.kind == "fwd":
-                fwd_done.add((op.task, op.micro))
-                if op.micro not in in_flight[r]:
-                    in_flight[r].add(op.micro)
-                    next_start[r] += 1
-            else:
-                bwd_done.add((op.task, op.micro))
-                left[(r, op.micro)] -= 1
-                if left[(r, op.micro)] == 0:
-                    in_flight[r].discard(op.micro)
-    return order
-
-
 def weight_ops(plan: DistPlan, rank: int) -> list[Op]:
     """The rank's part of a tie-weight round (owner -> replicas), run after every optimizer step."""
-    return [Op("tie_weight", None, 0, tie.index) for tie in plan.ties
-            if tie.remote and rank in (tie.owner_rank, tie.replica_rank)]
+    return weight_round(tied_pairs(plan), rank)
 
 
 def sends_of(plan: DistPlan, rank: int, op: Op) -> Iterable[tuple[int, Message]]:
