@@ -86,6 +86,36 @@ def _member(rank: int, port: int, world: int, hook: str, out) -> None:
             dist.destroy_process_group()
 
 
+def _grouped_member(rank: int, port: int, out) -> None:
+    """2 replicas x 2 stages (replica_groups.stage_groups): world ranks 0, 2 sum stage 0, ranks 1, 3 stage 1."""
+    import torch.distributed as dist
+
+    from vgraph.backends.torch.distributed.replica_groups import stage_groups
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+        group = stage_groups(replicas=2, plan_ranks=2)[rank % 2]
+        param = torch.nn.Parameter(torch.zeros(5))
+        sync = GradientSync([param], group, size=2, position=rank // 2, users={"t": [param]})
+        sync.begin()
+        with sync.last_backward("t"):
+            (param.sum() * (rank + 1)).backward()
+        sync.finish()
+        out.put((rank, param.grad.tolist()))
+    except Exception:
+        out.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_each_stage_group_sums_its_own_members_only() -> None:
+    """The sum runs on the stage group it is given (a replica's stage with the same stage of the others), not
+    on the whole world, which also holds the other stages' ranks."""
+    results = run_ranks(_grouped_member, 4)
+    assert results == {0: [4.0] * 5, 2: [4.0] * 5, 1: [6.0] * 5, 3: [6.0] * 5}, results
+
+
 def _run(world: int, hook: str = "") -> dict[int, list]:
     results = run_ranks(_member, world, world, hook)
     for r, res in results.items():
@@ -186,28 +216,72 @@ def test_a_bucket_answers_what_ddp_hooks_ask() -> None:
     assert bucket.gradients()[1].tolist() == [6.0, 7.0, 8.0, 9.0]  # views into the one flat buffer
     exact = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]  # 8 bytes each
     assert bucket_layout(exact, 16) == [[0, 1], [2]]  # a bucket filled to exactly the cap is full, not over
+    assert bucket_layout(exact * 2, 16) == [[0, 1], [2, 3], [4, 5]]  # every bucket, not only the first
     with pytest.raises(ValueError, match="bucket_bytes"):
         bucket_layout(params, 0)
     with pytest.raises(ValueError, match="twice"):
         GradientSync([params[0], params[0]], None, size=2, position=0, users={})
 
 
-def _local(hook_result):
-    """A one-member sync whose hook completes at once with `hook_result(bucket)` (no process group)."""
+def _local(hook_result, users=True, log=None):
+    """A one-member sync whose hook completes at once with `hook_result(bucket)` (no process group); `log`
+    gets each launched bucket's index."""
     def hook(state, bucket):
+        if log is not None:
+            log.append(bucket.index())
         fut = torch.futures.Future()
         fut.set_result(hook_result(bucket))
         return fut
 
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
-    sync = GradientSync(params, None, size=1, position=0, users={"t": params}, bucket_bytes=8, hook=hook)
+    sync = GradientSync(params, None, size=1, position=0, users={"t": params} if users else {}, bucket_bytes=8,
+                        hook=hook)
     return params, sync
 
 
-def test_a_hook_may_return_a_new_tensor() -> None:
-    """A communication hook that answers with a tensor of its own (not the bucket's buffer): the gradients
-    become that tensor's values."""
-    params, sync = _local(lambda bucket: bucket.buffer() * 10)
+def test_buckets_go_out_during_the_backward_that_finishes_them() -> None:
+    """The overlap: a bucket is handed to the collective from the gradient hook, before backward() returns,
+    not when the task's last backward is over.  A sync outside any round does nothing; finish() launches
+    what no task's backward made ready, and ignores a parameter it does not hold."""
+    launched: list = []
+    params, sync = _local(lambda bucket: bucket.buffer(), log=launched)
+    assert sync.finish() == 0 and launched == []  # no round begun: nothing to wait for
+    sync.begin()
+    with sync.last_backward("t"):
+        (params[0].sum() + params[1].sum() * 2).backward()
+        during = list(launched)
+    sync.ready(torch.nn.Parameter(torch.zeros(1)))  # not one of its parameters: ignored
+    sync.finish()
+    assert during == [0, 1]  # both went out from the gradient hooks, in bucket order, before backward returned
+    assert params[1].grad.tolist() == [2.0, 2.0]
+    unused, idle = _local(lambda bucket: bucket.buffer(), users=False, log=(left := []))
+    idle.begin()
+    (unused[0].sum() * 3).backward()
+    assert left == []  # no task said this backward was its last
+    idle.finish()
+    assert left == [0, 1] and unused[0].grad.tolist() == [3.0] * 3 and unused[1].grad is None
+
+
+def _elsewhere(pool: list[torch.Tensor], than: torch.Tensor, side: str) -> torch.Tensor:
+    """A tensor taken from `pool`, stored below or above `than` (the checks compare storage addresses, so both
+    sides are tried); the allocator decides, so a side it never gives is skipped."""
+    found = [t for t in pool if (t.data_ptr() < than.data_ptr()) == (side == "below")]
+    if not found:
+        pytest.skip(f"no tensor of the pool was allocated {side} the bucket")
+    pool[:] = [t for t in pool if t is not found[0]]
+    return found[0]
+
+
+@pytest.mark.parametrize("side", ["below", "above"])
+def test_a_hook_may_return_a_new_tensor(side: str) -> None:
+    """A communication hook that answers with a tensor of its own (not the bucket's buffer), wherever it is
+    stored: the gradients become that tensor's values."""
+    pool = [torch.empty(3) for _ in range(8)]
+    answers: dict = {}
+    params, sync = _local(lambda bucket: answers[bucket.index()].copy_(bucket.buffer() * 10))
+    pool += [torch.empty(3) for _ in range(8)]
+    for bucket in sync.buckets:
+        answers[bucket.index()] = _elsewhere(pool, bucket.flat, side)[:bucket.flat.numel()]
     sync.begin()
     with sync.last_backward("t"):
         (params[0].sum() * 2 + params[1].sum() * 3).backward()
@@ -217,11 +291,14 @@ def test_a_hook_may_return_a_new_tensor() -> None:
     assert 0 <= sync.wait_s <= time.perf_counter() - start  # the seconds finish() waited, no more
 
 
-def test_a_gradient_replaced_instead_of_accumulated_is_refused() -> None:
+@pytest.mark.parametrize("side", ["below", "above"])
+def test_a_gradient_replaced_instead_of_accumulated_is_refused(side: str) -> None:
+    pool = [torch.ones(2) for _ in range(8)]
     params, sync = _local(lambda bucket: bucket.buffer())
+    pool += [torch.ones(2) for _ in range(8)]
     sync.begin()
     with sync.last_backward("t"):
         (params[0].sum() + params[1].sum()).backward()
-    params[1].grad = torch.ones(2)  # no longer a view into its bucket: the sum would miss it
+    params[1].grad = _elsewhere(pool, sync.buckets[1].flat, side)  # not a view into its bucket: not summed
     with pytest.raises(RuntimeError, match="replaced during the round"):
         sync.finish()
