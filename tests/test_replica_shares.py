@@ -22,14 +22,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from vgraph.cost.fleet import Fleet, PNode
 from vgraph.cost.fleet_links import Links, Region
 from vgraph.cost.stepcost import FleetArrays, StageLoads, resident_samples, step_cost_of
-from vgraph.passes.partition_replicas import (REL_TIE, _better, _memory_caps, _replica_counts, _retarget,
-                                              price_layout)
+from vgraph.passes.partition_replicas import (REL_TIE, _better, _memory_caps, _replica_counts, _replica_major,
+                                              _retarget, _stage_major, price_layout)
 
 GIB = 2 ** 30
 REL = 1e-9
@@ -114,6 +114,8 @@ def test_the_shares_balance_compute_against_fixed_costs():
        rows=st.lists(st.lists(st.integers(0, 400), min_size=4, max_size=4), min_size=1, max_size=3),
        static=st.lists(st.integers(0, 200), min_size=4, max_size=4),
        act=st.lists(st.integers(0, 30), min_size=4, max_size=4))
+@example(S=1, micro=1, batch=10, rows=[[105] * 4], static=[100] * 4, act=[1] * 4)  # one byte a sample: 5 fit
+@example(S=2, micro=2, batch=10, rows=[[100, 7] * 2], static=[100, 0, 0, 0], act=[0, 1, 0, 0])  # exactly full
 def test_memory_caps_are_the_largest_share_that_fits(S, micro, batch, rows, static, act):
     """`_memory_caps` inverts the resident-sample rule in closed form: it must be the largest share b whose
     every stage fits, found here by trying every b with `stepcost.resident_samples`."""
@@ -137,12 +139,31 @@ def test_replica_counts_tried():
     assert _replica_counts(10, 2, 8, 3) == [3] and _replica_counts(10, 2, 8, 6) == []  # asked for: 5 fit at most
 
 
+def test_the_layouts_put_the_heaviest_stage_on_the_fastest_pnodes():
+    """Stage-major: each stage, heaviest first, takes the R fastest PNodes that hold it.  Replica-major: the
+    R x S fastest in chunks of S, the heaviest stage of each on its fastest PNode (a chunk where that does not
+    fit is matched one stage at a time).  PNodes 0..3 fastest first; stage 1 the heavier."""
+    order, need = np.arange(4), np.array([10.0, 30.0])
+    flops = np.array([4.0, 3.0, 2.0, 1.0])
+    fits = np.ones((4, 2), dtype=bool)
+    assert _stage_major(order, fits, 2, 2, need).tolist() == [[2, 0], [3, 1]]
+    assert _replica_major(order, fits, 2, 2, need, flops).tolist() == [[1, 0], [3, 2]]
+    assert _replica_major(order[::-1].copy(), fits, 2, 2, need, flops).tolist() == [[3, 2], [1, 0]]  # pool order
+    fits[0, 1] = False  # the fastest PNode cannot hold the heavy stage
+    assert _stage_major(order, fits, 2, 2, need).tolist() == [[0, 1], [3, 2]]
+    assert _replica_major(order, fits, 2, 2, need, flops).tolist() == [[0, 1], [3, 2]]
+    fits[1:3, 1] = False  # only PNode 3 holds it: one replica at most
+    assert _stage_major(order, fits, 2, 2, need) is None and _replica_major(order, fits, 2, 2, need, flops) is None
+    assert _replica_major(order[:3], np.ones((4, 2), dtype=bool), 2, 2, need, flops) is None  # 3 PNodes for 4 slots
+
+
 def test_ties_go_to_the_plan_using_fewer_pnodes():
     """Plans whose steps differ by less than REL_TIE are equal; the one on fewer PNodes wins them."""
     step = SimpleNamespace
     assert _better(step(step_seconds=1.0), 4, step(step_seconds=1.0), 6)
     assert _better(step(step_seconds=1.0 + REL_TIE / 2), 4, step(step_seconds=1.0), 6)
     assert not _better(step(step_seconds=1.0), 6, step(step_seconds=1.0), 4)
+    assert not _better(step(step_seconds=1.0), 4, step(step_seconds=1.0), 4)  # a full tie: the first plan stays
     assert not _better(step(step_seconds=1.0 + 2 * REL_TIE), 4, step(step_seconds=1.0), 6)
     assert _better(step(step_seconds=1.0 - 2 * REL_TIE), 8, step(step_seconds=1.0), 6)
 
