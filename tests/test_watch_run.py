@@ -169,7 +169,15 @@ def launched(corpus: Path, tmp_path_factory) -> tuple[Path, str]:
     fleet.write_text("name: pair\npnodes:\n" + "".join(
         f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(2)))
     run = work / "run"
-    old = os.umask(LAUNCH_UMASK)  # the workers inherit it: every file they write must honour it
+    # The forkserver the workers fork from is started at another umask first (as an earlier launch in this
+    # process would have): the workers must take the launcher's umask of now, not the forkserver's.
+    from vgraph.backends.torch.distributed.supervisor import _context
+
+    old = os.umask(0o022)
+    started = _context().Process(target=os.getpid)
+    started.start()
+    started.join()
+    os.umask(LAUNCH_UMASK)  # every file the launch writes must honour it
     try:
         out = cli("launch", str(TINY), "--fleet", str(fleet), "--replicas", "1", "--data", str(corpus),
                   "--steps", str(STEPS), "--val-every", "3", "--val-batches", "2", "--threads", "1",

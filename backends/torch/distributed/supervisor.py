@@ -43,12 +43,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def _worker_process(job_path: str, env: dict[str, str], output: Any) -> None:
+def _worker_process(job_path: str, env: dict[str, str], output: Any, umask: int) -> None:
     """A worker's entry point, forked from the forkserver (torch is already imported there).
 
     Its stdout and stderr, Python's and C's alike, go into `output`, a pipe the
-    launcher reads and prefixes with the PNode id.
+    launcher reads and prefixes with the PNode id.  It takes the launcher's
+    umask of now: a fork inherits the forkserver's, which is the umask of
+    whenever the forkserver started (an earlier launch of the same process).
     """
+    os.umask(umask)
     os.dup2(output.fileno(), 1)
     os.dup2(output.fileno(), 2)
     output.close()
@@ -59,6 +62,12 @@ def _worker_process(job_path: str, env: dict[str, str], output: Any) -> None:
     from .worker import main as worker_main
 
     sys.exit(worker_main([job_path]))
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting one: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def _context() -> Any:
@@ -115,7 +124,7 @@ class Supervisor:
                        **{PROGRESS_ENV: "events" if self.take is not None else "lines"},
                        **gloo_environment(addr))  # gloo on the interface towards the master, not loopback
             reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=_worker_process, args=(str(job_path), env, writer),
+            process = ctx.Process(target=_worker_process, args=(str(job_path), env, writer, _current_umask()),
                                   name=f"vgraph-worker-{pnodes[rank]}", daemon=True)
             with _main_module_hidden():
                 process.start()
