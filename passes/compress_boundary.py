@@ -50,7 +50,8 @@ class CompressBoundary(Pass):
     """Compress what crosses each cut edge: activations forward, gradients back (fp16, bf16, int8)."""
 
     name = COMPRESSION_PASS
-    preserves_semantics = False  # rounding changes what the network computes (not its weights)
+    preserves_semantics = False  # rounding changes what the network computes...
+    keeps_weights = True  # ...but not its weights: `compress` VNodes hold none
     after = ("dead-nodes", "precision", "partition", "fuse-heads", "fuse-lm-head-ce", "remat")
     options = {
         "activations": Option(str, "int8", "wire format of the activation sent forward (auto: what "

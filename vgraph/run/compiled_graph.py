@@ -15,9 +15,10 @@ order, so the rules live here once:
   after the partition respect the placement);
 * `network_changes`: the changes that make a partitioned run's network
   another than its definition: every pass that changed what it computes but
-  compress-boundary, whose `compress` VNodes hold no weights and only round
-  what crosses a cut (`compression_changes` lists those), so the run's
-  checkpoints are checkpoints of the network as given.
+  those that declare `keeps_weights` (compress-boundary, whose `compress`
+  VNodes hold no weights and only round what crosses a cut;
+  `weight_keeping_changes` lists those), so the run's checkpoints are
+  checkpoints of the network as given.
 * `plugin_distributions`: the installed plugin distributions that graph used
   (run.json's "plugin_distributions", `vgraph.plugins.missing_plugins`).
 """
@@ -27,13 +28,12 @@ from typing import Any, Mapping
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.ir.graph import Graph
-from vgraph.ops.boundary import COMPRESSION_PASS
 from vgraph.plugins import distributions_used
 from vgraph.transform.pipeline import (APPLIED, SEMANTIC_CHANGES, available_passes, build_pipeline,
                                        options_naming_files, run_pipeline)
 
 __all__ = ["NO_FUSE_PIPELINE", "training_spec", "preserving_spec", "definition_spec", "apply_assignment",
-           "refuse_files_named", "PLAN_CHOICES", "network_changes", "compression_changes", "plugin_distributions"]
+           "refuse_files_named", "PLAN_CHOICES", "network_changes", "weight_keeping_changes", "plugin_distributions"]
 
 NO_FUSE_PIPELINE = "dead-nodes,precision"
 PLAN_CHOICES = ("compress",)  # graph.meta["placement"] keys a partition decides and passes after it read
@@ -93,14 +93,14 @@ def refuse_files_named(spec: str | None, where: str) -> None:
 
 
 def network_changes(graph: Graph) -> list[str]:
-    """Specs of the passes that made `graph` compute another function than its definition, compression
-    at the cuts aside (see the module docstring)."""
-    return [c["spec"] for c in graph.meta.get(SEMANTIC_CHANGES, ()) if c.get("pass") != COMPRESSION_PASS]
+    """Specs of the passes that made `graph` compute another function than its definition and changed its
+    weights too (see the module docstring)."""
+    return [c["spec"] for c in graph.meta.get(SEMANTIC_CHANGES, ()) if not c.get("keeps_weights")]
 
 
-def compression_changes(graph: Graph) -> list[str]:
-    """Specs of the compress-boundary passes that changed `graph`."""
-    return [c["spec"] for c in graph.meta.get(SEMANTIC_CHANGES, ()) if c.get("pass") == COMPRESSION_PASS]
+def weight_keeping_changes(graph: Graph) -> list[str]:
+    """Specs of the passes that changed what `graph` computes but none of its weights (compress-boundary)."""
+    return [c["spec"] for c in graph.meta.get(SEMANTIC_CHANGES, ()) if c.get("keeps_weights")]
 
 
 def plugin_distributions(source: Graph, graph: Graph) -> list[dict[str, str]]:

@@ -152,6 +152,11 @@ class Pass:
     # with a network (`vgraph.run.network_match`), so weights trained with or without it fit either form.
     # Rule-based passes (`RewritePass`) do; a hand-written `run()` fusion says so.
     fuses: ClassVar[bool] = False
+    # A pass that changes the function may still leave every weight as it was: it adds no weighted VNode and
+    # changes, fuses or removes none (compress-boundary rounds what crosses a cut).  Checkpoints of the
+    # network as given then fit the rewritten one, and a run trained through it is a run of the network as
+    # given.  Meaningful only with preserves_semantics False; earned by declaring it, like that one.
+    keeps_weights: ClassVar[bool] = False
 
     def __init__(self, **opts: Any) -> None:
         unknown = set(opts) - set(self.options)

@@ -358,10 +358,12 @@ class PassManager:
                                 {k: v for k, v in Counter(counts).items() if v}, p.preserves_semantics)
             if changed and not p.preserves_semantics:
                 graph.meta.setdefault(SEMANTIC_CHANGES, []).append(
-                    {"pass": p.name, "spec": p.spec(), "origin": p.origin or "local"})
-                self.ctx.notes.append(f"{p.spec()}: changed what the network computes (the pass does "
-                                      f"not declare preserves_semantics); weights trained before it "
-                                      f"do not fit the result")
+                    {"pass": p.name, "spec": p.spec(), "origin": p.origin or "local",
+                     "keeps_weights": p.keeps_weights})
+                self.ctx.notes.append(f"{p.spec()}: changed what the network computes (the pass does not declare "
+                                      f"preserves_semantics); " + (
+                                          "it keeps every weight, so checkpoints of the network as given still fit"
+                                          if p.keeps_weights else "weights trained before it do not fit the result"))
             self.records.append(record)
             for inst in self.instruments:
                 inst.after(index, p, graph, record)

@@ -91,8 +91,8 @@ from vgraph.placement.export import assignment_of, placement_report
 from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
 from vgraph.cost.compression import parse_grad_compress
-from vgraph.run.compiled_graph import (PLAN_CHOICES, apply_assignment, compression_changes, network_changes,
-                                       plugin_distributions)
+from vgraph.run.compiled_graph import (PLAN_CHOICES, apply_assignment, network_changes, plugin_distributions,
+                                       weight_keeping_changes)
 from vgraph.run.files import RunLock
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
 
@@ -494,7 +494,7 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     placement = place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
                       target=run.target, batch=cfg.batch, micro_batches=run.micro, assignment=given, replicas=layout,
                       grad_compress=run.run_info["grad_compress"], pipeline=cfg.pipeline)
-    changes = network_changes(placement.graph)  # compression at the cuts adds no weights: checkpoints stay true
+    changes = network_changes(placement.graph)  # passes that keep every weight aside: checkpoints stay true
     if changes:  # checkpoints carry the network as given: training another function would make them lie
         raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "
                             f"stores the network as given: write the changed network first (vgraph optimize "
@@ -510,7 +510,7 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
                        torch.distributed.is_nccl_available(), cfg.comm)
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
     info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}),
-                compression=compression_changes(placement.graph),
+                compression=weight_keeping_changes(placement.graph),
                 plugin_distributions=plugin_distributions(run.source, placement.graph),
                 launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": run.micro, "attempt": number})
     if run.lead:
