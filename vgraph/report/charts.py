@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 from vgraph.base.diagnostics import printable
 
@@ -98,72 +98,115 @@ def line_chart(title: str, series: Sequence[Series], *, x_label: str = "step", y
                y_format: Callable[[Sequence[float]], list[str]] = tick_labels) -> str:
     """An SVG element with one polyline per series, axes with round ticks and a legend."""
     e = _text
-    left, right, top, bottom = 76, 16, 30, 46
-    plot_w, plot_h = width - left - right, height - top - bottom
     drawn = [Series(s.label, [(float(x), float(y)) for x, y in s.points if _finite(x) and _finite(y)], s.color,
                     s.markers) for s in series]
-    xs = [x for s in drawn for x, _ in s.points]
-    ys = [y for s in drawn for _, y in s.points]
     out = [f'<svg class="{e(css_class)}" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img"><title>{e(title)}</title>',
            f'<rect x="0" y="0" width="{width}" height="{height}" fill="#ffffff"/>',
-           f'<text x="{left}" y="18" font-size="13" font-weight="600" fill="#0f172a">{e(title)}</text>']
-    if not xs:
+           f'<text x="{_Frame.left}" y="18" font-size="13" font-weight="600" fill="#0f172a">{e(title)}</text>']
+    if not any(s.points for s in drawn):
         out.append(f'<text x="{width / 2:.0f}" y="{height / 2:.0f}" font-size="12" fill="#64748b" '
                    f'text-anchor="middle">no data yet</text></svg>')
         return "".join(out)
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    if y1 == y0:
-        pad = abs(y0) * 0.05 or 1.0
-        y0, y1 = y0 - pad, y1 + pad
-    else:
-        pad = (y1 - y0) * 0.06
-        y0, y1 = y0 - pad, y1 + pad
+    frame = _Frame.around(drawn, width, height)
+    out += _axes(frame, x_label, y_label, y_format)
+    out += _curves(frame, drawn)
+    out += _legend(frame, drawn)
+    out.append("</svg>")
+    return "".join(out)
 
-    def px(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * plot_w
 
-    def py(y: float) -> float:
-        return top + (1 - (y - y0) / (y1 - y0)) * plot_h
+@dataclass(frozen=True)
+class _Frame:
+    """Where the plot area sits in the chart and which data ranges its edges stand for."""
 
-    out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#cbd5e1"/>')
-    y_ticks = nice_ticks(y0, y1)
+    width: int
+    height: int
+    x0: float
+    x1: float
+    y0: float
+    y1: float
+    left: ClassVar[int] = 76
+    right: ClassVar[int] = 16
+    top: ClassVar[int] = 30
+    bottom: ClassVar[int] = 46
+
+    @classmethod
+    def around(cls, drawn: Sequence[Series], width: int, height: int) -> "_Frame":
+        """The frame that shows every point: x from the first to the last, y padded by 6% (5% of the value,
+        or 1, for a flat series)."""
+        xs = [x for s in drawn for x, _ in s.points]
+        ys = [y for s in drawn for _, y in s.points]
+        x0, x1 = min(xs), max(xs)
+        y0, y1 = min(ys), max(ys)
+        if x1 == x0:
+            x0, x1 = x0 - 1, x1 + 1
+        pad = (abs(y0) * 0.05 or 1.0) if y1 == y0 else (y1 - y0) * 0.06
+        return cls(width, height, x0, x1, y0 - pad, y1 + pad)
+
+    @property
+    def plot_w(self) -> int:
+        return self.width - self.left - self.right
+
+    @property
+    def plot_h(self) -> int:
+        return self.height - self.top - self.bottom
+
+    def px(self, x: float) -> float:
+        return self.left + (x - self.x0) / (self.x1 - self.x0) * self.plot_w
+
+    def py(self, y: float) -> float:
+        return self.top + (1 - (y - self.y0) / (self.y1 - self.y0)) * self.plot_h
+
+
+def _axes(f: _Frame, x_label: str, y_label: str, y_format: Callable[[Sequence[float]], list[str]]) -> list[str]:
+    """The plot's border, horizontal grid lines with y labels, x ticks, and the axis titles."""
+    e, left, top, plot_w, plot_h = _text, f.left, f.top, f.plot_w, f.plot_h
+    out = [f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" fill="none" stroke="#cbd5e1"/>']
+    y_ticks = nice_ticks(f.y0, f.y1)
     for t, label in zip(y_ticks, y_format(y_ticks)):
-        y = py(t)
+        y = f.py(t)
         out.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e2e8f0"/>'
                    f'<text x="{left - 6}" y="{y + 4:.1f}" font-size="10" fill="#475569" text-anchor="end">'
                    f'{e(label)}</text>')
-    x_ticks = [t for t in nice_ticks(x0, x1, 6) if float(t).is_integer()] or nice_ticks(x0, x1, 6)
+    x_ticks = [t for t in nice_ticks(f.x0, f.x1, 6) if float(t).is_integer()] or nice_ticks(f.x0, f.x1, 6)
     for t in x_ticks:
-        x = px(t)
+        x = f.px(t)
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top + plot_h}" y2="{top + plot_h + 4}" stroke="#94a3b8"/>'
                    f'<text x="{x:.1f}" y="{top + plot_h + 16}" font-size="10" fill="#475569" text-anchor="middle">'
                    f'{e(format_number(t))}</text>')
-    out.append(f'<text x="{left + plot_w / 2:.0f}" y="{height - 8}" font-size="11" fill="#334155" '
+    out.append(f'<text x="{left + plot_w / 2:.0f}" y="{f.height - 8}" font-size="11" fill="#334155" '
                f'text-anchor="middle">{e(x_label)}</text>')
     if y_label:
         out.append(f'<text x="12" y="{top + plot_h / 2:.0f}" font-size="11" fill="#334155" text-anchor="middle" '
                    f'transform="rotate(-90 12 {top + plot_h / 2:.0f})">{e(y_label)}</text>')
+    return out
+
+
+def _curves(f: _Frame, drawn: Sequence[Series]) -> list[str]:
+    """One polyline per series (its label as the tooltip), dots where asked or for a single point."""
+    out = []
     for s in drawn:
         if not s.points:
             continue
-        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in s.points)
-        color = e(s.color)
+        path = " ".join(f"{f.px(x):.1f},{f.py(y):.1f}" for x, y in s.points)
+        color = _text(s.color)
         out.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2.2" '
-                   f'stroke-linejoin="round"><title>{e(s.label)}</title></polyline>')
+                   f'stroke-linejoin="round"><title>{_text(s.label)}</title></polyline>')
         if s.markers or len(s.points) == 1:
-            out += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="3.5" fill="{color}"/>' for x, y in s.points]
+            out += [f'<circle cx="{f.px(x):.1f}" cy="{f.py(y):.1f}" r="3.5" fill="{color}"/>' for x, y in s.points]
+    return out
+
+
+def _legend(f: _Frame, drawn: Sequence[Series]) -> list[str]:
+    """A legend box in the top corner that hides fewer points (`_legend_x`)."""
     widest = max(len(s.label[:60]) for s in drawn)
     box_w, box_h = 30 + 6.2 * widest, 15 * len(drawn) + 4
-    legend_x = _legend_x(drawn, px, py, left, plot_w, top, box_w, box_h)
-    out.append(f'<rect x="{legend_x - 4}" y="{top + 2}" width="{box_w:.0f}" height="{box_h}" '
-               f'fill="#ffffff" fill-opacity="0.85"/>')
+    legend_x = _legend_x(drawn, f.px, f.py, f.left, f.plot_w, f.top, box_w, box_h)
+    out = [f'<rect x="{legend_x - 4}" y="{f.top + 2}" width="{box_w:.0f}" height="{box_h}" '
+           f'fill="#ffffff" fill-opacity="0.85"/>']
     for i, s in enumerate(drawn):
-        y = top + 14 + 15 * i
-        out.append(f'<rect x="{legend_x}" y="{y - 8}" width="14" height="4" fill="{e(s.color)}"/>'
-                   f'<text x="{legend_x + 20}" y="{y - 3}" font-size="11" fill="#1e293b">{e(s.label[:60])}</text>')
-    out.append("</svg>")
-    return "".join(out)
+        y = f.top + 14 + 15 * i
+        out.append(f'<rect x="{legend_x}" y="{y - 8}" width="14" height="4" fill="{_text(s.color)}"/>'
+                   f'<text x="{legend_x + 20}" y="{y - 3}" font-size="11" fill="#1e293b">{_text(s.label[:60])}</text>')
+    return out
