@@ -17,7 +17,7 @@ Needs the `graphviz` Python package and Graphviz's `dot` program.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from vgraph.base.diagnostics import VGraphError, printable
 from vgraph.cost.costmodel import DEFAULT_BATCH, cost_model, effective_dtype
@@ -60,21 +60,26 @@ def to_dot(graph: Graph, *, group_by: str = "colocate", collapse: bool = False,
         info["batch"] = placement["batch"]
     batch = int(info.get("batch") or DEFAULT_BATCH)
     order = graph.topo_order()
-    rep, repeats, cluster_label, copy_of = _collapse(graph, order, assign) if collapse else ({}, {}, {}, {})
-
-    def r(node_id: str) -> str:
-        return rep.get(node_id, node_id)
-
+    folded = _collapse(graph, order, assign) if collapse else _Folded({}, {}, {}, {})
     lines = ["digraph vgraph {",
              f"  graph [rankdir=TB, fontname=Helvetica, fontsize=12, nodesep=0.25, ranksep=0.35, "
              f"label={_q(_title(graph, info, batch, collapse))}, labelloc=t];",
              "  node [shape=box, style=\"rounded,filled\", fontname=Helvetica, fontsize=10, margin=\"0.12,0.04\"];",
              "  edge [fontname=Helvetica, fontsize=9, color=\"#64748b\", arrowsize=0.6];"]
-    # outer clusters (groups, or PNodes with their groups nested inside) -> inner -> drawn VNodes
+    lines += _cluster_lines(graph, order, assign, group_by, info, folded)
+    cm = cost_model(graph, batch=batch) if assign else None
+    lines += _edge_lines(graph, assign, folded, cm)
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _cluster_lines(graph: Graph, order: Sequence[VNode], assign: Mapping[str, str], group_by: str,
+                   info: Mapping[str, Any], folded: "_Folded") -> list[str]:
+    """The drawn VNodes inside their clusters: colocation groups, or PNodes with their groups nested inside."""
     outer: "OrderedDict[str | None, OrderedDict[str | None, list[str]]]" = OrderedDict()
     drawn: set[str] = set()
     for n in order:
-        rid = r(n.id)
+        rid = folded.rep.get(n.id, n.id)
         if rid in drawn:
             continue
         drawn.add(rid)
@@ -82,20 +87,21 @@ def to_dot(graph: Graph, *, group_by: str = "colocate", collapse: bool = False,
             outer.setdefault(assign.get(n.id), OrderedDict()).setdefault(n.group, []).append(rid)
         else:
             outer.setdefault(n.group, OrderedDict()).setdefault(None, []).append(rid)
-    decl = {n.id: _node_decl(n, repeats) for n in order if r(n.id) == n.id}
+    decl = {n.id: _node_decl(n, folded.repeats) for n in order if folded.rep.get(n.id, n.id) == n.id}
+    lines = []
     for i, (key, inner) in enumerate(outer.items()):
         indent = "  "
         if key is not None:
             members = [m for ids in inner.values() for m in ids]
-            label = _cluster_label(graph, key, group_by, info, members, cluster_label)
+            label = _cluster_label(graph, key, group_by, info, members, folded.cluster_label)
             lines.append(f"  subgraph {_q('cluster_' + key)} {{")
             lines.append(f"    label={_q(label)}; style=\"rounded,filled\"; color=\"#94a3b8\"; "
                          f"fillcolor={_q(CLUSTER_COLORS[i % len(CLUSTER_COLORS)])}; fontsize=11;")
             indent = "    "
-        for j, (group, members) in enumerate(inner.items()):
+        for group, members in inner.items():
             nested = group_by == "pnode" and group is not None
             if nested:
-                label = _cluster_label(graph, group, "colocate", info, members, cluster_label)
+                label = _cluster_label(graph, group, "colocate", info, members, folded.cluster_label)
                 lines.append(f"{indent}subgraph {_q(f'cluster_{key}/{group}')} {{")
                 lines.append(f"{indent}  label={_q(label)}; style=\"rounded,dashed\"; color=\"#94a3b8\"; "
                              f"fontsize=10;")
@@ -104,13 +110,20 @@ def to_dot(graph: Graph, *, group_by: str = "colocate", collapse: bool = False,
                 lines.append(f"{indent}}}")
         if key is not None:
             lines.append("  }")
-    cm = cost_model(graph, batch=batch) if assign else None
+    return lines
+
+
+def _edge_lines(graph: Graph, assign: Mapping[str, str], folded: "_Folded", cm: Any) -> list[str]:
+    """Edges between drawn VNodes (once per folded repeat), cut edges with their bytes per step as the cost
+    model prices them (compressed after a `compress`), and a dotted line per tied weight synced across a cut."""
+    r = lambda node_id: folded.rep.get(node_id, node_id)  # noqa: E731
     sizes = {(c.src, c.src_slot, c.dst, c.dst_slot): cm.edge_bytes(c) for c in cm.edges} if cm else {}
     seen: dict[tuple, int] = {}
+    lines = []
     for e in graph.edges:
         src, dst = r(e.src), r(e.dst)
         cut = bool(assign) and assign.get(e.src) != assign.get(e.dst)
-        a, b = copy_of.get(e.src), copy_of.get(e.dst)
+        a, b = folded.copy_of.get(e.src), folded.copy_of.get(e.dst)
         internal_repeat = a is not None and b is not None and a[0] == b[0] and a[1] != b[1]
         key = (src, e.src_slot, dst, e.dst_slot, internal_repeat, cut)
         seen[key] = seen.get(key, 0) + 1
@@ -118,7 +131,7 @@ def to_dot(graph: Graph, *, group_by: str = "colocate", collapse: bool = False,
             continue
         attrs: dict[str, str] = {}
         if internal_repeat:
-            count = repeats.get(src, (0, 1))[1] - 1
+            count = folded.repeats.get(src, (0, 1))[1] - 1
             attrs.update(style="dashed", constraint="false", label=f"x{count}", color="#475569")
         if cut:  # bytes both ways, as the cost model prices the edge (compressed after a `compress`)
             size = sizes.get((e.src, e.src_slot, e.dst, e.dst_slot), 0)
@@ -131,8 +144,7 @@ def to_dot(graph: Graph, *, group_by: str = "colocate", collapse: bool = False,
                 lines.append(f"  {_q(r(t.publisher))} -> {_q(r(t.user))} [style=dotted, color={_q(CUT_COLOR)}, "
                              f"fontcolor={_q(CUT_COLOR)}, constraint=false, label="
                              f"{_q('weight sync ' + _bytes(t.sync_bytes_per_step) + '/step')}];")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 # -- pieces ----------------------------------------------------------------------------------------
@@ -204,8 +216,17 @@ def _node_decl(n: VNode, repeats: Mapping[str, tuple]) -> str:
     return f"{_q(n.id)} [{_attrs(attrs, raw=('label', 'tooltip'))}];"
 
 
-def _collapse(graph: Graph, order: list[VNode], assign: Mapping[str, str]
-              ) -> tuple[dict[str, str], dict[str, tuple], dict[str, str], dict[str, tuple[int, int]]]:
+class _Folded(NamedTuple):
+    """What `_collapse` folds: VNode -> the VNode drawn for it; drawn VNode -> (ids it stands for, run
+    length); drawn VNode -> its run's cluster label; VNode -> (run number, which copy in the run)."""
+
+    rep: dict[str, str]
+    repeats: dict[str, tuple]
+    cluster_label: dict[str, str]
+    copy_of: dict[str, tuple[int, int]]
+
+
+def _collapse(graph: Graph, order: list[VNode], assign: Mapping[str, str]) -> _Folded:
     """Runs of consecutive, structurally identical colocation groups (on the same PNodes too).
 
     Returns: VNode -> the VNode drawn for it (the run's first group's member at the same
@@ -238,7 +259,7 @@ def _collapse(graph: Graph, order: list[VNode], assign: Mapping[str, str]
                 repeats[first] = (ids, len(run))
                 labels[first] = label
         i = j
-    return rep, repeats, labels, copy_of
+    return _Folded(rep, repeats, labels, copy_of)
 
 
 def _signature(graph: Graph, ids: list[str], assign: Mapping[str, str]) -> tuple:
