@@ -236,14 +236,15 @@ def test_stage_groups_check_that_replicas_hold_the_same_parameters(sizes, bad):
     assert all("hold different parameters" in results[r] for r in bad)
 
 
-def _agree_member(rank: int, port: int, values: list[float], out) -> None:
+def _agree_member(rank: int, port: int, values: list[list[float]], out) -> None:
     import torch.distributed as dist
 
     from vgraph.backends.torch.distributed.replica_groups import ReplicaLayoutError, check_replicas_agree
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        named = [("same.weight", torch.arange(6.0)), ("x.weight:exp_avg", torch.full((3,), values[rank]))]
+        named = [("same.weight", torch.arange(6.0)), ("x.weight:exp_avg", torch.tensor(values[rank])),
+                 ("same.bias", torch.ones(2))]
         try:
             check_replicas_agree(dist.group.WORLD, named)
             out.put((rank, "ok"))
@@ -253,9 +254,18 @@ def _agree_member(rank: int, port: int, values: list[float], out) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("values, ok", [([0.5, 0.5], True), ([0.5, 0.5 + 2**-20], False)])
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("values, ok", [
+    ([[0.5, 0.5, 0.5]] * 2, True),
+    ([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5 + 2**-20]], False),  # one element off by 2^-20
+    ([[1.0, 3.0, 0.0], [2.0, 2.0, 0.0]], False),  # the same sum, other values
+    ([[NAN, 1.0, 0.0]] * 2, True),  # NaN alike on both (a diverged step is the loss check's to stop)
+    ([[NAN, 1.0, 0.0], [0.0, 1.0, 0.0]], False),  # NaN on one replica only (gloo's MIN and MAX: both NaN)
+    ([[0.0, 1.0, 0.0], [NAN, 1.0, 0.0]], False)])  # ... on the other (MIN and MAX: both 0)
 def test_replicas_that_drifted_apart_are_named_before_a_checkpoint(values, ok):
-    """The check every checkpoint runs: one element off by 2^-20 in one tensor is found, and named."""
+    """The check every checkpoint runs: replicas that no longer hold the same values are found, and named."""
     results = run_ranks(_agree_member, 2, values)
     if ok:
         assert results == {0: "ok", 1: "ok"}

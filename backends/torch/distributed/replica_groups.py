@@ -59,16 +59,19 @@ def check_replicas_agree(group: Any, named: Sequence[tuple[str, torch.Tensor]],
     Replicas start equal and apply the same summed gradients, so they stay bit for bit equal; a broken
     gradient sum (one replica's all-reduce result differing from another's) would let them drift apart
     while each replica's loss still looks fine.  Compared at every checkpoint, before rank 0 saves replica
-    0's share as everyone's: per tensor its float64 sum and sum of squares, MIN and MAX over the group."""
+    0's share as everyone's: per tensor its float64 sum, sum of squares and count of NaNs, MIN and MAX over
+    the group.  A sum that is NaN on every member compares equal (the same NaNs, or infinities of both
+    signs), so the NaN count is what tells a replica with NaNs from one without: gloo's MIN and MAX of a
+    NaN and a number are both NaN or both the number, depending on which member holds the NaN."""
     if not named:
         return
     with torch.no_grad():
-        sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().pow(2).sum()])
-                            for _, t in named]).to(device)
+        sums = torch.stack([torch.stack([t.detach().double().sum(), t.detach().double().pow(2).sum(),
+                                         torch.isnan(t.detach()).sum().double()]) for _, t in named]).to(device)
     low, high = sums.clone(), sums.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-    differ = (low != high).any(dim=1) & ~(torch.isnan(low) & torch.isnan(high)).any(dim=1)
+    differ = ((low != high) & ~(torch.isnan(low) & torch.isnan(high))).any(dim=1)
     if bool(differ.any()):
         names = [name for (name, _), bad in zip(named, differ.tolist()) if bad]
         raise ReplicaLayoutError(
