@@ -54,3 +54,21 @@ def modes_against_umask(root: Path, umask: int) -> list[str]:
         if not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) != want:
             wrong.append(f"{path.relative_to(root)}: {oct(stat.S_IMODE(path.stat().st_mode))}, not {oct(want)}")
     return wrong
+
+
+def widened_head(text: str) -> str:
+    """The tiny network with a wider SwiGLU head (64 -> 96 hidden units): valid, the same vocabulary, other
+    parameter shapes (what a resume onto a changed network must explain)."""
+    down = 'id: head_down\n    type: linear\n    config:\n      in_dim: "32"'
+    assert text.count('out_dim: "64"') == 1 and down in text
+    return text.replace('out_dim: "64"', 'out_dim: "96"').replace(down, down.replace('"32"', '"48"'))
+
+
+def small_corpus(directory: Path) -> str:
+    """A 20 kB training text (the embedded corpus, cut) written into `directory`: what the hardening tests
+    train the tiny network on."""
+    from vgraph.backends.torch.data import default_corpus_documents
+
+    path = directory / "corpus.txt"
+    path.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    return str(path)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY
-from hardening_util import file_size_limit
+from hardening_util import file_size_limit, small_corpus, widened_head
 from vgraph.backends.torch import checkpoint as ckpt
 from vgraph.backends.torch import cli
 from vgraph.backends.torch.tensorboard_log import TensorBoardLog
@@ -25,11 +25,7 @@ QUICK = ["--batch", "2", "--val-every", "0", "--quiet", "--threads", "1"]
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-    from vgraph.backends.torch.data import default_corpus_documents
-
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
-    return str(path)
+    return small_corpus(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")
@@ -93,13 +89,6 @@ def test_a_writer_thread_failure_surfaces_once_in_the_training_thread(tmp_path: 
 
 
 # -- a changed network with other shapes ------------------------------------------------------------------------
-
-def widened_head(text: str) -> str:
-    """The tiny network with a wider SwiGLU head (64 -> 96 hidden units): valid, same vocabulary, other shapes."""
-    down = 'id: head_down\n    type: linear\n    config:\n      in_dim: "32"'
-    assert text.count('out_dim: "64"') == 1 and down in text
-    return text.replace('out_dim: "64"', 'out_dim: "96"').replace(down, down.replace('"32"', '"48"'))
-
 
 def test_accepting_a_network_change_onto_other_shapes_is_a_diagnostic(tmp_path: Path, corpus: str, trained: Path,
                                                                      capsys) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY
+from hardening_util import small_corpus
 from vgraph.base.safeio import MANIFEST, check_output
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cli.main import main
@@ -189,11 +190,7 @@ def test_dump_dir_replaces_only_its_own_dumps(tmp_path: Path, capsys) -> None:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-    from vgraph.backends.torch.data import default_corpus_documents
-
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
-    return str(path)
+    return small_corpus(tmp_path_factory.mktemp("data"))
 
 
 QUICK = ["--steps", "1", "--batch", "2", "--val-every", "0", "--quiet", "--threads", "1", "--no-tensorboard"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY
-from hardening_util import modes_against_umask, signal_after_rows
+from hardening_util import modes_against_umask, signal_after_rows, widened_head
 from vgraph.backends.torch import checkpoint as ckpt
 from vgraph.backends.torch import cli
 from vgraph.backends.torch.data import default_corpus_documents
@@ -143,11 +143,12 @@ def test_resuming_with_a_network_of_other_shapes_is_a_diagnostic(tmp_path: Path,
     out = tmp_path / "run"
     assert cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), *QUICK]) == 0
     wider = tmp_path / "wider.yml"
-    wider.write_text(TINY.read_text().replace('"64"', '"96"'))  # vocab_size 64 -> 96: other shapes
+    wider.write_text(widened_head(TINY.read_text()))  # a valid network of other shapes (the old edit was not)
     code = cli.main(["train", str(wider), "--data", corpus, "--out", str(out), "--steps", "3", "--batch", "2",
                      "--val-every", "0", "--resume", "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and "size mismatch" not in err
+    assert "trained on another network" in err and "head_up" in err
 
 
 @pytest.mark.parametrize("data", ["/dev/zero", "fifo", "dir-empty"])

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY
+from hardening_util import signal_after_rows, small_corpus
 from vgraph.backends.torch import checkpoint as ckpt
 from vgraph.backends.torch import cli
 from vgraph.backends.torch.metrics_log import MetricsLog
@@ -38,11 +39,7 @@ PHASES = {"step": (TrainStep, "forward_backward", STEPS), "update": (TrainStep, 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
-    from vgraph.backends.torch.data import default_corpus_documents
-
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
-    return str(path)
+    return small_corpus(tmp_path_factory.mktemp("data"))
 
 
 def schedule(seed: int = 21, runs: int = 20) -> list[tuple[str, int, str]]:
@@ -106,7 +103,6 @@ def test_a_launch_stopped_while_validating_saves_its_last_step_and_resumes(corpu
     """The launch workers decide to stop in each step's reduction, so a stop that reaches them during
     validation or logging is carried into the next step's reduction, which checkpoints: validation every
     step makes the stop land there."""
-    from hardening_util import signal_after_rows
     from vgraph.backends.torch.distributed.launch import main as launch_main
 
     fleet = tmp_path / "fleet.yml"
