@@ -176,3 +176,22 @@ def test_run_files_respect_the_umask(tmp_path: Path, corpus: str, umask: int) ->
     names = {p.name for p in out.rglob("*")}
     assert {"latest", "network.yml", "run.json", "metrics.jsonl", "model.safetensors", "state.json"} <= names
     assert modes_against_umask(out, umask) == []
+
+
+# -- devices this machine lacks (issue 21) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,why", [("meta", "holds shapes but no data"), ("xpu", "no xpu device"),
+                                     ("mps:0", "no mps device"), ("cuda:1", "1 cuda device"),
+                                     ("nonsense", "not a torch device")])
+def test_a_device_this_machine_lacks_is_refused_by_name(name: str, why: str, monkeypatch) -> None:
+    """The CUDA index rule on any machine: CUDA is made to look present with one device."""
+    import torch
+
+    from vgraph.backends.torch.train_config import TrainingError
+    from vgraph.backends.torch.training_setup import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(TrainingError, match=why):
+        resolve_device(name)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0) and resolve_device("cpu") == torch.device("cpu")
