@@ -3,9 +3,9 @@
 What the plan optimises
 -----------------------
 The predicted time of one training step of the global batch B
-(`vgraph.cost.stepcost`): the slowest replica's pipeline (slowest stage's compute
-and point-to-point traffic at its batch share, times the micro-batch bubble,
-plus tied-weight sync and link latencies) plus the slowest stage group's ring
+(`vgraph.cost.stepcost`): the slowest replica's pipeline (the makespan of the
+micro-batch schedule its workers run at its batch share: compute, point-to-point
+traffic, tied-weight sync and link latencies) plus the slowest stage group's ring
 all-reduce of gradients.  Hard constraints: every stage fits its PNode's
 memory at its replica's share, `required` colocation groups stay whole, every
 replica has at least one sample.  Among plans within 1e-9 of the best step,
@@ -31,10 +31,17 @@ How
    R x S fastest PNodes in chunks of S, each stage to the fastest PNode of its
    chunk that holds it), by raw speed and by speed-and-bandwidth; with
    regions, also replicas inside a region and stage groups inside a region.
-   Batch shares equalise the replicas' finish times (`stepcost.batch_shares`,
-   within each replica's memory).
+   Batch shares equalise the replicas' finish times (`stepcost.balanced_shares`
+   on the simulated pipelines, within each replica's memory).
 4. The best plan is improved by a seeded local search that swaps two PNodes
    (or a used one for an idle one) while the predicted step drops.
+
+Pricing a layout simulates every replica's pipeline (vgraph/cost/makespan.py),
+so a layout whose `stepcost.step_lower_bound` (the batch spread over the
+replicas' busiest stages, plus the all-reduce) cannot beat the best plan so
+far is not priced, among the candidates and in the local search alike: the
+plan is the one pricing everything finds (tests/test_replica_shares.py), at
+about the cost the closed-form bubble had.
 """
 from __future__ import annotations
 
@@ -44,14 +51,15 @@ import math
 import time
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.cost.fleet import Fleet, PNode
 from vgraph.cost.stepcost import (FleetArrays, LoadColumns, StageLoads, StepCost, balanced_shares, batch_shares,
-                                  bubble, pipeline_seconds, resident_samples, stage_rates, step_cost_of)
+                                  bubble, pipeline_seconds, resident_samples, stage_rates, step_cost_of,
+                                  step_lower_bound)
 from vgraph.ir.graph import Graph
 
 from .partition_plan import Plan, plan_partition
@@ -160,8 +168,11 @@ def plan_replicas(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
             return single, cm
         if replicas is None:
             best = single
+    def beaten(bound: float) -> bool:  # a plan that cannot beat the best so far is not priced
+        return best is not None and bound >= best.cost.step_seconds * (1 + REL_TIE)
+
     for cand in candidates(graph, fleet, cm, fa, batch, micro_batches, replicas,
-                           base.problem if base is not None else None):
+                           base.problem if base is not None else None, beaten):
         count += 1
         if cand is not None and (best is None or _better(cand.cost, cand.replicas * cand.stages, best.cost,
                                                          best.replicas * best.stages)):
@@ -183,15 +194,22 @@ def plan_replicas(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
 # -- candidates --------------------------------------------------------------------------------------
 
 def candidates(graph: Graph, fleet: Fleet, cm: CostModel, fa: FleetArrays, batch: int, micro: int,
-               replicas: int | None = None, problem: Problem | None = None) -> Iterator[ReplicaPlan | None]:
+               replicas: int | None = None, problem: Problem | None = None,
+               beaten: Callable[[float], bool] | None = None) -> Iterator[ReplicaPlan | None]:
     """Every (stage cut, replica count, layout) the planner compares, priced; None for a layout that
-    cannot hold the batch.  (The benchmarks read step time against R from here.)  `problem`: the
-    partition pass's unit problem of this graph, if one was built (it is reused when whole groups)."""
+    cannot hold the batch, or whose step cannot be less than `stepcost.step_lower_bound` when
+    `beaten(bound)` says a plan that slow has lost already (branch and bound: pricing simulates every
+    replica's pipeline).  (The benchmarks read step time against R from here, without `beaten`.)
+    `problem`: the partition pass's unit problem of this graph, if one was built (it is reused when whole
+    groups)."""
     cols = LoadColumns(cm)
     for S, where in _splits(graph, fleet, cm, cols, batch, micro, problem):
         loads = cols.loads(where, S)
         for R in _replica_counts(len(fleet), S, batch, replicas):
             for name, idx in _layouts(loads, fa, R, S, batch, micro):
+                if beaten is not None and beaten(step_lower_bound(loads, fa, idx, batch)):
+                    yield None
+                    continue
                 priced = price_layout(loads, fa, idx, batch, micro)
                 yield None if priced is None else ReplicaPlan(where, cols.ids, loads, _ids(fa, idx), priced[0],
                                                               priced[1], f"{name}, S={S} R={R}")
@@ -390,9 +408,12 @@ def price_layout(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, batch: int
     guess = batch_shares(batch, a, c, caps)
     if guess is None:
         return None
-    shares = guess if R == 1 else balanced_shares(
-        lambda rows, b: pipeline_seconds(loads, fa, idx[rows], b, micro), batch, guess, caps)
-    cost = step_cost_of(loads, fa, idx, shares, micro)
+    if R == 1:
+        shares, seconds = guess, None
+    else:
+        shares, seconds = balanced_shares(lambda rows, b: pipeline_seconds(loads, fa, idx, b, micro, rows=rows),
+                                          batch, guess, caps)
+    cost = step_cost_of(loads, fa, idx, shares, micro, replica_seconds=seconds)
     return (shares, cost) if cost.fits else None
 
 
@@ -452,6 +473,8 @@ def _improve(plan: ReplicaPlan, fa: FleetArrays, batch: int, micro: int) -> tupl
             r2, s2 = int(rng.integers(R)), int(rng.integers(S))
             trial[r1, s1], trial[r2, s2] = trial[r2, s2], trial[r1, s1]
         tried += 1
+        if step_lower_bound(plan.loads, fa, trial, batch) >= best_cost.step_seconds * (1 - REL_TIE):
+            continue  # cannot drop the step: not priced
         cand = price_layout(plan.loads, fa, trial, batch, micro)
         if cand is not None and cand[1].step_seconds < best_cost.step_seconds * (1 - REL_TIE):
             idx, best_shares, best_cost = trial, cand[0], cand[1]

@@ -239,8 +239,9 @@ def test_balanced_shares_are_optimal(data):
     guess = batch_shares(batch, [data.draw(st.floats(0.1, 10)) for _ in range(R)], caps=caps)
     if guess is None:
         return
-    shares = balanced_shares(lambda rows, b: times[rows, b], batch, guess, caps)
+    shares, seconds = balanced_shares(lambda rows, b: times[rows, b], batch, guess, caps)
     assert sum(shares) == batch and all(1 <= b <= c for b, c in zip(shares, caps))
+    assert seconds.tolist() == [times[r, shares[r]] for r in range(R)]
     best = min(max(times[r, b[r]] for r in range(R)) for b in itertools.product(*(range(1, c + 1) for c in caps))
                if sum(b) == batch)
     assert max(times[r, shares[r]] for r in range(R)) == best
@@ -289,3 +290,31 @@ def test_the_plan_and_the_cost_model_find_the_same_tasks():
             assert e.grad == any(tr.grad for tr in crossing)
         assert len(tasks.edges) == len({(tr.src_task, tr.dst_task) for tr in plan.transfers})
     assert min(seen.values()) > 0, seen  # the cases that matter were drawn
+
+
+@settings(derandomize=True, max_examples=100, deadline=None)
+@given(st.data())
+def test_depths_in_any_node_order(data):
+    """A VNode's depth (stage changes on the longest path reaching it, plan.py's `stages`) does not depend on
+    the order the cost model lists VNodes in: the index sorts them topologically when the edges run backwards."""
+    from vgraph.cost.tasks import TaskGraphIndex
+
+    n = data.draw(st.integers(1, 12))
+    edges = sorted(data.draw(st.sets(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=20)))
+    edges = [(a, b) for a, b in edges if a < b]  # a DAG in the order 0..n-1
+    where = np.array([data.draw(st.integers(0, 2)) for _ in range(n)])
+    perm = np.array(data.draw(st.permutations(range(n))))  # VNode v is listed at perm[v]
+    src = np.array([perm[a] for a, _ in edges], dtype=np.int64)
+    dst = np.array([perm[b] for _, b in edges], dtype=np.int64)
+    depth = TaskGraphIndex(n, src, dst).depth(where[np.argsort(perm)])
+    expected = [0] * n
+    for v in range(n):  # 0..n-1 is a topological order of the unpermuted DAG
+        expected[v] = max((expected[a] + (where[a] != where[v]) for a, b in edges if b == v), default=0)
+    assert [int(depth[perm[v]]) for v in range(n)] == expected
+
+
+def test_a_cycle_is_refused():
+    from vgraph.cost.tasks import TaskGraphIndex
+
+    with pytest.raises(ValueError, match="cycle"):
+        TaskGraphIndex(3, np.array([0, 1, 2]), np.array([1, 2, 0]))

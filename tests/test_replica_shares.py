@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from vgraph.cost.fleet import Fleet, PNode
 from vgraph.cost.fleet_links import Links, Region
-from vgraph.cost.stepcost import FleetArrays, StageLoads, resident_samples, step_cost_of
+from vgraph.cost.stepcost import FleetArrays, StageLoads, resident_samples, step_cost_of, step_lower_bound
 from vgraph.passes.partition_replicas import (REL_TIE, _better, _memory_caps, _replica_counts, _replica_major,
                                               _retarget, _stage_major, price_layout)
 
@@ -74,12 +74,16 @@ def loads_of(S: int, flops: list[float], tie: float) -> StageLoads:
     return StageLoads(np.array(flops[:S]), p2p, sync, np.full(S, 1e6), np.full(S, 1e6), np.full(S, 1e3))
 
 
+# R replicas of S stages on PNodes of mixed speed and links in two regions, a tied weight synced every step
+LAYOUTS = dict(R=st.integers(2, 3), S=st.integers(2, 3), micro=st.integers(1, 3), extra=st.integers(0, 12),
+               speeds=st.lists(st.tuples(st.sampled_from([1e9, 2e9, 5e9]), st.sampled_from([1e7, 4e7, 2e8])),
+                               min_size=9, max_size=9),
+               flops=st.lists(st.sampled_from([1e7, 1e8, 1e9]), min_size=3, max_size=3),
+               tie=st.sampled_from([1e6, 4e6, 1.6e7]), latency=st.tuples(*[st.sampled_from([1, 10, 80])] * 3))
+
+
 @settings(derandomize=True, max_examples=200, deadline=None)
-@given(R=st.integers(2, 3), S=st.integers(2, 3), micro=st.integers(1, 3), extra=st.integers(0, 12),
-       speeds=st.lists(st.tuples(st.sampled_from([1e9, 2e9, 5e9]), st.sampled_from([1e7, 4e7, 2e8])),
-                       min_size=9, max_size=9),
-       flops=st.lists(st.sampled_from([1e7, 1e8, 1e9]), min_size=3, max_size=3),
-       tie=st.sampled_from([1e6, 4e6, 1.6e7]), latency=st.tuples(*[st.sampled_from([1, 10, 80])] * 3))
+@given(**LAYOUTS)
 def test_the_planners_shares_give_the_least_step(R, S, micro, extra, speeds, flops, tie, latency):
     fa = FleetArrays(geo_fleet(speeds[:R * S], latency))
     loads = loads_of(S, flops, tie)
@@ -89,6 +93,8 @@ def test_the_planners_shares_give_the_least_step(R, S, micro, extra, speeds, flo
     assert sum(shares) == batch and min(shares) >= 1
     best, best_shares = brute_force(lambda b: step_cost_of(loads, fa, idx, b, micro), batch, R)
     assert cost.step_seconds >= best * (1 - REL)  # nothing beats the exhaustive minimum
+    # ... and no split beats the bound that lets the planner skip a layout (branch and bound)
+    assert 0 < step_lower_bound(loads, fa, idx, batch) <= best * (1 + REL)
     if _exact(shares, micro):
         assert cost.step_seconds <= best * (1 + REL), (shares, best_shares)
 
@@ -187,3 +193,34 @@ def test_a_problem_retargeted_at_fewer_stages_keeps_fewer_resident_samples():
         np.testing.assert_allclose(cut.breakdown[:, 3], base.breakdown[:, 3] * ratio)
         np.testing.assert_array_equal(cut.breakdown[:, :3], base.breakdown[:, :3])
         np.testing.assert_allclose(cut.memory, cut.breakdown.sum(axis=1))
+
+
+# -- branch and bound: the planner skips plans that cannot win ------------------------------------------
+
+def test_skipping_plans_that_cannot_win_keeps_the_plan(monkeypatch):
+    """The planner with the bound and without it (every layout priced) picks the same plan, shares and step:
+    the tiny network on 12 PNodes (3 replicas of one stage win), the 8-layer network on 300 (10 x 2, improved
+    by the local search, whose trials the bound skips too)."""
+    from conftest import ROOT
+    from tools.gen_fleet import heterogeneous
+    from tools.gen_networks import TransformerSpec, transformer
+    from vgraph.yamlio import load
+    import vgraph.passes.partition_replicas as planner
+
+    tiny = transformer(TransformerSpec("bound", layers=4, vocab=512, seq_len=64, dim=64, heads=2, ffn=128,
+                                       head_up=128, precision=None))
+    net8 = load(ROOT / "networks" / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml")
+    priced = []
+    monkeypatch.setattr(planner, "price_layout", lambda *a, real=planner.price_layout: priced.append(1) or real(*a))
+    for graph, n, seed, micro, method in ((tiny, 12, 0, 4, "S=1 R=3"), (net8, 300, 1, 8, "S=2 R=10 + local search")):
+        fleet = heterogeneous(n, seed=seed)
+        priced.clear()
+        pruned, _ = planner.plan_replicas(graph, fleet, batch=256, micro_batches=micro)
+        skipped = pruned.candidates - len(priced)
+        with monkeypatch.context() as patch:
+            patch.setattr(planner, "step_lower_bound", lambda *args: -math.inf)
+            full, _ = planner.plan_replicas(graph, fleet, batch=256, micro_batches=micro)
+        assert pruned.method.endswith(method) and skipped > pruned.candidates // 2  # most were not priced
+        assert (pruned.pnodes, pruned.shares, pruned.cost.step_seconds) == (full.pnodes, full.shares,
+                                                                              full.cost.step_seconds)
+        assert pruned.candidates == full.candidates

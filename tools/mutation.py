@@ -115,7 +115,8 @@ TARGETS: dict[str, Target] = {
                                     "tests/test_makespan.py"),
         functions=("bubble", "resident_samples", "resident_array", "ring_allreduce_bytes", "loads", "link",
                    "stage_rates", "compute_per_sample", "stage_overhead", "compute_seconds", "step_cost_of",
-                   "_slowest_link", "pipeline_seconds", "balanced_shares", "tasks"),
+                   "_slowest_link", "pipeline_seconds", "balanced_shares", "_fill_from_below", "tasks",
+                   "allreduce_seconds", "step_lower_bound"),
         timeout=600.0, why="the predicted step of S stages x R replicas and its bytes, which the planner optimises"),
     "makespan": Target(
         "vgraph/cost/makespan.py", ("tests/test_makespan.py", "tests/test_stepcost.py"),

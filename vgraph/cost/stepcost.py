@@ -84,7 +84,8 @@ if TYPE_CHECKING:
 __all__ = ["StageLoads", "StepCost", "FleetArrays", "LoadColumns", "stage_loads", "step_cost", "step_cost_of",
            "compute_per_sample", "stage_overhead", "compute_seconds", "effective_flops", "vnode_kinds",
            "stage_rates", "ring_allreduce_bytes", "bubble", "resident_array", "pipeline_seconds",
-           "resident_samples", "replica_assignment", "batch_shares", "balanced_shares"]
+           "resident_samples", "replica_assignment", "batch_shares", "balanced_shares", "allreduce_seconds",
+           "step_lower_bound"]
 
 
 @dataclass
@@ -405,9 +406,11 @@ def compute_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares:
 
 
 def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Sequence[int],
-                     micro_batches: int, pipeline: str = "1f1b") -> np.ndarray:
-    """[R] seconds of each replica's pipeline: the makespan of the schedule its workers run
-    (vgraph/cost/schedule.py, simulated by vgraph/cost/makespan.py) over the stages' tasks.
+                     micro_batches: int, pipeline: str = "1f1b", rows: np.ndarray | None = None) -> np.ndarray:
+    """Seconds of each replica's pipeline: the makespan of the schedule its workers run
+    (vgraph/cost/schedule.py, simulated by vgraph/cost/makespan.py) over the stages' tasks.  One per
+    replica (row of `idx`) at `shares`, or with `rows`, replica rows[i] at shares[i] (a replica priced at
+    several shares: the PNodes' figures are read once per replica).
 
     Micro-batch m of replica r has the size the worker cuts (`plan.micro_batch_sizes`); a task's op on it
     takes size x seconds per sample (per op kind) + the task's fixed overhead, the forward its share of
@@ -416,6 +419,7 @@ def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares
     its bytes, half each way, plus a latency each way."""
     tasks = loads.task_view()
     S = idx.shape[1]
+    rows = np.arange(len(idx)) if rows is None else np.asarray(rows, dtype=np.int64)
     b = np.maximum(np.asarray(shares, dtype=np.int64), 1)
     micro = np.minimum(max(1, micro_batches), b)
     on = idx[:, tasks.stage]  # [R, T] the PNode of each task
@@ -424,37 +428,55 @@ def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares
     dst = tasks.stage[[e.dst for e in tasks.edges]].astype(np.int64)
     bw, latency = fa.link(idx[:, src], idx[:, dst])
     bw_back, _ = fa.link(idx[:, dst], idx[:, src])
+    act, grad = tasks.act / bw, tasks.grad / bw_back  # [R, E] seconds per sample
     ties, pairs = TaskLoads.tied_pairs(loads.sync)
     tie = np.zeros((len(idx), len(pairs)))
     for p, (a, c) in enumerate(pairs):
         there, lat = fa.link(idx[:, a], idx[:, c])
         back, _ = fa.link(idx[:, c], idx[:, a])
         tie[:, p] = loads.sync[a, c] / 2 * (1 / there + 1 / back) + 2 * lat
-    out = np.empty(len(idx))
+    out = np.empty(len(rows))
     for m in np.unique(micro).tolist():
-        rows = np.flatnonzero(micro == m)
-        sizes = (b[rows] // m)[:, None] + (np.arange(m)[None, :] < (b[rows] % m)[:, None])  # [n, m]
-        compute = sizes[:, None, :] * per_sample[rows][:, :, None] + overhead[rows][:, :, None]  # [n, T, m]
+        pick = np.flatnonzero(micro == m)
+        r = rows[pick]
+        sizes = (b[pick] // m)[:, None] + (np.arange(m)[None, :] < (b[pick] % m)[:, None])  # [n, m]
+        compute = sizes[:, None, :] * per_sample[r][:, :, None] + overhead[r][:, :, None]  # [n, T, m]
         forward = compute * tasks.forward[None, :, None]
-        durations = Durations(forward, compute - forward, sizes[:, None, :] * (tasks.act / bw[rows])[:, :, None],
-                              sizes[:, None, :] * (tasks.grad / bw_back[rows])[:, :, None], latency[rows], tie[rows])
-        out[rows] = makespan(compile_program(tasks.scheduled, tasks.edges, S, m, pipeline, ties), durations)
+        durations = Durations(forward, compute - forward, sizes[:, None, :] * act[r][:, :, None],
+                              sizes[:, None, :] * grad[r][:, :, None], latency[r], tie[r])
+        out[pick] = makespan(compile_program(tasks.scheduled, tasks.edges, S, m, pipeline, ties), durations)
     return out
 
 
 def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Sequence[int], micro_batches: int,
-                 pipeline: str = "1f1b") -> StepCost:
-    """`step_cost` for a plan given as fleet indices `idx[r, s]` (what the planner evaluates by the thousand)."""
+                 pipeline: str = "1f1b", replica_seconds: np.ndarray | None = None) -> StepCost:
+    """`step_cost` for a plan given as fleet indices `idx[r, s]` (what the planner evaluates by the thousand);
+    `replica_seconds`: the replicas' `pipeline_seconds` at these shares, when the caller has them already."""
     R, S = idx.shape
     if R < 1 or S != loads.stages or len(shares) != R:
         raise ValueError(f"a plan needs R >= 1 rows of {loads.stages} PNodes and R batch shares")
     b = np.asarray(shares, dtype=float)
     link, sync, _ = _link_terms(loads, fa, idx)
     work = np.maximum(compute_seconds(loads, fa, idx, shares, micro_batches), b[:, None] * link)
-    replica = pipeline_seconds(loads, fa, idx, shares, micro_batches, pipeline)
-    reduce = np.zeros(S)
+    replica = (pipeline_seconds(loads, fa, idx, shares, micro_batches, pipeline) if replica_seconds is None
+               else np.asarray(replica_seconds, dtype=float))
+    reduce = allreduce_seconds(loads, fa, idx)
     resident = resident_array(np.asarray(shares), micro_batches, S).astype(float)
     memory = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
+    if R > 1 and loads.reduce_flops is not None:  # compressing gradients: what each member keeps for it
+        memory = memory + loads.reduce_memory[None, :]
+    p2p_bytes = b * float(np.triu(loads.p2p).sum()) + float(np.triu(loads.sync).sum())
+    allreduce_bytes = np.array([ring_allreduce_bytes(R, g) for g in loads.grad_bytes])
+    pipeline = float(replica.max())
+    all_reduce = float(reduce.max()) if S else 0.0
+    return StepCost(pipeline + all_reduce, pipeline, all_reduce, float((work + sync).max()), replica,
+                    work + sync, reduce, memory, fa.memory[idx], p2p_bytes, allreduce_bytes)
+
+
+def allreduce_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> np.ndarray:
+    """[S] seconds of each stage group's gradient all-reduce (ring; PowerSGD's FLOPs on its slowest member)."""
+    R, S = idx.shape
+    reduce = np.zeros(S)
     if R > 1:
         for s in range(S):
             slowest, worst = _slowest_link(fa, idx[:, s])
@@ -462,13 +484,27 @@ def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Se
                          + 2 * (R - 1) * worst * loads.reduce_rounds)
         if loads.reduce_flops is not None:  # compressing gradients: the slowest member of each group
             reduce += loads.reduce_flops / fa.flops[idx].min(axis=0)
-            memory = memory + loads.reduce_memory[None, :]
-    p2p_bytes = b * float(np.triu(loads.p2p).sum()) + float(np.triu(loads.sync).sum())
-    allreduce_bytes = np.array([ring_allreduce_bytes(R, g) for g in loads.grad_bytes])
-    pipeline = float(replica.max())
-    all_reduce = float(reduce.max()) if S else 0.0
-    return StepCost(pipeline + all_reduce, pipeline, all_reduce, float((work + sync).max()), replica,
-                    work + sync, reduce, memory, fa.memory[idx], p2p_bytes, allreduce_bytes)
+    return reduce
+
+
+def step_lower_bound(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, batch: int) -> float:
+    """A step no split of `batch` over the replicas `idx` [R, S] can beat, cheap enough to skip pricing plans
+    that cannot win (the planner's search): a replica takes at least its share times its busiest stage's
+    seconds per sample, computing or sending (a rank runs its ops one after another and its outgoing
+    tensors queue on its link: `makespan.py`), so the replicas together finish no sooner than the batch
+    spread over their speeds, and the all-reduce comes after."""
+    compute = compute_per_sample(loads, fa, idx)
+    R, S = idx.shape
+    send = loads.send if loads.send is not None else loads.p2p / 2
+    out = np.zeros((R, S))
+    talk = np.argwhere((send > 0) & ~np.eye(S, dtype=bool))
+    if len(talk):
+        a, c = talk[:, 0], talk[:, 1]
+        bw, _ = fa.link(idx[:, a], idx[:, c])
+        np.add.at(out.T, a, (send[a, c][None, :] / bw).T)
+    per_sample = np.maximum(compute, out).max(axis=1)
+    reduce = allreduce_seconds(loads, fa, idx)
+    return batch / float((1.0 / np.maximum(per_sample, 1e-300)).sum()) + (float(reduce.max()) if S else 0.0)
 
 
 def _slowest_link(fa: FleetArrays, group: np.ndarray) -> tuple[float, float]:
@@ -535,38 +571,74 @@ def batch_shares(batch: int, seconds_per_sample: Sequence[float], fixed: Sequenc
 
 
 def balanced_shares(seconds: Callable[[np.ndarray, np.ndarray], np.ndarray], batch: int, guess: Sequence[int],
-                    caps: Sequence[int]) -> list[int]:
+                    caps: Sequence[int]) -> tuple[list[int], np.ndarray]:
     """Integer shares of `batch` (replica r: 1 .. caps[r]) that make the slowest replica the fastest it can
-    be, where `seconds(rows, shares)` gives replica rows[i]'s seconds at shares[i] (the simulated pipeline:
-    no closed form to water-fill), nondecreasing in the share; `guess` (summing to `batch`, within the caps)
-    is where to look, e.g. `batch_shares` on a linear model.
+    be, and each replica's seconds at its share, where `seconds(rows, shares)` gives replica rows[i]'s seconds
+    at shares[i] (the simulated pipeline: no closed form to water-fill), nondecreasing in the share; `guess`
+    (summing to `batch`, within the caps) is where to look, e.g. `batch_shares` on a linear model.
 
-    Greedy from below in a window around the guess: every replica starts w samples below it, and each
-    sample left goes to whoever would finish it earliest (one batched evaluation of the window prices every
-    choice).  That is optimal for a min-max of nondecreasing functions unless a replica ends on the window's
-    edge (it may want fewer samples than the window starts it with, or more than it allows): then the
-    window widens and the search runs again."""
+    First the guess is moved to where a line through each replica's seconds at the guess and a quarter
+    above it puts the balance (`batch_shares` on those lines: a pipeline's time is close to linear in its
+    share once it has all its micro-batches).  Then greedy from below in a window around it: every replica
+    starts w samples below, and each sample left goes to whoever would finish it earliest (one batched
+    evaluation of the window prices every choice; `_fill_from_below`).  That is optimal for a min-max of
+    nondecreasing functions unless a replica ends on the window's edge (it may want fewer samples than the
+    window starts it with, or more than it allows): then the window widens and the search runs again."""
     guess = np.asarray(guess, dtype=np.int64)
     cap = np.minimum(np.asarray(caps, dtype=np.int64), batch)
     R = len(guess)
+    if R > 1:
+        above = np.minimum(guess + np.maximum(1, guess // 4), cap)
+        rows = np.flatnonzero(above > guess)
+        at = seconds(np.concatenate((np.arange(R), rows)), np.concatenate((guess, above[rows])))
+        slope = np.full(R, np.inf)
+        slope[rows] = (at[R:] - at[rows]) / (above[rows] - guess[rows])
+        slope = np.where(np.isfinite(slope) & (slope > 0), slope, np.nan)
+        if not np.isnan(slope).all():  # a replica at its cap, or flat: the others' median slope
+            slope = np.where(np.isnan(slope), np.nanmedian(slope), slope)
+            better = batch_shares(batch, slope, at[:R] - slope * guess, cap)
+            guess = np.asarray(better, dtype=np.int64) if better is not None else guess
     width = 2
     while True:
         lo, hi = np.clip(guess - width, 1, cap), np.clip(guess + width, 1, cap)
-        rows = np.repeat(np.arange(R), hi - lo + 1)
-        start = np.concatenate(([0], np.cumsum(hi - lo + 1)[:-1]))
-        table = seconds(rows, lo[rows] + np.arange(len(rows)) - start[rows])  # replica r at lo[r] + k: start[r] + k
-        shares = lo.copy()
-        heap = [(float(table[start[r] + 1]), r) for r in range(R) if hi[r] > lo[r]]
-        heapq.heapify(heap)
-        for _ in range(batch - int(lo.sum())):
-            _, r = heapq.heappop(heap)
-            shares[r] += 1
-            if shares[r] < hi[r]:
-                heapq.heappush(heap, (float(table[start[r] + shares[r] + 1 - lo[r]]), r))
+        span = hi - lo + 1
+        rows = np.repeat(np.arange(R), span)
+        k = np.arange(len(rows)) - np.repeat(np.cumsum(span) - span, span)  # replica r at lo[r] + k
+        table = np.full((R, int(span.max())), np.inf)
+        table[rows, k] = seconds(rows, lo[rows] + k)
+        shares = lo + _fill_from_below(table, batch - int(lo.sum()))
         edge = ((shares == hi) & (hi < cap)) | ((shares == lo) & (lo > 1))
         if not edge.any() or width >= batch:
-            return shares.tolist()
+            return shares.tolist(), table[np.arange(R), shares - lo]
         width *= 4
+
+
+def _fill_from_below(table: np.ndarray, samples: int) -> np.ndarray:
+    """How many of `samples` each replica gets when each goes, one at a time, to whoever would finish it
+    earliest (ties to the lower replica): table[r, k] is replica r's seconds with k more (inf: not allowed).
+
+    Rather than a sample at a time, the least time T by which enough samples fit (bisection over the
+    table's values): every replica takes all its samples finishing by T, and those finishing exactly at T
+    beyond the count go back, from the highest replica down, as the greedy would not have given them."""
+    more = np.maximum.accumulate(table, axis=1)[:, 1:]  # the time with k + 1 more samples, never decreasing
+    if samples <= 0 or not more.size:
+        return np.zeros(len(table), dtype=np.int64)
+    values = np.unique(more[np.isfinite(more)])
+    lo, hi = 0, len(values) - 1
+    while lo < hi:  # the least value whose samples-finishing-by-it cover `samples`
+        mid = (lo + hi) // 2
+        if int((more <= values[mid]).sum()) >= samples:
+            hi = mid
+        else:
+            lo = mid + 1
+    limit = values[lo]
+    got = (more <= limit).sum(axis=1)
+    extra = int(got.sum()) - samples
+    for r in range(len(got) - 1, -1, -1):
+        while extra > 0 and got[r] > 0 and more[r, got[r] - 1] == limit:
+            got[r] -= 1
+            extra -= 1
+    return got
 
 
 def replica_assignment(assignment: Mapping[str, str], replica_pnodes: Sequence[Sequence[str]], r: int

@@ -170,4 +170,6 @@ def rebalanced_shares(graph: Graph, fleet: Fleet, assignment: dict[str, str], ro
     if guess is None:
         raise VGraphError(f"{len(rows)} replica(s) cannot hold the batch of {batch} (memory, or fewer samples "
                           f"than replicas)")
-    return balanced_shares(lambda r, b: pipeline_seconds(loads, fa, idx[r], b, micro_batches), batch, guess, caps)
+    shares, _ = balanced_shares(lambda r, b: pipeline_seconds(loads, fa, idx, b, micro_batches, rows=r), batch,
+                                guess, caps)
+    return shares
