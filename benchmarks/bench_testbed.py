@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/bench_testbed.py                 # the full run: ~25 min on a quiet 2-core machine
     .venv/bin/python benchmarks/bench_testbed.py --smoke         # the suite's setting (~1 min)
+    .venv/bin/python benchmarks/bench_testbed.py --networks tb-medium --rates 1Gbit/s --workdir DIR
+                                                                 # a subset, keeping the probed fleets and
+                                                                 # placements in DIR to price them again
 
 Every host is a network namespace of tools/netlab.py with a CPU quota of `--cpu` cores and a link of the
 row's rate each way (tbf; no latency: this kernel has no netem).  For each network and rate:
@@ -28,6 +31,7 @@ machine's cores, and anything else running is stolen from them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -204,7 +208,7 @@ def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: 
         shapes[f"pick {pick[0]}x{pick[1]}"] = pick
     rows = []
     for plan, (S, R) in shapes.items():
-        placement = work / f"placement-{name}-{S}x{R}.json"
+        placement = work / f"placement-{name}-{rate.replace('/', '')}-{S}x{R}.json"
         forced_placement(network, fleet, S, R, args.batch, args.micro_batches, placement)
         predicted, measured = run_plan(tb, network, fleet, corpus, placement, S * R, work / "run", args)
         rows.append(Row(name, rate, plan, S, R, predicted, measured, pick=(S, R) == pick))
@@ -276,7 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-seconds", type=float, default=3.0, help="length of each probe's link measurement")
     ap.add_argument("--plan-timeout", type=float, default=900.0)
     ap.add_argument("--plot", default="testbed_plans.png")
+    ap.add_argument("--workdir", help="keep the probed fleets, placements and runs here (default: a temporary "
+                    "directory, removed at the end)")
     args = ap.parse_args(argv)
+    if args.workdir and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
+        print(f"bench_testbed: --workdir {args.workdir!r} is not a directory", file=sys.stderr)
+        return 2
     hosts = 4
     networks, rates = args.networks.split(","), args.rates.split(",")
     if args.smoke:
@@ -290,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load before: {os.getloadavg()[0]:.2f}; {hosts} hosts of {args.cpu:g} core(s); batch {args.batch}, "
           f"{args.micro_batches} micro-batches; {args.steps} measured steps after {args.warmup}", flush=True)
     rows: list[Row] = []
-    with tempfile.TemporaryDirectory(prefix="bench-testbed-") as tmp:
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(args.workdir) if args.workdir else
+          tempfile.TemporaryDirectory(prefix="bench-testbed-")) as tmp:
         work = Path(tmp)
         from vgraph.backends.torch.data import default_corpus_documents
 

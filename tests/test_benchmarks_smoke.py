@@ -49,7 +49,7 @@ SMOKE: dict[str, list[str] | None] = {
     "ab_checkouts.py": ["{root}", "{root}", "--rounds", "1",
                         "--metric", r"8-layer=8-layer production\s+\d+\s+\d+\s+([\d.]+) ms",
                         "--", "benchmarks/bench_passes.py", "--sizes", "200", "--repeat", "1"],
-    "bench_testbed.py": ["--smoke", "--plot", "{tmp}/testbed.png"],
+    "bench_testbed.py": ["--smoke", "--plot", "{tmp}/testbed.png", "--workdir", "{tmp}/bench-testbed"],
 }
 NEEDS_ROOT = {"bench_testbed.py"}  # the netlab testbed (network namespaces, cgroups): CI runs as root
 # gpu_check.sh without CUDA runs bench_gpu.py and bench_launch_pair.py on tiny shapes (its CPU fallback);
@@ -103,3 +103,13 @@ def test_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     for table in ("gpu_results.md", "launch_results.md"):
         assert TABLE.search((results / table).read_text(encoding="utf-8")), table
     assert (results / "gpu_results.json").is_file()
+
+
+def test_bench_testbed_refuses_a_file_for_its_workdir(tmp_path: Path) -> None:
+    """--workdir keeps the probed fleets and placements: a file there is refused before any testbed is built."""
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    r = subprocess.run([sys.executable, str(BENCH / "bench_testbed.py"), "--workdir", str(taken)], cwd=tmp_path,
+                       env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is not a directory" in r.stderr and "Traceback" not in r.stderr
+    assert taken.read_text() == "not a directory"
