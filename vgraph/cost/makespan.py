@@ -4,8 +4,9 @@ The step cost model (stepcost.py) used to price a replica's pipeline as (M + S -
 stage, the bubble of a linear chain of S equal stages.  The workers run something else whenever a rank
 holds several tasks (plan.py: the embedder and the tied LM head in one colocation group put the first
 rank at both ends, rank 0 -> 1 -> 0), and 1F1B's in-flight cap then serialises much of the step: on the
-netlab testbed such 2-stage plans ran 2.5x slower than that formula.  This module prices the schedule the
-workers actually run (vgraph/cost/schedule.py, the orders plan.py hands them), given every op's duration:
+netlab testbed such 2-stage plans ran 1.2x to 2.5x slower than that formula (BENCHMARKS.md).  This module
+prices the schedule the workers actually run (vgraph/cost/schedule.py, the orders plan.py hands them), given
+every op's duration:
 
 - a rank runs its ops in order; an op starts when the rank is free and every tensor it reads has arrived
   (receives block), and takes its duration (compute only: sends do not block it);
@@ -21,7 +22,8 @@ DAG, so one pass over the ops in a dependency-respecting order computes it (no e
 runs on numpy rows, n pipelines at once (the R replicas of a plan share a schedule): one compiled
 `Program` per (task graph, micro-batch count, schedule kind), cached.  On uniform chains with no traffic
 the makespan is the closed form exactly ((M + S - 1) x (forward + backward) of a micro-batch, GPipe and
-1F1B alike: tests/test_makespan.py).
+1F1B alike, for a backward at least as long as its forward, as the cost model's always is:
+tests/test_makespan.py).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ and the last), ordered by the same 1F1B or GPipe schedule the torch backend exec
 op lasting its share of compute(r, s) on its micro-batch and each tensor its bytes over the sender's link,
 simulated to its makespan (makespan.py).  On S equal stages with no traffic that is the closed form
 (M + S - 1) / M x the stage's time, which this model used for every pipeline until the testbed ran a
-2-stage cut whose first PNode also runs the LM head (h0 -> h1 -> h0) at 2.5x that formula: 1F1B keeps at
+2-stage cut whose first PNode also runs the LM head (h0 -> h1 -> h0) at 1.2x-2.5x that formula: 1F1B keeps at
 most min(M, S) micro-batches in flight on a rank, and over a chain of three tasks on two ranks the step
 comes out near the serial sum of the stages.
 
