@@ -34,6 +34,7 @@ from vgraph.backends.torch.dropout import dropout_key, keyed_dropout
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.fleet import loads_fleet
 from vgraph.placement.export import placement_report
+from vgraph.run.files import WORKERS_JSON
 from weights_util import assert_same_weights
 
 STEPS, BATCH, MICRO, LR, SEED = 20, 8, 4, 1e-3, 3
@@ -177,7 +178,7 @@ def run_and_kill(config: LaunchConfig, victim: str) -> object:
     while not (launch_dir / f"held-{victim}").exists():
         assert thread.is_alive() and time.monotonic() < deadline, box.get("error")
         time.sleep(0.02)
-    pid = json.loads((launch_dir / "workers.json").read_text())["pids"][victim]
+    pid = json.loads((launch_dir / WORKERS_JSON).read_text())["pids"][victim]
     time.sleep(0.2)  # the other workers move on into the next step and block on the victim
     os.kill(pid, signal.SIGKILL)
     thread.join(timeout=180)

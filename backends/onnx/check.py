@@ -38,6 +38,7 @@ import numpy as np
 import onnx
 
 from vgraph import Graph, VGraphError, verify
+from vgraph.run.files import STATE_JSON
 
 from .lower import expected_param_shapes, input_name, lower_network, network_input_type, value_name
 
@@ -228,7 +229,7 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
 
             state = load_file(os.fspath(p))
         elif p.is_dir():
-            latest = latest_checkpoint(p) if not (p / "state.json").is_file() else None
+            latest = latest_checkpoint(p) if not (p / STATE_JSON).is_file() else None
             saved = load_checkpoint(latest or p)
             state = saved.model_state
             trained_yaml = saved.extra.get("network_yaml")

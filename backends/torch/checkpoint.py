@@ -53,7 +53,7 @@ from safetensors.torch import save_file
 from vgraph.base.diagnostics import printable, quote
 from vgraph.base.numbers import NumberError, checked_number
 from vgraph.base.safeio import atomic_write, atomic_write_with
-from vgraph.run.files import MAX_STEP
+from vgraph.run.files import LATEST, MAX_STEP, MODEL_FILE as MODEL, STATE_JSON
 
 try:  # numpy is optional; only needed to (de)serialise numpy RNG state.
     import numpy as np
@@ -73,12 +73,12 @@ __all__ = [
 
 FORMAT = "vgraph-checkpoint"
 VERSION = 1
-LATEST_POINTER = "latest"
-MODEL_FILE = "model.safetensors"
+LATEST_POINTER = LATEST  # the run directory's names are vgraph/run/files.py's
+MODEL_FILE = MODEL
 OPTIMIZER_TENSORS_FILE = "optimizer.safetensors"
 OPTIMIZER_JSON_FILE = "optimizer.json"
 STATE_TENSORS_FILE = "state.safetensors"
-STATE_JSON_FILE = "state.json"
+STATE_JSON_FILE = STATE_JSON
 _ALIASES_METADATA_KEY = "vgraph_aliases"
 _MAX_POINTER_BYTES = 4096
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
 import torch
 
 from vgraph.base.safeio import atomic_write
-from vgraph.run.files import METRICS_JSONL, RunReader
+from vgraph.run.files import METRICS_CSV, METRICS_JSONL, RunReader
 
 from .lower import VGraphModule
 from .node_optimizers import NodeOptimizers
@@ -47,8 +47,8 @@ class MetricsLog:
     """metrics.jsonl (the record) and metrics.csv (the same rows as a table); `sink` gets the same rows."""
 
     def __init__(self, run_dir: Path, columns: list[str], sink: MetricsSink | None = None) -> None:
-        self.jsonl = run_dir / "metrics.jsonl"
-        self.csv = run_dir / "metrics.csv"
+        self.jsonl = run_dir / METRICS_JSONL
+        self.csv = run_dir / METRICS_CSV
         self.columns = columns
         self.rows: list[dict[str, Any]] = []
         self.sink = sink

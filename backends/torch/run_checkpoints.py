@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from vgraph.ir.graph import Graph
+from vgraph.run import files
 
 from . import checkpoint as ckpt
 from .compression import boundary_state, compress_modules, load_boundary_state
@@ -32,7 +33,7 @@ __all__ = ["CHECKPOINT_PREFIX", "run_checkpoints", "prune_checkpoints", "clean_s
            "optimizer_state_to_unfused", "optimizer_state_to_graph", "TrainingState", "save_run_checkpoint",
            "resume_run"]
 
-CHECKPOINT_PREFIX = "step-"
+CHECKPOINT_PREFIX = files.CHECKPOINT_PREFIX
 
 def run_checkpoints(run_dir: Path) -> list[Path]:
     """The run's complete checkpoint directories, oldest first."""

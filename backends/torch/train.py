@@ -47,6 +47,7 @@ import torch
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.plugins import naming_missing_plugins
+from vgraph.run import files
 from vgraph.run.files import RunLock, RunReader
 from vgraph.yamlio import loads
 
@@ -121,9 +122,9 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
         start_step = resume_run(setup.latest, state, setup.run_info, say, yaml_text=setup.yaml_text,
                                 network=str(cfg.network), accept_network_change=cfg.accept_network_change)
     else:
-        atomic_write_text(run_dir / "tokenizer.json", tokenizer_json)
-    atomic_write_text(run_dir / "network.yml", setup.yaml_text)  # the network trained from here on
-    atomic_write_text(run_dir / "run.json", json.dumps(setup.run_info, indent=2, default=str) + "\n")
+        atomic_write_text(run_dir / files.TOKENIZER_JSON, tokenizer_json)
+    atomic_write_text(run_dir / files.NETWORK_YML, setup.yaml_text)  # the network trained from here on
+    atomic_write_text(run_dir / files.RUN_JSON, json.dumps(setup.run_info, indent=2, default=str) + "\n")
 
     costs = tuple(module.cost_names)
     if not costs:
@@ -219,11 +220,11 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
             if save_now or stop.requested:
                 result.checkpoint = save_run_checkpoint(run_dir, step, state, setup.run_info, setup.yaml_text,
                                                         tokenizer_json, cfg.keep_checkpoints)
-                log.plot(run_dir / "loss_curve.png", setup.source.name)
+                log.plot(run_dir / files.LOSS_CURVE_PNG, setup.source.name)
                 last_flush = time.perf_counter()
             if stop.requested:
                 break
-        log.plot(run_dir / "loss_curve.png", setup.source.name)  # still under the stop handler: no traceback
+        log.plot(run_dir / files.LOSS_CURVE_PNG, setup.source.name)  # still under the stop handler: no traceback
     finally:
         tensor_peak.close()
         restore_signals()

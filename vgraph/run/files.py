@@ -19,7 +19,8 @@ here so that nothing else writes over them):
     RUN/latest              the newest complete checkpoint's folder name
     RUN/step-NNNNNNNN/      a checkpoint: model.safetensors, optimizer.*, state.*
     RUN/launch/job-N.json   launch runs: what attempt N's workers were told
-    RUN/launch/tokens.safetensors, RUN/launch/stop
+    RUN/launch/workers.json, error-<rank>.txt, stop, held-<pnode>, release   the launcher and its workers
+    RUN/.vgraph-lock        the writer's advisory lock (pid, host)
     RUN/events.out.tfevents.*   TensorBoard
 """
 from __future__ import annotations
@@ -41,8 +42,9 @@ from vgraph.base.safeio import decode_text, read_open_file, register_owner
 
 __all__ = ["RUN_JSON", "NETWORK_YML", "TOKENIZER_JSON", "METRICS_JSONL", "METRICS_CSV", "PLACEMENT_JSON",
            "LOSS_CURVE_PNG", "LATEST", "CHECKPOINT_PREFIX", "MODEL_FILE", "STATE_JSON", "LAUNCH_DIR", "STOP_FILE",
-           "TOKENS_FILE", "JOB_FILE", "LOCK_FILE", "RunLock", "RunInUse", "refuse_foreign", "owned_by_run", "looks_like_run", "is_checkpoint", "run_owner", "checkpoint_name", "job_name", "RunReader", "MAX_METRICS_BYTES",
-           "clean_json", "metrics_row"]
+           "WORKERS_JSON", "RELEASE_FILE", "JOB_FILE", "LOCK_FILE", "RunLock", "RunInUse", "refuse_foreign",
+           "owned_by_run", "looks_like_run", "is_checkpoint", "run_owner", "checkpoint_name", "job_name", "error_name",
+           "held_name", "RunReader", "MAX_METRICS_BYTES", "clean_json", "metrics_row"]
 
 RUN_JSON = "run.json"
 NETWORK_YML = "network.yml"
@@ -55,9 +57,10 @@ LATEST = "latest"  # a pointer file: the newest complete checkpoint's folder nam
 CHECKPOINT_PREFIX = "step-"
 MODEL_FILE = "model.safetensors"
 STATE_JSON = "state.json"
-LAUNCH_DIR = "launch"  # launch runs: job files, token streams, the stop request
+LAUNCH_DIR = "launch"  # launch runs: job files, worker errors, the stop request
 STOP_FILE = "stop"  # in LAUNCH_DIR: the launcher asks every worker to stop after this step, with a checkpoint
-TOKENS_FILE = "tokens.safetensors"  # in LAUNCH_DIR: the token streams every worker reads
+WORKERS_JSON = "workers.json"  # in LAUNCH_DIR: which process runs which rank, for an outside supervisor
+RELEASE_FILE = "release"  # in LAUNCH_DIR: lets workers held at a step (--hold, for tests) go on
 JOB_FILE = re.compile(r"job-(\d+)\.json")  # in LAUNCH_DIR
 MAX_METRICS_BYTES = 512 * 2**20
 MAX_RUN_FILE_BYTES = 64 * 2**20  # run.json, placement.json, a job file (a 100k-VNode assignment is ~10 MB)
@@ -70,7 +73,7 @@ LOCK_FILE = ".vgraph-lock"  # the advisory lock of the process writing the run (
 EVENTS_PREFIX = "events.out.tfevents."
 _OWNED_NAMES = {RUN_JSON: "settings", NETWORK_YML: "network", TOKENIZER_JSON: "tokenizer", METRICS_JSONL: "metrics",
                 METRICS_CSV: "metrics", PLACEMENT_JSON: "placement", LOSS_CURVE_PNG: "loss curve",
-                LATEST: "checkpoint pointer", LOCK_FILE: "lock", LAUNCH_DIR: "job files, tokens and stop request"}
+                LATEST: "checkpoint pointer", LOCK_FILE: "lock", LAUNCH_DIR: "job files, worker errors and stop request"}
 
 
 def owned_by_run(name: str) -> str | None:
@@ -274,6 +277,16 @@ def _legacy_run(run_dir: Path) -> bool:
 def checkpoint_name(step: int) -> str:
     """The folder of the checkpoint taken after `step` (sorted by name = sorted by step)."""
     return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def error_name(rank: int) -> str:
+    """In LAUNCH_DIR: a worker's user-facing error (the launcher prints it once, not a traceback per rank)."""
+    return f"error-{rank}.txt"
+
+
+def held_name(pnode: str) -> str:
+    """In LAUNCH_DIR: the marker a worker held at a step (--hold) leaves until RELEASE_FILE appears."""
+    return f"held-{pnode}"
 
 
 def job_name(attempt: int) -> str:

@@ -34,6 +34,7 @@ from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import atomic_write, read_input
 from vgraph.cost.compression import parse_grad_compress
 from vgraph.run.compiled_graph import PLAN_CHOICES
+from vgraph.run.files import LAUNCH_DIR, STOP_FILE  # re-exported: the names are the run format's
 
 from ..train_config import TrainConfig
 from .plan import PIPELINES
@@ -42,8 +43,6 @@ __all__ = ["Job", "JobError", "JOB_VERSION", "JOB_FILE", "LAUNCH_DIR", "STOP_FIL
 
 JOB_VERSION = 1
 JOB_FILE = "job.json"  # what --emit-job DIR writes (launch's own attempts: LAUNCH_DIR/job-<attempt>.json)
-LAUNCH_DIR = "launch"  # inside the run directory: job files, token streams, worker markers
-STOP_FILE = "stop"  # in LAUNCH_DIR: the launcher asks every worker to stop after this step, with a checkpoint
 EXIT_USER_ERROR = 3  # a worker's exit status for a user-facing error: the launcher does not restart
 MAX_INT = 2**62
 _BACKENDS = ("gloo", "nccl")

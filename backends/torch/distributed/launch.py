@@ -85,15 +85,16 @@ import torch
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import check_output_dir, read_input
+from vgraph.cost.compression import parse_grad_compress
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
 from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
-from vgraph.cost.compression import parse_grad_compress
 from vgraph.run.compiled_graph import (PLAN_CHOICES, apply_assignment, network_changes, plugin_distributions,
                                        weight_keeping_changes)
-from vgraph.run.files import RunLock
+from vgraph.run.files import (METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEASE_FILE, RUN_JSON, TOKENIZER_JSON,
+                              WORKERS_JSON, RunLock, error_name, held_name)
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
 
 from .. import checkpoint as ckpt
@@ -435,7 +436,7 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
     (launch_dir / STOP_FILE).unlink(missing_ok=True)
     stop.on_request = lambda: atomic_write_text(launch_dir / STOP_FILE, "stop\n")
     if lead:
-        for stale in [*launch_dir.glob("held-*"), *launch_dir.glob("error-*"), launch_dir / "release"]:
+        for stale in [*launch_dir.glob(held_name("*")), *launch_dir.glob(error_name("*")), launch_dir / RELEASE_FILE]:
             stale.unlink(missing_ok=True)
     target = device_target(device)
     grad_compress = parse_grad_compress(cfg.grad_compress).text()
@@ -464,9 +465,9 @@ def _write_data(run: _Run, vocab: int, seq_len: int, device: Any) -> None:
         "warmup": cfg.warmup, "schedule": cfg.schedule,
         "grad_compress": parse_grad_compress(cfg.grad_compress).text(),
     }
-    if run.lead and (not (run.run_dir / "network.yml").exists() or not cfg.resume):
-        atomic_write_text(run.run_dir / "network.yml", run.yaml_text)
-        atomic_write_text(run.run_dir / "tokenizer.json", tokenizer.to_str())
+    if run.lead and (not (run.run_dir / NETWORK_YML).exists() or not cfg.resume):
+        atomic_write_text(run.run_dir / NETWORK_YML, run.yaml_text)
+        atomic_write_text(run.run_dir / TOKENIZER_JSON, tokenizer.to_str())
 
 
 @dataclass
@@ -514,8 +515,8 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
                 plugin_distributions=plugin_distributions(run.source, placement.graph),
                 launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": run.micro, "attempt": number})
     if run.lead:
-        atomic_write_text(run.run_dir / "run.json", json.dumps(info, indent=2, default=str) + "\n")
-        atomic_write_text(run.run_dir / "placement.json", json.dumps(placement.report, indent=2) + "\n")
+        atomic_write_text(run.run_dir / RUN_JSON, json.dumps(info, indent=2, default=str) + "\n")
+        atomic_write_text(run.run_dir / PLACEMENT_JSON, json.dumps(placement.report, indent=2) + "\n")
     job = _job(run, placement, comm, info, number, threads, hold)
     job_path = job.write(run.launch_dir / f"job-{number}.json")
     return _Attempt(number, placement, job, job_path, local, threads, comm)
@@ -610,7 +611,7 @@ def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
     try:
         supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), cfg.master_addr, port,
                          attempt.threads)
-        atomic_write_text(run.launch_dir / "workers.json",
+        atomic_write_text(run.launch_dir / WORKERS_JSON,
                           json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
         ok, codes, lost = supervisor.wait(trouble=run.machines.trouble)
     except BaseException:
@@ -666,7 +667,7 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
 def _collect(run: _Run, result: LaunchResult) -> LaunchResult:
     """Machine 0: the run's rows (metrics.jsonl) and last checkpoint into the result."""
     if run.lead:
-        rows = read_rows(run.run_dir / "metrics.jsonl")
+        rows = read_rows(run.run_dir / METRICS_JSONL)
         result.history = rows
         if rows:
             result.step = rows[-1]["step"]
@@ -710,7 +711,7 @@ def _given_placement(cfg: LaunchConfig, number: int, shrunk: Any) -> tuple[Any, 
 
 def _user_errors(launch_dir: Path) -> str:
     """The workers' user-facing errors (error-<rank>.txt), each text once."""
-    texts = [read_input(p, what="worker error file").strip() for p in sorted(launch_dir.glob("error-*.txt"))]
+    texts = [read_input(p, what="worker error file").strip() for p in sorted(launch_dir.glob(error_name("*")))]
     return "\n".join(dict.fromkeys(t for t in texts if t))
 
 

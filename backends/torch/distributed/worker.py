@@ -75,6 +75,7 @@ from vgraph.data.shards import DataError, open_prepared
 from vgraph.placement.export import assignment_of
 from vgraph.plugins import load_plugins
 from vgraph.run.compiled_graph import apply_assignment  # the launcher, the workers and `vgraph report` build it alike
+from vgraph.run.files import LOSS_CURVE_PNG, PLACEMENT_JSON, RELEASE_FILE, error_name, held_name
 from vgraph.yamlio import loads
 
 from ..data import TokenShards
@@ -291,7 +292,7 @@ class Worker:
                 self.say(f"stopped after step {step} as asked")
                 break
         if self.log is not None:
-            self.log.plot(self.run_dir / "loss_curve.png", self.graph.name)
+            self.log.plot(self.run_dir / LOSS_CURVE_PNG, self.graph.name)
             self.log.close()
         if self.progress is not None:
             self.progress.close()
@@ -387,7 +388,7 @@ class Worker:
             if self.log is not None:
                 # Drawn at checkpoints and at the end only: matplotlib's seconds on rank 0 would be every
                 # other worker's idle time at each validation.
-                self.log.plot(self.run_dir / "loss_curve.png", self.graph.name)
+                self.log.plot(self.run_dir / LOSS_CURVE_PNG, self.graph.name)
             self._last_flush = time.perf_counter()
         hold = self.job.hold
         if hold and hold["rank"] == self.rank and hold["step"] == step:
@@ -423,7 +424,7 @@ class Worker:
             return None
         placement = None
         try:
-            placement = json.loads(read_input(self.run_dir / "placement.json", what="placement.json"))
+            placement = json.loads(read_input(self.run_dir / PLACEMENT_JSON, what=PLACEMENT_JSON))
         except (VGraphError, ValueError):
             pass  # the drawing then takes each VNode's PNode from the graph itself
         settings = dict(self.job.run_info, pipeline=self.job.pipeline, micro_batches=self.job.micro_batches,
@@ -479,12 +480,12 @@ class Worker:
     def _hold(self, step: int) -> None:
         """Test hook: stop after `step` (others block on this rank) until killed or released.  Once per run
         directory: a worker set restarted by torchrun from the same job file does not hold again."""
-        marker = self.run_dir / LAUNCH_DIR / f"held-{self.pnode}"
+        marker = self.run_dir / LAUNCH_DIR / held_name(self.pnode)
         if marker.exists():
             return
         atomic_write(marker, json.dumps({"step": step, "pid": os.getpid()}) + "\n")
         deadline = time.monotonic() + 300
-        while not (self.run_dir / LAUNCH_DIR / "release").exists() and time.monotonic() < deadline:
+        while not (self.run_dir / LAUNCH_DIR / RELEASE_FILE).exists() and time.monotonic() < deadline:
             time.sleep(0.02)
 
 
@@ -504,7 +505,7 @@ def _user_error(job: Job | None, rank: int | None, exc: VGraphError) -> int:
     print(f"error: {text}", file=sys.stderr, flush=True)
     if job is not None and rank is not None:
         with contextlib.suppress(VGraphError):
-            atomic_write(job.run_path / LAUNCH_DIR / f"error-{rank}.txt", text + "\n")
+            atomic_write(job.run_path / LAUNCH_DIR / error_name(rank), text + "\n")
     return EXIT_USER_ERROR
 
 
