@@ -33,8 +33,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from vgraph.base.diagnostics import printable
-from vgraph.base.safeio import atomic_write, same_file
+from vgraph.base.diagnostics import VGraphError, printable
+from vgraph.base.safeio import atomic_write
+from vgraph.base.safeio import check_output_dir as check_output_dir_of_every_command
 
 from . import encode
 from .shards import (FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, DataError, PreparedCorpus,
@@ -124,27 +125,27 @@ def _document_units(documents: Sequence[str], description: str, unit_bytes: int)
 
 
 def check_output_dir(out: Path, inputs: Sequence[str]) -> None:
-    """Refuse an output that would destroy or mix with something: see the module docstring."""
+    """Refuse an output that would destroy or mix with something: every command's rule for an output
+    directory (`safeio.check_output_dir`: not a file or device, not an input nor inside one), and prepare's
+    own stricter ones, since starting clean empties what it wrote there and the shards must never be read
+    back as text: a printable name, no input inside it, and not inside a training run at all."""
     shown = printable(str(out))
     if not str(out) or not str(out).isprintable():
         raise DataError(f"{shown}: an output directory name must be printable (no control characters)")
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{shown}: exists and is not a directory")
+    try:
+        check_output_dir_of_every_command(out, inputs=inputs, what="output directory")
+    except VGraphError as exc:
+        raise DataError(exc.diagnostics) from None
     resolved = out.resolve()
     for given in inputs:
         inp = Path(given)
-        if not inp.exists():
-            continue
-        inp_resolved = inp.resolve()
-        if same_file(out, inp) or resolved == inp_resolved or inp_resolved in resolved.parents or \
-                resolved in inp_resolved.parents:
+        if inp.exists() and resolved in inp.resolve().parents:
             raise DataError(f"{shown}: the output directory is, holds or lies inside the input "
                             f"{printable(given)}; choose a directory apart from the inputs")
     for parent in [resolved, *resolved.parents]:
         if (parent / "run.json").is_file() and (parent / "network.yml").is_file():
             raise DataError(f"{shown}: inside the training run {printable(str(parent))}; prepare the corpus "
                             f"outside run directories")
-
 
 @contextmanager
 def _locked(root: Path) -> Iterator[None]:
