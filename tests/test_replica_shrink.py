@@ -97,3 +97,59 @@ def test_shrink_without_a_whole_replica_left_is_an_error(three_replicas):
     placement, fleet, _, _ = three_replicas
     with pytest.raises(TrainingError, match="no complete replica is left"):
         _shrink(placement, fleet, ["fast0", "mid1", "slow0"], "three workers", BATCH, MICRO)
+
+
+def _fleet_with(fleet, memory: dict[str, int]):
+    """`fleet` with some PNodes' memory replaced."""
+    import dataclasses
+
+    return Fleet.of(fleet.name, *[dataclasses.replace(p, memory=memory.get(p.id, p.memory)) for p in fleet],
+                    links=fleet.links)
+
+
+def test_shrink_shares_respect_memory_to_the_last_sample(three_replicas):
+    """A survivor whose PNodes hold exactly one sample gets one; one byte less and the plan is refused by name;
+    a single survivor takes the whole batch."""
+    from vgraph.base.diagnostics import VGraphError
+
+    placement, fleet, _, _ = three_replicas
+    rows = [placement.rows[0], placement.rows[2]]
+    final = placement.final
+    need = step_cost(stage_loads(cost_model(placement.graph, batch=BATCH, micro_batches=MICRO),
+                                 {v: placement.rows[0].index(p) for v, p in final.items()}, 2),
+                     [[fleet.pnode(p) for p in rows[1]]], [1], MICRO, fleet).memory[0]
+    tight = _fleet_with(fleet, {p: int(b) for p, b in zip(rows[1], need)})
+    assert rebalanced_shares(placement.graph, tight, final, rows, BATCH, MICRO) == [BATCH - 1, 1]
+    too_small = _fleet_with(fleet, {rows[1][0]: int(need[0]) - 1})
+    with pytest.raises(VGraphError, match="2 replica\\(s\\) cannot hold the batch of 12"):
+        rebalanced_shares(placement.graph, too_small, final, rows, BATCH, MICRO)
+    assert rebalanced_shares(placement.graph, fleet, final, rows[:1], BATCH, MICRO) == [BATCH]
+
+
+def test_a_placement_whose_replicas_do_not_match_the_graph_is_refused(three_replicas):
+    """placement.json's replica fields against the graph they came with: replica 0 must use the graph's PNodes
+    and the shares must be one per replica and add up to the batch; one replica takes whatever the batch is."""
+    from vgraph.base.diagnostics import VGraphError
+    from vgraph.placement.replica_report import replica_layout
+
+    placement, _, _, _ = three_replicas
+    graph, final = placement.graph.copy(), placement.final
+    used = list(dict.fromkeys(final[n.id] for n in graph.topo_order()))
+    rows = placement.rows
+
+    def layout(**fields):
+        graph.meta["placement"] = fields
+        return replica_layout(graph, final, BATCH)
+
+    assert layout() == ([used], [BATCH])
+    assert layout(replica_pnodes=[used], batch_shares=[5]) == ([used], [BATCH])  # planned for another batch
+    assert layout(replica_pnodes=rows, batch_shares=placement.shares) == (rows, placement.shares)
+    for bad in ({"replica_pnodes": rows[1:] + rows[:1], "batch_shares": placement.shares},  # replica 0 elsewhere
+                {"replica_pnodes": [rows[1]], "batch_shares": [BATCH]},
+                {"replica_pnodes": [used[:1]], "batch_shares": [BATCH]},  # one replica on part of the PNodes
+                {"replica_pnodes": rows, "batch_shares": placement.shares[:2]},
+                {"replica_pnodes": rows, "batch_shares": placement.shares + [1]},
+                {"replica_pnodes": rows, "batch_shares": [BATCH, 1, 1]}):
+        with pytest.raises(VGraphError, match="replicas do not match the graph: replica 0 uses "
+                                              f"{', '.join(bad['replica_pnodes'][0])}, "):
+            layout(**bad)
