@@ -27,8 +27,8 @@ which reads top to bottom; each part it calls lives in a module of its own:
 * checkpointing (run_checkpoints.py): save, prune, resume, clean a killed write;
 * logging (metrics_log.py): metrics.jsonl / .csv, the loss curve, the progress bar.
 
-**Exact resume**: the data batches come from their own generator (its state
-is checkpointed) and dropout masks are keyed by (seed, step, VNode, sample)
+**Exact resume**: a step's samples are a function of (seed, step) (data.py:
+nothing to checkpoint) and dropout masks are keyed by (seed, step, VNode, sample)
 (dropout.py, which also makes `vgraph launch`'s micro-batched pipeline draw
 the same masks), so a run killed at any moment and resumed with `--resume`
 ends bitwise equal to an uninterrupted run (CPU, `--deterministic`).
@@ -40,6 +40,7 @@ import contextlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,10 +104,53 @@ def train(config: TrainConfig) -> TrainResult:
             torch.set_num_threads(threads)
 
 
-def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa: C901 - the loop, top to bottom
-    # -- set-up: config, device, graph, run directory, data; then the weights and the optimizers
+def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:
+    """Set the run up, then train from its start step (0, or its checkpoint's) to `cfg.steps`."""
+    run = _set_up(cfg, say)
+    result = TrainResult(run.dir, run.start_step, None, None, run.setup.latest)
+    if run.start_step >= cfg.steps:
+        say(f"{run.dir}: already trained to step {run.start_step}")
+        result.history = run.log.rows
+        run.close()
+        return result
+    return _loop(run, result, say)
+
+
+@dataclass
+class _Run:
+    """What the loop needs, made once before its first step: the set-up (training_setup.py), the compiled
+    network with its optimizers and loss scaler, the step, the loss check, the logs."""
+
+    cfg: TrainConfig
+    setup: Any
+    module: Any
+    state: TrainingState
+    trainer: TrainStep
+    loss_check: LossCheck
+    tensor_peak: TensorPeak
+    log: MetricsLog
+    amp: Any
+    costs: tuple[str, ...]
+    token_feeds: Any
+    target_feeds: Any
+    metric_eps: list
+    tokenizer_json: str
+    start_step: int
+
+    @property
+    def dir(self) -> Path:
+        return self.setup.run_dir
+
+    def close(self) -> None:
+        self.tensor_peak.close()
+        self.log.close()
+
+
+def _set_up(cfg: TrainConfig, say: Callable[[str], None]) -> _Run:
+    """Config, device, graph, run directory and data (set_up_run); the weights and optimizers; resume from the
+    checkpoint when there is one; the run's files; the logs and the step."""
     setup = set_up_run(cfg, say)
-    device, graph, run_dir, seq_len = setup.device, setup.graph, setup.run_dir, setup.seq_len
+    device, graph, run_dir = setup.device, setup.graph, setup.run_dir
     with phase(say, "compiled to torch and optimizers made") as details:
         seed_everything(cfg.seed)
         module = compile_network(graph, device=device, train=True, seed=cfg.seed)
@@ -114,9 +158,7 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
             module, NodeOptimizers(module, cfg.lr),
             torch.amp.GradScaler(device.type, init_scale=cfg.initial_loss_scale, enabled=setup.loss_scaling))
         details.append(f"{sum(p.numel() for p in module.parameters()):,} parameters on {device}")
-    optimizers, scaler = state.optimizers, state.scaler
     tokenizer_json = setup.data.tokenizer.to_str()
-
     start_step = 0
     if setup.latest is not None:
         start_step = resume_run(setup.latest, state, setup.run_info, say, yaml_text=setup.yaml_text,
@@ -135,36 +177,38 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
                    else None)  # event files beside metrics.jsonl, the same rows (tensorboard_log.py)
     log = MetricsLog(run_dir, metric_columns(metric_eps), sink=tensorboard)
     log.restart(start_step)
-
     amp = (torch.autocast(device.type, dtype=setup.dtype) if setup.dtype != torch.float32
            else contextlib.nullcontext())
-    trainer = TrainStep(module, optimizers, scaler, costs, token_feeds, amp, compile=cfg.compile,
+    trainer = TrainStep(module, state.optimizers, state.scaler, costs, token_feeds, amp, compile=cfg.compile,
                         grad_clip=cfg.grad_clip)
-    loss_check = LossCheck(scaler, setup.loss_scaling, cfg.max_skipped_steps, graph, run_dir)
-    tensor_peak = TensorPeak(device, lambda: (module, *optimizers.optimizers))  # vs the estimate (peak_memory.py)
+    loss_check = LossCheck(state.scaler, setup.loss_scaling, cfg.max_skipped_steps, graph, run_dir)
+    tensor_peak = TensorPeak(device, lambda: (module, *state.optimizers.optimizers))  # vs the estimate
+    return _Run(cfg, setup, module, state, trainer, loss_check, tensor_peak, log, amp, costs, token_feeds,
+                target_feeds, metric_eps, tokenizer_json, start_step)
+
+
+def _loop(run: _Run, result: TrainResult, say: Callable[[str], None]) -> TrainResult:
+    """The steps.  Losses are read back at sync points only (every --log-every steps, validations and
+    checkpoints: `_log`), where a non-finite loss stops the run before its update is applied.
+
+    Long because the loop is the one place a reader follows a step from its batch to its checkpoint, and
+    the stop handling (a stop request seen at any point saves the last finished step) needs all of it in view.
+    """
+    cfg, setup, module = run.cfg, run.setup, run.module
+    optimizers = run.state.optimizers
+    device = setup.device
     dataset = setup.data.dataset  # step s reads the samples (seed, s) names: nothing to checkpoint (data.py)
     is_accel = device.type != "cpu"
     log_every = cfg.log_every or (10 if is_accel else 1)
-    tokens_per_step = cfg.batch * seq_len
-
-    result = TrainResult(run_dir, start_step, None, None, setup.latest)
-    if start_step >= cfg.steps:
-        say(f"{run_dir}: already trained to step {start_step}")
-        result.history = log.rows
-        return result
-
-    bar = progress_bar(cfg.steps, start_step, setup.source.name, cfg.progress)
+    bar = progress_bar(cfg.steps, run.start_step, setup.source.name, cfg.progress)
     say = (lambda msg: bar.write(msg, file=sys.stderr)) if cfg.progress else say
     say(run_banner(setup, module))
-    pending: list[PendingLoss] = []  # steps since the last sync point
-    last_flush = time.perf_counter()
-    start_time = last_flush
-    last_val: float | None = None
-    step = start_step
+    sync = _SyncPoint(run, bar)
+    step = run.start_step
     stop = StopRequest(say)  # Ctrl-C / SIGTERM: finish the step, checkpoint, say how to resume (interrupt.py)
     restore_signals = stop.install()
     try:
-        for step in range(start_step + 1, cfg.steps + 1):
+        for step in range(run.start_step + 1, cfg.steps + 1):
             # -- the step: forward + backward; at a sync point the losses are checked before the update
             inputs, targets = dataset.batch(step, cfg.batch)
             if is_accel:
@@ -172,45 +216,23 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
                 targets = targets.to(device, non_blocking=True)
             optimizers.set_factor(lr_factor(step, cfg))
             set_dropout_key(cfg.seed, step)  # masks keyed by (seed, step, VNode, sample): dropout.py
-            tensor_peak.begin_step()
-            out, loss = trainer.forward_backward(inputs, targets)
-            pending.append((step, loss, optimizers.factor))
+            run.tensor_peak.begin_step()
+            out, loss = run.trainer.forward_backward(inputs, targets)
+            sync.pending.append((step, loss, optimizers.factor))
 
             validate = cfg.val_every > 0 and (step % cfg.val_every == 0 or step == cfg.steps)
             save_now = (step == cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0)
                         or stop.requested)
             flush = save_now or validate or step % log_every == 0
-            extras: dict[str, Any] = {}
             if flush:
                 # Sync point: a non-finite loss stops here, before its update is applied.
-                values = loss_check.losses(pending)
-                extras = metric_values(metric_eps, module, optimizers, scaler, out)
-            trainer.update()
-            tensor_peak.end_step()
+                values = run.loss_check.losses(sync.pending)
+                extras = metric_values(run.metric_eps, module, optimizers, run.state.scaler, out)
+            run.trainer.update()
+            run.tensor_peak.end_step()
             if not flush:
                 continue
-
-            # -- evaluation and logging, at sync points only
-            now = time.perf_counter()
-            if validate:
-                last_val = validation_loss(module, dataset, batch=cfg.batch, max_batches=cfg.val_batches,
-                                           device=device, amp=amp, costs=costs,
-                                           token_feeds=token_feeds, target_feeds=target_feeds)
-            rows = step_rows(pending, values, cfg.lr, tokens_per_step * len(pending) / max(now - last_flush, 1e-9),
-                             now - start_time)
-            rows[-1].update(extras)
-            rows[-1].update(memory_figures(tensor_peak))  # vs run.json's memory_estimate
-            if setup.loss_scaling:
-                rows[-1]["loss_scale"] = loss_check.scale_after_update()
-            if validate:
-                rows[-1]["val_loss"] = last_val
-            log.append(rows)
-            result.loss = values[-1]
-            bar.update(len(pending))
-            bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{rows[-1]['tokens_per_s']:,.0f}",
-                            lr=f"{rows[-1]['lr']:.2e}", refresh=False)
-            pending.clear()
-            last_flush = time.perf_counter()
+            result.loss = sync.log(values, extras, validate)
 
             # -- checkpointing; the loss curve is drawn here and at the end, not at every validation
             # (matplotlib takes seconds; a killed run keeps the curve of its last checkpoint).  A stop request
@@ -218,28 +240,65 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:  # noqa
             # the step is finished and logged, and stopping without its checkpoint would lose every step
             # since the last one.
             if save_now or stop.requested:
-                result.checkpoint = save_run_checkpoint(run_dir, step, state, setup.run_info, setup.yaml_text,
-                                                        tokenizer_json, cfg.keep_checkpoints)
-                log.plot(run_dir / files.LOSS_CURVE_PNG, setup.source.name)
-                last_flush = time.perf_counter()
+                result.checkpoint = save_run_checkpoint(run.dir, step, run.state, setup.run_info, setup.yaml_text,
+                                                        run.tokenizer_json, cfg.keep_checkpoints)
+                run.log.plot(run.dir / files.LOSS_CURVE_PNG, setup.source.name)
+                sync.last_flush = time.perf_counter()
             if stop.requested:
                 break
-        log.plot(run_dir / files.LOSS_CURVE_PNG, setup.source.name)  # still under the stop handler: no traceback
+        run.log.plot(run.dir / files.LOSS_CURVE_PNG, setup.source.name)  # still under the stop handler
     finally:
-        tensor_peak.close()
+        run.tensor_peak.close()
         restore_signals()
         clear_dropout_key()
         bar.close()
-        log.close()
+        run.log.close()
     result.step = step
-    result.val_loss = last_val
-    result.skipped_steps = loss_check.skipped_steps
-    result.history = log.rows
+    result.val_loss = sync.last_val
+    result.skipped_steps = run.loss_check.skipped_steps
+    result.history = run.log.rows
     if stop.requested:
-        raise stop.interrupted(f"{run_dir}: stopped at step {step} of {cfg.steps}; checkpoint {result.checkpoint}. "
-                               f"Continue with: vgraph train {cfg.network} --out {run_dir} --resume "
+        raise stop.interrupted(f"{run.dir}: stopped at step {step} of {cfg.steps}; checkpoint {result.checkpoint}. "
+                               f"Continue with: vgraph train {cfg.network} --out {run.dir} --resume "
                                f"(and the same options)")
     return result
+
+
+class _SyncPoint:
+    """Evaluation and logging at a sync point: validation when due, the rows of the steps since the last sync
+    point (throughput over them, memory figures, the loss scale), the progress bar."""
+
+    def __init__(self, run: _Run, bar: Any) -> None:
+        self.run, self.bar = run, bar
+        self.pending: list[PendingLoss] = []  # steps since the last sync point
+        self.last_flush = self.start_time = time.perf_counter()
+        self.last_val: float | None = None
+
+    def log(self, values: list[float], extras: dict[str, Any], validate: bool) -> float:
+        """Log the pending steps (their checked loss `values`), return the last loss."""
+        run, cfg = self.run, self.run.cfg
+        now = time.perf_counter()
+        if validate:
+            self.last_val = validation_loss(run.module, run.setup.data.dataset, batch=cfg.batch,
+                                            max_batches=cfg.val_batches, device=run.setup.device, amp=run.amp,
+                                            costs=run.costs, token_feeds=run.token_feeds,
+                                            target_feeds=run.target_feeds)
+        tokens = cfg.batch * run.setup.seq_len * len(self.pending)
+        rows = step_rows(self.pending, values, cfg.lr, tokens / max(now - self.last_flush, 1e-9),
+                         now - self.start_time)
+        rows[-1].update(extras)
+        rows[-1].update(memory_figures(run.tensor_peak))  # vs run.json's memory_estimate
+        if run.setup.loss_scaling:
+            rows[-1]["loss_scale"] = run.loss_check.scale_after_update()
+        if validate:
+            rows[-1]["val_loss"] = self.last_val
+        run.log.append(rows)
+        self.bar.update(len(self.pending))
+        self.bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{rows[-1]['tokens_per_s']:,.0f}",
+                             lr=f"{rows[-1]['lr']:.2e}", refresh=False)
+        self.pending.clear()
+        self.last_flush = time.perf_counter()
+        return values[-1]
 
 
 # --------------------------------------------------------------------------
