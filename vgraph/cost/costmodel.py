@@ -283,8 +283,9 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
     """Costs of every VNode and edge of a verified graph (types inferred); `grad_compress` says how
     replicas would all-reduce its gradients (vgraph/cost/compression.py).
 
-    Written as one tight loop (about 5 us a VNode): partitioning a 100k-VNode
-    network starts here.
+    Long because it is written as one tight loop (about 5 us a VNode), each
+    column appended through a bound method: partitioning a 100k-VNode network
+    starts here, and a call per VNode and field would be paid by every plan.
     """
     if batch < 1 or micro_batches < 1:
         raise ValueError("batch and micro_batches must be >= 1")

@@ -720,7 +720,7 @@ def _user_errors(launch_dir: Path) -> str:
 def register_launch(subparsers: argparse._SubParsersAction) -> None:
     """Add `launch` to a `vgraph` subparser set (entry point of group `vgraph.commands`).
 
-    Longer than 60 lines for a reason: one `add_argument` per option, in the order `--help` shows them;
+    Long because it is one `add_argument` per option, in the order `--help` shows them;
     split up, the command's options would no longer read as one list."""
     from vgraph.cli.main import add_plugin_option
 
