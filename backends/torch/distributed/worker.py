@@ -101,7 +101,7 @@ from ..tensorboard_log import TensorBoardLog
 from ..node_optimizers import lr_factor
 from ..train_config import TrainingError
 from ..train_step import LossCheck
-from ..training_setup import use_deterministic_kernels
+from ..training_setup import seed_everything, use_deterministic_kernels
 
 __all__ = ["main", "Worker", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"]
 
@@ -167,6 +167,9 @@ class Worker:
             torch.set_num_threads(self.cfg.threads)
         if self.cfg.deterministic:
             use_deterministic_kernels()
+        # Like `vgraph train`: the global generators start from the run's seed, so what a checkpoint records
+        # of them is the same in every run (a forked worker otherwise inherits whatever its forkserver drew).
+        seed_everything(self.cfg.seed)
 
     def _connect(self) -> None:
         """The default process group (rendezvous.py: behind the run's secret) and the control group."""
