@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
 
 STEPS, BATCH, MICRO, LR, SEED = 6, 8, 4, 1e-3, 7
 WORKER = "vgraph.backends.torch.distributed.worker"
+SECRET = "launch-standard-test-secret-0123"  # passes rendezvous.check_token, as a real one must
 BIN = Path(sys.executable).parent
 
 
@@ -78,7 +79,7 @@ def test_torchrun_restarts_a_killed_worker_set_from_the_last_checkpoint(files: P
            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "1", "--monitor-interval", "0.1",
            "-m", WORKER, str(job)]
     log = (tmp_path / "torchrun.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(**{TOKEN_ENV: "s" * 32}))
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(**{TOKEN_ENV: SECRET}))
     try:
         marker = tmp_path / "run" / "launch" / "held-w1"
         deadline = time.monotonic() + 180
@@ -109,7 +110,7 @@ def test_two_processes_with_slurm_variables_train_like_vgraph_train(files: Path,
     procs = []
     for rank in (0, 1):
         env = _env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242",
-                   SLURM_JOB_NODELIST="localhost,node[02-03]", MASTER_PORT=str(port), **{TOKEN_ENV: "t" * 32})
+                   SLURM_JOB_NODELIST="localhost,node[02-03]", MASTER_PORT=str(port), **{TOKEN_ENV: SECRET})
         out = (tmp_path / f"rank{rank}.log").open("w")
         procs.append((subprocess.Popen([sys.executable, "-m", WORKER, str(job)], stdout=out,
                                        stderr=subprocess.STDOUT, env=env), out))
@@ -134,10 +135,11 @@ def test_two_processes_with_slurm_variables_train_like_vgraph_train(files: Path,
     assert_same_weights(tmp_path / "run" / last, tmp_path / "ref" / last, steps=STEPS, lr=LR)
 
 
-def test_srun_without_the_shared_secret_is_refused(files: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("token", [None, "t" * 32, "short-secret"], ids=["unset", "one-letter", "short"])
+def test_srun_without_a_real_shared_secret_is_refused(files: Path, tmp_path: Path, token: str | None) -> None:
     job = emit(files, tmp_path / "run")
     env = _env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_ID="1",
-               SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(free_port()))
+               SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(free_port()), **({TOKEN_ENV: token} if token else {}))
     done = subprocess.run([sys.executable, "-m", WORKER, str(job)], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 3 and TOKEN_ENV in done.stderr and "Traceback" not in done.stderr

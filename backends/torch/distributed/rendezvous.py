@@ -183,6 +183,7 @@ def rendezvous_store(rank: int, world: int, timeout: timedelta, env: dict[str, s
     if not token:
         raise RendezvousError(f"{TOKEN_ENV} is not set: start workers with `vgraph launch`, or set it to the "
                               f"same secret for every rank")
+    check_token(token, 1)  # the rules `vgraph launch` applies hold for srun and hand-started workers too
     if rank == 0:
         sock = socket.socket(_family(addr), socket.SOCK_STREAM)
         try:
