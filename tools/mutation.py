@@ -17,6 +17,12 @@ it first on PYTHONPATH (ahead of the editable install), and mutates only there.
     bash tools/mutation.sh --list             # the targets, their scope and tests
     bash tools/mutation.sh --count stepcost   # how many mutants a target has (nothing is run)
     bash tools/mutation.sh --recheck catalog  # rerun only the last session's survivors (after new tests)
+    bash tools/mutation.sh --sample 30 stepcost  # a seeded random 30 of the target's mutants
+
+Sampling: where a target has hundreds of mutants whose tests start processes (the distributed runtime) a
+whole session takes hours on 2 cores.  A uniform random sample of the in-scope mutants (seeded, so the
+same sample is drawn again) estimates the mutation score without bias and still names concrete
+survivors; the report says how many were drawn from how many.
 
 Not part of CI.  Work directory: $VGRAPH_MUTATION_DIR (default /tmp/vgraph-mutation); per target a
 session database and report.txt stay there.
@@ -27,6 +33,7 @@ import argparse
 import ast
 import json
 import os
+import random
 import re
 import shlex
 import shutil
@@ -60,6 +67,14 @@ class Target:
     timeout: float = 120.0
     why: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Run `size` of a target's in-scope mutants, drawn uniformly with `seed` from the mutants in source
+    order (the same sample again for the same code and seed)."""
+    size: int
+    seed: int = 0
 
 
 TARGETS: dict[str, Target] = {
@@ -226,9 +241,10 @@ def _test_command(python: str, target: Target) -> str:
                        "--no-header", "-o", "addopts=", *target.tests])
 
 
-def init_session(name: str, target: Target, base: Path, python: str) -> tuple[Path, Path, dict[str, str], int]:
-    """A fresh work directory and cosmic-ray session for `name`, mutants outside its scope skipped:
-    (work directory, session, environment, mutants to run)."""
+def init_session(name: str, target: Target, base: Path, python: str, sample: Sample | None = None
+                 ) -> tuple[Path, Path, dict[str, str], int]:
+    """A fresh work directory and cosmic-ray session for `name`, mutants outside its scope (or its
+    sample) skipped: (work directory, session, environment, mutants to run)."""
     work = prepare(base / name)
     module = layout_path(target.source)
     env = _env(work, target)
@@ -244,44 +260,61 @@ def init_session(name: str, target: Target, base: Path, python: str) -> tuple[Pa
     session = work / "session.sqlite"
     cosmic = str(Path(python).with_name("cosmic-ray"))
     subprocess.run([cosmic, "init", str(config), str(session), "--force"], cwd=work, env=env, check=True)
-    return work, session, env, skip_outside_scope(session, work / module, target)
+    return work, session, env, skip_outside_scope(session, work / module, target, sample)
 
 
-def run_target(name: str, target: Target, base: Path, python: str) -> dict:
-    work, session, env, selected = init_session(name, target, base, python)
+def run_target(name: str, target: Target, base: Path, python: str, sample: Sample | None = None) -> dict:
+    work, session, env, selected = init_session(name, target, base, python, sample)
     test_command = _test_command(python, target)
     cosmic = str(Path(python).with_name("cosmic-ray"))
+    start = time.monotonic()
     baseline = subprocess.run(shlex.split(test_command), cwd=work, env=env, capture_output=True, text=True)
     if baseline.returncode != 0:
         raise SystemExit(f"{name}: the tests fail without any mutation; fix that first:\n{baseline.stdout[-3000:]}")
+    _cap_timeout(work / "cosmic-ray.toml", target, time.monotonic() - start)
     start = time.monotonic()
     subprocess.run([cosmic, "exec", str(work / "cosmic-ray.toml"), str(session)], cwd=work, env=env, check=True)
-    report = summarize(name, target, session, selected, time.monotonic() - start)
+    report = summarize(name, target, session, selected, time.monotonic() - start, sample)
     (work / "report.txt").write_text(report["text"], encoding="utf-8")
     print(report["text"], flush=True)
     return report
 
 
-def skip_outside_scope(session: Path, module: Path, target: Target) -> int:
-    """Mark mutants outside the target's scope, or of an operator left out, as skipped; returns how many remain."""
+def _cap_timeout(config: Path, target: Target, baseline_s: float) -> None:
+    """A mutant that makes its tests hang (a bucket never ready, a rank waiting forever) costs the whole
+    timeout; 4x the unmutated tests' time (at least a minute, at most the target's) is plenty for a mutant
+    that merely slows them, and keeps a run of the distributed targets from losing 10 minutes a hang."""
+    timeout = min(target.timeout, max(60.0, 4 * baseline_s))
+    text = config.read_text(encoding="utf-8")
+    config.write_text(re.sub(r"(?m)^timeout = .*$", f"timeout = {timeout:.0f}", text, count=1), encoding="utf-8")
+
+
+def skip_outside_scope(session: Path, module: Path, target: Target, sample: Sample | None = None) -> int:
+    """Mark mutants outside the target's scope, of an operator left out, or not drawn into `sample`, as
+    skipped; returns how many remain."""
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import WorkerOutcome, WorkResult
 
     scope = spans(module, target)
     annotations = annotation_spans(module)
-    remaining = 0
     with use_db(str(session), WorkDB.Mode.open) as db:
-        for item in list(db.pending_work_items):
+        keep, skip = [], []
+        for item in db.pending_work_items:
             m = item.mutations[0]
             line = m.start_pos[0]
             inside = scope is None or any(a <= line <= b for a, b in scope)
             annotation = any(a <= tuple(m.start_pos) < b for a, b in annotations)
             if inside and not annotation and not SKIPPED_OPERATORS.match(m.operator_name):
-                remaining += 1
-                continue
-            db.set_result(item.job_id, WorkResult(output="outside the target's scope",
-                                                  worker_outcome=WorkerOutcome.SKIPPED))
-    return remaining
+                keep.append(item)
+            else:
+                skip.append((item, "outside the target's scope"))
+        if sample is not None:
+            chosen = {id(i) for i in draw(keep, sample, key=_source_order)}
+            skip += [(i, f"not in the sample (seed {sample.seed})") for i in keep if id(i) not in chosen]
+            keep = [i for i in keep if id(i) in chosen]
+        for item, why in skip:
+            db.set_result(item.job_id, WorkResult(output=why, worker_outcome=WorkerOutcome.SKIPPED))
+    return len(keep)
 
 
 def recheck(name: str, target: Target, base: Path, python: str) -> int:
@@ -319,7 +352,8 @@ def recheck(name: str, target: Target, base: Path, python: str) -> int:
     return still
 
 
-def summarize(name: str, target: Target, session: Path, selected: int, seconds: float) -> dict:
+def summarize(name: str, target: Target, session: Path, selected: int, seconds: float,
+              sample: Sample | None = None) -> dict:
     from cosmic_ray.work_db import WorkDB, use_db
     from cosmic_ray.work_item import TestOutcome, WorkerOutcome
 
@@ -341,10 +375,39 @@ def summarize(name: str, target: Target, session: Path, selected: int, seconds: 
             else:
                 killed += 1
     lines = [f"{name}: {target.source} ({target.why}); tests: {' '.join(target.tests)}",
-             f"  {selected} mutants: {killed} killed, {survived} survived, {incompetent} incompetent "
+             f"  {selected} mutants{_drawn(sample)}: {killed} killed, {survived} survived, {incompetent} incompetent "
              f"(did not run: import error or timeout); {seconds / 60:.1f} min"]
     lines += survivors
     return {"name": name, "killed": killed, "survived": survived, "text": "\n".join(lines) + "\n"}
+
+
+def draw(items: list, sample: Sample, key) -> list:
+    """`sample.size` of `items` drawn uniformly with `sample.seed`, in `key` order (all of them when
+    there are fewer): the same draw for the same items whatever order they come in."""
+    ordered = sorted(items, key=key)
+    if sample.size >= len(ordered):
+        return ordered
+    return sorted(random.Random(sample.seed).sample(ordered, sample.size), key=key)
+
+
+def _source_order(item) -> tuple:
+    """cosmic-ray's job ids are random per session; the sample is drawn from an order that is not."""
+    m = item.mutations[0]
+    return (tuple(m.start_pos), m.operator_name, m.occurrence)
+
+
+def _drawn(sample: Sample | None) -> str:
+    return "" if sample is None else f" (a random sample of at most {sample.size}, seed {sample.seed})"
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,7 +418,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="only say how many mutants each target would run (a session is prepared, none run)")
     parser.add_argument("--recheck", action="store_true",
                         help="only rerun the survivors of each target's last session against the current tests")
+    parser.add_argument("--sample", type=_positive, metavar="N",
+                        help="run a seeded random N of each target's mutants (all when it has fewer)")
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed (default 0)")
     args = parser.parse_args(argv)
+    sample = Sample(args.sample, args.seed) if args.sample else None
     if args.list:
         for name, t in TARGETS.items():
             scope = ", ".join(t.functions + tuple(f"{k}=" for k in t.keywords)) or "whole module"
@@ -367,11 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(os.environ.get("VGRAPH_MUTATION_DIR", "/tmp/vgraph-mutation"))
     if args.count:
         for name in args.targets or TARGETS:
-            print(f"{name}: {init_session(name, TARGETS[name], base / 'count', sys.executable)[3]} mutants", flush=True)
+            n = init_session(name, TARGETS[name], base / "count", sys.executable, sample)[3]
+            print(f"{name}: {n} mutants{_drawn(sample)}", flush=True)
         return 0
     if args.recheck:
         return 1 if sum(recheck(name, TARGETS[name], base, sys.executable) for name in (args.targets or TARGETS)) else 0
-    reports = [run_target(name, TARGETS[name], base, sys.executable) for name in (args.targets or TARGETS)]
+    reports = [run_target(name, TARGETS[name], base, sys.executable, sample) for name in (args.targets or TARGETS)]
     total = sum(r["survived"] for r in reports)
     print(f"date {time.strftime('%Y-%m-%d')}: {sum(r['killed'] for r in reports)} killed, {total} survived")
     return 1 if total else 0
