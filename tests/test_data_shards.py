@@ -171,3 +171,24 @@ def test_sample_count_and_bad_arguments() -> None:
         step_samples(0, 1, 4, 10, 3, 2)
     with pytest.raises(ValueError):
         step_samples(0, 1, 4, 0)
+
+
+def test_windows_are_read_without_mapping_the_shards(tmp_path: Path) -> None:
+    """Training's resident memory must not follow the corpus: a memory map's touched (and read-ahead) pages
+    count in it (474-646 MB more on a 2 GB corpus, BENCHMARKS.md), so windows are read, not mapped."""
+    write_corpus(tmp_path / "c", {"train": [[[5, 6, 7]] * 40, [[8, 9]] * 30], "val": [[[1]]]})
+    corpus = open_prepared(tmp_path / "c")
+    got = [corpus.train.window(i, 7) for i in range(0, corpus.train.tokens - 7, 5)]
+    assert got[0].tolist() == [5, 6, 7, 0, 5, 6, 7] and all(w.dtype == np.int64 for w in got)
+    assert str(tmp_path / "c") not in Path("/proc/self/maps").read_text()
+
+
+def test_a_shard_truncated_after_opening_is_a_data_error_naming_it(tmp_path: Path) -> None:
+    write_corpus(tmp_path / "c", {"train": [[[5, 6, 7]] * 40], "val": [[[1]]]})
+    corpus = open_prepared(tmp_path / "c")
+    shard = tmp_path / "c" / corpus.manifest["splits"]["train"]["shards"][0]["bin"]
+    with open(shard, "r+b") as fh:
+        fh.truncate(20)
+    assert corpus.train.window(0, 10).tolist() == [5, 6, 7, 0, 5, 6, 7, 0, 5, 6]
+    with pytest.raises(DataError, match=f"{shard.name}: ends before token 100"):
+        corpus.train.window(90, 10)

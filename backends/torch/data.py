@@ -1,8 +1,8 @@
-"""Token batches for the PyTorch backend, read from a prepared corpus (vgraph.data) through memory maps.
+"""Token batches for the PyTorch backend, read from a prepared corpus (vgraph.data) a window at a time.
 
 `TokenShards` is what a run trains on: the training batch of step s (or a
 replica's share of it) is the samples `vgraph.data.sampler.step_samples`
-names for (seed, s), read from the train shards' memory maps into int64
+names for (seed, s), read from the train shards (`ShardFile.read`) into int64
 tensors; validation batches are consecutive windows of the val split, the
 same on every run.  Nothing here holds the corpus in memory and nothing is
 state: a resumed run reads exactly what an uninterrupted one would.
