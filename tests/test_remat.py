@@ -11,6 +11,7 @@ from vgraph import dumps, load, loads
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.remat import RECOMPUTE, is_marked, marked_ids, remat_cost, remat_layout
+from vgraph.cost.remat import candidates as remat_candidates
 from vgraph.passes.remat import Remat, RematScope, parse_budget, plain_activation, plan_scope, scopes_of
 from vgraph.passes.remat_ilp import solve_remat_ilp
 from vgraph.transform.pass_api import PassContext, PassError
@@ -245,3 +246,24 @@ def test_host_memory_is_known_here():
     found, source = available_host_memory()
     assert found is None or found > 0
     assert source
+
+
+def test_an_unread_vnode_does_not_hide_the_markable_ones_after_it():
+    """Without dead-nodes first, a VNode no one reads (here a GELU after the first block's LayerNorm) is no
+    candidate, and every markable VNode after it still is: the candidates are those of the same graph with
+    the dead VNode removed (a mutant stopping at the first unread VNode marked nothing after it)."""
+    text = TINY.read_text(encoding="utf-8")
+    dead = ("  - id: block0_unread\n    type: gelu\n    config:\n      colocate_group: \"transformer_block_0\"\n"
+            "      colocate_policy: \"required\"\n")
+    text = text.replace("  - id: block0_heads\n", dead + "  - id: block0_heads\n", 1)
+    text = text.replace("  - {from: block0_ln1, to: block0_heads}\n",
+                        "  - {from: block0_ln1, to: block0_heads}\n  - {from: block0_ln1, to: block0_unread}\n", 1)
+    with_dead = loads(text)
+    run_pipeline(with_dead, "precision", target="cpu")
+    assert "block0_unread" in {n.id for n in with_dead.nodes}
+    clean = prepared()
+    got = remat_candidates(with_dead, cost_model(with_dead, batch=4), [n.id for n in with_dead.nodes],
+                           {n.id: None for n in with_dead.nodes})
+    want = remat_candidates(clean, cost_model(clean, batch=4), [n.id for n in clean.nodes],
+                            {n.id: None for n in clean.nodes})
+    assert got == want and sum(map(len, want.values())) > 10

@@ -149,7 +149,32 @@ def test_a_placement_whose_replicas_do_not_match_the_graph_is_refused(three_repl
                 {"replica_pnodes": [used[:1]], "batch_shares": [BATCH]},  # one replica on part of the PNodes
                 {"replica_pnodes": rows, "batch_shares": placement.shares[:2]},
                 {"replica_pnodes": rows, "batch_shares": placement.shares + [1]},
-                {"replica_pnodes": rows, "batch_shares": [BATCH, 1, 1]}):
+                {"replica_pnodes": rows, "batch_shares": [BATCH, 1, 1]},
+                {"replica_pnodes": [used + [rows[1][0]]], "batch_shares": [BATCH]},  # one replica, a PNode more
+                {"replica_pnodes": rows, "batch_shares": [placement.shares[0] - 1, *placement.shares[1:], 1]}):
         with pytest.raises(VGraphError, match="replicas do not match the graph: replica 0 uses "
                                               f"{', '.join(bad['replica_pnodes'][0])}, "):
             layout(**bad)
+
+
+def test_shrink_caps_a_fast_survivor_at_the_samples_its_memory_holds(three_replicas):
+    """The fast survivor would take about 4/5 of the batch by speed; with its PNodes' memory at what a share
+    of 4 needs (1F1B keeps ceil(b / M) x min(M, S) samples: 4 for shares 3 and 4, 6 for 5) it gets exactly 4,
+    and one byte less drops it to 2 (what fits in the next smaller footprint); the slow survivor takes the
+    rest.  A cap counted from a share of 0, or memory that does not grow with the resident samples, gives
+    the fast one more than its memory holds."""
+    placement, fleet, _, _ = three_replicas
+    rows = [placement.rows[0], placement.rows[2]]
+    final = placement.final
+    loads = stage_loads(cost_model(placement.graph, batch=BATCH, micro_batches=MICRO),
+                        {v: placement.rows[0].index(p) for v, p in final.items()}, 2)
+    assert rebalanced_shares(placement.graph, fleet, final, rows, BATCH, MICRO)[0] > 5  # speed alone: more
+
+    def need(share: int) -> list[int]:
+        return [int(b) for b in step_cost(loads, [[fleet.pnode(p) for p in rows[0]]], [share], MICRO, fleet).memory[0]]
+
+    assert need(3) == need(4) and all(a < b for a, b in zip(need(4), need(5)))
+    exact = _fleet_with(fleet, dict(zip(rows[0], need(4))))
+    assert rebalanced_shares(placement.graph, exact, final, rows, BATCH, MICRO) == [4, BATCH - 4]
+    short = _fleet_with(fleet, {rows[0][0]: need(4)[0] - 1, rows[0][1]: need(4)[1]})
+    assert rebalanced_shares(placement.graph, short, final, rows, BATCH, MICRO) == [2, BATCH - 2]
