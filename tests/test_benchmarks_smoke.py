@@ -50,8 +50,9 @@ SMOKE: dict[str, list[str] | None] = {
                         "--metric", r"8-layer=8-layer production\s+\d+\s+\d+\s+([\d.]+) ms",
                         "--", "benchmarks/bench_passes.py", "--sizes", "200", "--repeat", "1"],
     "bench_testbed.py": ["--smoke", "--plot", "{tmp}/testbed.png", "--workdir", "{tmp}/bench-testbed"],
+    "bench_hop_latency.py": ["--smoke"],
 }
-NEEDS_ROOT = {"bench_testbed.py"}  # the netlab testbed (network namespaces, cgroups): CI runs as root
+NEEDS_ROOT = {"bench_testbed.py", "bench_hop_latency.py"}  # the netlab testbed (network namespaces, cgroups): CI runs as root
 # gpu_check.sh without CUDA runs bench_gpu.py and bench_launch_pair.py on tiny shapes (its CPU fallback);
 # its extra arguments go to bench_gpu.py: two variants keep the aot_eager compiles to two.
 GPU_CHECK = ["--variants", "fused,handwritten"]
