@@ -11,7 +11,7 @@ from vgraph import dumps, load, loads
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.remat import RECOMPUTE, is_marked, marked_ids, remat_cost, remat_layout
-from vgraph.cost.remat import candidates as remat_candidates
+from vgraph.cost.remat import candidates as remat_candidates, closed, pnode_static_bytes
 from vgraph.passes.remat import Remat, RematScope, parse_budget, plain_activation, plan_scope, scopes_of
 from vgraph.passes.remat_ilp import solve_remat_ilp
 from vgraph.transform.pass_api import PassContext, PassError
@@ -267,3 +267,34 @@ def test_an_unread_vnode_does_not_hide_the_markable_ones_after_it():
     want = remat_candidates(clean, cost_model(clean, batch=4), [n.id for n in clean.nodes],
                             {n.id: None for n in clean.nodes})
     assert got == want and sum(map(len, want.values())) > 10
+
+
+def test_a_pnode_holding_a_tied_weights_user_counts_its_replica():
+    """The LM head on another PNode than the embedder it shares a weight with keeps a replica of that weight
+    (and its gradient): its static bytes count it, the embedder's PNode's do not, whatever the PNodes' names
+    (a comparison of ids instead of equality dropped the replica from the PNode sorting last)."""
+    g = prepared()
+    cm = cost_model(g, batch=4)
+    (tie,) = cm.ties
+    assert (tie.user, tie.publisher) == ("lm_head", "embedder") and tie.replica_bytes > 0
+    for pub, user in (("p0", "p1"), ("p1", "p0")):
+        pnode_of = {n.id: (user if n.id == "lm_head" else pub) for n in g.nodes}
+        ids_of = {p: [n for n, q in pnode_of.items() if q == p] for p in (pub, user)}
+        plain = {p: pnode_static_bytes(cm, ids_of[p], pnode_of, None) for p in (pub, user)}
+        assert pnode_static_bytes(cm, ids_of[user], pnode_of, user) == plain[user] + tie.replica_bytes
+        assert pnode_static_bytes(cm, ids_of[pub], pnode_of, pub) == plain[pub]
+
+
+def test_a_broadcast_of_a_recomputed_tensor_is_recomputed_with_it():
+    """A broadcast's outputs alias its input, so marking the input marks every broadcast reading it (and only
+    those); with nothing marked nothing is rebuilt (no region, no transient bytes, no FLOPs run again)."""
+    g = prepared()
+    for b in (n for n in g.nodes if n.type == "broadcast"):
+        src = g.input_edge(b.id, 0).src
+        assert closed(g, {src}) == {src} | {n.id for n in g.nodes if n.type == "broadcast"
+                                            and g.input_edge(n.id, 0).src == src}
+    cm = cost_model(g, batch=4)
+    nothing = remat_cost(remat_layout(g, set()), plain_activation(cm),
+                         dict(zip(cm.node_columns["id"], cm.node_columns["flops"])))
+    assert (nothing.transient_bytes, nothing.recompute_flops) == (0, 0)
+    assert nothing.kept_bytes == sum(plain_activation(cm).values())
