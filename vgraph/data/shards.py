@@ -307,8 +307,9 @@ class ShardFile:
         return np.frombuffer(raw, dtype=self.dtype)
 
     def __del__(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
+        fd = getattr(self, "_fd", None)  # None also when __init__ failed before setting it
+        if fd is not None:
+            os.close(fd)
 
 
 def _check_index(path: Path, tokens: int, documents: int) -> None:
