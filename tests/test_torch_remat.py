@@ -236,3 +236,28 @@ def test_memory_estimate_counts_remat():
     one = plain.copy()
     one.node("block0_ffn_gelu").set_config(remat=RECOMPUTE)
     assert estimate_training_memory(one, 4).activations == before.activations
+
+
+@pytest.mark.parametrize("kind", ["ffn_gelu", "attn_dropout"])
+def test_a_region_of_one_vnode_is_cut_out_and_recomputed(kind):
+    """A lone marked VNode between kept ones (the policy marks single cheap elementwise VNodes where that
+    pays: a GELU; a dropout, whose region also holds the residual add it feeds) is a region of its own,
+    checkpointed as a submodule named in order (remat_0, remat_1), and the step's loss and gradients are
+    unchanged."""
+    plain = prepare_graph(vgraph.load(TINY), passes=UNFUSED, target="cpu")
+    marked = plain.copy()
+    for nid in (f"block0_{kind}", f"block1_{kind}"):
+        marked.node(nid).set_config(remat=RECOMPUTE)
+    assert len(remat_layout(marked).regions) == 2
+    emb = plain.nodes_of_type("embedder")[0].cfg
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, int(emb["vocab_size"]), (2, int(emb["seq_len"])), generator=gen)
+    targets = torch.randint(0, int(emb["vocab_size"]), (2, int(emb["seq_len"])), generator=gen)
+    loss0, grads0, _ = step(plain, ids, targets)
+    loss1, grads1, gm = step(marked, ids, targets)
+    regions = {name: m for name, m in gm.named_children() if name.startswith("remat_")}
+    assert sorted(regions) == ["remat_0", "remat_1"]
+    assert all(kind.split("_")[1] in m.body.code for m in regions.values())
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
