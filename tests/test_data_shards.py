@@ -192,3 +192,16 @@ def test_a_shard_truncated_after_opening_is_a_data_error_naming_it(tmp_path: Pat
     assert corpus.train.window(0, 10).tolist() == [5, 6, 7, 0, 5, 6, 7, 0, 5, 6]
     with pytest.raises(DataError, match=f"{shard.name}: ends before token 100"):
         corpus.train.window(90, 10)
+
+
+@pytest.mark.parametrize("change", ["removed", "symlink"])
+def test_a_shard_removed_or_replaced_by_a_link_after_opening_is_a_data_error(tmp_path: Path, change: str) -> None:
+    write_corpus(tmp_path / "c", {"train": [[[5, 6, 7]] * 40], "val": [[[1]]]})
+    (tmp_path / "elsewhere.bin").write_bytes(b"\0" * 4096)
+    corpus = open_prepared(tmp_path / "c")
+    shard = tmp_path / "c" / corpus.manifest["splits"]["train"]["shards"][0]["bin"]
+    shard.unlink()
+    if change == "symlink":
+        shard.symlink_to(tmp_path / "elsewhere.bin")
+    with pytest.raises(DataError, match=f"{shard.name}: cannot read: .*prepare the corpus again"):
+        corpus.train.window(0, 10)

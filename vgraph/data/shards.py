@@ -297,8 +297,13 @@ class ShardFile:
 
     def read(self, start: int, count: int) -> np.ndarray:
         """Tokens [start, start + count) of this shard."""
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        if self._fd is None:  # opened on first use: a corpus of thousands of shards holds no idle descriptors
+            flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+            try:
+                self._fd = os.open(self.path, flags)
+            except OSError as exc:
+                raise DataError(f"{printable(str(self.path))}: cannot read: {exc.strerror} (removed or replaced by "
+                                f"a link after it was checked; prepare the corpus again)") from None
         size = self.dtype.itemsize
         raw = os.pread(self._fd, count * size, start * size)
         if len(raw) != count * size:
