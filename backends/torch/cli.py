@@ -35,7 +35,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("network", metavar="FILE", type=options.network_file,
                    help="network YAML, or a shipped network's name (vgraph networks)")
     p.add_argument("--data", metavar="PATH", type=options.path,
-                   help="a directory `vgraph data prepare` wrote (shards read through memory maps), or text/JSONL/"
+                   help="a directory `vgraph data prepare` wrote (shards read a window at a time), or text/JSONL/"
                         "Parquet files, a directory or a glob (prepared into the cache); default: the embedded corpus")
     p.add_argument("--steps", type=_non_negative_int, default=1000, help="optimizer steps in all (default 1000)")
     p.add_argument("--batch", type=_positive_int, default=8, help="sequences per step (default 8)")

@@ -248,7 +248,7 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
     with phase(say, "data") as details:
         data = prepare_data(cfg, vocab, seq_len, say)
         details.append(f"{data.description}, {data.dataset.train_tokens:,} train / {data.dataset.val_tokens:,} val "
-                       f"tokens through memory maps")
+                       f"tokens, read a window at a time")
     run_info = {"network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
                 "data": data.description, "data_digest": data.digest, "tokenizer": data.tokenizer_kind,
                 "vocab_size": vocab,

@@ -250,7 +250,7 @@ class Worker:
                                                attempt=self.attempt, powersgd=self.powersgd)
 
     def _open_data(self) -> TokenShards:
-        """The corpus the launcher prepared and verified, through memory maps (sizes checked again here)."""
+        """The corpus the launcher prepared and verified, read a window at a time (sizes checked again here)."""
         job = self.job
         try:
             corpus = open_prepared(job.data_path, verify="size")
