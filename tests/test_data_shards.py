@@ -205,3 +205,16 @@ def test_a_shard_removed_or_replaced_by_a_link_after_opening_is_a_data_error(tmp
         shard.symlink_to(tmp_path / "elsewhere.bin")
     with pytest.raises(DataError, match=f"{shard.name}: cannot read: .*prepare the corpus again"):
         corpus.train.window(0, 10)
+
+
+def test_an_opened_corpus_reads_the_same_after_pickling(tmp_path: Path) -> None:
+    """A stream sent to another process (pickled) reopens its shards there instead of reusing this
+    process's descriptor numbers."""
+    import pickle
+
+    write_corpus(tmp_path / "c", {"train": [[[5, 6, 7]] * 40, [[8, 9]] * 30], "val": [[[1]]]})
+    corpus = open_prepared(tmp_path / "c")
+    first = corpus.train.window(100, 30)
+    copy = pickle.loads(pickle.dumps(corpus.train))
+    assert all(s._fd is None for s in copy.shards)
+    assert copy.window(100, 30).tolist() == first.tolist()

@@ -311,6 +311,9 @@ class ShardFile:
                             f"it was opened; prepare the corpus again)")
         return np.frombuffer(raw, dtype=self.dtype)
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fd": None}  # a descriptor number means nothing in another process
+
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)  # None also when __init__ failed before setting it
         if fd is not None:
