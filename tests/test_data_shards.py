@@ -173,6 +173,7 @@ def test_sample_count_and_bad_arguments() -> None:
         step_samples(0, 1, 4, 0)
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps (Linux) to see the mappings")
 def test_windows_are_read_without_mapping_the_shards(tmp_path: Path) -> None:
     """Training's resident memory must not follow the corpus: a memory map's touched (and read-ahead) pages
     count in it (474-646 MB more on a 2 GB corpus, BENCHMARKS.md), so windows are read, not mapped."""
