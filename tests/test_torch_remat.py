@@ -39,15 +39,29 @@ def step(graph, ids, targets, offset=0):
     return loss.detach(), {k: p.grad for k, p in module.named_parameters()}, program.module
 
 
+def token_batch(graph, samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, targets) of `samples` random sequences in the graph's vocabulary, drawn from `seed`."""
+    emb = graph.nodes_of_type("embedder")[0].cfg
+    gen = torch.Generator().manual_seed(seed)
+    shape = (samples, int(emb["seq_len"]))
+    ids = torch.randint(0, int(emb["vocab_size"]), shape, generator=gen)
+    return ids, torch.randint(0, int(emb["vocab_size"]), shape, generator=gen)
+
+
+def assert_same_step(loss, grads, loss_ref, grads_ref) -> None:
+    """The same loss and every parameter's gradient as the reference step, to float32 rounding."""
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=0)
+    assert grads.keys() == grads_ref.keys()
+    for k in grads_ref:
+        torch.testing.assert_close(grads[k], grads_ref[k], rtol=1e-6, atol=1e-9, msg=k)
+
+
 @pytest.mark.parametrize("passes", [FUSED, UNFUSED])
 def test_same_loss_and_gradients_with_dropout(passes):
     plain = prepare_graph(vgraph.load(TINY), passes=passes, target="cpu")
     assert any(float(n.cfg.get("rate", 0) or 0) > 0 for n in plain.nodes_of_type("dropout"))
     marked = mark_all(plain.copy())
-    emb = plain.nodes_of_type("embedder")[0].cfg
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
-    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    ids, targets = token_batch(plain, 3, seed=0)
     loss0, grads0, _ = step(plain, ids, targets)
     loss1, grads1, gm = step(marked, ids, targets)
     regions = [m for name, m in gm.named_children() if name.startswith("remat_")]
@@ -56,10 +70,7 @@ def test_same_loss_and_gradients_with_dropout(passes):
     if passes == FUSED:  # the fused kernels survive inside and around the regions
         assert "attention" in bodies and "tied_lm_head_ce" in gm.code
     assert "dropout" in bodies
-    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
-    assert grads0.keys() == grads1.keys()
-    for k in grads0:
-        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
+    assert_same_step(loss1, grads1, loss0, grads0)
 
 
 def test_a_micro_batch_at_a_sample_offset_recomputes_its_own_masks():
@@ -68,18 +79,13 @@ def test_a_micro_batch_at_a_sample_offset_recomputes_its_own_masks():
     remat, and not those of samples 0..2 (a recompute that lost the offset would mix the two)."""
     plain = prepare_graph(vgraph.load(TINY), passes=FUSED, target="cpu")
     marked = mark_all(plain.copy())
-    emb = plain.nodes_of_type("embedder")[0].cfg
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
-    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    ids, targets = token_batch(plain, 3, seed=1)
     loss0, grads0, _ = step(plain, ids, targets, offset=5)
     loss1, grads1, _ = step(marked, ids, targets, offset=5)
     _, at_zero, _ = step(plain, ids, targets, offset=0)
     moved = max(float((at_zero[k] - grads0[k]).abs().max() / grads0[k].abs().max()) for k in grads0)
     assert moved > 0.01  # the offset chooses other masks: gradients move by percents, far above the tolerance
-    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
-    for k in grads0:
-        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
+    assert_same_step(loss1, grads1, loss0, grads0)
 
 
 def saved_bytes(graph, ids, targets) -> int:
@@ -109,10 +115,7 @@ def test_regions_keep_only_their_inputs_for_backward():
     marked.node("embedder").set_config(remat=RECOMPUTE)
     layout = remat_layout(marked)
     assert layout.regions[0] == ("embedder",) and "embedder" not in layout.recomputed
-    emb = plain.nodes_of_type("embedder")[0].cfg
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
-    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    ids, targets = token_batch(plain, 3, seed=3)
     gm = step(marked, ids, targets)[2]
     cut = [name for name, _ in gm.named_children() if name.startswith("remat_")]
     assert len(cut) == sum(1 for r in layout.regions if set(r) & layout.recomputed) >= 3
@@ -126,18 +129,13 @@ def test_a_region_may_read_the_networks_inputs():
     plain = prepare_graph(vgraph.load(TINY), passes=FUSED, target="cpu")
     marked = plain.copy()
     marked.node("head_down").set_config(remat=RECOMPUTE)
-    emb = plain.nodes_of_type("embedder")[0].cfg
-    gen = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
-    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    ids, targets = token_batch(plain, 3, seed=2)
     loss0, grads0, _ = step(plain, ids, targets)
     loss1, grads1, gm = step(marked, ids, targets)
     (region,) = [m for name, m in gm.named_children() if name.startswith("remat_")]
     (call,) = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith("remat_")]
     assert "tied_lm_head_ce" in region.body.code and any(a.op == "placeholder" for a in call.args)
-    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
-    for k in grads0:
-        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
+    assert_same_step(loss1, grads1, loss0, grads0)
 
 
 def test_a_region_fed_only_by_the_tokens_trains_its_parameters():
@@ -157,10 +155,7 @@ def test_a_region_fed_only_by_the_tokens_trains_its_parameters():
     marked = plain.copy()
     marked.node("embedder").set_config(remat=RECOMPUTE)
     assert remat_layout(marked).recomputed == {"embedder"}
-    emb = plain.nodes_of_type("embedder")[0].cfg
-    gen = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
-    targets = torch.randint(0, int(emb["vocab_size"]), (3, int(emb["seq_len"])), generator=gen)
+    ids, targets = token_batch(plain, 3, seed=4)
     loss0, grads0, _ = step(plain, ids, targets)
     loss1, grads1, gm = step(marked, ids, targets)
     assert any(name.startswith("remat_") for name, _ in gm.named_children())
@@ -249,15 +244,10 @@ def test_a_region_of_one_vnode_is_cut_out_and_recomputed(kind):
     for nid in (f"block0_{kind}", f"block1_{kind}"):
         marked.node(nid).set_config(remat=RECOMPUTE)
     assert len(remat_layout(marked).regions) == 2
-    emb = plain.nodes_of_type("embedder")[0].cfg
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, int(emb["vocab_size"]), (2, int(emb["seq_len"])), generator=gen)
-    targets = torch.randint(0, int(emb["vocab_size"]), (2, int(emb["seq_len"])), generator=gen)
+    ids, targets = token_batch(plain, 2, seed=1)
     loss0, grads0, _ = step(plain, ids, targets)
     loss1, grads1, gm = step(marked, ids, targets)
     regions = {name: m for name, m in gm.named_children() if name.startswith("remat_")}
     assert sorted(regions) == ["remat_0", "remat_1"]
     assert all(kind.split("_")[1] in m.body.code for m in regions.values())
-    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
-    for k in grads0:
-        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-6, atol=1e-9, msg=k)
+    assert_same_step(loss1, grads1, loss0, grads0)
