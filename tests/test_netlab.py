@@ -19,7 +19,7 @@ import pytest
 
 from conftest import ROOT
 from tools import netlab
-from tools.netlab import NetlabError, Testbed, leftovers, measure_cpu, measure_rate, sweep
+from tools.netlab import NetlabError, Testbed, leftovers, measure_cpu, measure_rate, quota_period_us, sweep
 
 NETLAB = str(ROOT / "tools" / "netlab.py")
 root_only = pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
@@ -80,13 +80,19 @@ def test_the_link_rate_holds_at_20_and_200_mbit() -> None:
     assert 0.85 * 200 * MBIT < fast < 1.02 * 200 * MBIT, fast / MBIT
 
 
+def test_a_quota_period_is_as_short_as_keeps_2_ms_of_quota() -> None:
+    assert [quota_period_us(c) for c in (None, 0.1, 0.25, 0.5, 1.0, 2.0)] == [10_000, 10_000, 8_000, 4_000, 4_000,
+                                                                             4_000]
+    assert quota_period_us(0.1) * 0.1 >= 1_000  # the kernel's least quota
+
+
 def test_the_cpu_quota_holds() -> None:
     with Testbed(2, cpu=[0.25, None]) as tb:
         group = tb.hosts[0].cgroup
         assert tb.controller.version in (1, 2)
         if tb.controller.version == 1:
-            assert (group / "cpu.cfs_quota_us").read_text().strip() == "2500"
-            assert (group / "cpu.cfs_period_us").read_text().strip() == "10000"
+            assert (group / "cpu.cfs_quota_us").read_text().strip() == "2000"
+            assert (group / "cpu.cfs_period_us").read_text().strip() == "8000"
             assert (tb.hosts[1].cgroup / "cpu.cfs_quota_us").read_text().strip() == "-1"
         got = measure_cpu(tb, 0, seconds=1.5, workers=2)  # two busy processes share a quarter of a core
         stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())

@@ -30,7 +30,7 @@ at once never collide, even on the same subnet):
   add ... netem` answers "Specified qdisc kind is unknown"), so links have the veth's microseconds of
   latency; a fleet's region latencies cannot be reproduced here;
 * CPU share: every host gets a cgroup in the CPU controller, `cpu.cfs_quota_us` = share x
-  `cpu.cfs_period_us` (10 ms, see PERIOD_US) under cgroup v1 (this machine kind: the v1 `cpu` hierarchy at
+  `cpu.cfs_period_us` (4 to 10 ms, `quota_period_us`) under cgroup v1 (this machine kind: the v1 `cpu` hierarchy at
   /sys/fs/cgroup/cpu, the unified v2 hierarchy holding only hugetlb), or `cpu.max` under cgroup v2 when
   the CPU controller is there instead.  Shares may sum to at most the cores this process may use
   (`sched_getaffinity`).  A host without a share still gets a cgroup (no quota): it is how the testbed finds
@@ -60,6 +60,7 @@ import atexit
 import ipaddress
 import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -76,9 +77,10 @@ from typing import Any, Callable, Sequence
 TAG_PREFIX = "vgnl"
 DEFAULT_SUBNET = "10.213.0.0/24"
 IFACE = "eth0"  # every host's interface, inside its namespace
-PERIOD_US = 10_000  # CFS period of the quotas: 10 ms, so that a training step of tens of milliseconds is slowed
-# evenly; with the kernel's default 100 ms a 0.5-core host runs 50 ms flat out, then stops for 50 ms, and the
-# step that meets the stop takes 50 ms longer than the one before (per-step times then say little)
+PERIOD_US = 10_000  # the longest CFS period of a quota: with the kernel's default 100 ms a 0.5-core host ran
+# 50 ms flat out, then stopped for 50 ms, and the step that met the stop took 50 ms longer than the one before
+MIN_PERIOD_US = 4_000  # the shortest: see quota_period_us
+QUOTA_US = 2_000  # the quota a period gives, where the period allows (see quota_period_us)
 _TAG = re.compile(rf"^{TAG_PREFIX}-(\d+)-(\d+)-(\d+)(?:-|$)")
 _COUNTER = itertools.count()
 _SELF = Path(__file__).resolve()
@@ -107,12 +109,31 @@ class CpuController:
     version: int
 
     def set_quota(self, group: Path, cores: float | None) -> None:
-        quota = -1 if cores is None else int(round(cores * PERIOD_US))
+        period = quota_period_us(cores)
+        quota = -1 if cores is None else int(round(cores * period))
         if self.version == 1:
-            (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (group / "cpu.cfs_period_us").write_text(str(period))
             (group / "cpu.cfs_quota_us").write_text(str(quota))
         else:
-            (group / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {PERIOD_US}")
+            (group / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {period}")
+
+
+def quota_period_us(cores: float | None) -> int:
+    """The CFS period of a host's quota: as short as keeps the quota at QUOTA_US, within MIN_PERIOD_US and
+    PERIOD_US (0.5 core: 2 ms every 4 ms; 0.25 core: 2 ms every 8 ms; 0.1 core: 1 ms every 10 ms, the
+    kernel's least quota).
+
+    A host under a quota runs flat out until the period's quota is spent, then stops until the period
+    ends.  A pipeline's step is a chain of short ops across hosts, and a stop on the chain delays all of
+    it: over a 10 ms period (a 5 ms stop) tb-medium's 4-stage pipeline on 0.5-core hosts took 50-60 ms or
+    95-120 ms a step, in runs of one or the other, medians 65 to 105 ms between runs of the same plan;
+    with no quota, 45-58 ms every step; over 4 ms, 45-85 ms every step (medians 64-76 in three runs);
+    over 8 ms, 64 ms in one run and 116 ms in the next quiet one.  Shorter periods lose share when every
+    host is busy, which a host probed alone does not see (a GEMM loop in each of 4 hosts of 0.5 core:
+    over 2 ms 0.39 of a core, over 4 ms 0.43-0.46, over 8 and 10 ms 0.49-0.50): 4 ms is the compromise."""
+    if cores is None:
+        return PERIOD_US
+    return int(min(PERIOD_US, max(MIN_PERIOD_US, math.ceil(QUOTA_US / cores))))
 
 
 def cpu_controller() -> CpuController | None:
