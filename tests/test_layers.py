@@ -97,7 +97,8 @@ def test_an_import_cycle_is_found(tmp_path: Path) -> None:
     path = root / "vgraph/cost/fleet_links.py"
     path.write_text(path.read_text(encoding="utf-8") + "\nfrom vgraph.cost import fleet  # a cycle\n",
                     encoding="utf-8")
-    assert ["vgraph.cost.fleet", "vgraph.cost.fleet_links"] in _cycles(_import_graph(root, tmp_path))
+    cycles = _cycles(_import_graph(root, tmp_path))
+    assert any({"vgraph.cost.fleet", "vgraph.cost.fleet_links"} <= set(c) for c in cycles), cycles
 
 
 def test_nothing_outside_the_ir_touches_a_graphs_private_fields() -> None:

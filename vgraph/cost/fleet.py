@@ -7,6 +7,11 @@
         flops: 25T             # sustained FLOP/s the machine really delivers
         bandwidth: 10Gbit/s    # to the other PNodes
         accelerator: cuda-sm75 # optional: cpu | cuda-smXY
+        burst: 16KiB           # optional: bytes its link passes at once after idling (vgraph/cost/makespan.py)
+
+Optional beside `pnodes`: `regions` and `links` (vgraph/cost/fleet_links.py) and `collectives`, the
+measured table of a step's small collectives among the hosts (vgraph/cost/collectives.py).  `vgraph
+probe` writes `efficiency` (vgraph/cost/op_kinds.py), `burst` and the table.
 
 Units (case matters only for bits versus bytes):
 
@@ -37,15 +42,16 @@ from vgraph.base.diagnostics import (MAX_MESSAGE_CHARS, Diagnostic, DiagnosticSi
                                      quote)
 from vgraph.base.numbers import NumberError, checked_number
 from vgraph.base.safeio import read_input
+from vgraph.cost.collectives import NO_COLLECTIVES, Collectives, read_collectives
 from vgraph.cost.fleet_links import NO_LINKS, Links, read_links
 from vgraph.cost.op_kinds import Efficiency, parse_kind
 from vgraph.ops.schema import suggest
 from vgraph.yamlio.yaml_reader import Loader as _Loader  # the network loader's safe YAML walker
 from vgraph.yamlio.yaml_reader import YamlReader as _YamlReader, line_of as _line
 
-FLEET_KEYS = ("name", "pnodes", "regions", "links")
+FLEET_KEYS = ("name", "pnodes", "regions", "links", "collectives")
 MAX_FLEET_BYTES = 16 * 2**20  # a fleet of 100k PNodes is ~10 MB
-PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator", "region", "efficiency")
+PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator", "region", "efficiency", "burst")
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # fullmatch: also a file name, DIR/<id>.yml
 _ACCELERATOR = re.compile(r"^(cpu|cuda-sm\d\d+)$")
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -84,6 +90,7 @@ class PNode:
     loc: SourceLoc | None = None
     region: str | None = None  # see vgraph/cost/fleet_links.py
     efficiency: Efficiency | None = None  # per op kind, measured by `vgraph probe` (vgraph/cost/op_kinds.py)
+    burst: int = 0  # bytes its link passes at once after idling (a token bucket's depth; `vgraph probe`)
 
     def __str__(self) -> str:
         acc = f", {self.accelerator}" if self.accelerator else ""
@@ -97,6 +104,7 @@ class Fleet:
     pnodes: tuple[PNode, ...]
     source: str | None = None
     links: Links = NO_LINKS  # per-pair bandwidth and latency (regions), see fleet_links.py
+    collectives: Collectives = NO_COLLECTIVES  # the step's small collectives, measured (collectives.py)
 
     def __len__(self) -> int:
         return len(self.pnodes)
@@ -125,12 +133,14 @@ class Fleet:
     def without(self, lost: "set[str] | list[str] | tuple[str, ...]") -> "Fleet":
         """The fleet less the PNodes `lost` (regions and links kept)."""
         gone = set(lost)
-        return Fleet(self.name, tuple(p for p in self.pnodes if p.id not in gone), self.source, self.links)
+        return Fleet(self.name, tuple(p for p in self.pnodes if p.id not in gone), self.source, self.links,
+                     self.collectives)
 
     @classmethod
-    def of(cls, name: str, *pnodes: PNode, links: Links = NO_LINKS) -> "Fleet":
+    def of(cls, name: str, *pnodes: PNode, links: Links = NO_LINKS, collectives: Collectives = NO_COLLECTIVES
+           ) -> "Fleet":
         """A fleet built in code (tests, benchmarks); checked like a loaded one."""
-        fleet = cls(name, tuple(pnodes), None, links)
+        fleet = cls(name, tuple(pnodes), None, links, collectives)
         problems = [f"{p.id}: {msg}" for p in pnodes for msg in _pnode_problems(p)]
         ids = [p.id for p in pnodes]
         problems += [f"duplicate PNode id {i!r}" for i in sorted({i for i in ids if ids.count(i) > 1})]
@@ -169,6 +179,8 @@ def _pnode_problems(p: PNode) -> list[str]:
             out.append(f"{exc} (per second)")
     if p.accelerator is not None and not _ACCELERATOR.match(p.accelerator):
         out.append(f"accelerator {p.accelerator!r} must be cpu or cuda-smXY")
+    if not (isinstance(p.burst, int) and 0 <= p.burst <= 1e30):
+        out.append(f"burst must be a whole number of bytes, at least 0, got {p.burst!r}")
     return out
 
 
@@ -305,11 +317,12 @@ def _read(root: yaml.Node, build: _FleetBuild) -> Fleet | None:
         if p is not None:
             pnodes.append(p)
     links = read_links(reader, build.error, top, _line, parse_bandwidth, suggest)
+    collectives = read_collectives(reader, build.error, top, _line, suggest, parse_bandwidth)
     known = {p.id: p for p in pnodes}
     for pid, msg in _region_problems(pnodes, links):
         loc = known[pid].loc if pid in known else None
         build.error(loc.line if loc else _line(top["pnodes"][1]), msg, pid)
-    return Fleet(name, tuple(pnodes), build.file, links)
+    return Fleet(name, tuple(pnodes), build.file, links, collectives)
 
 
 _PARSERS = {"memory": (parse_bytes, "memory"), "flops": (parse_flops, "flops"),
@@ -369,10 +382,25 @@ def _pnode(reader: _YamlReader, build: _FleetBuild, item: yaml.Node) -> tuple[st
     efficiency = _efficiency(reader, build, m["efficiency"][1], pid) if "efficiency" in m else None
     if "efficiency" in m and efficiency is None:
         ok = False
+    burst = _burst(reader, build, m["burst"][1], pid) if "burst" in m else 0
+    if burst is None:
+        ok = False
     if not ok:
         return pid, None
     return pid, PNode(pid, int(values["memory"]), float(values["flops"]), float(values["bandwidth"]),
-                 accelerator, SourceLoc(build.file, _line(item)), region, efficiency)
+                 accelerator, SourceLoc(build.file, _line(item)), region, efficiency, burst)
+
+
+def _burst(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) -> int | None:
+    """`burst: 16KiB` (bytes, 0 allowed: no bucket); None when reported."""
+    text = reader.scalar(ynode, "'burst'", pid)
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        build.error(_line(ynode), f"burst: {exc}", pid)
+        return None
 
 
 def _efficiency(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) -> Efficiency | None:
@@ -405,15 +433,19 @@ def pnode_flow(p: PNode) -> str:
         parts.append(f"accelerator: {p.accelerator}")
     if p.region:
         parts.append(f"region: {p.region}")
+    if p.burst:
+        parts.append(f"burst: {p.burst}")
     if p.efficiency is not None:
         parts.append(f"efficiency: {p.efficiency.flow()}")
     return "{" + ", ".join(parts) + "}"
 
 
-def fleet_text(name: str, pnodes: "list[PNode] | tuple[PNode, ...]", comment: str = "") -> str:
-    """A fleet file of `pnodes` (no regions), read back by `loads_fleet` as the same PNodes."""
+def fleet_text(name: str, pnodes: "list[PNode] | tuple[PNode, ...]", comment: str = "",
+               collectives: Collectives = NO_COLLECTIVES) -> str:
+    """A fleet file of `pnodes` (no regions), read back by `loads_fleet` as the same PNodes (and table)."""
     head = "".join(f"# {line}\n" for line in comment.splitlines())
-    return head + f"name: {name}\npnodes:\n" + "".join(f"  - {pnode_flow(p)}\n" for p in pnodes)
+    table = collectives.flow() if collectives.rows else ""
+    return head + f"name: {name}\n{table}pnodes:\n" + "".join(f"  - {pnode_flow(p)}\n" for p in pnodes)
 
 
 def append_pnode(text: str, file: str, pnode: PNode) -> str:

@@ -17,11 +17,16 @@ with batch share b, M_r = min(M, b) micro-batches and stage s on PNode p:
     work(r, s)  = max(compute(r, s), link(r, s))
     sync(r, s)  = sum_t tie(s, t) / bw(p -> q_t)              tied weights, once a step
     replica(r)  = the makespan of the workers' schedule       `pipeline_seconds`, below
-    reduce(s)   = 2 (R - 1) / R * grad_bytes(s) / slowest link of stage s's group
-                + 2 (R - 1) * the group's largest latency          (ring all-reduce)
+    reduce(s)   = 2 (R - 1) / R * grad_bytes(s) / min(slowest link of stage s's group, ring(N))
+                + 2 (R - 1) * (the group's largest latency + hop(N))   (ring all-reduce)
                   (PowerSGD, `--grad-compress`: grad_bytes(s) is what it all-reduces, the latency counts
                   three rounds, and its FLOPs on the group's slowest member are added; compression.py)
-    step        = max_r replica(r) + max_s reduce(s)
+    control     = the fleet's measured control collectives over all N = R x S ranks (collectives.py)
+    step        = max_r replica(r) + max_s reduce(s) + control
+
+hop(N) is the fleet's measured time of one message while N ranks communicate and ring(N) the bytes a
+second their all-reduce moves (collectives.py); hop is added to every message of the pipelines as well; a
+fleet without the table has hop 0, control 0 and no ring cap.
 
 A replica's pipeline is priced as the workers run it: its stages' tasks (tasks.py: a stage runs its
 VNodes in one task per depth, so the stage holding the embedder and the tied LM head runs the first task
@@ -282,6 +287,7 @@ class StepCost:
     capacity: np.ndarray  # [R, S] bytes
     p2p_bytes: np.ndarray  # [R] bytes per step sent inside each replica (edges both ways, tie syncs)
     allreduce_bytes: np.ndarray  # [S] bytes per step sent by each stage group
+    control_seconds: float = 0.0  # the step's control collectives over all ranks (the fleet's measured table)
 
     @property
     def fits(self) -> bool:
@@ -328,6 +334,8 @@ class FleetArrays:
                     self.of_peak[k, j] = p.efficiency.of_peak(kind)
                     self.overhead[k, j] = p.efficiency.overhead(kind)
         self.by_kind = any(p.efficiency is not None for p in self.pnodes)
+        self.burst = np.array([p.burst for p in self.pnodes], dtype=float)
+        self.collectives = fleet.collectives
 
     @cached_property
     def balanced(self) -> np.ndarray:
@@ -406,7 +414,8 @@ def compute_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares:
 
 
 def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Sequence[int],
-                     micro_batches: int, pipeline: str = "1f1b", rows: np.ndarray | None = None) -> np.ndarray:
+                     micro_batches: int, pipeline: str = "1f1b", rows: np.ndarray | None = None,
+                     ranks: int | None = None) -> np.ndarray:
     """Seconds of each replica's pipeline: the makespan of the schedule its workers run
     (vgraph/cost/schedule.py, simulated by vgraph/cost/makespan.py) over the stages' tasks.  One per
     replica (row of `idx`) at `shares`, or with `rows`, replica rows[i] at shares[i] (a replica priced at
@@ -415,8 +424,10 @@ def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares
     Micro-batch m of replica r has the size the worker cuts (`plan.micro_batch_sizes`); a task's op on it
     takes size x seconds per sample (per op kind) + the task's fixed overhead, the forward its share of
     the task's FLOPs, the backward the rest; a tensor between stages occupies the sender's uplink for
-    size x bytes per sample / `Fleet.link` bandwidth, plus the link's latency; a tied pair's sync takes
-    its bytes, half each way, plus a latency each way."""
+    size x bytes per sample / `Fleet.link` bandwidth, less what the sender's burst passes at once
+    (makespan.py), plus the link's latency and the fleet's measured hop among `ranks` ranks (default: all
+    of `idx`; collectives.py); a tied pair's sync takes its bytes, half each way, plus both latencies each
+    way."""
     tasks = loads.task_view()
     S = idx.shape[1]
     rows = np.arange(len(idx)) if rows is None else np.asarray(rows, dtype=np.int64)
@@ -426,15 +437,18 @@ def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares
     per_sample, overhead = compute_per_sample(tasks, fa, on), stage_overhead(tasks, fa, on)
     src = tasks.stage[[e.src for e in tasks.edges]].astype(np.int64)
     dst = tasks.stage[[e.dst for e in tasks.edges]].astype(np.int64)
+    _, hop = fa.collectives.at(idx.size if ranks is None else ranks)
     bw, latency = fa.link(idx[:, src], idx[:, dst])
+    latency = latency + hop
     bw_back, _ = fa.link(idx[:, dst], idx[:, src])
     act, grad = tasks.act / bw, tasks.grad / bw_back  # [R, E] seconds per sample
+    bucket = fa.burst[idx] / fa.bandwidth[idx]  # [R, S] seconds of its own rate a rank's burst holds
     ties, pairs = TaskLoads.tied_pairs(loads.sync)
     tie = np.zeros((len(idx), len(pairs)))
     for p, (a, c) in enumerate(pairs):
         there, lat = fa.link(idx[:, a], idx[:, c])
         back, _ = fa.link(idx[:, c], idx[:, a])
-        tie[:, p] = loads.sync[a, c] / 2 * (1 / there + 1 / back) + 2 * lat
+        tie[:, p] = loads.sync[a, c] / 2 * (1 / there + 1 / back) + 2 * (lat + hop)
     out = np.empty(len(rows))
     for m in np.unique(micro).tolist():
         pick = np.flatnonzero(micro == m)
@@ -443,7 +457,7 @@ def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares
         compute = sizes[:, None, :] * per_sample[r][:, :, None] + overhead[r][:, :, None]  # [n, T, m]
         forward = compute * tasks.forward[None, :, None]
         durations = Durations(forward, compute - forward, sizes[:, None, :] * act[r][:, :, None],
-                              sizes[:, None, :] * grad[r][:, :, None], latency[r], tie[r])
+                              sizes[:, None, :] * grad[r][:, :, None], latency[r], tie[r], bucket[r])
         out[pick] = makespan(compile_program(tasks.scheduled, tasks.edges, S, m, pipeline, ties), durations)
     return out
 
@@ -469,19 +483,24 @@ def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Se
     allreduce_bytes = np.array([ring_allreduce_bytes(R, g) for g in loads.grad_bytes])
     pipeline = float(replica.max())
     all_reduce = float(reduce.max()) if S else 0.0
-    return StepCost(pipeline + all_reduce, pipeline, all_reduce, float((work + sync).max()), replica,
-                    work + sync, reduce, memory, fa.memory[idx], p2p_bytes, allreduce_bytes)
+    control, _ = fa.collectives.at(R * S)
+    return StepCost(pipeline + all_reduce + control, pipeline, all_reduce, float((work + sync).max()), replica,
+                    work + sync, reduce, memory, fa.memory[idx], p2p_bytes, allreduce_bytes, control)
 
 
 def allreduce_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> np.ndarray:
-    """[S] seconds of each stage group's gradient all-reduce (ring; PowerSGD's FLOPs on its slowest member)."""
+    """[S] seconds of each stage group's gradient all-reduce (ring; PowerSGD's FLOPs on its slowest member);
+    every hop pays the group's largest link latency and the fleet's measured hop among all the plan's ranks
+    (they all communicate then: collectives.py)."""
     R, S = idx.shape
     reduce = np.zeros(S)
     if R > 1:
+        _, hop = fa.collectives.at(R * S)
+        ring = fa.collectives.ring(R * S)
         for s in range(S):
             slowest, worst = _slowest_link(fa, idx[:, s])
-            reduce[s] = (2 * (R - 1) / R * loads.grad_bytes[s] / slowest
-                         + 2 * (R - 1) * worst * loads.reduce_rounds)
+            reduce[s] = (2 * (R - 1) / R * loads.grad_bytes[s] / min(slowest, ring)
+                         + 2 * (R - 1) * (worst + hop) * loads.reduce_rounds)
         if loads.reduce_flops is not None:  # compressing gradients: the slowest member of each group
             reduce += loads.reduce_flops / fa.flops[idx].min(axis=0)
     return reduce
@@ -504,7 +523,9 @@ def step_lower_bound(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, batch:
         np.add.at(out.T, a, (send[a, c][None, :] / bw).T)
     per_sample = np.maximum(compute, out).max(axis=1)
     reduce = allreduce_seconds(loads, fa, idx)
-    return batch / float((1.0 / np.maximum(per_sample, 1e-300)).sum()) + (float(reduce.max()) if S else 0.0)
+    control, _ = fa.collectives.at(R * S)
+    return (batch / float((1.0 / np.maximum(per_sample, 1e-300)).sum()) + (float(reduce.max()) if S else 0.0)
+            + control)
 
 
 def _slowest_link(fa: FleetArrays, group: np.ndarray) -> tuple[float, float]:
