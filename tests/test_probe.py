@@ -4,6 +4,7 @@ probe of the tiny network written as a fleet entry that the cost model reads, th
 (one repetition of a few milliseconds): these tests check what is measured and written, not the figures."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
@@ -13,7 +14,8 @@ import vgraph
 from conftest import TINY_FP32
 from vgraph.backends.torch import prepare_graph
 from vgraph.backends.torch import probe as P
-from vgraph.backends.torch.probe_cli import measure_link, serve
+from vgraph.backends.torch import probe_cli as C
+from vgraph.backends.torch.probe_cli import burst_of, measure_link, serve
 from vgraph.cli.main import main
 from vgraph.cost.fleet import load_fleet, loads_fleet
 from vgraph.cost.op_kinds import KINDS, op_kind
@@ -72,7 +74,8 @@ def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, cap
     assert step(shown) > step(capsys.readouterr().out) if slower else step(shown) == step(capsys.readouterr().out)
 
 
-def test_the_link_is_measured_against_a_serving_peer(quick, tmp_path, capsys) -> None:
+def _serving_once() -> tuple[threading.Thread, int]:
+    """A `vgraph probe --serve --once` on a free loopback port, listening (its thread, its port)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -81,12 +84,20 @@ def test_the_link_is_measured_against_a_serving_peer(quick, tmp_path, capsys) ->
                               daemon=True)
     server.start()
     assert ready.wait(30)
+    return server, port
+
+
+def test_the_link_is_measured_against_a_serving_peer(quick, tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(C, "BURST_IDLE_S", 0.01)
+    server, port = _serving_once()
     out = tmp_path / "fleet.yml"
     assert main(["probe", str(TINY_FP32), "--id", "h1", "--peer", f"127.0.0.1:{port}", "--seconds", "0.5",
                  "--threads", "1", "--no-precisions", "--append", str(out)]) == 0
     server.join(timeout=30)
+    assert not server.is_alive()  # --once: the stream and the probe's burst transfers, then it stops
     (p,) = load_fleet(out).pnodes
     assert p.bandwidth > 1e6  # loopback: far more than a megabyte a second
+    assert 0 <= p.burst <= max(1 << 20, p.bandwidth * C.BURST_SECONDS)
     assert load_fleet(out).name == "fleet"
 
 
@@ -127,9 +138,60 @@ def test_mistakes_are_refused_before_anything_is_measured(argv, message, tmp_pat
     assert message in err and "Traceback" not in err, err
 
 
-def test_a_peer_that_does_not_answer_is_a_diagnostic() -> None:
+def test_a_peer_that_does_not_answer_is_a_diagnostic(monkeypatch) -> None:
+    monkeypatch.setattr(C, "CONNECT_PATIENCE_S", 0.5)  # retried, then the diagnostic
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nobody listens
     with pytest.raises(vgraph.VGraphError, match="is `vgraph probe --serve` running there"):
         measure_link("127.0.0.1", port, 0.1)
+
+
+def test_the_burst_is_what_arrived_ahead_of_the_transfers_steady_rate() -> None:
+    size = 1_000_000
+    rate = 2.5e6  # bytes/s; 16 KiB at once, then the rate
+    curve = [[0.0, 16384]] + [[t / 100, min(size, 16384 + int(rate * t / 100))] for t in range(1, 40)]
+    assert burst_of({"curve": curve}, size) == pytest.approx(16384, rel=0.01)
+    steady = [[t / 100, int(rate * t / 100) + 1500] for t in range(0, 40)]  # no bucket: one packet ahead
+    assert burst_of({"curve": steady}, size) == pytest.approx(1500, abs=10)
+    assert burst_of({"curve": [[0.0, size]]}, size) == 0.0  # one point: nothing to fit
+    assert burst_of({"curve": [[0.0, 1], [0.0, size]]}, size) == 0.0  # no time passed
+
+
+@pytest.mark.parametrize("reply", [{}, {"curve": "fast"}, {"curve": [[0, "1"]]}, {"curve": [[0, 1, 2]]},
+                                   {"curve": [[float("nan"), 1]]}, {"curve": [[True, 1]]}, {"curve": [3]}])
+def test_a_malformed_arrival_curve_is_a_diagnostic(reply) -> None:
+    with pytest.raises(vgraph.VGraphError, match="arrival times are malformed"):
+        burst_of(reply, 1 << 20)
+
+
+@pytest.mark.parametrize("answer", [b"garbage\n", b'{"bytes": "many", "seconds": 1}\n', b'{"bytes": 1e999}\n',
+                                    b'{"bytes": -5, "seconds": 1}\n', b"[1, 2]\n", b""])
+def test_a_peer_that_answers_nonsense_is_a_diagnostic(answer) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+
+        def answer_once() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1 << 16)
+                conn.sendall(answer)
+
+        threading.Thread(target=answer_once, daemon=True).start()
+        with pytest.raises(vgraph.VGraphError, match="no measurement came back|measurement failed"):
+            measure_link("127.0.0.1", port, 0.05)
+
+
+@pytest.mark.parametrize("more", [0, -1, "3", True, None, 10**9])
+def test_a_serve_once_stops_after_a_connection_that_announces_no_more_or_too_many(more) -> None:
+    server, port = _serving_once()
+    connections = C.MAX_ROUNDS if more == 10**9 else 1  # a large count is honoured up to MAX_ROUNDS
+    for _ in range(connections):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(json.dumps({"seconds": 0, "more": more}).encode() + b"\n" + b"x" * 1000)
+            conn.shutdown(socket.SHUT_WR)
+            assert json.loads(conn.makefile("rb").readline())["bytes"] >= 1
+    server.join(timeout=10)
+    assert not server.is_alive()

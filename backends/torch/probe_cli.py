@@ -3,6 +3,8 @@
     vgraph probe NETWORK.yml --id ID [-o PNODE.yml | --append FLEET.yml] [--peer HOST:PORT | --bandwidth BW]
                  [--device D] [--threads N] [--batch B] [--passes SPEC] [--seconds S] [--no-precisions]
     vgraph probe --serve [--listen ADDR:PORT] [--once]       # the other end of --peer
+    vgraph probe --collectives --nnodes N --node-rank I --master-addr HOST [--master-port P] [--rounds K]
+                 [--append FLEET.yml]                        # on every host at once: probe_collectives.py
 
 What is measured, and why that way: probe.py.  The entry is a fleet PNode (vgraph/cost/fleet.py: memory,
 flops, bandwidth, accelerator, and `efficiency` per op kind, vgraph/cost/op_kinds.py); `-o` writes a fleet
@@ -11,19 +13,32 @@ created), neither given prints it.  Outputs are atomic and never an input.  The 
 peer running `vgraph probe --serve` (a TCP stream for --seconds, counted by the receiver: what this machine
 can send), or stated with --bandwidth in the fleet's units; nothing else can tell it.
 
-The serving side only counts the bytes it is sent and answers with the count: it reads one bounded header
-line, runs one measurement at a time, each at most MAX_SERVE_S seconds.
+The link's burst is measured too (`burst`, vgraph/cost/makespan.py): after the stream, BURST_ROUNDS short
+transfers each after the link idled BURST_IDLE_S; the peer returns when each byte arrived, and the bytes that
+came ahead of the transfer's own steady rate (the intercept of a line through the arrivals after the first
+third) are what a token bucket on the way passed at once.  A rate limiter's bucket (tbf, a provider's
+shaper) lets a message after idle cross at line speed: on the testbed tb-small's 16 KiB messages at 20
+Mbit/s did, and a model charging bytes / rate for them predicted its pipelines 1.4x-1.7x slow.
+
+The serving side only counts the bytes it is sent and answers with the count (and at most MAX_CURVE arrival
+points): it reads one bounded header line, runs one measurement at a time, each at most MAX_SERVE_S
+seconds, and with --once serves one probe (its stream and the burst transfers it announces, at most
+MAX_ROUNDS connections).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
 import socket
+import statistics
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from vgraph.base import options
 from vgraph.base.diagnostics import VGraphError, quote
@@ -33,6 +48,10 @@ from vgraph.cost.fleet import MAX_FLEET_BYTES, PNode, append_pnode, fleet_text, 
 DEFAULT_PORT = 29400
 MAX_BATCH, MAX_THREADS, MAX_SECONDS = 4096, 1024, 600.0
 MAX_SERVE_S = 120.0
+BURST_ROUNDS, BURST_IDLE_S, BURST_SECONDS = 3, 0.5, 0.25  # transfers, idle before each, length at the rate
+MAX_ROUNDS = 1 + BURST_ROUNDS  # connections one probe makes to a --serve --once
+MAX_CURVE = 512  # arrival points a peer returns
+CONNECT_PATIENCE_S = 10.0  # how long a refusing peer is retried (it may still be starting)
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 
 
@@ -63,7 +82,17 @@ def register_probe(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--serve", action="store_true", help="be the peer of another machine's --peer")
     p.add_argument("--listen", metavar="ADDR:PORT", default=f"0.0.0.0:{DEFAULT_PORT}",
                    help=f"with --serve: where to listen (default 0.0.0.0:{DEFAULT_PORT})")
-    p.add_argument("--once", action="store_true", help="with --serve: stop after one measurement")
+    p.add_argument("--once", action="store_true", help="with --serve: stop after one probe's measurements")
+    p.add_argument("--collectives", action="store_true",
+                   help="on every host at once: time the step's small collectives among them and write the "
+                        "fleet's `collectives` table (rank 0, into --append's fleet)")
+    p.add_argument("--nnodes", type=options.positive_int, metavar="N", help="with --collectives: how many hosts")
+    p.add_argument("--node-rank", type=options.non_negative_int, metavar="I", help="with --collectives: this host")
+    p.add_argument("--master-addr", metavar="HOST", help="with --collectives: host 0's address, as for launch")
+    p.add_argument("--master-port", type=options.port, default=29500, metavar="PORT",
+                   help="with --collectives: the rendezvous port on host 0 (default 29500)")
+    p.add_argument("--rounds", type=options.positive_int, default=100, metavar="K",
+                   help="with --collectives: timed repetitions per measurement (default 100)")
     add_plugin_option(p)
     p.set_defaults(func=run_probe)
 
@@ -79,6 +108,10 @@ def host_port(text: str, what: str) -> tuple[str, int]:
 
 def _checked(args: argparse.Namespace) -> dict:
     """Every option checked before anything is measured (a mistake costs no probe)."""
+    if args.collectives:
+        return _checked_collectives(args)
+    if any(x is not None for x in (args.nnodes, args.node_rank, args.master_addr)):
+        raise VGraphError("--nnodes, --node-rank and --master-addr go with --collectives")
     listen = host_port(args.listen, "--listen")
     if args.serve:
         if any(x is not None for x in (args.network, args.output, args.append, args.peer)):
@@ -119,8 +152,36 @@ def _checked(args: argparse.Namespace) -> dict:
     return out
 
 
+def _checked_collectives(args: argparse.Namespace) -> dict:
+    from vgraph.cost.collectives import MAX_RANKS
+
+    from .distributed.rendezvous import TOKEN_ENV, check_master_addr, check_token
+    from .probe_collectives import MAX_ROUNDS
+
+    if args.serve or any(x is not None for x in (args.network, args.output, args.peer, args.bandwidth, args.id)):
+        raise VGraphError("--collectives takes no network, -o, --id, --peer, --bandwidth or --serve: it measures "
+                          "the hosts together, not this machine")
+    if args.nnodes is None or args.node_rank is None or args.master_addr is None:
+        raise VGraphError("--collectives needs --nnodes N, --node-rank I and --master-addr HOST (host 0's address), "
+                          "on every host at once, as `vgraph launch` does")
+    if not 2 <= args.nnodes <= MAX_RANKS or args.node_rank >= args.nnodes or args.rounds > MAX_ROUNDS:
+        raise VGraphError(f"--collectives needs --nnodes from 2 to {MAX_RANKS:,}, --node-rank from 0 to --nnodes - 1 and "
+                          f"--rounds of at most {MAX_ROUNDS:,} (got {args.nnodes}, {args.node_rank}, {args.rounds})")
+    addr = check_master_addr(args.master_addr)
+    token = check_token(os.environ.get(TOKEN_ENV), args.nnodes)
+    if args.append is not None:
+        check_output(args.append, inputs=[], what="--append")
+    return {"env": {**os.environ, TOKEN_ENV: token, "MASTER_ADDR": addr, "MASTER_PORT": str(args.master_port)}}
+
+
 def run_probe(args: argparse.Namespace) -> int:
     checked = _checked(args)
+    if args.collectives:
+        from .probe_collectives import run_collectives
+
+        run_collectives(args.node_rank, args.nnodes, args.rounds, args.append, checked["env"],
+                        lambda line: print(line, file=sys.stderr, flush=True))
+        return 0
     if args.serve:
         serve(*checked["listen"], once=args.once)
         return 0
@@ -135,13 +196,14 @@ def run_probe(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     graph = prepare_graph(vgraph.load(args.network), passes=args.passes, target=device_target(device))
-    bandwidth = checked.get("bandwidth") or measure_link(*checked["peer"], seconds=args.seconds)
+    bandwidth, burst = ((checked["bandwidth"], 0) if "bandwidth" in checked
+                        else measure_link(*checked["peer"], seconds=args.seconds))
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     result = probe(graph, device, args.batch, per_precision=not args.no_precisions, say=say)
     if result.memory is None:
         raise VGraphError(f"the memory of {device} cannot be read here ({result.memory_source})")
     pnode = PNode(checked["id"], result.memory, result.peak, bandwidth, result.accelerator,
-                  efficiency=result.efficiency)
+                  efficiency=result.efficiency, burst=burst)
     _report(result, pnode, graph.name, say)
     comment = (f"vgraph probe of network {graph.name!r} on {time.strftime('%Y-%m-%d %H:%M')}: {result.precision}, "
                f"peak {result.peak / 1e9:.3g} GFLOP/s (a large GEMM), link "
@@ -159,7 +221,8 @@ def run_probe(args: argparse.Namespace) -> int:
 
 def _report(result, pnode: PNode, network: str, say) -> None:
     say(f"probe: {pnode.id}: {result.accelerator}, {pnode.memory / 2**30:.2f} GiB free ({result.memory_source}), "
-        f"peak {result.peak / 1e9:.3g} GFLOP/s at {result.precision}, link {pnode.bandwidth * 8 / 1e6:.4g} Mbit/s")
+        f"peak {result.peak / 1e9:.3g} GFLOP/s at {result.precision}, link {pnode.bandwidth * 8 / 1e6:.4g} Mbit/s"
+        f"{f', burst {pnode.burst:,} B' if pnode.burst else ''}")
     for kind, cost in result.efficiency.kinds:
         share = f"{cost.of_peak:.3g} of peak" if cost.of_peak is not None else "no FLOPs"
         say(f"probe:   {kind:<11} {share:>14}, {cost.overhead * 1e6:8.1f} us per VNode and micro-batch")
@@ -169,29 +232,72 @@ def _report(result, pnode: PNode, network: str, say) -> None:
 
 # -- the link ---------------------------------------------------------------------------------------
 
-def measure_link(host: str, port: int, seconds: float) -> float:
-    """Bytes/s this machine sends to a `vgraph probe --serve` at host:port, as the receiver counted them."""
+def measure_link(host: str, port: int, seconds: float) -> tuple[float, int]:
+    """(bytes/s this machine sends to a `vgraph probe --serve` at host:port, as the receiver counted them;
+    the bytes its link passes at once after idling: `burst`)."""
     payload = b"\0" * (1 << 20)
+    reply = _transfer(host, port, {"seconds": seconds, "more": BURST_ROUNDS}, lambda conn: _stream(conn, payload,
+                                                                                                   seconds))
+    rate = float(reply["bytes"]) / float(reply["seconds"])
+    size = max(1 << 20, int(rate * BURST_SECONDS))
+    bursts = []
+    for left in range(BURST_ROUNDS - 1, -1, -1):
+        def send(conn: socket.socket) -> None:
+            time.sleep(BURST_IDLE_S)  # the bucket refills while the link idles
+            conn.sendall(bytes(size))
+        bursts.append(burst_of(_transfer(host, port, {"seconds": 0, "more": left, "curve": True}, send), size))
+    return rate, int(statistics.median(bursts))
+
+
+def burst_of(reply: dict, size: int) -> float:
+    """The bytes that arrived ahead of a transfer's steady rate: the intercept at the first arrival of a
+    least-squares line through the arrival points after the first third of the bytes (0 when none)."""
+    curve = reply.get("curve")
+    if not isinstance(curve, list) or not all(isinstance(p, list) and len(p) == 2 and all(_number(x) for x in p)
+                                              for p in curve):
+        raise VGraphError("the peer's arrival times are malformed (not a `vgraph probe --serve`?)")
+    points = [(float(t), float(b)) for t, b in curve if b >= size / 3]
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mt, mb = sum(t for t, _ in points) / n, sum(b for _, b in points) / n
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if var <= 0:
+        return 0.0
+    slope = sum((t - mt) * (b - mb) for t, b in points) / var
+    return min(float(size), max(0.0, mb - slope * mt))
+
+
+def _stream(conn: socket.socket, payload: bytes, seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        conn.sendall(payload)
+
+
+def _transfer(host: str, port: int, header: dict, send: Callable[[socket.socket], None]) -> dict:
+    """One connection to the peer: the header line, what `send` sends, then the peer's reply."""
     try:
         with _connect(host, port) as conn:
-            conn.sendall(json.dumps({"seconds": seconds}).encode() + b"\n")
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                conn.sendall(payload)
+            conn.sendall(json.dumps(header).encode() + b"\n")
+            send(conn)
             conn.shutdown(socket.SHUT_WR)
             conn.settimeout(30)
-            reply = json.loads(conn.makefile("rb").readline(4096) or b"null")
+            reply = json.loads(conn.makefile("rb").readline(1 << 16) or b"null")
     except (OSError, ValueError) as exc:
         raise VGraphError(f"--peer {host}:{port}: the link measurement failed ({exc}); is `vgraph probe --serve` "
                           f"running there?") from None
-    if not isinstance(reply, dict) or not reply.get("seconds") or not reply.get("bytes"):
+    if not isinstance(reply, dict) or not all(_number(reply.get(k)) and reply[k] > 0 for k in ("seconds", "bytes")):
         raise VGraphError(f"--peer {host}:{port}: no measurement came back (not a `vgraph probe --serve`?)")
-    return float(reply["bytes"]) / float(reply["seconds"])
+    return reply
 
 
-def _connect(host: str, port: int, patience: float = 10.0) -> socket.socket:
-    """A connection to the peer, retried for `patience` seconds while it refuses (it may still be starting)."""
-    deadline = time.monotonic() + patience
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _connect(host: str, port: int) -> socket.socket:
+    """A connection to the peer, retried for CONNECT_PATIENCE_S while it refuses (it may still be starting)."""
+    deadline = time.monotonic() + CONNECT_PATIENCE_S
     while True:
         try:
             return socket.create_connection((host, port), timeout=10)
@@ -202,8 +308,9 @@ def _connect(host: str, port: int, patience: float = 10.0) -> socket.socket:
 
 
 def serve(addr: str, port: int, *, once: bool = False, ready: threading.Event | None = None) -> None:
-    """Count what each --peer sends, one at a time, and tell it (bytes, seconds from first byte to last).
-    `ready` is set once it listens."""
+    """Count what each --peer sends, one at a time, and tell it (bytes, seconds from first byte to last, and
+    when asked the arrival curve).  With `once`, one probe: its connections until one announces no more
+    (at most MAX_ROUNDS).  `ready` is set once it listens."""
     try:
         server = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET)
     except OSError as exc:
@@ -211,23 +318,28 @@ def serve(addr: str, port: int, *, once: bool = False, ready: threading.Event | 
     print(f"probe: serving link measurements on {addr}:{port}", file=sys.stderr, flush=True)
     if ready is not None:
         ready.set()
+    rounds = 0
     with server:
         while True:
             conn, _ = server.accept()
             with conn:
-                _measure_one(conn)
-            if once:
+                header = _measure_one(conn)
+            rounds += 1
+            more = header.get("more") if isinstance(header, dict) else None
+            if once and (not isinstance(more, int) or isinstance(more, bool) or more <= 0 or rounds >= MAX_ROUNDS):
                 return
 
 
-def _measure_one(conn: socket.socket) -> None:
+def _measure_one(conn: socket.socket) -> dict | None:
+    """One measurement; the header the peer sent (None when it sent none that reads)."""
     conn.settimeout(10)
     try:
-        header = conn.makefile("rb").readline(1024)
-        json.loads(header)
+        header = json.loads(conn.makefile("rb", buffering=0).readline(1024))  # unbuffered: no payload read ahead
     except (OSError, ValueError):
-        return
+        return None
+    curve = isinstance(header, dict) and header.get("curve") is True
     total, first, last = 0, None, None
+    points: list[tuple[float, int]] = []
     buf = bytearray(1 << 20)
     deadline = time.monotonic() + MAX_SERVE_S
     try:
@@ -238,9 +350,16 @@ def _measure_one(conn: socket.socket) -> None:
             last = time.perf_counter()
             first = first or last
             total += n
-        conn.sendall(json.dumps({"bytes": total, "seconds": (last or 0) - (first or 0)}).encode() + b"\n")
+            if curve:
+                points.append((last - first, total))
+        reply: dict = {"bytes": total, "seconds": (last or 0) - (first or 0)}
+        if curve:
+            step = max(1, -(-len(points) // MAX_CURVE))
+            reply["curve"] = [[round(t, 7), b] for t, b in points[::step]]
+        conn.sendall(json.dumps(reply).encode() + b"\n")
     except OSError:
         pass
+    return header if isinstance(header, dict) else None
 
 
 __all__ = ["register_probe", "run_probe", "measure_link", "serve", "host_port"]
