@@ -10,8 +10,9 @@ times, after a barrier, 200 times each:
 * `gather_object` of a small dict to rank 0 (the per-step metrics gather),
 * a ping-pong of 4 bytes and of 64 KiB between ranks 0 and 1 (a pipeline's point-to-point message),
 
-and prints the median and minimum in milliseconds.  The cost model charges none of the first two today and
-a probed link's latency (0 without `links`) for the last.
+and prints the median and minimum in milliseconds.  The cost model charged none of the first two when this
+was written and a probed link's latency (0 without `links`) for the last; it now prices them with the
+fleet's measured `collectives` table (`vgraph probe --collectives`, vgraph/cost/collectives.py).
 
     .venv/bin/python benchmarks/bench_hop_latency.py          # as root, ~1 min; a quiet machine
     .venv/bin/python benchmarks/bench_hop_latency.py --smoke  # 2 hosts with a quota, 3 rounds (the suite's)

@@ -10,8 +10,9 @@ Every host is a network namespace of tools/netlab.py with a CPU quota of `--cpu`
 row's rate each way (tbf; no latency: this kernel has no netem).  For each network and rate:
 
 1. each of the 4 hosts is probed inside its quota: `vgraph probe NETWORK --peer <next host> --threads 1
-   --append fleet.yml` (its link measured against `vgraph probe --serve` on the next host), so the fleet
-   is measured, not written;
+   --append fleet.yml` (its link's rate and burst measured against `vgraph probe --serve` on the next
+   host), then all of them at once with `vgraph probe --collectives` (the step's small collectives among
+   2, 3 and 4 hosts: the fleet's `collectives` table), so the fleet is measured, not written;
 2. plans of fixed shape run (the network's units cut into that many stages where the cost model balances
    them; the planner itself may merge stages where a cut does not pay), one `vgraph launch
    --nnodes N --node-rank i --master-addr <host 0>` per host, `--placement` forcing the layout: one host;
@@ -85,9 +86,9 @@ def network_file(name: str, where: Path) -> Path:
     return path
 
 
-def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, concurrent: bool) -> None:
+def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, concurrent: bool, rounds: int) -> None:
     """Each host's entry from `vgraph probe` inside its quota (one at a time unless `concurrent`), its link
-    measured to the next host; the entries joined into `fleet`."""
+    measured to the next host; the entries joined into `fleet`, then the collectives table of all hosts."""
     from vgraph.cost.fleet import fleet_text, load_fleet
 
     n = len(tb.hosts)
@@ -106,6 +107,13 @@ def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, concurr
             s.wait(timeout=60)
     pnodes = [load_fleet(fleet.with_name(f"{fleet.stem}-h{i}.yml")).pnodes[0] for i in range(n)]
     fleet.write_text(fleet_text(fleet.stem, pnodes, f"probed on the testbed: {n} hosts"))
+    done = tb.run_all([[VGRAPH, "probe", "--collectives", "--nnodes", str(n), "--node-rank", str(i), "--master-addr",
+                        tb.ips[0], "--master-port", "29450", "--rounds", str(rounds),
+                        *(["--append", str(fleet)] if i == 0 else [])] for i in range(n)],
+                      env=dict(os.environ, VGRAPH_LAUNCH_TOKEN=TOKEN), timeout=600)
+    for i, d in enumerate(done):
+        if d.returncode != 0:
+            raise RuntimeError(f"probe --collectives on host {i} failed:\n{d.stdout[-3000:]}")
 
 
 def forced_placement(network: Path, fleet_path: Path, stages: int, replicas: int, batch: int, micro: int,
@@ -200,7 +208,7 @@ def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: 
           with_one_host: bool) -> list[Row]:
     """Every plan of one network at one link rate, and the planner's pick among them."""
     fleet = work / f"fleet-{name}-{rate.replace('/', '')}.yml"
-    probe_hosts(tb, network, fleet, args.link_seconds, concurrent=args.smoke)
+    probe_hosts(tb, network, fleet, args.link_seconds, concurrent=args.smoke, rounds=args.rounds)
     shapes = {k: v for k, v in SHAPES.items() if v[0] * v[1] <= len(tb.hosts)
               and (with_one_host or v != (1, 1))}
     pick = planner_pick(network, fleet, args.batch, args.micro_batches)
@@ -279,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--link-seconds", type=float, default=3.0, help="length of each probe's link measurement")
     ap.add_argument("--plan-timeout", type=float, default=900.0)
+    ap.add_argument("--rounds", type=int, default=100, help="timed repetitions of `vgraph probe --collectives`")
     ap.add_argument("--plot", default="testbed_plans.png")
     ap.add_argument("--workdir", help="keep the probed fleets, placements and runs here (default: a temporary "
                     "directory, removed at the end)")
@@ -290,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     networks, rates = args.networks.split(","), args.rates.split(",")
     if args.smoke:
         hosts, networks, rates = 2, ["tiny"], ["1Gbit/s"]
-        args.steps, args.warmup, args.link_seconds = 3, 1, 0.5
+        args.steps, args.warmup, args.link_seconds, args.rounds = 3, 1, 0.5, 5
     try:
         check_available()
     except NetlabError as exc:
