@@ -121,3 +121,13 @@ def test_mistakes_are_refused_before_any_rendezvous(argv, env, message, tmp_path
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_a_host_that_finds_nobody_is_a_diagnostic_not_a_traceback(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(PC, "RENDEZVOUS_S", 0.5)
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = free_port()  # nobody serves the rendezvous there
+    assert main(["probe", "--collectives", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                 "--master-port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert "did not all meet at 127.0.0.1:" in err and "Traceback" not in err, err

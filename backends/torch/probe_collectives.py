@@ -151,7 +151,13 @@ def run_collectives(rank: int, world: int, rounds: int, append: str | Path | Non
     text = check_output_fleet(append) if append is not None and rank == 0 else None
     if text is not None:
         with_collectives(text, str(append), Collectives(((2, 0.0, 0.0),)))  # the fleet takes a table: before
-    table = measure(rank, world, rounds, env)
+    try:
+        table = measure(rank, world, rounds, env)
+    except (RuntimeError, OSError) as exc:  # torch's store and gloo errors: a host missing, a port taken
+        raise VGraphError(f"probe --collectives: the {world} hosts did not all meet at {env.get('MASTER_ADDR')}:"
+                          f"{env.get('MASTER_PORT')} within {RENDEZVOUS_S:g} s, or one left ({str(exc)[:300]}); "
+                          f"start it on every host with the same --nnodes, --master-addr, --master-port and "
+                          f"VGRAPH_LAUNCH_TOKEN") from None
     if table is None:
         return
     for k, control, hop in table.rows:
