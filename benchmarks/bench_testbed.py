@@ -277,10 +277,12 @@ def plot(rows: list[Row], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="the tiny network, 2 hosts, one rate, 3 plans, few steps")
+    ap.add_argument("--smoke", action="store_true", help="the tiny network, 2 hosts of a whole core (it checks the "
+                    "machinery, not figures: at half a core importing torch alone takes twice as long), one rate, "
+                    "3 plans, few steps")
     ap.add_argument("--networks", default="tb-small,tb-medium")
     ap.add_argument("--rates", default="1Gbit/s,20Mbit/s")
-    ap.add_argument("--cpu", type=float, default=0.5, help="cores per host (4 hosts: at most a quarter each)")
+    ap.add_argument("--cpu", type=float, help="cores per host (default 0.5; --smoke: 1)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per plan")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
@@ -300,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         hosts, networks, rates = 2, ["tiny"], ["1Gbit/s"]
         args.steps, args.warmup, args.link_seconds, args.rounds = 3, 1, 0.5, 5
+    args.cpu = args.cpu if args.cpu is not None else 1.0 if args.smoke else 0.5
     try:
         check_available()
     except NetlabError as exc:
