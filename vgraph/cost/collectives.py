@@ -24,13 +24,13 @@ prediction without them.  `hop`: one message between two of them while all commu
 all-reduce's time over its 2 (ranks - 1) ring hops; 0 for one rank).  `ring` (optional): the bytes a
 second a gloo all-reduce of 1 MiB moves among them (its algorithm bandwidth, 2 (ranks - 1) / ranks x
 bytes / seconds): with 4 hosts on this machine's 2 cores the ring's reductions and four TCP streams at
-once ran replicas' all-reduces at 70-80% of the rate a probe measured between two idle hosts.  The step cost (stepcost.py) adds `control` once a step and `hop` to every
-message of a pipeline, to each of a gradient ring's 2 (R - 1) hops and to a tied pair's sync, and caps
-a gradient ring's bandwidth at `ring`.  Between
-measured rank counts both are interpolated linearly; beyond the largest (below the smallest) `control`
-scales with the ring's N - 1 hops (a table of one rank alone: stays) and `hop` is the nearest measured
-one.  A fleet without the table
-prices none of this (zero), as before.
+once ran replicas' all-reduces at 70-80% of the rate a probe measured between two idle hosts.
+
+The step cost (stepcost.py) adds `control` once a step and `hop` to every message of a pipeline, to each
+of a gradient ring's 2 (R - 1) hops and to a tied pair's sync, and caps a gradient ring's bandwidth at
+`ring`.  Between measured rank counts both are interpolated linearly; beyond the largest (below the
+smallest) `control` scales with the ring's N - 1 hops (a table of one rank alone: stays) and `hop` is the
+nearest measured one.  A fleet without the table prices none of this (zero), as before.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vgraph.cost.fleet_links import _quantity, _unknown, parse_latency
+from vgraph.cost.fleet_links import parse_latency, read_quantity, report_unknown_keys
 
 ENTRY_KEYS = ("ranks", "control", "hop", "ring")
 MAX_RANKS = 1_000_000
@@ -84,11 +84,6 @@ class Collectives:
             f"  - {{ranks: {n}, control: {c * 1e3:.6g}ms, hop: {h * 1e3:.6g}ms"
             + (f", ring: {rings[n]:.6g}B/s" if n in rings else "") + "}\n" for n, c, h in self.rows)
 
-    def to_json(self) -> list[dict[str, float]]:
-        rings = dict(self.rings)
-        return [{"ranks": n, "control": c, "hop": h, **({"ring": rings[n]} if n in rings else {})}
-                for n, c, h in self.rows]
-
 
 NO_COLLECTIVES = Collectives()
 
@@ -125,13 +120,12 @@ def read_collectives(reader: Any, error: Callable[[int, str], None], top: dict, 
         m = reader.mapping(item, "a collectives entry")
         if m is None:
             continue
-        _unknown(m, ENTRY_KEYS, "collectives entry", error, line, suggest)
+        report_unknown_keys(m, ENTRY_KEYS, "collectives entry", error, line, suggest)
         ranks = _ranks(reader, m, item, error, line)
-        control = _quantity(reader, m, "control", parse_latency, error, line, "collectives entry", required=True,
-                            zero_ok=True)
-        hop = _quantity(reader, m, "hop", parse_latency, error, line, "collectives entry", required=True,
-                        zero_ok=True)
-        ring = _quantity(reader, m, "ring", parse_bandwidth, error, line, "collectives entry")
+        what = "collectives entry"
+        control = read_quantity(reader, m, "control", parse_latency, error, line, what, required=True, zero_ok=True)
+        hop = read_quantity(reader, m, "hop", parse_latency, error, line, what, required=True, zero_ok=True)
+        ring = read_quantity(reader, m, "ring", parse_bandwidth, error, line, what)
         if ranks is None or control is None or hop is None or ("ring" in m and ring is None):
             continue
         if ranks in first:

@@ -100,7 +100,7 @@ def read_links(reader: Any, error: Callable[[int, str], None], top: dict, line: 
             m = reader.mapping(item, "a region")
             if m is None:
                 continue
-            _unknown(m, REGION_KEYS, "region", error, line, suggest)
+            report_unknown_keys(m, REGION_KEYS, "region", error, line, suggest)
             name = reader.scalar(m["name"][1], "region 'name'") if "name" in m else None
             if name is None:
                 if "name" not in m:
@@ -110,8 +110,8 @@ def read_links(reader: Any, error: Callable[[int, str], None], top: dict, line: 
                 error(line(item), f"duplicate region {name!r} (first defined at line {first[name]})")
                 continue
             first[name] = line(item)
-            bw = _quantity(reader, m, "bandwidth", parse_bandwidth, error, line, f"region {name!r}")
-            lat = _quantity(reader, m, "latency", parse_latency, error, line, f"region {name!r}", zero_ok=True)
+            bw = read_quantity(reader, m, "bandwidth", parse_bandwidth, error, line, f"region {name!r}")
+            lat = read_quantity(reader, m, "latency", parse_latency, error, line, f"region {name!r}", zero_ok=True)
             regions[name] = Region(name, bw, lat or 0.0)
     pairs: dict[frozenset, tuple[float, float]] = {}
     pair_line: dict[frozenset, int] = {}
@@ -122,10 +122,10 @@ def read_links(reader: Any, error: Callable[[int, str], None], top: dict, line: 
             m = reader.mapping(item, "a link")
             if m is None:
                 continue
-            _unknown(m, LINK_KEYS, "link", error, line, suggest)
+            report_unknown_keys(m, LINK_KEYS, "link", error, line, suggest)
             ends = _ends(reader, m, item, regions, error, line)
-            bw = _quantity(reader, m, "bandwidth", parse_bandwidth, error, line, "link", required=True)
-            lat = _quantity(reader, m, "latency", parse_latency, error, line, "link", zero_ok=True)
+            bw = read_quantity(reader, m, "bandwidth", parse_bandwidth, error, line, "link", required=True)
+            lat = read_quantity(reader, m, "latency", parse_latency, error, line, "link", zero_ok=True)
             if ends is None or bw is None:
                 continue
             key = frozenset(ends)
@@ -164,7 +164,7 @@ def _missing_links(names: list[str], pairs: dict, error: Callable[[int, str], No
                      f"{len(names) * (len(names) - 1) // 2:,} pairs have none)")
 
 
-def _unknown(m: dict, keys: tuple, what: str, error: Callable, line: Callable, suggest: Callable) -> None:
+def report_unknown_keys(m: dict, keys: tuple, what: str, error: Callable, line: Callable, suggest: Callable) -> None:
     for key, (kn, _) in m.items():
         if key not in keys:
             error(line(kn), f"unknown {what} key {key!r}{suggest(key, keys)} (a {what} has "
@@ -194,7 +194,7 @@ def _ends(reader: Any, m: dict, item: Any, regions: dict, error: Callable, line:
     return names[0], names[1]
 
 
-def _quantity(reader: Any, m: dict, key: str, parse: Callable[[str], float], error: Callable, line: Callable,
+def read_quantity(reader: Any, m: dict, key: str, parse: Callable[[str], float], error: Callable, line: Callable,
               what: str, *, required: bool = False, zero_ok: bool = False) -> float | None:
     if key not in m:
         if required:
@@ -214,4 +214,4 @@ def _quantity(reader: Any, m: dict, key: str, parse: Callable[[str], float], err
     return value
 
 
-__all__ = ["Links", "Region", "NO_LINKS", "parse_latency", "read_links"]
+__all__ = ["Links", "Region", "NO_LINKS", "parse_latency", "read_links", "read_quantity", "report_unknown_keys"]
