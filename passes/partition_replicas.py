@@ -133,7 +133,7 @@ class ReplicaPlan:
             "replicas": self.replicas, "stages_per_replica": self.stages, "replica_pnodes": self.pnodes,
             "batch_shares": list(self.shares), "step_seconds": c.step_seconds,
             "pipeline_seconds": c.pipeline_seconds, "allreduce_seconds": c.allreduce_seconds,
-            "control_seconds": c.control_seconds, "replica_method": self.method, "plans_compared": self.candidates,
+            "control_seconds": c.control_seconds, "update_seconds": c.update_seconds, "replica_method": self.method, "plans_compared": self.candidates,
         }
         if self.pipeline_only is not None:
             out["pipeline_only_step_seconds"] = self.pipeline_only.step_seconds

@@ -25,6 +25,7 @@ from vgraph.cost.op_kinds import KINDS, op_kind
 def quick(monkeypatch):
     monkeypatch.setattr(P, "REPEATS", 1)
     monkeypatch.setattr(P, "MIN_REPEAT_S", 0.002)
+    monkeypatch.setattr(P, "PROGRAM_REPEAT_S", 0.002)
 
 
 def test_calibration_scales_the_vnodes_to_the_whole_program() -> None:
@@ -34,7 +35,7 @@ def test_calibration_scales_the_vnodes_to_the_whole_program() -> None:
     # Every VNode alone: 100 us fixed + 10 us per sample; the whole program: twice both.
     sizes = (1, 8)
     per_vnode = tuple({n.id: 1e-4 + m * 1e-5 for n in nodes} for m in sizes)
-    whole = tuple(2 * sum(t.values()) for t in per_vnode)
+    whole = (2 * 1e-4 * len(nodes), 2 * 1e-5 * len(nodes))  # the whole program's line: fixed, per sample
     peak = 1e10
     eff = P.calibrate(graph, per_vnode, whole, sizes, peak)  # type: ignore[arg-type]
     kinds = {n.id: op_kind(n.type, flops[n.id]) for n in nodes}
@@ -61,6 +62,8 @@ def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, cap
     assert (p.id, p.accelerator, p.bandwidth) == ("h0", "cpu", 2.5e6) and p.memory > 0 and p.flops > 1e6
     assert {k for k, _ in p.efficiency.kinds} == {"matmul", "attention", "elementwise", "structural"}
     assert all(c.overhead >= 0 and (c.of_peak is None or 0 < c.of_peak <= 1) for _, c in p.efficiency.kinds)
+    assert p.update is not None and p.update.fixed > 0 and p.update.per_param >= 0
+    assert "a step's batch draw and optimizer update:" in err and "the whole program" in err
     assert "at float32: matmul" in err and "at bfloat16: matmul" in err  # the table per precision
     assert out.read_text().startswith("# vgraph probe of network 'tiny-1l-fp32'")
     # The cost model now charges the network's small ops their measured cost, not FLOPs at the GEMM's peak.
@@ -72,6 +75,39 @@ def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, cap
     step = lambda text: float(text.split("predicted step ")[1].split(" s")[0])  # noqa: E731
     slower = any(c.overhead > 0 or (c.of_peak or 1) < 1 for _, c in p.efficiency.kinds)
     assert step(shown) > step(capsys.readouterr().out) if slower else step(shown) == step(capsys.readouterr().out)
+
+
+def test_the_update_is_the_workers_batch_draw_and_optimizer_step(monkeypatch) -> None:
+    """`update_costs` times a batch draw plus every optimizer over all the network's parameters against a
+    batch draw plus Adam over its smallest tensor: the difference, per parameter, is the rate; what is left
+    of the small one is fixed.  The timed calls must really step those parameters and draw a batch."""
+    import torch
+
+    from vgraph.backends.torch.data import TokenShards
+    from vgraph.backends.torch.lower import compile_network
+
+    graph = prepare_graph(vgraph.load(TINY_FP32), target="cpu")
+    module = compile_network(graph, device=torch.device("cpu"), train=True, seed=0)
+    params = [p for p in module.parameters() if p.requires_grad]
+    total, smallest = sum(p.numel() for p in params), min(p.numel() for p in params)
+    drawn = []
+    real_batch = TokenShards.batch
+    monkeypatch.setattr(TokenShards, "batch", lambda self, step, batch, *a: drawn.append((step, batch)) or
+                        real_batch(self, step, batch, *a))
+    moved = []
+
+    def fake_timing(fns, device, repeats=None, least=None):
+        for fn in fns:
+            before = [p.detach().clone() for p in params]
+            fn()
+            moved.append(sum(int(not torch.equal(a, p)) for a, p in zip(before, params)))
+        return [2e-3 + 1e-9 * (total - smallest), 2e-3]
+
+    monkeypatch.setattr(P, "timed_in_turn", fake_timing)
+    update = P.update_costs(graph, module, torch.device("cpu"), lambda: __import__("contextlib").nullcontext(), 4)
+    assert moved == [len(params), 1]  # the whole step moved every parameter, the other only the smallest
+    assert [b for _, b in drawn] == [4, 4] and drawn[0][0] != drawn[1][0]  # a batch of 4 each, other steps
+    assert update.per_param == pytest.approx(1e-9) and update.fixed == pytest.approx(2e-3 - 1e-9 * smallest)
 
 
 def _serving_once() -> tuple[threading.Thread, int]:

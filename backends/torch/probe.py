@@ -9,33 +9,48 @@ a PNode entry from a probe is measured, with the engine that will train:
   VNode run eagerly through the torch backend's own lowering rule (ops.py) on inputs of its real shapes:
   a line `overhead + m x per-sample` per VNode;
 * the whole training program (the compiled forward and its backward, as `vgraph train` and every launch
-  worker run it) at the same two sizes.  Isolated VNodes miss what the whole program adds (the autograd
-  engine walking the graph, the fx module's own calls): the per-VNode lines are scaled, overheads and
-  per-sample costs separately, so that their sums are the whole program's line.  Per op kind
-  (vgraph/cost/op_kinds.py) that gives the share of the peak its FLOPs reach and its overhead per VNode
-  and micro-batch: the figures the cost model prices a stage with.  The optimizer step is not part of
-  it (fused Adam over the tiny test network's 13,824 parameters: 14 us, measured);
+  worker run it) at micro-batches of 1, 2, 4 and 8 samples (and the `--batch` given), and the line
+  `fixed + m x per-sample` closest to them in relative terms.  The time is not linear in m: on the
+  testbed's tb-small in a 0.5-core host 8.1, 10.2 and 17.1 ms at 1, 2 and 8 samples, so the line through
+  1 and 8 alone, as this probe drew it first, put 2 samples (what the plans run) 8% low.  Isolated VNodes
+  miss what the whole program adds (the autograd engine walking the graph, the fx module's own calls):
+  the per-VNode lines are scaled, overheads and per-sample costs separately, so that their sums are the
+  whole program's line.  Per op kind (vgraph/cost/op_kinds.py) that gives the share of the peak its FLOPs
+  reach and its overhead per VNode and micro-batch: the figures the cost model prices a stage with;
+* the rank's own work each step beyond the program (`update`, vgraph/cost/update.py): drawing its batch
+  from a token shard (backends/torch/data.py) and the optimizer step over its parameters
+  (node_optimizers.py), as a launch worker does them, over all the network's parameters and over its
+  smallest tensor alone: a fixed time and a time per parameter.  An instrumented one-host tb-small worker
+  spent 3.4 ms of a 26.5 ms step outside the program (batch 0.7 ms, Adam 0.6 ms, the control collectives
+  and the metrics row 1.4 ms: the fleet's `collectives` table, probe_collectives.py), 9.7 ms of 51 ms in a
+  0.5-core host; the batch and the update were priced nowhere;
 * per precision the device supports (CPU: float32, bfloat16; CUDA: float32, float16, and bfloat16 from
   compute capability 8.0), the FLOP/s the network's own matmul and attention VNodes reach;
 * the memory the device can still give and the accelerator (`cpu`, `cuda-smXY`).
 
 Timings are medians of repeated runs, each repetition at least MIN_REPEAT_S long (a loop of calls), with
-CUDA synchronised; they measure this machine as it is now: on a machine busy with other work, probe when
+CUDA synchronised.  The whole program, the figure every prediction scales to, is timed in repetitions of
+PROGRAM_REPEAT_S, its sizes in turn round by round, so that a slow spell of the machine falls on all of
+them: inside a CPU quota a 20 ms repetition sees a whole number of the quota's periods, and its times
+came 10% apart.  They measure this machine as it is now: on a machine busy with other work, probe when
 it is quiet, and inside the CPU share (cgroup quota) its workers will have.
 """
 from __future__ import annotations
 
-import math
 import statistics
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.op_kinds import KINDS, Efficiency, KindCost, op_kind
+from vgraph.cost.update import Update
 from vgraph.ir.graph import Graph
 
 from .dropout import dropout_key
@@ -43,7 +58,9 @@ from .lower import VGraphModule, compile_network, compute_dtype
 from .ops import LowerCtx, get_lowering
 
 MIN_REPEAT_S = 0.02  # one timed repetition lasts at least this long (a loop of calls)
+PROGRAM_REPEAT_S = 0.1  # the same for the whole program, the figure every prediction scales to
 REPEATS = 5
+PROGRAM_SIZES = (1, 2, 4, 8)  # the micro-batch sizes the whole program is timed at
 RATED_KINDS = ("matmul", "attention")  # the kinds the per-precision table rates
 
 
@@ -57,7 +74,7 @@ class ProbeResult:
     memory_source: str = ""
     accelerator: str = "cpu"
     whole: tuple[float, float] = (0.0, 0.0)  # the training program's seconds per micro-batch: fixed, per sample
-    sizes: tuple[int, int] = (1, 2)
+    update: Update | None = None  # the rank's own work each step beyond the program
 
 
 def _sync(device: torch.device) -> None:
@@ -67,20 +84,30 @@ def _sync(device: torch.device) -> None:
 
 def timed(fn: Callable[[], Any], device: torch.device, repeats: int | None = None) -> float:
     """Median seconds of one call of `fn`: each of REPEATS repetitions loops until MIN_REPEAT_S has passed."""
-    fn()  # warm up (allocations, lazy initialisation)
+    return timed_in_turn([fn], device, repeats)[0]
+
+
+def timed_in_turn(fns: Sequence[Callable[[], Any]], device: torch.device, repeats: int | None = None,
+                  least: float | None = None) -> list[float]:
+    """Median seconds of one call of each of `fns`, their repetitions (each at least `least`, default
+    MIN_REPEAT_S, long) taken in turn: a slow spell of the machine falls on all of them alike."""
+    least = MIN_REPEAT_S if least is None else least
+    for fn in fns:
+        fn()  # warm up (allocations, lazy initialisation)
     _sync(device)
-    samples = []
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats or REPEATS):
-        calls, start = 0, time.perf_counter()
-        while True:
-            fn()
-            calls += 1
-            _sync(device)
-            elapsed = time.perf_counter() - start
-            if elapsed >= MIN_REPEAT_S:
-                break
-        samples.append(elapsed / calls)
-    return statistics.median(samples)
+        for fn, mine in zip(fns, samples):
+            calls, start = 0, time.perf_counter()
+            while True:
+                fn()
+                calls += 1
+                _sync(device)
+                elapsed = time.perf_counter() - start
+                if elapsed >= least:
+                    break
+            mine.append(elapsed / calls)
+    return [statistics.median(mine) for mine in samples]
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None) -> float:
@@ -181,21 +208,120 @@ def forward_flops(graph: Graph) -> dict[str, int]:
     return dict(zip(cm.node_columns["id"], cm.node_columns["flops"]))
 
 
-def program_time(graph: Graph, module: VGraphModule, device: torch.device, m: int, amp: Callable[[], Any]) -> float:
-    """Seconds of the whole training program (compiled forward of every cost, its backward) at `m` samples."""
+def _program_run(graph: Graph, module: VGraphModule, device: torch.device, m: int,
+                 amp: Callable[[], Any]) -> Callable[[], None]:
+    """The whole training program (compiled forward of every cost, its backward) at `m` samples, as a call
+    that leaves its gradients in place."""
     costs = tuple(module.cost_names)
     program = module.program_for(costs, training=True)
     ids, targets = _feeds(graph, m, device)
     args = [ids if name.startswith("embedder") else targets for name in program.feeds]
 
-    def step() -> None:
+    def run() -> None:
         with dropout_key(0, 1), amp():
             result = program.module(*args)
             loss = sum(result[c] for c in costs)
         loss.backward()
+
+    return run
+
+
+def program_step(graph: Graph, module: VGraphModule, device: torch.device, m: int,
+                 amp: Callable[[], Any]) -> Callable[[], None]:
+    """One run of the whole training program at `m` samples, its gradients dropped after (as a step's
+    backward finds them: `vgraph train` and the workers zero them with set_to_none)."""
+    run = _program_run(graph, module, device, m, amp)
+
+    def step() -> None:
+        run()
         module.zero_grad(set_to_none=True)
 
-    return timed(step, device)
+    return step
+
+
+def program_time(graph: Graph, module: VGraphModule, device: torch.device, m: int, amp: Callable[[], Any]) -> float:
+    """Seconds of the whole training program at `m` samples."""
+    return timed(program_step(graph, module, device, m, amp), device)
+
+
+def program_line(graph: Graph, module: VGraphModule, device: torch.device, sizes: Sequence[int],
+                 amp: Callable[[], Any]) -> tuple[tuple[float, float], list[float]]:
+    """The whole program's (fixed, per sample) seconds per micro-batch, fitted to its times at `sizes`
+    (timed in turn, PROGRAM_REPEAT_S a repetition), and those times."""
+    steps = [program_step(graph, module, device, m, amp) for m in sizes]
+    times = timed_in_turn(steps, device, least=PROGRAM_REPEAT_S)
+    return fit_line(sizes, times), times
+
+
+def fit_line(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
+    """(fixed, per sample) of the line `fixed + m x per-sample` with the least squared relative error over
+    the points (m, t) (both clamped at zero): the micro-batches a plan runs are priced off by a few percent
+    each, rather than the small ones by much where the times bend."""
+    m = np.asarray(sizes, dtype=float)
+    t = np.asarray(times, dtype=float)
+    if len(m) < 2 or len(set(m.tolist())) < 2 or not np.all(np.isfinite(t)) or np.any(t <= 0):
+        raise ValueError(f"a line needs positive times at two or more sizes, got {list(zip(sizes, times))}")
+    w = 1.0 / t
+    fixed, slope = np.linalg.lstsq(np.stack([w, m * w], axis=1), np.ones_like(t), rcond=None)[0]
+    if slope < 0:  # no per-sample cost to see: the mean time is all fixed
+        return float(np.sum(w) / np.sum(w * w)), 0.0
+    if fixed < 0:  # a line through the origin
+        return 0.0, float(np.sum(w * w * m * t) / np.sum(w * w * m * m))
+    return float(fixed), float(slope)
+
+
+# -- the rank's own work each step -------------------------------------------------------------------
+
+def update_costs(graph: Graph, module: VGraphModule, device: torch.device, amp: Callable[[], Any],
+                 batch: int) -> Update:
+    """What a launch worker does each step besides the program, timed as it does it: draw its batch of
+    `batch` samples (TokenShards over a shard file of random tokens) and step the network's optimizers
+    (NodeOptimizers: fused Adam, one per setting) over gradients a backward left; the same with Adam over
+    the smallest parameter tensor alone gives the fixed part and the time per parameter."""
+    from .node_optimizers import NodeOptimizers, make_adam
+
+    optims = NodeOptimizers(module, 1e-3)
+    params = optims.trainable
+    if not params:
+        return Update(0.0, 0.0)
+    _program_run(graph, module, device, 1, amp)()  # one backward's gradients, kept for the optimizers
+    smallest = min((p for p in params if p.grad is not None), key=lambda p: p.numel())
+    alone = make_adam([{"params": [smallest], "lr": 1e-3}])
+    with tempfile.TemporaryDirectory(prefix="vgraph-probe-") as tmp:
+        draw = _batch_draw(graph, Path(tmp), batch)
+        steps = iter(range(1, 1 << 62))
+
+        def whole() -> None:
+            draw(next(steps))
+            for opt in optims.optimizers:
+                opt.step()
+
+        def one() -> None:
+            draw(next(steps))
+            alone.step()
+
+        t_all, t_one = timed_in_turn([whole, one], device)
+    total = sum(p.numel() for p in params)
+    per_param = max(0.0, (t_all - t_one) / max(total - smallest.numel(), 1))
+    module.zero_grad(set_to_none=True)
+    return Update(max(0.0, t_one - per_param * smallest.numel()), per_param)
+
+
+def _batch_draw(graph: Graph, where: Path, batch: int) -> Callable[[int], Any]:
+    """A worker's batch draw (TokenShards.batch) for `graph`, from a shard of random tokens in `where`."""
+    from vgraph.data.shards import PreparedCorpus, ShardFile, TokenStream
+
+    from .data import TokenShards
+
+    embed = graph.nodes_of_type("embedder")[0].cfg
+    vocab, seq = int(embed["vocab_size"]), int(embed["seq_len"])
+    tokens = max(64 * batch, 8) * (seq + 1)  # a few hundred windows: reads land apart, as in a corpus
+    path = where / "train.bin"
+    np.random.default_rng(0).integers(0, vocab, tokens, dtype=np.int64).astype(np.uint32).tofile(path)
+    stream = TokenStream((ShardFile(path, np.dtype(np.uint32)),), np.array([0, tokens]), 1, (path.name,))
+    corpus = PreparedCorpus(where, {"vocab_size": vocab}, "", stream, stream)
+    shards = TokenShards(corpus, seq_len=seq, vocab=vocab, seed=0)
+    return lambda step: shards.batch(step, batch)
 
 
 # -- from timings to the fleet entry's figures ------------------------------------------------------
@@ -209,11 +335,12 @@ def _line(t1: float, t2: float, m1: int, m2: int) -> tuple[float, float]:
 def calibrate(graph: Graph, per_vnode: tuple[dict[str, float], dict[str, float]],
               whole: tuple[float, float], sizes: tuple[int, int], peak: float) -> Efficiency:
     """Per op kind: (share of `peak`, overhead per VNode and micro-batch), from per-VNode times at the two
-    micro-batch `sizes` scaled so that they add up to the whole program's (see the module docstring)."""
+    micro-batch `sizes` scaled so that their lines add up to the whole program's line `whole` (fixed, per
+    sample; see the module docstring)."""
     m1, m2 = sizes
     flops = forward_flops(graph)
     lines = {v: _line(per_vnode[0][v], per_vnode[1][v], m1, m2) for v in per_vnode[0]}
-    fixed, per_sample = _line(whole[0], whole[1], m1, m2)
+    fixed, per_sample = whole
     scale_fixed = fixed / max(sum(o for o, _ in lines.values()), 1e-12)
     scale_sample = per_sample / max(sum(s for _, s in lines.values()), 1e-12)
     nodes = {n.id: n for n in training_nodes(graph)}
@@ -271,14 +398,20 @@ def probe(graph: Graph, device: torch.device, micro_batch: int, *, per_precision
     peak = peak_flops(device, dtype)
     say(f"probe: the training program and its {len(training_nodes(graph))} VNodes at micro-batches of {sizes[0]} "
         f"and {sizes[1]} ...")
-    whole = tuple(program_time(graph, module, device, m, amp) for m in sizes)
+    program_sizes = sorted(set(PROGRAM_SIZES) | {max(1, micro_batch)})
+    whole, times = program_line(graph, module, device, program_sizes, amp)
+    say("probe: the whole program " + ", ".join(f"{t * 1e3:.3g} ms at {m}" for m, t in zip(program_sizes, times))
+        + f": {whole[0] * 1e3:.3g} ms + {whole[1] * 1e3:.3g} ms a sample")
     per_vnode = tuple(vnode_times(graph, module, device, m, amp) for m in sizes)
     efficiency = calibrate(graph, per_vnode, whole, sizes, peak)  # type: ignore[arg-type]
+    say(f"probe: a step's batch draw and optimizer update at a batch of {max(1, micro_batch)} ...")
+    update = update_costs(graph, module, device, amp, max(1, micro_batch))
     rates = precision_rates(graph, module, device, sizes[1]) if per_precision else {}
     memory, source = available_memory(device)
     return ProbeResult(peak, str(dtype).replace("torch.", ""), efficiency, rates, memory, source,
-                       accelerator_of(device), whole, sizes)  # type: ignore[arg-type]
+                       accelerator_of(device), whole, update)
 
 
-__all__ = ["ProbeResult", "probe", "peak_flops", "vnode_times", "program_time", "calibrate", "precision_rates",
-           "supported_precisions", "accelerator_of", "training_nodes", "timed"]
+__all__ = ["ProbeResult", "probe", "peak_flops", "vnode_times", "program_time", "program_line", "fit_line",
+           "update_costs", "calibrate", "precision_rates", "supported_precisions", "accelerator_of", "training_nodes",
+           "timed", "timed_in_turn"]

@@ -7,7 +7,8 @@
                  [--append FLEET.yml]                        # on every host at once: probe_collectives.py
 
 What is measured, and why that way: probe.py.  The entry is a fleet PNode (vgraph/cost/fleet.py: memory,
-flops, bandwidth, accelerator, and `efficiency` per op kind, vgraph/cost/op_kinds.py); `-o` writes a fleet
+flops, bandwidth, accelerator, `efficiency` per op kind, vgraph/cost/op_kinds.py, and `update`, a step's
+work beyond the program, vgraph/cost/update.py); `-o` writes a fleet
 of that one PNode, `--append` adds it to a fleet file (comments, regions and layout kept; a new file is
 created), neither given prints it.  Outputs are atomic and never an input.  The link is measured against a
 peer running `vgraph probe --serve` (a TCP stream for --seconds, counted by the receiver: what this machine
@@ -76,7 +77,8 @@ def register_probe(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=options.positive_int, metavar="N",
                    help="CPU threads, as the workers will use (default: torch's)")
     p.add_argument("--batch", type=options.positive_int, default=8, metavar="B",
-                   help="the larger micro-batch the timings use (default 8; the other is 1)")
+                   help="the largest micro-batch the timings use (they also take 1, 2 and 4) and the batch a "
+                        "step draws (default 8)")
     p.add_argument("--passes", metavar="SPEC", help="pass pipeline the network trains with (default: production)")
     p.add_argument("--no-precisions", action="store_true", help="skip the table of FLOP/s per precision")
     p.add_argument("--serve", action="store_true", help="be the peer of another machine's --peer")
@@ -203,7 +205,7 @@ def run_probe(args: argparse.Namespace) -> int:
     if result.memory is None:
         raise VGraphError(f"the memory of {device} cannot be read here ({result.memory_source})")
     pnode = PNode(checked["id"], result.memory, result.peak, bandwidth, result.accelerator,
-                  efficiency=result.efficiency, burst=burst)
+                  efficiency=result.efficiency, burst=burst, update=result.update)
     _report(result, pnode, graph.name, say)
     comment = (f"vgraph probe of network {graph.name!r} on {time.strftime('%Y-%m-%d %H:%M')}: {result.precision}, "
                f"peak {result.peak / 1e9:.3g} GFLOP/s (a large GEMM), link "
@@ -226,6 +228,9 @@ def _report(result, pnode: PNode, network: str, say) -> None:
     for kind, cost in result.efficiency.kinds:
         share = f"{cost.of_peak:.3g} of peak" if cost.of_peak is not None else "no FLOPs"
         say(f"probe:   {kind:<11} {share:>14}, {cost.overhead * 1e6:8.1f} us per VNode and micro-batch")
+    if result.update is not None:
+        say(f"probe:   a step's batch draw and optimizer update: {result.update.fixed * 1e3:.3g} ms + "
+            f"{result.update.per_param * 1e9:.3g} ns a parameter")
     for precision, rates in result.rates.items():
         say(f"probe:   {network} at {precision}: " + ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s" for k, v in rates.items()))
 

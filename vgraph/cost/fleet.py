@@ -8,10 +8,11 @@
         bandwidth: 10Gbit/s    # to the other PNodes
         accelerator: cuda-sm75 # optional: cpu | cuda-smXY
         burst: 16KiB           # optional: bytes its link passes at once after idling (vgraph/cost/makespan.py)
+        update: {fixed: 1.4ms, per_param: 0.6ns}  # optional: a rank's work a step beyond its program (update.py)
 
 Optional beside `pnodes`: `regions` and `links` (vgraph/cost/fleet_links.py) and `collectives`, the
 measured table of a step's small collectives among the hosts (vgraph/cost/collectives.py).  `vgraph
-probe` writes `efficiency` (vgraph/cost/op_kinds.py), `burst` and the table.
+probe` writes `efficiency` (vgraph/cost/op_kinds.py), `burst`, `update` and the table.
 
 Units (case matters only for bits versus bytes):
 
@@ -45,13 +46,14 @@ from vgraph.base.safeio import read_input
 from vgraph.cost.collectives import NO_COLLECTIVES, Collectives, read_collectives
 from vgraph.cost.fleet_links import NO_LINKS, Links, read_links
 from vgraph.cost.op_kinds import Efficiency, parse_kind
+from vgraph.cost.update import Update, parse_update
 from vgraph.ops.schema import suggest
 from vgraph.yamlio.yaml_reader import Loader as _Loader  # the network loader's safe YAML walker
 from vgraph.yamlio.yaml_reader import YamlReader as _YamlReader, line_of as _line
 
 FLEET_KEYS = ("name", "pnodes", "regions", "links", "collectives")
 MAX_FLEET_BYTES = 16 * 2**20  # a fleet of 100k PNodes is ~10 MB
-PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator", "region", "efficiency", "burst")
+PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator", "region", "efficiency", "burst", "update")
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # fullmatch: also a file name, DIR/<id>.yml
 _ACCELERATOR = re.compile(r"^(cpu|cuda-sm\d\d+)$")
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -91,6 +93,7 @@ class PNode:
     region: str | None = None  # see vgraph/cost/fleet_links.py
     efficiency: Efficiency | None = None  # per op kind, measured by `vgraph probe` (vgraph/cost/op_kinds.py)
     burst: int = 0  # bytes its link passes at once after idling (a token bucket's depth; `vgraph probe`)
+    update: Update | None = None  # a rank's seconds a step beyond its program (vgraph/cost/update.py)
 
     def __str__(self) -> str:
         acc = f", {self.accelerator}" if self.accelerator else ""
@@ -385,10 +388,13 @@ def _pnode(reader: _YamlReader, build: _FleetBuild, item: yaml.Node) -> tuple[st
     burst = _burst(reader, build, m["burst"][1], pid) if "burst" in m else 0
     if burst is None:
         ok = False
+    update = _update(reader, build, m["update"][1], pid) if "update" in m else None
+    if "update" in m and update is None:
+        ok = False
     if not ok:
         return pid, None
     return pid, PNode(pid, int(values["memory"]), float(values["flops"]), float(values["bandwidth"]),
-                 accelerator, SourceLoc(build.file, _line(item)), region, efficiency, burst)
+                 accelerator, SourceLoc(build.file, _line(item)), region, efficiency, burst, update)
 
 
 def _burst(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) -> int | None:
@@ -400,6 +406,21 @@ def _burst(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) 
         return parse_bytes(text)
     except ValueError as exc:
         build.error(_line(ynode), f"burst: {exc}", pid)
+        return None
+
+
+def _update(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) -> Update | None:
+    """`update: {fixed: T, per_param: T}` (vgraph/cost/update.py); None when reported."""
+    fields = reader.mapping(ynode, "'update'", pid)
+    if fields is None:
+        return None
+    texts = {key: reader.scalar(v, f"update {key!r}", pid) for key, (_, v) in fields.items()}
+    if any(t is None for t in texts.values()):
+        return None
+    try:
+        return parse_update(texts)  # type: ignore[arg-type]
+    except ValueError as exc:
+        build.error(_line(ynode), f"update: {exc}", pid)
         return None
 
 
@@ -437,6 +458,8 @@ def pnode_flow(p: PNode) -> str:
         parts.append(f"burst: {p.burst}")
     if p.efficiency is not None:
         parts.append(f"efficiency: {p.efficiency.flow()}")
+    if p.update is not None:
+        parts.append(f"update: {p.update.flow()}")
     return "{" + ", ".join(parts) + "}"
 
 

@@ -97,7 +97,7 @@ def parse_seconds(text: str) -> float:
         raise ValueError(f"expected a time like 45us, 0.2ms or 1e-5 (seconds), got {text!r}")
     value = float(m.group(1)) / _PER[m.group(2)]
     if not math.isfinite(value) or value > 3600:
-        raise ValueError(f"{text!r} is more than an hour per VNode")
+        raise ValueError(f"{text!r} is more than an hour")
     return value
 
 

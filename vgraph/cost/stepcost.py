@@ -22,11 +22,13 @@ with batch share b, M_r = min(M, b) micro-batches and stage s on PNode p:
                   (PowerSGD, `--grad-compress`: grad_bytes(s) is what it all-reduces, the latency counts
                   three rounds, and its FLOPs on the group's slowest member are added; compression.py)
     control     = the fleet's measured control collectives over all N = R x S ranks (collectives.py)
-    step        = max_r replica(r) + max_s reduce(s) + control
+    update(r, s) = fixed(p) + params(s) * per_param(p)        the rank's batch draw and optimizer step
+                                                              (the PNode's probed `update`, update.py)
+    step        = max_r replica(r) + max_s reduce(s) + control + max_{r,s} update(r, s)
 
 hop(N) is the fleet's measured time of one message while N ranks communicate and ring(N) the bytes a
 second their all-reduce moves (collectives.py); hop is added to every message of the pipelines as well; a
-fleet without the table has hop 0, control 0 and no ring cap.
+fleet without the table has hop 0, control 0 and no ring cap; a PNode without `update` spends nothing on it.
 
 A replica's pipeline is priced as the workers run it: its stages' tasks (tasks.py: a stage runs its
 VNodes in one task per depth, so the stage holding the embedder and the tied LM head runs the first task
@@ -114,6 +116,7 @@ class StageLoads:
     # The stages' tasks (vgraph/cost/tasks.py): what the workers schedule; None for hand-made loads, which
     # are then one task per stage in a chain (`task_view`).
     tasks: TaskLoads | None = None
+    params: np.ndarray | None = None  # [S] parameters a stage trains (its ranks' optimizer step); None: 0
 
     @property
     def stages(self) -> int:
@@ -164,6 +167,7 @@ class LoadColumns:
             col("params").astype(float), cm.grad_compress)
         self.static = (col("param_bytes") + col("grad_bytes") + col("master_bytes") + col("adam_bytes")).astype(float)
         self.act = col("activation_bytes").astype(float)
+        self.params = col("params").astype(float)
         if len(cm.edge_columns["src"]):
             self.src = col("edge:src").astype(np.int64)
             self.dst = col("edge:dst").astype(np.int64)
@@ -215,7 +219,8 @@ class LoadColumns:
         return StageLoads(flops, p2p, sync, grad, static, act, kind_flops, kind_ops,
                           reduce_flops=np.bincount(where, weights=self.reduce_flops, minlength=stages),
                           reduce_memory=np.bincount(where, weights=self.reduce_memory, minlength=stages),
-                          reduce_rounds=self.rounds, send=send, tasks=self.tasks(where, stages))
+                          reduce_rounds=self.rounds, send=send, tasks=self.tasks(where, stages),
+                          params=np.bincount(where, weights=self.params, minlength=stages))
 
     def tasks(self, where: np.ndarray, stages: int) -> TaskLoads:
         """The tasks of the cut `where` (vgraph/cost/tasks.py): per (stage, depth), its work; per pair of
@@ -288,6 +293,7 @@ class StepCost:
     p2p_bytes: np.ndarray  # [R] bytes per step sent inside each replica (edges both ways, tie syncs)
     allreduce_bytes: np.ndarray  # [S] bytes per step sent by each stage group
     control_seconds: float = 0.0  # the step's control collectives over all ranks (the fleet's measured table)
+    update_seconds: float = 0.0  # the slowest rank's batch draw and optimizer step (the PNodes' `update`)
 
     @property
     def fits(self) -> bool:
@@ -336,6 +342,9 @@ class FleetArrays:
         self.by_kind = any(p.efficiency is not None for p in self.pnodes)
         self.burst = np.array([p.burst for p in self.pnodes], dtype=float)
         self.collectives = fleet.collectives
+        # A rank's work a step beyond its program (vgraph/cost/update.py): fixed seconds, seconds a parameter.
+        self.update_fixed = np.array([p.update.fixed if p.update else 0.0 for p in self.pnodes], dtype=float)
+        self.update_per_param = np.array([p.update.per_param if p.update else 0.0 for p in self.pnodes], dtype=float)
 
     @cached_property
     def balanced(self) -> np.ndarray:
@@ -484,8 +493,16 @@ def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Se
     pipeline = float(replica.max())
     all_reduce = float(reduce.max()) if S else 0.0
     control, _ = fa.collectives.at(R * S)
-    return StepCost(pipeline + all_reduce + control, pipeline, all_reduce, float((work + sync).max()), replica,
-                    work + sync, reduce, memory, fa.memory[idx], p2p_bytes, allreduce_bytes, control)
+    update = float(update_seconds(loads, fa, idx).max())
+    return StepCost(pipeline + all_reduce + control + update, pipeline, all_reduce, float((work + sync).max()),
+                    replica, work + sync, reduce, memory, fa.memory[idx], p2p_bytes, allreduce_bytes, control, update)
+
+
+def update_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> np.ndarray:
+    """[R, S] seconds each rank spends a step on its batch draw and optimizer step (update.py): after the
+    step's last collective every rank does its own, and the next step waits for the slowest."""
+    params = loads.params if loads.params is not None else np.zeros(loads.stages)
+    return fa.update_fixed[idx] + params[None, :] * fa.update_per_param[idx]
 
 
 def allreduce_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> np.ndarray:
@@ -525,7 +542,7 @@ def step_lower_bound(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, batch:
     reduce = allreduce_seconds(loads, fa, idx)
     control, _ = fa.collectives.at(R * S)
     return (batch / float((1.0 / np.maximum(per_sample, 1e-300)).sum()) + (float(reduce.max()) if S else 0.0)
-            + control)
+            + control + float(update_seconds(loads, fa, idx).max()))
 
 
 def _slowest_link(fa: FleetArrays, group: np.ndarray) -> tuple[float, float]:

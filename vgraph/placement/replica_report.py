@@ -8,8 +8,8 @@ assignment) and `batch_shares`.  `with_replicas` adds to a placement report
 
 - `replicas`, `replica_pnodes`, `batch_shares`, `replica_assignments` (per
   replica, VNode -> PNode);
-- `step_seconds` (predicted, all-reduce and control collectives included), `pipeline_seconds`,
-  `allreduce_seconds`, `control_seconds`, `allreduce` (per stage group: PNodes, gradient bytes,
+- `step_seconds` (predicted, all-reduce, control collectives and update included), `pipeline_seconds`,
+  `allreduce_seconds`, `control_seconds`, `update_seconds`, `allreduce` (per stage group: PNodes, gradient bytes,
   bytes sent, seconds) and `bytes_per_step` (everything workers send in a
   step: boundary tensors, tied-weight syncs, ring all-reduce);
 - with R > 1, `pnodes` gains every replica's PNodes priced at their replica's
@@ -76,6 +76,7 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
         "replica_assignments": [assign] + [replica_assignment(assign, rows, r) for r in range(1, R)],
         "step_seconds": cost.step_seconds, "pipeline_seconds": cost.pipeline_seconds, "pipeline": pipeline,
         "allreduce_seconds": cost.allreduce_seconds, "control_seconds": cost.control_seconds,
+        "update_seconds": cost.update_seconds,
         "allreduce": [{"stage": s, "pnodes": [row[s] for row in rows], "grad_bytes": float(loads.grad_bytes[s]),
                        "bytes_per_step": float(cost.allreduce_bytes[s]),
                        "seconds": float(cost.allreduce_stage_seconds[s])} for s in range(len(rows[0]))],
@@ -136,9 +137,11 @@ def format_plan(report: dict[str, Any], shown: int = 8) -> str:
             lines.append(f"  all-reduce stage {g['stage']}: {human_bytes(g['grad_bytes'])} of gradients over "
                          f"{len(g['pnodes'])} PNodes, {human_bytes(g['bytes_per_step'])} sent, {g['seconds']:.4g} s")
     control = report.get("control_seconds") or 0.0
+    update = report.get("update_seconds") or 0.0
     lines.append(f"predicted step {report['step_seconds']:.4g} s = pipeline {report['pipeline_seconds']:.4g} s + "
                  f"all-reduce {report['allreduce_seconds']:.4g} s"
                  + (f" + control collectives {control:.4g} s" if control else "")
+                 + (f" + batch draw and optimizer step {update:.4g} s" if update else "")
                  + f"; {human_bytes(report['bytes_per_step'])} sent per step")
     single = (report.get("plan") or {}).get("pipeline_only_step_seconds")
     if single:
