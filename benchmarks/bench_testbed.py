@@ -9,10 +9,13 @@
 Every host is a network namespace of tools/netlab.py with a CPU quota of `--cpu` cores and a link of the
 row's rate each way (tbf; no latency: this kernel has no netem).  For each network and rate:
 
-1. each of the 4 hosts is probed inside its quota: `vgraph probe NETWORK --peer <next host> --threads 1
-   --append fleet.yml` (its link's rate and burst measured against `vgraph probe --serve` on the next
-   host), then all of them at once with `vgraph probe --collectives` (the step's small collectives among
-   2, 3 and 4 hosts: the fleet's `collectives` table), so the fleet is measured, not written;
+1. the 4 hosts are probed inside their quotas, all at once: `vgraph probe NETWORK --peer <next host>
+   --threads 1 -o` (its link's rate and burst measured against `vgraph probe --serve` on the next host),
+   then `vgraph probe --collectives` (the step's small collectives among 2, 3 and 4 hosts: the fleet's
+   `collectives` table), so the fleet is measured, not written.  All at once because the testbed's hosts
+   share the machine's 2 cores: with all 4 busy a 0.5-core quota yields 0.42-0.46 of a core (0.36-0.38
+   at 0.4), alone exactly its quota, and every multi-host plan keeps them all busy; a host probed alone
+   (as this benchmark did first) is 5-16% faster than it runs there;
 2. plans of fixed shape run (the network's units cut into that many stages where the cost model balances
    them; the planner itself may merge stages where a cut does not pay), one `vgraph launch
    --nnodes N --node-rank i --master-addr <host 0>` per host, `--placement` forcing the layout: one host;
@@ -20,7 +23,9 @@ row's rate each way (tbf; no latency: this kernel has no netem).  For each netwo
    runs once per network: no link is involved);
 3. the predicted step is the launch's placement.json `step_seconds`, the measured one the median of the
    per-step wall times after `--warmup` steps (metrics.jsonl `elapsed_s`, the last step's checkpoint left
-   out); and the planner's own pick on the 4-host fleet (`vgraph partition --replicas auto`'s plan) is
+   out) over `--passes` runs of every plan, the passes in alternating order (this shared machine's speed
+   wanders: one program timed every 2.5 s in a quiet VM took 9.7 to 45.9 ms within 150 s, and one plan
+   measured 52.6 and 71.3 ms minutes apart in one run); and the planner's own pick on the 4-host fleet (`vgraph partition --replicas auto`'s plan) is
    compared with the plan measured fastest (run as well when its shape is not among the others).
 
 Prints a table (predicted, measured, ratio per plan; per network and rate the pick and the fastest), draws
@@ -86,25 +91,23 @@ def network_file(name: str, where: Path) -> Path:
     return path
 
 
-def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, concurrent: bool, rounds: int) -> None:
-    """Each host's entry from `vgraph probe` inside its quota (one at a time unless `concurrent`), its link
-    measured to the next host; the entries joined into `fleet`, then the collectives table of all hosts."""
+def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds: int) -> None:
+    """Each host's entry from `vgraph probe` inside its quota, all hosts at once (see the module docstring),
+    its link measured to the next host; the entries joined into `fleet`, then the collectives table."""
     from vgraph.cost.fleet import fleet_text, load_fleet
 
     n = len(tb.hosts)
-    order = [[i] for i in range(n)] if not concurrent else [list(range(n))]
-    for group in order:
-        servers = [tb.popen((i + 1) % n, [VGRAPH, "probe", "--serve", "--once", "--listen",
-                                           f"{tb.ips[(i + 1) % n]}:{29400 + i}"]) for i in group]
-        entries = tb.run_all([[VGRAPH, "probe", str(network), "--id", f"h{i}", "--peer",
-                               f"{tb.ips[(i + 1) % n]}:{29400 + i}", "--seconds", str(seconds), "--threads", "1",
-                               "--no-precisions", "-o", str(fleet.with_name(f"{fleet.stem}-h{i}.yml"))]
-                              if i in group else None for i in range(n)], timeout=600)
-        for i, done in enumerate(entries):
-            if done is not None and done.returncode != 0:
-                raise RuntimeError(f"probe of host {i} failed:\n{done.stdout[-3000:]}")
-        for s in servers:
-            s.wait(timeout=60)
+    servers = [tb.popen((i + 1) % n, [VGRAPH, "probe", "--serve", "--once", "--listen",
+                                       f"{tb.ips[(i + 1) % n]}:{29400 + i}"]) for i in range(n)]
+    entries = tb.run_all([[VGRAPH, "probe", str(network), "--id", f"h{i}", "--peer",
+                           f"{tb.ips[(i + 1) % n]}:{29400 + i}", "--seconds", str(seconds), "--threads", "1",
+                           "--no-precisions", "-o", str(fleet.with_name(f"{fleet.stem}-h{i}.yml"))]
+                          for i in range(n)], timeout=600)
+    for i, done in enumerate(entries):
+        if done.returncode != 0:
+            raise RuntimeError(f"probe of host {i} failed:\n{done.stdout[-3000:]}")
+    for server in servers:
+        server.wait(timeout=60)
     pnodes = [load_fleet(fleet.with_name(f"{fleet.stem}-h{i}.yml")).pnodes[0] for i in range(n)]
     fleet.write_text(fleet_text(fleet.stem, pnodes, f"probed on the testbed: {n} hosts"))
     done = tb.run_all([[VGRAPH, "probe", "--collectives", "--nnodes", str(n), "--node-rank", str(i), "--master-addr",
@@ -183,8 +186,9 @@ def planner_pick(network: Path, fleet_path: Path, batch: int, micro: int) -> tup
 
 
 def run_plan(tb: Testbed, network: Path, fleet: Path, corpus: Path, placement: Path, hosts: int, where: Path,
-             args: argparse.Namespace) -> tuple[float, float]:
-    """(predicted, measured median) step seconds of one launch over hosts 0 .. hosts-1."""
+             args: argparse.Namespace) -> tuple[float, list[float]]:
+    """(predicted step seconds, measured seconds of each step after the warm-up) of one launch over hosts
+    0 .. hosts-1."""
     shutil.rmtree(where, ignore_errors=True)
     common = [VGRAPH, "launch", str(network), "--fleet", str(fleet), "--placement", str(placement),
               "--data", str(corpus), "--steps", str(args.warmup + args.steps), "--batch", str(args.batch),
@@ -201,28 +205,34 @@ def run_plan(tb: Testbed, network: Path, fleet: Path, corpus: Path, placement: P
     predicted = json.loads((where / "node0" / "placement.json").read_text())["step_seconds"]
     rows = [json.loads(line) for line in (where / "node0" / "metrics.jsonl").read_text().splitlines() if line]
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])][args.warmup:]
-    return float(predicted), statistics.median(times)
+    return float(predicted), times
 
 
 def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: Path, args: argparse.Namespace,
           with_one_host: bool) -> list[Row]:
     """Every plan of one network at one link rate, and the planner's pick among them."""
     fleet = work / f"fleet-{name}-{rate.replace('/', '')}.yml"
-    probe_hosts(tb, network, fleet, args.link_seconds, concurrent=args.smoke, rounds=args.rounds)
+    probe_hosts(tb, network, fleet, args.link_seconds, rounds=args.rounds)
     shapes = {k: v for k, v in SHAPES.items() if v[0] * v[1] <= len(tb.hosts)
               and (with_one_host or v != (1, 1))}
     pick = planner_pick(network, fleet, args.batch, args.micro_batches)
     if pick not in shapes.values():
         shapes[f"pick {pick[0]}x{pick[1]}"] = pick
-    rows = []
+    placements = {}
     for plan, (S, R) in shapes.items():
-        placement = work / f"placement-{name}-{rate.replace('/', '')}-{S}x{R}.json"
-        forced_placement(network, fleet, S, R, args.batch, args.micro_batches, placement)
-        predicted, measured = run_plan(tb, network, fleet, corpus, placement, S * R, work / "run", args)
-        rows.append(Row(name, rate, plan, S, R, predicted, measured, pick=(S, R) == pick))
-        print(f"  {name} {rate} {plan}: predicted {predicted:.4f} s, measured {measured:.4f} s", file=sys.stderr,
-              flush=True)
-    return rows
+        placements[plan] = work / f"placement-{name}-{rate.replace('/', '')}-{S}x{R}.json"
+        forced_placement(network, fleet, S, R, args.batch, args.micro_batches, placements[plan])
+    predicted: dict[str, float] = {}
+    times: dict[str, list[float]] = {plan: [] for plan in shapes}
+    for k in range(args.passes):
+        for plan in (list(shapes) if k % 2 == 0 else list(reversed(shapes))):
+            S, R = shapes[plan]
+            predicted[plan], steps = run_plan(tb, network, fleet, corpus, placements[plan], S * R, work / "run", args)
+            times[plan] += steps
+            print(f"  {name} {rate} {plan} (pass {k + 1}): predicted {predicted[plan]:.4f} s, measured "
+                  f"{statistics.median(steps):.4f} s", file=sys.stderr, flush=True)
+    return [Row(name, rate, plan, S, R, predicted[plan], statistics.median(times[plan]), pick=(S, R) == pick)
+            for plan, (S, R) in shapes.items()]
 
 
 def table(rows: list[Row]) -> str:
@@ -283,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--networks", default="tb-small,tb-medium")
     ap.add_argument("--rates", default="1Gbit/s,20Mbit/s")
     ap.add_argument("--cpu", type=float, help="cores per host (default 0.5; --smoke: 1)")
-    ap.add_argument("--steps", type=int, default=20, help="measured steps per plan")
+    ap.add_argument("--steps", type=int, default=20, help="measured steps per plan and pass")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--passes", type=int, default=2, help="runs of every plan, in alternating order")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--link-seconds", type=float, default=3.0, help="length of each probe's link measurement")
@@ -294,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="keep the probed fleets, placements and runs here (default: a temporary "
                     "directory, removed at the end)")
     args = ap.parse_args(argv)
+    for name, low in (("steps", 1), ("warmup", 0), ("passes", 1), ("rounds", 1), ("batch", 1), ("micro_batches", 1)):
+        if getattr(args, name) < low:
+            print(f"bench_testbed: --{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}",
+                  file=sys.stderr)
+            return 2
     if args.workdir and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
         print(f"bench_testbed: --workdir {args.workdir!r} is not a directory", file=sys.stderr)
         return 2
@@ -301,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     networks, rates = args.networks.split(","), args.rates.split(",")
     if args.smoke:
         hosts, networks, rates = 2, ["tiny"], ["1Gbit/s"]
-        args.steps, args.warmup, args.link_seconds, args.rounds = 3, 1, 0.5, 5
+        args.steps, args.warmup, args.link_seconds, args.rounds, args.passes = 3, 1, 0.5, 5, 1
     args.cpu = args.cpu if args.cpu is not None else 1.0 if args.smoke else 0.5
     try:
         check_available()
