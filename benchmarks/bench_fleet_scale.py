@@ -1,6 +1,7 @@
 """Toward internet scale, by simulation: what pipeline x replicas buys on fleets of 10 to 1,000 PNodes.
 
-    python benchmarks/bench_fleet_scale.py [--sizes 10,20,50,100,200,500,1000] [--plot fleet_scale.png]
+    python benchmarks/bench_fleet_scale.py [--sizes 10,20,50,100,200,500,1000] [--seeds 3] [--generations 60]
+        [--plot fleet_scale.png]
 
 Four tables, the first three on the cost model (`vgraph/cost/stepcost.py`), nothing trained:
 
@@ -115,7 +116,7 @@ def geo_fleet() -> Fleet:
     return Fleet.of("world64", *pnodes, links=world_links())
 
 
-def geo(seeds: int = 3) -> None:
+def geo(seeds: int = 3, generations: int = 60) -> None:
     graph = load(NET12)
     fleet = geo_fleet()
     batch, micro = 256, 8
@@ -144,7 +145,7 @@ def geo(seeds: int = 3) -> None:
         runs.append((plan.stages, plan.loads, plan.replicas))
     best_evolved = math.inf
     for S, loads, R in runs:
-        results = [evolve(loads, fa, R, batch, micro, seed=s) for s in range(seeds)]
+        results = [evolve(loads, fa, R, batch, micro, generations=generations, seed=s) for s in range(seeds)]
         steps = [r.step_seconds for r in results]
         best_evolved = min(best_evolved, min(steps))
         mean = sum(steps) / len(steps)
@@ -231,12 +232,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="10,20,50,100,200,500,1000")
     ap.add_argument("--plot", default=str(ROOT / "benchmarks" / "fleet_scale.png"))
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--generations", type=int, default=60,
+                    help="generations of each evolutionary search in table 3 (default 60; the smoke test runs 1)")
     ap.add_argument("--with-100k", action="store_true", help="also time the pass on a 100k-VNode network")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     rows = scaling(sizes)
     curve = where_allreduce_stops_paying(sizes[-1])
-    geo(args.seeds)
+    geo(args.seeds, args.generations)
     pass_time(args.with_100k)
     if args.plot:
         plot(rows, curve, sizes[-1], Path(args.plot))

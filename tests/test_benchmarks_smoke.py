@@ -27,7 +27,7 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_passes.py": ["--sizes", "200", "--repeat", "1"],
     "bench_load.py": ["--sizes", "200", "--no-pyyaml"],
     "bench_partition.py": ["--repeat", "1", "--no-100k", "--ilp-limit", "5", "--only", "time"],
-    "bench_fleet_scale.py": ["--sizes", "10", "--seeds", "1", "--plot", "{tmp}/fleet_scale.png"],
+    "bench_fleet_scale.py": ["--sizes", "10", "--seeds", "1", "--generations", "1", "--plot", "{tmp}/fleet_scale.png"],
     "bench_dropout.py": ["--batch", "2", "--seq", "16", "--dim", "32", "--rounds", "1", "--threads", "1"],
     "bench_memory.py": ["--network", "tiny", "--batch", "2", "--threads", "1"],
     "bench_remat.py": ["--smoke"],
