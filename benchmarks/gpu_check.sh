@@ -33,8 +33,10 @@ LOG="$RESULTS/gpu_check.log"
 say() { echo "[gpu_check] $*" | tee -a "$LOG" >&2; }
 
 PY="${PYTHON:-python3}"
-if "$PY" -c "import torch" >/dev/null 2>&1; then
-  say "using the machine's torch: $("$PY" -c 'import torch; print(torch.__version__, "cuda" if torch.cuda.is_available() else "no cuda")') ($(command -v "$PY" || echo "$PY"))"
+# Each Python start below imports torch (seconds on a CPU), so each asks all it needs at once.
+if TORCH="$("$PY" -c 'import torch; print(torch.__version__, "cuda" if torch.cuda.is_available() else "no cuda")' \
+            2>/dev/null)"; then
+  say "using the machine's torch: $TORCH ($(command -v "$PY" || echo "$PY"))"
   SITE="$(mktemp -d /tmp/vgraph-site.XXXXXX)"
   trap 'rm -rf "$SITE"' EXIT
   # Lay vgraph out as an install would (package-dir mapping + entry points), from pyproject.toml.
@@ -64,14 +66,15 @@ else
   source "$ROOT/tools/setup_env.sh"
   PY="$VENV/bin/python"
 fi
-"$PY" -c "import vgraph, vgraph.backends.torch, yaml, networkx, tokenizers" \
+GPUS="$("$PY" -c "import vgraph, vgraph.backends.torch, yaml, networkx, tokenizers, torch
+print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")" \
   || { say "vgraph or one of its dependencies does not import with $PY"; exit 1; }
+GPUS="${GPUS##*$'\n'}"  # the count is the last line, whatever an import printed before it
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm \
   --format=csv 2>&1 | tee -a "$LOG" || true
 
 export PYTHONUNBUFFERED=1
 set -o pipefail
-GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
 if [ "$GPUS" -ge 1 ]; then
   BENCH=(--network 8 --batch 128 --device cuda --compile --budget-s 360)
   LAUNCH=(--network 8 --batch 32 --steps 6 --device cuda --workers 2)
