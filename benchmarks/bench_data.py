@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, the tiny network, 3 steps")
     args = p.parse_args(argv)
     if args.smoke:
-        args.size_mb, args.small_mb, args.unit_mb, args.steps, args.batch, args.threads, args.warm = 2, 0.5, 0.5, 3, 2, 1, 1
+        args.size_mb, args.small_mb, args.unit_mb, args.steps, args.batch, args.threads, args.warm = 1, 0.25, 0.25, 3, 2, 1, 1
         args.network = TINY
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
