@@ -236,6 +236,8 @@ def main() -> None:
                     help="generations of each evolutionary search in table 3 (default 60; the smoke test runs 1)")
     ap.add_argument("--with-100k", action="store_true", help="also time the pass on a 100k-VNode network")
     args = ap.parse_args()
+    if args.seeds < 1 or args.generations < 1:
+        ap.error(f"--seeds and --generations must be at least 1, got {args.seeds} and {args.generations}")
     sizes = [int(x) for x in args.sizes.split(",")]
     rows = scaling(sizes)
     curve = where_allreduce_stops_paying(sizes[-1])
