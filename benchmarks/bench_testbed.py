@@ -1,7 +1,7 @@
 """Predicted against measured: vgraph's plans run on the multi-host testbed, next to what the planner predicted.
 
     .venv/bin/python benchmarks/bench_testbed.py                 # the full run: ~25 min on a quiet 2-core machine
-    .venv/bin/python benchmarks/bench_testbed.py --smoke         # the suite's setting (~1 min)
+    .venv/bin/python benchmarks/bench_testbed.py --smoke         # the suite's setting (~30 s; probes --quick)
     .venv/bin/python benchmarks/bench_testbed.py --networks tb-medium --rates 1Gbit/s --workdir DIR
                                                                  # a subset, keeping the probed fleets and
                                                                  # placements in DIR to price them again
@@ -91,7 +91,7 @@ def network_file(name: str, where: Path) -> Path:
     return path
 
 
-def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds: int) -> None:
+def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds: int, quick: bool = False) -> None:
     """Each host's entry from `vgraph probe` inside its quota, all hosts at once (see the module docstring),
     its link measured to the next host; the entries joined into `fleet`, then the collectives table."""
     from vgraph.cost.fleet import fleet_text, load_fleet
@@ -101,7 +101,8 @@ def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds:
                                        f"{tb.ips[(i + 1) % n]}:{29400 + i}"]) for i in range(n)]
     entries = tb.run_all([[VGRAPH, "probe", str(network), "--id", f"h{i}", "--peer",
                            f"{tb.ips[(i + 1) % n]}:{29400 + i}", "--seconds", str(seconds), "--threads", "1",
-                           "--no-precisions", "-o", str(fleet.with_name(f"{fleet.stem}-h{i}.yml"))]
+                           "--no-precisions", *(["--quick"] if quick else []),
+                           "-o", str(fleet.with_name(f"{fleet.stem}-h{i}.yml"))]
                           for i in range(n)], timeout=600)
     for i, done in enumerate(entries):
         if done.returncode != 0:
@@ -212,7 +213,7 @@ def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: 
           with_one_host: bool) -> list[Row]:
     """Every plan of one network at one link rate, and the planner's pick among them."""
     fleet = work / f"fleet-{name}-{rate.replace('/', '')}.yml"
-    probe_hosts(tb, network, fleet, args.link_seconds, rounds=args.rounds)
+    probe_hosts(tb, network, fleet, args.link_seconds, rounds=args.rounds, quick=args.smoke)
     shapes = {k: v for k, v in SHAPES.items() if v[0] * v[1] <= len(tb.hosts)
               and (with_one_host or v != (1, 1))}
     pick = planner_pick(network, fleet, args.batch, args.micro_batches)
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="the tiny network, 2 hosts of a whole core (it checks the "
                     "machinery, not figures: at half a core importing torch alone takes twice as long), one rate, "
-                    "3 plans, few steps")
+                    "3 plans, few steps, probes --quick")
     ap.add_argument("--networks", default="tb-small,tb-medium")
     ap.add_argument("--rates", default="1Gbit/s,20Mbit/s")
     ap.add_argument("--cpu", type=float, help="cores per host (default 0.5; --smoke: 1)")

@@ -77,6 +77,23 @@ def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, cap
     assert step(shown) > step(capsys.readouterr().out) if slower else step(shown) == step(capsys.readouterr().out)
 
 
+def test_quick_times_once_briefly_and_leaves_the_settings_as_they_were(tmp_path, monkeypatch) -> None:
+    """--quick (tests, smoke runs): every timing one short repetition; the entry is still whole, and the
+    module's settings are back afterwards (a later probe in this process measures properly)."""
+    seen = []
+    real = P.timed_in_turn
+    monkeypatch.setattr(P, "timed_in_turn", lambda fns, device, repeats=None, least=None: seen.append(
+        (repeats or P.REPEATS, least if least is not None else P.MIN_REPEAT_S)) or real(fns, device, repeats, least))
+    settings = (P.REPEATS, P.MIN_REPEAT_S, P.PROGRAM_REPEAT_S)
+    out = tmp_path / "q.yml"
+    assert main(["probe", str(TINY_FP32), "--id", "q", "--bandwidth", "1Gbit/s", "--threads", "1", "--no-precisions",
+                 "--quick", "-o", str(out)]) == 0
+    (p,) = load_fleet(out).pnodes
+    assert p.efficiency is not None and p.update is not None
+    assert seen and all(r == 1 and least <= 0.002 for r, least in seen)
+    assert (P.REPEATS, P.MIN_REPEAT_S, P.PROGRAM_REPEAT_S) == settings
+
+
 def test_the_update_is_the_workers_batch_draw_and_optimizer_step(monkeypatch) -> None:
     """`update_costs` times a batch draw plus every optimizer over all the network's parameters against a
     batch draw plus Adam over its smallest tensor: the difference, per parameter, is the rate; what is left
@@ -158,6 +175,8 @@ def test_appending_adds_to_a_fleet_and_refuses_a_taken_id(quick, tmp_path, capsy
     (["NET", "--bandwidth", "1Gbit/s", "--append", "NET"], "refusing to overwrite an input"),
     (["NET", "--bandwidth", "1Gbit/s", "--append", "NOTFLEET"], "notfleet.yml:1: fleet:"),
     (["NET", "--serve"], "--serve takes no network"),
+    (["--serve", "--quick"], "--serve takes no network, output, --peer or --quick"),
+    (["--collectives", "--quick", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h"], "--quick"),
     (["--serve", "--listen", "nowhere"], "--listen: expected HOST:PORT"),
     (["NET", "--peer", "h:70000"], "--peer: expected HOST:PORT"),
     (["NET", "--bandwidth", "0"], "--bandwidth must be positive"),

@@ -40,10 +40,10 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -75,6 +75,19 @@ class ProbeResult:
     accelerator: str = "cpu"
     whole: tuple[float, float] = (0.0, 0.0)  # the training program's seconds per micro-batch: fixed, per sample
     update: Update | None = None  # the rank's own work each step beyond the program
+
+
+@contextmanager
+def quick_timings() -> Iterator[None]:
+    """Every timing one repetition of a few milliseconds (`vgraph probe --quick`): the probe's code runs
+    whole, in a fraction of the time, for tests and smoke runs; its figures are noise."""
+    global REPEATS, MIN_REPEAT_S, PROGRAM_REPEAT_S
+    saved = REPEATS, MIN_REPEAT_S, PROGRAM_REPEAT_S
+    REPEATS, MIN_REPEAT_S, PROGRAM_REPEAT_S = 1, 0.002, 0.002
+    try:
+        yield
+    finally:
+        REPEATS, MIN_REPEAT_S, PROGRAM_REPEAT_S = saved
 
 
 def _sync(device: torch.device) -> None:
@@ -414,4 +427,4 @@ def probe(graph: Graph, device: torch.device, micro_batch: int, *, per_precision
 
 __all__ = ["ProbeResult", "probe", "peak_flops", "vnode_times", "program_time", "program_line", "fit_line",
            "update_costs", "calibrate", "precision_rates", "supported_precisions", "accelerator_of", "training_nodes",
-           "timed", "timed_in_turn"]
+           "timed", "timed_in_turn", "quick_timings"]

@@ -29,6 +29,7 @@ MAX_ROUNDS connections).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -81,6 +82,9 @@ def register_probe(subparsers: argparse._SubParsersAction) -> None:
                         "step draws (default 8)")
     p.add_argument("--passes", metavar="SPEC", help="pass pipeline the network trains with (default: production)")
     p.add_argument("--no-precisions", action="store_true", help="skip the table of FLOP/s per precision")
+    p.add_argument("--quick", action="store_true",
+                   help="one short repetition of every timing: checks that the probe runs here (a test, a "
+                        "benchmark's smoke run); its figures are noise, not a fleet entry to plan with")
     p.add_argument("--serve", action="store_true", help="be the peer of another machine's --peer")
     p.add_argument("--listen", metavar="ADDR:PORT", default=f"0.0.0.0:{DEFAULT_PORT}",
                    help=f"with --serve: where to listen (default 0.0.0.0:{DEFAULT_PORT})")
@@ -116,8 +120,8 @@ def _checked(args: argparse.Namespace) -> dict:
         raise VGraphError("--nnodes, --node-rank and --master-addr go with --collectives")
     listen = host_port(args.listen, "--listen")
     if args.serve:
-        if any(x is not None for x in (args.network, args.output, args.append, args.peer)):
-            raise VGraphError("--serve takes no network, output or --peer: it is the other end of a --peer")
+        if any(x is not None for x in (args.network, args.output, args.append, args.peer)) or args.quick:
+            raise VGraphError("--serve takes no network, output, --peer or --quick: it is the other end of a --peer")
         return {"listen": listen}
     if not args.network:
         raise VGraphError("vgraph probe needs a network FILE (or --serve)")
@@ -160,9 +164,10 @@ def _checked_collectives(args: argparse.Namespace) -> dict:
     from .distributed.rendezvous import TOKEN_ENV, check_master_addr, check_token
     from .probe_collectives import MAX_ROUNDS
 
-    if args.serve or any(x is not None for x in (args.network, args.output, args.peer, args.bandwidth, args.id)):
-        raise VGraphError("--collectives takes no network, -o, --id, --peer, --bandwidth or --serve: it measures "
-                          "the hosts together, not this machine")
+    if args.serve or args.quick or any(x is not None for x in (args.network, args.output, args.peer, args.bandwidth,
+                                                               args.id)):
+        raise VGraphError("--collectives takes no network, -o, --id, --peer, --bandwidth, --quick or --serve: it "
+                          "measures the hosts together, not this machine (--rounds sets its length)")
     if args.nnodes is None or args.node_rank is None or args.master_addr is None:
         raise VGraphError("--collectives needs --nnodes N, --node-rank I and --master-addr HOST (host 0's address), "
                           "on every host at once, as `vgraph launch` does")
@@ -191,7 +196,7 @@ def run_probe(args: argparse.Namespace) -> int:
 
     import vgraph
 
-    from .probe import probe
+    from .probe import probe, quick_timings
     from .training_setup import device_target, prepare_graph, resolve_device
 
     device = resolve_device(args.device)
@@ -201,7 +206,8 @@ def run_probe(args: argparse.Namespace) -> int:
     bandwidth, burst = ((checked["bandwidth"], 0) if "bandwidth" in checked
                         else measure_link(*checked["peer"], seconds=args.seconds))
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    result = probe(graph, device, args.batch, per_precision=not args.no_precisions, say=say)
+    with quick_timings() if args.quick else contextlib.nullcontext():
+        result = probe(graph, device, args.batch, per_precision=not args.no_precisions, say=say)
     if result.memory is None:
         raise VGraphError(f"the memory of {device} cannot be read here ({result.memory_source})")
     pnode = PNode(checked["id"], result.memory, result.peak, bandwidth, result.accelerator,
