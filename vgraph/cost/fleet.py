@@ -382,19 +382,15 @@ def _pnode(reader: _YamlReader, build: _FleetBuild, item: yaml.Node) -> tuple[st
             build.error(_line(m["accelerator"][1]), f"accelerator {accelerator!r} must be cpu or "
                                                     f"cuda-smXY (e.g. cuda-sm75, cuda-sm80)", pid)
             ok = False
-    efficiency = _efficiency(reader, build, m["efficiency"][1], pid) if "efficiency" in m else None
-    if "efficiency" in m and efficiency is None:
-        ok = False
-    burst = _burst(reader, build, m["burst"][1], pid) if "burst" in m else 0
-    if burst is None:
-        ok = False
-    update = _update(reader, build, m["update"][1], pid) if "update" in m else None
-    if "update" in m and update is None:
-        ok = False
+    measured = {}  # what `vgraph probe` writes: each read by its own function, None when it reported
+    for key, read in _MEASURED.items():
+        if key in m:
+            measured[key] = read(reader, build, m[key][1], pid)
+            ok = ok and measured[key] is not None
     if not ok:
         return pid, None
     return pid, PNode(pid, int(values["memory"]), float(values["flops"]), float(values["bandwidth"]),
-                 accelerator, SourceLoc(build.file, _line(item)), region, efficiency, burst, update)
+                 accelerator, SourceLoc(build.file, _line(item)), region, **measured)
 
 
 def _burst(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) -> int | None:
@@ -443,6 +439,9 @@ def _efficiency(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: 
             build.error(_line(vnode), f"efficiency: {exc}", pid)
             return None
     return Efficiency(tuple(out))
+
+
+_MEASURED = {"efficiency": _efficiency, "burst": _burst, "update": _update}  # PNode keys a probe measures
 
 
 # -- writing ---------------------------------------------------------------------------
