@@ -83,7 +83,8 @@ def _sync_member(rank: int, world: int, port: int, cases: list, rounds: int, out
     from vgraph.backends.torch.distributed.grad_sync import GradientSync
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank,
+                            world_size=world)
     results = {}
     try:
         for name, shapes in cases:
@@ -140,11 +141,15 @@ def _spawn(target, world: int, *args) -> dict:
     import multiprocessing as mp
     import queue
 
-    from vgraph.backends.torch.distributed.rendezvous import free_port
+    import torch.distributed as dist
 
     ctx = mp.get_context("spawn")  # the parent ran torch ops: no fork after OpenMP started
     out = ctx.Queue()
-    port = free_port()
+    # The store listens here from the start, on a port the OS picked: a free port looked up and released
+    # for rank 0 to bind later was taken by another test in between (the suite's two workers), and rank 1
+    # connected to that stranger (seen once: "Connection reset by peer").
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=target, args=(rank, world, port, *args, out)) for rank in range(world)]
     for p in procs:
         p.start()
@@ -227,7 +232,8 @@ def _step_member(rank: int, world: int, port: int, network: str, steps: int, bat
     from vgraph.backends.torch.distributed.stage_runner import GlobalBatch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank,
+                            world_size=world)
     try:
         stages, engines, ring, vocab, seq = _replica(network, rank, world)
         share = batch // world
