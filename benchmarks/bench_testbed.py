@@ -9,13 +9,16 @@
 Every host is a network namespace of tools/netlab.py with a CPU quota of `--cpu` cores and a link of the
 row's rate each way (tbf; no latency: this kernel has no netem).  For each network and rate:
 
-1. the 4 hosts are probed inside their quotas, all at once: `vgraph probe NETWORK --peer <next host>
+1. each of the 4 hosts is probed inside its quota, one at a time: `vgraph probe NETWORK --peer <next host>
    --threads 1 -o` (its link's rate and burst measured against `vgraph probe --serve` on the next host),
-   then `vgraph probe --collectives` (the step's small collectives among 2, 3 and 4 hosts: the fleet's
-   `collectives` table), so the fleet is measured, not written.  All at once because the testbed's hosts
-   share the machine's 2 cores: with all 4 busy a 0.5-core quota yields 0.42-0.46 of a core (0.36-0.38
-   at 0.4), alone exactly its quota, and every multi-host plan keeps them all busy; a host probed alone
-   (as this benchmark did first) is 5-16% faster than it runs there;
+   then all of them at once with `vgraph probe --collectives` (the step's small collectives among 2, 3 and
+   4 hosts: the fleet's `collectives` table), so the fleet is measured, not written.  One at a time
+   although the testbed's hosts share the machine's 2 cores: probed all at once (the smoke run's way,
+   for speed) they predicted every plan 1.3-2.3x its measured step (measured, not explained: likely four
+   programs timed back to back evicting each other from two cores' caches, where a plan's workers wait for
+   one another in turn); a host probed
+   alone is 5-16% faster than in a plan that keeps all 4 busy (with all 4 spinning a 0.5-core quota yields
+   0.42-0.46 of a core);
 2. plans of fixed shape run (the network's units cut into that many stages where the cost model balances
    them; the planner itself may merge stages where a cut does not pay), one `vgraph launch
    --nnodes N --node-rank i --master-addr <host 0>` per host, `--placement` forcing the layout: one host;
@@ -91,24 +94,26 @@ def network_file(name: str, where: Path) -> Path:
     return path
 
 
-def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds: int, quick: bool = False) -> None:
-    """Each host's entry from `vgraph probe` inside its quota, all hosts at once (see the module docstring),
-    its link measured to the next host; the entries joined into `fleet`, then the collectives table."""
+def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds: int, smoke: bool = False) -> None:
+    """Each host's entry from `vgraph probe` inside its quota (one at a time; the smoke run all at once and
+    --quick: see the module docstring), its link measured to the next host; the entries joined into
+    `fleet`, then the collectives table of all hosts."""
     from vgraph.cost.fleet import fleet_text, load_fleet
 
     n = len(tb.hosts)
-    servers = [tb.popen((i + 1) % n, [VGRAPH, "probe", "--serve", "--once", "--listen",
-                                       f"{tb.ips[(i + 1) % n]}:{29400 + i}"]) for i in range(n)]
-    entries = tb.run_all([[VGRAPH, "probe", str(network), "--id", f"h{i}", "--peer",
-                           f"{tb.ips[(i + 1) % n]}:{29400 + i}", "--seconds", str(seconds), "--threads", "1",
-                           "--no-precisions", *(["--quick"] if quick else []),
-                           "-o", str(fleet.with_name(f"{fleet.stem}-h{i}.yml"))]
-                          for i in range(n)], timeout=600)
-    for i, done in enumerate(entries):
-        if done.returncode != 0:
-            raise RuntimeError(f"probe of host {i} failed:\n{done.stdout[-3000:]}")
-    for server in servers:
-        server.wait(timeout=60)
+    for group in [list(range(n))] if smoke else [[i] for i in range(n)]:
+        servers = [tb.popen((i + 1) % n, [VGRAPH, "probe", "--serve", "--once", "--listen",
+                                           f"{tb.ips[(i + 1) % n]}:{29400 + i}"]) for i in group]
+        entries = tb.run_all([[VGRAPH, "probe", str(network), "--id", f"h{i}", "--peer",
+                               f"{tb.ips[(i + 1) % n]}:{29400 + i}", "--seconds", str(seconds), "--threads", "1",
+                               "--no-precisions", *(["--quick"] if smoke else []),
+                               "-o", str(fleet.with_name(f"{fleet.stem}-h{i}.yml"))]
+                              if i in group else None for i in range(n)], timeout=600)
+        for i, done in enumerate(entries):
+            if done is not None and done.returncode != 0:
+                raise RuntimeError(f"probe of host {i} failed:\n{done.stdout[-3000:]}")
+        for server in servers:
+            server.wait(timeout=60)
     pnodes = [load_fleet(fleet.with_name(f"{fleet.stem}-h{i}.yml")).pnodes[0] for i in range(n)]
     fleet.write_text(fleet_text(fleet.stem, pnodes, f"probed on the testbed: {n} hosts"))
     done = tb.run_all([[VGRAPH, "probe", "--collectives", "--nnodes", str(n), "--node-rank", str(i), "--master-addr",
@@ -213,7 +218,7 @@ def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: 
           with_one_host: bool) -> list[Row]:
     """Every plan of one network at one link rate, and the planner's pick among them."""
     fleet = work / f"fleet-{name}-{rate.replace('/', '')}.yml"
-    probe_hosts(tb, network, fleet, args.link_seconds, rounds=args.rounds, quick=args.smoke)
+    probe_hosts(tb, network, fleet, args.link_seconds, rounds=args.rounds, smoke=args.smoke)
     shapes = {k: v for k, v in SHAPES.items() if v[0] * v[1] <= len(tb.hosts)
               and (with_one_host or v != (1, 1))}
     pick = planner_pick(network, fleet, args.batch, args.micro_batches)
