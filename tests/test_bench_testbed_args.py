@@ -23,3 +23,27 @@ def test_a_count_it_cannot_run_with_is_refused_before_any_testbed(argv, message,
                         "--workdir", str(tmp_path / "w")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_a_picked_one_host_plan_is_judged_against_its_own_groups_runs():
+    """Where the planner picks one host at a later rate, that group ran the one-host plan itself: the verdict
+    compares it with that group's plans, not with the same plan measured in another group minutes before
+    (the machine's drift); where it picks another shape, the one-host row still counts as a rival."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_testbed", ROOT / "benchmarks" / "bench_testbed.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_testbed"] = bench  # its dataclass looks its module up
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        del sys.modules["bench_testbed"]
+    Row = bench.Row
+    rows = [Row("n", "1G", "one host", 1, 1, 0.05, 0.050),
+            Row("n", "1G", "pipeline x2", 2, 1, 0.04, 0.060, pick=True),
+            Row("n", "20M", "pipeline x2", 2, 1, 0.07, 0.068),
+            Row("n", "20M", "pick 1x1", 1, 1, 0.05, 0.070, pick=True)]
+    worst, pick, lines = bench.verdicts(rows)
+    assert lines[0].endswith("1.20x")  # 1G: the pick (60 ms) against the one-host row (50 ms)
+    assert lines[1].endswith("1.03x") and "fastest measured is pipeline x2" in lines[1]  # 20M: its own group
+    assert pick == pytest.approx(0.060 / 0.050) and worst == pytest.approx(0.04 / 0.060)
