@@ -252,11 +252,6 @@ def program_step(graph: Graph, module: VGraphModule, device: torch.device, m: in
     return step
 
 
-def program_time(graph: Graph, module: VGraphModule, device: torch.device, m: int, amp: Callable[[], Any]) -> float:
-    """Seconds of the whole training program at `m` samples."""
-    return timed(program_step(graph, module, device, m, amp), device)
-
-
 def program_line(graph: Graph, module: VGraphModule, device: torch.device, sizes: Sequence[int],
                  amp: Callable[[], Any]) -> tuple[tuple[float, float], list[float]]:
     """The whole program's (fixed, per sample) seconds per micro-batch, fitted to its times at `sizes`
@@ -425,6 +420,6 @@ def probe(graph: Graph, device: torch.device, micro_batch: int, *, per_precision
                        accelerator_of(device), whole, update)
 
 
-__all__ = ["ProbeResult", "probe", "peak_flops", "vnode_times", "program_time", "program_line", "fit_line",
+__all__ = ["ProbeResult", "probe", "peak_flops", "vnode_times", "program_line", "fit_line",
            "update_costs", "calibrate", "precision_rates", "supported_precisions", "accelerator_of", "training_nodes",
            "timed", "timed_in_turn", "quick_timings"]

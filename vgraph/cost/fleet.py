@@ -407,16 +407,23 @@ def _burst(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) 
 
 def _update(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) -> Update | None:
     """`update: {fixed: T, per_param: T}` (vgraph/cost/update.py); None when reported."""
-    fields = reader.mapping(ynode, "'update'", pid)
+    return _scalar_fields(reader, build, ynode, pid, "'update'", "update", "update", parse_update)
+
+
+def _scalar_fields(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str, label: str, prefix: str,
+                   what: str, parse):
+    """`parse` of the mapping `ynode` of scalars (`label` names it, `prefix` its keys, `what` the mistake in
+    messages); None when reported."""
+    fields = reader.mapping(ynode, label, pid)
     if fields is None:
         return None
-    texts = {key: reader.scalar(v, f"update {key!r}", pid) for key, (_, v) in fields.items()}
+    texts = {key: reader.scalar(v, f"{prefix} {key!r}", pid) for key, (_, v) in fields.items()}
     if any(t is None for t in texts.values()):
         return None
     try:
-        return parse_update(texts)  # type: ignore[arg-type]
+        return parse(texts)
     except ValueError as exc:
-        build.error(_line(ynode), f"update: {exc}", pid)
+        build.error(_line(ynode), f"{what}: {exc}", pid)
         return None
 
 
@@ -427,17 +434,11 @@ def _efficiency(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: 
         return None
     out = []
     for kind, (_, vnode) in kinds.items():
-        fields = reader.mapping(vnode, f"efficiency {kind!r}", pid)
-        if fields is None:
+        cost = _scalar_fields(reader, build, vnode, pid, f"efficiency {kind!r}", f"efficiency {kind!r}", "efficiency",
+                              lambda texts, kind=kind: parse_kind(kind, texts))
+        if cost is None:
             return None
-        texts = {key: reader.scalar(v, f"efficiency {kind!r} {key!r}", pid) for key, (_, v) in fields.items()}
-        if any(t is None for t in texts.values()):
-            return None
-        try:
-            out.append((kind, parse_kind(kind, texts)))  # type: ignore[arg-type]
-        except ValueError as exc:
-            build.error(_line(vnode), f"efficiency: {exc}", pid)
-            return None
+        out.append((kind, cost))
     return Efficiency(tuple(out))
 
 
