@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from conftest import FIXTURES
 from vgraph.cli.main import main
@@ -373,6 +373,10 @@ def test_a_damaged_run_json_is_a_note(tmp_path: Path, content: bytes) -> None:
                                     st.one_of(st.integers(-5, 10**12), st.floats(allow_nan=True), st.text(max_size=8),
                                               st.none(), st.dictionaries(st.text(max_size=4), st.floats()))))),
                       max_size=12))
+# Found by the strategy above (CI of 2026-12-02): one row's PNodes a mapping, a later row's a number; and a
+# PNode's figures that are not a mapping.
+@example(lines=['{"pnodes":{},"step":0}', '{"loss": null, "step": 1, "val_loss": null, "pnodes": 1}'])
+@example(lines=['{"pnodes":{"h0":{"step_s":1}},"step":1}', '{"step": 2, "pnodes": {"h0": 3, "h1": null}}'])
 def test_any_metrics_file_gives_an_inert_page(tmp_path: Path, lines: list[str]) -> None:
     run = tmp_path / "any"
     run.mkdir(exist_ok=True)

@@ -231,8 +231,12 @@ def _pnodes_measured(rec: RunRecord) -> tuple[list[str], dict[str, list[tuple[in
     predicted = (rec.placement or {}).get("pnodes") or {}
     own: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
     for r in rec.rows:
-        for p, figures in (r.get("pnodes") or {}).items():
-            own.setdefault(p, []).append((r["step"], figures))
+        measured = r.get("pnodes")
+        if not isinstance(measured, Mapping):  # a damaged row ("pnodes": 1): nothing of it to draw
+            continue
+        for p, figures in measured.items():
+            if isinstance(figures, Mapping):
+                own.setdefault(p, []).append((r["step"], figures))
     everyone = list(dict.fromkeys([*own, *predicted]))
     if len(everyone) <= MAX_PNODES_SHOWN:
         return everyone, own, 0
