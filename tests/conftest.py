@@ -1,6 +1,7 @@
 """Shared fixtures: the production networks and the tiny test networks."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -77,3 +78,45 @@ def _corpus_cache(tmp_path_factory):
         root = root.parent
     os.environ["VGRAPH_CACHE_DIR"] = str(root / "vgraph-cache")
     yield
+
+
+# -- the order the suite is dealt in -------------------------------------------------------------------------
+
+DURATIONS = Path(__file__).resolve().parent / "durations.json"  # written by tools/durations.py
+
+
+def _shares_module_setup(item: pytest.Item) -> bool:
+    """Whether the test uses a module- or class-scoped fixture of its own module: such a module is one unit of
+    work, or each xdist worker would build the fixture again."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    module = item.nodeid.split("::")[0]
+    return any(d.scope in ("module", "class") and d.baseid.startswith(module) for ds in defs.values() for d in ds)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deal the longest units of work first (LPT), so the suite does not end on one worker running a
+    minute-long test while the other idles.  A unit is a test, or a whole module sharing a module-scoped fixture
+    (sent to one worker as an xdist group); its seconds come from tests/durations.json (tools/durations.py).
+    tools/test.sh runs `--dist loadgroup --no-loadscope-reorder`, which sends the units in this order, one at a
+    time as workers free up."""
+    try:
+        seconds = json.loads(DURATIONS.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        seconds = {}
+    unit_of = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if _shares_module_setup(item):
+            unit_of[item] = module
+            item.add_marker(pytest.mark.xdist_group(module))
+        else:
+            unit_of[item] = item.nodeid
+    weight: dict[str, float] = {}
+    for item in items:
+        weight[unit_of[item]] = weight.get(unit_of[item], 0.0) + float(seconds.get(item.nodeid, 0.0))
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(unit_of[item], i)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (-weight[unit_of[it]], first[unit_of[it]], order[id(it)]))

@@ -6,4 +6,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/tools/setup_env.sh"
 cd "$ROOT"
-exec "$VENV/bin/python" -m pytest -q -n "${VGRAPH_TEST_WORKERS:-2}" --durations=15 "$@"  # the slowest, to keep CI under 6 min
+exec "$VENV/bin/python" -m pytest -q -n "${VGRAPH_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder --durations=15 "$@"  # the slowest, to keep CI under 6 min
