@@ -12,6 +12,20 @@ messages that peer will send this round in its sending order (from
   receiver may consume messages in any order the schedule needs while the
   wire sees exactly the sender's order.
 
+The next `PREPOSTED` messages from each peer always have a receive posted
+(`irecv`), from `begin()` on.  gloo moves a message only once its receiver
+has posted the matching receive (a rendezvous: the sender announces it, the
+receiver answers "ready", then the bytes go), so a message the receiver had
+not asked for yet waited for the receiver to reach it, plus the answer's trip
+back, which queues behind whatever the receiver is sending on its own uplink.
+On the testbed at 20 Mbit/s (tb-medium, 2-stage pipeline, 64 KiB messages)
+a message sent behind another arrived 20-28 ms later than the link allows,
+with and without a CPU quota, while raw TCP, both ways at once, and a message
+whose receive was already posted, arrived on time (BENCHMARKS.md): the cost
+model's pipelines (a message leaves when its op ends) were 0.71x the measured
+step.  Two posted per peer cover a message queued behind one in flight; more
+would hold more of a round's activations in receive buffers at once.
+
 Bytes sent to other ranks are counted (`bytes_sent`), for comparison with the
 partition's prediction, and the seconds spent blocked on peers (`wait_s`: a
 receive waiting for its message, the end of a round waiting for its sends),
@@ -25,12 +39,15 @@ gathers or scatters (rank_zero.py).
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Transport", "TransportError", "ControlGroup"]
+__all__ = ["Transport", "TransportError", "ControlGroup", "PREPOSTED"]
+
+PREPOSTED = 2  # receives kept posted ahead per peer (see the module docstring)
 
 
 class TransportError(RuntimeError):
@@ -48,14 +65,28 @@ class Transport:
         self.wait_s = 0.0  # seconds blocked on peers (receives, send completions)
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._expected: dict[int, Sequence[tuple[Hashable, tuple[int, ...], torch.dtype]]] = {}
-        self._position: dict[int, int] = {}
+        self._position: dict[int, int] = {}  # per peer: how many of its messages have a receive posted
         self._buffer: dict[int, dict[Hashable, torch.Tensor]] = {}
+        self._posted: dict[int, deque[tuple[Hashable, torch.Tensor, Any]]] = {}
 
     def begin(self, expected: Mapping[int, Sequence[tuple[Hashable, tuple[int, ...], torch.dtype]]]) -> None:
-        """Start a round: `expected[src]` = (message, shape, dtype) src will send, in order."""
+        """Start a round: `expected[src]` = (message, shape, dtype) src will send, in order.  The first
+        PREPOSTED of each peer's get a receive posted now."""
         self._expected = dict(expected)
         self._position = {src: 0 for src in self._expected}
         self._buffer = {src: {} for src in self._expected}
+        self._posted = {src: deque() for src in self._expected}
+        for src in self._expected:
+            self._post(src)
+
+    def _post(self, src: int) -> None:
+        """Post receives for src's next messages until PREPOSTED are outstanding (or none is left)."""
+        queue, posted = self._expected[src], self._posted[src]
+        while len(posted) < PREPOSTED and self._position[src] < len(queue):
+            key, shape, dtype = queue[self._position[src]]
+            self._position[src] += 1
+            tensor = torch.empty(shape, dtype=dtype, device=torch.device("cpu") if self.stage else self.device)
+            posted.append((key, tensor, dist.irecv(tensor, src + self.offset, group=self.group)))
 
     def send(self, dst: int, message: Hashable, tensor: torch.Tensor) -> None:
         wire = tensor.detach()
@@ -71,18 +102,15 @@ class Transport:
         if buffer is None:
             raise TransportError(f"no messages from rank {src} are expected this round (wanted {message})")
         while message not in buffer:
-            pos = self._position[src]
-            queue = self._expected[src]
-            if pos >= len(queue):
+            posted = self._posted[src]
+            if not posted:
                 raise TransportError(f"rank {src} sends no {message} this round")
-            key, shape, dtype = queue[pos]
-            self._position[src] = pos + 1
-            device = torch.device("cpu") if self.stage else self.device
-            tensor = torch.empty(shape, dtype=dtype, device=device)
+            key, tensor, work = posted.popleft()
             start = time.perf_counter()
-            dist.recv(tensor, src + self.offset, group=self.group)
+            work.wait()
             self.wait_s += time.perf_counter() - start
             buffer[key] = tensor.to(self.device) if self.stage else tensor
+            self._post(src)
         return buffer.pop(message)
 
     def end(self) -> None:
@@ -93,8 +121,9 @@ class Transport:
         self.wait_s += time.perf_counter() - start
         self._pending.clear()
         for src, queue in self._expected.items():
-            if self._position[src] != len(queue) or self._buffer[src]:
-                left = [k for k, _, _ in queue[self._position[src]:]] + list(self._buffer[src])
+            if self._position[src] != len(queue) or self._posted[src] or self._buffer[src]:
+                left = ([k for k, _, _ in self._posted[src]] + [k for k, _, _ in queue[self._position[src]:]]
+                        + list(self._buffer[src]))
                 raise TransportError(f"round ended with messages from rank {src} unread: {left[:4]}")
 
 
