@@ -243,3 +243,21 @@ def test_chromium_shows_the_launch_report_with_pnode_curves(launched, tmp_path: 
     assert shows(pixels[1300:], CUT_COLOR, 150, 0.08)  # the red cut edges between the two PNodes
     assert shows(pixels[1300:], FUSED_COLOR, 500, 0.03)
     assert_labels_readable(page)
+
+
+def test_a_new_session_waits_out_the_second_of_an_earlier_event_file(tmp_path: Path) -> None:
+    """TensorBoard orders event files by name, which starts with their second: a session must not share one."""
+    from vgraph.backends.torch.tensorboard_log import wait_past_earlier_sessions
+
+    now, slept = 1_764_644_000.25, []
+    (tmp_path / "events.out.tfevents.1764644000.host.name.99.0").write_bytes(b"")
+    (tmp_path / "events.out.tfevents.garbage").write_bytes(b"")
+    wait_past_earlier_sessions(tmp_path, clock=lambda: now, sleep=slept.append)
+    assert slept == [pytest.approx(0.75)]
+    slept.clear()
+    wait_past_earlier_sessions(tmp_path, clock=lambda: now + 1.0, sleep=slept.append)  # already past it
+    (tmp_path / "events.out.tfevents.9999999999.host.1.0").write_bytes(b"")  # from a clock set back: no wait
+    wait_past_earlier_sessions(tmp_path, clock=lambda: now, sleep=slept.append)
+    assert slept == []
+    wait_past_earlier_sessions(tmp_path / "missing", clock=lambda: now, sleep=slept.append)
+    assert slept == []

@@ -29,6 +29,7 @@ import json
 import math
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -127,6 +128,7 @@ class TensorBoardLog:
         from torch.utils.tensorboard import SummaryWriter
 
         _quiet_writer_threads()
+        wait_past_earlier_sessions(self.run_dir)
         self._writer = SummaryWriter(str(self.run_dir), purge_step=self._purge_step(), flush_secs=FLUSH_SECONDS)
         self._writer.add_text("run/settings", settings_markdown(self.settings), self.start_step)
         self._add_network_image()
@@ -203,3 +205,21 @@ def network_png(graph: Graph, placement: Mapping[str, Any] | None) -> bytes:
     placed = bool(placement) or any(n.meta.get("pnode") for n in graph.nodes)
     return render_png(graph, group_by="pnode" if placed else "colocate", collapse=len(graph) > 40,
                       placement=placement)
+
+
+def wait_past_earlier_sessions(run_dir: Path, clock: Callable[[], float] = time.time,
+                               sleep: Callable[[float], None] = time.sleep) -> None:
+    """Wait (at most a second) until the clock has left the second of every event file already in `run_dir`.
+
+    TensorBoard reads a run's event files in name order, and a writer names its file after the second it was
+    created, then the host and the pid: a session started within the second of an earlier one could sort
+    before it, and the reader then met the resumed session's purge before the steps it purges (the suite saw
+    steps 4, 5, 6, 1, 2, 3 once, on a fast machine).  A file from the future (a clock set back) is left as it
+    is: waiting cannot help it."""
+    seconds = [int(p.name.split(".")[3]) for p in run_dir.glob("events.out.tfevents.*")
+               if len(p.name.split(".")) > 3 and p.name.split(".")[3].isdigit()]
+    if not seconds:
+        return
+    wait = max(seconds) + 1 - clock()
+    if 0 < wait <= 1.0:
+        sleep(wait)
