@@ -101,9 +101,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tools/test.sh runs `--dist loadgroup --no-loadscope-reorder`, which sends the units in this order, one at a
     time as workers free up."""
     try:
-        seconds = json.loads(DURATIONS.read_text(encoding="utf-8"))
+        recorded = json.loads(DURATIONS.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        seconds = {}
+        recorded = {}
+    seconds = {k: float(v) for k, v in (recorded.items() if isinstance(recorded, dict) else ())
+               if isinstance(v, (int, float)) and v >= 0}  # a damaged file orders nothing, it breaks nothing
     unit_of = {}
     for item in items:
         module = item.nodeid.split("::")[0]
@@ -114,7 +116,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             unit_of[item] = item.nodeid
     weight: dict[str, float] = {}
     for item in items:
-        weight[unit_of[item]] = weight.get(unit_of[item], 0.0) + float(seconds.get(item.nodeid, 0.0))
+        weight[unit_of[item]] = weight.get(unit_of[item], 0.0) + seconds.get(item.nodeid, 0.0)
     first = {}
     for i, item in enumerate(items):
         first.setdefault(unit_of[item], i)
