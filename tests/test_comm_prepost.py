@@ -35,11 +35,27 @@ def _expect(n: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return [(f"m{i}", (2,), torch.float32) for i in range(n)]
 
 
-@pytest.fixture()
-def wire(monkeypatch):
+@pytest.fixture(params=["gloo"])
+def wire(request, monkeypatch):
     fake = FakeWire({0: [10.0, 11.0, 12.0, 13.0], 2: [20.0]})
     monkeypatch.setattr(comm.dist, "irecv", fake.irecv)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda group=None: request.param)
     return fake
+
+
+@pytest.mark.parametrize("wire", ["nccl"], indirect=True)
+def test_over_nccl_a_receive_is_posted_only_when_needed(wire) -> None:
+    """nccl runs a pair's sends and receives in order on one stream: two peers receiving ahead would deadlock."""
+    t = Transport(torch.device("cpu"))
+    t.begin({0: _expect(4), 2: _expect(1)})
+    assert wire.posted == []
+    assert t.recv(0, "m1")[0].item() == 11.0  # m0 first, as sent: buffered
+    assert wire.posted == [0, 0]
+    assert t.recv(0, "m0")[0].item() == 10.0 and wire.posted == [0, 0]  # from the buffer: nothing posted
+    assert [t.recv(0, k)[0].item() for k in ("m2", "m3")] == [12.0, 13.0]
+    assert t.recv(2, "m0")[0].item() == 20.0
+    assert wire.posted == [0, 0, 0, 0, 2]
+    t.end()
 
 
 def test_begin_posts_the_first_receives_of_every_peer_and_each_read_tops_them_up(wire) -> None:

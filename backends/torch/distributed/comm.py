@@ -24,7 +24,10 @@ with and without a CPU quota, while raw TCP, both ways at once, and a message
 whose receive was already posted, arrived on time (BENCHMARKS.md): the cost
 model's pipelines (a message leaves when its op ends) were 0.71x the measured
 step.  Two posted per peer cover a message queued behind one in flight; more
-would hold more of a round's activations in receive buffers at once.
+would hold more of a round's activations in receive buffers at once.  Only over
+gloo: nccl runs a pair's sends and receives in order on one stream, so two
+peers each receiving ahead before they send would wait for each other forever;
+over nccl a receive is posted when it is needed, as before.
 
 Bytes sent to other ranks are counted (`bytes_sent`), for comparison with the
 partition's prediction, and the seconds spent blocked on peers (`wait_s`: a
@@ -68,21 +71,22 @@ class Transport:
         self._position: dict[int, int] = {}  # per peer: how many of its messages have a receive posted
         self._buffer: dict[int, dict[Hashable, torch.Tensor]] = {}
         self._posted: dict[int, deque[tuple[Hashable, torch.Tensor, Any]]] = {}
+        self._ahead = PREPOSTED if dist.get_backend(group) == "gloo" else 0  # see the module docstring
 
     def begin(self, expected: Mapping[int, Sequence[tuple[Hashable, tuple[int, ...], torch.dtype]]]) -> None:
-        """Start a round: `expected[src]` = (message, shape, dtype) src will send, in order.  The first
-        PREPOSTED of each peer's get a receive posted now."""
+        """Start a round: `expected[src]` = (message, shape, dtype) src will send, in order.  Over gloo the
+        first PREPOSTED of each peer's get a receive posted now."""
         self._expected = dict(expected)
         self._position = {src: 0 for src in self._expected}
         self._buffer = {src: {} for src in self._expected}
         self._posted = {src: deque() for src in self._expected}
         for src in self._expected:
-            self._post(src)
+            self._post(src, self._ahead)
 
-    def _post(self, src: int) -> None:
-        """Post receives for src's next messages until PREPOSTED are outstanding (or none is left)."""
+    def _post(self, src: int, outstanding: int) -> None:
+        """Post receives for src's next messages until `outstanding` are posted (or none is left)."""
         queue, posted = self._expected[src], self._posted[src]
-        while len(posted) < PREPOSTED and self._position[src] < len(queue):
+        while len(posted) < outstanding and self._position[src] < len(queue):
             key, shape, dtype = queue[self._position[src]]
             self._position[src] += 1
             tensor = torch.empty(shape, dtype=dtype, device=torch.device("cpu") if self.stage else self.device)
@@ -103,6 +107,7 @@ class Transport:
             raise TransportError(f"no messages from rank {src} are expected this round (wanted {message})")
         while message not in buffer:
             posted = self._posted[src]
+            self._post(src, 1)
             if not posted:
                 raise TransportError(f"rank {src} sends no {message} this round")
             key, tensor, work = posted.popleft()
@@ -110,7 +115,7 @@ class Transport:
             work.wait()
             self.wait_s += time.perf_counter() - start
             buffer[key] = tensor.to(self.device) if self.stage else tensor
-            self._post(src)
+            self._post(src, self._ahead)
         return buffer.pop(message)
 
     def end(self) -> None:
