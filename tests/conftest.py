@@ -108,17 +108,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                if isinstance(v, (int, float)) and v >= 0}  # a damaged file orders nothing, it breaks nothing
     unit_of = {}
     for item in items:
-        module = item.nodeid.split("::")[0]
-        if _shares_module_setup(item):
-            unit_of[item] = module
-            item.add_marker(pytest.mark.xdist_group(module))
-        else:
-            unit_of[item] = item.nodeid
+        unit_of[item] = item.nodeid.split("::")[0] if _shares_module_setup(item) else item.nodeid
+        if unit_of[item] != item.nodeid:
+            item.add_marker(pytest.mark.xdist_group(unit_of[item]))
     weight: dict[str, float] = {}
     for item in items:
         weight[unit_of[item]] = weight.get(unit_of[item], 0.0) + seconds.get(item.nodeid, 0.0)
     first = {}
     for i, item in enumerate(items):
         first.setdefault(unit_of[item], i)
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda it: (-weight[unit_of[it]], first[unit_of[it]], order[id(it)]))
+    items.sort(key=lambda it: (-weight[unit_of[it]], first[unit_of[it]]))  # stable: a unit keeps its own order

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from any directory: vgraph from this checkout
+
+from vgraph.base.diagnostics import VGraphError  # noqa: E402
+from vgraph.base.safeio import atomic_write  # noqa: E402
+
 OUT = ROOT / "tests" / "durations.json"
 MIN_SECONDS = 0.5  # below this a test's place in the order does not matter
 LINE = re.compile(r"^(\d+(?:\.\d+)?)s (setup|call|teardown)\s+(tests/\S+::\S.*?)\s*$")
@@ -39,15 +42,7 @@ def parse(text: str) -> dict[str, float]:
 def write(seconds: dict[str, float], out: Path) -> int:
     """Atomically replace `out` with the tests of at least MIN_SECONDS, longest first; returns how many."""
     kept = {k: round(v, 1) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1]) if v >= MIN_SECONDS}
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(kept, fh, indent=0)
-            fh.write("\n")
-        os.replace(tmp, out)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write(out, json.dumps(kept, indent=0) + "\n", make_parents=False, durable=False)
     return len(kept)
 
 
@@ -71,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.resolve() == args.log.resolve():
         print("durations: the output would replace the log it is read from", file=sys.stderr)
         return 2
-    n = write(seconds, args.out)
+    try:
+        n = write(seconds, args.out)
+    except VGraphError as e:
+        print(f"durations: {e}", file=sys.stderr)
+        return 2
     print(f"{args.out}: {n} tests of at least {MIN_SECONDS} s, {sum(seconds.values()):.0f} s in all")
     return 0
 

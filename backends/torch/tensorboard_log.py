@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.ir.graph import Graph
+from vgraph.run.files import EVENTS_PREFIX
 
 __all__ = ["TensorBoardLog", "SCALAR_TAGS", "pnode_tag", "metric_tag"]
 
@@ -140,7 +141,7 @@ class TensorBoardLog:
         checkpoint (else those steps showed twice); a new run's directory has none to drop."""
         if self.start_step:
             return self.start_step + 1
-        return 0 if any(self.run_dir.glob("events.out.tfevents.*")) else None
+        return 0 if any(self.run_dir.glob(EVENTS_PREFIX + "*")) else None
 
     def _add_network_image(self) -> None:
         if self.graph is None:
@@ -216,8 +217,8 @@ def wait_past_earlier_sessions(run_dir: Path, clock: Callable[[], float] = time.
     before it, and the reader then met the resumed session's purge before the steps it purges (the suite saw
     steps 4, 5, 6, 1, 2, 3 once, on a fast machine).  A file from the future (a clock set back) is left as it
     is: waiting cannot help it."""
-    seconds = [int(p.name.split(".")[3]) for p in run_dir.glob("events.out.tfevents.*")
-               if len(p.name.split(".")) > 3 and p.name.split(".")[3].isdigit()]
+    stamps = [p.name[len(EVENTS_PREFIX):].split(".")[0] for p in run_dir.glob(EVENTS_PREFIX + "*")]
+    seconds = [int(stamp) for stamp in stamps if stamp.isdigit()]
     if not seconds:
         return
     wait = max(seconds) + 1 - clock()
