@@ -134,7 +134,12 @@ class Transport:
 
 class ControlGroup:
     """Small collectives on the control group (gloo), for decisions every rank must take alike and for
-    objects rank 0 gathers (metrics, checkpoint shares) or scatters (resume shares)."""
+    objects rank 0 gathers (metrics, checkpoint shares) or scatters (resume shares).
+
+    A world of one rank (a one-PNode launch) answers locally: the same values, the objects themselves
+    (nothing crosses a process, so nothing is pickled).  Through gloo the step's two calls cost an
+    instrumented one-host tb-small worker 1.25 ms of a 26 ms step (gather_object alone 0.88 ms: it pickles,
+    exchanges sizes, then the bytes), time no cost model priced and no rank needed."""
 
     def __init__(self, rank: int, world: int, group: Any = None) -> None:
         self.rank, self.world, self.group = rank, world, group
@@ -142,17 +147,24 @@ class ControlGroup:
     def all_reduce(self, values: Sequence[float]) -> list[float]:
         """Elementwise sums over all ranks (float64)."""
         t = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(t, group=self.group)
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
         return t.tolist()
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj` on rank 0 (in rank order); None elsewhere."""
+        if self.world == 1:
+            return [obj]
         out = [None] * self.world if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 
     def scatter(self, objs: list[Any] | None) -> Any:
         """Rank r's element of rank 0's `objs`."""
+        if self.world == 1:
+            if objs is None or len(objs) != 1:
+                raise ValueError(f"a world of one scatters a list of one object, got {objs!r:.80}")
+            return objs[0]
         out = [None]
         dist.scatter_object_list(out, objs, src=0, group=self.group)
         return out[0]
