@@ -95,9 +95,11 @@ def test_quick_times_once_briefly_and_leaves_the_settings_as_they_were(tmp_path,
 
 
 def test_the_update_is_the_workers_batch_draw_and_optimizer_step(monkeypatch) -> None:
-    """`update_costs` times a batch draw plus every optimizer over all the network's parameters against a
-    batch draw plus Adam over its smallest tensor: the difference, per parameter, is the rate; what is left
-    of the small one is fixed.  The timed calls must really step those parameters and draw a batch."""
+    """`update_costs` times, right after a run of the program (as a worker meets them), a batch draw plus every
+    optimizer over all the network's parameters against a batch draw plus Adam over its smallest tensor, and
+    the program alone in the same turns: taken off both, the difference per parameter is the rate, what is
+    left of the small one is fixed.  The timed calls must really run the program, step those parameters and
+    draw a batch."""
     import torch
 
     from vgraph.backends.torch.data import TokenShards
@@ -111,18 +113,28 @@ def test_the_update_is_the_workers_batch_draw_and_optimizer_step(monkeypatch) ->
     real_batch = TokenShards.batch
     monkeypatch.setattr(TokenShards, "batch", lambda self, step, batch, *a: drawn.append((step, batch)) or
                         real_batch(self, step, batch, *a))
-    moved = []
+    programs = []
+    real_program = P._program_run
+
+    def counted_program(*args):
+        run = real_program(*args)
+        return lambda: programs.append(1) or run()
+
+    monkeypatch.setattr(P, "_program_run", counted_program)
+    moved, ran = [], []
 
     def fake_timing(fns, device, repeats=None, least=None):
         for fn in fns:
-            before = [p.detach().clone() for p in params]
+            before, runs = [p.detach().clone() for p in params], len(programs)
             fn()
             moved.append(sum(int(not torch.equal(a, p)) for a, p in zip(before, params)))
-        return [2e-3 + 1e-9 * (total - smallest), 2e-3]
+            ran.append(len(programs) - runs)
+        return [5e-3, 5e-3 + 2e-3 + 1e-9 * (total - smallest), 5e-3 + 2e-3]
 
     monkeypatch.setattr(P, "timed_in_turn", fake_timing)
     update = P.update_costs(graph, module, torch.device("cpu"), lambda: __import__("contextlib").nullcontext(), 4)
-    assert moved == [len(params), 1]  # the whole step moved every parameter, the other only the smallest
+    assert ran == [1, 1, 1]  # the program alone, then before each update
+    assert moved == [0, len(params), 1]  # the whole step moved every parameter, the other only the smallest
     assert [b for _, b in drawn] == [4, 4] and drawn[0][0] != drawn[1][0]  # a batch of 4 each, other steps
     assert update.per_param == pytest.approx(1e-9) and update.fixed == pytest.approx(2e-3 - 1e-9 * smallest)
 

@@ -19,8 +19,9 @@ a PNode entry from a probe is measured, with the engine that will train:
   reach and its overhead per VNode and micro-batch: the figures the cost model prices a stage with;
 * the rank's own work each step beyond the program (`update`, vgraph/cost/update.py): drawing its batch
   from a token shard (backends/torch/data.py) and the optimizer step over its parameters
-  (node_optimizers.py), as a launch worker does them, over all the network's parameters and over its
-  smallest tensor alone: a fixed time and a time per parameter.  An instrumented one-host tb-small worker
+  (node_optimizers.py), as a launch worker does them (right after a run of the program, which leaves the
+  caches cold: `update_costs`), over all the network's parameters and over its smallest tensor alone: a
+  fixed time and a time per parameter.  An instrumented one-host tb-small worker
   spent 3.4 ms of a 26.5 ms step outside the program (batch 0.7 ms, Adam 0.6 ms, the control collectives
   and the metrics row 1.4 ms: the fleet's `collectives` table, probe_collectives.py), 9.7 ms of 51 ms in a
   0.5-core host; the batch and the update were priced nowhere;
@@ -282,17 +283,23 @@ def fit_line(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float
 
 def update_costs(graph: Graph, module: VGraphModule, device: torch.device, amp: Callable[[], Any],
                  batch: int) -> Update:
-    """What a launch worker does each step besides the program, timed as it does it: draw its batch of
-    `batch` samples (TokenShards over a shard file of random tokens) and step the network's optimizers
-    (NodeOptimizers: fused Adam, one per setting) over gradients a backward left; the same with Adam over
-    the smallest parameter tensor alone gives the fixed part and the time per parameter."""
+    """What a launch worker does each step besides the program, timed where it does it: right after the
+    program's forward and backward, draw its batch of `batch` samples (TokenShards over a shard file of random
+    tokens) and step the network's optimizers (NodeOptimizers: fused Adam, one per setting); the same with
+    Adam over the smallest parameter tensor alone gives the fixed part and the time per parameter.  The
+    program alone, timed in the same turns, is taken off both.
+
+    Why after the program: timed in a loop of its own, tb-small's draw and update took 0.69-0.76 ms; right
+    after a program run 0.91-1.48 ms, and 1.27 ms in an instrumented launch worker (full core): the program
+    leaves the caches to whatever comes next, and a loop of the update alone never pays for that."""
     from .node_optimizers import NodeOptimizers, make_adam
 
     optims = NodeOptimizers(module, 1e-3)
     params = optims.trainable
     if not params:
         return Update(0.0, 0.0)
-    _program_run(graph, module, device, 1, amp)()  # one backward's gradients, kept for the optimizers
+    program = _program_run(graph, module, device, 1, amp)  # its gradients stay for the optimizers (accumulating)
+    program()
     smallest = min((p for p in params if p.grad is not None), key=lambda p: p.numel())
     alone = make_adam([{"params": [smallest], "lr": 1e-3}])
     with tempfile.TemporaryDirectory(prefix="vgraph-probe-") as tmp:
@@ -300,15 +307,18 @@ def update_costs(graph: Graph, module: VGraphModule, device: torch.device, amp: 
         steps = iter(range(1, 1 << 62))
 
         def whole() -> None:
+            program()
             draw(next(steps))
             for opt in optims.optimizers:
                 opt.step()
 
         def one() -> None:
+            program()
             draw(next(steps))
             alone.step()
 
-        t_all, t_one = timed_in_turn([whole, one], device)
+        t_program, t_all, t_one = timed_in_turn([program, whole, one], device)
+    t_all, t_one = max(0.0, t_all - t_program), max(0.0, t_one - t_program)
     total = sum(p.numel() for p in params)
     per_param = max(0.0, (t_all - t_one) / max(total - smallest.numel(), 1))
     module.zero_grad(set_to_none=True)
