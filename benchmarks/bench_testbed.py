@@ -1,6 +1,6 @@
 """Predicted against measured: vgraph's plans run on the multi-host testbed, next to what the planner predicted.
 
-    .venv/bin/python benchmarks/bench_testbed.py                 # the full run: ~25 min on a quiet 2-core machine
+    .venv/bin/python benchmarks/bench_testbed.py                 # the full run: ~35 min on a quiet 2-core machine
     .venv/bin/python benchmarks/bench_testbed.py --smoke         # the suite's setting (~25 s; probes --quick)
     .venv/bin/python benchmarks/bench_testbed.py --networks tb-medium --rates 1Gbit/s --workdir DIR
                                                                  # a subset, keeping the probed fleets and
@@ -26,9 +26,10 @@ row's rate each way (tbf; no latency: this kernel has no netem).  For each netwo
    runs once per network: no link is involved);
 3. the predicted step is the launch's placement.json `step_seconds`, the measured one the median of the
    per-step wall times after `--warmup` steps (metrics.jsonl `elapsed_s`, the last step's checkpoint left
-   out) over `--passes` runs of every plan, the passes in alternating order (this shared machine's speed
-   wanders: one program timed every 2.5 s in a quiet VM took 9.7 to 45.9 ms within 150 s, and one plan
-   measured 52.6 and 71.3 ms minutes apart in one run); and the planner's own pick on the 4-host fleet (`vgraph partition --replicas auto`'s plan) is
+   out) over `--passes` runs of every plan, the passes in alternating order, the hosts probed again before
+   each pass and the plan priced on each pass's fleet (the mean is its prediction: this shared machine's
+   speed wanders: one program timed every 2.5 s in a quiet VM took 9.7 to 45.9 ms within 150 s, and one
+   plan measured 52.6 and 71.3 ms minutes apart in one run); and the planner's own pick on the 4-host fleet (`vgraph partition --replicas auto`'s plan) is
    compared with the plan measured fastest (run as well when its shape is not among the others).
 
 Prints a table (predicted, measured, ratio per plan; per network and rate the pick and the fastest), draws
@@ -216,8 +217,15 @@ def run_plan(tb: Testbed, network: Path, fleet: Path, corpus: Path, placement: P
 
 def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: Path, args: argparse.Namespace,
           with_one_host: bool) -> list[Row]:
-    """Every plan of one network at one link rate, and the planner's pick among them."""
-    fleet = work / f"fleet-{name}-{rate.replace('/', '')}.yml"
+    """Every plan of one network at one link rate, and the planner's pick among them.
+
+    The hosts are probed again before every pass, and a plan's prediction is the mean of its passes' (the
+    same placement priced on each pass's fleet): this machine's speed wanders over minutes (the same plan
+    measured 0.0667 and 0.0800 s in the two passes of one group, 10 minutes apart), and a fleet probed once
+    for a group compares a plan with the machine as it was up to 15 minutes before it ran."""
+    stem = f"fleet-{name}-{rate.replace('/', '')}"
+    fleets = [work / f"{stem}.yml"] + [work / f"{stem}-pass{k + 1}.yml" for k in range(1, args.passes)]
+    fleet = fleets[0]
     probe_hosts(tb, network, fleet, args.link_seconds, rounds=args.rounds, smoke=args.smoke)
     pick = planner_pick(network, fleet, args.batch, args.micro_batches)
     shapes = {k: v for k, v in SHAPES.items() if v[0] * v[1] <= len(tb.hosts)
@@ -230,17 +238,20 @@ def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: 
     for plan, (S, R) in shapes.items():
         placements[plan] = work / f"placement-{name}-{rate.replace('/', '')}-{S}x{R}.json"
         forced_placement(network, fleet, S, R, args.batch, args.micro_batches, placements[plan])
-    predicted: dict[str, float] = {}
+    predicted: dict[str, list[float]] = {plan: [] for plan in shapes}
     times: dict[str, list[float]] = {plan: [] for plan in shapes}
     for k in range(args.passes):
+        if k:
+            probe_hosts(tb, network, fleets[k], args.link_seconds, rounds=args.rounds, smoke=args.smoke)
         for plan in (list(shapes) if k % 2 == 0 else list(reversed(shapes))):
             S, R = shapes[plan]
-            predicted[plan], steps = run_plan(tb, network, fleet, corpus, placements[plan], S * R, work / "run", args)
+            priced, steps = run_plan(tb, network, fleets[k], corpus, placements[plan], S * R, work / "run", args)
+            predicted[plan].append(priced)
             times[plan] += steps
-            print(f"  {name} {rate} {plan} (pass {k + 1}): predicted {predicted[plan]:.4f} s, measured "
+            print(f"  {name} {rate} {plan} (pass {k + 1}): predicted {priced:.4f} s, measured "
                   f"{statistics.median(steps):.4f} s", file=sys.stderr, flush=True)
-    return [Row(name, rate, plan, S, R, predicted[plan], statistics.median(times[plan]), pick=(S, R) == pick)
-            for plan, (S, R) in shapes.items()]
+    return [Row(name, rate, plan, S, R, statistics.fmean(predicted[plan]), statistics.median(times[plan]),
+                pick=(S, R) == pick) for plan, (S, R) in shapes.items()]
 
 
 def table(rows: list[Row]) -> str:
