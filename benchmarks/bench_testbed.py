@@ -18,7 +18,7 @@ row's rate each way (tbf; no latency: this kernel has no netem).  For each netwo
    programs timed back to back evicting each other from two cores' caches, where a plan's workers wait for
    one another in turn); a host probed
    alone is 5-16% faster than in a plan that keeps all 4 busy (with all 4 spinning a 0.5-core quota yields
-   0.42-0.46 of a core);
+   0.40-0.46 of a core), so hosts get 0.35 of a core by default (`CPU`: what all 4 busy still get);
 2. plans of fixed shape run (the network's units cut into that many stages where the cost model balances
    them; the planner itself may merge stages where a cut does not pay), one `vgraph launch
    --nnodes N --node-rank i --master-addr <host 0>` per host, `--placement` forcing the layout: one host;
@@ -59,6 +59,12 @@ from tools.netlab import NetlabError, Testbed, check_available  # noqa: E402
 
 VGRAPH = str(Path(sys.executable).with_name("vgraph"))
 TOKEN = "bench-testbed-secret-0123456789"
+# Each host's quota: what every host still gets with all 4 busy (a 4x1 plan), as each is probed alone.  Six
+# seconds of one spinning process per host, all 4 at once, on this 2-core VM (2026-12-02): quotas of 0.5 gave
+# 0.40-0.44 of a core (0.5 alone), 0.45 gave 0.40-0.41, 0.4 gave 0.35-0.38, 0.35 gave 0.33-0.345.  At 0.5 the
+# 4x1 plans ran 18-22% slower than priced in four runs (ratios 0.77-0.82) while pipelines, whose hosts take
+# turns, did not.
+CPU = 0.35
 SHAPES = {"one host": (1, 1), "pipeline x2": (2, 1), "pipeline x4": (4, 1), "2x2 replicas": (2, 2),
           "4x1 replicas": (1, 4)}  # name -> (stages, replicas)
 NETWORKS = {  # name -> TransformerSpec fields (fp32, dropout as production)
@@ -316,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                     "2 plans (one host, one over both hosts), few steps, probes --quick")
     ap.add_argument("--networks", default="tb-small,tb-medium")
     ap.add_argument("--rates", default="1Gbit/s,20Mbit/s")
-    ap.add_argument("--cpu", type=float, help="cores per host (default 0.5; --smoke: 1)")
+    ap.add_argument("--cpu", type=float, help="cores per host (default 0.35, what 4 busy hosts all get on 2 cores; "
+                    "--smoke: 1)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per plan and pass")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--passes", type=int, default=2, help="runs of every plan, in alternating order")
@@ -342,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         hosts, networks, rates = 2, ["tiny"], ["1Gbit/s"]
         args.steps, args.warmup, args.link_seconds, args.rounds, args.passes = 3, 1, 0.5, 5, 1
-    args.cpu = args.cpu if args.cpu is not None else 1.0 if args.smoke else 0.5
+    args.cpu = args.cpu if args.cpu is not None else 1.0 if args.smoke else CPU
     try:
         check_available()
     except NetlabError as exc:
