@@ -23,8 +23,9 @@ a PNode entry from a probe is measured, with the engine that will train:
   caches cold: `update_costs`), over all the network's parameters and over its smallest tensor alone: a
   fixed time and a time per parameter.  An instrumented one-host tb-small worker
   spent 3.4 ms of a 26.5 ms step outside the program (batch 0.7 ms, Adam 0.6 ms, the control collectives
-  and the metrics row 1.4 ms: the fleet's `collectives` table, probe_collectives.py), 9.7 ms of 51 ms in a
-  0.5-core host; the batch and the update were priced nowhere;
+  and the metrics row 1.4 ms: the fleet's `collectives` table, probe_collectives.py; a world of one now
+  answers its collectives locally), 9.7 ms of 51 ms in a 0.5-core host; the batch and the update were
+  priced nowhere;
 * per precision the device supports (CPU: float32, bfloat16; CUDA: float32, float16, and bfloat16 from
   compute capability 8.0), the FLOP/s the network's own matmul and attention VNodes reach;
 * the memory the device can still give and the accelerator (`cpu`, `cuda-smXY`).
