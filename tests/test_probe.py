@@ -62,7 +62,9 @@ def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, cap
     assert (p.id, p.accelerator, p.bandwidth) == ("h0", "cpu", 2.5e6) and p.memory > 0 and p.flops > 1e6
     assert {k for k, _ in p.efficiency.kinds} == {"matmul", "attention", "elementwise", "structural"}
     assert all(c.overhead >= 0 and (c.of_peak is None or 0 < c.of_peak <= 1) for _, c in p.efficiency.kinds)
-    assert p.update is not None and p.update.fixed > 0 and p.update.per_param >= 0
+    # --quick times once: the update, a difference of two timings (after the program, less the program), is
+    # noise there and may put all of it in one part; it still prices a step
+    assert p.update is not None and p.update.fixed >= 0 and p.update.per_param >= 0 and p.update.seconds(1e5) > 0
     assert "a step's batch draw and optimizer update:" in err and "the whole program" in err
     assert "at float32: matmul" in err and "at bfloat16: matmul" in err  # the table per precision
     assert out.read_text().startswith("# vgraph probe of network 'tiny-1l-fp32'")
