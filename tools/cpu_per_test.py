@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from vgraph.base.safeio import atomic_write
+
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")  # cgroup v1's cpuacct hierarchy (this machine kind)
 GROUP = "vgraph-cpu-per-test"
 
@@ -36,18 +38,18 @@ def check_available(root: Path = CPUACCT) -> None:
 
 def _descendants(pid: int) -> list[int]:
     """The living descendants of `pid`, from /proc."""
-    parent: dict[int, int] = {}
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
             except (OSError, IndexError, ValueError):
-                pass  # gone meanwhile
+                continue  # gone meanwhile
+            children.setdefault(parent, []).append(int(entry))
     out, todo = [], [pid]
     while todo:
-        kids = [c for c, p in parent.items() if p == todo[-1]]
-        todo.pop()
+        kids = children.get(todo.pop(), [])
         out += kids
         todo += kids
     return out
@@ -108,7 +110,7 @@ class _PerTest:
     def pytest_sessionfinish(self, session) -> None:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         path = self.out.with_name(f"{self.out.name}.{worker}.json")
-        path.write_text(json.dumps(self.rows, indent=0) + "\n", encoding="utf-8")
+        atomic_write(path, json.dumps(self.rows, indent=0) + "\n", make_parents=False, durable=False)
         try:
             self.base.rmdir()  # the last worker to finish leaves no group behind
         except OSError:
@@ -122,7 +124,8 @@ def read(prefix: Path) -> dict[str, tuple[float, float]]:
     rows: dict[str, tuple[float, float]] = {}
     for path in sorted(prefix.parent.glob(f"{prefix.name}.*.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or not all(isinstance(v, list) and len(v) == 2 for v in data.values()):
+        if not isinstance(data, dict) or not all(isinstance(v, list) and len(v) == 2 and all(
+                isinstance(x, (int, float)) for x in v) for v in data.values()):
             raise ValueError(f"{path}: not a file of tools/cpu_per_test.py")
         rows.update({k: (float(v[0]), float(v[1])) for k, v in data.items()})
     return rows
@@ -133,8 +136,9 @@ def summary(rows: dict[str, tuple[float, float]], top: int) -> str:
     modules: Counter = Counter()
     for node, (cpu, _) in rows.items():
         modules[node.split("::")[0]] += cpu
-    lines = [f"{len(rows)} tests, {total:.0f} CPU-s (children included), {sum(w for _, w in rows.values()):.0f} s "
-             f"of test wall time", "", "| module | CPU s | share |", "|---|---:|---:|"]
+    wall = sum(w for _, w in rows.values())
+    lines = [f"{len(rows)} tests, {total:.0f} CPU-s (children included), {wall:.0f} s of test wall time", "",
+             "| module | CPU s | share |", "|---|---:|---:|"]
     lines += [f"| {m} | {c:.1f} | {c / max(total, 1e-9):.0%} |" for m, c in modules.most_common(top)]
     lines += ["", "| test | CPU s | wall s |", "|---|---:|---:|"]
     lines += [f"| {k} | {c:.1f} | {w:.1f} |" for k, (c, w) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]]
