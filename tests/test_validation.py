@@ -289,6 +289,49 @@ def test_deep_nesting_is_a_syntax_error_not_a_crash() -> None:
     assert value == [] and depth == 900
 
 
+@pytest.mark.parametrize("reader", ["network", "fleet"])
+@pytest.mark.parametrize("nested, lines", [
+    ("[" * 1001 + "]" * 1001, {3}),
+    ("{a: " * 1001 + "1" + "}" * 1001, {3}),
+    ("\n  " + "- " * 1001 + "1", {4}),  # block sequences, all on one line
+    ("\n" + "".join(" " * i + f"k{i}:\n" for i in range(1, 1002)) + " " * 1002 + "v", set(range(1000, 1006))),
+], ids=["flow-sequences", "flow-mappings", "block-sequences-one-line", "block-mappings"])
+def test_nesting_past_the_limit_is_refused_before_pyyaml_composes_it(reader, nested, lines, monkeypatch) -> None:
+    """PyYAML 6.0.3's C composer recursed until the stack ran out (a SIGSEGV at 200,000 levels): the readers
+    count levels on the parser's events first, whatever the PyYAML, and never hand such a text to compose.
+    The line is where the nesting passes the limit (libyaml 6.0.4 may count a level differently)."""
+    import re
+
+    import yaml
+
+    from vgraph.cost.fleet import FleetError, loads_fleet
+
+    def compose(*a, **k):
+        raise AssertionError("composed a text nested past the limit")
+
+    monkeypatch.setattr(yaml, "compose", compose)
+    text = ("name: x\nnodes: []\nextra: " if reader == "network" else "name: f\npnodes: []\nextra: ") + nested
+    with pytest.raises(FleetError if reader == "fleet" else VGraphError) as caught:
+        loads(text, "deep.yml") if reader == "network" else loads_fleet(text, "deep.yml")
+    found = re.fullmatch(r"deep\.yml:(\d+): (fleet: )?YAML syntax error: .*nest.*", str(caught.value))
+    assert found and int(found.group(1)) in lines, str(caught.value)
+
+
+@pytest.mark.parametrize("nested", ["[" * 200_000 + "]" * 200_000, "\n  " + "- " * 200_000 + "1"],
+                         ids=["flow", "block-one-line"])
+def test_a_network_nested_200000_deep_is_a_diagnostic_not_a_segfault(tmp_path: Path, nested: str) -> None:
+    import re
+    import subprocess
+    import sys
+
+    path = tmp_path / "deep.yml"
+    path.write_text("name: x\nnodes: []\nextra: " + nested + "\n")
+    done = subprocess.run([sys.executable, "-m", "vgraph", "validate", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and re.search(rf"{re.escape(str(path))}:[34]: YAML syntax error", done.stderr), done
+    assert "Traceback" not in done.stderr
+
+
 def test_explicit_tags_on_uninterpreted_values_do_not_crash() -> None:
     g = loads('name: x\nnodes: []\nbad_int: !!int "abc"\nbad_bool: !!bool "maybe"\n', "x.yml", warnings=[])
     assert g.extra == {"bad_int": "abc", "bad_bool": "maybe"}

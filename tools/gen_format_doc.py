@@ -172,13 +172,14 @@ def section_limits() -> str:
     """The sizes past which input is refused, from the constants that enforce them."""
     from vgraph.base.safeio import MAX_INPUT_BYTES
     from vgraph.ir.verify import MAX_ID_CHARS
-    from vgraph.yamlio.yaml_reader import MAX_ALIAS_EXPANSION
+    from vgraph.yamlio.yaml_reader import MAX_ALIAS_EXPANSION, MAX_NESTING
 
     rows = ["| what | at most |", "|---|---|",
             f"| a file | {MAX_INPUT_BYTES / 2**20:g} MiB, a regular file (not a directory, FIFO or device) |",
             f"| a node id | {MAX_ID_CHARS} characters |",
             f"| YAML nodes that aliases repeat, in the whole document | {MAX_ALIAS_EXPANSION:,} beyond those "
-            f"written out, or as many as are written out if that is more |"]
+            f"written out, or as many as are written out if that is more |",
+            f"| lists and mappings nested in one another | {MAX_NESTING:,} levels |"]
     return "\n".join(rows) + "\n"
 
 

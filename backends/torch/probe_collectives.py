@@ -25,13 +25,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import atomic_write, read_input
 from vgraph.cost.collectives import Collectives, collectives_of
 from vgraph.cost.fleet import MAX_FLEET_BYTES, FleetError, loads_fleet
-from vgraph.yamlio.yaml_reader import Loader
+from vgraph.yamlio.yaml_reader import compose
 
 from .metrics_log import MetricsLog
 
@@ -107,7 +106,7 @@ def _median(op: Callable[[], Any], rounds: int) -> float:
 def with_collectives(text: str, file: str, table: Collectives) -> str:
     """The fleet file `text` with its `collectives` table replaced by (or given) `table`; the rest kept."""
     fleet = loads_fleet(text, file)
-    root = yaml.compose(text, Loader=Loader)
+    root = compose(text)
     keys = {k.value: (k, v) for k, v in root.value}
     block = table.flow()
     if "collectives" in keys:

@@ -48,7 +48,7 @@ from vgraph.cost.fleet_links import NO_LINKS, Links, read_links
 from vgraph.cost.op_kinds import Efficiency, parse_kind
 from vgraph.cost.update import Update, parse_update
 from vgraph.ops.schema import suggest
-from vgraph.yamlio.yaml_reader import Loader as _Loader  # the network loader's safe YAML walker
+from vgraph.yamlio.yaml_reader import compose as _compose  # the network loader's safe YAML composer
 from vgraph.yamlio.yaml_reader import YamlReader as _YamlReader, line_of as _line
 
 FLEET_KEYS = ("name", "pnodes", "regions", "links", "collectives")
@@ -263,7 +263,7 @@ def loads_fleet(text: str, file: str = "<string>") -> Fleet:
     sink = DiagnosticSink()
     build = _FleetBuild(file, sink)
     try:
-        root = yaml.compose(text, Loader=_Loader)
+        root = _compose(text)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         build.error(mark.line + 1 if mark else 1, f"YAML syntax error: {exc.problem or exc.context}")
@@ -477,7 +477,7 @@ def append_pnode(text: str, file: str, pnode: PNode) -> str:
     fleet = loads_fleet(text, file)
     if pnode.id in fleet.ids:
         raise FleetError(f"{file}: fleet {fleet.name!r} already has a PNode {pnode.id!r} (choose another id)")
-    root = yaml.compose(text, Loader=_Loader)
+    root = _compose(text)
     seq = next(v for k, v in root.value if k.value == "pnodes")
     if seq.flow_style:  # pnodes: [{...}, {...}]: before the closing bracket
         end = seq.end_mark.index - 1
