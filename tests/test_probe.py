@@ -63,7 +63,7 @@ def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, cap
     assert {k for k, _ in p.efficiency.kinds} == {"matmul", "attention", "elementwise", "structural"}
     assert all(c.overhead >= 0 and (c.of_peak is None or 0 < c.of_peak <= 1) for _, c in p.efficiency.kinds)
     # --quick times once: the update, a difference of two timings (after the program, less the program), is
-    # noise there and may put all of it in one part; it still prices a step
+    # noise there and may put all of it in one part; its floor (the same work alone) still prices a step
     assert p.update is not None and p.update.fixed >= 0 and p.update.per_param >= 0 and p.update.seconds(1e5) > 0
     assert "a step's batch draw and optimizer update:" in err and "the whole program" in err
     assert "at float32: matmul" in err and "at bfloat16: matmul" in err  # the table per precision
@@ -96,12 +96,14 @@ def test_quick_times_once_briefly_and_leaves_the_settings_as_they_were(tmp_path,
     assert (P.REPEATS, P.MIN_REPEAT_S, P.PROGRAM_REPEAT_S) == settings
 
 
-def test_the_update_is_the_workers_batch_draw_and_optimizer_step(monkeypatch) -> None:
+@pytest.mark.parametrize("busy", [False, True])
+def test_the_update_is_the_workers_batch_draw_and_optimizer_step(monkeypatch, busy) -> None:
     """`update_costs` times, right after a run of the program (as a worker meets them), a batch draw plus every
     optimizer over all the network's parameters against a batch draw plus Adam over its smallest tensor, and
     the program alone in the same turns: taken off both, the difference per parameter is the rate, what is
-    left of the small one is fixed.  The timed calls must really run the program, step those parameters and
-    draw a batch."""
+    left of the small one is fixed.  The same two without the program are the floor (`busy`: a busy machine
+    made the differences vanish; a --quick probe wrote 0 and 0).  The timed calls must really run the program,
+    step those parameters and draw a batch."""
     import torch
 
     from vgraph.backends.torch.data import TokenShards
@@ -131,14 +133,21 @@ def test_the_update_is_the_workers_batch_draw_and_optimizer_step(monkeypatch) ->
             fn()
             moved.append(sum(int(not torch.equal(a, p)) for a, p in zip(before, params)))
             ran.append(len(programs) - runs)
-        return [5e-3, 5e-3 + 2e-3 + 1e-9 * (total - smallest), 5e-3 + 2e-3]
+        alone = [1.5e-3 + 3e-9 * (total - smallest), 1.5e-3]  # the update in a loop of its own: the floor
+        if busy:  # the program's own timing came out slow: both differences at or below zero
+            return [5e-3, 5e-3 - 1e-4, 5e-3 - 2e-4, *alone]
+        return [5e-3, 5e-3 + 2e-3 + 1e-9 * (total - smallest), 5e-3 + 2e-3, *alone]
 
     monkeypatch.setattr(P, "timed_in_turn", fake_timing)
     update = P.update_costs(graph, module, torch.device("cpu"), lambda: __import__("contextlib").nullcontext(), 4)
-    assert ran == [1, 1, 1]  # the program alone, then before each update
-    assert moved == [0, len(params), 1]  # the whole step moved every parameter, the other only the smallest
-    assert [b for _, b in drawn] == [4, 4] and drawn[0][0] != drawn[1][0]  # a batch of 4 each, other steps
-    assert update.per_param == pytest.approx(1e-9) and update.fixed == pytest.approx(2e-3 - 1e-9 * smallest)
+    assert ran == [1, 1, 1, 0, 0]  # the program alone, then before each update; the floors without it
+    # the whole step moved every parameter, the other only the smallest (with and without the program)
+    assert moved == [0, len(params), 1, len(params), 1]
+    assert [b for _, b in drawn] == [4] * 4 and len({s for s, _ in drawn}) == 4  # a batch of 4 each, other steps
+    if busy:
+        assert update.per_param == pytest.approx(3e-9) and update.fixed == pytest.approx(1.5e-3 - 3e-9 * smallest)
+    else:
+        assert update.per_param == pytest.approx(1e-9) and update.fixed == pytest.approx(2e-3 - 1e-9 * smallest)
 
 
 def _serving_once() -> tuple[threading.Thread, int]:
