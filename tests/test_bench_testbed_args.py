@@ -25,19 +25,25 @@ def test_a_count_it_cannot_run_with_is_refused_before_any_testbed(argv, message,
     assert not (tmp_path / "w").exists()
 
 
-def test_a_picked_one_host_plan_is_judged_against_its_own_groups_runs():
-    """Where the planner picks one host at a later rate, that group ran the one-host plan itself: the verdict
-    compares it with that group's plans, not with the same plan measured in another group minutes before
-    (the machine's drift); where it picks another shape, the one-host row still counts as a rival."""
+@pytest.fixture
+def bench():
+    """benchmarks/bench_testbed.py as a module (it is a script, not a package member)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_testbed", ROOT / "benchmarks" / "bench_testbed.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_testbed"] = bench  # its dataclass looks its module up
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_testbed"] = module  # its dataclass looks its module up
     try:
-        spec.loader.exec_module(bench)
+        spec.loader.exec_module(module)
     finally:
         del sys.modules["bench_testbed"]
+    return module
+
+
+def test_a_picked_one_host_plan_is_judged_against_its_own_groups_runs(bench):
+    """Where the planner picks one host at a later rate, that group ran the one-host plan itself: the verdict
+    compares it with that group's plans, not with the same plan measured in another group minutes before
+    (the machine's drift); where it picks another shape, the one-host row still counts as a rival."""
     Row = bench.Row
     rows = [Row("n", "1G", "one host", 1, 1, 0.05, 0.050),
             Row("n", "1G", "pipeline x2", 2, 1, 0.04, 0.060, pick=True),
@@ -49,19 +55,11 @@ def test_a_picked_one_host_plan_is_judged_against_its_own_groups_runs():
     assert pick == pytest.approx(0.060 / 0.050) and worst == pytest.approx(0.04 / 0.060)
 
 
-def test_every_pass_is_priced_on_a_fleet_probed_just_before_it(tmp_path, monkeypatch):
+def test_every_pass_is_priced_on_a_fleet_probed_just_before_it(bench, tmp_path, monkeypatch):
     """The hosts are probed again before each pass; pass k's launches get pass k's fleet, and a plan's
     prediction is the mean of what its passes' launches priced (the machine drifts between passes)."""
     import argparse
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_testbed", ROOT / "benchmarks" / "bench_testbed.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_testbed"] = bench
-    try:
-        spec.loader.exec_module(bench)
-    finally:
-        del sys.modules["bench_testbed"]
     probed, launched = [], []
 
     class TwoHosts:
@@ -85,3 +83,55 @@ def test_every_pass_is_priced_on_a_fleet_probed_just_before_it(tmp_path, monkeyp
     assert by_plan["one host"].predicted == pytest.approx((0.01 + 0.03 + 0.03) / 3)
     assert by_plan["pipeline x2"].predicted == pytest.approx((0.02 + 0.06 + 0.06) / 3)
     assert by_plan["pipeline x2"].measured == pytest.approx(0.04) and by_plan["pipeline x2"].pick
+
+
+def _pnode(seconds: float, rate: float, burst: int = 1000):
+    """A probed host whose priced step is `seconds` (flops encode it for the fake pricer) and link `rate`."""
+    from vgraph.cost.fleet import PNode
+
+    return PNode("h1", 2**30, 1.0 / seconds, rate, accelerator="cpu", burst=burst)
+
+
+def _price(p) -> float:
+    return 1.0 / p.flops
+
+
+def test_two_probes_that_agree_keep_the_later_without_a_third(bench):
+    first, second = _pnode(0.100, 1e8), _pnode(0.110, 0.95e8)
+
+    def again():
+        raise AssertionError("a third probe of two that agree within 15%")
+
+    assert bench.settle([first, second], _price, again) is second
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+@pytest.mark.parametrize("third, kept", [(0.104, 0.104), (0.095, 0.100), (0.200, 0.160)])
+def test_a_probe_caught_in_a_slow_spell_is_outvoted_by_a_third(bench, slow, third, kept):
+    """Run 14's miss: one probe priced the host 1.6x the other.  A third probe is taken and the median of the
+    three kept; keeping either of the first two, the third, or a mean would each be wrong in some case here."""
+    samples = [_pnode(0.100, 1e8), _pnode(0.100, 1e8)]
+    samples[slow] = _pnode(0.160, 1e8)
+    calls = []
+    chosen = bench.settle(samples, _price, lambda: calls.append(1) or _pnode(third, 1e8))
+    assert calls == [1] and _price(chosen) == pytest.approx(kept)
+
+
+def test_a_link_measured_slow_once_takes_its_rate_and_burst_from_the_median_probe(bench):
+    """The link's rate and burst come from the probe with the median rate, the compute figures from the one
+    with the median step: they are separate measurements, and either may be the one caught in a spell."""
+    samples = [_pnode(0.100, 1.2e8, burst=5000), _pnode(0.101, 0.6e8, burst=100)]
+    kept = bench.settle(samples, _price, lambda: _pnode(0.120, 1.1e8, burst=4000))
+    assert kept.bandwidth == 1.1e8 and kept.burst == 4000 and _price(kept) == pytest.approx(0.101)
+
+
+def test_a_host_is_priced_as_its_one_host_launch_would_be(bench, tmp_path):
+    """host_pricer prices through place(), the launcher's own pricing, so two probes are compared by what a
+    plan on the host would be priced at: a host of half the speed, twice the step (no per-op overheads here)."""
+    import shutil
+
+    network = tmp_path / "tiny.yml"
+    shutil.copy(ROOT / "tests" / "fixtures" / "tiny_1l_fp32.yml", network)
+    price = bench.host_pricer(network, batch=8, micro=4)
+    fast, slow = _pnode(1e-9, 1e8), _pnode(2e-9, 1e8)  # 1 and 0.5 GFLOP/s
+    assert price(slow) == pytest.approx(2 * price(fast), rel=0.01) and price(fast) > 0
