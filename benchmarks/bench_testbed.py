@@ -1,6 +1,6 @@
 """Predicted against measured: vgraph's plans run on the multi-host testbed, next to what the planner predicted.
 
-    .venv/bin/python benchmarks/bench_testbed.py                 # the full run: ~45 min on a quiet 2-core machine
+    .venv/bin/python benchmarks/bench_testbed.py                 # the full run: ~56 min on a quiet 2-core machine
     .venv/bin/python benchmarks/bench_testbed.py --smoke         # the suite's setting (~25 s; probes --quick)
     .venv/bin/python benchmarks/bench_testbed.py --networks tb-medium --rates 1Gbit/s --workdir DIR
                                                                  # a subset, keeping the probed fleets and
