@@ -143,7 +143,16 @@ def _spawn(target, world: int, *args) -> dict:
 
     import torch.distributed as dist
 
-    ctx = mp.get_context("spawn")  # the parent ran torch ops: no fork after OpenMP started
+    # The parent ran torch ops: no fork after OpenMP started.  A forkserver (a fresh process that imports torch
+    # and the members' modules once, runs no op, and forks every member) instead of spawn, where each member
+    # imported them again: the suite's smoke setting took 9.7 CPU-s with spawn.
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", "torch.distributed", "ring_allreduce_baseline",
+                                    "vgraph.backends.torch.distributed.grad_sync",
+                                    "vgraph.backends.torch.distributed.stage_runner", "torch._dynamo"])
+    else:
+        ctx = mp.get_context("spawn")
     out = ctx.Queue()
     # The store listens here from the start, on a port the OS picked: a free port looked up and released
     # for rank 0 to bind later was taken by another test in between (the suite's two workers), and rank 1
