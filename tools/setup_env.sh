@@ -34,10 +34,13 @@ for line in out.splitlines():
 PY
 }
 install_with_uv() {
-  "$VENV/bin/python" -m pip install -q uv >/dev/null 2>&1 || return 1
-  local args
+  # a machine without the index answers within seconds, not after pip's configured timeouts and retries
+  "$VENV/bin/python" -m pip install -q --timeout 15 --retries 1 uv >/dev/null 2>&1 || return 1
+  local args cert=()
   mapfile -t args < <(uv_args)
-  SSL_CERT_FILE="${SSL_CERT_FILE:-${PIP_CERT:-}}" "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" "${args[@]}" \
+  # pip's certificate bundle (PIP_CERT) for uv, which reads SSL_CERT_FILE; nothing when neither is set
+  [ -n "${SSL_CERT_FILE:-${PIP_CERT:-}}" ] && cert=("SSL_CERT_FILE=${SSL_CERT_FILE:-$PIP_CERT}")
+  env ${cert[@]+"${cert[@]}"} "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" "${args[@]}" \
     pip setuptools wheel "$TORCH_SPEC" -e "$ROOT[dev,bench]"
 }
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
