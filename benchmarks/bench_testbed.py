@@ -170,12 +170,11 @@ def settle(samples: list, price, again):
         return samples[-1]
     third = again()
     samples, seconds, rates = [*samples, third], [*seconds, price(third)], [*rates, third.bandwidth]
-    compute = samples[sorted(range(3), key=seconds.__getitem__)[1]]
+    compute = sorted(range(3), key=seconds.__getitem__)[1]
     link = samples[sorted(range(3), key=rates.__getitem__)[1]]
     print(f"{where} ({apart:.2f}x apart), then {seconds[2] * 1e3:.2f} ms at {rates[2] / 1e6:.3g} MB/s: kept "
-          f"{seconds[samples.index(compute)] * 1e3:.2f} ms at {link.bandwidth / 1e6:.3g} MB/s",
-          file=sys.stderr, flush=True)
-    return dataclasses.replace(compute, bandwidth=link.bandwidth, burst=link.burst)
+          f"{seconds[compute] * 1e3:.2f} ms at {link.bandwidth / 1e6:.3g} MB/s", file=sys.stderr, flush=True)
+    return dataclasses.replace(samples[compute], bandwidth=link.bandwidth, burst=link.burst)
 
 
 def host_pricer(network: Path, batch: int, micro: int):

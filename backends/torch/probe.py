@@ -307,28 +307,20 @@ def update_costs(graph: Graph, module: VGraphModule, device: torch.device, amp: 
         draw = _batch_draw(graph, Path(tmp), batch)
         steps = iter(range(1, 1 << 62))
 
-        def whole() -> None:
-            program()
+        def update_all() -> None:  # the worker's update: every optimizer over all the parameters
             draw(next(steps))
             for opt in optims.optimizers:
                 opt.step()
 
-        def one() -> None:
-            program()
+        def update_one() -> None:  # Adam over the smallest tensor alone
             draw(next(steps))
             alone.step()
 
-        def whole_alone() -> None:
-            draw(next(steps))
-            for opt in optims.optimizers:
-                opt.step()
-
-        def one_alone() -> None:
-            draw(next(steps))
-            alone.step()
+        def after_program(update: Callable[[], None]) -> Callable[[], None]:
+            return lambda: (program(), update())
 
         t_program, t_all, t_one, floor_all, floor_one = timed_in_turn(
-            [program, whole, one, whole_alone, one_alone], device)
+            [program, after_program(update_all), after_program(update_one), update_all, update_one], device)
     # A difference of two timings can come out at or below zero when the machine is busy (a --quick probe
     # under the test suite wrote `fixed: 0, per_param: 0`); the same work in a loop of its own is never
     # dearer than after a program (see above), so it is the floor.
