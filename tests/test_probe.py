@@ -21,6 +21,12 @@ from vgraph.cost.fleet import load_fleet, loads_fleet
 from vgraph.cost.op_kinds import KINDS, op_kind
 
 
+@pytest.fixture(autouse=True)
+def _shared_secret(monkeypatch):
+    """--serve and --peer need the shared secret (VGRAPH_LAUNCH_TOKEN), as launch across machines does."""
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", "5b7d9f1a3c5e7092b4d6f8a0c2e4a6b8")
+
+
 @pytest.fixture()
 def quick(monkeypatch):
     monkeypatch.setattr(P, "REPEATS", 1)
@@ -268,7 +274,8 @@ def test_a_serve_once_stops_after_a_connection_that_announces_no_more_or_too_man
     connections = C.MAX_ROUNDS if more == 10**9 else 1  # a large count is honoured up to MAX_ROUNDS
     for _ in range(connections):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-            conn.sendall(json.dumps({"seconds": 0, "more": more}).encode() + b"\n" + b"x" * 1000)
+            conn.sendall(C.auth_line("5b7d9f1a3c5e7092b4d6f8a0c2e4a6b8") + json.dumps({"seconds": 0, "more": more})
+                         .encode() + b"\n" + b"x" * 1000)
             conn.shutdown(socket.SHUT_WR)
             assert json.loads(conn.makefile("rb").readline())["bytes"] >= 1
     server.join(timeout=10)

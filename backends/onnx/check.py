@@ -219,7 +219,7 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
     import torch
     from safetensors import SafetensorError
 
-    from vgraph.backends.torch import CheckpointError, latest_checkpoint, load_checkpoint
+    from vgraph.backends.torch import CheckpointError, checked_tokenizer, latest_checkpoint, load_checkpoint, network_vocab
 
     p = Path(path)
     trained_yaml = None
@@ -246,6 +246,9 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
         trained = naming_missing_plugins(run, lambda: loads(trained_yaml, file=f"{p}/network.yml"))
         require_match(trained, graph, checkpoint=str(p), given_label=given or f"network {graph.name!r}",
                       changes=run.get("semantic_changes") or ())
+        tokenizer_json = saved.extra.get("tokenizer_json")
+        if tokenizer_json:  # ids past the vocabulary: a Gather error in onnxruntime otherwise
+            checked_tokenizer(tokenizer_json, network_vocab(trained), str(p))
     weights = {k: v.detach().to(torch.float32).cpu().numpy() for k, v in state.items()}
     if graph is None or set(expected_param_shapes(graph)) <= set(weights):
         return weights

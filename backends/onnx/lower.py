@@ -310,6 +310,31 @@ class NodeLowering:
         b = self.op("Mul", [rotated, sin_name], f"{tag}_sin")
         return self.op("Add", [a, b], f"{tag}_rope")
 
+    def causal_mask(self, length: str) -> str:
+        """The additive causal mask ``[length, past + length]`` of this call's queries (positions ``past ..
+        past + length - 1``) over every key so far: ``CAUSAL_MASK_VALUE`` where the key comes later.
+
+        Computed in the graph from two position ranges, not stored: a stored ``seq_len^2`` table made the
+        file grow with the context's square (16 GB at 64K positions, a MemoryError at 200K).  Shared by
+        every attention of the model."""
+        def make() -> str:
+            past = self.past_length()
+            stop = self._b.memo(("stop", length), lambda: self.op("Add", [past, length], "mask_stop"))
+            queries = self.positions(past, stop, "query_positions")
+            keys = self.positions(self.const("axes_0_start", np.zeros(1, dtype=np.int64)), stop, "key_positions")
+            column = self.op("Unsqueeze", [queries, self.const("axes_1", np.asarray([1]))], "query_column")
+            future = self.op("Greater", [keys, column], "future_keys")
+            return self.op("Where", [future, self.float_const("causal_mask_value", CAUSAL_MASK_VALUE),
+                                     self.float_const("float32_zero", 0.0)], "causal_mask")
+
+        return self._b.memo(("causal_mask", length), make)
+
+    def positions(self, start: str, stop: str, tag: str) -> str:
+        """int64 ``[stop - start]``: the positions ``start .. stop - 1`` (``start``, ``stop``: int64 ``[1]``)."""
+        scalar = lambda v, t: self.op("Squeeze", [v, self.const("axes_0", np.asarray([0]))], t)  # noqa: E731
+        return self.op("Range", [scalar(start, f"{tag}_start"), scalar(stop, f"{tag}_stop"),
+                                 self.const("int64_one", np.asarray(1, dtype=np.int64))], tag)
+
     def cached(self, k: str, v: str) -> tuple[str, str]:
         """``k``, ``v`` (``[..., S, hd]``) after the past ones, returned as this node's present cache.
 
@@ -336,14 +361,8 @@ class NodeLowering:
         scale = self.float_const(f"attention_scale_d{head_dim}", 1.0 / math.sqrt(head_dim))
         scores = self.op("Mul", [scores, scale], "scaled_scores")
         if causal:
-            full = self.const(f"causal_mask_s{seq_len}", _causal_additive_mask(seq_len))
             length = self.length(positions or q, -2)
-            rows = self.window(full, length, "mask_rows")
-            keys = self._b.memo(("stop", length), lambda: self.op("Add", [self.past_length(), length], "mask_stop"))
-            mask = self._b.memo(("mask", rows, keys), lambda: self.op(
-                "Slice", [rows, self.const("axes_0_start", np.zeros(1, dtype=np.int64)), keys,
-                          self.const("axes_1", np.asarray([1]))], "causal_mask"))
-            scores = self.op("Add", [scores, mask], "masked_scores")
+            scores = self.op("Add", [scores, self.causal_mask(length)], "masked_scores")
         probs = self.op("Softmax", [scores], "probs", axis=-1)
         return self.op("MatMul", [probs, v], "attend", out=out)
 
@@ -857,9 +876,6 @@ def _rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray,
 CAUSAL_MASK_VALUE = -1e9
 
 
-def _causal_additive_mask(seq_len: int) -> np.ndarray:
-    return np.triu(np.full((seq_len, seq_len), CAUSAL_MASK_VALUE, dtype=np.float32), k=1)
-
 # ---------------------------------------------------------------------------
 # Lowering rules of the built-in catalog
 # ---------------------------------------------------------------------------
@@ -1047,18 +1063,19 @@ def _lower_reshape(n: NodeLowering) -> list[str]:
 def _lower_mask(n: NodeLowering) -> list[str]:
     """Causal: future keys get ``mask_val``; random masking is training-only, so off here.
 
-    The mask is built for the declared ``[.., Sq, Sk]`` and cut to the scores'
-    runtime size, so it also serves a shorter sequence.  Not positionwise: the
-    scores of a KV-cache call would need the past length, which a mask node
-    does not see.
+    The mask is computed for the scores' runtime ``[.., Sq, Sk]`` from two
+    position ranges, so it serves any sequence length and the file does not
+    grow with ``Sq x Sk``.  Not positionwise: the scores of a KV-cache call
+    would need the past length, which a mask node does not see.
     """
-    x, t = n.inputs[0], n.input_types[0]
+    x = n.inputs[0]
     if not n.cfg["causal"]:
         return [n.op("Identity", [x], out=n.out(0))]
-    sq, sk = t.shape[-2:]
-    future = n.const(f"future_s{sq}x{sk}", np.triu(np.ones((sq, sk), dtype=bool), k=1))
-    ends = n.op("Shape", [x], "scores_size", start=-2)
-    cut = n.op("Slice", [future, n.int64s("starts", [0, 0]), ends, n.int64s("axes", [0, 1])], "future")
+    zero = n.const("axes_0_start", np.zeros(1, dtype=np.int64))
+    rows = n.positions(zero, n.length(x, -2, "rows"), "rows")
+    keys = n.positions(zero, n.length(x, -1, "keys"), "keys")
+    column = n.op("Unsqueeze", [rows, n.const("axes_1", np.asarray([1]))], "row_column")
+    cut = n.op("Greater", [keys, column], "future")  # computed, not a stored [Sq, Sk] table
     fill = n.local_const("mask_val", np.asarray(n.cfg["mask_val"], dtype=np.float32))
     return [n.op("Where", [cut, fill, x], out=n.out(0))]
 

@@ -19,7 +19,7 @@
 """
 from __future__ import annotations
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from .checkpoint import CheckpointError, checked_tokenizer, latest_checkpoint, load_checkpoint, network_vocab
 from .interpreter import interpret
 from .lower import (VGraphModule, compile_network, compute_dtype, feed_name, init_state, to_graph_layout,
                     to_unfused_layout)
@@ -32,5 +32,5 @@ __all__ = [
     "to_unfused_layout", "interpret", "register_lowering", "LowerCtx", "LOWERINGS", "MemoryEstimate",
     "MemoryRefused", "check_memory", "estimate_training_memory", "TrainConfig", "TrainResult",
     "TrainingError", "train", "load_trained", "prepare_graph", "CheckpointError", "latest_checkpoint",
-    "load_checkpoint",
+    "load_checkpoint", "checked_tokenizer", "network_vocab",
 ]

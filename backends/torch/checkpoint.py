@@ -62,6 +62,8 @@ except ImportError:  # pragma: no cover - numpy ships with the supported torch w
 
 __all__ = [
     "CheckpointError",
+    "checked_tokenizer",
+    "network_vocab",
     "Checkpoint",
     "save_checkpoint",
     "load_checkpoint",
@@ -226,6 +228,39 @@ def _step(value: Any) -> int:
         return int(checked_number(value, "step", integer=True, low=0, high=MAX_STEP))
     except NumberError as exc:
         raise ValueError(str(exc)) from None
+
+
+def checked_tokenizer(tokenizer_json: str, vocab: int | None, where: str):
+    """A checkpoint's tokenizer (tokenizers.Tokenizer), read and checked against its network's vocabulary
+    `vocab` (its embedder's rows; None: no embedder, nothing to check).
+
+    Why: a checkpoint carries its tokenizer next to its network, and nothing tied the two: a tokenizer
+    whose ids pass the vocabulary (a tokenizer.json replaced, a checkpoint edited or assembled by hand)
+    surfaced as an IndexError in torch's embedding or a Gather error in onnxruntime, mid-generation.
+    Every reader of a checkpoint (generate, export-onnx, check-onnx, resume) checks it on load; a
+    VGraphError names both sizes."""
+    from tokenizers import Tokenizer
+
+    from vgraph.base.diagnostics import VGraphError
+
+    try:
+        tokenizer = Tokenizer.from_str(tokenizer_json)
+        ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    except Exception as exc:  # noqa: BLE001 - the Rust library's errors have no common Python class
+        raise VGraphError(f"{where}: its tokenizer cannot be read ({quote(str(exc), 200)})") from None
+    size = max(ids, default=-1) + 1
+    if vocab is not None and size > vocab:
+        raise VGraphError(f"{where}: its tokenizer has {size:,} token ids (0..{size - 1}) but its network's "
+                          f"vocabulary is {vocab:,}: ids from {vocab} on would index past the embedding (a "
+                          f"tokenizer.json replaced or a checkpoint edited?); use the tokenizer the network was "
+                          f"trained with")
+    return tokenizer
+
+
+def network_vocab(graph: Any) -> int | None:
+    """The vocabulary of a network's first embedder (what token ids must stay below); None without one."""
+    embedders = graph.nodes_of_type("embedder")
+    return int(embedders[0].cfg["vocab_size"]) if embedders else None
 
 
 def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:

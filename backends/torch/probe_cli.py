@@ -22,14 +22,21 @@ shaper) lets a message after idle cross at line speed: on the testbed tb-small's
 Mbit/s did, and a model charging bytes / rate for them predicted its pipelines 1.4x-1.7x slow.
 
 The serving side only counts the bytes it is sent and answers with the count (and at most MAX_CURVE arrival
-points): it reads one bounded header line, runs one measurement at a time, each at most MAX_SERVE_S
-seconds, and with --once serves one probe (its stream and the burst transfers it announces, at most
-MAX_ROUNDS connections).
+points).  It listens on 127.0.0.1 unless --listen names an address, and never on a wildcard (the one check of
+every listener, distributed/rendezvous.py); both ends need the shared secret in VGRAPH_LAUNCH_TOKEN, as
+`vgraph launch` across machines does: a connection first presents a digest of it on a bounded line, checked
+before anything it sends is parsed, and one that does not is closed unanswered and does not count against
+--once (a port scan uses up nothing).  Then it reads one bounded header line, runs one measurement at a
+time, each at most MAX_SERVE_S seconds, and with --once serves one probe (its stream and the burst transfers
+it announces, at most MAX_ROUNDS connections).  Whatever a client sends or does, the server answers or drops
+that connection and goes on: every per-connection error is caught and logged.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -86,8 +93,9 @@ def register_probe(subparsers: argparse._SubParsersAction) -> None:
                    help="one short repetition of every timing: checks that the probe runs here (a test, a "
                         "benchmark's smoke run); its figures are noise, not a fleet entry to plan with")
     p.add_argument("--serve", action="store_true", help="be the peer of another machine's --peer")
-    p.add_argument("--listen", metavar="ADDR:PORT", default=f"0.0.0.0:{DEFAULT_PORT}",
-                   help=f"with --serve: where to listen (default 0.0.0.0:{DEFAULT_PORT})")
+    p.add_argument("--listen", metavar="ADDR:PORT", default=f"127.0.0.1:{DEFAULT_PORT}",
+                   help=f"with --serve: where to listen (default 127.0.0.1:{DEFAULT_PORT}: this machine only; "
+                        f"give the address the peer reaches, never a wildcard)")
     p.add_argument("--once", action="store_true", help="with --serve: stop after one probe's measurements")
     p.add_argument("--collectives", action="store_true",
                    help="on every host at once: time the step's small collectives among them and write the "
@@ -122,7 +130,7 @@ def _checked(args: argparse.Namespace) -> dict:
     if args.serve:
         if any(x is not None for x in (args.network, args.output, args.append, args.peer)) or args.quick:
             raise VGraphError("--serve takes no network, output, --peer or --quick: it is the other end of a --peer")
-        return {"listen": listen}
+        return {"listen": (listen_address(listen[0]), listen[1]), "token": probe_token()}
     if not args.network:
         raise VGraphError("vgraph probe needs a network FILE (or --serve)")
     if args.output is not None and args.append is not None:
@@ -134,6 +142,8 @@ def _checked(args: argparse.Namespace) -> dict:
     if args.batch > MAX_BATCH or (args.threads or 1) > MAX_THREADS or args.seconds > MAX_SECONDS:
         raise VGraphError(f"--batch is at most {MAX_BATCH}, --threads {MAX_THREADS}, --seconds {MAX_SECONDS:g}")
     out = {"id": pid, "peer": host_port(args.peer, "--peer") if args.peer is not None else None}
+    if args.peer is not None:
+        out["token"] = probe_token()
     if (args.peer is None) == (args.bandwidth is None):
         raise VGraphError("the link can only be measured against a peer: give --peer HOST:PORT (a `vgraph probe "
                           "--serve` there) or state it with --bandwidth, e.g. --bandwidth 1Gbit/s (one of the two)")
@@ -190,7 +200,7 @@ def run_probe(args: argparse.Namespace) -> int:
                         lambda line: print(line, file=sys.stderr, flush=True))
         return 0
     if args.serve:
-        serve(*checked["listen"], once=args.once)
+        serve(*checked["listen"], once=args.once, token=checked["token"])
         return 0
     import torch
 
@@ -204,7 +214,7 @@ def run_probe(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     graph = prepare_graph(vgraph.load(args.network), passes=args.passes, target=device_target(device))
     bandwidth, burst = ((checked["bandwidth"], 0) if "bandwidth" in checked
-                        else measure_link(*checked["peer"], seconds=args.seconds))
+                        else measure_link(*checked["peer"], seconds=args.seconds, token=checked["token"]))
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     with quick_timings() if args.quick else contextlib.nullcontext():
         result = probe(graph, device, args.batch, per_precision=not args.no_precisions, say=say)
@@ -241,14 +251,46 @@ def _report(result, pnode: PNode, network: str, say) -> None:
         say(f"probe:   {network} at {precision}: " + ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s" for k, v in rates.items()))
 
 
+# -- the secret and the address ---------------------------------------------------------------------
+
+AUTH_PREFIX = b"vgraph-probe "  # a connection's first line: this, then the digest of the secret
+MAX_AUTH_LINE = len(AUTH_PREFIX) + 64 + 1
+
+
+def probe_token(env: dict | None = None) -> str:
+    """The shared secret of `--serve` and `--peer` (VGRAPH_LAUNCH_TOKEN, the rules of `vgraph launch`)."""
+    from .distributed.rendezvous import TOKEN_ENV, check_token
+
+    token = (os.environ if env is None else env).get(TOKEN_ENV)
+    if not token:
+        raise VGraphError(f"probe --serve and --peer need a shared secret: set {TOKEN_ENV} to the same value on "
+                          f"both machines (e.g. export {TOKEN_ENV}=$(openssl rand -hex 16)); the server answers "
+                          f"no one without it")
+    return check_token(token, 2)
+
+
+def listen_address(addr: str) -> str:
+    """--listen's address through the one check of every listener (never a wildcard)."""
+    from .distributed.rendezvous import check_listen_addr
+
+    return check_listen_addr(addr, "--listen")
+
+
+def auth_line(token: str) -> bytes:
+    """What a client sends first: a digest of the secret (the secret itself never crosses the wire)."""
+    return AUTH_PREFIX + hashlib.sha256(("vgraph-probe:" + token).encode()).hexdigest().encode() + b"\n"
+
+
 # -- the link ---------------------------------------------------------------------------------------
 
-def measure_link(host: str, port: int, seconds: float) -> tuple[float, int]:
+def measure_link(host: str, port: int, seconds: float, token: str | None = None) -> tuple[float, int]:
     """(bytes/s this machine sends to a `vgraph probe --serve` at host:port, as the receiver counted them;
-    the bytes its link passes at once after idling: `burst`)."""
+    the bytes its link passes at once after idling: `burst`).  `token`: the shared secret (default: the
+    environment's, `probe_token`)."""
+    auth = auth_line(token if token is not None else probe_token())
     payload = b"\0" * (1 << 20)
-    reply = _transfer(host, port, {"seconds": seconds, "more": BURST_ROUNDS}, lambda conn: _stream(conn, payload,
-                                                                                                   seconds))
+    reply = _transfer(host, port, auth, {"seconds": seconds, "more": BURST_ROUNDS},
+                      lambda conn: _stream(conn, payload, seconds))
     rate = float(reply["bytes"]) / float(reply["seconds"])
     size = max(1 << 20, int(rate * BURST_SECONDS))
     bursts = []
@@ -256,7 +298,7 @@ def measure_link(host: str, port: int, seconds: float) -> tuple[float, int]:
         def send(conn: socket.socket) -> None:
             time.sleep(BURST_IDLE_S)  # the bucket refills while the link idles
             conn.sendall(bytes(size))
-        bursts.append(burst_of(_transfer(host, port, {"seconds": 0, "more": left, "curve": True}, send), size))
+        bursts.append(burst_of(_transfer(host, port, auth, {"seconds": 0, "more": left, "curve": True}, send), size))
     return rate, int(statistics.median(bursts))
 
 
@@ -285,11 +327,11 @@ def _stream(conn: socket.socket, payload: bytes, seconds: float) -> None:
         conn.sendall(payload)
 
 
-def _transfer(host: str, port: int, header: dict, send: Callable[[socket.socket], None]) -> dict:
-    """One connection to the peer: the header line, what `send` sends, then the peer's reply."""
+def _transfer(host: str, port: int, auth: bytes, header: dict, send: Callable[[socket.socket], None]) -> dict:
+    """One connection to the peer: the secret's line, the header line, what `send` sends, then the reply."""
     try:
         with _connect(host, port) as conn:
-            conn.sendall(json.dumps(header).encode() + b"\n")
+            conn.sendall(auth + json.dumps(header).encode() + b"\n")
             send(conn)
             conn.shutdown(socket.SHUT_WR)
             conn.settimeout(30)
@@ -318,37 +360,81 @@ def _connect(host: str, port: int) -> socket.socket:
             time.sleep(0.2)
 
 
-def serve(addr: str, port: int, *, once: bool = False, ready: threading.Event | None = None) -> None:
+def serve(addr: str, port: int, *, once: bool = False, ready: threading.Event | None = None,
+          token: str | None = None) -> None:
     """Count what each --peer sends, one at a time, and tell it (bytes, seconds from first byte to last, and
-    when asked the arrival curve).  With `once`, one probe: its connections until one announces no more
-    (at most MAX_ROUNDS).  `ready` is set once it listens."""
+    when asked the arrival curve).  Only connections that present the secret count (`token`, default the
+    environment's); with `once`, one probe: its connections until one announces no more (at most
+    MAX_ROUNDS).  `ready` is set once it listens.  No client can stop it (module docstring)."""
+    from .distributed.rendezvous import RendezvousError, check_bound
+
+    expected = auth_line(token if token is not None else probe_token())
+    addr = listen_address(addr)
     try:
         server = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET)
     except OSError as exc:
         raise VGraphError(f"--listen {addr}:{port}: cannot listen ({exc.strerror or exc})") from None
+    try:
+        check_bound(server, f"--listen {addr}")
+    except RendezvousError:
+        server.close()
+        raise
     print(f"probe: serving link measurements on {addr}:{port}", file=sys.stderr, flush=True)
     if ready is not None:
         ready.set()
     rounds = 0
     with server:
         while True:
-            conn, _ = server.accept()
+            conn, peer = server.accept()
             with conn:
-                header = _measure_one(conn)
+                header = _serve_one(conn, peer, expected)
+            if header is None:
+                continue  # not a probe of ours (no secret, a scan, garbage): nothing counted
             rounds += 1
-            more = header.get("more") if isinstance(header, dict) else None
+            more = header.get("more")
             if once and (not isinstance(more, int) or isinstance(more, bool) or more <= 0 or rounds >= MAX_ROUNDS):
                 return
 
 
-def _measure_one(conn: socket.socket) -> dict | None:
-    """One measurement; the header the peer sent (None when it sent none that reads)."""
-    conn.settimeout(10)
+def _serve_one(conn: socket.socket, peer: object, expected: bytes) -> dict | None:
+    """One connection: the header of an authenticated measurement, or None (refused, or failed: logged).
+    Every error of one connection ends there; the server goes on."""
     try:
-        header = json.loads(conn.makefile("rb", buffering=0).readline(1024))  # unbuffered: no payload read ahead
-    except (OSError, ValueError):
+        conn.settimeout(10)
+        reader = conn.makefile("rb", buffering=0)  # unbuffered: no payload read ahead
+        if not hmac.compare_digest(reader.readline(MAX_AUTH_LINE), expected):
+            print(f"probe: refused a connection from {_peer(peer)} without the shared secret", file=sys.stderr,
+                  flush=True)
+            return None
+        return _measure_one(conn, reader)
+    except Exception as exc:  # noqa: BLE001 - one client's failure must not stop the server
+        print(f"probe: a connection from {_peer(peer)} failed: {quote(str(exc) or type(exc).__name__, 200)}",
+              file=sys.stderr, flush=True)
         return None
-    curve = isinstance(header, dict) and header.get("curve") is True
+
+
+def _peer(peer: object) -> str:
+    return quote(str(peer[0]) if isinstance(peer, tuple) and peer else str(peer), 80)
+
+
+def _read_header(reader) -> dict | None:
+    """The measurement's header: one line of at most 1 KiB, a flat JSON object (None otherwise)."""
+    line = reader.readline(1024)
+    if line.count(b"[") + line.count(b"{") > 4:  # a header is flat: nothing deep reaches the parser
+        return None
+    try:
+        header = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def _measure_one(conn: socket.socket, reader) -> dict | None:
+    """One measurement after the secret; the header the peer sent (None when it sent none that reads)."""
+    header = _read_header(reader)
+    if header is None:
+        return None
+    curve = header.get("curve") is True
     total, first, last = 0, None, None
     points: list[tuple[float, int]] = []
     buf = bytearray(1 << 20)
@@ -370,7 +456,7 @@ def _measure_one(conn: socket.socket) -> dict | None:
         conn.sendall(json.dumps(reply).encode() + b"\n")
     except OSError:
         pass
-    return header if isinstance(header, dict) else None
+    return header
 
 
-__all__ = ["register_probe", "run_probe", "measure_link", "serve", "host_port"]
+__all__ = ["register_probe", "run_probe", "measure_link", "serve", "host_port", "probe_token", "auth_line"]

@@ -133,6 +133,8 @@ def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable
         raise TrainingError(f"cannot resume: {exc}") from None
     before = saved.extra.get("run", {})
     check_finite(saved.model_state, latest)
+    if saved.extra.get("tokenizer_json"):
+        ckpt.checked_tokenizer(saved.extra["tokenizer_json"], int(run_info["vocab_size"]), str(latest))
     if yaml_text is not None:
         change = check_resumed_network(saved.extra.get("network_yaml"), before, yaml_text, checkpoint=latest,
                                        network=network, accept_change=accept_network_change, say=say)

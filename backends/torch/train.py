@@ -312,8 +312,6 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
     A checkpoint carries its network YAML and tokenizer, so nothing else is
     needed; the graph is prepared for `device` like training prepares it.
     """
-    from tokenizers import Tokenizer
-
     target = Path(path)
     if not target.exists():
         raise VGraphError(f"{target}: no such checkpoint or run directory")
@@ -340,5 +338,6 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
     graph = naming_missing_plugins(run, lambda: prepare_graph(
         source, passes=passes_for_definition(run), fuse=fuse and run.get("fuse", True),
         target=device_target(torch_device)))
+    tokenizer = ckpt.checked_tokenizer(tokenizer_json, ckpt.network_vocab(source), str(target))
     module = compile_network(graph, device=torch_device, train=False, unfused_state=state.model_state)
-    return module, Tokenizer.from_str(tokenizer_json), graph
+    return module, tokenizer, graph

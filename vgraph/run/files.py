@@ -26,9 +26,11 @@ here so that nothing else writes over them):
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
+import secrets
 import stat
 import time
 from contextlib import contextmanager
@@ -42,7 +44,7 @@ from vgraph.base.safeio import decode_text, read_open_file, register_owner
 
 __all__ = ["RUN_JSON", "NETWORK_YML", "TOKENIZER_JSON", "METRICS_JSONL", "METRICS_CSV", "PLACEMENT_JSON",
            "LOSS_CURVE_PNG", "LATEST", "CHECKPOINT_PREFIX", "MODEL_FILE", "STATE_JSON", "LAUNCH_DIR", "STOP_FILE",
-           "WORKERS_JSON", "RELEASE_FILE", "JOB_FILE", "LOCK_FILE", "RunLock", "RunInUse", "refuse_foreign",
+           "WORKERS_JSON", "RELEASE_FILE", "JOB_FILE", "LOCK_FILE", "RUN_LOCK_ENV", "RunLock", "RunInUse", "refuse_foreign",
            "owned_by_run", "looks_like_run", "is_checkpoint", "run_owner", "checkpoint_name", "job_name", "error_name",
            "held_name", "RunReader", "MAX_METRICS_BYTES", "clean_json", "metrics_row"]
 
@@ -69,6 +71,7 @@ MAX_JSON_DEPTH = 64  # vgraph writes at most 4 levels; deeper is damage or hosti
 MAX_STEP = 2**62  # the largest --steps (vgraph/base/options.py)
 
 
+RUN_LOCK_ENV = "VGRAPH_RUN_LOCK_KEY"  # the key of the run lock `vgraph launch` holds, given to its workers
 LOCK_FILE = ".vgraph-lock"  # the advisory lock of the process writing the run (`RunLock`); its presence marks a run
 EVENTS_PREFIX = "events.out.tfevents."
 _OWNED_NAMES = {RUN_JSON: "settings", NETWORK_YML: "network", TOKENIZER_JSON: "tokenizer", METRICS_JSONL: "metrics",
@@ -134,24 +137,58 @@ class RunLock:
 
     Locks are counted per process (`acquire` of a run this process already holds returns the same lock),
     so one process may open its own run twice (a launcher and its in-process helpers); `held()` scopes
-    every lock taken in a block.
+    every lock taken in a block.  A holder may share its lock with the processes it starts (`vgraph
+    launch`'s workers): each lock has a random `key`, whose digest the file records; a process given the
+    key (`RUN_LOCK_ENV`) proves with `shares` that the live holder is the one that started it, and anyone
+    else (a second worker set on the same job) is refused as a second writer.
     """
 
     _held: dict[str, "RunLock"] = {}
 
-    def __init__(self, run_dir: Path, fd: int, note: str | None) -> None:
+    def __init__(self, run_dir: Path, fd: int, note: str | None, key: str = "") -> None:
         self.run_dir = run_dir
         self.fd: int | None = fd
         self.count = 1
         self.note = note  # what the lock said about an earlier holder (a stale lock taken over)
+        self.key = key  # handed to the processes this holder starts (RUN_LOCK_ENV), never written
+
+    @classmethod
+    def of(cls, run_dir: Path) -> "RunLock | None":
+        """The lock this process holds on `run_dir`, if any."""
+        held = cls._held.get(os.path.realpath(run_dir))
+        return held if held is not None and held.fd is not None else None
+
+    @classmethod
+    def shares(cls, run_dir: Path, key: str) -> bool:
+        """Whether `run_dir` is locked now by a holder whose key is `key` (the process that started us)."""
+        import fcntl
+        import hashlib
+
+        try:
+            fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                         | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return False
+        try:
+            holder = _holder(os.read(fd, 4096))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held = True  # somebody holds it: is it the process whose key we were given?
+            else:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                held = False
+        finally:
+            os.close(fd)
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        return held and bool(key) and holder.get("key") == digest
 
     @classmethod
     def acquire(cls, run_dir: Path, command: str) -> "RunLock":
         import fcntl
         import socket
 
-        key = os.path.realpath(run_dir)
-        held = cls._held.get(key)
+        held = cls._held.get(os.path.realpath(run_dir))
         if held is not None and held.fd is not None:
             held.count += 1
             return held
@@ -179,16 +216,17 @@ class RunLock:
                                    f"{printable(str(path))} and run again")
                 note = (f"note: {printable(str(run_dir))} was left locked by {_describe(previous)}, which is no "
                         f"longer running (killed?); the lock is taken over")
+            key = secrets.token_hex(16)
             me = {"pid": os.getpid(), "host": host, "command": command,
-                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "key": hashlib.sha256(key.encode()).hexdigest()}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
             raise
-        lock = cls(Path(run_dir), fd, note)
-        cls._held[key] = lock
+        lock = cls(Path(run_dir), fd, note, key)
+        cls._held[os.path.realpath(run_dir)] = lock
         return lock
 
     def release(self) -> None:

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from vgraph.base.diagnostics import VGraphError
+
 __all__ = ["CommChoice", "COMM_MODES", "choose_comm", "worker_device"]
 
 COMM_MODES = ("auto", "gloo", "nccl-on-gloo")
@@ -69,6 +71,7 @@ def worker_device(device: str, local_rank: int, cuda_devices: int) -> torch.devi
     """The device of the worker with `local_rank` on its machine: its own GPU (round robin when shared)."""
     if device != "cuda":
         return torch.device("cpu")
-    if cuda_devices < 1:
-        raise RuntimeError("this launch runs on CUDA but the worker sees no GPU")
+    if cuda_devices < 1:  # the job's mistake (or the machine's), not a crash torchrun should restart
+        raise VGraphError(f"this job runs on CUDA (device: cuda) but this worker (local rank {local_rank}) sees no "
+                          f"GPU: start its workers on machines with GPUs, or write the job again with --device cpu")
     return torch.device("cuda", local_rank % cuda_devices)

@@ -11,7 +11,12 @@ edited by hand, must fail on read with a message that names the field, never
 half-way through training.
 
 Paths: `run_dir` is relative to the job file's folder (so a run directory
-moves with its job), `tokenizer` is relative to the run directory and may
+moves with its job), and `written_in` records that folder's real path when
+the job was written: a job copied alone elsewhere (its relative `run_dir` now
+naming some other directory) finds its run from where it was written, and a
+directory whose run.json is not the job's `run_info` is never taken for the
+run (`locate_run`), so a worker never writes metrics into a directory that is
+not its run.  `tokenizer` is relative to the run directory and may
 not leave it; `data_dir`, the prepared corpus, stays where it was prepared
 (an absolute path, or one relative to the run directory), checked against
 `data_digest` by every worker.  `train` is the run's `TrainConfig` (the
@@ -34,7 +39,7 @@ from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import atomic_write, read_input
 from vgraph.cost.compression import parse_grad_compress
 from vgraph.run.compiled_graph import PLAN_CHOICES
-from vgraph.run.files import LAUNCH_DIR, STOP_FILE  # re-exported: the names are the run format's
+from vgraph.run.files import LAUNCH_DIR, RUN_JSON, STOP_FILE, RunReader  # re-exported: the run format's names
 
 from ..train_config import TrainConfig
 from .plan import PIPELINES
@@ -47,6 +52,9 @@ EXIT_USER_ERROR = 3  # a worker's exit status for a user-facing error: the launc
 MAX_INT = 2**62
 _BACKENDS = ("gloo", "nccl")
 _DEVICES = ("cpu", "cuda")
+
+
+_NOT_WRITTEN = frozenset({"path", "located"})  # fields of the object, not of the file
 
 
 class JobError(VGraphError):
@@ -88,15 +96,50 @@ class Job:
     hold: dict[str, int] | None = None  # test hook: {"rank", "step"}: that rank stops after that step, once
     grad_compress: str = "none"  # the replicas' all-reduce (vgraph/cost/compression.py: none | powersgd:...)
     plan_choices: dict[str, Any] = field(default_factory=dict)  # the partition's choices later passes read
+    written_in: str = ""  # the real path of the folder the job was written to ("": a job of an older vgraph)
     version: int = JOB_VERSION
     path: Path | None = field(default=None, compare=False)  # the file it was read from (not written)
+    located: Path | None = field(default=None, compare=False)  # the run directory `locate_run` found (not written)
 
     # -- paths ----------------------------------------------------------------------------------
     @property
     def run_path(self) -> Path:
-        """The run directory (the job's `run_dir` against the job file's folder)."""
+        """The run directory: the one `locate_run` found, else the job's `run_dir` against the job file's
+        folder."""
+        if self.located is not None:
+            return self.located
         base = self.path.parent if self.path is not None else Path.cwd()
         return Path(os.path.normpath(base / self.run_dir))
+
+    def locate_run(self) -> Path:
+        """The run directory this job was written for, checked: `run_dir` against the job file's folder
+        (a run moved with its job), else against the folder the job was written in (a job copied alone);
+        the first whose run.json holds the job's `run_info`.  A JobError naming both places otherwise:
+        a worker must never write a run's files into a directory that is not that run."""
+        where = str(self.path) if self.path is not None else "job"
+        tried = []
+        bases = [self.path.parent if self.path is not None else Path.cwd()]
+        if self.written_in:
+            bases.append(Path(self.written_in))
+        for base in bases:
+            candidate = Path(os.path.normpath(base / self.run_dir))
+            if candidate in tried:
+                continue
+            tried.append(candidate)
+            if self._is_the_run(candidate):
+                self.located = candidate
+                return candidate
+        raise JobError(f"{where}: its run directory is not the run it was written for: "
+                       f"{' nor '.join(quote(str(t), 200) for t in tried)} holds no {RUN_JSON} of this job "
+                       f"(a job file copied away from its run, or a run directory replaced since): start the "
+                       f"workers on the job file --emit-job wrote, next to its run")
+
+    def _is_the_run(self, candidate: Path) -> bool:
+        if not candidate.is_dir():
+            return False
+        reader = RunReader(candidate)
+        doc = reader.json(RUN_JSON, optional=True)
+        return isinstance(doc, dict) and doc == self.run_info
 
     def path_of(self, relative: str) -> Path:
         """A run-directory file named in the job."""
@@ -109,13 +152,14 @@ class Job:
 
     # -- writing and reading ----------------------------------------------------------------------
     def to_json(self) -> str:
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "path"}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_WRITTEN}
         data["train"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.train).items()}
         return json.dumps(data, indent=1, allow_nan=False) + "\n"
 
     def write(self, path: str | os.PathLike) -> Path:
         """Atomically, as JSON (safeio)."""
         target = Path(path)
+        self.written_in = os.path.realpath(target.parent)
         atomic_write(target, self.to_json())
         self.path = target
         return target
@@ -139,7 +183,7 @@ class Job:
         if version != JOB_VERSION:
             raise JobError(f"{where}: job format {quote(json.dumps(version), 20)[1:-1]}, but this vgraph reads format "
                            f"{JOB_VERSION}: write it again with this vgraph (vgraph launch ... --emit-job DIR)")
-        job = cls(**_decode_fields(cls, data, where, skip={"path"}))
+        job = cls(**_decode_fields(cls, data, where, skip=_NOT_WRITTEN))
         job.path = Path(path)
         job._check(where)
         return job
@@ -173,6 +217,8 @@ class Job:
                 problems.append(f"{name}: must be greater than 0, got {value}")
         if not 0 <= self.train.min_lr_ratio <= 1:
             problems.append(f"train.min_lr_ratio: must be in 0..1, got {self.train.min_lr_ratio}")
+        if self.written_in and (not os.path.isabs(self.written_in) or not self.written_in.isprintable()):
+            problems.append(f"written_in: {quote(self.written_in, 60)} is not an absolute path")
         reason = _inside_problem(self.tokenizer)
         if reason:
             problems.append(f"tokenizer: {reason}")

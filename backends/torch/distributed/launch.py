@@ -84,7 +84,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import check_output_dir, read_input
+from vgraph.base.safeio import OutputDir, check_output_dir, read_input
 from vgraph.cost.compression import parse_grad_compress
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.ir.graph import Graph
@@ -350,9 +350,10 @@ def launch(config: LaunchConfig) -> LaunchResult:
     machines = Machines()  # several machines: opened by _prepare (membership.py)
     try:
         with RunLock.held():  # machine 0's lock of the run directory (taken in _prepare), held until here
+            jobs = _job_folder(config) if config.emit_job is not None else None  # refused before any work
             run = _prepare(config, stop, machines)
-            if config.emit_job is not None:
-                return _emit_job(run, Path(config.emit_job))
+            if jobs is not None:
+                return _emit_job(run, jobs)
             return _collect(run, _attempts(run, stop))
     finally:
         machines.close()
@@ -607,7 +608,9 @@ def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
             f"{attempt.comm.describe()}, {_micro_per_replica(run.micro, placement.shares)} {cfg.pipeline}, predicted "
             f"traffic {placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt "
             f"{attempt.number}")
-    supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None)
+    lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
+    supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
+                            lock_key=lock.key if lock is not None else "")
     try:
         supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), cfg.master_addr, port,
                          attempt.threads)
@@ -677,17 +680,28 @@ def _collect(run: _Run, result: LaunchResult) -> LaunchResult:
     return result
 
 
-def _emit_job(run: _Run, folder: Path) -> LaunchResult:
-    """--emit-job DIR: place, write DIR/job.json (its run directory relative to DIR, the files in it relative
-    to the run directory) and say how to start it under torchrun or srun; trains nothing."""
-    cfg = run.cfg
-    # Like every output: never an input, never inside what a run owns (its checkpoints, its launch folder).
+def _job_folder(cfg: LaunchConfig) -> OutputDir:
+    """--emit-job DIR as an output directory: like every output never an input, never inside what a run
+    owns (its checkpoints, its launch folder), and DIR/job.json replaced only when an earlier --emit-job
+    wrote it there and nobody changed it since (safeio.OutputDir's manifest): a job.json of the user's is
+    refused, never lost."""
     read = [p for p in (cfg.network, cfg.fleet, cfg.data, cfg.placement) if isinstance(p, (str, Path))]
-    folder = check_output_dir(folder, inputs=read, what="--emit-job directory")
+    check_output_dir(cfg.emit_job, inputs=read, what="--emit-job directory")
+    folder = OutputDir(cfg.emit_job, command="launch --emit-job", inputs=read)
+    folder.plan([JOB_FILE])
+    return folder
+
+
+def _emit_job(run: _Run, folder: OutputDir) -> LaunchResult:
+    """--emit-job DIR: place, write DIR/job.json (its run directory relative to DIR, the files in it relative
+    to the run directory, and DIR's real path, from which a copy of the job finds its run: job.py) and say
+    how to start it under torchrun or srun; trains nothing."""
+    cfg = run.cfg
     attempt = _place_attempt(run, run.fleet, 0, *_given_placement(cfg, 0, None), cfg.hold)
-    folder.mkdir(parents=True, exist_ok=True)
-    attempt.job.run_dir = os.path.relpath(run.run_dir.absolute(), folder.absolute())
-    path = attempt.job.write(folder / JOB_FILE)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    attempt.job.run_dir = os.path.relpath(run.run_dir.absolute(), folder.path.absolute())
+    path = attempt.job.write(folder.check(JOB_FILE))
+    folder.wrote(JOB_FILE)
     world, per_node = len(attempt.ranks), len(attempt.local)
     module = "vgraph.backends.torch.distributed.worker"
     run.emit(f"launch: wrote {path} ({world} worker(s) {', '.join(attempt.ranks)}; {attempt.comm.describe()}); "

@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .rendezvous import RendezvousError, _family
+from .rendezvous import RendezvousError, _family, check_bound, check_listen_addr
 
 HEARTBEAT_S = 1.0
 REQUEST_TIMEOUT_S = 2.0
@@ -118,7 +118,13 @@ class _Server(socketserver.ThreadingTCPServer):
     def __init__(self, addr: str, port: int, key: str, board: _Board) -> None:
         self.address_family = _family(addr)
         self.key, self.board = key, board
+        check_listen_addr(addr, "--master-addr")  # the one check of every listener (rendezvous.py)
         super().__init__((addr, port), _Handler)
+        try:
+            check_bound(self.socket, f"--master-addr {addr}")
+        except RendezvousError:
+            self.server_close()
+            raise
 
 
 class Machines:

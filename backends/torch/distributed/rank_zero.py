@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from vgraph.base.diagnostics import VGraphError
 from vgraph.base.safeio import read_input
 from vgraph.run import layout
 
@@ -177,6 +178,11 @@ class GatheredCheckpoints:
             return [{"error": f"cannot resume: {exc}"}] * self.ctrl.world
         before = state.extra.get("run", {})
         info = self.job.run_info
+        if state.extra.get("tokenizer_json"):
+            try:
+                ckpt.checked_tokenizer(state.extra["tokenizer_json"], int(info["vocab_size"]), str(latest))
+            except VGraphError as exc:
+                return [{"error": f"cannot resume: {exc.diagnostics[0]}"}] * self.ctrl.world
         for key in ("seed", "batch", "seq_len", "data", "data_digest", "vocab_size", "tokenizer"):
             if key in before and before[key] != info[key]:
                 return [{"error": f"cannot resume {self.run_dir}: it was trained with {key}={before[key]!r}, "

@@ -68,24 +68,66 @@ def check_token(token: str | None, nnodes: int) -> str:
     return new_token()
 
 
-def check_master_addr(addr: str) -> str:
-    """`--master-addr` unless it is a wildcard (0.0.0.0, ::, 0, an empty name): the rendezvous store
-    listens on that address, and a wildcard listens on every interface of the machine, which the README
-    promises never happens."""
-    plain = addr.strip().strip("[]")
-    wildcard = plain in ("", "*")
+LOOPBACK = "127.0.0.1"  # where every listener listens unless it is given an address
+
+
+def is_wildcard(addr: str) -> bool:
+    """Whether binding `addr` listens on every interface, in any spelling: 0.0.0.0 and its legacy forms
+    ('0', '0.0', '0x0'), '::' and its long forms, IPv4-mapped or -compatible IPv6 of 0.0.0.0
+    ('::ffff:0.0.0.0', '::ffff:0:0'), with brackets or a zone, an empty name or '*'."""
+    plain = addr.strip().strip("[]").strip()
+    plain = plain.split("%", 1)[0]  # an IPv6 zone ('::%eth0') binds the same address
+    if plain in ("", "*"):
+        return True
     try:
-        wildcard = wildcard or socket.inet_aton(plain) == b"\0\0\0\0"  # also the legacy forms '0', '0.0'
-    except OSError:
+        if socket.inet_aton(plain) == b"\0\0\0\0":  # also the legacy forms '0', '0.0', '0x0'
+            return True
+    except (OSError, ValueError):
         pass
     try:
-        wildcard = wildcard or ipaddress.ip_address(plain).is_unspecified
+        ip = ipaddress.ip_address(plain)
     except ValueError:
-        pass
-    if wildcard:
-        raise RendezvousError(f"--master-addr {addr!r} means every interface of this machine; give the address "
-                              f"of machine 0 that the others reach (127.0.0.1 on one machine)")
+        return False
+    if ip.is_unspecified:
+        return True
+    if isinstance(ip, ipaddress.IPv6Address):
+        mapped = ip.ipv4_mapped
+        compatible = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF) if int(ip) >> 32 == 0 else None
+        return any(v is not None and v.is_unspecified for v in (mapped, compatible))
+    return False
+
+
+def check_listen_addr(addr: str | None, what: str) -> str:
+    """The address a listener of vgraph binds (launch's rendezvous store and launchers' channel, the
+    workers' store, `probe --serve`): LOOPBACK when none is given, never a wildcard in any spelling
+    (`is_wildcard`): a wildcard listens on every interface of the machine, which the README promises
+    never happens.  The one check every listener applies; `check_bound` checks the socket once bound."""
+    if addr is None:
+        return LOOPBACK
+    if not isinstance(addr, str) or not addr.isprintable():
+        raise RendezvousError(f"{what} {addr!r} holds control characters: not an address")
+    if is_wildcard(addr):
+        raise RendezvousError(f"{what} {addr!r} means every interface of this machine; give the address the "
+                              f"others reach this machine on ({LOOPBACK} on one machine)")
     return addr
+
+
+def check_bound(sock: socket.socket, what: str) -> None:
+    """After bind: refuse a socket that listens on every interface after all (a host name that resolves to
+    0.0.0.0, a spelling `is_wildcard` does not know).  The socket is closed then."""
+    try:
+        bound = sock.getsockname()[0]
+    except OSError:
+        return
+    if is_wildcard(str(bound)):
+        sock.close()
+        raise RendezvousError(f"{what} resolves to {bound}, every interface of this machine; give the address "
+                              f"the others reach this machine on ({LOOPBACK} on one machine)")
+
+
+def check_master_addr(addr: str) -> str:
+    """`--master-addr` unless it is a wildcard (`check_listen_addr`): machine 0 listens on it."""
+    return check_listen_addr(addr, "--master-addr")
 
 
 def _family(addr: str) -> socket.AddressFamily:
@@ -101,6 +143,7 @@ def probe_port(addr: str, port: int) -> None:
         with socket.socket(_family(addr), socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((addr, port))
+            check_bound(s, f"--master-addr {addr}")
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise RendezvousError(f"port {port} on {addr} is in use; choose another --master-port") from None
@@ -185,10 +228,12 @@ def rendezvous_store(rank: int, world: int, timeout: timedelta, env: dict[str, s
                               f"same secret for every rank")
     check_token(token, 1)  # the rules `vgraph launch` applies hold for srun and hand-started workers too
     if rank == 0:
+        check_listen_addr(addr, "MASTER_ADDR")  # hand-started and srun workers too, not only launch's
         sock = socket.socket(_family(addr), socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((addr, port))
+            check_bound(sock, f"MASTER_ADDR {addr}")
             sock.listen(max(64, world))
         except OSError as exc:
             sock.close()
@@ -231,5 +276,6 @@ def process_group_store(place: Any, timeout: timedelta, env: Mapping[str, str] |
                             {**env, "MASTER_ADDR": place.master_addr, "MASTER_PORT": str(place.master_port)})
 
 
-__all__ = ["TOKEN_ENV", "RendezvousError", "check_token", "check_master_addr", "probe_port", "free_port", "rendezvous_store",
+__all__ = ["TOKEN_ENV", "LOOPBACK", "RendezvousError", "check_token", "check_master_addr", "check_listen_addr",
+           "check_bound", "is_wildcard", "probe_port", "free_port", "rendezvous_store",
            "process_group_store", "new_token", "interface_towards", "gloo_environment"]

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from vgraph.run.files import RUN_LOCK_ENV
+
 from .progress import PROGRESS_ENV
 from .rendezvous import TOKEN_ENV, gloo_environment
 
@@ -107,10 +109,11 @@ class _Worker:
 class Supervisor:
     """Starts the local workers of one attempt, relays their output, and waits for the outcome."""
 
-    def __init__(self, emit: Callable[[str], None], token: str = "", take: Callable[[str], bool] | None = None
-                 ) -> None:
+    def __init__(self, emit: Callable[[str], None], token: str = "", take: Callable[[str], bool] | None = None,
+                 lock_key: str = "") -> None:
         self.emit = emit
         self.token = token  # the run's shared secret (rendezvous.py), handed to each worker
+        self.lock_key = lock_key  # the key of the launcher's run lock: rank 0 writes the run under it (files.py)
         self.take = take  # rank 0's progress events go there instead of the output (progress.LaunchBar)
         self.workers: list[_Worker] = []
 
@@ -121,6 +124,7 @@ class Supervisor:
             env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                        LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(len(ranks)), OMP_NUM_THREADS=str(threads),
                        MKL_NUM_THREADS=str(threads), VGRAPH_PNODE=pnodes[rank], **{TOKEN_ENV: self.token},
+                       **({RUN_LOCK_ENV: self.lock_key} if self.lock_key else {}),
                        **{PROGRESS_ENV: "events" if self.take is not None else "lines"},
                        **gloo_environment(addr))  # gloo on the interface towards the master, not loopback
             reader, writer = ctx.Pipe(duplex=False)

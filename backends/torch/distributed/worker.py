@@ -63,7 +63,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,8 @@ from vgraph.data.shards import DataError, open_prepared
 from vgraph.placement.export import assignment_of
 from vgraph.plugins import load_plugins
 from vgraph.run.compiled_graph import apply_assignment  # the launcher, the workers and `vgraph report` build it alike
-from vgraph.run.files import LOSS_CURVE_PNG, PLACEMENT_JSON, RELEASE_FILE, error_name, held_name
+from vgraph.run.files import (LOSS_CURVE_PNG, PLACEMENT_JSON, RELEASE_FILE, RUN_LOCK_ENV, RunLock, error_name,
+                              held_name)
 from vgraph.yamlio import loads
 
 from ..data import TokenShards
@@ -103,7 +104,7 @@ from ..train_config import TrainingError
 from ..train_step import LossCheck
 from ..training_setup import seed_everything, use_deterministic_kernels
 
-__all__ = ["main", "Worker", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"]
+__all__ = ["main", "Worker", "claim_run", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"]
 
 @dataclass
 class _Step:
@@ -507,9 +508,33 @@ def _user_error(job: Job | None, rank: int | None, exc: VGraphError) -> int:
     text = "\n".join(str(d) for d in exc.diagnostics)
     print(f"error: {text}", file=sys.stderr, flush=True)
     if job is not None and rank is not None:
-        with contextlib.suppress(VGraphError):
-            atomic_write(job.run_path / LAUNCH_DIR / error_name(rank), text + "\n")
+        with contextlib.suppress(VGraphError):  # into the launch folder a launcher made, never a new one
+            atomic_write(job.run_path / LAUNCH_DIR / error_name(rank), text + "\n", make_parents=False)
     return EXIT_USER_ERROR
+
+
+def claim_run(job: Job, place: WorkerPlace, env: Mapping[str, str]) -> RunLock | None:
+    """The run directory this worker set writes, found and locked before anything else is done.
+
+    Rank 0 writes the run (metrics, checkpoints, the curve): it takes the job's run directory only when it
+    is the run the job was written for (`Job.locate_run`, a JobError otherwise), and only with the run's
+    lock (files.RunLock, as `vgraph train` and `vgraph launch` take it), so a second worker set started on
+    the same job (another master port, another torchrun) is refused naming the run and the first set's
+    rank 0, instead of appending its own rows to the same metrics.  Under `vgraph launch` the launcher
+    holds the lock for its workers and hands rank 0 its key (RUN_LOCK_ENV).  The other ranks write no
+    run file; they take the checked run directory when theirs is one (on other machines it may not be)."""
+    if place.rank != 0:
+        with contextlib.suppress(VGraphError):
+            job.locate_run()
+        return None
+    run = job.locate_run()
+    key = env.get(RUN_LOCK_ENV, "")
+    if key and RunLock.shares(run, key):
+        return None  # the launcher that started us holds it
+    lock = RunLock.acquire(run, f"vgraph worker (rank 0 of {place.world}, {place.launcher})")
+    if lock.note:
+        print(lock.note, file=sys.stderr, flush=True)
+    return lock
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -523,10 +548,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         place = worker_place(os.environ)
         job = Job.read(args[0])
-        load_plugins(job.plugins)  # what the launcher loaded: installed op types, --plugin files
-        worker = Worker(job, place)
-        worker.setup()
-        worker.run()
+        with RunLock.held():
+            claim_run(job, place, os.environ)
+            load_plugins(job.plugins)  # what the launcher loaded: installed op types, --plugin files
+            worker = Worker(job, place)
+            worker.setup()
+            worker.run()
         return 0
     except VGraphError as exc:
         return _user_error(job, place.rank if place is not None else None, exc)
