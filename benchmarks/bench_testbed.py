@@ -119,14 +119,16 @@ def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds:
 
     n = len(tb.hosts)
 
+    secret = dict(os.environ, VGRAPH_LAUNCH_TOKEN=TOKEN)  # --serve answers only the shared secret
+
     def probe(group: list[int], tag: str) -> list:
         servers = [tb.popen((i + 1) % n, [VGRAPH, "probe", "--serve", "--once", "--listen",
-                                           f"{tb.ips[(i + 1) % n]}:{29400 + i}"]) for i in group]
+                                           f"{tb.ips[(i + 1) % n]}:{29400 + i}"], secret) for i in group]
         out = {i: fleet.with_name(f"{fleet.stem}-h{i}-{tag}.yml") for i in group}
         done = tb.run_all([[VGRAPH, "probe", str(network), "--id", f"h{i}", "--peer",
                             f"{tb.ips[(i + 1) % n]}:{29400 + i}", "--seconds", str(seconds), "--threads", "1",
                             "--no-precisions", *(["--quick"] if smoke else []), "-o", str(out[i])]
-                           if i in group else None for i in range(n)], timeout=600)
+                           if i in group else None for i in range(n)], env=secret, timeout=600)
         for i, d in enumerate(done):
             if d is not None and d.returncode != 0:
                 raise RuntimeError(f"probe of host {i} failed:\n{d.stdout[-3000:]}")

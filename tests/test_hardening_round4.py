@@ -495,3 +495,13 @@ def test_many_passes_of_one_name_do_not_multiply_into_pairs() -> None:
     ordered = pl.order_pipeline(passes)
     assert [p.name for p in ordered] == ["a"] * n + ["b"] * n
     assert _COUNT["reads"] <= 10 * 2 * n
+
+
+def test_a_pipeline_of_more_passes_than_any_run_needs_is_refused_at_once(tmp_path: Path, capsys) -> None:
+    """A run naming 30,000 passes: refused while parsing, before anything runs or is ordered."""
+    assert len(pl.build_pipeline(",".join(["dead-nodes"] * pl.MAX_PIPELINE_PASSES))) == pl.MAX_PIPELINE_PASSES
+    with pytest.raises(PassError, match=f"more than {pl.MAX_PIPELINE_PASSES} passes"):
+        pl.parse_pipeline(",".join(["dead-nodes"] * 30_000))
+    assert main(["optimize", str(TINY), "--passes", ",".join(["dead-nodes"] * 30_000), "-o",
+                 str(tmp_path / "o.yml")]) == 2
+    assert "more than 1000 passes" in capsys.readouterr().err

@@ -121,12 +121,19 @@ def get_pass(name: str) -> type[Pass]:
 _ITEM = re.compile(r"\s*([A-Za-z0-9_.\-]+)\s*(?:\{([^{}]*)\})?\s*(?:,|$)")
 
 
+MAX_PIPELINE_PASSES = 1000  # a pipeline is a handful of passes; each runs and verifies the whole graph
+
+
 def parse_pipeline(spec: str) -> list[tuple[str, dict[str, str]]]:
-    """'a,b{k=v,k2=v2}' -> [('a', {}), ('b', {'k': 'v', 'k2': 'v2'})]."""
+    """'a,b{k=v,k2=v2}' -> [('a', {}), ('b', {'k': 'v', 'k2': 'v2'})].  At most MAX_PIPELINE_PASSES items:
+    a run naming 30,000 passes kept `report` and `generate` busy for minutes (each pass verifies the graph)."""
     out: list[tuple[str, dict[str, str]]] = []
     pos = 0
     spec = spec.strip()
     while pos < len(spec):
+        if len(out) >= MAX_PIPELINE_PASSES:
+            raise PassError(f"pipeline {spec[:60]!r}...: more than {MAX_PIPELINE_PASSES} passes; a pipeline names "
+                            f"each pass it runs, a handful in practice")
         m = _ITEM.match(spec, pos)
         if not m or m.end() == pos:
             raise PassError(f"pipeline {spec!r}: cannot parse at column {pos + 1}: {spec[pos:]!r} "
@@ -161,8 +168,11 @@ def build_pipeline(spec: str | Sequence[str | Pass] | None) -> list[Pass]:
         spec = DEFAULT_PIPELINE
     items: list[Pass] = []
     if isinstance(spec, str):
+        classes: dict[str, type[Pass]] = {}  # one look-up per name, not per item
         for name, opts in parse_pipeline(spec):
-            items.append(get_pass(name)(**opts))
+            if name not in classes:
+                classes[name] = get_pass(name)
+            items.append(classes[name](**opts))
     else:
         for item in spec:
             items.extend(build_pipeline(item) if isinstance(item, str) else [item])
