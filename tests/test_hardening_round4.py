@@ -240,7 +240,7 @@ def test_a_second_worker_set_on_one_job_is_refused(emitted: Path, tmp_path: Path
         assert worker_main([str(job)]) == 3
         err = capsys.readouterr().err
         assert "is in use by" in err and str(run) in err and f"pid {holder.pid}" in err and "Traceback" not in err
-        assert not (run / METRICS_JSONL).exists()
+        assert not (run / METRICS_JSONL).exists() and not list((run / "launch").glob("error-*"))  # nothing written
     finally:
         holder.kill()
         holder.wait()

@@ -75,8 +75,8 @@ from vgraph.data.shards import DataError, open_prepared
 from vgraph.placement.export import assignment_of
 from vgraph.plugins import load_plugins
 from vgraph.run.compiled_graph import apply_assignment  # the launcher, the workers and `vgraph report` build it alike
-from vgraph.run.files import (LOSS_CURVE_PNG, PLACEMENT_JSON, RELEASE_FILE, RUN_LOCK_ENV, RunLock, error_name,
-                              held_name)
+from vgraph.run.files import (LOSS_CURVE_PNG, PLACEMENT_JSON, RELEASE_FILE, RUN_LOCK_ENV, RunInUse, RunLock,
+                              error_name, held_name)
 from vgraph.yamlio import loads
 
 from ..data import TokenShards
@@ -555,6 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker.setup()
             worker.run()
         return 0
+    except RunInUse as exc:  # the run is another worker set's: nothing of ours is written into it
+        return _user_error(None, None, exc)
     except VGraphError as exc:
         return _user_error(job, place.rank if place is not None else None, exc)
     except KeyboardInterrupt:
