@@ -34,7 +34,10 @@ def _state() -> TrainingState:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
-    return save_run_checkpoint(run, 3, _state(), dict(RUN), yaml_text="", tokenizer_json="{}", keep=1)
+    from tokenizers import Tokenizer, models
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))  # resume checks it
+    return save_run_checkpoint(run, 3, _state(), dict(RUN), yaml_text="", tokenizer_json=tokenizer.to_str(), keep=1)
 
 
 @pytest.mark.parametrize("key", ["seed", "batch", "seq_len", "data", "vocab_size", "tokenizer"])

@@ -133,8 +133,6 @@ def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable
         raise TrainingError(f"cannot resume: {exc}") from None
     before = saved.extra.get("run", {})
     check_finite(saved.model_state, latest)
-    if saved.extra.get("tokenizer_json"):
-        ckpt.checked_tokenizer(saved.extra["tokenizer_json"], int(run_info["vocab_size"]), str(latest))
     if yaml_text is not None:
         change = check_resumed_network(saved.extra.get("network_yaml"), before, yaml_text, checkpoint=latest,
                                        network=network, accept_change=accept_network_change, say=say)
@@ -145,6 +143,8 @@ def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable
         if key in before and before[key] != run_info[key]:
             raise TrainingError(f"cannot resume {latest.parent}: it was trained with {key}={before[key]!r}, "
                                 f"this run has {key}={run_info[key]!r}; resuming must not change it")
+    if saved.extra.get("tokenizer_json"):  # the checkpoint's own tokenizer must fit its network too
+        ckpt.checked_tokenizer(saved.extra["tokenizer_json"], int(run_info["vocab_size"]), str(latest))
     for key in ("lr", "warmup", "schedule"):
         if key in before and before[key] != run_info[key]:
             say(f"note: resuming with {key}={run_info[key]!r} (the run had {before[key]!r})")
