@@ -46,7 +46,7 @@ def test_choice_fields_and_description() -> None:
 def test_worker_devices() -> None:
     assert worker_device("cpu", 3, 0) == torch.device("cpu")
     assert [worker_device("cuda", r, 2) for r in range(4)] == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
-    with pytest.raises(RuntimeError, match="sees no GPU"):
+    with pytest.raises(VGraphError, match="sees no GPU"):  # the job's mistake: exit 3, not a crash to restart
         worker_device("cuda", 0, 0)
 
 
