@@ -385,7 +385,12 @@ def serve(addr: str, port: int, *, once: bool = False, ready: threading.Event | 
     rounds = 0
     with server:
         while True:
-            conn, peer = server.accept()
+            try:
+                conn, peer = server.accept()
+            except OSError as exc:  # a connection reset before it was accepted, out of descriptors: go on
+                print(f"probe: accepting a connection failed ({exc.strerror or exc})", file=sys.stderr, flush=True)
+                time.sleep(0.1)
+                continue
             with conn:
                 header = _serve_one(conn, peer, expected)
             if header is None:
