@@ -78,6 +78,7 @@ class PrepareOptions:
     sample_bytes: int = 64 * 2**20  # text the tokenizer is trained on
     unit_bytes: int = 32 * 2**20  # input per unit of work (and per shard)
     workers: int = 0  # 0: the CPUs this process may use
+    include: tuple[str, ...] = ()  # name patterns of files in directories and globs read as text
     small_vocab: bool = True  # a trained tokenizer under half of `vocab` is an error when False (the CLI's default)
 
     def worker_count(self) -> int:
@@ -102,8 +103,8 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptio
     t0 = time.perf_counter()
     given = load_tokenizer(options.tokenizer) if options.tokenizer is not None else None  # read bounded, checked
     if documents is None:
-        sources = find_sources(inputs)
-        check_output_dir(root, [s.path for s in sources] + list(inputs) + [options.tokenizer])
+        sources = find_sources(inputs, options.include, report=warn)
+        check_output_dir(root, [s.path for s in sources] + list(inputs) + [t for t in [options.tokenizer] if t])
         units = plan_units(sources, options.unit_bytes)
     else:
         sources, units = _document_units(documents, description or "documents", options.unit_bytes)
