@@ -140,13 +140,25 @@ def test_the_reader_refuses_a_tokenizer_with_ids_past_the_manifests_vocabulary(t
 
 _STOPPABLE = textwrap.dedent("""
     import sys
-    from vgraph.cli import main
-    from vgraph.data import prepare as P
-    from vgraph.data import sources
-    P._IN_PROCESS_BYTES = 0  # workers even for a small corpus
-    plan = P.plan_units
-    P.plan_units = lambda found, unit_bytes: plan(found, 20_000)  # many units
-    sys.exit(main(["data", "prepare", *sys.argv[1:]]))
+    import time
+    from vgraph.data import encode
+
+    real = encode.encode_unit
+
+
+    def slow(*args, **kwargs):  # a unit takes a while whatever the machine: the signal finds workers busy
+        time.sleep(0.25)
+        return real(*args, **kwargs)
+
+
+    if __name__ == "__main__":
+        from vgraph.cli import main
+        from vgraph.data import prepare as P
+        P._IN_PROCESS_BYTES = 0  # workers even for a small corpus
+        plan = P.plan_units
+        P.plan_units = lambda found, unit_bytes: plan(found, 20_000)  # many units
+        encode.encode_unit = slow  # submitted by reference: the spawned workers run `slow` from this file
+        sys.exit(main(["data", "prepare", *sys.argv[1:]]))
 """)
 
 
@@ -174,13 +186,18 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists(),
                     reason="needs /proc/PID/task/TID/children")
-def test_sigterm_stops_the_workers_says_what_was_kept_and_a_rerun_resumes(tmp_path, docs, tok_file) -> None:
-    text = write_text_corpus(tmp_path / "c.txt", docs * 12)
-    assert text.stat().st_size > 20 * 20_000  # premise: many units
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])  # SIGINT as Ctrl-C sends it: to the whole group
+def test_sigterm_stops_the_workers_says_what_was_kept_and_a_rerun_resumes(signame, tmp_path, docs, tok_file) -> None:
+    signum = getattr(signal, signame)
+    text = write_text_corpus(tmp_path / "c.txt", docs * 6)
+    assert text.stat().st_size > 10 * 20_000  # premise: many units
     out = tmp_path / "out"
-    argv = [sys.executable, "-c", _STOPPABLE, str(text), "-o", str(out), "--tokenizer", tok_file, "--workers", "2",
+    script = tmp_path / "stoppable.py"
+    script.write_text(_STOPPABLE)
+    argv = [sys.executable, str(script), str(text), "-o", str(out), "--tokenizer", tok_file, "--workers", "2",
             "--quiet"]
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, start_new_session=True)
     deadline = time.monotonic() + 120
     workers: list[int] = []
     while time.monotonic() < deadline and proc.poll() is None:
@@ -189,17 +206,20 @@ def test_sigterm_stops_the_workers_says_what_was_kept_and_a_rerun_resumes(tmp_pa
             break
         time.sleep(0.02)
     assert proc.poll() is None and len(workers) >= 2, "premise: the workers are running a unit"
-    proc.send_signal(signal.SIGTERM)
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
-    assert re.search(r"stopped by SIGTERM; its worker processes were stopped.*Kept: \d+ of \d+ unit\(s\) complete"
+    assert proc.returncode == 128 + signum and "Traceback" not in err, err
+    assert re.search(rf"stopped by {signame}; its worker processes were stopped.*Kept: \d+ of \d+ unit\(s\) complete"
                      r".*run the same command again to resume", err), err
     assert not [w for w in workers if alive(w)], "a worker outlived the command"
     files = snapshot(out)
     time.sleep(0.5)
     assert snapshot(out) == files and not list(out.glob(".*.tmp")), "something still writes after the exit"
     kept = int(re.search(r"Kept: (\d+)", err).group(1))
-    done = subprocess.run(argv[:-1], stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=300)
+    done = subprocess.run(argv[:-1], stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert f"resuming: {kept} of" in done.stderr
     assert not list((out / WORK_DIR).glob("*")) and open_prepared(out).train.tokens > 0
