@@ -108,13 +108,13 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptio
         units = plan_units(sources, options.unit_bytes)
     else:
         sources, units = _document_units(documents, description or "documents", options.unit_bytes)
-    out = _output_dir(root, [s.path for s in sources] + [options.tokenizer])
-    _refuse_foreign(root, out)
+    outputs = _output_dir(root, ([s.path for s in sources] if documents is None else []) + [options.tokenizer])
+    _refuse_foreign(root, outputs)
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root), _stoppable() as stopped:
+    with _locked(root), _stoppable():
         try:
             plan = _plan(sources, units, options, given)
-            done = _restart_state(root, plan, say, out)
+            done = _restart_state(root, plan, say, outputs)
             if done is None:  # already prepared, the same plan
                 return open_prepared(root, verify="size")
             total = sum(s.size for s in sources)
@@ -124,9 +124,9 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptio
             job = _Job(root, sources, units, options, tokenizer, documents)
             records = job.run(done, say, progress)
             records = job.fix_splits(records, say)
-            return _finish(root, plan, job, records, say, out)
+            return _finish(root, plan, job, records, say, outputs)
         except _Stop as stop:
-            raise _stopped_error(root, len(units), stop.signum, stopped) from None
+            raise _stopped_error(root, len(units), stop.signum) from None
 
 
 class _Stop(BaseException):
@@ -138,13 +138,14 @@ class _Stop(BaseException):
 
 
 @contextmanager
-def _stoppable() -> Iterator[list[int]]:
+def _stoppable() -> Iterator[None]:
     """SIGINT and SIGTERM raise `_Stop` in the main thread for the block (the worker pool's cleanup then
-    stops and waits for its processes); yields the list the signal numbers are appended to.  Outside the
-    main thread nothing is installed (a library caller's thread: signals behave as before)."""
+    stops and waits for its processes); a second signal during that cleanup is noted, not raised, so the
+    workers are still waited for.  Outside the main thread nothing is installed (a library caller's
+    thread: signals behave as before)."""
     seen: list[int] = []
     if threading.current_thread() is not threading.main_thread():
-        yield seen
+        yield
         return
 
     def handle(signum: int, frame) -> None:
@@ -154,13 +155,13 @@ def _stoppable() -> Iterator[list[int]]:
 
     previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield seen
+        yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
 
 
-def _stopped_error(root: Path, units: int, signum: int, seen: list[int]) -> DataError:
+def _stopped_error(root: Path, units: int, signum: int) -> DataError:
     """What a stopped prepare kept, as the diagnostic the CLI prints (exit status 128 + the signal)."""
     for stray in root.glob(".*.tmp"):  # a write a stopped worker was in the middle of
         stray.unlink(missing_ok=True)
