@@ -450,18 +450,20 @@ def test_files_of_other_kinds_are_counted_and_include_reads_them(tmp_path, docs,
     for i in range(12):
         (d / "pkg" / f"m{i}.py").write_text(f"def f{i}():\n    return {i}\n")
     (d / "Makefile").write_text("all:\n")
+    for i in range(20):
+        (d / "pkg" / f"m{i}.pyc").write_bytes(b"\x00\xff" * i)  # the commonest kind, but not text: no hint
     code, err = run_cli(str(d), "-o", str(tmp_path / "o1"), "--tokenizer", tok_file, "--quiet", capsys=capsys)
     assert code == 0, err
-    assert ("skipped 13 file(s) of kinds it does not read: .py (12), (no suffix) (1); name them with "
+    assert ("skipped 33 file(s) of kinds it does not read: .pyc (20), .py (12), (no suffix) (1); name them with "
             "--include '*.py' to read them as text") in err, err
     assert len(open_prepared(tmp_path / "o1").manifest["sources"]) == 3
     code, err = run_cli(str(d), "-o", str(tmp_path / "o2"), "--tokenizer", tok_file, "--include", "*.py", "--quiet",
                         capsys=capsys)
-    assert code == 0 and "skipped 1 file(s)" in err, err
+    assert code == 0 and "skipped 21 file(s)" in err, err
     assert len(open_prepared(tmp_path / "o2").manifest["sources"]) == 15
     code, err = run_cli(str(d / "**" / "*"), "-o", str(tmp_path / "o3"), "--tokenizer", tok_file, "--quiet",
                         capsys=capsys)  # a glob: counted the same way
-    assert code == 0 and "skipped 13 file(s)" in err, err
+    assert code == 0 and "skipped 33 file(s)" in err, err
 
 
 @pytest.mark.parametrize("bad", ["", "a/b", "x\x1b[2J", ".."])

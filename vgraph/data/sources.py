@@ -137,10 +137,16 @@ def _skip(path: Path, skipped: dict[tuple[int, int], str]) -> None:
     skipped[(st.st_dev, st.st_ino)] = path.suffix.lower() or "(no suffix)"
 
 
+#: Suffixes of files that are not text: never the example the skipped-files message gives for --include.
+_BINARY_SUFFIXES = frozenset(".pyc .pyo .so .o .a .dll .dylib .exe .gz .bz2 .xz .zst .zip .tar .whl .png .jpg "
+                             ".jpeg .gif .ico .pdf .bin .npy .npz .pt .pth .safetensors .onnx .db .sqlite .wav .mp3 "
+                             ".mp4 .idx".split())
+
+
 def _skipped_message(skipped: Counter[str]) -> str:
     total = sum(skipped.values())
-    first = next(iter(skipped.most_common(1)))[0]
-    hint = f"--include '*{first}'" if first.startswith(".") else "--include PATTERN"
+    text = [suffix for suffix, _ in skipped.most_common() if suffix.startswith(".") and suffix not in _BINARY_SUFFIXES]
+    hint = f"--include '*{text[0]}'" if text else "--include PATTERN"
     return (f"prepare: skipped {total:,} file(s) of kinds it does not read: {_counts(skipped)}; name them with "
             f"{hint} to read them as text")
 
