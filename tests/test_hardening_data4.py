@@ -437,6 +437,12 @@ def test_a_lock_file_that_is_a_symlink_is_refused_and_nothing_is_created_elsewhe
     code, err = run_cli(str(src), "-o", str(out), "--tokenizer", tok_file, "--quiet", capsys=capsys)
     assert code == 2 and "Traceback" not in err and ".prepare.lock" in err and "symbolic link" in err, err
     assert not target.exists() and not (out / "manifest.json").exists()
+    (out / ".prepare.lock").unlink()
+    (tmp_path / "elsewhere" / "work").mkdir()
+    (out / WORK_DIR).symlink_to(tmp_path / "elsewhere" / "work")  # the work directory as a link: refused too
+    code, err = run_cli(str(src), "-o", str(out), "--tokenizer", tok_file, "--quiet", capsys=capsys)
+    assert code == 2 and "Traceback" not in err and "not the work directory prepare makes" in err, err
+    assert not list((tmp_path / "elsewhere" / "work").iterdir()) and not (out / "manifest.json").exists()
 
 
 # -- issue 38 item 2: nothing skipped without a word; a small tokenizer said or refused ------------------------------

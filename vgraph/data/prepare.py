@@ -297,8 +297,16 @@ def _restart_state(root: Path, plan: dict, say: Callable[[str], None], out: Outp
 
 def _refuse_foreign(root: Path, out: OutputDir) -> None:
     """A directory holding anything but a prepared (or half-prepared) corpus is not ours to write into; a
-    tokenizer.json is ours only when the outputs manifest proves prepare wrote it (`OutputDir`)."""
-    if not root.is_dir() or (root / MANIFEST).is_file():
+    tokenizer.json is ours only when the outputs manifest proves prepare wrote it (`OutputDir`), and the
+    work directory and lock file only when they are what prepare makes (a link would send its writes and
+    removals elsewhere)."""
+    if not root.is_dir():
+        return
+    work = root / WORK_DIR
+    if work.is_symlink() or os.path.lexists(work) and not work.is_dir():
+        raise DataError(f"{printable(str(work))}: not the work directory prepare makes (a symbolic link or a file); "
+                        f"remove it or choose another directory")
+    if (root / MANIFEST).is_file():
         return
     ours = {LOCK_FILE, WORK_DIR, OUTPUTS_MANIFEST} | ({TOKENIZER_FILE} if _may_replace(out, TOKENIZER_FILE) else set())
     others = [p.name for p in root.iterdir() if p.name not in ours and not _is_shard_name(p.name)]
