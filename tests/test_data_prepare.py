@@ -97,10 +97,10 @@ def test_trained_tokenizer_exact_size_specials_roundtrip_and_short_corpus(docs) 
     assert tokenizer.token_to_id(EOT_TOKEN) == 0 and tokenizer.token_to_id(PAD_TOKEN) == 1
     text = "Return the value.  héllo — 日本 🙂\n\tend"
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a smaller tokenizer is prepare's message (tests/test_hardening_data4.py)
         small = train_tokenizer(["tiny tiny corpus"], 5000)
-    assert small.get_vocab_size() < 5000 and any(str(small.get_vocab_size()) in str(w.message) for w in caught)
+    assert 258 <= small.get_vocab_size() < 5000
     assert train_tokenizer(docs, 40).get_vocab_size() == 40  # characters below 258
 
 

@@ -35,6 +35,7 @@ NUMBERS = {
     "replicas": ["0", "-1", "nan", "abc", ""],
     "fraction": ["0", "1", "-0.5", "1.5", "nan", "inf", "abc", ""],
     "name": [""],  # a JSONL field or column name: any text but none
+    "pattern": ["", "a/b", "..", "x\x1b[2J"],  # data prepare --include: a file name pattern
 }
 # Paths are names of entries the `world` fixture creates (see _hostile_path).
 INPUT_FILE = ["missing", "dir", "fifo", "/dev/zero", "empty", "binary", "newline", "", "unreadable", "non-utf8",

@@ -35,6 +35,13 @@ def name(text: str) -> str:
     return text
 
 
+def pattern(text: str) -> str:
+    """An --include file name pattern: non-empty printable text without a directory part."""
+    if not text or not text.isprintable() or "/" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(f"expected a file name pattern such as '*.py', got {quote(text)}")
+    return text
+
+
 def register_data(subparsers: argparse._SubParsersAction) -> None:
     """Add `data` (with its subcommand `prepare`) to a `vgraph` subparser set."""
     data = subparsers.add_parser("data", help="prepare a text corpus as token shards for training",
@@ -51,7 +58,8 @@ def register_data(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, metavar="DIR", type=options.path, help="the prepared directory")
     tok = p.add_mutually_exclusive_group(required=True)
     tok.add_argument("--vocab", type=options.positive_int, metavar="N",
-                     help="train a tokenizer of N tokens on a sample (byte-level BPE; characters below 258)")
+                     help="train a tokenizer of N tokens on a sample (byte-level BPE; characters below 258; at "
+                          "most 16,777,216: larger vocabularies come as --tokenizer)")
     tok.add_argument("--tokenizer", metavar="FILE", type=options.path, help="a `tokenizers` JSON file to use")
     p.add_argument("--field", default="text", type=name, help="JSONL: the field holding the text (default text)")
     p.add_argument("--column", default="text", type=name,
@@ -60,6 +68,11 @@ def register_data(subparsers: argparse._SubParsersAction) -> None:
                    help="share of documents held out for validation, chosen by content hash (default 0.05)")
     p.add_argument("--sample-bytes", type=options.byte_size, default="64M", metavar="SIZE",
                    help="text the tokenizer is trained on, spread over the corpus (default 64M)")
+    p.add_argument("--include", action="append", default=[], type=pattern, metavar="PATTERN",
+                   help="also read files in directories and globs whose names match PATTERN (e.g. '*.py') as "
+                        "text; others of unknown kinds are counted in a message (repeatable)")
+    p.add_argument("--allow-small-vocab", action="store_true",
+                   help="accept a trained tokenizer under half of --vocab (the text has too few byte pairs)")
     p.add_argument("--workers", type=options.positive_int, metavar="N",
                    help="tokenizing processes (default: the CPUs available)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
@@ -69,15 +82,18 @@ def register_data(subparsers: argparse._SubParsersAction) -> None:
 def run_prepare(args: argparse.Namespace) -> int:
     from .prepare import PrepareOptions, prepare
     from .shards import DataError
-    from .tokenizer import MIN_BPE_VOCAB
+    from .tokenizer import MAX_TRAINED_VOCAB, MIN_BPE_VOCAB
 
-    if args.vocab is not None and not 4 <= args.vocab <= 2**32:
-        raise DataError(f"--vocab must be from 4 to 2**32 tokens (byte-level BPE from {MIN_BPE_VOCAB}), "
-                            f"not {args.vocab}")
+    if args.vocab is not None and not 4 <= args.vocab <= MAX_TRAINED_VOCAB:
+        raise DataError(f"--vocab must be from 4 to {MAX_TRAINED_VOCAB:,} tokens (byte-level BPE from "
+                        f"{MIN_BPE_VOCAB}; the trainer's memory grows with the size asked; a larger vocabulary "
+                        f"comes as --tokenizer FILE), not {args.vocab:,}")
     opts = PrepareOptions(vocab=args.vocab, tokenizer=args.tokenizer, field=args.field, column=args.column,
-                          val_fraction=args.val_fraction, sample_bytes=args.sample_bytes, workers=args.workers or 0)
-    say = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    corpus = prepare(args.inputs, args.output, opts, say=say, progress=not args.quiet)
+                          val_fraction=args.val_fraction, sample_bytes=args.sample_bytes, workers=args.workers or 0,
+                          include=tuple(args.include), small_vocab=args.allow_small_vocab)
+    warn = (lambda m: print(m, file=sys.stderr, flush=True))  # even with --quiet: what was skipped or came out small
+    say = (lambda m: None) if args.quiet else warn
+    corpus = prepare(args.inputs, args.output, opts, say=say, progress=not args.quiet, warn=warn)
     m = corpus.manifest
     print(f"{args.output}: {m['splits']['train']['tokens']:,} train / {m['splits']['val']['tokens']:,} val tokens "
           f"({m['dtype']}, vocabulary {m['vocab_size']}); train with --data {args.output}")

@@ -18,13 +18,15 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import signal
 from typing import Any, Sequence
 
 import numpy as np
 
+from vgraph.base.diagnostics import printable
 from vgraph.base.safeio import atomic_write
 
-from .shards import encode_index
+from .shards import DataError, encode_index
 from .sources import Source, Unit, read_unit
 
 __all__ = ["init_worker", "encode_unit", "doc_hash", "shard_names"]
@@ -35,6 +37,7 @@ _worker: dict[str, Any] = {}
 
 def init_worker(tokenizer_json: str, counter) -> None:
     """Process initializer: one single-threaded tokenizer per worker, and the shared progress counter."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops workers
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     from tokenizers import Tokenizer
@@ -70,7 +73,8 @@ def encode_unit(task: dict[str, Any], tokenizer=None, counter=None, documents: S
     splits = ["val" if k < limit else "train" for k in keys]
     for number, split in (task.get("force") or {}).items():
         splits[int(number)] = split
-    ids = _encode(tokenizer, docs, counter)
+    where = task["source"]["path"]
+    ids = _encode(tokenizer, docs, counter, where)
     eot = int(task["eot_id"])
     record: dict[str, Any] = {"unit": task["unit"], "documents": len(docs), "bytes": task["bytes"],
                               "min_key": min(zip(keys, range(len(keys))), default=None),
@@ -85,7 +89,7 @@ def encode_unit(task: dict[str, Any], tokenizer=None, counter=None, documents: S
     return record
 
 
-def _encode(tokenizer, docs: list[str], counter) -> list[list[int]]:
+def _encode(tokenizer, docs: list[str], counter, where: str) -> list[list[int]]:
     ids: list[list[int]] = []
     batch: list[str] = []
     size = 0
@@ -94,7 +98,11 @@ def _encode(tokenizer, docs: list[str], counter) -> list[list[int]]:
             batch.append(doc)
             size += len(doc)
         if batch and (doc is None or size >= _ENCODE_BATCH_BYTES):
-            ids += [e.ids for e in tokenizer.encode_batch_fast(batch, add_special_tokens=False)]
+            try:
+                ids += [e.ids for e in tokenizer.encode_batch_fast(batch, add_special_tokens=False)]
+            except Exception as exc:  # the library's own errors are plain Exceptions (no unknown token, ...)
+                raise DataError(f"{printable(where)}: the tokenizer cannot encode this text ({printable(exc, 200)}); "
+                                f"give a tokenizer that covers it (one with an unknown token, or byte-level)") from None
             if counter is not None:
                 with counter.get_lock():
                     counter.value += size
@@ -124,6 +132,9 @@ def _tail_split(doc: list[int], eot: int, val_fraction: float) -> dict[str, tupl
 
 
 def _write_shard(out: str, split: str, unit: int, tokens: np.ndarray, lengths: np.ndarray, dtype: str) -> dict:
+    if len(tokens) and int(tokens.max()) > np.iinfo(dtype).max:  # never wrap an id (the dtype comes from the
+        raise DataError(f"{split} shard of unit {unit}: token id {int(tokens.max())} does not fit {dtype}; the "
+                        f"tokenizer produced an id outside its own vocabulary")  # vocabulary: a last guard)
     data = tokens.astype(np.dtype(dtype).newbyteorder("<")).tobytes()
     index = encode_index(lengths)
     bin_name, idx_name = shard_names(split, unit)

@@ -16,6 +16,17 @@ resumes with the units not yet recorded; with others it starts clean
 it names does, so no reader ever sees a manifest describing missing shards.
 A directory that holds something else, an output over or inside an input,
 or inside a training run is refused before anything is written.
+
+**Its own outputs only.**  ``tokenizer.json`` and ``manifest.json`` are
+written through `safeio.OutputDir`, whose manifest (``.vgraph-outputs.json``)
+proves which files prepare wrote: a ``tokenizer.json`` the user put there is
+never replaced nor removed (the directory is refused), and a ``--tokenizer``
+inside the output directory is refused as an input there.  A damaged record
+in ``.prepare/`` is not trusted: its unit is encoded again.
+
+**Stopped.**  SIGINT or SIGTERM stops the worker processes (and waits for
+them), keeps the units already recorded and says how to resume; the exit
+status is 128 + the signal.
 """
 from __future__ import annotations
 
@@ -25,8 +36,12 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
+import signal
+import stat
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -34,14 +49,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from vgraph.base.diagnostics import VGraphError, printable
-from vgraph.base.safeio import atomic_write
+from vgraph.base.safeio import MANIFEST as OUTPUTS_MANIFEST
+from vgraph.base.safeio import OutputDir, atomic_write
 from vgraph.base.safeio import check_output_dir as check_output_dir_of_every_command
 
 from . import encode
 from .shards import (FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, DataError, PreparedCorpus,
                      open_prepared, token_dtype)
 from .sources import Source, Unit, find_sources, plan_units, read_unit
-from .tokenizer import EOT_TOKEN, load_tokenizer, tokenizer_kind, train_tokenizer
+from .tokenizer import EOT_TOKEN, load_tokenizer, tokenizer_kind, train_tokenizer, vocabulary_span
 
 __all__ = ["PrepareOptions", "prepare", "check_output_dir", "WORK_DIR"]
 
@@ -62,6 +78,8 @@ class PrepareOptions:
     sample_bytes: int = 64 * 2**20  # text the tokenizer is trained on
     unit_bytes: int = 32 * 2**20  # input per unit of work (and per shard)
     workers: int = 0  # 0: the CPUs this process may use
+    include: tuple[str, ...] = ()  # name patterns of files in directories and globs read as text
+    small_vocab: bool = True  # a trained tokenizer under half of `vocab` is an error when False (the CLI's default)
 
     def worker_count(self) -> int:
         if self.workers:
@@ -71,9 +89,12 @@ class PrepareOptions:
 
 def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptions, *,
             say: Callable[[str], None] = lambda m: print(m, file=sys.stderr), progress: bool = True,
-            documents: Sequence[str] | None = None, description: str | None = None) -> PreparedCorpus:
+            documents: Sequence[str] | None = None, description: str | None = None,
+            warn: Callable[[str], None] | None = None) -> PreparedCorpus:
     """Prepare `inputs` (or the in-memory `documents`, named `description`) into `out`; see the module
-    docstring.  Returns the prepared corpus, opened."""
+    docstring.  Returns the prepared corpus, opened.  `warn` (default `say`) gets what the user should
+    read even when status lines are off (a tokenizer smaller than asked, inputs skipped)."""
+    warn = warn or say
     if (options.vocab is None) == (options.tokenizer is None):
         raise DataError("give exactly one of --vocab N (train a tokenizer) and --tokenizer FILE")
     if not 0.0 < options.val_fraction < 1.0:
@@ -82,26 +103,78 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptio
     t0 = time.perf_counter()
     given = load_tokenizer(options.tokenizer) if options.tokenizer is not None else None  # read bounded, checked
     if documents is None:
-        sources = find_sources(inputs)
-        check_output_dir(root, [s.path for s in sources] + list(inputs))
+        sources = find_sources(inputs, options.include, report=warn)
+        check_output_dir(root, [s.path for s in sources] + list(inputs) + [t for t in [options.tokenizer] if t])
         units = plan_units(sources, options.unit_bytes)
     else:
         sources, units = _document_units(documents, description or "documents", options.unit_bytes)
-    _refuse_foreign(root)
+    outputs = _output_dir(root, ([s.path for s in sources] if documents is None else []) + [options.tokenizer])
+    _refuse_foreign(root, outputs)
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root):
-        plan = _plan(sources, units, options, given)
-        done = _restart_state(root, plan, say)
-        if done is None:  # already prepared, the same plan
-            return open_prepared(root, verify="size")
-        total = sum(s.size for s in sources)
-        say(f"prepare: {len(sources)} input file(s), {total / 1e6:,.1f} MB in {len(units)} unit(s) -> {root} "
-            f"({time.perf_counter() - t0:.2f} s)")
-        tokenizer = given or _tokenizer(root, sources, units, options, documents, say)
-        job = _Job(root, sources, units, options, tokenizer, documents)
-        records = job.run(done, say, progress)
-        records = job.fix_splits(records, say)
-        return _finish(root, plan, job, records, say)
+    with _locked(root), _stoppable():
+        try:
+            plan = _plan(sources, units, options, given)
+            done = _restart_state(root, plan, say, outputs)
+            if done is None:  # already prepared, the same plan
+                return open_prepared(root, verify="size")
+            total = sum(s.size for s in sources)
+            say(f"prepare: {len(sources)} input file(s), {total / 1e6:,.1f} MB in {len(units)} unit(s) -> {root} "
+                f"({time.perf_counter() - t0:.2f} s)")
+            tokenizer = given or _tokenizer(root, sources, units, options, documents, say, warn)
+            job = _Job(root, sources, units, options, tokenizer, documents)
+            records = job.run(done, say, progress)
+            records = job.fix_splits(records, say)
+            return _finish(root, plan, job, records, say, outputs)
+        except _Stop as stop:
+            raise _stopped_error(root, len(units), stop.signum) from None
+
+
+class _Stop(BaseException):
+    """SIGINT or SIGTERM arrived (a BaseException, so no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _stoppable() -> Iterator[None]:
+    """SIGINT and SIGTERM raise `_Stop` in the main thread for the block (the worker pool's cleanup then
+    stops and waits for its processes); a second signal during that cleanup is noted, not raised, so the
+    workers are still waited for.  Outside the main thread nothing is installed (a library caller's
+    thread: signals behave as before)."""
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame) -> None:
+        seen.append(signum)
+        if len(seen) == 1:  # a second signal while the first is being handled must not cut the cleanup
+            raise _Stop(signum)
+
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stopped_error(root: Path, units: int, signum: int) -> DataError:
+    """What a stopped prepare kept, as the diagnostic the CLI prints (exit status 128 + the signal)."""
+    for stray in root.glob(".*.tmp"):  # a write a stopped worker was in the middle of
+        stray.unlink(missing_ok=True)
+    kept = sorted(int(m.group(1)) for p in (root / WORK_DIR).glob("unit-*.json")
+                  if (m := re.fullmatch(r"unit-([0-9]{5,9})\.json", p.name)))
+    shown = printable(str(root))
+    listed = ", ".join(str(k) for k in kept[:20]) + (", ..." if len(kept) > 20 else "")
+    error = DataError(f"{shown}: prepare stopped by {signal.Signals(signum).name}; its worker processes were "
+                      f"stopped and have exited. Kept: {len(kept)} of {units} unit(s) complete"
+                      f"{f' ({listed})' if kept else ''} in {printable(str(root / WORK_DIR))}; run the same "
+                      f"command again to resume with the rest")
+    error.exit_status = 128 + signum  # type: ignore[attr-defined]
+    return error
 
 
 def _document_units(documents: Sequence[str], description: str, unit_bytes: int) -> tuple[list[Source], list[Unit]]:
@@ -147,20 +220,41 @@ def check_output_dir(out: Path, inputs: Sequence[str]) -> None:
             raise DataError(f"{shown}: inside the training run {printable(str(parent))}; prepare the corpus "
                             f"outside run directories")
 
+def _output_dir(root: Path, inputs: Sequence[str | None]) -> OutputDir:
+    try:
+        return OutputDir(root, command="data prepare", inputs=inputs)
+    except VGraphError as exc:
+        raise DataError(exc.diagnostics) from None
+
+
 @contextmanager
 def _locked(root: Path) -> Iterator[None]:
-    """One prepare at a time per directory (a second one waits, then finds the work done)."""
-    with open(root / LOCK_FILE, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    """One prepare at a time per directory (a second one waits, then finds the work done).  The lock file
+    is opened without following a link: a planted symlink would make prepare create a file elsewhere."""
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(root / LOCK_FILE, flags, 0o666)
+    except OSError as exc:
+        raise DataError(f"{printable(str(root / LOCK_FILE))}: cannot open the lock file ({exc.strerror}"
+                        f"{'; it is a symbolic link' if os.path.islink(root / LOCK_FILE) else ''}); remove it "
+                        f"or choose another directory") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DataError(f"{printable(str(root / LOCK_FILE))}: not a regular file; remove it or choose "
+                            f"another directory")
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _plan(sources: list[Source], units: list[Unit], options: PrepareOptions, given) -> dict[str, Any]:
     settings = asdict(options)
     settings.pop("workers")  # how many processes does not change the result
+    settings.pop("small_vocab")  # nor whether a small tokenizer is accepted
     if given is not None:
         settings["tokenizer"] = hashlib.sha256(given.to_str().encode()).hexdigest()
     import tokenizers
@@ -171,7 +265,7 @@ def _plan(sources: list[Source], units: list[Unit], options: PrepareOptions, giv
     return plan
 
 
-def _restart_state(root: Path, plan: dict, say: Callable[[str], None]) -> dict[int, dict] | None:
+def _restart_state(root: Path, plan: dict, say: Callable[[str], None], out: OutputDir) -> dict[int, dict] | None:
     """Units already done (a resumed prepare), {} for a fresh one, None when `root` is prepared as planned."""
     manifest = root / MANIFEST
     if manifest.is_file():
@@ -190,22 +284,31 @@ def _restart_state(root: Path, plan: dict, say: Callable[[str], None]) -> dict[i
     except (OSError, ValueError, UnicodeDecodeError):
         old = None
     if isinstance(old, dict) and old.get("sha256") == plan["sha256"]:
-        done = _finished_units(root, work)
+        done = _finished_units(root, work, len(plan["units"]), say)
         say(f"prepare: resuming: {len(done)} of {len(plan['units'])} unit(s) already done")
         return done
     if work.exists() or any(_is_shard_name(p.name) for p in root.iterdir()):
         say(f"prepare: {root} holds an unfinished prepare of other inputs or settings: starting clean")
-    _clean(root)
+    _clean(root, out)
     work.mkdir()
     atomic_write(work / "plan.json", json.dumps(plan, indent=1))
     return {}
 
 
-def _refuse_foreign(root: Path) -> None:
-    """A directory holding anything but a prepared (or half-prepared) corpus is not ours to write into."""
-    if not root.is_dir() or (root / MANIFEST).is_file():
+def _refuse_foreign(root: Path, out: OutputDir) -> None:
+    """A directory holding anything but a prepared (or half-prepared) corpus is not ours to write into; a
+    tokenizer.json is ours only when the outputs manifest proves prepare wrote it (`OutputDir`), and the
+    work directory and lock file only when they are what prepare makes (a link would send its writes and
+    removals elsewhere)."""
+    if not root.is_dir():
         return
-    ours = {LOCK_FILE, WORK_DIR, TOKENIZER_FILE}
+    work = root / WORK_DIR
+    if work.is_symlink() or os.path.lexists(work) and not work.is_dir():
+        raise DataError(f"{printable(str(work))}: not the work directory prepare makes (a symbolic link or a file); "
+                        f"remove it or choose another directory")
+    if (root / MANIFEST).is_file():
+        return
+    ours = {LOCK_FILE, WORK_DIR, OUTPUTS_MANIFEST} | ({TOKENIZER_FILE} if _may_replace(out, TOKENIZER_FILE) else set())
     others = [p.name for p in root.iterdir() if p.name not in ours and not _is_shard_name(p.name)]
     if others or (not (root / WORK_DIR).is_dir() and any(_is_shard_name(p.name) for p in root.iterdir())):
         raise DataError(f"{printable(str(root))}: not empty and not a corpus being prepared (holds "
@@ -218,39 +321,79 @@ def _is_shard_name(name: str) -> bool:
         name.startswith(".") and name.endswith(".tmp")
 
 
-def _clean(root: Path) -> None:
+def _may_replace(out: OutputDir, name: str) -> bool:
+    """Whether DIR/`name` is absent or a file this command wrote there and nobody changed since."""
+    try:
+        out.check(name)
+    except VGraphError:
+        return False
+    return True
+
+
+def _clean(root: Path, out: OutputDir) -> None:
     for p in root.iterdir():
-        if _is_shard_name(p.name) or p.name == TOKENIZER_FILE:
+        if _is_shard_name(p.name) or p.name == TOKENIZER_FILE and _may_replace(out, TOKENIZER_FILE):
             p.unlink()
     shutil.rmtree(root / WORK_DIR, ignore_errors=True)
 
 
-def _finished_units(root: Path, work: Path) -> dict[int, dict]:
-    """Records of units whose shards are all there with the recorded size and hash (others are redone)."""
+def _finished_units(root: Path, work: Path, units: int, say: Callable[[str], None]) -> dict[int, dict]:
+    """Records of units whose shards are all there with the recorded size and hash; a record that is not
+    what encode.encode_unit writes (damaged, edited, another unit's) is not trusted: its unit is redone."""
     done = {}
     for path in sorted(work.glob("unit-*.json")):
+        match = re.fullmatch(r"unit-([0-9]{5,9})\.json", path.name)
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-            ok = all(_shard_intact(root, record[s]) for s in SPLITS if record.get(s))
-        except (OSError, ValueError, KeyError, TypeError):
+            record = json.loads(path.read_text(encoding="utf-8")) if match else None
+            ok = match is not None and _valid_record(record, int(match.group(1)), units) and \
+                all(_shard_intact(root, record[s]) for s in SPLITS if record[s])
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
             ok = False
         if ok:
-            done[int(record["unit"])] = record
+            done[record["unit"]] = record
+        else:
+            say(f"prepare: {printable(str(path))} is not a complete record of its unit; encoding that unit again")
     return done
+
+
+def _valid_record(record: Any, unit: int, units: int) -> bool:
+    """`record` has the shape and types `encode.encode_unit` gives, for unit number `unit` of `units`."""
+    def count(v: Any) -> bool:
+        return type(v) is int and 0 <= v < 2**62
+
+    def key(v: Any) -> bool:
+        return v is None or (isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+                             and 0 <= v[0] < 2**64 and 0 <= v[1] < 2**62)
+
+    if not (isinstance(record, dict) and record.get("unit") == unit and type(record.get("unit")) is int
+            and unit < units and count(record.get("documents")) and count(record.get("bytes"))
+            and key(record.get("min_key")) and key(record.get("max_key"))):
+        return False
+    for split in SPLITS:
+        shard = record.get(split)
+        if shard is None and split in record:
+            continue
+        names = dict(zip(("bin", "idx"), encode.shard_names(split, unit)))
+        if not (isinstance(shard, dict) and all(shard.get(k) == names[k] for k in names)
+                and count(shard.get("tokens")) and count(shard.get("documents"))
+                and all(isinstance(shard.get(f"{k}_sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", shard[f"{k}_sha256"])
+                        for k in names)):
+            return False
+    return True
 
 
 def _shard_intact(root: Path, shard: dict) -> bool:
     from .shards import sha256_file
 
-    return all((root / shard[k]).is_file() and sha256_file(root / shard[k]) == shard[f"{k}_sha256"]
-               for k in ("bin", "idx"))
+    return all((root / shard[k]).is_file() and not (root / shard[k]).is_symlink()
+               and sha256_file(root / shard[k]) == shard[f"{k}_sha256"] for k in ("bin", "idx"))
 
 
 # -- the tokenizer --------------------------------------------------------------------------------------------
 
 
 def _tokenizer(root: Path, sources: list[Source], units: list[Unit], options: PrepareOptions,
-               documents: Sequence[str] | None, say: Callable[[str], None]):
+               documents: Sequence[str] | None, say: Callable[[str], None], warn: Callable[[str], None]):
     from tokenizers import Tokenizer
 
     saved = root / WORK_DIR / TOKENIZER_FILE
@@ -262,9 +405,25 @@ def _tokenizer(root: Path, sources: list[Source], units: list[Unit], options: Pr
     say(f"prepare: training a {options.vocab}-token {'byte-level BPE' if kind == 'bpe' else 'character'} tokenizer "
         f"on {sum(map(len, sample)) / 1e6:,.1f} MB of sample text ...")
     tokenizer = train_tokenizer(sample, options.vocab)
+    _check_size(tokenizer.get_vocab_size(), options, sum(map(len, sample)), warn)
     atomic_write(saved, tokenizer.to_str())
     say(f"prepare: tokenizer trained ({tokenizer.get_vocab_size()} tokens, {time.perf_counter() - t0:.1f} s)")
     return tokenizer
+
+
+def _check_size(actual: int, options: PrepareOptions, sample_chars: int, warn: Callable[[str], None]) -> None:
+    """A tokenizer that came out smaller than asked: said on stderr; under half the size asked an error
+    unless `options.small_vocab` (the BPE ran out of byte pairs to merge: the text is too small or too
+    uniform for the vocabulary, and a network sized for `--vocab` would hold mostly unused embeddings)."""
+    asked = int(options.vocab or 0)
+    if actual >= asked:
+        return
+    why = (f"the tokenizer came out at {actual:,} tokens of the {asked:,} asked: its sample "
+           f"({sample_chars:,} characters) has too few distinct byte pairs to merge")
+    if actual * 2 < asked and not options.small_vocab:
+        raise DataError(f"{why}; give more text, a smaller --vocab (at most {actual:,}), or --allow-small-vocab "
+                        f"to accept a tokenizer under half the size asked")
+    warn(f"prepare: note: {why}; the corpus uses {actual:,} token ids")
 
 
 def _sample(sources: list[Source], units: list[Unit], options: PrepareOptions,
@@ -294,7 +453,7 @@ class _Job:
                  documents: Sequence[str] | None) -> None:
         self.root, self.sources, self.units, self.options = root, sources, units, options
         self.tokenizer, self.documents = tokenizer, documents
-        self.vocab_size = tokenizer.get_vocab_size()
+        self.vocab_size = vocabulary_span(tokenizer)  # the largest id + 1: ids of a given tokenizer may be sparse
         self.dtype = token_dtype(self.vocab_size)
         self.eot_id = tokenizer.token_to_id(EOT_TOKEN)
 
@@ -344,8 +503,7 @@ class _Job:
                     for future in finished:
                         yield future.result()
             except BaseException:
-                for future in pending:
-                    future.cancel()
+                _stop_workers(pool, pending)
                 raise
 
     def fix_splits(self, records: dict[int, dict], say: Callable[[str], None]) -> dict[int, dict]:
@@ -379,6 +537,27 @@ class _Job:
         return record
 
 
+def _stop_workers(pool: cf.ProcessPoolExecutor, pending: set) -> None:
+    """Stop the pool's processes now and wait for them (a stopped or failed prepare leaves nobody writing).
+
+    Why not just leave the `with` block: `shutdown(wait=True)` lets every running unit finish and write its
+    shards, after the command has ended (a SIGTERM used to leave workers writing for seconds).  The
+    executor has no public way to kill its workers before Python 3.14 (`terminate_workers`), hence
+    `_processes`."""
+    for future in pending:
+        future.cancel()
+    processes = list(getattr(pool, "_processes", {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def _unit_bytes(source: Source, unit: Unit, units: list[Unit]) -> int:
     """Input bytes of a unit (table units: the source's bytes shared by its units, for the progress bar)."""
     if source.kind in ("text", "jsonl"):
@@ -398,14 +577,16 @@ def _bar(total: int, enabled: bool):
 # -- the end ------------------------------------------------------------------------------------------------
 
 
-def _finish(root: Path, plan: dict, job: _Job, records: dict[int, dict], say: Callable[[str], None]) -> PreparedCorpus:
+def _finish(root: Path, plan: dict, job: _Job, records: dict[int, dict], say: Callable[[str], None],
+            out: OutputDir) -> PreparedCorpus:
     splits = {}
     for split in SPLITS:
         shards = [records[k][split] for k in sorted(records) if records[k].get(split)]
         splits[split] = {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
                          "shards": shards}
     tokenizer_text = job.tokenizer.to_str()
-    atomic_write(root / TOKENIZER_FILE, tokenizer_text)
+    out.plan([TOKENIZER_FILE, MANIFEST])
+    _write_output(out, TOKENIZER_FILE, tokenizer_text)
     manifest = {
         "format": FORMAT, "version": FORMAT_VERSION, "dtype": job.dtype, "vocab_size": job.vocab_size,
         "eot_id": job.eot_id, "plan_sha256": plan["sha256"],
@@ -417,9 +598,16 @@ def _finish(root: Path, plan: dict, job: _Job, records: dict[int, dict], say: Ca
         "splits": splits, "sources": [{"path": s.path, "kind": s.kind, "bytes": s.size} for s in job.sources],
         "settings": plan["settings"], "tokenizers_version": plan["tokenizers"],
     }
-    atomic_write(root / MANIFEST, json.dumps(manifest, indent=1) + "\n")  # last: now the corpus exists
+    _write_output(out, MANIFEST, json.dumps(manifest, indent=1) + "\n")  # last: now the corpus exists
     shutil.rmtree(root / WORK_DIR, ignore_errors=True)
     say(f"prepare: {root}: {splits['train']['tokens']:,} train tokens in {splits['train']['documents']:,} documents, "
         f"{splits['val']['tokens']:,} val tokens in {splits['val']['documents']:,}; {job.dtype}, vocabulary "
         f"{job.vocab_size}")
     return open_prepared(root, verify="size")
+
+
+def _write_output(out: OutputDir, name: str, text: str) -> None:
+    try:
+        out.write(name, text)
+    except VGraphError as exc:
+        raise DataError(exc.diagnostics) from None

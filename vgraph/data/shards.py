@@ -16,14 +16,23 @@ and hashes everything (``FORMAT``, ``FORMAT_VERSION``).
 inside the directory only), sizes against counts, index headers and offsets,
 and (``verify="full"``) every SHA-256.  Whatever it finds wrong is a
 `DataError` naming the file, so a truncated shard or a manifest describing
-other shards is a diagnostic, never a wrong run or a traceback.
+other shards is a diagnostic, never a wrong run or a traceback.  The dtype
+follows the vocabulary (the largest id + 1, not the count of tokens), and a
+full check also reads ``tokenizer.json``: a tokenizer with ids past the
+manifest's vocabulary (ids that would have wrapped in uint16) is refused.
+
+Shards are read through a bounded pool of open descriptors (`ShardFile`):
+a corpus of thousands of shards never holds more than `MAX_OPEN_SHARDS`.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +56,8 @@ TOKENIZER_FILE = "tokenizer.json"
 MAX_MANIFEST_BYTES = 64 * 2**20
 _SHARD_NAME = re.compile(r"(train|val)-[0-9]{5,9}\.(bin|idx)")
 _DTYPES = {"uint16": 2**16, "uint32": 2**32}
+#: Shard files open at once per process (least recently read closed first): far under any `ulimit -n`.
+MAX_OPEN_SHARDS = 64
 
 
 class DataError(VGraphError):
@@ -167,6 +178,8 @@ def open_prepared(path: str | os.PathLike, *, verify: str = "full") -> PreparedC
     _check_manifest(manifest, manifest_path)
     tokenizer = root / TOKENIZER_FILE
     _check_file(tokenizer, None, manifest["tokenizer"]["sha256"], verify)
+    if verify == "full":
+        _check_tokenizer_ids(tokenizer, manifest["vocab_size"], manifest["dtype"])
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     streams = [_open_split(root, name, manifest["splits"][name], dtype, verify) for name in SPLITS]
     return PreparedCorpus(root, manifest, hashlib.sha256(raw).hexdigest(), *streams)
@@ -249,6 +262,24 @@ def _hex(value: str, where: Path, what: str) -> None:
 # -- the files ------------------------------------------------------------------------------------------
 
 
+def _check_tokenizer_ids(path: Path, vocab: int, dtype: str) -> None:
+    """The tokenizer's largest id (model vocabulary and added tokens) is inside the manifest's vocabulary."""
+    try:
+        doc = json.loads(read_input(path, what="tokenizer", limit=512 * 2**20, binary=True))
+        model_vocab = doc["model"].get("vocab") if isinstance(doc.get("model"), dict) else None
+        ids = [t["id"] for t in doc.get("added_tokens") or [] if isinstance(t, dict) and "id" in t]
+        if isinstance(model_vocab, dict):
+            ids += list(model_vocab.values())
+        elif isinstance(model_vocab, list):  # Unigram: the position is the id
+            ids.append(len(model_vocab) - 1)
+    except (ValueError, UnicodeDecodeError, RecursionError, AttributeError, TypeError, KeyError) as exc:
+        raise DataError(f"{printable(str(path))}: not a `tokenizers` JSON file ({type(exc).__name__})") from None
+    top = max((i for i in ids if type(i) is int), default=-1)
+    if top >= vocab:
+        raise DataError(f"{printable(str(path))}: holds token id {top}, outside the manifest's vocabulary of {vocab} "
+                        f"({dtype} shards); prepare the corpus again")
+
+
 def _check_file(path: Path, size: int | None, sha256: str, verify: str) -> None:
     try:
         st = path.lstat()
@@ -280,7 +311,7 @@ def _open_split(root: Path, name: str, split: dict, dtype: np.dtype, verify: str
 
 
 class ShardFile:
-    """One .bin shard, read a window at a time with `os.pread`.
+    """One .bin shard, read a window at a time with `os.pread` through the pool of open descriptors.
 
     Why not a memory map (nanoGPT's np.memmap): the pages a mapping touches count in the process's resident
     memory, and training touches pages all over the corpus; the kernel also maps in its neighbours (read-
@@ -288,36 +319,88 @@ class ShardFile:
     run on a 4 MB corpus against the same run on 2 GB): through np.memmap the resident memory grew by 646 MB
     more on the big corpus, through a map advised MADV_RANDOM still 474 MB (RssFile), through pread by the
     same as on the small one.  A window is a few KiB, so one system call per window costs nothing next to a
-    training step; the page cache still serves repeated reads."""
+    training step; the page cache still serves repeated reads.  Why a pool: one descriptor per shard ever
+    read made a corpus of 1,000+ one-document files die mid-run with "Too many open files"; a reopened
+    shard must still be the file checked (device and inode), so a swap after the check is refused."""
 
     def __init__(self, path: Path, dtype: np.dtype) -> None:
         self.path, self.dtype = path, np.dtype(dtype)
-        self.tokens = path.stat().st_size // self.dtype.itemsize
-        self._fd: int | None = None
+        st = path.stat()
+        self.tokens = st.st_size // self.dtype.itemsize
+        self._identity: tuple[int, int] | None = (st.st_dev, st.st_ino)
 
     def read(self, start: int, count: int) -> np.ndarray:
         """Tokens [start, start + count) of this shard."""
-        if self._fd is None:  # opened on first use: a corpus of thousands of shards holds no idle descriptors
-            flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-            try:
-                self._fd = os.open(self.path, flags)
-            except OSError as exc:
-                raise DataError(f"{printable(str(self.path))}: cannot read: {exc.strerror} (removed or replaced by "
-                                f"a link after it was checked; prepare the corpus again)") from None
         size = self.dtype.itemsize
-        raw = os.pread(self._fd, count * size, start * size)
+        raw = _POOL.pread(self, count * size, start * size)
         if len(raw) != count * size:
             raise DataError(f"{printable(str(self.path))}: ends before token {start + count} (truncated after "
                             f"it was opened; prepare the corpus again)")
         return np.frombuffer(raw, dtype=self.dtype)
 
+    def open(self) -> int:
+        """A new descriptor of this shard, checked to be the file `open_prepared` checked."""
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        shown = printable(str(self.path))
+        try:
+            fd = os.open(self.path, flags)
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise DataError(f"{shown}: cannot open: too many open files (this process's limit, `ulimit -n`, "
+                                f"is reached by descriptors other than the shards'; raise it)") from None
+            if exc.errno in (errno.ENOENT, errno.ELOOP):
+                raise DataError(f"{shown}: cannot read: {exc.strerror} (removed or replaced by a link after it "
+                                f"was checked; prepare the corpus again)") from None
+            raise DataError(f"{shown}: cannot read: {exc.strerror}") from None
+        st = os.fstat(fd)
+        if self._identity is None:  # unpickled in another process: the file it opens first is the one read
+            self._identity = (st.st_dev, st.st_ino)
+        elif (st.st_dev, st.st_ino) != self._identity:
+            os.close(fd)
+            raise DataError(f"{shown}: replaced by another file after it was checked; prepare the corpus again")
+        return fd
+
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fd": None}  # a descriptor number means nothing in another process
+        return {**self.__dict__, "_identity": None}  # a device and inode mean nothing on another machine
 
     def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)  # None also when __init__ failed before setting it
+        pool = globals().get("_POOL")  # None at interpreter shutdown
+        if pool is not None:
+            pool.release(id(self))
+
+
+class _DescriptorPool:
+    """At most `limit` shard descriptors open in this process, the least recently read closed first."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.fds: OrderedDict[int, int] = OrderedDict()  # id(ShardFile) -> descriptor
+        self.lock = threading.Lock()
+
+    def pread(self, shard: ShardFile, length: int, offset: int) -> bytes:
+        with self.lock:
+            fd = self.fds.get(id(shard))
+            if fd is None:
+                while len(self.fds) >= self.limit:
+                    os.close(self.fds.popitem(last=False)[1])
+                fd = self.fds[id(shard)] = shard.open()
+            else:
+                self.fds.move_to_end(id(shard))
+            return os.pread(fd, length, offset)
+
+    def release(self, key: int) -> None:
+        with self.lock:
+            fd = self.fds.pop(key, None)
         if fd is not None:
             os.close(fd)
+
+    def after_fork(self) -> None:
+        self.lock = threading.Lock()  # a lock held by another thread at fork time stays held in the child
+
+
+_POOL = _DescriptorPool(MAX_OPEN_SHARDS)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL.after_fork)
 
 
 def _check_index(path: Path, tokens: int, documents: int) -> None:

@@ -6,7 +6,11 @@ Parquet (``.parquet``, ``--column``), a Hugging Face `datasets` dataset saved
 with ``save_to_disk`` (a directory with ``state.json``; its Arrow files are
 read with pyarrow, memory-mapped, ``--column``), directories (every such file
 below, sorted by relative path, hidden entries skipped) and globs (``**``
-allowed, matches sorted).  A text file is one document, or several separated
+allowed, matches sorted).  Files of other kinds found in a directory or by a
+glob are counted in one message by suffix (``--include PATTERN`` reads
+files whose names match as text); a directory reached twice (symbolic links
+to a parent, loops) is walked once, and a file reached by several paths is
+read once (by device and inode).  A text file is one document, or several separated
 by lines holding only ``<|endoftext|>`` (the GPT-2 / TinyStories convention).
 
 Why units: the corpus is tokenized by several processes and a killed prepare
@@ -17,17 +21,22 @@ bytes.  A unit is named by plain data (`Unit`), so it travels to a worker
 process and into the restart plan.
 
 Errors name the file, and the line for JSONL: a line that is not JSON, not
-an object, without the field or whose field is not text.
+an object, without the field or whose field is not text; for Parquet and
+Arrow the row group or record batch (and the row, for text that is not
+UTF-8).
 """
 from __future__ import annotations
 
+import fnmatch
 import glob
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from vgraph.base.diagnostics import printable
 
@@ -64,32 +73,91 @@ class Unit:
         return asdict(self)
 
 
-def find_sources(inputs: Sequence[str]) -> list[Source]:
-    """Every input file, in order (see the module docstring); a DataError names what matches nothing."""
+def find_sources(inputs: Sequence[str], include: Sequence[str] = (),
+                 report: Callable[[str], None] | None = None) -> list[Source]:
+    """Every input file, in order (see the module docstring); a DataError names what matches nothing.
+    `include`: name patterns of files read as text whatever their suffix; `report` gets the message
+    counting the files skipped (by suffix), when any were."""
     if not inputs:
         raise DataError("no input given: name text files, directories, globs, JSONL, Parquet or a saved dataset")
     found: list[Source] = []
+    skipped: dict[tuple[int, int], str] = {}  # (device, inode) -> suffix: a file met twice counts once
     for given in inputs:
         target = Path(given).expanduser()
         if target.is_dir():
-            found += _directory(target)
+            found += _directory(target, include, skipped)
         elif target.exists():
             found.append(_source(target, explicit=True))
         else:
-            matches = sorted(glob.glob(os.fspath(target), recursive=True))
+            matches = _glob(os.fspath(target))
             if not matches:
                 raise DataError(f"{printable(given)}: no such file, directory or matching file")
             for match in matches:
                 p = Path(match)
-                found += _directory(p) if p.is_dir() else [_source(p, explicit=False)]
-    seen: set[str] = set()
-    unique = [s for s in found if not (s.path in seen or seen.add(s.path))]
+                if p.is_dir():
+                    found += _directory(p, include, skipped)
+                elif _kind(p, include):
+                    found.append(_source(p, explicit=False, include=include))
+                else:
+                    _skip(p, skipped)
+    unique = _once(found)
+    read = {(st.st_dev, st.st_ino) for st in map(os.stat, (s.path for s in unique))}
+    counts = Counter(suffix for key, suffix in skipped.items() if key not in read)
+    if counts and report is not None:
+        report(_skipped_message(counts))
     if not unique:
-        raise DataError(f"no text, JSONL, Parquet or Arrow file in {', '.join(printable(i) for i in inputs)}")
+        kinds = f" (only files of other kinds: {_counts(counts)}; name them with --include)" if counts else ""
+        raise DataError(f"no text, JSONL, Parquet or Arrow file in {', '.join(printable(i) for i in inputs)}{kinds}")
     return unique
 
 
-def _source(path: Path, *, explicit: bool) -> Source:
+def _once(found: list[Source]) -> list[Source]:
+    """Each file once, by device and inode (a file reached through links or by several inputs)."""
+    seen: set[tuple[int, int]] = set()
+    unique = []
+    for source in found:
+        st = os.stat(source.path)
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            unique.append(source)
+    return unique
+
+
+def _counts(skipped: Counter[str]) -> str:
+    return ", ".join(f"{printable(suffix, 20)} ({n:,})" for suffix, n in skipped.most_common(8)) + \
+        (", ..." if len(skipped) > 8 else "")
+
+
+def _skip(path: Path, skipped: dict[tuple[int, int], str]) -> None:
+    try:
+        st = path.stat()
+    except OSError:  # a dangling link: counted by its name
+        skipped[(-1, hash(str(path)))] = path.suffix.lower() or "(no suffix)"
+        return
+    skipped[(st.st_dev, st.st_ino)] = path.suffix.lower() or "(no suffix)"
+
+
+#: Suffixes of files that are not text: never the example the skipped-files message gives for --include.
+_BINARY_SUFFIXES = frozenset(".pyc .pyo .so .o .a .dll .dylib .exe .gz .bz2 .xz .zst .zip .tar .whl .png .jpg "
+                             ".jpeg .gif .ico .pdf .bin .npy .npz .pt .pth .safetensors .onnx .db .sqlite .wav .mp3 "
+                             ".mp4 .idx".split())
+
+
+def _skipped_message(skipped: Counter[str]) -> str:
+    total = sum(skipped.values())
+    text = [suffix for suffix, _ in skipped.most_common() if suffix.startswith(".") and suffix not in _BINARY_SUFFIXES]
+    hint = f"--include '*{text[0]}'" if text else "--include PATTERN"
+    return (f"prepare: skipped {total:,} file(s) of kinds it does not read: {_counts(skipped)}; name them with "
+            f"{hint} to read them as text")
+
+
+def _kind(path: Path, include: Sequence[str]) -> str:
+    """How a file found in a directory or by a glob is read ('' when it is not)."""
+    kind = _KIND_BY_SUFFIX.get(path.suffix.lower(), "")
+    return kind or ("text" if any(fnmatch.fnmatch(path.name, p) for p in include) else "")
+
+
+def _source(path: Path, *, explicit: bool, include: Sequence[str] = ()) -> Source:
     try:
         st = path.stat()
     except OSError as exc:
@@ -98,13 +166,68 @@ def _source(path: Path, *, explicit: bool) -> Source:
         raise DataError(f"{printable(str(path))}: not a regular file (a device, FIFO or socket)")
     if not os.access(path, os.R_OK):
         raise DataError(f"{printable(str(path))}: cannot read: permission denied")
-    kind = _KIND_BY_SUFFIX.get(path.suffix.lower(), "text" if explicit else "")
+    kind = _kind(path, include) or ("text" if explicit else "")
     if not kind:
         raise DataError(f"{printable(str(path))}: not a .txt, .md, .jsonl, .parquet or .arrow file")
     return Source(str(path), kind, st.st_size, st.st_mtime_ns)
 
 
-def _directory(root: Path) -> list[Source]:
+def _walk(root: Path, *, hidden: bool = False, depth: int | None = None) -> Iterator[tuple[str, list[str]]]:
+    """(directory, its file names) below `root` (hidden names only when `hidden`, at most `depth` levels
+    down), sorted, following links to directories but entering each directory (by device and inode) once:
+    a link to a parent is no loop."""
+    seen: set[tuple[int, int]] = set()
+    top = len(Path(root).parts)
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        try:
+            st = os.stat(dirpath)
+        except OSError:
+            dirnames[:] = []
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        level = len(Path(dirpath).parts) - top
+        dirnames[:] = [] if depth is not None and level >= depth else \
+            sorted(d for d in dirnames if hidden or not d.startswith("."))
+        yield dirpath, sorted(n for n in filenames if hidden or not n.startswith("."))
+
+
+def _glob(pattern: str) -> list[str]:
+    """The paths `pattern` matches (glob's rules: ``**`` any directories, hidden names only by a pattern
+    that starts with a dot), sorted; walked by `_walk`, so links looping back are entered once (glob.glob
+    followed two links to "." down 40 levels, reading each file ~40 times before the kernel stopped it)."""
+    if not glob.has_magic(pattern):
+        return [pattern] if os.path.lexists(pattern) else []
+    parts = Path(pattern).parts
+    first = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    base, pats = Path(*parts[:first]) if first else Path("."), parts[first:]
+    if not base.is_dir():
+        return []
+
+    @lru_cache(maxsize=None)
+    def match(names: tuple[str, ...], i: int) -> bool:
+        if i == len(pats):
+            return not names
+        if pats[i] == "**":
+            return match(names, i + 1) or bool(names) and not names[0].startswith(".") and match(names[1:], i)
+        return bool(names) and (not names[0].startswith(".") or pats[i].startswith(".")) and \
+            fnmatch.fnmatchcase(names[0], pats[i]) and match(names[1:], i + 1)
+
+    out = []
+    hidden = any(p.startswith(".") for p in pats)
+    for dirpath, filenames in _walk(base, hidden=hidden, depth=None if "**" in pats else len(pats)):
+        rel = Path(dirpath).relative_to(base).parts
+        if rel and match(rel, 0):
+            out.append(dirpath)
+        out += [os.path.join(dirpath, name) for name in filenames if match(rel + (name,), 0)]
+    prefix = "" if first else "./"
+    return sorted(p[len(prefix):] if prefix and p.startswith(prefix) else p for p in out)
+
+
+def _directory(root: Path, include: Sequence[str] = (),
+               skipped: dict[tuple[int, int], str] | None = None) -> list[Source]:
     if (root / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in root.iterdir() if (p / "state.json").is_file())
         raise DataError(f"{printable(str(root))}: a saved DatasetDict (splits {', '.join(splits) or 'none'}): give "
@@ -112,13 +235,15 @@ def _directory(root: Path) -> list[Source]:
     if (root / "state.json").is_file():
         return _saved_dataset(root)
     files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    for dirpath, filenames in _walk(root):
         for name in filenames:
-            if not name.startswith(".") and Path(name).suffix.lower() in _KIND_BY_SUFFIX:
-                files.append(Path(dirpath, name))
+            path = Path(dirpath, name)
+            if _kind(path, include):
+                files.append(path)
+            elif skipped is not None:
+                _skip(path, skipped)
     files.sort(key=lambda p: p.relative_to(root).as_posix())
-    return [_source(p, explicit=False) for p in files]
+    return [_source(p, explicit=False, include=include) for p in files]
 
 
 def _saved_dataset(root: Path) -> list[Source]:
@@ -244,10 +369,14 @@ def _arrow_reader(path: str):
 
 
 def _arrow_batches(path: str):
+    pa = _pyarrow()
     reader = _arrow_reader(path)
-    if hasattr(reader, "num_record_batches"):  # the IPC file format
-        return [reader.get_batch(i) for i in range(reader.num_record_batches)], reader.schema
-    return list(reader), reader.schema
+    try:
+        if hasattr(reader, "num_record_batches"):  # the IPC file format
+            return [reader.get_batch(i) for i in range(reader.num_record_batches)], reader.schema
+        return list(reader), reader.schema
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{printable(path)}: a damaged Arrow file ({printable(exc, 200)})") from None
 
 
 def _arrow_batch_bytes(path: str) -> list[int]:
@@ -333,21 +462,47 @@ def _jsonl_documents(path: str, unit: Unit, field: str) -> Iterator[str]:
 
 
 def _table_documents(source: Source, unit: Unit, column: str) -> Iterator[str]:
+    """The column's texts, row group by row group (Parquet) or batch by batch (Arrow); whatever pyarrow
+    finds wrong in the file is a DataError naming it and the group or batch."""
     pa = _pyarrow()
-    if source.kind == "parquet":
-        pf = pa.parquet.ParquetFile(source.path)
-        schema = pf.schema_arrow
-        _check_column(schema, column, source.path)
-        tables = (pf.read_row_group(i, columns=[column]) for i in range(unit.start, unit.end))
-        arrays = (t.column(column) for t in tables)
-    else:
-        batches, schema = _arrow_batches(source.path)
-        _check_column(schema, column, source.path)
-        arrays = (b.column(column) for b in batches[unit.start:unit.end])
-    for array in arrays:
-        for value in array.to_pylist():
+    part = "row group" if source.kind == "parquet" else "record batch"
+    where = f"{printable(source.path)}"
+    try:
+        if source.kind == "parquet":
+            pf = pa.parquet.ParquetFile(source.path)
+            schema = pf.schema_arrow
+        else:
+            batches, schema = _arrow_batches(source.path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{where}: a damaged {source.kind.capitalize()} file ({printable(exc, 200)})") from None
+    _check_column(schema, column, source.path)
+    for i in range(unit.start, unit.end):
+        try:
+            array = pf.read_row_group(i, columns=[column]).column(column) if source.kind == "parquet" else \
+                batches[i].column(column)
+            values = array.to_pylist()
+        except UnicodeDecodeError:
+            raise DataError(f"{where}: {part} {i}, row {_first_undecodable(array)}: column {column!r} holds text "
+                            f"that is not UTF-8") from None
+        except (pa.ArrowException, OSError, IndexError) as exc:
+            raise DataError(f"{where}: {part} {i}: damaged ({printable(exc, 200)})") from None
+        for value in values:
             if value is not None and value.strip():
                 yield value
+
+
+def _first_undecodable(array) -> int:
+    """The row (in its group or batch) of the first value that is not UTF-8."""
+    row = 0
+    for chunk in getattr(array, "chunks", [array]):
+        for value in chunk.cast(_pyarrow().large_binary()).to_pylist():
+            try:
+                if value is not None:
+                    value.decode("utf-8")
+            except UnicodeDecodeError:
+                return row
+            row += 1
+    return row
 
 
 def _check_column(schema, column: str, path: str) -> None:
