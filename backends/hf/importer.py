@@ -117,6 +117,7 @@ def _write_run(target: Path, state: dict[str, torch.Tensor], yaml_text: str, tok
     tmp = parent / f".{target.name}.tmp-import-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
+        lock = files.RunLock.acquire(tmp, "vgraph import hf")  # its file marks the directory as a run
         extra = {"layout": "unfused", "grad_scaler": None, "run": run_info, "network_yaml": yaml_text,
                  "tokenizer_json": tokenizer_json, "compression": {"boundary": {}}}
         save_checkpoint(tmp / files.checkpoint_name(0), step=0, model_state=state, optimizer_states={},
@@ -125,6 +126,7 @@ def _write_run(target: Path, state: dict[str, torch.Tensor], yaml_text: str, tok
         atomic_write(tmp / files.RUN_JSON, json.dumps(run_info, indent=2) + "\n")
         if tokenizer_json is not None:
             atomic_write(tmp / files.TOKENIZER_JSON, tokenizer_json)
+        lock.release()
         if target.exists():
             target.rmdir()  # empty (checked first): replaced by the complete run
         os.rename(tmp, target)
