@@ -10,8 +10,8 @@ config written by a newer transformers that adds a computation-changing key is r
 `network(spec)` builds the network as the production networks are laid out: one colocation group per
 transformer block, the embedder, final norm, LM head and loss in `token_embedding`, every attention head
 its own VNode (`fused=False`) or one `attention` VNode per block.  Grouped-query attention (fewer K/V heads
-than Q heads) puts each K/V head in a `kv_head` VNode whose output is broadcast to the Q heads that share it
-(`attention_head` with `kv_input: true`), so head fusion and the partitioner see every head.
+than Q heads) puts each K/V head in a `kv_head` VNode read by the Q heads that share it (`attention_head` with
+`kv_input: true`, docs/network-yaml.md), so head fusion and the partitioner see every head.
 
 This module imports nothing heavy (no torch, no transformers): `vgraph import hf` refuses a model before
 anything is loaded.
@@ -361,19 +361,15 @@ def _attention(b: NetBuilder, spec: Spec, p: str, grp: dict[str, str], fused: bo
     b.edge(p + "ln1", p + "heads")
     b.node(p + "stack", "stack", axis=-1, **grp)
     share = spec.heads // spec.kv_heads
-    for g in range(spec.kv_heads if grouped else 0):
-        kv = b.node(f"{p}kv{g}", "kv_head", **{k: v for k, v in head.items() if k != "causal"})
-        b.edge(p + "heads", kv, spec.heads + g)
-        if share > 1:
-            b.node(f"{p}kv{g}_out", "broadcast", num_outputs=share, **grp)
-            b.edge(kv, f"{p}kv{g}_out")
     for h in range(spec.heads):
         node = b.node(f"{p}head{h}", "attention_head", kv_input=True if grouped else None, **head)
         b.edge(p + "heads", node, h)
-        if grouped:
-            g, k = divmod(h, share)
-            b.edge(f"{p}kv{g}_out" if share > 1 else f"{p}kv{g}", node, k if share > 1 else 0, 1)
         b.edge(node, p + "stack", 0, h)
+    for g in range(spec.kv_heads if grouped else 0):  # one kv_head read by its group's query heads
+        kv = b.node(f"{p}kv{g}", "kv_head", **{k: v for k, v in head.items() if k != "causal"})
+        b.edge(p + "heads", kv, spec.heads + g)
+        for h in range(g * share, (g + 1) * share):
+            b.edge(kv, f"{p}head{h}", 0, 1)
     return p + "stack"
 
 
