@@ -113,9 +113,12 @@ def _write_run(target: Path, state: dict[str, torch.Tensor], yaml_text: str, tok
                run_info: dict) -> None:
     """The run assembled beside `target`, then renamed into place (module docstring)."""
     parent = target.absolute().parent
-    parent.mkdir(parents=True, exist_ok=True)
     tmp = parent / f".{target.name}.tmp-import-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise VGraphError(f"{printable(str(target))}: cannot create the run directory: {exc.strerror or exc}") from None
     try:
         lock = files.RunLock.acquire(tmp, "vgraph import hf")  # its file marks the directory as a run
         extra = {"layout": "unfused", "grad_scaler": None, "run": run_info, "network_yaml": yaml_text,
