@@ -136,3 +136,26 @@ def test_an_imported_model_partitioned_onto_a_fleet_trains_under_launch_as_under
     np.testing.assert_allclose([r["loss"] for r in result.history], [r["loss"] for r in ref.history], rtol=1e-5)
     last = f"step-{STEPS:08d}"
     assert_same_weights(tmp_path / "launched" / last, tmp_path / "single" / last, steps=STEPS, lr=LR)
+
+
+def test_eval_on_a_prepared_corpus_scores_its_validation_split_as_transformers(corpus, tmp_path, capsys) -> None:
+    import json
+
+    from vgraph.data.shards import open_prepared
+
+    src = tmp_path / "src"
+    model = llama(src)
+    assert vg("import", "hf", src, "-o", tmp_path / "run") == 0
+    val = open_prepared(str(corpus)).val
+    ids = torch.from_numpy(val.window(0, val.tokens).astype(np.int64))
+    total, count = 0.0, 0
+    with torch.no_grad():  # the split as one sequence, windows of POSITIONS + 1 overlapping by one
+        for start in range(0, (len(ids) - 1) // POSITIONS * POSITIONS, POSITIONS):
+            w = ids[start:start + POSITIONS + 1]
+            logits = model(w[None, :-1]).logits[0].double()
+            total += float(torch.nn.functional.cross_entropy(logits, w[1:], reduction="sum"))
+            count += POSITIONS
+    capsys.readouterr()
+    assert vg("eval", tmp_path / "run", "--data", corpus, "--json") == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["tokens"] == count > 0 and got["loss"] == pytest.approx(total / count, rel=1e-5)
