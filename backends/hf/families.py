@@ -145,7 +145,7 @@ class _Reader:
         return self.config.get(key) is not None
 
     def int(self, key: str, default: int | None = None, *, low: int = 1) -> int:
-        value = self.config.get(key, default)
+        value = default if self.config.get(key) is None else self.config[key]  # null: transformers' default
         if value is None:
             raise _refuse(self.where, f"key {quote(key)} is missing")
         try:
@@ -154,7 +154,7 @@ class _Reader:
             raise VGraphError(f"{self.where}: {exc}") from None
 
     def float(self, key: str, default: float | None = None, *, low: float = 0.0, high: float | None = None) -> float:
-        value = self.config.get(key, default)
+        value = default if self.config.get(key) is None else self.config[key]
         if value is None:
             raise _refuse(self.where, f"key {quote(key)} is missing")
         try:
