@@ -429,3 +429,21 @@ def test_params_and_flops_counted_by_hand() -> None:
     per_head = H * _count("attention_head", {**head, "kv_input": True}, [(S, D), (S, 2 * hd)], [(S, hd)])[0] + \
         K * _count("kv_head", head, [(S, D)], [(S, 2 * hd)])[0]
     assert per_head == flops
+
+
+def test_partition_places_a_kv_head_and_its_query_heads_as_one_unit() -> None:
+    """When a block's preferred group is split into VNodes (more PNodes than blocks), each GQA group stays one
+    unit: split, its keys and values would cross a cut and fuse-heads could not fuse it."""
+    from vgraph.cost.fleet import Fleet, PNode
+    from vgraph.passes.partition_problem import build_problem
+
+    text = _with(GQA, 'colocate_policy: "required"', 'colocate_policy: "preferred"', -1)
+    g = vgraph.loads(text, file="gqa.yml")
+    fleet = Fleet.of("many", *(PNode(f"p{i}", 2 ** 34, 1e12, 1e9) for i in range(8)))
+    problem = build_problem(g, fleet, batch=2, view="vnodes")
+    for block in range(LAYERS):
+        for k in range(KV):
+            unit = problem.units[problem.unit_of[f"block{block}_kv{k}"]]
+            members = {f"block{block}_kv{k}", *(f"block{block}_head{h}" for h in (2 * k, 2 * k + 1))}
+            assert unit.kind == "kv_group" and set(unit.members) == members
+    assert problem.units[problem.unit_of["block0_ln1"]].kind == "vnode"  # the premise: the block was split
