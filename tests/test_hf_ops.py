@@ -447,3 +447,22 @@ def test_partition_places_a_kv_head_and_its_query_heads_as_one_unit() -> None:
             members = {f"block{block}_kv{k}", *(f"block{block}_head{h}" for h in (2 * k, 2 * k + 1))}
             assert unit.kind == "kv_group" and set(unit.members) == members
     assert problem.units[problem.unit_of["block0_ln1"]].kind == "vnode"  # the premise: the block was split
+
+
+@pytest.mark.parametrize("passes", ["dead-nodes,precision,fuse-heads,fuse-lm-head-ce", "dead-nodes,precision"],
+                         ids=["fused", "per-head"])
+def test_remat_of_the_gqa_network_gives_the_same_step(passes) -> None:
+    """Every remat candidate recomputed (kv_heads and query heads inside the regions): the same loss and
+    gradients as the step that keeps everything."""
+    from tests.test_torch_remat import assert_same_step, mark_all, step, token_batch
+    from vgraph.backends.torch import prepare_graph
+
+    plain = prepare_graph(vgraph.load(GQA), passes=passes, target="cpu")
+    marked = mark_all(plain.copy())
+    ids, targets = token_batch(plain, 3, seed=0)
+    loss0, grads0, _ = step(plain, ids, targets)
+    loss1, grads1, gm = step(marked, ids, targets)
+    bodies = "\n".join(m.body.code for name, m in gm.named_children() if name.startswith("remat_"))
+    assert ("multihead_attention" if "fuse-heads" in passes else "kv_head_projection") in bodies  # the premise
+    assert "rms_norm" in bodies
+    assert_same_step(loss1, grads1, loss0, grads0)
