@@ -107,8 +107,10 @@ def test_greedy_generate_by_ids_is_transformers_generate(imported, capsys) -> No
                           pad_token_id=0)[0].tolist()
     assert len(want) == 23
     capsys.readouterr()
-    assert vg("generate", run, "--prompt-ids", "5,17,42", "--temperature", "0", "--max-new-tokens", "20") == 0
-    assert [int(t) for t in capsys.readouterr().out.strip().split(",")] == want
+    for backend in ("torch", "onnx"):  # the run's checkpoint folder given directly, too
+        assert vg("generate", run / "step-00000000", "--prompt-ids", "5,17,42", "--temperature", "0",
+                  "--max-new-tokens", "20", "--backend", backend) == 0
+        assert [int(t) for t in capsys.readouterr().out.strip().split(",")] == want, backend
 
 
 def test_export_loads_back_in_transformers_with_the_same_logits(imported, tmp_path, capsys) -> None:

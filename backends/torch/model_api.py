@@ -31,7 +31,7 @@ from vgraph.base.safeio import read_input
 
 __all__ = ["CausalLM", "load_model", "logits_output", "evaluate", "token_file_windows", "corpus_windows"]
 
-MAX_TOKEN_FILE_BYTES = 2**34  # 16 GiB of ids: larger is not an evaluation set
+MAX_TOKEN_FILE_BYTES = 2**32  # 4 GiB of ids (512M int64 tokens), read whole: larger is not an evaluation set
 
 
 class CausalLM(nn.Module):
