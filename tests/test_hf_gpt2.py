@@ -324,3 +324,21 @@ def test_the_output_is_checked_before_anything_is_read(tmp_path, capsys) -> None
     assert vg("import", "hf", src, "-o", empty, "--seq-len", "8") == 0  # an empty directory is fine
     assert load_model(empty).seq_len == 8
     assert not (tmp_path / "r").exists()
+
+
+def test_an_import_interrupted_while_writing_leaves_no_run(tmp_path, monkeypatch) -> None:
+    from vgraph.backends.hf import importer
+
+    src = tmp_path / "src"
+    gpt2(src)
+    calls = []
+
+    def interrupted(path, data, **kw):
+        calls.append(Path(path).name)
+        raise KeyboardInterrupt  # Ctrl-C after the checkpoint, while the run's files are written
+
+    monkeypatch.setattr(importer, "atomic_write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        importer.import_hf(src, tmp_path / "run")
+    assert calls == ["network.yml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no run, no temporary beside it
