@@ -157,7 +157,7 @@ _QKV_BIAS_DOC = "false: the Q, K and V projections have no bias (Llama); true: e
 
 
 def _check_seq_input(x: TensorType, cfg: Config, slot: int, width: int, what: str) -> None:
-    _check_rank(x, 2, "an attention head ([seq, width])", slot)
+    _check_rank(x, 2, "a head's input ([seq, width])", slot)
     if x.shape != (cfg["seq_len"], width):
         raise ShapeError(f"input {slot} has shape {list(x.shape)} but seq_len={cfg['seq_len']} and {what} "
                          f"need [{cfg['seq_len']}, {width}]")
