@@ -232,7 +232,8 @@ register_op(OpDef(
     "kv_head", "layer", "the keys and values of one K/V head, shared by the query heads of its group (GQA, MQA): "
     "[seq, input_dim] -> [seq, 2 x head_dim] = concat(K with RoPE applied, V), read by attention_heads with "
     "kv_input",
-    schema=Schema((*_HEAD_SHAPE, *(f for f in _ATTN_COMMON if f.name != "causal"),  # its query heads mask
+    schema=Schema((F("head_dim", "int", required=True, min=1, doc="width of K and of V (the output is 2 x head_dim)"),
+                   _HEAD_SHAPE[1], *(f for f in _ATTN_COMMON if f.name != "causal"),  # its query heads mask
                    F("qkv_bias", "bool", True, doc="false: the K and V projections have no bias"))),
     infer=_kv_head_infer, params=lambda cfg: _projections(cfg, "kv"),
     flops=lambda cfg, ins, outs: 2 * 2 * cfg["seq_len"] * cfg["input_dim"] * cfg["head_dim"],
