@@ -489,3 +489,29 @@ def test_the_reference_interpreter_agrees_on_the_gqa_network_outputs_and_gradien
         torch.testing.assert_close(out["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
         for key, grad in compiled.items():
             torch.testing.assert_close(grad, params[key].grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("codec, mantissa", [("fp16", 11), ("bf16", 8)])
+def test_a_kv_head_cut_from_its_query_heads_is_compressed_like_any_activation(codec: str, mantissa: int) -> None:
+    """Query heads 0 and 1 placed away from their kv_head: compress-boundary puts a compress VNode on each cut
+    edge, the [seq, 2 x head_dim] keys and values included; the loss stays within twice the codec's unit
+    roundoff (2^-mantissa bits) of the uncut one, and the kv_head still gets its gradient through the cut."""
+    text = _with(GQA, 'colocate_policy: "required"', 'colocate_policy: "preferred"', -1)
+    g = vgraph.loads(text, file="gqa.yml")
+    state = _perturbed_state(g)
+    for n in g.nodes:
+        n.meta["pnode"] = "b" if n.id in ("block0_head0", "block0_head1") else "a"
+    targets = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(9))
+    feeds = {"embedder:in0": IDS, "loss:in1": targets}
+    plain = compile_network(g, unfused_state=state)
+    want = plain(feeds)["ce_loss"]
+    run_pipeline(g, f"compress-boundary{{activations={codec},gradients={codec}}}")
+    kv_edges = {e.dst for c in g.nodes_of_type("compress") for e in g.in_edges(c.id) if e.src == "block0_kv0"}
+    assert len(kv_edges) == 2  # both query heads read the kv_head across the cut
+    module = compile_network(g, unfused_state=state)
+    loss = module(feeds)["ce_loss"]
+    loss.backward()
+    assert not torch.equal(loss, want)  # the premise: the wire format rounded something
+    torch.testing.assert_close(loss, want, rtol=2.0 ** (1 - mantissa), atol=0)
+    grad = dict(module.named_parameters())["block0_kv0.wk"].grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0

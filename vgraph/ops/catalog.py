@@ -2,8 +2,8 @@
 
 Each op is one `OpDef`: schema, arity, inference, parameters, FLOPs per
 sample (forward; a training step costs about three times that).  Parameter
-counts follow the production networks: attention heads have Q/K/V biases, a
-tied linear (the LM head) has no bias of its own.
+counts follow the production networks: attention heads have Q/K/V biases (unless
+`qkv_bias: false`, as Llama), a tied linear (the LM head) has no bias of its own.
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ _QKV_BIAS_DOC = "false: the Q, K and V projections have no bias (Llama); true: e
 
 
 def _check_seq_input(x: TensorType, cfg: Config, slot: int, width: int, what: str) -> None:
-    _check_rank(x, 2, "an attention head ([seq, width])", slot)
+    _check_rank(x, 2, "a head's input ([seq, width])", slot)
     if x.shape != (cfg["seq_len"], width):
         raise ShapeError(f"input {slot} has shape {list(x.shape)} but seq_len={cfg['seq_len']} and {what} "
                          f"need [{cfg['seq_len']}, {width}]")
@@ -232,7 +232,8 @@ register_op(OpDef(
     "kv_head", "layer", "the keys and values of one K/V head, shared by the query heads of its group (GQA, MQA): "
     "[seq, input_dim] -> [seq, 2 x head_dim] = concat(K with RoPE applied, V), read by attention_heads with "
     "kv_input",
-    schema=Schema((*_HEAD_SHAPE, _ATTN_COMMON[0], *_ATTN_COMMON[2:],
+    schema=Schema((F("head_dim", "int", required=True, min=1, doc="width of K and of V (the output is 2 x head_dim)"),
+                   _HEAD_SHAPE[1], *(f for f in _ATTN_COMMON if f.name != "causal"),  # its query heads mask
                    F("qkv_bias", "bool", True, doc="false: the K and V projections have no bias"))),
     infer=_kv_head_infer, params=lambda cfg: _projections(cfg, "kv"),
     flops=lambda cfg, ins, outs: 2 * 2 * cfg["seq_len"] * cfg["input_dim"] * cfg["head_dim"],
