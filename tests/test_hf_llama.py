@@ -6,6 +6,7 @@ under 1e-5); a wrong RoPE layout, GQA grouping or SwiGLU half moves them by O(1)
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -147,3 +148,20 @@ def test_a_network_no_family_expresses_is_refused_naming_its_first_misfit(tmp_pa
     assert vg("export", "hf", tmp_path / "bad", "-o", tmp_path / "out") == 2
     err = capsys.readouterr().err
     assert "VNode 'head_act' (silu) has no place in a llama model" in err, err
+
+
+def test_sharded_bfloat16_weights_import_as_their_float32_values(models, tmp_path) -> None:
+    """A model saved in bfloat16 over several safetensors files (with its index) is the same model in float32."""
+    model, _ = models["llama-gqa"]
+    half = tmp_path / "half"
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(half, max_shard_size="20KB")
+    assert len(list(half.glob("*.safetensors"))) > 1 and (half / "model.safetensors.index.json").exists()
+    assert vg("import", "hf", half, "-o", tmp_path / "run") == 0
+    from transformers import AutoModelForCausalLM
+
+    rounded = AutoModelForCausalLM.from_pretrained(half).float().eval()  # the bfloat16 weights, upcast
+    x = torch.randint(0, VOCAB, (2, POSITIONS), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = rounded(x).logits
+        assert (model(x).logits - want).abs().max() > 1e-3  # the premise: rounding to bfloat16 shows
+        assert (load_model(tmp_path / "run")(x) - want).abs().max() <= 1e-4
