@@ -7,7 +7,9 @@ unit (never split); a VNode without a group is a unit of its own; a group
 without `required` (a preference) is one unit too, unless the fleet has more
 PNodes than there are units, in which case its VNodes become units (this is
 how attention heads spread over PNodes: only when the fleet has more PNodes
-than blocks, and only where no `required` group forbids it).
+than blocks, and only where no `required` group forbids it).  A `kv_head` and
+the query heads reading it (grouped-query attention, one VNode per head) are
+one unit where no group holds them: they spread as one.
 
 For an assignment of units to PNodes, with the per-step costs of
 `vgraph.cost.costmodel` at batch B:
@@ -56,7 +58,7 @@ class PartitionError(VGraphError):
 class Unit:
     name: str  # the colocation group, or the VNode id
     members: list[str]
-    kind: str  # "required" | "preferred" | "vnode"
+    kind: str  # "required" | "preferred" | "kv_group" | "vnode"
 
 
 @dataclass
@@ -170,18 +172,32 @@ def _units(graph: Graph, order: list[str], required: set[str], *, split_preferre
     unit_of: dict[str, int] = {}
     for nid in order:
         group = vnodes[nid].config.get("colocate_group")
-        if group and (group in required or not split_preferred):
-            key = "g:" + group
+        kv = None if group and (group in required or not split_preferred) else _kv_group(graph, vnodes[nid])
+        if kv is not None or group and (group in required or not split_preferred):
+            key = "k:" + kv if kv is not None else "g:" + group
             u = by_name.get(key)
             if u is None:
                 u = by_name[key] = len(units)
-                units.append(Unit(group, [], "required" if group in required else "preferred"))
+                kind = "kv_group" if kv is not None else "required" if group in required else "preferred"
+                units.append(Unit(kv if kv is not None else group, [], kind))
             units[u].members.append(nid)
         else:
             u = len(units)
             units.append(Unit(nid, [nid], "vnode"))
         unit_of[nid] = u
     return units, unit_of
+
+
+def _kv_group(graph: Graph, node) -> str | None:
+    """The kv_head a VNode of per-head grouped-query attention is placed with: itself, or the one a query
+    head (kv_input) reads.  A group split over PNodes would send its keys and values over a cut and could
+    not be fused (fuse-heads fuses whole groups), so a group is one unit where no colocation group decides."""
+    if node.type == "kv_head":
+        return node.id
+    if node.type == "attention_head" and node.cfg["kv_input"]:
+        source = graph.producer(node.id, 1)
+        return source.id if source is not None and source.type == "kv_head" else None
+    return None
 
 
 # -- evaluating an assignment ------------------------------------------------------------------
@@ -244,6 +260,7 @@ def infeasible(problem: Problem) -> PartitionError:
         what = {"required": f"colocation group {unit.name!r} (colocate_policy: required, "
                             f"{len(unit.members)} VNodes)",
                 "preferred": f"colocation group {unit.name!r} ({len(unit.members)} VNodes)",
+                "kv_group": f"kv_head {unit.name!r} with its query heads ({len(unit.members)} VNodes)",
                 "vnode": f"VNode {unit.name!r}"}[unit.kind]
         msg = (f"{what} needs {human_bytes(problem.memory[u])} {where}: {breakdown(u)}; the largest "
                f"PNode '{largest.id}' has {human_bytes(largest.memory)}, "

@@ -550,7 +550,7 @@ def _refine(problem: Problem, found: list[Candidate], method: str) -> tuple[np.n
         if assign.tobytes() not in seen:
             seen.add(assign.tobytes())
             starts.append(assign)
-    fine = any(u.kind == "vnode" for u in problem.units)
+    fine = any(u.kind in ("vnode", "kv_group") for u in problem.units)
     for start in starts[:3] if fine else starts[:1]:
         improved = _local_search(problem, start, swaps=n <= SWAP_UNITS)
         key = evaluate(problem, improved).key()

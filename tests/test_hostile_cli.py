@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 
 from conftest import TINY
@@ -36,6 +37,7 @@ NUMBERS = {
     "fraction": ["0", "1", "-0.5", "1.5", "nan", "inf", "abc", ""],
     "name": [""],  # a JSONL field or column name: any text but none
     "pattern": ["", "a/b", "..", "x\x1b[2J"],  # data prepare --include: a file name pattern
+    "token_ids": ["", ",", "1,,2", "-1", "a", "1.5", "nan", str(2**70), "1;2"],
 }
 # Paths are names of entries the `world` fixture creates (see _hostile_path).
 INPUT_FILE = ["missing", "dir", "fifo", "/dev/zero", "empty", "binary", "newline", "", "unreadable", "non-utf8",
@@ -54,7 +56,8 @@ STRING_KINDS: dict[tuple[str | None, str], str] = {
     (None, "file"): "input-file", (None, "files"): "input-file", (None, "network"): "input-file",
     (None, "fleet"): "input-file", (None, "placement"): "input-file", (None, "plugin"): "plugin",
     (None, "checkpoint"): "input-file-or-dir", (None, "data"): "input-file-or-dir",
-    ("report", "run"): "input-file-or-dir",
+    ("report", "run"): "input-file-or-dir", ("export hf", "run"): "input-file-or-dir",
+    ("import hf", "src"): "input-file-or-dir", (None, "token_ids"): "input-file",
     ("data prepare", "inputs"): "input-file-or-dir", ("data prepare", "output"): "output-dir",
     (None, "tokenizer"): "input-file",
     ("partition", "output"): "output-dir", (None, "output"): "output-file",
@@ -99,6 +102,9 @@ def _baseline(command: str, w: Path, out: Path) -> tuple[list[str], dict[str, st
         "probe": ([net], {"--id": "h0", "--bandwidth": "1Gbit/s", "--threads": "1", "--no-precisions": None,
                           "-o": str(out / "pnode.yml")}),
         "data prepare": ([corpus], {"-o": str(out / "prepared"), "--vocab": "96", "--quiet": None}),
+        "eval": ([run], {"--token-ids": str(w / "ids.npy")}),
+        "import hf": ([str(w / "hf")], {"-o": str(out / "imported")}),
+        "export hf": ([str(w / "hfrun")], {"-o": str(out / "exported")}),
     }
     return table.get(command)
 
@@ -195,6 +201,9 @@ def world(tmp_path_factory) -> Path:
     (w / "corpus.txt").write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
     assert main(["train", str(w / "net.yml"), "--data", str(w / "corpus.txt"), "--steps", "1", "--batch", "2",
                  "--val-every", "0", "--out", str(w / "run"), "--quiet"]) == 0
+    np.save(w / "ids.npy", np.arange(20) % 96)
+    _hf_model(w / "hf")
+    assert main(["import", "hf", str(w / "hf"), "-o", str(w / "hfrun")]) == 0
     h = w / "hostile"
     h.mkdir()
     (h / "dir").mkdir()
@@ -206,6 +215,25 @@ def world(tmp_path_factory) -> Path:
     (h / "unreadable").write_text("name: secret\n")
     (h / "unreadable").chmod(0)
     return w
+
+
+def _hf_model(path: Path) -> None:
+    """A tiny GPT-2 directory (config.json, model.safetensors), random weights, without transformers."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from vgraph.backends.hf.families import read_spec
+    from vgraph.backends.hf.weights import hf_prefix, hf_shapes
+
+    config = {"model_type": "gpt2", "vocab_size": 96, "n_positions": 16, "n_embd": 16, "n_layer": 1, "n_head": 2,
+              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    spec = read_spec(config, "config.json")
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({hf_prefix(spec) + k: torch.randn(shape) for k, shape in hf_shapes(spec).items()},
+              str(path / "model.safetensors"))
 
 
 def _hostile_path(value: str, w: Path) -> str:

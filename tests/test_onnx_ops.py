@@ -51,19 +51,26 @@ def _ref_node(graph: Graph, n, xs: list[torch.Tensor], w: Mapping[str, torch.Ten
         if cfg.get("tie_weight_alias"):
             pub = graph.publishers()[cfg["tie_weight_alias"]]
             return [F.linear(xs[0], _p(w, pub.id, "weight"))]
-        return [F.linear(xs[0], _p(w, n.id, "weight"), _p(w, n.id, "bias"))]
+        return [F.linear(xs[0], _p(w, n.id, "weight"), _p(w, n.id, "bias") if cfg["bias"] else None)]
     if t == "embedder":
         y = F.embedding(xs[0], _p(w, n.id, "weight"))
         return [y + _p(w, n.id, "position") if cfg["position_encoding"] == "learned" else y]
     if t == "layernorm":
         return [F.layer_norm(xs[0], (cfg["dim"],), _p(w, n.id, "weight"), _p(w, n.id, "bias"), cfg["eps"])]
-    if t == "attention_head":
-        return [K.attention_head(xs[0], *(_p(w, n.id, k) for k in ("wq", "bq", "wk", "bk", "wv", "bv")),
+    if t == "rmsnorm":
+        return [F.rms_norm(xs[0], (cfg["dim"],), _p(w, n.id, "weight"), cfg["eps"])]
+    if t == "attention_head" and not cfg["kv_input"]:
+        return [K.attention_head(xs[0], *(w.get(f"{n.id}.{k}") for k in ("wq", "bq", "wk", "bk", "wv", "bv")),
                                  causal=cfg["causal"], rope_theta=_rope(cfg))]
+    if t in ("attention_head", "kv_head"):
+        return [_gqa_head_ref(t, cfg, xs, {k.split(".", 1)[1]: v for k, v in w.items() if k.startswith(f"{n.id}.")})]
     if t == "attention":
         proj = cfg["output_projection"]
+        if cfg.get("num_kv_heads") not in (None, cfg["num_heads"]):
+            return [_gqa_attention_ref(cfg, xs[0], {k.split(".", 1)[1]: v for k, v in w.items()
+                                                    if k.startswith(f"{n.id}.")})]
         return [K.multihead_attention(
-            xs[0], _p(w, n.id, "qkv_weight"), _p(w, n.id, "qkv_bias"),
+            xs[0], _p(w, n.id, "qkv_weight"), w.get(f"{n.id}.qkv_bias"),
             _p(w, n.id, "out_weight") if proj else None, _p(w, n.id, "out_bias") if proj else None,
             num_heads=cfg["num_heads"], head_dim=cfg["head_dim"], causal=cfg["causal"], rope_theta=_rope(cfg))]
     if t == "tied_lm_head_ce":
@@ -79,7 +86,8 @@ def _ref_node(graph: Graph, n, xs: list[torch.Tensor], w: Mapping[str, torch.Ten
             return [F.nll_loss(log_p, xs[1].reshape(-1), ignore_index=cfg["ignore_index"])]
         return [F.cross_entropy(rows, xs[1].reshape(-1), ignore_index=cfg["ignore_index"])]
     simple: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {
-        "relu": lambda a: F.relu(a[0]), "gelu": lambda a: F.gelu(a[0]), "silu": lambda a: F.silu(a[0]),
+        "relu": lambda a: F.relu(a[0]), "gelu": lambda a: F.gelu(a[0], approximate=cfg["approximate"]),
+        "silu": lambda a: F.silu(a[0]),
         "swiglu": lambda a: K.swiglu(a[0]), "dropout": lambda a: a[0], "add": lambda a: a[0] + a[1],
         "stack": lambda a: K.stack(a, cfg.get("axis", -1)),
         "reshape": lambda a: K.reshape(a[0], cfg["target_shape"]),
@@ -90,6 +98,40 @@ def _ref_node(graph: Graph, n, xs: list[torch.Tensor], w: Mapping[str, torch.Ten
     if t in ("weight_replica", "send", "receive"):  # a publisher owns its weight; boundaries pass tensors on
         return list(xs)
     return [simple[t](xs)]
+
+
+def _rotated(x: torch.Tensor, cfg) -> torch.Tensor:
+    if _rope(cfg) is None:
+        return x
+    cos, sin = K.rope_cos_sin(x.shape[-2], x.shape[-1], _rope(cfg), dtype=x.dtype)
+    return K.apply_rope(x, cos, sin)
+
+
+def _gqa_head_ref(t: str, cfg, xs: list[torch.Tensor], p: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A kv_head (K rotated, then V) or a query head reading one, on SDPA."""
+    if t == "kv_head":
+        return torch.cat([_rotated(F.linear(xs[0], p["wk"], p.get("bk")), cfg), F.linear(xs[0], p["wv"], p.get("bv"))],
+                         dim=-1)
+    q = _rotated(F.linear(xs[0], p["wq"], p.get("bq")), cfg)
+    k, v = xs[1].split(cfg["head_dim"], dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=cfg["causal"])
+
+
+def _gqa_attention_ref(cfg, x: torch.Tensor, p: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Grouped-query attention as Hugging Face's Llama computes it: K/V heads repeated by repeat_kv."""
+    heads, kv, hd = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"]
+    b, s, _ = x.shape
+    q, k, v = F.linear(x, p["qkv_weight"], p.get("qkv_bias")).split([heads * hd, kv * hd, kv * hd], dim=-1)
+    q = _rotated(q.view(b, s, heads, hd).transpose(1, 2), cfg)
+    k = _rotated(k.view(b, s, kv, hd).transpose(1, 2), cfg)
+    v = v.view(b, s, kv, hd).transpose(1, 2)
+
+    def repeat_kv(t: torch.Tensor) -> torch.Tensor:  # transformers.models.llama.modeling_llama.repeat_kv
+        return t[:, :, None].expand(b, kv, heads // kv, s, hd).reshape(b, heads, s, hd)
+
+    out = F.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), is_causal=cfg["causal"])
+    out = out.transpose(1, 2).reshape(b, s, heads * hd)
+    return F.linear(out, p["out_weight"], p["out_bias"]) if cfg["output_projection"] else out
 
 
 def reference_run(graph: Graph, weights: Mapping[str, np.ndarray],

@@ -176,7 +176,7 @@ def test_multihead_equals_concatenated_heads(causal: bool, rope_theta: float | N
 
 def test_multihead_rejects_wrong_qkv_shape() -> None:
     x = torch.zeros(1, 3, DIM)
-    with pytest.raises(ValueError, match=r"3\*H\*hd"):
+    with pytest.raises(ValueError, match=r"\(H \+ 2\*KV\)\*hd"):
         K.multihead_attention(
             x, torch.zeros(2 * HEADS * HEAD_DIM, DIM), None, None, None,
             num_heads=HEADS, head_dim=HEAD_DIM, causal=True, rope_theta=None,

@@ -81,10 +81,10 @@ TARGETS: dict[str, Target] = {
     "catalog": Target(
         "vgraph/ops/catalog.py",
         ("tests/test_flop_oracle.py", "tests/test_catalog_rules.py", "tests/test_networks.py",
-         "tests/test_costmodel.py", "tests/test_ir.py"),
+         "tests/test_costmodel.py", "tests/test_ir.py", "tests/test_hf_ops.py"),
         functions=("_lead", "_elementwise", "_linear_params", "_tied_weight", "_embedder_params",
-                   "_attention_flops", "_head_params", "attention_dim", "_mha_params", "fused_ids",
-                   "_mha_sources", "_mha_flops"),
+                   "_attention_flops", "_projections", "_head_flops", "attention_dim", "kv_heads", "_mha_params",
+                   "fused_ids", "_mha_sources", "_mha_flops"),
         keywords=("flops", "params", "tied_params", "param_sources"),
         why="parameter and FLOP rules: analyze, the cost model and the partitioner read them"),
     "costmodel": Target(
@@ -94,7 +94,7 @@ TARGETS: dict[str, Target] = {
     "fuse-heads": Target(
         "passes/fuse_heads.py",
         ("tests/test_fuse_heads_rules.py", "tests/test_fuse_heads_placement_numerics.py", "tests/test_passes.py",
-         "tests/test_flop_oracle.py", "tests/test_pass_semantics.py"),
+         "tests/test_flop_oracle.py", "tests/test_pass_semantics.py", "tests/test_hf_ops.py"),
         timeout=300.0, why="the rewrite every production run goes through; placement-aware"),
     "fuse-lm-head-ce": Target(
         "passes/fuse_lm_head_ce.py", ("tests/test_fuse_lm_head_ce_rules.py", "tests/test_passes.py",
@@ -111,9 +111,9 @@ TARGETS: dict[str, Target] = {
                    "default_ce_chunk_size", "_accum_dtype"),
         timeout=300.0, why="the chunked tied LM-head cross-entropy: the production loss"),
     "kernels-attention": Target(
-        "backends/torch/kernels.py", ("tests/test_torch_kernels.py",),
+        "backends/torch/kernels.py", ("tests/test_torch_kernels.py", "tests/test_hf_ops.py"),
         functions=("rope_cos_sin", "_build_rope_tables", "_rotate_half", "_swap_halves", "apply_rope",
-                   "attention_head", "multihead_attention", "swiglu", "apply_mask"),
+                   "attention_head", "multihead_attention", "rms_norm", "swiglu", "apply_mask"),
         timeout=300.0, why="RoPE, attention and SwiGLU kernels"),
     "checkpoint": Target(
         "backends/torch/checkpoint.py", ("tests/test_torch_checkpoint.py", "tests/test_checkpoint_fsync.py",

@@ -12,7 +12,11 @@ keeps the costs (and their targets input) for evaluation.
   Optimum and onnxruntime-genai): every attention VNode, per head
   (``attention_head``) or fused (``attention``), takes ``past_key:<vnode>`` /
   ``past_value:<vnode>`` and returns ``present_key:<vnode>`` /
-  ``present_value:<vnode>``, the past extended by this call's positions.  The
+  ``present_value:<vnode>``, the past extended by this call's positions.
+  Grouped-query attention caches its K/V heads only: a fused ``attention``
+  with ``num_kv_heads`` holds ``[num_kv_heads, past, head_dim]``, and per head
+  each ``kv_head`` holds its own, which the query heads of its group read
+  (they cache nothing themselves).  The
   first call passes empty pasts (length 0); positions continue from the past
   length, so RoPE angles and the causal mask are those of the full sequence.
   The model metadata ``vgraph.kv_cache`` lists every cache (names, per-sample

@@ -886,10 +886,14 @@ def _per_sample_axis(axis: int) -> int:
     return axis + 1 if axis >= 0 else axis
 
 
+def _optional(n: NodeLowering, pname: str) -> str | None:
+    """A parameter the config may leave out (a bias with bias / qkv_bias false): None then."""
+    return n.param(pname) if pname in n.node.op.param_shapes(n.cfg) else None
+
+
 @register_lowering("linear", positionwise=True)
 def _lower_linear(n: NodeLowering) -> list[str]:
-    bias = n.param("bias") if "bias" in n.node.op.param_shapes(n.cfg) else None
-    return [n.linear(n.inputs[0], n.param("weight"), bias, "linear", out=n.out(0))]
+    return [n.linear(n.inputs[0], n.param("weight"), _optional(n, "bias"), "linear", out=n.out(0))]
 
 
 @register_lowering("embedder", positionwise=True)
@@ -908,44 +912,115 @@ def _lower_layernorm(n: NodeLowering) -> list[str]:
                  out=n.out(0), axis=-1, epsilon=float(n.cfg["eps"]))]
 
 
+@register_lowering("rmsnorm", positionwise=True)
+def _lower_rmsnorm(n: NodeLowering) -> list[str]:
+    """x / sqrt(mean(x^2) + eps) * weight (opset 20 has no RMSNormalization; everything is float32 here)."""
+    x = n.inputs[0]
+    mean_square = n.op("ReduceMean", [n.op("Mul", [x, x], "square"), n.int64s("axes", [-1])], "mean_square",
+                       keepdims=1)
+    shifted = n.op("Add", [mean_square, n.local_const("eps", np.asarray(n.cfg["eps"], dtype=np.float32))], "plus_eps")
+    normed = n.op("Div", [x, n.op("Sqrt", [shifted], "rms")], "normed")
+    return [n.op("Mul", [normed, n.param("weight")], "scale", out=n.out(0))]
+
+
 def _causal_cache(shape: Callable[[Mapping[str, Any]], tuple[int | str, ...]]):
     """A ``kv_cache`` declaration: ``shape(cfg)`` for causal attention; non-causal cannot be cached."""
     return lambda cfg: shape(cfg) if cfg["causal"] else None
 
 
-@register_lowering("attention_head", kv_cache=_causal_cache(lambda cfg: (PAST, cfg["head_dim"])))
+def _query_head_traits(node: VNode) -> bool:
+    """A query head of a GQA group caches nothing itself: its kv_head hands it every position's keys and
+    values (the cached past included), so on a call's new positions alone its output is exact when causal."""
+    return bool(node.cfg["kv_input"] and node.cfg["causal"])
+
+
+def _head_cache(cfg: Mapping[str, Any]) -> tuple[int | str, ...] | None:
+    return None if cfg["kv_input"] or not cfg["causal"] else (PAST, cfg["head_dim"])
+
+
+@register_lowering("attention_head", kv_cache=_head_cache, positionwise=_query_head_traits)
 def _lower_attention_head(n: NodeLowering) -> list[str]:
     cfg, x = n.cfg, n.inputs[0]
     seq, hd = cfg["seq_len"], cfg["head_dim"]
-    q = n.linear(x, n.param("wq"), n.param("bq"), "q")
-    k = n.linear(x, n.param("wk"), n.param("bk"), "k")
-    v = n.linear(x, n.param("wv"), n.param("bv"), "v")
+    q = n.linear(x, n.param("wq"), _optional(n, "bq"), "q")
     if cfg["position_encoding"] == "rope":
         q = n.rope(q, seq, hd, cfg["rope_theta"], "q", positions=x)
-        k = n.rope(k, seq, hd, cfg["rope_theta"], "k", positions=x)
-    k, v = n.cached(k, v)
+    if cfg["kv_input"]:  # keys (rotated) and values of the group's kv_head, past positions included
+        k, v = n.op("Split", [n.inputs[1]], "kv_split", outputs=2, axis=-1, num_outputs=2)
+    else:
+        k = n.linear(x, n.param("wk"), _optional(n, "bk"), "k")
+        v = n.linear(x, n.param("wv"), _optional(n, "bv"), "v")
+        if cfg["position_encoding"] == "rope":
+            k = n.rope(k, seq, hd, cfg["rope_theta"], "k", positions=x)
+        k, v = n.cached(k, v)
     return [n.attend(q, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 2, 1],
                      out=n.out(0), positions=x)]
 
 
-@register_lowering("attention", kv_cache=_causal_cache(lambda cfg: (cfg["num_heads"], PAST, cfg["head_dim"])))
+@register_lowering("kv_head", kv_cache=lambda cfg: (PAST, cfg["head_dim"]))
+def _lower_kv_head(n: NodeLowering) -> list[str]:
+    """concat(K with RoPE, V); in a KV-cache decoder the cached past comes first, so the query heads
+    reading it see every position so far (only they may read it: _check_kv_readers)."""
+    cfg, x = n.cfg, n.inputs[0]
+    k = n.linear(x, n.param("wk"), _optional(n, "bk"), "k")
+    v = n.linear(x, n.param("wv"), _optional(n, "bv"), "v")
+    if cfg["position_encoding"] == "rope":
+        k = n.rope(k, cfg["seq_len"], cfg["head_dim"], cfg["rope_theta"], "k", positions=x)
+    if n.cache is not None:
+        _check_kv_readers(n.graph, n.node)
+    k, v = n.cached(k, v)
+    return [n.op("Concat", [k, v], "kv", out=n.out(0), axis=-1)]
+
+
+def _check_kv_readers(graph: Graph, node: VNode) -> None:
+    """With a cache a kv_head's value spans past and new positions: a reader other than a query head
+    (through broadcasts) would get the wrong number of positions, so the export names it."""
+    todo = [e.dst for e in graph.out_edges(node.id)]
+    while todo:
+        reader = graph.node(todo.pop())
+        if reader.type == "broadcast":
+            todo.extend(e.dst for e in graph.out_edges(reader.id))
+        elif not (reader.type == "attention_head" and reader.cfg["kv_input"]):
+            raise _error(node, f"a kv_head's keys and values are read by {reader.type} '{reader.id}', not only "
+                               "by attention_heads with kv_input, so it cannot run on new positions alone for a "
+                               "KV cache")
+
+
+@register_lowering("attention", kv_cache=_causal_cache(lambda cfg: (cfg.get("num_kv_heads") or cfg["num_heads"],
+                                                                    PAST, cfg["head_dim"])))
 def _lower_attention(n: NodeLowering) -> list[str]:
-    """Fused heads: qkv rows are [q heads, k heads, v heads]; head h is columns h*hd:(h+1)*hd."""
+    """Fused heads: qkv rows are [q heads, k heads, v heads]; head h is columns h*hd:(h+1)*hd.
+
+    With fewer K/V heads (GQA) the queries are grouped ``[B, KV, H/KV, S, hd]``
+    against keys and values ``[B, KV, 1, T, hd]``: MatMul broadcasts each K/V
+    head over its group, query head ``h`` reading K/V head ``h // (H/KV)``
+    without a copy, and the cache holds the KV heads only.
+    """
     cfg, x = n.cfg, n.inputs[0]
     seq, heads, hd = cfg["seq_len"], cfg["num_heads"], cfg["head_dim"]
-    qkv = n.linear(x, n.param("qkv_weight"), n.param("qkv_bias"), "qkv")
-    parts = n.op("Split", [qkv], "qkv_split", outputs=3, axis=-1, num_outputs=3)
-    split_heads = n.int64s("heads_shape", [0, 0, heads, hd])  # batch and sequence copied from the input
+    kv_heads = cfg.get("num_kv_heads") or heads
+    qkv = n.linear(x, n.param("qkv_weight"), _optional(n, "qkv_bias"), "qkv")
+    sizes = n.int64s("qkv_sizes", [heads * hd, kv_heads * hd, kv_heads * hd])
+    parts = n.op("Split", [qkv, sizes], "qkv_split", outputs=3, axis=-1)
     per_head = []
-    for name, part in zip("qkv", parts):
-        shaped = n.op("Reshape", [part, split_heads], f"{name}_heads")
+    for name, part, count in zip("qkv", parts, (heads, kv_heads, kv_heads)):
+        shaped = n.op("Reshape", [part, n.int64s(f"{name}_heads_shape", [0, 0, count, hd])], f"{name}_heads")
         per_head.append(n.op("Transpose", [shaped], f"{name}_bhsd", perm=[0, 2, 1, 3]))
     q, k, v = per_head
     if cfg["position_encoding"] == "rope":
         q = n.rope(q, seq, hd, cfg["rope_theta"], "q", positions=x)
         k = n.rope(k, seq, hd, cfg["rope_theta"], "k", positions=x)
     k, v = n.cached(k, v)
-    ctx = n.attend(q, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 1, 3, 2], positions=x)
+    if kv_heads == heads:
+        ctx = n.attend(q, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 1, 3, 2], positions=x)
+    else:
+        grouped = n.op("Reshape", [q, n.int64s("q_groups_shape", [0, kv_heads, heads // kv_heads, -1, hd])],
+                       "q_groups")
+        k, v = (n.op("Unsqueeze", [t, n.int64s(f"{name}_group_axis", [2])], f"{name}_groups")
+                for name, t in (("k", k), ("v", v)))
+        ctx = n.attend(grouped, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 1, 2, 4, 3],
+                       positions=x)
+        ctx = n.op("Reshape", [ctx, n.int64s("heads_shape", [0, heads, -1, hd])], "ungroup")
     ctx = n.op("Transpose", [ctx], "bshd", perm=[0, 2, 1, 3])
     merged_shape = n.int64s("merged_shape", [0, 0, heads * hd])
     if not cfg["output_projection"]:
@@ -994,7 +1069,7 @@ def _lower_relu(n: NodeLowering) -> list[str]:
 
 @register_lowering("gelu", positionwise=True)
 def _lower_gelu(n: NodeLowering) -> list[str]:
-    return [n.op("Gelu", [n.inputs[0]], out=n.out(0), approximate="none")]
+    return [n.op("Gelu", [n.inputs[0]], out=n.out(0), approximate=n.cfg["approximate"])]
 
 
 @register_lowering("silu", positionwise=True)

@@ -15,14 +15,19 @@
 * `to_graph_layout` / `to_unfused_layout`: move weights between fused and unfused graphs.
 * `estimate_training_memory` / `check_memory` (memory.py): refuse what cannot fit.
 * `load_checkpoint` / `latest_checkpoint` / `CheckpointError` (checkpoint.py): read a run's weights
-  (the ONNX backend's `check-onnx` does; other backends use this API, never the modules behind it).
+  (the ONNX backend's `check-onnx` does; other backends use this API, never the modules behind it);
+  `save_checkpoint` / `capture_rng_state`: write one (`vgraph import hf` writes a run's step 0).
+* `load_model` / `CausalLM` (model_api.py): a run or checkpoint as `forward(input_ids [B, T]) -> logits
+  [B, T, vocab]`, in eval mode; `vgraph eval` scores token ids with it.
 """
 from __future__ import annotations
 
-from .checkpoint import CheckpointError, checked_tokenizer, latest_checkpoint, load_checkpoint, network_vocab
+from .checkpoint import (CheckpointError, capture_rng_state, checked_tokenizer, latest_checkpoint, load_checkpoint,
+                         network_vocab, save_checkpoint)
 from .interpreter import interpret
 from .lower import (VGraphModule, compile_network, compute_dtype, feed_name, init_state, to_graph_layout,
                     to_unfused_layout)
+from .model_api import CausalLM, load_model
 from .memory import MemoryEstimate, MemoryRefused, check_memory, estimate_training_memory
 from .ops import LOWERINGS, LowerCtx, register_lowering
 from .train import TrainConfig, TrainingError, TrainResult, load_trained, prepare_graph, train
@@ -32,5 +37,6 @@ __all__ = [
     "to_unfused_layout", "interpret", "register_lowering", "LowerCtx", "LOWERINGS", "MemoryEstimate",
     "MemoryRefused", "check_memory", "estimate_training_memory", "TrainConfig", "TrainResult",
     "TrainingError", "train", "load_trained", "prepare_graph", "CheckpointError", "latest_checkpoint",
-    "load_checkpoint", "checked_tokenizer", "network_vocab",
+    "load_checkpoint", "checked_tokenizer", "network_vocab", "save_checkpoint", "capture_rng_state", "CausalLM",
+    "load_model",
 ]

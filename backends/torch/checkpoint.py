@@ -230,9 +230,10 @@ def _step(value: Any) -> int:
         raise ValueError(str(exc)) from None
 
 
-def checked_tokenizer(tokenizer_json: str, vocab: int | None, where: str):
+def checked_tokenizer(tokenizer_json: str | None, vocab: int | None, where: str):
     """A checkpoint's tokenizer (tokenizers.Tokenizer), read and checked against its network's vocabulary
-    `vocab` (its embedder's rows; None: no embedder, nothing to check).
+    `vocab` (its embedder's rows; None: no embedder, nothing to check); None for a checkpoint without one
+    (`vgraph import hf` of a model directory without tokenizer.json: such a model reads token ids).
 
     Why: a checkpoint carries its tokenizer next to its network, and nothing tied the two: a tokenizer
     whose ids pass the vocabulary (a tokenizer.json replaced, a checkpoint edited or assembled by hand)
@@ -243,6 +244,8 @@ def checked_tokenizer(tokenizer_json: str, vocab: int | None, where: str):
 
     from vgraph.base.diagnostics import VGraphError
 
+    if not tokenizer_json:
+        return None
     try:
         tokenizer = Tokenizer.from_str(tokenizer_json)
         ids = tokenizer.get_vocab(with_added_tokens=True).values()

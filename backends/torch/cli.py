@@ -1,8 +1,9 @@
 """The `vgraph train` and `vgraph generate` commands (entry points of group `vgraph.commands`).
 
     vgraph train NETWORK.yml [--data PATH] [--steps N] [--batch B] [--lr LR] [--out DIR] [--resume] ...
-    vgraph generate CHECKPOINT --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
-                    [--backend torch|onnx] [--no-kv-cache]
+    vgraph generate CHECKPOINT (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N] [--temperature T]
+                    [--top-k K] [--seed S] [--backend torch|onnx] [--no-kv-cache]
+    vgraph eval RUN (--data DIR | --token-ids FILE.npy) [--json]          (model_api.py)
 
 Also runnable without the entry points: `python -m vgraph.backends.torch.cli train ...`.
 A user's mistake is a VGraphError: its message is printed and the exit status is 2.
@@ -126,7 +127,11 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
                               description="Continue a prompt with a trained network. CHECKPOINT is a "
                                           "checkpoint directory or a run directory (its latest checkpoint).")
     p.add_argument("checkpoint", metavar="CHECKPOINT", type=options.path)
-    p.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="", help="text to continue (default: empty)")
+    prompt.add_argument("--prompt-ids", metavar="IDS", type=options.token_ids,
+                        help="token ids to continue, comma-separated (a model without a tokenizer); prints the "
+                             "prompt's and the generated ids, comma-separated")
     p.add_argument("--max-new-tokens", type=_non_negative_int, default=100)
     p.add_argument("--temperature", type=options.non_negative_float, default=0.8, help="0: greedy (default 0.8)")
     p.add_argument("--top-k", type=_non_negative_int, default=40, help="sample from the k likeliest; 0: all")
@@ -146,6 +151,12 @@ BACKENDS = ("torch", "onnx")
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    if args.prompt_ids is not None:
+        source = LogitsSource(args.checkpoint, backend=args.backend, kv_cache=args.kv_cache, device=args.device)
+        ids = source.sample(source.checked_ids(args.prompt_ids), max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+        print(",".join(map(str, ids)))
+        return 0
     text = generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_k=args.top_k, seed=args.seed, device=args.device,
                     backend=args.backend, kv_cache=args.kv_cache)
@@ -189,6 +200,7 @@ class LogitsSource:
     def __init__(self, checkpoint: str, *, backend: str = "torch", kv_cache: bool | None = None,
                  device: str | None = None) -> None:
         from .data import EOT_TOKEN, PAD_TOKEN
+        from .model_api import logits_output
         from .train import load_trained
 
         if backend not in BACKENDS:
@@ -201,15 +213,26 @@ class LogitsSource:
                               "it, else on the CPU")
         module, self.tokenizer, graph = load_trained(checkpoint, device="cpu" if backend == "onnx" else device)
         self.seq_len = int(graph.nodes_of_type("embedder")[0].cfg["seq_len"])
-        output = _logits_output(graph)
-        self.eot = self.tokenizer.token_to_id(EOT_TOKEN)
-        self.pad = self.tokenizer.token_to_id(PAD_TOKEN) or 0
+        self.vocab = int(graph.nodes_of_type("embedder")[0].cfg["vocab_size"])
+        output = logits_output(graph)
+        self.eot = self.tokenizer.token_to_id(EOT_TOKEN) if self.tokenizer is not None else None
+        self.pad = (self.tokenizer.token_to_id(PAD_TOKEN) if self.tokenizer is not None else None) or 0
         self.next_logits = (_onnx_logits(module, graph, output, kv_cache=kv_cache is not False) if backend == "onnx"
                             else _torch_logits(module, graph, output, self.seq_len, self.pad))
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's ids; an empty prompt starts from end-of-text (or padding)."""
+        if self.tokenizer is None:
+            raise VGraphError("this checkpoint has no tokenizer (a model imported without tokenizer.json): give "
+                              "--prompt-ids 1,2,3 instead of --prompt")
         return self.tokenizer.encode(prompt).ids if prompt else [self.eot if self.eot is not None else self.pad]
+
+    def checked_ids(self, ids: list[int]) -> list[int]:
+        """`--prompt-ids`, refused unless every id is inside the network's vocabulary."""
+        bad = [i for i in ids if i >= self.vocab]
+        if bad:
+            raise VGraphError(f"--prompt-ids: token id {bad[0]} is outside the network's vocabulary of {self.vocab}")
+        return list(ids)
 
     def sample(self, ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int, seed: int) -> list[int]:
         """`ids` followed by up to `max_new_tokens` drawn tokens (stops at end-of-text)."""
@@ -278,25 +301,51 @@ def _draw(last, temperature: float, top_k: int, generator) -> int:
     return int(torch.multinomial(torch.softmax(last, dim=-1), 1, generator=generator))
 
 
-def _logits_output(graph) -> str:
-    """The network output holding next-token logits: 'logits', else the only [S, vocab] output."""
-    names = [ep.name for ep in graph.outputs]
-    if "logits" in names:
-        return "logits"
-    vocab = int(graph.nodes_of_type("embedder")[0].cfg["vocab_size"])
-    candidates = [ep.name for ep in graph.outputs
-                  if graph.node(ep.node).outputs and graph.node(ep.node).outputs[ep.slot].shape[-1:] == (vocab,)]
-    if len(candidates) != 1:
-        raise VGraphError(f"network {graph.name!r}: cannot tell which output holds the logits "
-                          f"(outputs: {', '.join(names) or 'none'}); name it 'logits'")
-    return candidates[0]
+def register_eval(subparsers: argparse._SubParsersAction) -> None:
+    """Add `eval` to a `vgraph` subparser set (the work: model_api.py)."""
+    p = subparsers.add_parser("eval", help="mean next-token cross-entropy and perplexity of a run on token ids",
+                              description="Score a run (its latest checkpoint) or a checkpoint: the mean "
+                                          "next-token cross-entropy in nats over every predicted token, and the "
+                                          "perplexity exp(loss). Sequences longer than the network's are cut "
+                                          "into windows of seq_len + 1 tokens overlapping by one.")
+    p.add_argument("checkpoint", metavar="RUN", type=options.path, help="a run directory or a checkpoint")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", metavar="DIR", type=options.path,
+                     help="a prepared corpus (vgraph data prepare): its validation split")
+    src.add_argument("--token-ids", metavar="FILE.npy", type=options.path,
+                     help="a .npy array of token ids: [N] one sequence, or [rows, N]")
+    p.add_argument("--batch", type=_positive_int, default=8, help="windows per forward pass (default 8)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--json", action="store_true", help='print {"loss": ..., "perplexity": ..., "tokens": ...}')
+    add_plugin_option(p)
+    p.set_defaults(func=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import json
+    import math
+
+    from .model_api import corpus_windows, evaluate, load_model, token_file_windows
+
+    model = load_model(args.checkpoint, device=args.device)
+    windows = (corpus_windows(args.data, model.seq_len, model.vocab_size) if args.data is not None
+               else token_file_windows(args.token_ids, model.seq_len, model.vocab_size))
+    loss, tokens = evaluate(model, windows, batch=args.batch)
+    perplexity = math.exp(loss) if loss < 709 else float("inf")
+    if args.json:
+        print(json.dumps({"loss": loss, "perplexity": perplexity if math.isfinite(perplexity) else None,
+                          "tokens": tokens}))
+    else:
+        print(f"loss {loss:.6f} nats/token, perplexity {perplexity:.4f} over {tokens:,} tokens")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vgraph.backends.torch.cli train|generate ...`."""
+    """`python -m vgraph.backends.torch.cli train|generate|eval ...`."""
     from vgraph.cli.main import run_commands
 
-    return run_commands([register_train, register_generate], argv, prog="python -m vgraph.backends.torch.cli")
+    return run_commands([register_train, register_generate, register_eval], argv,
+                        prog="python -m vgraph.backends.torch.cli")
 
 
 if __name__ == "__main__":

@@ -67,15 +67,9 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 def _head(x: torch.Tensor, wq, bq, wk, bk, wv, bv, *, causal: bool, rope_theta: float | None) -> torch.Tensor:
-    q, k, v = _linear(x, wq, bq), _linear(x, wk, bk), _linear(x, wv, bv)
-    if rope_theta is not None:
-        q, k = _rope(q, rope_theta), _rope(k, rope_theta)
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if causal:
-        seq = x.shape[1]
-        future = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=x.device), diagonal=1)
-        scores = scores.masked_fill(future, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    k = _linear(x, wk, bk)
+    return _attend(_linear(x, wq, bq), k if rope_theta is None else _rope(k, rope_theta), _linear(x, wv, bv),
+                   causal=causal, rope_theta=rope_theta)
 
 
 def _theta(cfg: Mapping[str, Any]) -> float | None:
@@ -92,7 +86,7 @@ def _embedder(n: _Node) -> list[Any]:
 def _linear_node(n: _Node) -> list[Any]:
     if n.cfg.get("tie_weight_alias"):
         return [_linear(n.inputs[0], n.tied("weight"))]
-    return [_linear(n.inputs[0], n.p("weight"), n.p("bias"))]
+    return [_linear(n.inputs[0], n.p("weight"), n.p("bias") if n.cfg["bias"] else None)]
 
 
 def _layernorm(n: _Node) -> list[Any]:
@@ -102,23 +96,64 @@ def _layernorm(n: _Node) -> list[Any]:
     return [(x - mean) / torch.sqrt(var + n.cfg["eps"]) * n.p("weight") + n.p("bias")]
 
 
+def _rmsnorm(n: _Node) -> list[Any]:
+    x = n.inputs[0]
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    normed = wide / torch.sqrt((wide * wide).mean(dim=-1, keepdim=True) + n.cfg["eps"])
+    return [n.p("weight").to(x.dtype) * normed.to(x.dtype)]
+
+
+def _bias(n: _Node, name: str) -> torch.Tensor | None:
+    return n.p(name) if n.cfg["qkv_bias"] else None
+
+
 def _attention_head(n: _Node) -> list[Any]:
-    return [_head(n.inputs[0], n.p("wq"), n.p("bq"), n.p("wk"), n.p("bk"), n.p("wv"), n.p("bv"),
-                  causal=n.cfg["causal"], rope_theta=_theta(n.cfg))]
+    cfg = n.cfg
+    if not cfg["kv_input"]:
+        return [_head(n.inputs[0], n.p("wq"), _bias(n, "bq"), n.p("wk"), _bias(n, "bk"), n.p("wv"), _bias(n, "bv"),
+                      causal=cfg["causal"], rope_theta=_theta(cfg))]
+    hd = cfg["head_dim"]
+    kv = n.inputs[1]  # a kv_head's keys (rotated already) and values: the rotation must not be applied twice
+    return [_attend(_linear(n.inputs[0], n.p("wq"), _bias(n, "bq")), kv[..., :hd], kv[..., hd:],
+                    causal=cfg["causal"], rope_theta=_theta(cfg))]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+            rope_theta: float | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd)) v with q rotated here and k given as it is."""
+    if rope_theta is not None:
+        q = _rope(q, rope_theta)
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        seq = q.shape[-2]
+        future = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=q.device), diagonal=1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _kv_head(n: _Node) -> list[Any]:
+    x, theta = n.inputs[0], _theta(n.cfg)
+    k = _linear(x, n.p("wk"), _bias(n, "bk"))
+    return [torch.cat([k if theta is None else _rope(k, theta), _linear(x, n.p("wv"), _bias(n, "bv"))], dim=-1)]
 
 
 def _attention(n: _Node) -> list[Any]:
-    """The fused layer as the heads it stands for: head h's q/k/v are row blocks h, H+h, 2H+h."""
+    """The fused layer as the heads it stands for: query head h's q is row block h, its k and v the blocks
+    H + g and H + KV + g of its K/V head g = h // (H / KV) (g = h without grouped-query attention)."""
     cfg = n.cfg
     heads, hd = cfg["num_heads"], cfg["head_dim"]
-    w, b = n.p("qkv_weight"), n.p("qkv_bias")
+    kv_heads = cfg.get("num_kv_heads") or heads
+    w, b = n.p("qkv_weight"), (n.p("qkv_bias") if cfg["qkv_bias"] else None)
 
-    def block(t: torch.Tensor, i: int) -> torch.Tensor:
-        return t[i * hd:(i + 1) * hd]
+    def block(t: torch.Tensor | None, i: int) -> torch.Tensor | None:
+        return None if t is None else t[i * hd:(i + 1) * hd]
 
-    outs = [_head(n.inputs[0], block(w, h), block(b, h), block(w, heads + h), block(b, heads + h),
-                  block(w, 2 * heads + h), block(b, 2 * heads + h), causal=cfg["causal"],
-                  rope_theta=_theta(cfg)) for h in range(heads)]
+    def group(h: int) -> int:
+        return h // (heads // kv_heads)
+
+    outs = [_head(n.inputs[0], block(w, h), block(b, h), block(w, heads + group(h)), block(b, heads + group(h)),
+                  block(w, heads + kv_heads + group(h)), block(b, heads + kv_heads + group(h)),
+                  causal=cfg["causal"], rope_theta=_theta(cfg)) for h in range(heads)]
     out = torch.cat(outs, dim=-1)
     if cfg["output_projection"]:
         out = _linear(out, n.p("out_weight"), n.p("out_bias"))
@@ -164,6 +199,11 @@ def _nll(log_p: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch
     valid = targets != ignore_index
     safe = torch.where(valid, targets, torch.zeros_like(targets))
     return -(log_p.gather(1, safe[:, None]).squeeze(1) * valid).sum() / valid.sum()
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's gelu_new, as written in its paper's appendix."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
 def _swiglu(n: _Node) -> list[Any]:
@@ -232,12 +272,15 @@ REFERENCE: dict[str, Callable[[_Node], list[Any]]] = {
     "embedder": _embedder,
     "linear": _linear_node,
     "layernorm": _layernorm,
+    "rmsnorm": _rmsnorm,
     "attention_head": _attention_head,
+    "kv_head": _kv_head,
     "attention": _attention,
     "tied_lm_head_ce": _tied_lm_head_ce,
     "cost": _cost,
     "relu": lambda n: [torch.clamp_min(n.inputs[0], 0)],
-    "gelu": lambda n: [0.5 * n.inputs[0] * (1 + torch.erf(n.inputs[0] / math.sqrt(2.0)))],
+    "gelu": lambda n: [_gelu_tanh(n.inputs[0]) if n.cfg["approximate"] == "tanh" else
+                       0.5 * n.inputs[0] * (1 + torch.erf(n.inputs[0] / math.sqrt(2.0)))],
     "silu": lambda n: [n.inputs[0] * torch.sigmoid(n.inputs[0])],
     "swiglu": _swiglu,
     "dropout": _dropout,

@@ -12,8 +12,10 @@ Conventions fixed here (other backends must agree with them):
   ``x2 = x[..., hd/2:]`` and frequency ``i`` rotates the pair
   ``(x1[i], x2[i])``.  It is *not* the interleaved GPT-J layout that
   rotates ``(x[2i], x[2i+1])``.
-* **Fused QKV weight** ``[3*H*hd, D]`` holds all query heads, then all key
-  heads, then all value heads, each head a block of ``hd`` rows.
+* **Fused QKV weight** ``[(H + 2*KV)*hd, D]`` holds all query heads, then all key
+  heads, then all value heads, each head a block of ``hd`` rows (``KV = H``
+  without grouped-query attention, so ``[3*H*hd, D]``).  With ``KV < H`` query
+  head ``h`` reads K/V head ``h // (H / KV)`` (Hugging Face's ``repeat_kv`` order).
 * **Multi-head output** ``[B, S, H*hd]`` puts head ``h`` in columns
   ``h*hd:(h+1)*hd``, i.e. the per-head outputs concatenated in head order.
 """
@@ -33,6 +35,7 @@ __all__ = [
     "apply_rope",
     "attention_head",
     "multihead_attention",
+    "rms_norm",
     "swiglu",
     "add_positions",
     "apply_mask",
@@ -281,13 +284,16 @@ def multihead_attention(
     head_dim: int,
     causal: bool,
     rope_theta: float | None,
+    num_kv_heads: int | None = None,
 ) -> torch.Tensor:
     """All heads of an attention layer in one fused projection + SDPA call.
 
-    ``x`` is ``[B, S, D]``; ``qkv_weight`` is ``[3*H*hd, D]`` laid out as
-    ``[q_head0 .. q_head{H-1}, k_head0 .. k_head{H-1}, v_head0 .. v_head{H-1}]``
+    ``x`` is ``[B, S, D]``; ``qkv_weight`` is ``[(H + 2*KV)*hd, D]`` laid out as
+    ``[q_head0 .. q_head{H-1}, k_head0 .. k_head{KV-1}, v_head0 .. v_head{KV-1}]``
     (each block ``hd`` rows), i.e. the per-head ``wq`` stacked in head order,
     then all ``wk``, then all ``wv``; ``qkv_bias`` follows the same layout.
+    ``KV`` is ``num_kv_heads`` (default ``H``); with fewer K/V heads than query
+    heads (GQA, MQA) query head ``h`` attends with K/V head ``h // (H / KV)``.
     This makes the layer exactly equal to running :func:`attention_head` on
     the corresponding weight slices and concatenating the outputs, which is
     how a graph pass may merge per-head nodes into one.
@@ -300,36 +306,62 @@ def multihead_attention(
     """
     if x.dim() != 3:
         raise ValueError(f"multihead_attention expects x of shape [B, S, D]; got {tuple(x.shape)}")
-    if num_heads <= 0 or head_dim <= 0:
-        raise ValueError(f"num_heads and head_dim must be positive; got {num_heads}, {head_dim}")
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if num_heads <= 0 or head_dim <= 0 or kv_heads <= 0 or num_heads % kv_heads:
+        raise ValueError(f"num_heads, head_dim and num_kv_heads must be positive, num_heads a multiple of "
+                         f"num_kv_heads; got {num_heads}, {head_dim}, {kv_heads}")
     width = num_heads * head_dim
-    expected = (3 * width, x.shape[-1])
-    if tuple(qkv_weight.shape) != expected:
+    rows = (num_heads + 2 * kv_heads) * head_dim
+    if tuple(qkv_weight.shape) != (rows, x.shape[-1]):
         raise ValueError(
-            f"qkv_weight must be [3*H*hd, D] = {list(expected)} for H={num_heads}, "
-            f"hd={head_dim}; got {list(qkv_weight.shape)}"
+            f"qkv_weight must be [(H + 2*KV)*hd, D] = {[rows, x.shape[-1]]} for H={num_heads}, "
+            f"KV={kv_heads}, hd={head_dim}; got {list(qkv_weight.shape)}"
         )
-    if qkv_bias is not None and tuple(qkv_bias.shape) != (3 * width,):
-        raise ValueError(f"qkv_bias must be [{3 * width}]; got {list(qkv_bias.shape)}")
+    if qkv_bias is not None and tuple(qkv_bias.shape) != (rows,):
+        raise ValueError(f"qkv_bias must be [{rows}]; got {list(qkv_bias.shape)}")
     if out_weight is None and out_bias is not None:
         raise ValueError("out_bias given without out_weight")
 
     batch, seq_len, _ = x.shape
     qkv = F.linear(x, qkv_weight, qkv_bias)
-    # [B, S, 3, H, hd] -> [3, B, H, S, hd]: index 0/1/2 selects q/k/v, matching
-    # the row blocks of qkv_weight.
-    qkv = qkv.view(batch, seq_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
-    q, k, v = qkv.unbind(0)
+    if kv_heads == num_heads:
+        # [B, S, 3, H, hd] -> [3, B, H, S, hd]: index 0/1/2 selects q/k/v, matching
+        # the row blocks of qkv_weight.
+        qkv = qkv.view(batch, seq_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+    else:
+        q, k, v = (part.view(batch, seq_len, heads, head_dim).transpose(1, 2) for part, heads in zip(
+            qkv.split([width, kv_heads * head_dim, kv_heads * head_dim], dim=-1), (num_heads, kv_heads, kv_heads)))
     if rope_theta is not None:
         cos, sin = rope_cos_sin(seq_len, head_dim, rope_theta, q.device, q.dtype)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
+    if kv_heads != num_heads:
+        # Each K/V head repeated for the consecutive query heads of its group (repeat_kv); SDPA's
+        # enable_gqa does this without the copy but needs torch 2.5, and vgraph supports 2.4.
+        k = k.repeat_interleave(num_heads // kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // kv_heads, dim=1)
 
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     out = out.transpose(1, 2).reshape(batch, seq_len, width)
     if out_weight is not None:
         out = F.linear(out, out_weight, out_bias)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight``, normalised in float32 and cast back, as Llama does.
+
+    The mean square of half-precision activations overflows (fp16) or loses
+    digits (bf16), so the normalisation runs in float32 (float64 stays float64)
+    whatever autocast says; the result is cast back to ``x``'s dtype before the
+    scale, as Hugging Face's ``LlamaRMSNorm`` computes it, and returned in ``x``'s dtype.
+    """
+    acc = _accum_dtype(x)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        wide = x.to(acc)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        return weight.to(x.dtype) * normed.to(x.dtype)
 
 
 # --------------------------------------------------------------------------

@@ -124,12 +124,21 @@ def _op_saved_bytes(graph: Graph, node, outs: list, item: int, compute_dtype: to
     cfg = node.cfg
     if node.type == "dropout" and cfg["rate"] > 0 and outs:
         return outs[0].numel, 0  # the boolean keep mask
+    rope = cfg.get("position_encoding") == "rope"
     if node.type == "attention_head":
         seq, hd = cfg["seq_len"], cfg["head_dim"]
-        return item * seq * hd * (5 if cfg["position_encoding"] == "rope" else 3) + 4 * seq, 0
+        if cfg["kv_input"]:  # its q (and the rotated q); the keys and values are the kv_head's output
+            return item * seq * hd * (2 if rope else 1) + 4 * seq, 0
+        return item * seq * hd * (5 if rope else 3) + 4 * seq, 0
+    if node.type == "kv_head":  # k before the rotation; the output is counted as an output
+        return item * cfg["seq_len"] * cfg["head_dim"] * (1 if rope else 0), 0
     if node.type == "attention":
-        seq, inner = cfg["seq_len"], cfg["num_heads"] * cfg["head_dim"]
-        return item * seq * inner * (6 if cfg["position_encoding"] == "rope" else 4) + 4 * seq * cfg["num_heads"], 0
+        seq, hd, heads = cfg["seq_len"], cfg["head_dim"], cfg["num_heads"]
+        kv = cfg.get("num_kv_heads") or heads
+        rows = (heads + 2 * kv) + heads  # q, k, v and the heads' outputs
+        rows += (heads + kv) if rope else 0  # rotated q and k
+        rows += 2 * heads if kv != heads else 0  # k and v repeated for each query head of a group
+        return item * seq * hd * rows + 4 * seq * heads, 0
     if node.type == "cost" and cfg["cost_function"] in ("ce", "ce_logits") and outs:
         logits = graph.producer(node.id, 0)
         if logits is not None and logits.outputs:

@@ -21,6 +21,7 @@ Conventions every rule follows:
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
@@ -47,6 +48,8 @@ __all__ = [
     "get_lowering",
     "default_init",
     "attention_head_sdpa",
+    "query_head_sdpa",
+    "kv_head_projection",
     "cost_loss",
     "TextCodec",
 ]
@@ -165,7 +168,7 @@ def default_init(name: str, shape: tuple[int, ...], generator: torch.Generator) 
 
 
 def _layernorm_init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    return torch.ones(shape) if name == "weight" else torch.zeros(shape)
+    return torch.ones(shape) if name == "weight" else torch.zeros(shape)  # rmsnorm: its weight alone
 
 
 # --------------------------------------------------------------------------
@@ -173,13 +176,14 @@ def _layernorm_init(name: str, shape: tuple[int, ...], generator: torch.Generato
 # --------------------------------------------------------------------------
 
 
-def attention_head_sdpa(x: torch.Tensor, wq: torch.Tensor, bq: torch.Tensor, wk: torch.Tensor,
-                        bk: torch.Tensor, wv: torch.Tensor, bv: torch.Tensor, *, causal: bool,
+def attention_head_sdpa(x: torch.Tensor, wq: torch.Tensor, bq: torch.Tensor | None, wk: torch.Tensor,
+                        bk: torch.Tensor | None, wv: torch.Tensor, bv: torch.Tensor | None, *, causal: bool,
                         rope_theta: float | None) -> torch.Tensor:
     """One attention head `[B, S, D] -> [B, S, hd]` on scaled_dot_product_attention.
 
     Same math as `kernels.attention_head` (the explicit reference): RoPE in
     the rotate-half convention on q and k, scale 1/sqrt(hd), causal mask.
+    Biases are None for a head without them (qkv_bias false).
     """
     q = F.linear(x, wq, bq)
     k = F.linear(x, wk, bk)
@@ -190,6 +194,30 @@ def attention_head_sdpa(x: torch.Tensor, wq: torch.Tensor, bq: torch.Tensor, wk:
         k = K.apply_rope(k, cos, sin)
     # A head axis of 1 lets SDPA pick its fused (flash / memory-efficient) kernels.
     out = F.scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), is_causal=causal)
+    return out.squeeze(1)
+
+
+def kv_head_projection(x: torch.Tensor, wk: torch.Tensor, bk: torch.Tensor | None, wv: torch.Tensor,
+                       bv: torch.Tensor | None, *, rope_theta: float | None) -> torch.Tensor:
+    """A `kv_head`: `[B, S, D] -> [B, S, 2*hd]`, its keys (RoPE applied, as the query heads expect them)
+    then its values, one tensor so that it is one edge to each query head of the group."""
+    k = F.linear(x, wk, bk)
+    if rope_theta is not None:
+        cos, sin = K.rope_cos_sin(x.shape[1], k.shape[-1], rope_theta, k.device, k.dtype)
+        k = K.apply_rope(k, cos, sin)
+    return torch.cat([k, F.linear(x, wv, bv)], dim=-1)
+
+
+def query_head_sdpa(x: torch.Tensor, kv: torch.Tensor, wq: torch.Tensor, bq: torch.Tensor | None, *,
+                    causal: bool, rope_theta: float | None) -> torch.Tensor:
+    """An `attention_head` with kv_input: its own query from `x [B, S, D]`, the keys and values of its
+    group's kv_head from `kv [B, S, 2*hd]` (keys already rotated); the math of `attention_head_sdpa`."""
+    q = F.linear(x, wq, bq)
+    if rope_theta is not None:
+        cos, sin = K.rope_cos_sin(x.shape[1], q.shape[-1], rope_theta, q.device, q.dtype)
+        q = K.apply_rope(q, cos, sin)
+    k, v = kv.unsqueeze(1).chunk(2, dim=-1)
+    out = F.scaled_dot_product_attention(q.unsqueeze(1), k, v, is_causal=causal)
     return out.squeeze(1)
 
 
@@ -277,10 +305,17 @@ def _embedder(ctx: LowerCtx):
     return [x]
 
 
+def _optional(ctx: LowerCtx, name: str) -> Value | None:
+    """A parameter the node's config may leave out (a bias with bias / qkv_bias false): None then."""
+    return ctx.param(name) if name in ctx.node.op.param_shapes(ctx.cfg) else None
+
+
 @register_lowering("linear")
 def _linear(ctx: LowerCtx):
     if ctx.cfg.get("tie_weight_alias"):
         return [ctx.call(F.linear, ctx.inputs[0], ctx.tied("weight"))]
+    if not ctx.cfg["bias"]:
+        return [ctx.call(F.linear, ctx.inputs[0], ctx.param("weight"))]
     return [ctx.call(F.linear, ctx.inputs[0], ctx.param("weight"), ctx.param("bias"))]
 
 
@@ -291,15 +326,32 @@ def _layernorm(ctx: LowerCtx):
                      cfg["eps"])]
 
 
+@register_lowering("rmsnorm", init=_layernorm_init)
+def _rmsnorm(ctx: LowerCtx):
+    return [ctx.call(K.rms_norm, ctx.inputs[0], ctx.param("weight"), eps=ctx.cfg["eps"])]
+
+
 def _rope_theta(cfg: dict[str, Any]) -> float | None:
     return float(cfg["rope_theta"]) if cfg["position_encoding"] == "rope" else None
 
 
 @register_lowering("attention_head")
 def _attention_head(ctx: LowerCtx):
+    cfg = ctx.cfg
+    if cfg["kv_input"]:
+        return [ctx.call(query_head_sdpa, ctx.inputs[0], ctx.inputs[1], ctx.param("wq"), _optional(ctx, "bq"),
+                         causal=cfg["causal"], rope_theta=_rope_theta(cfg))]
     p = ctx.param
-    return [ctx.call(attention_head_sdpa, ctx.inputs[0], p("wq"), p("bq"), p("wk"), p("bk"), p("wv"), p("bv"),
-                     causal=ctx.cfg["causal"], rope_theta=_rope_theta(ctx.cfg))]
+    b = functools.partial(_optional, ctx)
+    return [ctx.call(attention_head_sdpa, ctx.inputs[0], p("wq"), b("bq"), p("wk"), b("bk"), p("wv"), b("bv"),
+                     causal=cfg["causal"], rope_theta=_rope_theta(cfg))]
+
+
+@register_lowering("kv_head")
+def _kv_head(ctx: LowerCtx):
+    p, b = ctx.param, functools.partial(_optional, ctx)
+    return [ctx.call(kv_head_projection, ctx.inputs[0], p("wk"), b("bk"), p("wv"), b("bv"),
+                     rope_theta=_rope_theta(ctx.cfg))]
 
 
 @register_lowering("attention")
@@ -307,9 +359,10 @@ def _attention(ctx: LowerCtx):
     cfg = ctx.cfg
     out_w = ctx.param("out_weight") if cfg["output_projection"] else None
     out_b = ctx.param("out_bias") if cfg["output_projection"] else None
-    return [ctx.call(K.multihead_attention, ctx.inputs[0], ctx.param("qkv_weight"), ctx.param("qkv_bias"),
+    kv = {"num_kv_heads": cfg["num_kv_heads"]} if cfg.get("num_kv_heads") not in (None, cfg["num_heads"]) else {}
+    return [ctx.call(K.multihead_attention, ctx.inputs[0], ctx.param("qkv_weight"), _optional(ctx, "qkv_bias"),
                      out_w, out_b, num_heads=cfg["num_heads"], head_dim=cfg["head_dim"],
-                     causal=cfg["causal"], rope_theta=_rope_theta(cfg))]
+                     causal=cfg["causal"], rope_theta=_rope_theta(cfg), **kv)]
 
 
 def _lm_head_inputs(needed: frozenset[int], num_inputs: int) -> frozenset[int]:
@@ -339,8 +392,15 @@ def _cost(ctx: LowerCtx):
                      ignore_index=ctx.cfg["ignore_index"])]
 
 
-for _name, _fn in (("relu", F.relu), ("gelu", F.gelu), ("silu", F.silu), ("swiglu", K.swiglu)):
+for _name, _fn in (("relu", F.relu), ("silu", F.silu), ("swiglu", K.swiglu)):
     register_lowering(_name)(lambda ctx, _fn=_fn: [ctx.call(_fn, ctx.inputs[0])])
+
+
+@register_lowering("gelu")
+def _gelu(ctx: LowerCtx):
+    if ctx.cfg["approximate"] == "tanh":
+        return [ctx.call(F.gelu, ctx.inputs[0], approximate="tanh")]
+    return [ctx.call(F.gelu, ctx.inputs[0])]
 
 
 @register_lowering("dropout")

@@ -311,6 +311,8 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
 
     A checkpoint carries its network YAML and tokenizer, so nothing else is
     needed; the graph is prepared for `device` like training prepares it.
+    The tokenizer is None for a checkpoint without one (`vgraph import hf` of
+    a model directory without tokenizer.json): such a model reads token ids.
     """
     target = Path(path)
     if not target.exists():
@@ -323,9 +325,8 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
         raise VGraphError(f"{path}: {exc}") from None
     yaml_text = state.extra.get("network_yaml")
     tokenizer_json = state.extra.get("tokenizer_json")
-    if not yaml_text or not tokenizer_json:
-        raise VGraphError(f"{target}: this checkpoint does not carry its network and tokenizer "
-                          f"(not written by `vgraph train`)")
+    if not yaml_text:
+        raise VGraphError(f"{target}: this checkpoint does not carry its network (not written by `vgraph train`)")
     torch_device = resolve_device(device)
     run = state.extra.get("run") or {}
     check_finite(state.model_state, target)

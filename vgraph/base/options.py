@@ -57,6 +57,19 @@ def seed(text: str) -> int:
     return _int_in(text, 0, MAX_SEED, "a seed from 0 to 2**63-1")
 
 
+MAX_TOKEN_IDS = 1_000_000  # a prompt longer than this is no prompt
+
+
+def token_ids(text: str) -> list[int]:
+    """Comma-separated token ids (`generate --prompt-ids 1,2,3`): at least one, each 0 to 2**62; whether
+    each is inside the vocabulary is the model's to say."""
+    parts = str(text).split(",")
+    if not str(text).strip() or len(parts) > MAX_TOKEN_IDS:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_TOKEN_IDS} comma-separated token ids, got "
+                                         f"{quote(text)}")
+    return [_int_in(part, 0, MAX_COUNT, "token ids from 0 to 2**62") for part in parts]
+
+
 def port(text: str) -> int:
     """A TCP port: 1 to 65535."""
     return _int_in(text, 1, 65535, "a TCP port from 1 to 65535")
@@ -140,4 +153,4 @@ def replicas(text: str) -> str:
 
 
 __all__ = ["positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float", "op_type",
-           "byte_size", "replicas", "path", "network_file", "fleet_file", "compile_target", "MAX_SEED"]
+           "token_ids", "byte_size", "replicas", "path", "network_file", "fleet_file", "compile_target", "MAX_SEED"]

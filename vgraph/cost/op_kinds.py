@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("matmul", "attention", "elementwise", "structural")
-MATMUL_TYPES = frozenset(("linear", "tied_lm_head_ce"))
+MATMUL_TYPES = frozenset(("linear", "tied_lm_head_ce", "kv_head"))  # a kv_head: two projections
 ATTENTION_TYPES = frozenset(("attention", "attention_head"))
 KIND_KEYS = ("of_peak", "overhead")
 _SECONDS = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us|µs|ns)?$")

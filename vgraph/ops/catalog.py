@@ -2,8 +2,8 @@
 
 Each op is one `OpDef`: schema, arity, inference, parameters, FLOPs per
 sample (forward; a training step costs about three times that).  Parameter
-counts follow the production networks: attention heads have Q/K/V biases, a
-tied linear (the LM head) has no bias of its own.
+counts follow the production networks: attention heads have Q/K/V biases (unless
+`qkv_bias: false`, as Llama), a tied linear (the LM head) has no bias of its own.
 """
 from __future__ import annotations
 
@@ -46,7 +46,10 @@ def _linear_infer(ctx: InferCtx) -> list[TensorType]:
 def _linear_params(cfg: Config) -> dict[str, tuple[int, ...]]:
     if cfg.get("tie_weight_alias"):
         return {}
-    return {"weight": (cfg["out_dim"], cfg["in_dim"]), "bias": (cfg["out_dim"],)}
+    p = {"weight": (cfg["out_dim"], cfg["in_dim"])}
+    if cfg["bias"]:
+        p["bias"] = (cfg["out_dim"],)
+    return p
 
 
 def _tied_weight(cfg: Config) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -59,10 +62,12 @@ register_op(OpDef(
     "linear", "layer", "y = x W^T + b; with tie_weight_alias, W is the aliased matrix and there is no bias",
     aliases=("dense",),
     schema=Schema((F("in_dim", "int", required=True, min=1, doc="size of the input's last dimension"),
-                   F("out_dim", "int", required=True, min=1, doc="size of the output's last dimension"))),
+                   F("out_dim", "int", required=True, min=1, doc="size of the output's last dimension"),
+                   F("bias", "bool", True, doc="false: y = x W^T, no bias parameter (a tied linear never has one)"))),
     infer=_linear_infer, params=_linear_params, tied_params=_tied_weight,
     flops=lambda cfg, ins, outs: 2 * _lead(ins[0]) * cfg["in_dim"] * cfg["out_dim"],
     examples=(E({"in_dim": _D, "out_dim": 12}, ((_S, _D),)),
+              E({"in_dim": _D, "out_dim": 12, "bias": False}, ((_S, _D),), "nobias"),
               E({"in_dim": _D, "out_dim": _V, "tie_weight_alias": "tok"}, ((_S, _D),), "tied")),
 ))
 
@@ -119,6 +124,17 @@ register_op(OpDef(
     examples=(E({"dim": _D}, ((_S, _D),)),),
 ))
 
+register_op(OpDef(
+    "rmsnorm", "layer", "RMS normalisation over the last dimension with a learned scale, computed in float32: "
+    "y = x / sqrt(mean(x^2) + eps) * weight (Llama, Qwen2)",
+    schema=Schema((F("dim", "int", required=True, min=1, doc="size of the normalised last dimension"),
+                   F("eps", "float", 1e-6, min=0.0, doc="added to the mean square before the square root"))),
+    infer=_layernorm_infer,
+    params=lambda cfg: {"weight": (cfg["dim"],)},
+    flops=_elementwise(4),
+    examples=(E({"dim": _D}, ((_S, _D),)), E({"dim": _D, "eps": 0.5}, ((_S, _D),), "eps")),
+))
+
 _ATTN_COMMON = (
     F("seq_len", "int", required=True, min=1, doc="tokens per sample"),
     F("causal", "bool", True, doc="a position attends only to itself and earlier positions"),
@@ -137,31 +153,92 @@ def _attention_flops(seq: int, dim: int, heads: int, hd: int) -> int:
     return 3 * 2 * seq * dim * heads * hd + 2 * 2 * seq * seq * heads * hd
 
 
+_QKV_BIAS_DOC = "false: the Q, K and V projections have no bias (Llama); true: each has one (GPT-2, Qwen2)"
+
+
+def _check_seq_input(x: TensorType, cfg: Config, slot: int, width: int, what: str) -> None:
+    _check_rank(x, 2, "a head's input ([seq, width])", slot)
+    if x.shape != (cfg["seq_len"], width):
+        raise ShapeError(f"input {slot} has shape {list(x.shape)} but seq_len={cfg['seq_len']} and {what} "
+                         f"need [{cfg['seq_len']}, {width}]")
+
+
 def _head_infer(ctx: InferCtx) -> list[TensorType]:
     cfg = ctx.cfg
     _check_rope(cfg)
-    x = ctx.single()
-    _check_rank(x, 2, "an attention head ([seq, input_dim])")
-    if x.shape != (cfg["seq_len"], cfg["input_dim"]):
-        raise ShapeError(f"input has shape {list(x.shape)} but seq_len={cfg['seq_len']}, "
-                         f"input_dim={cfg['input_dim']} need [{cfg['seq_len']}, {cfg['input_dim']}]")
+    _check_seq_input(ctx.single(), cfg, 0, cfg["input_dim"], f"input_dim={cfg['input_dim']}")
+    if cfg["kv_input"]:
+        if len(ctx.inputs) < 2:
+            raise ShapeError("kv_input is true but input 1 (the keys and values of a kv_head) is not connected")
+        _check_seq_input(ctx.inputs[1], cfg, 1, 2 * cfg["head_dim"],
+                         f"head_dim={cfg['head_dim']} (a kv_head's keys and values, 2 x head_dim wide)")
+    elif len(ctx.inputs) > 1:
+        raise ShapeError("input 1 is connected but kv_input is false (set kv_input: true to read the keys "
+                         "and values of a kv_head there)")
     return [T((cfg["seq_len"], cfg["head_dim"]), ctx.dtype)]
 
 
-def _head_params(cfg: Config) -> dict[str, tuple[int, ...]]:
+def _projections(cfg: Config, names: str) -> dict[str, tuple[int, ...]]:
+    """w<x> [head_dim, input_dim] and, with qkv_bias, b<x> [head_dim] for each projection x in `names`."""
     hd, d = cfg["head_dim"], cfg["input_dim"]
-    return {"wq": (hd, d), "bq": (hd,), "wk": (hd, d), "bk": (hd,), "wv": (hd, d), "bv": (hd,)}
+    p: dict[str, tuple[int, ...]] = {}
+    for x in names:
+        p[f"w{x}"] = (hd, d)
+        if cfg["qkv_bias"]:
+            p[f"b{x}"] = (hd,)
+    return p
+
+
+def _head_flops(cfg: Config, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
+    if not cfg["kv_input"]:
+        return _attention_flops(cfg["seq_len"], cfg["input_dim"], 1, cfg["head_dim"])
+    seq, hd = cfg["seq_len"], cfg["head_dim"]
+    return 2 * seq * cfg["input_dim"] * hd + 2 * 2 * seq * seq * hd  # Q projection, scores, weighted sum
+
+
+_HEAD_SHAPE = (F("head_dim", "int", required=True, min=1, doc="width of Q, K, V and the output"),
+               F("input_dim", "int", required=True, min=1, doc="width of the input"))
+
+register_op(OpDef(
+    "attention_head", "layer", "one attention head [seq, input_dim] -> [seq, head_dim] with its own Q, K, V; "
+    "with kv_input, only its own Q, reading K and V from a kv_head shared by a group of heads (GQA)",
+    aliases=("singleheadattention",),
+    schema=Schema((*_HEAD_SHAPE, *_ATTN_COMMON, F("qkv_bias", "bool", True, doc=_QKV_BIAS_DOC),
+                   F("kv_input", "bool", False,
+                     doc="true: input 1 is a kv_head's [seq, 2 x head_dim] keys and values, and the head owns "
+                         "only wq (and bq)"))),
+    num_inputs=(1, 2),
+    infer=_head_infer, params=lambda cfg: _projections(cfg, "q" if cfg["kv_input"] else "qkv"),
+    flops=_head_flops,
+    examples=(E({"head_dim": _HD, "input_dim": _D, "seq_len": _S, "position_encoding": "rope"}, ((_S, _D),), "rope"),
+              E({"head_dim": _HD, "input_dim": _D, "seq_len": _S, "causal": False}, ((_S, _D),), "plain"),
+              E({"head_dim": _HD, "input_dim": _D, "seq_len": _S, "qkv_bias": False, "position_encoding": "rope"},
+                ((_S, _D),), "nobias"),
+              E({"head_dim": _HD, "input_dim": _D, "seq_len": _S, "kv_input": True, "qkv_bias": False,
+                 "position_encoding": "rope"}, ((_S, _D), (_S, 2 * _HD)), "kv"),
+              E({"head_dim": _HD, "input_dim": _D, "seq_len": _S, "kv_input": True, "causal": False},
+                ((_S, _D), (_S, 2 * _HD)), "kv-bias")),
+))
+
+
+def _kv_head_infer(ctx: InferCtx) -> list[TensorType]:
+    cfg = ctx.cfg
+    _check_rope(cfg)
+    _check_seq_input(ctx.single(), cfg, 0, cfg["input_dim"], f"input_dim={cfg['input_dim']}")
+    return [T((cfg["seq_len"], 2 * cfg["head_dim"]), ctx.dtype)]
 
 
 register_op(OpDef(
-    "attention_head", "layer", "one attention head [seq, input_dim] -> [seq, head_dim] with its own Q, K, V",
-    aliases=("singleheadattention",),
-    schema=Schema((F("head_dim", "int", required=True, min=1, doc="width of Q, K, V and the output"),
-                   F("input_dim", "int", required=True, min=1, doc="width of the input"), *_ATTN_COMMON)),
-    infer=_head_infer, params=_head_params,
-    flops=lambda cfg, ins, outs: _attention_flops(cfg["seq_len"], cfg["input_dim"], 1, cfg["head_dim"]),
+    "kv_head", "layer", "the keys and values of one K/V head, shared by the query heads of its group (GQA, MQA): "
+    "[seq, input_dim] -> [seq, 2 x head_dim] = concat(K with RoPE applied, V), read by attention_heads with "
+    "kv_input",
+    schema=Schema((F("head_dim", "int", required=True, min=1, doc="width of K and of V (the output is 2 x head_dim)"),
+                   _HEAD_SHAPE[1], *(f for f in _ATTN_COMMON if f.name != "causal"),  # its query heads mask
+                   F("qkv_bias", "bool", True, doc="false: the K and V projections have no bias"))),
+    infer=_kv_head_infer, params=lambda cfg: _projections(cfg, "kv"),
+    flops=lambda cfg, ins, outs: 2 * 2 * cfg["seq_len"] * cfg["input_dim"] * cfg["head_dim"],
     examples=(E({"head_dim": _HD, "input_dim": _D, "seq_len": _S, "position_encoding": "rope"}, ((_S, _D),), "rope"),
-              E({"head_dim": _HD, "input_dim": _D, "seq_len": _S, "causal": False}, ((_S, _D),), "plain")),
+              E({"head_dim": 6, "input_dim": _D, "seq_len": _S, "qkv_bias": False}, ((_S, _D),), "plain")),
 ))
 
 
@@ -169,23 +246,39 @@ def attention_dim(cfg: Config) -> int:
     return cfg["dim"] if cfg.get("dim") else cfg["num_heads"] * cfg["head_dim"]
 
 
+def kv_heads(cfg: Config) -> int:
+    """K/V heads of an `attention` node: num_kv_heads, or one per query head when unset."""
+    return cfg.get("num_kv_heads") or cfg["num_heads"]
+
+
 def _mha_infer(ctx: InferCtx) -> list[TensorType]:
     cfg = ctx.cfg
     _check_rope(cfg)
+    heads, kv = cfg["num_heads"], kv_heads(cfg)
+    if heads % kv:
+        raise ShapeError(f"num_heads={heads} is not a multiple of num_kv_heads={kv}: every K/V head serves "
+                         "the same number of query heads")
     dim = attention_dim(cfg)
     x = ctx.single()
     if x.shape != (cfg["seq_len"], dim):
         raise ShapeError(f"input has shape {list(x.shape)} but seq_len={cfg['seq_len']}, dim={dim} "
                          f"need [{cfg['seq_len']}, {dim}]")
-    if cfg.get("fused_from") and len(fused_ids(cfg)) != cfg["num_heads"]:
-        raise ShapeError(f"fused_from names {len(fused_ids(cfg))} heads but num_heads={cfg['num_heads']}")
-    width = dim if cfg["output_projection"] else cfg["num_heads"] * cfg["head_dim"]
+    if cfg.get("fused_from"):
+        count = len(fused_ids(cfg))
+        if count != heads + kv and not (count == heads and kv == heads):
+            either = f"{heads} heads or " if kv == heads else ""
+            raise ShapeError(f"fused_from names {count} nodes but num_heads={heads}, num_kv_heads={kv} need "
+                             f"{either}{heads} query heads followed by {kv} kv_heads")
+    width = dim if cfg["output_projection"] else heads * cfg["head_dim"]
     return [T((cfg["seq_len"], width), ctx.dtype)]
 
 
 def _mha_params(cfg: Config) -> dict[str, tuple[int, ...]]:
     inner, dim = cfg["num_heads"] * cfg["head_dim"], attention_dim(cfg)
-    p = {"qkv_weight": (3 * inner, dim), "qkv_bias": (3 * inner,)}
+    rows = (cfg["num_heads"] + 2 * kv_heads(cfg)) * cfg["head_dim"]
+    p = {"qkv_weight": (rows, dim)}
+    if cfg["qkv_bias"]:
+        p["qkv_bias"] = (rows,)
     if cfg["output_projection"]:
         p.update(out_weight=(dim, inner), out_bias=(dim,))
     return p
@@ -196,32 +289,53 @@ def fused_ids(cfg: Config) -> list[str]:
 
 
 def _mha_sources(cfg: Config) -> dict[str, list[tuple[str, int]]]:
-    """qkv rows are all heads' Q, then all K, then all V, in `fused_from` order."""
-    heads, hd = fused_ids(cfg), cfg["head_dim"]
-    return {"qkv_weight": [(f"{h}.w{x}", hd) for x in "qkv" for h in heads],
-            "qkv_bias": [(f"{h}.b{x}", hd) for x in "qkv" for h in heads]}
+    """qkv rows are all query heads' Q, then every K/V head's K, then their V, in `fused_from` order.
+
+    `fused_from` names num_heads attention_heads (each with its own K and V),
+    or num_heads query heads (kv_input) followed by num_kv_heads kv_heads.
+    """
+    ids, heads, hd = fused_ids(cfg), cfg["num_heads"], cfg["head_dim"]
+    if len(ids) == heads:
+        rows = [(h, x) for x in "qkv" for h in ids]
+    else:
+        q, kv = ids[:heads], ids[heads:]
+        rows = [(h, "q") for h in q] + [(g, "k") for g in kv] + [(g, "v") for g in kv]
+    out = {"qkv_weight": [(f"{node}.w{x}", hd) for node, x in rows]}
+    if cfg["qkv_bias"]:
+        out["qkv_bias"] = [(f"{node}.b{x}", hd) for node, x in rows]
+    return out
 
 
 def _mha_flops(cfg: Config, ins: Sequence[TensorType], outs: Sequence[TensorType]) -> int:
-    inner, dim = cfg["num_heads"] * cfg["head_dim"], attention_dim(cfg)
-    proj = 2 * cfg["seq_len"] * inner * dim if cfg["output_projection"] else 0
-    return _attention_flops(cfg["seq_len"], dim, cfg["num_heads"], cfg["head_dim"]) + proj
+    heads, hd, seq, dim = cfg["num_heads"], cfg["head_dim"], cfg["seq_len"], attention_dim(cfg)
+    proj = 2 * seq * heads * hd * dim if cfg["output_projection"] else 0
+    qkv = 2 * seq * dim * (heads + 2 * kv_heads(cfg)) * hd
+    return qkv + 2 * 2 * seq * seq * heads * hd + proj
 
 
 register_op(OpDef(
-    "attention", "layer", "all heads in one VNode: combined Q/K/V (and optional output) weights",
+    "attention", "layer", "all heads in one VNode: combined Q/K/V (and optional output) weights; fewer K/V "
+    "heads than query heads with num_kv_heads (GQA, MQA)",
     aliases=("multiheadattention",),
-    schema=Schema((F("num_heads", "int", required=True, min=1, doc="number of heads"),
+    schema=Schema((F("num_heads", "int", required=True, min=1, doc="number of (query) heads"),
                    F("head_dim", "int", required=True, min=1, doc="width of each head"),
                    F("dim", "int", min=1, doc="width of the input (unset: num_heads x head_dim)"), *_ATTN_COMMON,
                    F("output_projection", "bool", False,
-                     doc="true: also owns the [dim, num_heads x head_dim] output projection"))),
+                     doc="true: also owns the [dim, num_heads x head_dim] output projection"),
+                   F("num_kv_heads", "int", min=1,
+                     doc="K/V heads, each shared by num_heads / num_kv_heads consecutive query heads (GQA; 1: "
+                         "MQA); unset: num_heads"),
+                   F("qkv_bias", "bool", True, doc=_QKV_BIAS_DOC))),
     infer=_mha_infer, params=_mha_params, flops=_mha_flops, param_sources=_mha_sources,
     examples=(E({"num_heads": 2, "head_dim": _HD, "dim": _D, "seq_len": _S, "position_encoding": "rope"},
                 ((_S, _D),), "rope"),
               E({"num_heads": 3, "head_dim": 6, "dim": 12, "seq_len": _S, "output_projection": True,
                  "position_encoding": "rope"}, ((_S, 12),), "projection"),
-              E({"num_heads": 2, "head_dim": _HD, "dim": _D, "seq_len": _S, "causal": False}, ((_S, _D),), "plain")),
+              E({"num_heads": 2, "head_dim": _HD, "dim": _D, "seq_len": _S, "causal": False}, ((_S, _D),), "plain"),
+              E({"num_heads": 4, "num_kv_heads": 2, "head_dim": 4, "dim": _D, "seq_len": _S, "qkv_bias": False,
+                 "position_encoding": "rope"}, ((_S, _D),), "gqa"),
+              E({"num_heads": 3, "num_kv_heads": 1, "head_dim": 6, "dim": 12, "seq_len": _S,
+                 "output_projection": True}, ((_S, 12),), "mqa")),
 ))
 
 
@@ -278,9 +392,15 @@ register_op(OpDef(
 
 # -- activations --------------------------------------------------------------
 
-for _name, _doc, _cost in (("relu", "max(x, 0)", 1), ("gelu", "Gaussian error linear unit (erf form)", 8),
-                           ("silu", "x * sigmoid(x)", 4)):
+for _name, _doc, _cost in (("relu", "max(x, 0)", 1), ("silu", "x * sigmoid(x)", 4)):
     register_op(OpDef(_name, "activation", _doc, flops=_elementwise(_cost), examples=(E({}, ((_S, _D),)),)))
+register_op(OpDef(
+    "gelu", "activation", "Gaussian error linear unit: x * Phi(x) (erf form), or its tanh approximation",
+    schema=Schema((F("approximate", default="none", choices=("none", "tanh"),
+                     doc="none: the exact erf form; tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), "
+                         "GPT-2's gelu_new (torch's approximate='tanh')"),)),
+    flops=_elementwise(8), examples=(E({}, ((_S, _D),)), E({"approximate": "tanh"}, ((_S, _D),), "tanh")),
+))
 
 
 def _swiglu_infer(ctx: InferCtx) -> list[TensorType]:
@@ -290,7 +410,8 @@ def _swiglu_infer(ctx: InferCtx) -> list[TensorType]:
     return [T(x.shape[:-1] + (x.shape[-1] // 2,), ctx.dtype)]
 
 
-register_op(OpDef("swiglu", "activation", "[.., 2n] -> [.., n]: value * silu(gate)",
+register_op(OpDef("swiglu", "activation", "[.., 2n] -> [.., n]: value * silu(gate), the value the first half of "
+                  "the last dimension and the gate the second (Llama's up_proj rows, then gate_proj's)",
                   infer=_swiglu_infer, flops=_elementwise(5), examples=(E({}, ((_S, _D),)),)))
 register_op(OpDef("dropout", "activation", "random dropout while training, identity otherwise",
                   schema=Schema((F("rate", "float", 0.1, min=0.0, max=0.999999,
