@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from vgraph.base.diagnostics import VGraphError, printable
-from vgraph.base.safeio import atomic_write
+from vgraph.base.safeio import atomic_write, read_json
 from vgraph.base.safeio import check_output_dir as check_output_dir_of_every_command
 
 from . import encode
@@ -176,8 +176,8 @@ def _restart_state(root: Path, plan: dict, say: Callable[[str], None]) -> dict[i
     manifest = root / MANIFEST
     if manifest.is_file():
         try:
-            same = json.loads(manifest.read_text(encoding="utf-8")).get("plan_sha256") == plan["sha256"]
-        except (ValueError, UnicodeDecodeError, AttributeError):
+            same = read_json(manifest, what="manifest", error=DataError).get("plan_sha256") == plan["sha256"]
+        except (DataError, AttributeError):
             same = False
         if same:
             say(f"prepare: {root} already holds this corpus, prepared with these settings")
@@ -186,8 +186,8 @@ def _restart_state(root: Path, plan: dict, say: Callable[[str], None]) -> dict[i
                         f"another -o or remove it")
     work = root / WORK_DIR
     try:
-        old = json.loads((work / "plan.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        old = read_json(work / "plan.json", what="prepare plan", error=DataError) if work.is_dir() else None
+    except DataError:
         old = None
     if isinstance(old, dict) and old.get("sha256") == plan["sha256"]:
         done = _finished_units(root, work)
@@ -230,9 +230,9 @@ def _finished_units(root: Path, work: Path) -> dict[int, dict]:
     done = {}
     for path in sorted(work.glob("unit-*.json")):
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
+            record = read_json(path, what="unit record", error=DataError)
             ok = all(_shard_intact(root, record[s]) for s in SPLITS if record.get(s))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (DataError, OSError, ValueError, KeyError, TypeError, AttributeError):
             ok = False
         if ok:
             done[int(record["unit"])] = record
