@@ -83,7 +83,7 @@ def loads(text: str | bytes, shown: str, *, line: int = 1, max_depth: int = MAX_
             return float(name)
         if on_bad_number is not None:
             return on_bad_number(name)
-        raise _Refused(f"{name} is not a JSON number (JSON has no NaN or infinity)")
+        raise _Refused(f"{name} is not a number (JSON has no NaN or infinity)")
 
     def checked(parse: Callable[[str], Any]) -> Callable[[str], Any]:
         if on_bad_number is None:
