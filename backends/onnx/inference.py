@@ -121,6 +121,9 @@ class Decoder:
             props = {p.key: p.value for p in onnx.load(os.fspath(model), load_external_data=False).metadata_props}
         where = "the model" if isinstance(model, onnx.ModelProto) else printable(os.fspath(model))
         self.caches = loads(props.get("vgraph.kv_cache") or "[]", f"{where} (metadata vgraph.kv_cache)")
+        if not isinstance(self.caches, list) or not all(isinstance(c, dict) for c in self.caches):
+            raise VGraphError(f"{where}: metadata vgraph.kv_cache is not a list of caches (not a model vgraph "
+                              f"exported?)")
         self.logits_name, self.tokens_name, self.context = logits, tokens, int(context)
         self.session = session(model, threads=threads)
         self.held: list[int] = []  # the tokens the cache holds, in order

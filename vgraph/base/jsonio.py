@@ -74,6 +74,8 @@ def loads(text: str | bytes, shown: str, *, line: int = 1, max_depth: int = MAX_
         text = decode_text(bytes(text), shown, line, error)
     if len(text) > limit:
         raise refuse(f"a JSON document of {len(text):,} characters; at most {limit:,} are read")
+    if text.startswith("\ufeff"):
+        raise refuse("not JSON: starts with a byte-order mark (U+FEFF); save it as UTF-8 without one")
     too_deep = _too_deep(text, max_depth)
     if too_deep:
         raise refuse(too_deep)
