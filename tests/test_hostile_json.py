@@ -373,6 +373,18 @@ def test_a_long_document_is_encoded_in_pieces_with_the_same_ids(monkeypatch, tmp
         assert len(seen) > 10 and max(seen) < len(doc) / 4, (len(seen), max(seen))
 
 
+def test_the_tokenizer_is_trained_on_a_long_document_in_pieces(monkeypatch) -> None:
+    """The trainer, too, held a whole document's pre-tokenization: the sample is cut the way encoding is."""
+    from vgraph.data import encode, prepare
+    from vgraph.data.sources import Unit
+
+    monkeypatch.setattr(encode, "PIECE_CHARS", 100)
+    doc = "the quick brown fox jumps " * 400
+    sample = prepare._sample([], [Unit(0, 0, 2)], prepare.PrepareOptions(vocab=300, sample_bytes=6000),
+                             documents=[doc, "short"])
+    assert "".join(sample) == doc[:6000] and len(sample) > 50 and max(map(len, sample)) <= 100
+
+
 def test_a_long_document_with_a_tokenizer_that_may_not_be_cut_is_encoded_whole(monkeypatch) -> None:
     from tokenizers import normalizers, pre_tokenizers
 

@@ -28,7 +28,7 @@ from vgraph.base.safeio import atomic_write
 from .shards import encode_index
 from .sources import Source, Unit, read_unit
 
-__all__ = ["init_worker", "encode_unit", "doc_hash", "shard_names"]
+__all__ = ["init_worker", "encode_unit", "doc_hash", "shard_names", "pieces", "PIECE_CHARS"]
 
 _ENCODE_BATCH_BYTES = 1 << 20  # documents per encode call: the progress counter moves at this grain
 PIECE_CHARS = 1 << 20  # a longer document is encoded in pieces of about this size (see `_in_pieces`)
@@ -119,21 +119,23 @@ def _in_pieces(tokenizer, docs: list[str], encode) -> list[list[int]]:
     of another kind, or a document with no such space, is encoded whole, as before."""
     if not any(len(d) > PIECE_CHARS for d in docs) or not _cuttable(tokenizer):
         return encode(docs)
-    pieces: list[str] = []
+    texts: list[str] = []
     owner: list[int] = []
     for number, doc in enumerate(docs):
-        for piece in _pieces(doc):
-            pieces.append(piece)
+        for piece in pieces(doc):
+            texts.append(piece)
             owner.append(number)
     ids: list[list[int]] = [[] for _ in docs]
-    for number, piece_ids in zip(owner, encode(pieces)):
+    for number, piece_ids in zip(owner, encode(texts)):
         ids[number] += piece_ids
     return ids
 
 
-def _pieces(doc: str) -> list[str]:
+def pieces(doc: str) -> list[str]:
     """`doc` cut before spaces between non-spaces, each piece of PIECE_CHARS / 2 to PIECE_CHARS characters
-    where the text allows (a longer stretch with no such space stays whole)."""
+    where the text allows (a longer stretch with no such space stays whole).  Also what the tokenizer is
+    trained on (prepare.py): the trainer too holds a whole document's pre-tokenization at once, and the
+    words it counts are the same."""
     out, start = [], 0
     while len(doc) - start > PIECE_CHARS:
         cut = _CUT.search(doc, start + PIECE_CHARS // 2, start + PIECE_CHARS) or _CUT.search(doc, start + PIECE_CHARS)
@@ -146,7 +148,7 @@ def _pieces(doc: str) -> list[str]:
 
 
 def _cuttable(tokenizer) -> bool:
-    """Whether the tokenizer splits text so that `_pieces`' cuts change no id (see `_in_pieces`)."""
+    """Whether the tokenizer splits text so that `pieces`' cuts change no id (see `_in_pieces`)."""
     from vgraph.base.jsonio import loads
 
     try:

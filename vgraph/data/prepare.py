@@ -279,8 +279,9 @@ def _sample(sources: list[Source], units: list[Unit], options: PrepareOptions,
         for doc in docs:
             if taken >= share:
                 break
-            sample.append(doc[: share - taken])
-            taken += len(sample[-1])
+            text = doc[: share - taken]
+            sample.extend(encode.pieces(text))  # one 32 MB document: trained on in pieces, as it is encoded
+            taken += len(text)
     return sample
 
 
