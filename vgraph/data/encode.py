@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from vgraph.base.jsonio import loads
 from vgraph.base.safeio import atomic_write
 
 from .shards import encode_index
@@ -149,8 +150,6 @@ def pieces(doc: str) -> list[str]:
 
 def _cuttable(tokenizer) -> bool:
     """Whether the tokenizer splits text so that `pieces`' cuts change no id (see `_in_pieces`)."""
-    from vgraph.base.jsonio import loads
-
     try:
         config = loads(tokenizer.to_str(), "the tokenizer")
     except Exception:  # a tokenizer we cannot describe: encode whole, as before
