@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 
 from vgraph.base.gcpause import paused_gc
+from vgraph.base.options import MAX_BATCH
 from vgraph.cost.costmodel import DEFAULT_BATCH, cost_model
 from vgraph.cost.fleet import human_bytes, resolve_fleet
 from vgraph.cost.remat import RECOMPUTE, candidates, closed, marked_ids
@@ -45,8 +46,9 @@ class Partition(Pass):
     after = ("dead-nodes", "precision")
     options = {
         "fleet": Option(str, None, "fleet spec file (default: the caller's ctx.data['fleet'])", names_file=True),
-        "batch": Option(int, DEFAULT_BATCH, "samples per training step"),
-        "micro_batches": Option(int, 1, "micro-batches per step (1F1B pipeline: bounds resident activations)"),
+        "batch": Option(int, DEFAULT_BATCH, "samples per training step", min=1, max=MAX_BATCH),
+        "micro_batches": Option(int, 1, "micro-batches per step (1F1B pipeline: bounds resident activations)",
+                                min=1, max=MAX_BATCH),
         "replicas": Option(str, "auto", "data-parallel replicas of the pipeline: a number, or auto (the plan of "
                                         "least predicted step time, see partition_replicas.py)"),
         "remat": Option(str, "auto", "auto: when no plan fits the memory, plan again with every remat candidate "

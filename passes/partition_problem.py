@@ -130,7 +130,7 @@ def build_problem(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
     index = np.fromiter((unit_of[nid] for nid in ids), dtype=np.int64, count=len(ids))
     flops = effective_flops(cm, fleet)  # FLOPs, or time in FLOPs of the peak when the fleet was probed
     columns = (cm.array("param_bytes"), cm.array("grad_bytes"), cm.array("master_bytes") + cm.array("adam_bytes"),
-               cm.array("activation_bytes") * resident)
+               cm.array("activation_bytes").astype(float) * resident)  # float: int64 wraps at batch 1e16
     compute = np.bincount(index, weights=flops, minlength=n)
     breakdown = np.stack([np.bincount(index, weights=col.astype(float), minlength=n) for col in columns], axis=1)
     memory = breakdown.sum(axis=1)

@@ -30,8 +30,10 @@ NUMBERS = {
     "non_negative_int": ["-1", "nan", "inf", "2.5", str(2**70), "abc", ""],
     "seed": ["-1", "nan", str(2**64), "2.5", "abc", ""],
     "port": ["0", "-1", "65536", "abc", ""],
-    "positive_float": ["0", "-1", "nan", "inf", "-inf", "1e999", "abc", ""],
-    "non_negative_float": ["-1", "nan", "inf", "-inf", "abc", ""],
+    "positive_float": ["0", "-1", "nan", "inf", "-inf", "1e999", "1e-320", "abc", ""],
+    "non_negative_float": ["-1", "nan", "inf", "-inf", "1e-320", "abc", ""],
+    "batch": ["0", "-1", "nan", "2.5", str(2**31 + 1), str(10**16), "abc", ""],  # 1e16 overflowed the fit check
+    "temperature": ["-1", "nan", "inf", "1e-300", "1e-320", "1e31", "abc", ""],  # 1e-300: a traceback in torch
     "byte_size": ["0", "-1", "nan", "inf", "1e400", "8Q", ""],
     "replicas": ["0", "-1", "nan", "abc", ""],
     "fraction": ["0", "1", "-0.5", "1.5", "nan", "inf", "abc", ""],

@@ -188,7 +188,7 @@ def _edit(emitted: Path, tmp_path: Path, change) -> Path:
     (lambda d: d.update(bucket_bytes=-5), "must be >= 0"),
     (lambda d: d.update(comm_timeout=0), "comm_timeout: must be greater than 0"),
     (lambda d: d.update(comm_timeout="300"), "comm_timeout: expected a number"),
-    (lambda d: d.update(comm_timeout=1e308 * 10), "Infinity is not a number a job may hold"),
+    (lambda d: d.update(comm_timeout=1e308 * 10), "Infinity is not a number"),
     (lambda d: d.update(comm_timeout=1e301), "not a finite number"),
     (lambda d: d.update(backend="mpi"), "backend: 'mpi' is not one of gloo, nccl"),
     (lambda d: d.update(pipeline="zb"), "pipeline: 'zb' is not one of"),
@@ -215,7 +215,7 @@ def test_a_damaged_job_is_refused_naming_its_field(emitted: Path, tmp_path: Path
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"version": 1, "comm_timeout": NaN}', "NaN is not a number a job may hold"),
+    ('{"version": 1, "comm_timeout": NaN}', "NaN is not a number"),
     ('{"version": 1, "comm_timeout": Infinity}', "Infinity is not a number"),
     ("", "not JSON"), ("[1, 2]", "expected a JSON object"), ("{", "not JSON"),
 ])

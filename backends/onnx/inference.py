@@ -40,6 +40,8 @@ import onnx
 from onnx import helper
 
 from vgraph import Graph, VGraphError
+from vgraph.base.diagnostics import printable
+from vgraph.base.jsonio import loads
 
 from .lower import BATCH_DIM, PAST_DIM, SEQUENCE_DIM, build_model, context_length, value_name
 
@@ -121,7 +123,11 @@ class Decoder:
             props = {p.key: p.value for p in model.metadata_props}
         else:
             props = {p.key: p.value for p in onnx.load(os.fspath(model), load_external_data=False).metadata_props}
-        self.caches = json.loads(props.get("vgraph.kv_cache") or "[]")
+        where = "the model" if isinstance(model, onnx.ModelProto) else printable(os.fspath(model))
+        self.caches = loads(props.get("vgraph.kv_cache") or "[]", f"{where} (metadata vgraph.kv_cache)")
+        if not isinstance(self.caches, list) or not all(isinstance(c, dict) for c in self.caches):
+            raise VGraphError(f"{where}: metadata vgraph.kv_cache is not a list of caches (not a model vgraph "
+                              f"exported?)")
         self.logits_name, self.tokens_name, self.context = logits, tokens, int(context)
         self.session = session(model, threads=threads)
         self.held: list[int] = []  # the tokens the cache holds, in order

@@ -50,9 +50,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from vgraph.base.diagnostics import printable, quote
+from vgraph.base.diagnostics import VGraphError, printable, quote
+from vgraph.base.jsonio import loads
 from vgraph.base.numbers import NumberError, checked_number
-from vgraph.base.safeio import atomic_write, atomic_write_with
+from vgraph.base.safeio import atomic_write, atomic_write_with, read_json
 from vgraph.run.files import LATEST, MAX_STEP, MODEL_FILE as MODEL, STATE_JSON
 
 try:  # numpy is optional; only needed to (de)serialise numpy RNG state.
@@ -470,9 +471,9 @@ def _read_tensors(path: Path, device: str) -> dict[str, torch.Tensor]:
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from exc
     try:
-        for alias, canonical in json.loads(metadata.get(_ALIASES_METADATA_KEY, "{}")).items():
+        for alias, canonical in loads(metadata.get(_ALIASES_METADATA_KEY, "{}"), printable(str(path))).items():
             tensors[alias] = tensors[canonical]
-    except (ValueError, AttributeError, TypeError, KeyError) as exc:
+    except (VGraphError, AttributeError, TypeError, KeyError) as exc:
         raise CheckpointError(f"{path}: bad tensor metadata ({quote(str(exc), 200)})") from None
     return dict(sorted(tensors.items()))
 
@@ -495,9 +496,9 @@ def _read_json(path: Path) -> Any:
     if not path.is_file():
         raise CheckpointError(f"checkpoint file missing: {path}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+        data = read_json(path, what="checkpoint file")  # bounded: depth, size, numbers, surrogates
+    except VGraphError as exc:
+        raise CheckpointError(f"cannot read {exc.diagnostics[0]}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a {FORMAT} file")
     if data.get("version") != VERSION:

@@ -133,7 +133,7 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
                         help="token ids to continue, comma-separated (a model without a tokenizer); prints the "
                              "prompt's and the generated ids, comma-separated")
     p.add_argument("--max-new-tokens", type=_non_negative_int, default=100)
-    p.add_argument("--temperature", type=options.non_negative_float, default=0.8, help="0: greedy (default 0.8)")
+    p.add_argument("--temperature", type=options.temperature, default=0.8, help="0: greedy (default 0.8)")
     p.add_argument("--top-k", type=_non_negative_int, default=40, help="sample from the k likeliest; 0: all")
     p.add_argument("--seed", type=options.seed, default=0)
     p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available; --backend torch only)")
@@ -179,8 +179,8 @@ def generate_ids(checkpoint: str, prompt: str, *, max_new_tokens: int = 100, tem
                  top_k: int = 40, seed: int = 0, device: str | None = None, backend: str = "torch",
                  kv_cache: bool | None = None):
     """(token ids: the prompt's, then the sampled ones; the prompt's length; the tokenizer)."""
-    if temperature < 0:
-        raise VGraphError(f"--temperature must be >= 0, got {temperature}")
+    if not (temperature == 0 or options.MIN_TEMPERATURE <= temperature <= 1e30):  # also NaN
+        raise VGraphError(f"--temperature must be 0 (greedy) or from 1.2e-38 to 1e30, got {temperature}")
     source = LogitsSource(checkpoint, backend=backend, kv_cache=kv_cache, device=device)
     ids = source.encode(prompt)
     return source.sample(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -294,7 +294,7 @@ def _draw(last, temperature: float, top_k: int, generator) -> int:
 
     if temperature == 0:
         return int(last.argmax())
-    last = last / temperature
+    last = (last - last.max()) / temperature  # the largest is 0, not inf/inf = NaN, however small T is
     if 0 < top_k < last.numel():
         threshold = torch.topk(last, top_k).values[-1]
         last = last.masked_fill(last < threshold, float("-inf"))

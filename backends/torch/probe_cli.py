@@ -38,7 +38,6 @@ import contextlib
 import hashlib
 import hmac
 import json
-import math
 import os
 import re
 import socket
@@ -51,6 +50,8 @@ from typing import Callable
 
 from vgraph.base import options
 from vgraph.base.diagnostics import VGraphError, quote
+from vgraph.base.jsonio import loads
+from vgraph.base.numbers import NumberError, checked_number, number_or_none
 from vgraph.base.safeio import atomic_write, check_output, read_input
 from vgraph.cost.fleet import MAX_FLEET_BYTES, PNode, append_pnode, fleet_text, parse_bandwidth, pnode_flow
 
@@ -60,6 +61,7 @@ MAX_SERVE_S = 120.0
 BURST_ROUNDS, BURST_IDLE_S, BURST_SECONDS = 3, 0.5, 0.25  # transfers, idle before each, length at the rate
 MAX_ROUNDS = 1 + BURST_ROUNDS  # connections one probe makes to a --serve --once
 MAX_CURVE = 512  # arrival points a peer returns
+MAX_LINK_RATE = 1e12  # bytes/s (8 Tbit/s): faster than any link a probe measures; a reply claiming more lies
 CONNECT_PATIENCE_S = 10.0  # how long a refusing peer is retried (it may still be starting)
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 
@@ -291,13 +293,21 @@ def measure_link(host: str, port: int, seconds: float, token: str | None = None)
     payload = b"\0" * (1 << 20)
     reply = _transfer(host, port, auth, {"seconds": seconds, "more": BURST_ROUNDS},
                       lambda conn: _stream(conn, payload, seconds))
-    rate = float(reply["bytes"]) / float(reply["seconds"])
-    size = max(1 << 20, int(rate * BURST_SECONDS))
+    rate = reply["bytes"] / reply["seconds"]
+    if not rate <= MAX_LINK_RATE:
+        raise VGraphError(f"--peer {host}:{port}: the reply claims {reply['bytes']} bytes in {reply['seconds']!r} s, "
+                          f"over {MAX_LINK_RATE:.0e} bytes/s: not a measurement (not a `vgraph probe --serve`?)")
+    # a quarter second at that rate, but never more than the stream itself carried: a peer's figures size
+    # what is sent, never what is allocated (the transfer reuses one 1 MiB buffer)
+    size = max(1 << 20, min(int(rate * BURST_SECONDS), reply["bytes"]))
     bursts = []
     for left in range(BURST_ROUNDS - 1, -1, -1):
-        def send(conn: socket.socket) -> None:
+        def send(conn: socket.socket) -> int:
             time.sleep(BURST_IDLE_S)  # the bucket refills while the link idles
-            conn.sendall(bytes(size))
+            view, left_to_send = memoryview(payload), size
+            while left_to_send > 0:
+                left_to_send -= conn.send(view[:left_to_send])
+            return size
         bursts.append(burst_of(_transfer(host, port, auth, {"seconds": 0, "more": left, "curve": True}, send), size))
     return rate, int(statistics.median(bursts))
 
@@ -306,8 +316,9 @@ def burst_of(reply: dict, size: int) -> float:
     """The bytes that arrived ahead of a transfer's steady rate: the intercept at the first arrival of a
     least-squares line through the arrival points after the first third of the bytes (0 when none)."""
     curve = reply.get("curve")
-    if not isinstance(curve, list) or not all(isinstance(p, list) and len(p) == 2 and all(_number(x) for x in p)
-                                              for p in curve):
+    if not isinstance(curve, list) or len(curve) > MAX_CURVE or not all(
+            isinstance(p, list) and len(p) == 2 and number_or_none(p[0], low=0, high=MAX_SERVE_S + 60) is not None
+            and number_or_none(p[1], low=0, high=size) is not None for p in curve):
         raise VGraphError("the peer's arrival times are malformed (not a `vgraph probe --serve`?)")
     points = [(float(t), float(b)) for t, b in curve if b >= size / 3]
     if len(points) < 2:
@@ -321,31 +332,43 @@ def burst_of(reply: dict, size: int) -> float:
     return min(float(size), max(0.0, mb - slope * mt))
 
 
-def _stream(conn: socket.socket, payload: bytes, seconds: float) -> None:
-    end = time.perf_counter() + seconds
+def _stream(conn: socket.socket, payload: bytes, seconds: float) -> int:
+    end, sent = time.perf_counter() + seconds, 0
     while time.perf_counter() < end:
         conn.sendall(payload)
+        sent += len(payload)
+    return sent
 
 
-def _transfer(host: str, port: int, auth: bytes, header: dict, send: Callable[[socket.socket], None]) -> dict:
-    """One connection to the peer: the secret's line, the header line, what `send` sends, then the reply."""
+def _transfer(host: str, port: int, auth: bytes, header: dict, send: Callable[[socket.socket], int]) -> dict:
+    """One connection to the peer: the secret's line, the header line, what `send` sends (it returns how many bytes), then the
+    peer's reply, read by the one JSON reader and its figures bounded: at least one byte and at most what
+    was sent, in a normal number of seconds no longer than a peer measures (a reply of 1e300 bytes in
+    1e-300 s was an OverflowError, 1e13 bytes a 2.5 TB buffer)."""
+    where = f"--peer {host}:{port}"
     try:
         with _connect(host, port) as conn:
             conn.sendall(auth + json.dumps(header).encode() + b"\n")
-            send(conn)
+            sent = send(conn)
             conn.shutdown(socket.SHUT_WR)
             conn.settimeout(30)
-            reply = json.loads(conn.makefile("rb").readline(1 << 16) or b"null")
-    except (OSError, ValueError) as exc:
-        raise VGraphError(f"--peer {host}:{port}: the link measurement failed ({exc}); is `vgraph probe --serve` "
+            reply = loads(conn.makefile("rb").readline(1 << 16) or b"null", f"{where}'s reply")
+    except OSError as exc:
+        raise VGraphError(f"{where}: the link measurement failed ({exc}); is `vgraph probe --serve` "
                           f"running there?") from None
-    if not isinstance(reply, dict) or not all(_number(reply.get(k)) and reply[k] > 0 for k in ("seconds", "bytes")):
-        raise VGraphError(f"--peer {host}:{port}: no measurement came back (not a `vgraph probe --serve`?)")
+    except VGraphError as exc:
+        raise VGraphError(f"{where}: no measurement came back ({exc.diagnostics[0]}; not a `vgraph probe "
+                          f"--serve`?)") from None
+    if not isinstance(reply, dict):
+        raise VGraphError(f"{where}: no measurement came back (not a `vgraph probe --serve`?)")
+    try:
+        reply["bytes"] = checked_number(reply.get("bytes"), "the bytes it counted", integer=True, low=1, high=sent)
+        reply["seconds"] = checked_number(reply.get("seconds"), "the seconds it counted", high=MAX_SERVE_S + 60)
+        if reply["seconds"] <= 0:
+            raise NumberError(f"the seconds it counted must be > 0, got {reply['seconds']!r}")
+    except NumberError as exc:
+        raise VGraphError(f"{where}: no measurement came back ({exc}; not a `vgraph probe --serve`?)") from None
     return reply
-
-
-def _number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _connect(host: str, port: int) -> socket.socket:
@@ -424,12 +447,9 @@ def _peer(peer: object) -> str:
 
 def _read_header(reader) -> dict | None:
     """The measurement's header: one line of at most 1 KiB, a flat JSON object (None otherwise)."""
-    line = reader.readline(1024)
-    if line.count(b"[") + line.count(b"{") > 4:  # a header is flat: nothing deep reaches the parser
-        return None
     try:
-        header = json.loads(line)
-    except (ValueError, RecursionError):
+        header = loads(reader.readline(1024), "a peer's header", max_depth=1)
+    except VGraphError:
         return None
     return header if isinstance(header, dict) else None
 

@@ -13,9 +13,13 @@ import math
 import re
 
 from vgraph.base.diagnostics import quote
+from vgraph.base.numbers import SMALLEST_NORMAL
 
 MAX_SEED = 2**63 - 1  # torch, numpy and Python's random all take it
 MAX_COUNT = 2**62  # steps, batches, tokens: beyond this no run ends; past it int64 arithmetic overflows
+MAX_BATCH = 2**31  # --batch: samples in one step; beyond it no machine holds the activations, and the cost
+# model's bytes (batch x per-sample bytes) leave float range
+MIN_TEMPERATURE = 2.0**-126  # float32's smallest normal number: 1 / T of anything smaller overflows float32
 
 
 def _int(text: str) -> int:
@@ -32,6 +36,9 @@ def _float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {quote(text)}") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {quote(text)}")
+    if value != 0 and abs(value) < SMALLEST_NORMAL:  # 1e-320: 1 / x is infinite, x * x is 0
+        raise argparse.ArgumentTypeError(f"expected a number, got the subnormal {quote(text)} (closer to 0 than any "
+                                         f"normal float: no setting is that small)")
     return value
 
 
@@ -88,6 +95,21 @@ def non_negative_float(text: str) -> float:
     value = _float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {quote(text)}")
+    return value
+
+
+def batch(text: str) -> int:
+    """--batch: samples in one step, 1 to MAX_BATCH (2**31)."""
+    return _int_in(text, 1, MAX_BATCH, "a batch of 1 to 2**31 samples")
+
+
+def temperature(text: str) -> float:
+    """A sampling temperature: 0 (greedy) or from MIN_TEMPERATURE (2**-126, float32's smallest normal
+    number, below which 1/T overflows float32: `--temperature 1e-300` was a traceback in torch) to 1e30."""
+    value = _float(text)
+    if value != 0 and not MIN_TEMPERATURE <= value <= 1e30:
+        raise argparse.ArgumentTypeError(f"expected 0 (greedy) or a temperature from 1.2e-38 to 1e30, got "
+                                         f"{quote(text)}")
     return value
 
 
@@ -153,4 +175,5 @@ def replicas(text: str) -> str:
 
 
 __all__ = ["positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float", "op_type",
-           "token_ids", "byte_size", "replicas", "path", "network_file", "fleet_file", "compile_target", "MAX_SEED"]
+           "token_ids", "temperature", "batch", "MAX_BATCH", "MIN_TEMPERATURE",
+           "byte_size", "replicas", "path", "network_file", "fleet_file", "compile_target", "MAX_SEED"]

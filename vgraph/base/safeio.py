@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NoReturn
 
 from vgraph.base.diagnostics import VGraphError, printable
+from vgraph.base.jsonio import decode_text, loads
 
 MAX_INPUT_BYTES = 256 * 2**20  # a network, fleet or placement larger than this is not one (100k VNodes: ~25 MB)
 
@@ -196,7 +197,7 @@ class OutputDir:
         if not os.path.lexists(path):
             return {}
         try:
-            doc = json.loads(read_input(path, what="output manifest", limit=16 * 2**20))
+            doc = read_json(path, what="output manifest", limit=16 * 2**20)
             files = doc["files"]
             return {str(k): str(v) for k, v in files.items() if isinstance(k, str) and Path(k).name == k}
         except (VGraphError, ValueError, KeyError, TypeError, AttributeError):
@@ -379,15 +380,19 @@ def read_open_file(fd: int, shown: str, *, what: str = "file", limit: int = MAX_
     return b"".join(chunks)
 
 
-def decode_text(raw: bytes, shown: str) -> str:
-    """`raw` as UTF-8 text, or a VGraphError naming the line of the first byte that is not."""
+def read_json(path: str | os.PathLike, *, what: str = "JSON file", limit: int = MAX_INPUT_BYTES,
+              allow_nonfinite: bool = False, error: type[VGraphError] = VGraphError) -> object:
+    """The JSON value of a user's (or a run's) file: `read_input`'s checks (a regular file of at most
+    `limit` bytes, UTF-8), then the one JSON reader's (`vgraph/base/jsonio.py`: depth, numbers,
+    surrogates), every refusal a diagnostic naming the file and line."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw.count(b"\n", 0, exc.start) + 1
-        raise VGraphError(f"{shown}:{line}: not UTF-8 text (byte {exc.start}: "
-                          f"{raw[exc.start:exc.start + 1]!r})") from None
+        raw = read_input(path, what=what, limit=limit, binary=True)
+    except VGraphError as exc:
+        if error is VGraphError:
+            raise
+        raise error(exc.diagnostics) from None
+    return loads(raw, printable(str(path)), limit=limit, allow_nonfinite=allow_nonfinite, error=error)
 
 
 __all__ = ["atomic_write", "atomic_write_with", "check_output", "check_output_dir", "OutputDir", "register_owner",
-           "read_input", "read_open_file", "decode_text", "same_file", "MAX_INPUT_BYTES", "MANIFEST"]
+           "read_input", "read_json", "read_open_file", "decode_text", "same_file", "MAX_INPUT_BYTES", "MANIFEST"]

@@ -48,7 +48,7 @@ def _analyze_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON document instead of tables")
     p.add_argument("--fleet", metavar="FLEET.yml", type=options.fleet_file,
                    help="show the training-step cost model (bytes by kind, FLOPs per step) and the fleet")
-    p.add_argument("--batch", type=_positive_int, default=None,
+    p.add_argument("--batch", type=options.batch, default=None,
                    help="samples per step for the cost model (default 8; implies the cost model)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step")
     p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
@@ -159,7 +159,7 @@ def _partition_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", metavar="FILE", type=options.network_file)
     p.add_argument("--fleet", required=True, metavar="FLEET.yml", type=options.fleet_file,
                    help="the PNodes (networks/fleets/*.yml)")
-    p.add_argument("--batch", type=_positive_int, default=8, help="samples per training step (default 8)")
+    p.add_argument("--batch", type=options.batch, default=8, help="samples per training step (default 8)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, help="micro-batches per step (per replica)")
     p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
                    help="data-parallel replicas of the pipeline (default auto: the plan of least predicted step "
@@ -208,7 +208,7 @@ def _render_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--passes", metavar="SPEC", default=None, help="run a pipeline first, e.g. 'fuse-heads'")
     p.add_argument("--fleet", metavar="FLEET.yml", type=options.fleet_file,
                    help="partition onto this fleet first (adds 'partition')")
-    p.add_argument("--batch", type=_positive_int, default=8, help="batch for the partition and cut bytes")
+    p.add_argument("--batch", type=options.batch, default=8, help="batch for the partition and cut bytes")
     p.add_argument("--group-by", choices=("colocate", "pnode"), default=None,
                    help="clusters: colocation groups or PNodes (default: pnode when placed)")
     p.add_argument("--collapse", action="store_true",

@@ -18,20 +18,27 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import signal
 from typing import Any, Sequence
 
 import numpy as np
 
 from vgraph.base.diagnostics import printable
+from vgraph.base.jsonio import loads
 from vgraph.base.safeio import atomic_write
 
 from .shards import DataError, encode_index
 from .sources import Source, Unit, read_unit
 
-__all__ = ["init_worker", "encode_unit", "doc_hash", "shard_names"]
+__all__ = ["init_worker", "encode_unit", "doc_hash", "shard_names", "pieces", "PIECE_CHARS"]
 
 _ENCODE_BATCH_BYTES = 1 << 20  # documents per encode call: the progress counter moves at this grain
+PIECE_CHARS = 1 << 20  # a longer document is encoded in pieces of about this size (see `_in_pieces`)
+_CUT = re.compile(r"(?<=\S) (?=\S)")  # a single space between two non-spaces: where a piece may start
+# pre-tokenizers after which no token spans such a space and a piece starting with " word" tokenizes as in
+# the whole text (no lookbehind, nothing added at a piece's start); anything else is encoded whole
+_SAFE_PRE_TOKENIZERS = {"ByteLevel", "Whitespace", "WhitespaceSplit", "Split", "Punctuation", "Digits"}
 _worker: dict[str, Any] = {}
 
 
@@ -74,7 +81,7 @@ def encode_unit(task: dict[str, Any], tokenizer=None, counter=None, documents: S
     for number, split in (task.get("force") or {}).items():
         splits[int(number)] = split
     where = task["source"]["path"]
-    ids = _encode(tokenizer, docs, counter, where)
+    ids = _in_pieces(tokenizer, docs, lambda texts: _encode(tokenizer, texts, counter, where))
     eot = int(task["eot_id"])
     record: dict[str, Any] = {"unit": task["unit"], "documents": len(docs), "bytes": task["bytes"],
                               "min_key": min(zip(keys, range(len(keys))), default=None),
@@ -108,6 +115,71 @@ def _encode(tokenizer, docs: list[str], counter, where: str) -> list[list[int]]:
                     counter.value += size
             batch, size = [], 0
     return ids
+
+
+def _in_pieces(tokenizer, docs: list[str], encode) -> list[list[int]]:
+    """`encode(docs)`, with each document longer than PIECE_CHARS encoded as pieces cut before a space
+    between two non-spaces, and their ids joined back.
+
+    Why: the tokenizer holds a whole document's encoding (ids, tokens, offsets, alignments: ~140 bytes a
+    character) at once, so one 32 MB JSONL line peaked at 6.5 GB where the same text as separate lines took
+    0.8 GB.  The ids are the same: with no normalizer and a pre-tokenizer that splits before such a space
+    (GPT-2's byte-level regex, whitespace, the character tokenizer), no token crosses the cut.  A tokenizer
+    of another kind, or a document with no such space, is encoded whole, as before."""
+    if not any(len(d) > PIECE_CHARS for d in docs) or not _cuttable(tokenizer):
+        return encode(docs)
+    texts: list[str] = []
+    owner: list[int] = []
+    for number, doc in enumerate(docs):
+        for piece in pieces(doc):
+            texts.append(piece)
+            owner.append(number)
+    ids: list[list[int]] = [[] for _ in docs]
+    for number, piece_ids in zip(owner, encode(texts)):
+        ids[number] += piece_ids
+    return ids
+
+
+def pieces(doc: str) -> list[str]:
+    """`doc` cut before spaces between non-spaces, each piece of PIECE_CHARS / 2 to PIECE_CHARS characters
+    where the text allows (a longer stretch with no such space stays whole).  Also what the tokenizer is
+    trained on (prepare.py): the trainer too holds a whole document's pre-tokenization at once, and the
+    words it counts are the same."""
+    out, start = [], 0
+    while len(doc) - start > PIECE_CHARS:
+        cut = _CUT.search(doc, start + PIECE_CHARS // 2, start + PIECE_CHARS) or _CUT.search(doc, start + PIECE_CHARS)
+        if cut is None:
+            break
+        out.append(doc[start:cut.start()])
+        start = cut.start()
+    out.append(doc[start:])
+    return out
+
+
+def _cuttable(tokenizer) -> bool:
+    """Whether the tokenizer splits text so that `pieces`' cuts change no id (see `_in_pieces`)."""
+    try:
+        config = loads(tokenizer.to_str(), "the tokenizer")
+    except Exception:  # a tokenizer we cannot describe: encode whole, as before
+        return False
+    if not isinstance(config, dict) or config.get("normalizer") is not None:
+        return False
+    pre = config.get("pre_tokenizer")
+    parts = pre.get("pretokenizers", []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    cut_at_spaces = False  # some part must split before such a space (or at every character); a Split into
+    for part in parts:  # runs of N characters is safe only after one that does (it then cuts within words)
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _SAFE_PRE_TOKENIZERS or not part.get("use_regex", True):
+            return False
+        if kind == "Split":
+            pattern = part.get("pattern")
+            runs = re.fullmatch(r"\[\\s\\S\](\{1,\d+\})?", str(pattern.get("Regex") if isinstance(pattern, dict) else ""))
+            if runs is None or (runs.group(1) and not cut_at_spaces):
+                return False
+            cut_at_spaces = cut_at_spaces or not runs.group(1)
+        elif kind not in ("Punctuation", "Digits"):
+            cut_at_spaces = True
+    return cut_at_spaces
 
 
 def _join(docs: list[list[int]], eot: int) -> tuple[np.ndarray, np.ndarray]:

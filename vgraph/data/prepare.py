@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from vgraph.base.diagnostics import VGraphError, printable
 from vgraph.base.safeio import MANIFEST as OUTPUTS_MANIFEST
-from vgraph.base.safeio import OutputDir, atomic_write
+from vgraph.base.safeio import OutputDir, atomic_write, read_json
 from vgraph.base.safeio import check_output_dir as check_output_dir_of_every_command
 
 from . import encode
@@ -270,8 +270,8 @@ def _restart_state(root: Path, plan: dict, say: Callable[[str], None], out: Outp
     manifest = root / MANIFEST
     if manifest.is_file():
         try:
-            same = json.loads(manifest.read_text(encoding="utf-8")).get("plan_sha256") == plan["sha256"]
-        except (ValueError, UnicodeDecodeError, AttributeError):
+            same = read_json(manifest, what="manifest", error=DataError).get("plan_sha256") == plan["sha256"]
+        except (DataError, AttributeError):
             same = False
         if same:
             say(f"prepare: {root} already holds this corpus, prepared with these settings")
@@ -280,8 +280,8 @@ def _restart_state(root: Path, plan: dict, say: Callable[[str], None], out: Outp
                         f"another -o or remove it")
     work = root / WORK_DIR
     try:
-        old = json.loads((work / "plan.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+        old = read_json(work / "plan.json", what="prepare plan", error=DataError) if work.is_dir() else None
+    except DataError:
         old = None
     if isinstance(old, dict) and old.get("sha256") == plan["sha256"]:
         done = _finished_units(root, work, len(plan["units"]), say)
@@ -344,10 +344,10 @@ def _finished_units(root: Path, work: Path, units: int, say: Callable[[str], Non
     for path in sorted(work.glob("unit-*.json")):
         match = re.fullmatch(r"unit-([0-9]{5,9})\.json", path.name)
         try:
-            record = json.loads(path.read_text(encoding="utf-8")) if match else None
+            record = read_json(path, what="unit record", error=DataError) if match else None
             ok = match is not None and _valid_record(record, int(match.group(1)), units) and \
                 all(_shard_intact(root, record[s]) for s in SPLITS if record[s])
-        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        except (DataError, OSError, ValueError, UnicodeDecodeError, RecursionError):
             ok = False
         if ok:
             done[record["unit"]] = record
@@ -438,8 +438,9 @@ def _sample(sources: list[Source], units: list[Unit], options: PrepareOptions,
         for doc in docs:
             if taken >= share:
                 break
-            sample.append(doc[: share - taken])
-            taken += len(sample[-1])
+            text = doc[: share - taken]
+            sample.extend(encode.pieces(text))  # one 32 MB document: trained on in pieces, as it is encoded
+            taken += len(text)
     return sample
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import re
 import threading
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from vgraph.base.diagnostics import VGraphError, printable
+from vgraph.base.jsonio import loads
 from vgraph.base.safeio import read_input
 
 __all__ = ["DataError", "FORMAT", "FORMAT_VERSION", "IDX_MAGIC", "SPLITS", "MANIFEST", "TOKENIZER_FILE",
@@ -171,10 +171,7 @@ def open_prepared(path: str | os.PathLike, *, verify: str = "full") -> PreparedC
                         f"`vgraph data prepare` wrote)")
     manifest_path = root / MANIFEST
     raw = read_input(manifest_path, what="manifest", limit=MAX_MANIFEST_BYTES, binary=True)
-    try:
-        manifest = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DataError(f"{printable(str(manifest_path))}: not JSON ({exc})") from None
+    manifest = loads(raw, printable(str(manifest_path)), error=DataError)
     _check_manifest(manifest, manifest_path)
     tokenizer = root / TOKENIZER_FILE
     _check_file(tokenizer, None, manifest["tokenizer"]["sha256"], verify)

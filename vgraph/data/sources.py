@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import fnmatch
 import glob
-import json
 import os
 import re
 from collections import Counter
@@ -38,7 +37,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from vgraph.base.diagnostics import printable
+from vgraph.base.diagnostics import VGraphError, printable
+from vgraph.base.jsonio import jsonl_lines, loads
+from vgraph.base.safeio import read_json
 
 from .shards import DataError
 
@@ -249,10 +250,10 @@ def _directory(root: Path, include: Sequence[str] = (),
 def _saved_dataset(root: Path) -> list[Source]:
     """The Arrow files of a `datasets` dataset saved with save_to_disk, in the order its state.json lists."""
     state_path = root / "state.json"
+    state = read_json(state_path, what="`datasets` state file", error=DataError)
     try:
-        state = json.loads(state_path.read_text(encoding="utf-8"))
         names = [entry["filename"] for entry in state["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise DataError(f"{printable(str(state_path))}: not a `datasets` state file "
                         f"({type(exc).__name__}: {printable(exc, 200)})") from None
     sources = []
@@ -438,14 +439,12 @@ def _text_documents(path: str, unit: Unit) -> Iterator[str]:
 def _jsonl_documents(path: str, unit: Unit, field: str) -> Iterator[str]:
     text = _decode(_read_bytes(path, unit), path, unit)
     first_line: int | None = None
-    for i, line in enumerate(text.splitlines()):
-        if not line.strip():
-            continue
+    for number, line in jsonl_lines(text, 0):
         problem = None
         try:
-            record = json.loads(line)
-        except ValueError as exc:
-            problem = f"not JSON ({exc.msg})"
+            record = loads(line, printable(path))
+        except VGraphError as exc:
+            problem = exc.diagnostics[0].message
         else:
             if not isinstance(record, dict):
                 problem = f"a JSON {type(record).__name__}, not an object with a {field!r} field"
@@ -456,7 +455,7 @@ def _jsonl_documents(path: str, unit: Unit, field: str) -> Iterator[str]:
                 problem = f"field {field!r} is a {type(record[field]).__name__}, not text"
         if problem is not None:
             first_line = _line_of(path, unit.start) if first_line is None else first_line
-            raise DataError(f"{printable(path)}:{first_line + i}: {problem}")
+            raise DataError(f"{printable(path)}:{first_line + number}: {problem}")
         if record[field].strip():
             yield record[field]
 

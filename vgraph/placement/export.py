@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from vgraph.base.diagnostics import Diagnostic, VGraphError, printable
-from vgraph.base.safeio import OutputDir, read_input
+from vgraph.base.safeio import OutputDir, read_json
 from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.cost.op_kinds import vnode_seconds
@@ -326,7 +326,7 @@ def load_parts(directory: str | Path) -> tuple[dict[str, Graph], dict]:
 
     d = Path(directory)
     try:
-        placement = json.loads(read_input(d / PLACEMENT_FILE, what="placement.json"))
+        placement = read_json(d / PLACEMENT_FILE, what="placement.json")
         first = set((placement.get("replica_pnodes") or [[]])[0]) if placement.get("replicas", 1) > 1 else None
         parts = {pid: load(d / f"{pid}.yml") for pid, info in placement["pnodes"].items()
                  if info["vnodes"] and (first is None or pid in first)}

@@ -40,6 +40,7 @@ from typing import Any, Iterator
 
 from vgraph.base.diagnostics import VGraphError, printable
 from vgraph.base.numbers import is_number, number_or_none
+from vgraph.base.jsonio import MAX_DEPTH, jsonl_lines, loads
 from vgraph.base.safeio import decode_text, read_open_file, register_owner
 
 __all__ = ["RUN_JSON", "NETWORK_YML", "TOKENIZER_JSON", "METRICS_JSONL", "METRICS_CSV", "PLACEMENT_JSON",
@@ -67,7 +68,7 @@ JOB_FILE = re.compile(r"job-(\d+)\.json")  # in LAUNCH_DIR
 MAX_METRICS_BYTES = 512 * 2**20
 MAX_RUN_FILE_BYTES = 64 * 2**20  # run.json, placement.json, a job file (a 100k-VNode assignment is ~10 MB)
 MAX_POINTER_BYTES = 4096
-MAX_JSON_DEPTH = 64  # vgraph writes at most 4 levels; deeper is damage or hostility (RecursionError)
+MAX_JSON_DEPTH = MAX_DEPTH  # the one JSON reader's bound (vgraph/base/jsonio.py)
 MAX_STEP = 2**62  # the largest --steps (vgraph/base/options.py)
 
 
@@ -273,8 +274,8 @@ class RunLock:
 def _holder(raw: bytes) -> dict[str, Any]:
     """The holder a lock file names ({} for an empty or damaged one)."""
     try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError):
+        doc = loads(raw, LOCK_FILE)
+    except VGraphError:
         return {}
     return doc if isinstance(doc, dict) and "pid" in doc else {}
 
@@ -445,16 +446,15 @@ class RunReader:
         if raw is None:
             return None
         shown = printable(Path(name).as_posix(), 200)
+        refused: list[str] = []
         try:
-            value, left_out = clean_json(json.loads(decode_text(raw, shown)))
-        except VGraphError as exc:
-            self.notes.append(str(exc.diagnostics[0]))
+            value, left_out = clean_json(loads(raw, shown, max_depth=MAX_JSON_DEPTH, limit=len(raw),
+                                               on_bad_number=lambda literal: refused.append(literal)))
+        except (VGraphError, TooDeep) as exc:
+            why = str(exc.diagnostics[0]) if isinstance(exc, VGraphError) else f"{shown}: {exc}"
+            self.notes.append(f"{why} (not valid JSON; a run may be rewriting it)")
             return None
-        except (ValueError, RecursionError) as exc:
-            why = (f"nested deeper than {MAX_JSON_DEPTH} levels" if isinstance(exc, (RecursionError, TooDeep))
-                   else printable(str(exc), 200))
-            self.notes.append(f"{shown} is not valid JSON ({why}); a run may be rewriting it")
-            return None
+        left_out += len(refused)
         if left_out:
             self.notes.append(f"{shown}: {left_out} number(s) that are not finite, normal numbers of float "
                               f"range were left out")
@@ -482,17 +482,17 @@ class RunReader:
             return []
         by_step: dict[int, dict[str, Any]] = {}
         bad = dropped = 0
-        for line in raw.decode("utf-8", errors="replace").splitlines():
-            if not line.strip():
-                continue
+        for number, line in jsonl_lines(raw.decode("utf-8", errors="replace")):
+            refused: list[str] = []
             try:
-                row, left_out = metrics_row(json.loads(line))
-            except (ValueError, RecursionError):
+                row, left_out = metrics_row(loads(line, METRICS_JSONL, line=number, max_depth=MAX_JSON_DEPTH,
+                                                  allow_nonfinite=True, on_bad_number=refused.append))
+            except VGraphError:
                 row, left_out = None, 0
             if row is None:
                 bad += 1
                 continue
-            dropped += left_out
+            dropped += left_out + len(refused)
             by_step[row["step"]] = row
         if bad:
             self.notes.append(f"{METRICS_JSONL}: {bad} line(s) that are not metrics rows were skipped (a torn "

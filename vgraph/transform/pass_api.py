@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 from vgraph.base.diagnostics import VGraphError, quote
+from vgraph.base.numbers import NumberError, checked_number
+from vgraph.base.options import MAX_COUNT
 from vgraph.ir.graph import Graph
 
 
@@ -82,6 +84,12 @@ class Option:
             value = float(value)
         if isinstance(value, float) and not math.isfinite(value):
             raise bad("must be a finite number")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:  # an option with no declared range still holds no count past 2**62 and no subnormal
+                checked_number(value, integer=isinstance(value, int), low=None if self.min is not None else -MAX_COUNT,
+                               high=None if self.max is not None else MAX_COUNT)
+            except NumberError as exc:
+                raise bad(str(exc).replace("value ", "", 1)) from None
         if self.choices is not None and value not in self.choices:
             raise bad(f"must be {self.allowed()}")
         if (self.min is not None and value < self.min) or (self.max is not None and value > self.max):

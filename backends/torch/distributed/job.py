@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import atomic_write, read_input
+from vgraph.base.safeio import atomic_write, read_json
 from vgraph.cost.compression import parse_grad_compress
 from vgraph.run.compiled_graph import PLAN_CHOICES
 from vgraph.run.files import LAUNCH_DIR, RUN_JSON, STOP_FILE, RunReader  # re-exported: the run format's names
@@ -168,15 +168,7 @@ class Job:
     def read(cls, path: str | os.PathLike) -> "Job":
         """The job in `path`, checked field by field (a JobError naming the file and field otherwise)."""
         where = str(path)
-        text = read_input(path, what="job file")
-
-        def no_constant(name: str) -> None:
-            raise JobError(f"{where}: {name} is not a number a job may hold")
-
-        try:
-            data = json.loads(text, parse_constant=no_constant)
-        except ValueError as exc:
-            raise JobError(f"{where}: not a job file (not JSON: {quote(str(exc), 120)})") from None
+        data = read_json(path, what="job file", error=JobError)
         if not isinstance(data, dict):
             raise JobError(f"{where}: not a job file (expected a JSON object)")
         version = data.get("version")

@@ -84,7 +84,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import OutputDir, check_output_dir, read_input
+from vgraph.base.safeio import OutputDir, check_output_dir, read_input, read_json
 from vgraph.cost.compression import parse_grad_compress
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.ir.graph import Graph
@@ -259,7 +259,7 @@ def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: st
 def read_placement_layout(path: str | Path) -> tuple[dict[str, str], tuple[list[list[str]], list[int]] | None]:
     """The assignment of a placement.json and, when it plans replicas, (replica_pnodes, batch_shares)."""
     assignment = read_placement(path)
-    data = json.loads(read_input(path, what="placement.json"))
+    data = read_json(path, what="placement.json")
     rows, shares = (data.get("replica_pnodes"), data.get("batch_shares")) if isinstance(data, dict) else (None, None)
     if not rows or len(rows) < 2:
         return assignment, None
@@ -288,7 +288,7 @@ def _shrink(placement: Placement, fleet: Fleet, lost: list[str], described: str,
 def read_placement(path: str | Path) -> dict[str, str]:
     """The `assignment` of a placement.json (as `vgraph partition` and `vgraph launch` write)."""
     try:
-        data = json.loads(read_input(path, what="placement.json"))  # a regular file of bounded size
+        data = read_json(path, what="placement.json")  # a regular file of bounded size, JSON of bounded depth
         assignment = data["assignment"] if isinstance(data, dict) and "assignment" in data else data
         if not isinstance(assignment, dict) or not all(isinstance(v, str) for v in assignment.values()):
             raise ValueError("expected {'assignment': {vnode: pnode}}")

@@ -9,8 +9,9 @@ restarts) but not for `shrink`, where all must drop the same replicas.
 How (`--nnodes N > 1` only):
 
 * machine 0's launcher serves this channel on `--master-addr`, port `--master-port` - 1 (its workers'
-  rendezvous keeps `--master-port` + attempt); every request carries the run's shared secret
-  (VGRAPH_LAUNCH_TOKEN) and is refused without it;
+  rendezvous keeps `--master-port` + attempt); every line, both ways, is sealed with an HMAC-SHA256 keyed
+  by the run's shared secret (VGRAPH_LAUNCH_TOKEN), which is never sent, and a line whose seal does not
+  check is dropped unread: nothing from outside the run reaches the JSON reader, however nested or large;
 * every other launcher beats every HEARTBEAT_S seconds (a quarter of --link-timeout when that is
   shorter); machine 0 counts a machine lost when nothing came from it for `--link-timeout` seconds
   (default 10), and a machine counts machine 0 lost when no answer came for as long.  Both clocks start
@@ -45,6 +46,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from vgraph.base.diagnostics import VGraphError
+from vgraph.base.jsonio import loads
+
 from .rendezvous import RendezvousError, _family, check_bound, check_listen_addr
 
 HEARTBEAT_S = 1.0
@@ -58,6 +62,21 @@ class MachineLost(Exception):
 
 def _digest(token: str) -> str:
     return hashlib.sha256(("vgraph-machines:" + token).encode()).hexdigest()
+
+
+def _seal(key: str, message: dict) -> bytes:
+    """One line of the channel: the HMAC of the JSON body, a space, the body."""
+    body = json.dumps(message).encode()
+    return hmac.new(key.encode(), body, hashlib.sha256).hexdigest().encode() + b" " + body + b"\n"
+
+
+def _unseal(key: str, line: bytes, where: str) -> Any:
+    """The message of a sealed line, or None when its seal does not check; only then is it parsed, by the
+    one JSON reader (a VGraphError for a sealed line that is not JSON: a peer's bug, never an outsider)."""
+    seal, _, body = line.rstrip(b"\n").partition(b" ")
+    if not hmac.compare_digest(seal, hmac.new(key.encode(), body, hashlib.sha256).hexdigest().encode()):
+        return None
+    return loads(body, where)
 
 
 @dataclass
@@ -93,20 +112,20 @@ class _Handler(socketserver.StreamRequestHandler):
     timeout = REQUEST_TIMEOUT_S
 
     def handle(self) -> None:
+        server: _Server = self.server  # type: ignore[assignment]
         try:
             line = self.rfile.readline(MAX_LINE + 1)
-            request = json.loads(line) if len(line) <= MAX_LINE else None
-        except (OSError, ValueError):
+            request = _unseal(server.key, line, "a launcher's request") if len(line) <= MAX_LINE else None
+        except (OSError, VGraphError):
             return
-        server: _Server = self.server  # type: ignore[assignment]
-        if not isinstance(request, dict) or not hmac.compare_digest(str(request.get("key", "")), server.key):
+        if not isinstance(request, dict):
             return  # no answer to whoever lacks the run's secret
         try:
             reply = server.board.answer(request)
         except (TypeError, ValueError):
             reply = {"error": "malformed request"}
         try:
-            self.wfile.write(json.dumps(reply).encode() + b"\n")
+            self.wfile.write(_seal(server.key, reply))
         except OSError:
             pass
 
@@ -185,13 +204,19 @@ class Machines:
 
     def _request(self, op: str, **fields: Any) -> dict:
         """One request to machine 0: a fresh connection, 2 s timeouts; OSError/ValueError when it fails."""
-        payload = json.dumps({"key": self.key, "op": op, "machine": self.node_rank, **fields}).encode() + b"\n"
+        payload = _seal(self.key, {"op": op, "machine": self.node_rank, **fields})
         with socket.create_connection((self.addr, self.port), timeout=REQUEST_TIMEOUT_S) as conn:
             conn.sendall(payload)
-            reply = conn.makefile("rb").readline(MAX_LINE + 1)
-        if not reply:
+            line = conn.makefile("rb").readline(MAX_LINE + 1)
+        if not line:
             raise ValueError("machine 0 refused the request (another run's secret?)")
-        return json.loads(reply)
+        try:
+            reply = _unseal(self.key, line, f"machine 0's launcher at {self.addr}:{self.port}")
+        except VGraphError as exc:
+            raise ValueError(str(exc)) from None
+        if not isinstance(reply, dict):
+            raise ValueError("machine 0's answer is not sealed with the run's secret, or not an object")
+        return reply
 
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):

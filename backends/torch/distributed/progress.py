@@ -26,6 +26,9 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from vgraph.base.diagnostics import VGraphError
+from vgraph.base.jsonio import loads
+
 from ..metrics_log import progress_bar
 
 __all__ = ["PROGRESS_ENV", "EVENT_PREFIX", "RankZeroProgress", "LaunchBar", "progress_mode"]
@@ -111,14 +114,14 @@ class LaunchBar:
         if not line.startswith(EVENT_PREFIX):
             return False
         try:
-            event = json.loads(line[len(EVENT_PREFIX):])
+            event = loads(line[len(EVENT_PREFIX):], "a worker's output")
             step, total, start = int(event["step"]), int(event["steps"]), int(event["start"])
             name = str(event.get("name") or "launch")
             figures = None
             if "loss" in event:  # a step's figures (the first event only starts the bar)
                 figures = {k: float(event[k]) if event[k] is not None else math.nan for k in ("loss", "tok_s", "lr")}
                 figures["val"] = event.get("val")
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (VGraphError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
             return False  # not an event after all: an ordinary line
         with self.lock:
             if self.bar is None:

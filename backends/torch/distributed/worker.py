@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 
 from vgraph.base.diagnostics import VGraphError
-from vgraph.base.safeio import atomic_write, read_input
+from vgraph.base.safeio import atomic_write, read_json
 from vgraph.cost.compression import parse_grad_compress
 from vgraph.data.shards import DataError, open_prepared
 from vgraph.placement.export import assignment_of
@@ -428,8 +428,8 @@ class Worker:
             return None
         placement = None
         try:
-            placement = json.loads(read_input(self.run_dir / PLACEMENT_JSON, what=PLACEMENT_JSON))
-        except (VGraphError, ValueError):
+            placement = read_json(self.run_dir / PLACEMENT_JSON, what=PLACEMENT_JSON)
+        except VGraphError:
             pass  # the drawing then takes each VNode's PNode from the graph itself
         settings = dict(self.job.run_info, pipeline=self.job.pipeline, micro_batches=self.job.micro_batches,
                         batch_shares=self.shares)
