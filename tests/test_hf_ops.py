@@ -242,10 +242,10 @@ def _explained(g: vgraph.Graph) -> list[str]:
 
 
 @pytest.mark.parametrize("change, reason", [
-    (lambda g: g.node("block0_kv1").set_config(rope_theta=500.0), "kv_head 'block0_kv1' differs from 'block0_kv0' "
-                                                                  "in rope_theta"),
-    (lambda g: [g.node(f"block0_kv{k}").set_config(rope_theta=500.0) for k in range(KV)],
-     "kv_head 'block0_kv0' differs from head 'block0_head0' in rope_theta"),
+    (lambda g: g.node("block0_kv1").set_config(learning_rate=0.5), "kv_head 'block0_kv1' differs from 'block0_kv0' "
+                                                                     "in learning_rate"),
+    (lambda g: [g.node(f"block0_kv{k}").set_config(qkv_bias=True) for k in range(KV)],
+     "kv_head 'block0_kv0' differs from head 'block0_head0' in qkv_bias"),
     (lambda g: (g.node("block0_kv1").meta.update(pnode="B"), [g.node(f"block0_head{h}").meta.update(pnode="B")
                                                               for h in (2,)]),
      "kv_head 'block0_kv1' and its query heads are on different PNodes"),
@@ -384,13 +384,18 @@ def test_schema_mistakes_are_diagnostics_naming_the_node(path, old, new, node, m
     assert message in problems and f"'{node}'" in problems, problems
 
 
-def test_odd_head_dim_with_rope_and_a_kv_width_mismatch_are_named() -> None:
+def test_odd_head_dim_with_rope_a_kv_width_mismatch_and_a_different_rotation_are_named() -> None:
     text = GQA.read_text()
     block = text[text.index("  - id: block0_kv0"):text.index("  - id: block0_kv1")]
     odd = _problems(text.replace(block, block.replace('head_dim: "8"', 'head_dim: "7"')))
     assert "position_encoding=rope needs an even head_dim, got 7" in odd and "'block0_kv0'" in odd
     wide = _problems(text.replace(block, block.replace('head_dim: "8"', 'head_dim: "6"')))
     assert "input 1 has shape [8, 12] but seq_len=8 and head_dim=8" in wide and "'block0_head0'" in wide
+    turned = _problems(text.replace(block, block.replace('rope_theta: "10000.0"', 'rope_theta: "500.0"')))
+    assert "its kv_head 'block0_kv0' rotates the keys differently (rope_theta=500.0 there, 10000.0 here)" in turned
+    assert "'block0_head1'" in turned and "'block0_head2'" not in turned  # the heads of that kv_head only
+    plain = _problems(text.replace(block, block.replace('position_encoding: "rope"', 'position_encoding: "none"')))
+    assert "position_encoding='none' there, 'rope' here" in plain
 
 
 def test_fused_from_must_name_the_heads_then_the_kv_heads() -> None:
