@@ -520,3 +520,22 @@ def test_a_kv_head_cut_from_its_query_heads_is_compressed_like_any_activation(co
     torch.testing.assert_close(loss, want, rtol=2.0 ** (1 - mantissa), atol=0)
     grad = dict(module.named_parameters())["block0_kv0.wk"].grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
+
+
+def test_a_query_head_reading_keys_from_anything_but_a_kv_head_cannot_be_cached() -> None:
+    b = NetBuilder("odd-source")
+    b.node("x", "dropout", rate=0.0)
+    b.graph.node("x").input_shapes = ((SEQ, DIM),)
+    b.node("fan", "broadcast", num_outputs=2)
+    b.node("kv", "linear", in_dim=DIM, out_dim=2 * HD)
+    b.node("head", "attention_head", head_dim=HD, input_dim=DIM, seq_len=SEQ, kv_input=True)
+    b.edge("x", "fan")
+    b.edge("fan", "head", 0, 0)
+    b.edge("fan", "kv", 1, 0)
+    b.edge("kv", "head", 0, 1)
+    b.output("out", "head")
+    g = b.build()
+    lower_inference(g)  # without a cache it is an ordinary computation
+    with pytest.raises(VGraphError) as err:
+        lower_inference(g, kv_cache=True)
+    assert "its keys and values come from linear 'kv', not a kv_head" in str(err.value) and "'head'" in str(err.value)
