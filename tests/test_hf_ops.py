@@ -242,10 +242,10 @@ def _explained(g: vgraph.Graph) -> list[str]:
 
 
 @pytest.mark.parametrize("change, reason", [
-    (lambda g: g.node("block0_kv1").set_config(rope_theta=500.0), "kv_head 'block0_kv1' differs from 'block0_kv0' "
-                                                                  "in rope_theta"),
-    (lambda g: [g.node(f"block0_kv{k}").set_config(rope_theta=500.0) for k in range(KV)],
-     "kv_head 'block0_kv0' differs from head 'block0_head0' in rope_theta"),
+    (lambda g: g.node("block0_kv1").set_config(learning_rate=0.5), "kv_head 'block0_kv1' differs from 'block0_kv0' "
+                                                                     "in learning_rate"),
+    (lambda g: [g.node(f"block0_kv{k}").set_config(qkv_bias=True) for k in range(KV)],
+     "kv_head 'block0_kv0' differs from head 'block0_head0' in qkv_bias"),
     (lambda g: (g.node("block0_kv1").meta.update(pnode="B"), [g.node(f"block0_head{h}").meta.update(pnode="B")
                                                               for h in (2,)]),
      "kv_head 'block0_kv1' and its query heads are on different PNodes"),
@@ -384,13 +384,18 @@ def test_schema_mistakes_are_diagnostics_naming_the_node(path, old, new, node, m
     assert message in problems and f"'{node}'" in problems, problems
 
 
-def test_odd_head_dim_with_rope_and_a_kv_width_mismatch_are_named() -> None:
+def test_odd_head_dim_with_rope_a_kv_width_mismatch_and_a_different_rotation_are_named() -> None:
     text = GQA.read_text()
     block = text[text.index("  - id: block0_kv0"):text.index("  - id: block0_kv1")]
     odd = _problems(text.replace(block, block.replace('head_dim: "8"', 'head_dim: "7"')))
     assert "position_encoding=rope needs an even head_dim, got 7" in odd and "'block0_kv0'" in odd
     wide = _problems(text.replace(block, block.replace('head_dim: "8"', 'head_dim: "6"')))
     assert "input 1 has shape [8, 12] but seq_len=8 and head_dim=8" in wide and "'block0_head0'" in wide
+    turned = _problems(text.replace(block, block.replace('rope_theta: "10000.0"', 'rope_theta: "500.0"')))
+    assert "its kv_head 'block0_kv0' rotates the keys differently (rope_theta=500.0 there, 10000.0 here)" in turned
+    assert "'block0_head1'" in turned and "'block0_head2'" not in turned  # the heads of that kv_head only
+    plain = _problems(text.replace(block, block.replace('position_encoding: "rope"', 'position_encoding: "none"')))
+    assert "position_encoding='none' there, 'rope' here" in plain
 
 
 def test_fused_from_must_name_the_heads_then_the_kv_heads() -> None:
@@ -515,3 +520,22 @@ def test_a_kv_head_cut_from_its_query_heads_is_compressed_like_any_activation(co
     torch.testing.assert_close(loss, want, rtol=2.0 ** (1 - mantissa), atol=0)
     grad = dict(module.named_parameters())["block0_kv0.wk"].grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0
+
+
+def test_a_query_head_reading_keys_from_anything_but_a_kv_head_cannot_be_cached() -> None:
+    b = NetBuilder("odd-source")
+    b.node("x", "dropout", rate=0.0)
+    b.graph.node("x").input_shapes = ((SEQ, DIM),)
+    b.node("fan", "broadcast", num_outputs=2)
+    b.node("kv", "linear", in_dim=DIM, out_dim=2 * HD)
+    b.node("head", "attention_head", head_dim=HD, input_dim=DIM, seq_len=SEQ, kv_input=True)
+    b.edge("x", "fan")
+    b.edge("fan", "head", 0, 0)
+    b.edge("fan", "kv", 1, 0)
+    b.edge("kv", "head", 0, 1)
+    b.output("out", "head")
+    g = b.build()
+    lower_inference(g)  # without a cache it is an ordinary computation
+    with pytest.raises(VGraphError) as err:
+        lower_inference(g, kv_cache=True)
+    assert "its keys and values come from linear 'kv', not a kv_head" in str(err.value) and "'head'" in str(err.value)

@@ -519,6 +519,7 @@ class _ModelBuilder:
     publishers: dict[str, VNode] = field(default_factory=dict)
     sequence: str | None = None  # the symbolic sequence dimension, None: shapes as the IR infers them
     caches: dict[str, CacheSlot] = field(default_factory=dict)  # VNode id -> its KV cache (decoder export)
+    decoder: bool = False  # a KV-cache decoder: each call runs its new positions only
     _past: str | None = None
 
     _memo: dict[tuple, str] = field(default_factory=dict)
@@ -650,7 +651,7 @@ def build_model(
     b = _ModelBuilder(graph, weights, needed, sequence=sequence)
     io = _GraphIO(b, batch_dim, context_length(graph, order) if sequence else None)
     if kv_cache:
-        b.caches = _cache_slots(order)
+        b.caches, b.decoder = _cache_slots(order), True
     env = _lower_nodes(b, io, order)
     graph_outputs = io.outputs(outputs, env, dict(output_docs or {}))
     onnx_graph = helper.make_graph(
@@ -946,6 +947,8 @@ def _lower_attention_head(n: NodeLowering) -> list[str]:
     if cfg["position_encoding"] == "rope":
         q = n.rope(q, seq, hd, cfg["rope_theta"], "q", positions=x)
     if cfg["kv_input"]:  # keys (rotated) and values of the group's kv_head, past positions included
+        if n._b.decoder:
+            _check_kv_source(n.graph, n.node)
         k, v = n.op("Split", [n.inputs[1]], "kv_split", outputs=2, axis=-1, num_outputs=2)
     else:
         k = n.linear(x, n.param("wk"), _optional(n, "bk"), "k")
@@ -970,6 +973,18 @@ def _lower_kv_head(n: NodeLowering) -> list[str]:
         _check_kv_readers(n.graph, n.node)
     k, v = n.cached(k, v)
     return [n.op("Concat", [k, v], "kv", out=n.out(0), axis=-1)]
+
+
+def _check_kv_source(graph: Graph, head: VNode) -> None:
+    """In a KV-cache decoder a query head sees past positions only through a cached kv_head (through
+    broadcasts); keys and values from anything else would cover this call's positions alone."""
+    source = graph.producer(head.id, 1)
+    while source is not None and source.type == "broadcast":
+        source = graph.producer(source.id, 0)
+    if source is None or source.type != "kv_head":
+        what = "a network input" if source is None else f"{source.type} '{source.id}'"
+        raise _error(head, f"its keys and values come from {what}, not a kv_head, so a KV cache would not "
+                           "hold their past positions")
 
 
 def _check_kv_readers(graph: Graph, node: VNode) -> None:

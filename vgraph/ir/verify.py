@@ -263,7 +263,7 @@ class _Checker:
         if not ok:
             return None
         try:
-            outs = op.infer(InferCtx(cfg, ins, dtype))  # type: ignore[arg-type]
+            outs = op.infer(InferCtx(cfg, ins, dtype, lambda slot: self.producer(slots, slot)))  # type: ignore
         except ShapeError as exc:
             self.report(f"{exc}{_arriving(slots, ins)}", n.loc, n.id)
             return None
@@ -273,6 +273,15 @@ class _Checker:
         if self.contradicts_declared(n, cfg, outs):
             return None
         return outs
+
+    def producer(self, slots: Mapping[int, Edge], slot: int) -> tuple[str, str, dict[str, Any]] | None:
+        """(id, type, resolved config) of the VNode feeding `slot`, for an inference rule that asks."""
+        edge = slots.get(slot)
+        if edge is None:
+            return None
+        src = self.graph.node(edge.src)
+        op = self.op(src)
+        return None if op is None else (src.id, op.name, self.resolve(src, op))
 
     def input_type(self, n: VNode, op: OpDef, cfg: Mapping[str, Any], slot: int, edge: Edge | None,
                    src_outputs: Outputs | None, known: list[TensorType | None],

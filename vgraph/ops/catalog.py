@@ -172,10 +172,24 @@ def _head_infer(ctx: InferCtx) -> list[TensorType]:
             raise ShapeError("kv_input is true but input 1 (the keys and values of a kv_head) is not connected")
         _check_seq_input(ctx.inputs[1], cfg, 1, 2 * cfg["head_dim"],
                          f"head_dim={cfg['head_dim']} (a kv_head's keys and values, 2 x head_dim wide)")
+        _check_kv_rotation(cfg, ctx.source(1))
     elif len(ctx.inputs) > 1:
         raise ShapeError("input 1 is connected but kv_input is false (set kv_input: true to read the keys "
                          "and values of a kv_head there)")
     return [T((cfg["seq_len"], cfg["head_dim"]), ctx.dtype)]
+
+
+def _check_kv_rotation(cfg: Config, source: tuple[str, str, Config] | None) -> None:
+    """A kv_head rotates the keys, the query head its query: with different RoPE the scores would silently
+    compare positions in two different encodings."""
+    if source is None or source[1] != "kv_head":
+        return
+    kv_id, _, kv = source
+    keys = ("position_encoding", "rope_theta") if cfg["position_encoding"] == "rope" else ("position_encoding",)
+    differ = [f"{k}={kv[k]!r} there, {cfg[k]!r} here" for k in keys if kv[k] != cfg[k]]
+    if differ:
+        raise ShapeError(f"its kv_head '{kv_id}' rotates the keys differently ({'; '.join(differ)}): a query "
+                         "head and its kv_head need the same position_encoding and rope_theta")
 
 
 def _projections(cfg: Config, names: str) -> dict[str, tuple[int, ...]]:

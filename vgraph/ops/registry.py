@@ -23,9 +23,17 @@ class InferCtx:
     cfg: Config
     inputs: Sequence[TensorType]
     dtype: str  # the node's declared activation dtype
+    # slot -> (id, canonical type, resolved config) of the VNode feeding it, or None (a network input); for
+    # the few rules whose meaning depends on their producer's config (a query head and its kv_head must rotate
+    # with the same RoPE).  Looked up only when asked; None where the caller has no graph.
+    producer: Callable[[int], tuple[str, str, Config] | None] | None = None
 
     def single(self) -> TensorType:
         return self.inputs[0]
+
+    def source(self, slot: int) -> tuple[str, str, Config] | None:
+        """The VNode feeding input `slot` as (id, type, config), or None when unknown."""
+        return self.producer(slot) if self.producer is not None else None
 
     def require_last_dim(self, slot: int, expected: int, key: str) -> None:
         t = self.inputs[slot]
