@@ -518,7 +518,7 @@ def test_a_lying_probe_peer_is_a_diagnostic(reply: bytes) -> None:
 
     port = _lying_peer(reply)
     with pytest.raises(VGraphError, match=f"--peer 127.0.0.1:{port}: no measurement came back"):
-        measure_link("127.0.0.1", port, 0.05)
+        measure_link("127.0.0.1", port, 0.05, token="a-shared-secret")
 
 
 def test_a_probe_peer_claiming_a_huge_rate_never_sizes_an_allocation(monkeypatch) -> None:
@@ -529,7 +529,7 @@ def test_a_probe_peer_claiming_a_huge_rate_never_sizes_an_allocation(monkeypatch
     monkeypatch.setattr(probe_cli, "burst_of", lambda reply, size: sizes.append(size) or 0.0)
     monkeypatch.setattr(probe_cli, "BURST_IDLE_S", 0.0)
     port = _lying_peer(b'{"bytes": 1048576, "seconds": 1e-4}\n')
-    rate, _ = probe_cli.measure_link("127.0.0.1", port, 0.05)
+    rate, _ = probe_cli.measure_link("127.0.0.1", port, 0.05, token="a-shared-secret")
     assert rate == 1048576 / 1e-4 and sizes and max(sizes) == 1 << 20  # not 0.25 s at 1e10 B/s: 2.5 GB
 
 

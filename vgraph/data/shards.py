@@ -262,7 +262,8 @@ def _hex(value: str, where: Path, what: str) -> None:
 def _check_tokenizer_ids(path: Path, vocab: int, dtype: str) -> None:
     """The tokenizer's largest id (model vocabulary and added tokens) is inside the manifest's vocabulary."""
     try:
-        doc = json.loads(read_input(path, what="tokenizer", limit=512 * 2**20, binary=True))
+        doc = loads(read_input(path, what="tokenizer", limit=512 * 2**20, binary=True), printable(str(path)),
+                    limit=512 * 2**20, error=DataError)
         model_vocab = doc["model"].get("vocab") if isinstance(doc.get("model"), dict) else None
         ids = [t["id"] for t in doc.get("added_tokens") or [] if isinstance(t, dict) and "id" in t]
         if isinstance(model_vocab, dict):
