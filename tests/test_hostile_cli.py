@@ -91,7 +91,7 @@ def _baseline(command: str, w: Path, out: Path) -> tuple[list[str], dict[str, st
         "validate": ([net], {}), "analyze": ([net], {}), "passes": ([], {}), "ops": ([], {}), "networks": ([], {}),
         "optimize": ([net], {"-o": str(out / "o.yml")}), "render": ([net], {"-o": str(out / "o.svg")}),
         "partition": ([net], {"--fleet": fleet, "-o": str(out / "parts")}),
-        "export-onnx": ([net], {"-o": str(out / "o.onnx")}), "check-onnx": ([net], {}),
+        "export-onnx": ([net], {"-o": str(out / "o.onnx"), "--random-weights": None}), "check-onnx": ([net], {}),
         "generate": ([run], {"--max-new-tokens": "1"}),
         "train": ([net], train), "launch": ([net], {"--fleet": fleet, **train}),
         "report": ([run], {"-o": str(out / "report.html")}),

@@ -14,12 +14,13 @@
 * `graph_breaks.py`: torch.compile graph breaks of a training step (one graph per step).
 * `to_graph_layout` / `to_unfused_layout`: move weights between fused and unfused graphs.
 * `estimate_training_memory` / `check_memory` (memory.py): refuse what cannot fit.
-* `load_checkpoint` / `latest_checkpoint` / `CheckpointError` (checkpoint.py): read a run's weights
+* `load_checkpoint` / `latest_checkpoint` / `resolve_checkpoint` / `CheckpointError` (checkpoint.py): read a
+  run's weights (`resolve_checkpoint`: a checkpoint or a run directory, its latest)
   (the ONNX backend's `check-onnx` does; other backends use this API, never the modules behind it).
 """
 from __future__ import annotations
 
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, resolve_checkpoint
 from .interpreter import interpret
 from .lower import (VGraphModule, compile_network, compute_dtype, feed_name, init_state, to_graph_layout,
                     to_unfused_layout)
@@ -32,5 +33,5 @@ __all__ = [
     "to_unfused_layout", "interpret", "register_lowering", "LowerCtx", "LOWERINGS", "MemoryEstimate",
     "MemoryRefused", "check_memory", "estimate_training_memory", "TrainConfig", "TrainResult",
     "TrainingError", "train", "load_trained", "prepare_graph", "CheckpointError", "latest_checkpoint",
-    "load_checkpoint",
+    "load_checkpoint", "resolve_checkpoint",
 ]

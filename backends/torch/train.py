@@ -314,12 +314,11 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
     """
     from tokenizers import Tokenizer
 
-    target = Path(path)
-    if not target.exists():
-        raise VGraphError(f"{target}: no such checkpoint or run directory")
     try:
-        if (target / ckpt.LATEST_POINTER).is_file():
-            target = ckpt.latest_checkpoint(target) or target
+        target = ckpt.resolve_checkpoint(path)
+    except ckpt.CheckpointError as exc:
+        raise VGraphError(str(exc)) from None
+    try:
         state = ckpt.load_checkpoint(target, map_location="cpu")
     except ckpt.CheckpointError as exc:
         raise VGraphError(f"{path}: {exc}") from None
