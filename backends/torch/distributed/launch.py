@@ -679,7 +679,12 @@ def _collect(run: _Run, result: LaunchResult) -> LaunchResult:
 
 def _emit_job(run: _Run, folder: Path) -> LaunchResult:
     """--emit-job DIR: place, write DIR/job.json (its run directory relative to DIR, the files in it relative
-    to the run directory) and say how to start it under torchrun or srun; trains nothing."""
+    to the run directory) and say how to start it under torchrun or srun; trains nothing.
+
+    The torchrun command carries `--max-restarts` (launch's own, default 3): torchrun's default, 0, ends the
+    job at the first dead worker, while each restart resumes from the run's latest checkpoint (worker.py), so
+    a few restarts cost at most a few checkpoint intervals and a fault that recurs still ends the job after a
+    handful of tries instead of looping."""
     cfg = run.cfg
     # Like every output: never an input, never inside what a run owns (its checkpoints, its launch folder).
     read = [p for p in (cfg.network, cfg.fleet, cfg.data, cfg.placement) if isinstance(p, (str, Path))]
@@ -692,8 +697,11 @@ def _emit_job(run: _Run, folder: Path) -> LaunchResult:
     module = "vgraph.backends.torch.distributed.worker"
     run.emit(f"launch: wrote {path} ({world} worker(s) {', '.join(attempt.ranks)}; {attempt.comm.describe()}); "
              f"start it with\n"
-             f"  torchrun --nnodes {cfg.nnodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "
-             f"{cfg.master_addr}:{cfg.master_port or 29500} -m {module} {path}\n"
+             f"  torchrun --nnodes {cfg.nnodes} --nproc-per-node {per_node} --max-restarts {cfg.max_restarts} "
+             f"--rdzv-backend c10d --rdzv-endpoint {cfg.master_addr}:{cfg.master_port or 29500} -m {module} {path}\n"
+             f"    (--max-restarts {cfg.max_restarts}: without it one dead worker ends the job; with it torchrun "
+             f"starts the worker set again, which resumes from the latest checkpoint; SIGTERM or Ctrl-C: the "
+             f"workers finish the step and save a checkpoint first)\n"
              f"  srun --ntasks {world} --ntasks-per-node {per_node} python -m {module} {path}   "
              f"(with {TOKEN_ENV} exported)")
     return LaunchResult(run.run_dir, 0, None, None, None, placement=attempt.placement.report)
