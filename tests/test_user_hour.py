@@ -87,3 +87,49 @@ def test_run_directory_errors_are_diagnostics(run_dir, tmp_path, capsys) -> None
     assert main(["generate", str(fresh)]) == 2
     assert "has no checkpoint yet" in capsys.readouterr().err
     assert not out.exists()
+
+
+# -- item 8: the resume hint -----------------------------------------------------------------------------------
+
+
+def test_resume_hint_names_the_network_as_typed_with_every_option_set(tmp_path, monkeypatch) -> None:
+    from vgraph.backends.torch.cli import resume_command
+    from vgraph.base.shipped import shipped
+    from vgraph.cli.main import build_parser
+
+    name = next(iter(shipped("network")))
+    argv = ["train", name, "--data", "my corpus", "--batch", "4", "--lr", "0.001", "--grad-clip", "1.0",
+            "--no-tensorboard", "--accept-network-change", "--passes", ""]
+    monkeypatch.chdir(tmp_path)
+    args = build_parser("train").parse_args(argv)
+    assert args.network != name  # the premise: the parser resolved the name to the package's file
+    line = resume_command(args)(tmp_path / "r")
+    assert line == (f"vgraph train {name} --data 'my corpus' --batch 4 --lr 0.001 --out {tmp_path / 'r'} --resume "
+                    f"--passes '' --grad-clip 1.0 --no-tensorboard")
+    (tmp_path / f"{name}.yml").write_text("a local file of that name would win over the shipped one")
+    assert f"vgraph train {args.network} " in resume_command(args)(tmp_path / "r")
+    launch = build_parser("launch").parse_args(["launch", name, "--fleet", "t4x4", "--steps", "5"])
+    assert resume_command(launch)("runs/x").startswith(f"vgraph launch {args.network} --fleet t4x4 --steps 5 ")
+
+
+def test_the_printed_resume_command_resumes(tmp_path, capsys) -> None:
+    import shlex
+    import signal
+
+    from hardening_util import signal_after_rows
+    from vgraph.data.stdlib_corpus import default_corpus_documents
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    out = tmp_path / "run"
+    with signal_after_rows(out / "metrics.jsonl", 2, signal.SIGINT):
+        code = main(["train", str(TINY), "--data", str(corpus), "--out", str(out), "--steps", "100", "--batch", "2",
+                     "--val-every", "0", "--checkpoint-every", "0", "--quiet", "--threads", "1"])
+    err = capsys.readouterr().err
+    assert code == 130, err
+    command = shlex.split(err.split("Continue with: ")[1].splitlines()[0])
+    assert command[:2] == ["vgraph", "train"] and "--data" in command and "--resume" in command
+    stopped = len((out / "metrics.jsonl").read_text().splitlines())
+    assert main(command[1:]) == 0, capsys.readouterr().err  # copied as printed
+    steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 101)) and stopped < 100  # went on from the checkpoint to the end

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from vgraph.base import options
 from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.cli.common import command_line, remember_parser
 from vgraph.cli.main import add_plugin_option
 
 
@@ -78,6 +79,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     add_tensorboard_option(p)
     add_plugin_option(p)
     p.set_defaults(func=run_train)
+    remember_parser(p)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -93,11 +95,22 @@ def run_train(args: argparse.Namespace) -> int:
         keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
         log_every=args.log_every, grad_clip=args.grad_clip,
         corpus_bytes=args.corpus_bytes or DEFAULT_CORPUS_MAX_BYTES, memory_limit=args.memory_limit,
-        compile=args.compile, progress=not args.quiet, tensorboard=not args.no_tensorboard)
+        compile=args.compile, progress=not args.quiet, tensorboard=not args.no_tensorboard,
+        continue_command=resume_command(args))
     result = train(config)
     skipped = f"{result.skipped_steps} steps skipped by the loss scaler" if result.skipped_steps else None
     print_result(result, skipped)
     return 0
+
+
+def resume_command(args: argparse.Namespace):
+    """The exact command that continues a stopped `train`/`launch` run: this one, with the run directory as
+    --out and --resume (a changed network, once accepted, is the checkpoint's: --accept-network-change is
+    not repeated)."""
+    if getattr(args, "command_parser", None) is None:
+        return None
+    return lambda run_dir: command_line(args, override={"out": str(run_dir), "resume": True},
+                                        drop={"accept_network_change", "emit_job"})
 
 
 def print_result(result, *extra: str | None) -> None:

@@ -258,9 +258,10 @@ def _loop(run: _Run, result: TrainResult, say: Callable[[str], None]) -> TrainRe
     result.skipped_steps = run.loss_check.skipped_steps
     result.history = run.log.rows
     if stop.requested:
+        how = (cfg.continue_command(run.dir) if cfg.continue_command is not None else
+               f"vgraph train {cfg.network} --out {run.dir} --resume (and the same options)")
         raise stop.interrupted(f"{run.dir}: stopped at step {step} of {cfg.steps}; checkpoint {result.checkpoint}. "
-                               f"Continue with: vgraph train {cfg.network} --out {run.dir} --resume "
-                               f"(and the same options)")
+                               f"Continue with: {how}")
     return result
 
 

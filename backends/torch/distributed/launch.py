@@ -574,8 +574,8 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
     shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
     while True:
         if stop.requested:
-            raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with "
-                                   f"vgraph launch {cfg.network} --out {run.run_dir} --resume (and the same options)")
+            raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
+                                   f"{_continue_with(cfg, run.run_dir)}")
         attempt = _place_attempt(run, fleet, number, *_given_placement(cfg, number, shrunk), hold)
         if attempt is None:
             return result
@@ -586,15 +586,21 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
         if stop.requested:
             where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
             raise stop.interrupted(f"{run.run_dir}: stopped as asked{'' if record['ok'] else ' (a worker failed on the way)'}; "
-                                   f"checkpoint {where or 'on machine 0'}. Continue with: vgraph launch "
-                                   f"{cfg.network} --fleet {cfg.fleet} --out {run.run_dir} --resume (and the same "
-                                   f"options)")
+                                   f"checkpoint {where or 'on machine 0'}. Continue with: "
+                                   f"{_continue_with(cfg, run.run_dir)}")
         if record["ok"]:
             return result
         fleet, shrunk = _after_failure(run, attempt, record, result, fleet)
         result.restarts += 1
         number += 1
         hold = None
+
+
+def _continue_with(cfg: LaunchConfig, run_dir: Path) -> str:
+    """The command that continues the run: the CLI's own as typed (cli.resume_command), else the gist."""
+    if cfg.continue_command is not None:
+        return cfg.continue_command(run_dir)
+    return f"vgraph launch {cfg.network} --fleet {cfg.fleet} --out {run_dir} --resume (and the same options)"
 
 
 def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
@@ -730,6 +736,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
 
     Long because it is one `add_argument` per option, in the order `--help` shows them;
     split up, the command's options would no longer read as one list."""
+    from vgraph.cli.common import remember_parser
     from vgraph.cli.main import add_plugin_option
 
     from ..cli import add_tensorboard_option
@@ -811,9 +818,12 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     add_tensorboard_option(p)  # rank 0 writes the event files
     add_plugin_option(p)  # the files travel to the workers in the job file
     p.set_defaults(func=run_launch)
+    remember_parser(p)
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    from ..cli import print_result, resume_command
+
     config = LaunchConfig(
         network=args.network, fleet=args.fleet, data=args.data, steps=args.steps, batch=args.batch, lr=args.lr,
         warmup=args.warmup, schedule=args.schedule, seed=args.seed, out=args.out, resume=args.resume,
@@ -827,8 +837,8 @@ def run_launch(args: argparse.Namespace) -> int:
         comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout,
         grad_compress=args.grad_compress, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard,
-        emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)))
-    from ..cli import print_result
+        emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)),
+        continue_command=resume_command(args))
 
     result = launch(config)
     if not args.emit_job:
