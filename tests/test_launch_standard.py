@@ -124,7 +124,7 @@ def test_two_processes_with_slurm_variables_train_like_vgraph_train(files: Path,
     got = rows(tmp_path / "run")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     shown = (tmp_path / "rank0.log").read_text()  # captured, so the bar prints lines, as `vgraph train`'s does
-    assert f"tiny-std: step {STEPS}/{STEPS} (100%) loss=" in shown and "eta" in shown
+    assert f"launch: step {STEPS}/{STEPS} (100%) loss=" in shown and "eta" in shown
     for key in ("loss", "val_loss"):
         mine = [r[key] for r in got if key in r]
         theirs = [r[key] for r in ref.history if key in r]

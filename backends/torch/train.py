@@ -200,7 +200,7 @@ def _loop(run: _Run, result: TrainResult, say: Callable[[str], None]) -> TrainRe
     dataset = setup.data.dataset  # step s reads the samples (seed, s) names: nothing to checkpoint (data.py)
     is_accel = device.type != "cpu"
     log_every = cfg.log_every or (10 if is_accel else 1)
-    bar = progress_bar(cfg.steps, run.start_step, setup.source.name, cfg.progress)
+    bar = progress_bar(cfg.steps, run.start_step, "train", cfg.progress)
     say = (lambda msg: bar.write(msg, file=sys.stderr)) if cfg.progress else say
     say(run_banner(setup, module))
     sync = _SyncPoint(run, bar)
@@ -295,8 +295,9 @@ class _SyncPoint:
             rows[-1]["val_loss"] = self.last_val
         run.log.append(rows)
         self.bar.update(len(self.pending))
+        shown = {"val": f"{self.last_val:.4f}"} if self.last_val is not None else {}  # kept until the next one
         self.bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{rows[-1]['tokens_per_s']:,.0f}",
-                             lr=f"{rows[-1]['lr']:.2e}", refresh=False)
+                             lr=f"{rows[-1]['lr']:.2e}", **shown, refresh=False)
         self.pending.clear()
         self.last_flush = time.perf_counter()
         return values[-1]

@@ -288,7 +288,7 @@ class Worker:
             self.log = self._open_log(start)
             if self.log_enabled:
                 self.progress = RankZeroProgress(progress_mode(os.environ, self.place.launcher), self.cfg.steps,
-                                                 start, self.graph.name, lambda line: print(line, flush=True))
+                                                 start, "launch", lambda line: print(line, flush=True))
         self._announce(start)
         self._pending: list[dict[str, Any]] = []
         self._start_time = self._last_flush = time.perf_counter()
