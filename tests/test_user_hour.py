@@ -133,3 +133,168 @@ def test_the_printed_resume_command_resumes(tmp_path, capsys) -> None:
     assert main(command[1:]) == 0, capsys.readouterr().err  # copied as printed
     steps = [int(line.split('"step": ')[1].split(",")[0]) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 101)) and stopped < 100  # went on from the checkpoint to the end
+
+
+# -- item 9: output and help -----------------------------------------------------------------------------------
+
+
+def test_top_level_help_summarises_every_command_without_importing_the_backends() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\nfrom vgraph.cli.main import main\nout = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n    main(['--help'])\n"
+            "print(out.getvalue())\nprint('imported:', 'torch' in sys.modules, 'onnx' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    shown = " ".join(done.stdout.split())
+    assert "see 'vgraph" not in shown
+    for summary in ("train a network YAML on text with PyTorch", "sample text from a checkpoint",
+                    "train a network partitioned over a fleet", "prepare a text corpus as token shards",
+                    "write a trained network's inference model as ONNX", "run the torch backend and onnxruntime",
+                    "measure this machine for a network"):
+        assert summary in shown
+    assert "imported: False False" in shown  # read from the modules' source, not by importing them
+
+
+def test_a_summary_that_cannot_be_read_falls_back(tmp_path, monkeypatch) -> None:
+    from vgraph.cli.command_help import summary
+
+    (tmp_path / "computed_help.py").write_text("HELP = 'x'\ndef register(s):\n    s.add_parser('c', help=HELP)\n")
+    (tmp_path / "broken_help.py").write_text("def register(s):\n    s.add_parser('c', help='unclosed\n")
+    (tmp_path / "fine_help.py").write_text("def register(s):\n    s.add_parser('c', help='one ' 'line')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert summary("c", "computed_help:register") is None
+    assert summary("c", "broken_help:register") is None
+    assert summary("c", "no.such.module:register") is None
+    assert summary("other", "fine_help:register") is None
+    assert summary("c", "fine_help:register") == "one line"
+
+
+def test_export_onnx_help_is_a_description_not_a_docstring(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["export-onnx", "-h"])
+    shown = capsys.readouterr().out
+    assert "Write the inference model of a trained network" in shown and "``" not in shown
+
+
+@pytest.mark.parametrize("typed, meant", [("--batch-size", "--batch"), ("--learning-rate", "--lr"),
+                                          ("--max-step", "--steps"), ("--val-evry", "--val-every")])
+def test_a_mistyped_option_gets_did_you_mean_and_the_commands_usage(typed, meant, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", str(TINY), typed, "4"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert f"{typed}: did you mean {meant}?" in err and "usage: vgraph train" in err
+
+
+def test_an_unknown_option_with_nothing_close_is_named_alone(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["validate", str(TINY), "--zzzzqqq"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzqqq" in err and "did you mean" not in err
+
+
+def test_validation_loss_shows_as_it_happens_under_a_short_prefix(tmp_path, capsys) -> None:
+    from vgraph.data.stdlib_corpus import default_corpus_documents
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    assert main(["train", str(TINY), "--data", str(corpus), "--out", str(tmp_path / "run"), "--steps", "7",
+                 "--batch", "2", "--val-every", "3", "--val-batches", "1", "--threads", "1",
+                 "--no-tensorboard"]) == 0
+    err = capsys.readouterr().err  # captured, not a terminal: progress lines
+    progress = [line for line in err.splitlines() if ": step " in line]
+    assert [line.split(" ")[2] for line in progress] == ["1/7", "3/7", "6/7", "7/7"], progress
+    assert all(line.startswith("train: step ") for line in progress)
+    assert "val=" not in progress[0] and all("val=" in line for line in progress[1:])
+
+
+# -- item 6: fleets --------------------------------------------------------------------------------------------
+
+
+def test_docs_name_only_fleets_that_exist() -> None:
+    import re
+
+    from vgraph.base.shipped import is_bare_name, shipped
+
+    root = Path(__file__).resolve().parent.parent
+    texts = {p: p.read_text(encoding="utf-8") for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]}
+    named = [(p.name, m) for p, t in texts.items() for m in re.findall(r"--fleet[ =]([^\s`'\"\])]+)", t)]
+    assert ("distributed.md", "cpu2") in named  # the premise: the docs do name shipped fleets
+    unknown = [(f, m) for f, m in named if is_bare_name(m) and not m.endswith((".yml", ".yaml"))
+               and not m.isupper() and m not in shipped("fleet")]
+    assert not unknown, f"docs name fleets that do not ship: {unknown}"
+    files = [(p.name, m) for p, t in texts.items() for m in re.findall(r"fleets/([\w.-]+\.ya?ml)", t)]
+    assert not [(f, m) for f, m in files if not (root / "networks" / "fleets" / m).is_file()]
+
+
+def test_cpu2_ships_and_holds_the_production_network_on_one_cpu_machine(tmp_path, capsys) -> None:
+    from vgraph.base.shipped import shipped
+    from vgraph.cost.fleet import load_fleet
+
+    fleet = load_fleet(shipped("fleet")["cpu2"])
+    assert len(fleet) == 2 and all(p.accelerator == "cpu" for p in fleet)
+    assert main(["partition", "distributed_attention_example_6_swiglu_head", "--fleet", "cpu2",
+                 "-o", str(tmp_path / "parts")]) == 0
+    assert "does not fit" not in capsys.readouterr().err
+
+
+def _rows(step_s: float, n: int = 5) -> list[dict]:
+    return [{"step": s, "pnodes": {"a": {"step_s": step_s}, "b": {"step_s": step_s / 2}}} for s in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("measured, flagged, words", [(3.77, True, "1,109x slower"), (0.0068, False, ""),
+                                                      (0.0016, True, "2.1x faster"), (0.0069, True, "2.0x slower")])
+def test_a_prediction_off_by_more_than_2x_is_flagged_with_what_to_do(measured, flagged, words) -> None:
+    from vgraph.placement.replica_report import step_prediction_gap
+
+    gap = step_prediction_gap({"step_seconds": 0.0034}, _rows(measured))
+    assert (gap is not None) == flagged
+    if flagged:
+        assert words in gap and "vgraph probe" in gap and f"{measured:.3g} s" in gap
+
+
+@pytest.mark.parametrize("placement, rows", [
+    ({"step_seconds": float("nan")}, _rows(3.0)), ({"step_seconds": -1.0}, _rows(3.0)), ({"step_seconds": "1"},
+     _rows(3.0)), ({"step_seconds": True}, _rows(3.0)), ({}, _rows(3.0)), ({"step_seconds": 0.001}, _rows(3.0, n=2)),
+    ({"step_seconds": 0.001}, [{"pnodes": {"a": {"step_s": float("inf")}}}] * 5),
+    ({"step_seconds": 0.001}, [{"pnodes": 1}, {"pnodes": {"a": "x"}}, "row", {"pnodes": {"a": {"step_s": None}}}] * 3),
+])
+def test_damaged_figures_flag_nothing(placement, rows) -> None:
+    from vgraph.placement.replica_report import step_prediction_gap
+
+    assert step_prediction_gap(placement, rows) is None
+
+
+def test_the_report_flags_a_prediction_off_by_more_than_2x(tmp_path) -> None:
+    import json
+
+    from test_report import make_run, placement, rows, run_info
+    from vgraph.report.page import write_report
+
+    for predicted, flagged in ((0.0034, True), (0.05, False)):
+        run = make_run(tmp_path / f"run{predicted}", info=run_info(launch={"fleet": "t", "pnodes": ["w0", "w1"]}),
+                       metrics=rows(pnodes=("w0", "w1")))
+        (run / "placement.json").write_text(json.dumps({**placement(), "step_seconds": predicted}))
+        out, _, _ = write_report(run, tmp_path / f"report{predicted}.html")
+        page = out.read_text()
+        assert ('class="warning">Prediction off' in page) == flagged
+        if flagged:
+            assert "vgraph probe" in page and "0.0034 s predicted" in page
+
+
+def test_launch_says_when_a_gpu_fleet_runs_on_the_cpu_and_its_prediction_is_off(tmp_path, capsys) -> None:
+    from vgraph.data.stdlib_corpus import default_corpus_documents
+
+    fleet = tmp_path / "gpus.yml"
+    fleet.write_text("name: gpus\npnodes:\n" + "".join(
+        f"  - {{id: g{i}, memory: 16GiB, flops: 25T, bandwidth: 10Gbit/s, accelerator: cuda-sm75}}\n" for i in range(2)))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    assert main(["launch", str(TINY), "--fleet", str(fleet), "--data", str(corpus), "--steps", "5", "--batch", "2",
+                 "--val-every", "0", "--threads", "1", "--device", "cpu", "--out", str(tmp_path / "run"),
+                 "--no-tensorboard"]) == 0
+    err = capsys.readouterr().err
+    assert "fleet 'gpus' describes cuda-sm75 PNodes and this run is on the CPU" in err
+    assert "note: prediction off: the step took" in err and "x slower" in err and "vgraph probe" in err

@@ -509,6 +509,11 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     device = resolve_device(cfg.device)
     comm = choose_comm(device.type, len(local), torch.cuda.device_count() if device.type == "cuda" else 0,
                        torch.distributed.is_nccl_available(), cfg.comm)
+    gpus = sorted({p.accelerator for p in fleet if (p.accelerator or "").startswith("cuda") and p.id in ranks})
+    if number == 0 and device.type == "cpu" and gpus:  # the plan's figures are the GPUs', not this CPU's
+        run.say(f"launch: note: fleet {fleet.name!r} describes {', '.join(gpus)} PNodes and this run is on the CPU: "
+                f"the placement and its predicted step are for those GPUs (a CPU fleet: --fleet cpu2, or one "
+                f"measured with vgraph probe)")
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
     info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}),
                 compression=weight_keeping_changes(placement.graph),
@@ -822,6 +827,8 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    from vgraph.placement.replica_report import step_prediction_gap
+
     from ..cli import print_result, resume_command
 
     config = LaunchConfig(
@@ -843,6 +850,9 @@ def run_launch(args: argparse.Namespace) -> int:
     result = launch(config)
     if not args.emit_job:
         print_result(result, f"{result.restarts} restart(s)" if result.restarts else None)
+        gap = step_prediction_gap(result.placement or {}, result.history)
+        if gap and not args.quiet:
+            print(f"note: prediction off: {gap}", file=sys.stderr)
     return 0
 
 
