@@ -61,6 +61,7 @@ STRING_KINDS: dict[tuple[str | None, str], str] = {
     (None, "passes"): "passes", (None, "device"): "device", (None, "target"): "target",
     (None, "master_addr"): "address",
     (None, "prompt"): "free-text",  # any text is a prompt
+    ("new", "name"): "free-text",  # a network's name: printable text (control characters are refused)
     ("probe", "id"): "pnode-id", ("probe", "append"): "fleet-to-append", ("probe", "peer"): "endpoint",
     ("probe", "listen"): "endpoint", ("probe", "bandwidth"): "bandwidth",
     (None, "grad_compress"): "grad-compress",
@@ -98,6 +99,8 @@ def _baseline(command: str, w: Path, out: Path) -> tuple[list[str], dict[str, st
         "probe": ([net], {"--id": "h0", "--bandwidth": "1Gbit/s", "--threads": "1", "--no-precisions": None,
                           "-o": str(out / "pnode.yml")}),
         "data prepare": ([corpus], {"-o": str(out / "prepared"), "--vocab": "96", "--quiet": None}),
+        "new": ([], {"-o": str(out / "new.yml"), "--layers": "1", "--dim": "32", "--heads": "2", "--vocab": "64",
+                     "--context": "8"}),
     }
     return table.get(command)
 
@@ -254,7 +257,7 @@ def test_hostile_value_is_a_diagnostic(command: str, dest: str, value: str, worl
     given = _hostile_path(value, world) if kind in ("input-file", "plugin", "input-file-or-dir", "output-file",
                                                     "output-dir", "fleet-to-append") else value
     if value == "the-input":  # the output named like the command's own input
-        if not Path(positionals[0]).is_file():
+        if not positionals or not Path(positionals[0]).is_file():  # (`new` reads nothing)
             pytest.skip(f"{command} reads a directory: no file of it to name as the output")
         given = positionals[0]
     argv = command.split()

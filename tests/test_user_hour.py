@@ -298,3 +298,144 @@ def test_launch_says_when_a_gpu_fleet_runs_on_the_cpu_and_its_prediction_is_off(
     err = capsys.readouterr().err
     assert "fleet 'gpus' describes cuda-sm75 PNodes and this run is on the CPU" in err
     assert "note: prediction off: the step took" in err and "x slower" in err and "vgraph probe" in err
+
+
+# -- item 10: AdamW and gradient accumulation ------------------------------------------------------------------
+
+ACCUM_STEPS, ACCUM_LR = 4, 3e-3
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory) -> Path:
+    from vgraph.data.stdlib_corpus import default_corpus_documents
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    return path
+
+
+def _train(out: Path, corpus: Path, *extra: str) -> Path:
+    assert main(["train", str(TINY), "--data", str(corpus), "--out", str(out), "--steps", str(ACCUM_STEPS),
+                 "--lr", str(ACCUM_LR), "--val-every", "0", "--deterministic", "--threads", "1", "--quiet",
+                 "--no-tensorboard", *extra]) == 0
+    return out / f"step-{ACCUM_STEPS:08d}"
+
+
+def test_gradient_accumulation_is_the_step_of_the_whole_batch(tmp_path, corpus_file) -> None:
+    """--batch 2 --grad-accum 3 trains what --batch 6 trains: the same samples, the same dropout masks (keyed by
+    the sample's index in the whole batch; the tiny network has dropout), the gradients of the mean over all
+    six; they differ only by float rounding of the sums, which weights_util bounds per Adam step."""
+    import vgraph
+    from weights_util import assert_same_weights
+
+    assert any(n.type == "dropout" for n in vgraph.load(TINY).nodes)  # the premise: masks must line up
+    whole = _train(tmp_path / "whole", corpus_file, "--batch", "6")
+    accumulated = _train(tmp_path / "accum", corpus_file, "--batch", "2", "--grad-accum", "3")
+    assert_same_weights(accumulated, whole, steps=ACCUM_STEPS, lr=ACCUM_LR)
+    import json
+
+    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+              for d in (tmp_path / "accum", tmp_path / "whole")]  # Adam hides a scale error in the gradients:
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)  # the step's loss (the mean over 6) does not
+    small = _train(tmp_path / "small", corpus_file, "--batch", "2")
+    with pytest.raises(AssertionError):  # the bound is tight enough to tell another batch apart
+        assert_same_weights(small, whole, steps=ACCUM_STEPS, lr=ACCUM_LR)
+
+
+def test_weight_decay_is_adamw_on_matrices_and_adam_without_it(tmp_path, corpus_file) -> None:
+    """--weight-decay WD: torch's AdamW on every matrix and embedding (decoupled decay), none on vectors; the
+    default 0 is Adam exactly (the weights bit for bit), so runs of before stay comparable."""
+    import torch
+
+    from vgraph.backends.torch import compile_network
+    from vgraph.backends.torch.node_optimizers import NodeOptimizers
+    from vgraph.backends.torch.checkpoint import load_checkpoint
+
+    import vgraph
+
+    module = compile_network(vgraph.load(TINY), train=True, seed=0)
+    opts = NodeOptimizers(module, 1e-3, 0.1)
+    kinds = {type(o).__name__: o for o in opts.optimizers}
+    assert set(kinds) == {"Adam", "AdamW"}
+    decayed = [p for g in kinds["AdamW"].param_groups for p in g["params"]]
+    assert decayed and all(p.dim() >= 2 for p in decayed)
+    assert all(g["weight_decay"] == 0.1 for g in kinds["AdamW"].param_groups)
+    assert all(p.dim() < 2 for g in kinds["Adam"].param_groups for p in g["params"])
+    assert [type(o).__name__ for o in NodeOptimizers(module, 1e-3).optimizers] == ["Adam"]
+
+    plain = _train(tmp_path / "plain", corpus_file, "--batch", "2")
+    zero = _train(tmp_path / "zero", corpus_file, "--batch", "2", "--weight-decay", "0")
+    decay = _train(tmp_path / "decay", corpus_file, "--batch", "2", "--weight-decay", "0.5")
+    a, b, c = (load_checkpoint(p).model_state for p in (plain, zero, decay))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    matrices = [k for k in a if a[k].dim() >= 2]
+    vectors = [k for k in a if a[k].dim() < 2]
+    # decoupled decay shrinks every matrix a little each step: smaller norms than without it
+    assert all(float(c[k].norm()) < float(a[k].norm()) for k in matrices)
+    assert vectors and max(float((c[k] - a[k]).abs().max()) for k in vectors) < 0.05
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "x", ""])
+def test_bad_weight_decay_and_accumulation_are_usage_errors(value, capsys) -> None:
+    for option in ("--weight-decay", "--grad-accum"):
+        with pytest.raises(SystemExit) as info:
+            main(["train", str(TINY), option, value])
+        assert info.value.code == 2 and option in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", str(TINY), "--grad-accum", "0"])
+
+
+# -- item 10: vgraph new ---------------------------------------------------------------------------------------
+
+
+def test_vgraph_new_with_the_production_numbers_writes_the_shipped_network(tmp_path, capsys) -> None:
+    from vgraph.base.shipped import shipped
+
+    out = tmp_path / "net.yml"
+    assert main(["new", "-o", str(out), "--name", "distributed-multi-head-attention-6l-swiglu_ffn", "--layers", "6",
+                 "--dim", "512", "--heads", "8", "--vocab", "10000", "--context", "128"]) == 0
+    assert "27,185,664 parameters" in capsys.readouterr().out
+    assert out.read_text() == shipped("network")["distributed_attention_example_6_swiglu_head"].read_text()
+
+
+def test_vgraph_new_writes_a_swiglu_network_that_trains(tmp_path, corpus_file, capsys) -> None:
+    import vgraph
+
+    out = tmp_path / "small.yml"
+    assert main(["new", "-o", str(out), "--layers", "2", "--dim", "32", "--heads", "2", "--vocab", "96",
+                 "--context", "16", "--ffn", "64", "--ffn-kind", "swiglu", "--precision", "fp32"]) == 0
+    graph = vgraph.load(out)
+    assert graph.name == "small" and len(graph.nodes_of_type("attention_head")) == 4
+    assert [n.cfg["in_dim"] for n in graph.nodes if n.id.endswith("_ffn_down")] == [32, 32]  # gated: 64 -> 32
+    assert len(graph.nodes_of_type("swiglu")) == 3  # two FFNs and the LM head
+    assert main(["train", str(out), "--data", str(corpus_file), "--steps", "2", "--batch", "2", "--val-every", "0",
+                 "--out", str(tmp_path / "run"), "--quiet", "--threads", "1", "--no-tensorboard"]) == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dim", "100", "--heads", "8"], "not a multiple of --heads 8"),
+    (["--dim", "24", "--heads", "8"], "is odd: RoPE"),
+    (["--ffn-kind", "swiglu", "--ffn", "255"], "--ffn 255 is odd"),
+    (["--layers", "1000000000"], "--layers 1000000000 is over 4,096"),
+    (["--context", "99999999999"], "--context 99999999999 is over"),
+    (["--dropout", "1"], "--dropout 1.0: from 0 up to"),
+    (["--name", "a\x1bb"], "printable name"),
+])
+def test_vgraph_new_refuses_what_cannot_make_a_network(argv, message, tmp_path, capsys) -> None:
+    out = tmp_path / "x.yml"
+    assert main(["new", "-o", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("argv", [["--layers", "0"], ["--dim", "nan"], ["--dropout", "inf"], ["--vocab", ""],
+                                  ["--ffn-kind", "relu"], ["--precision", "fp8"]])
+def test_vgraph_new_bad_numbers_are_usage_errors(argv, tmp_path) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["new", "-o", str(tmp_path / "x.yml"), *argv])
+    assert info.value.code == 2
+
+
+def test_vgraph_new_output_must_be_a_file(tmp_path, capsys) -> None:
+    assert main(["new", "-o", str(tmp_path)]) == 2
+    assert "Traceback" not in capsys.readouterr().err

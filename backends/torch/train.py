@@ -155,7 +155,7 @@ def _set_up(cfg: TrainConfig, say: Callable[[str], None]) -> _Run:
         seed_everything(cfg.seed)
         module = compile_network(graph, device=device, train=True, seed=cfg.seed)
         state = TrainingState(
-            module, NodeOptimizers(module, cfg.lr),
+            module, NodeOptimizers(module, cfg.lr, cfg.weight_decay),
             torch.amp.GradScaler(device.type, init_scale=cfg.initial_loss_scale, enabled=setup.loss_scaling))
         details.append(f"{sum(p.numel() for p in module.parameters()):,} parameters on {device}")
     tokenizer_json = setup.data.tokenizer.to_str()
@@ -210,14 +210,15 @@ def _loop(run: _Run, result: TrainResult, say: Callable[[str], None]) -> TrainRe
     try:
         for step in range(run.start_step + 1, cfg.steps + 1):
             # -- the step: forward + backward; at a sync point the losses are checked before the update
-            inputs, targets = dataset.batch(step, cfg.batch)
+            inputs, targets = dataset.batch(step, cfg.batch * cfg.grad_accum)  # --grad-accum K: K x --batch
             if is_accel:
                 inputs = inputs.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
             optimizers.set_factor(lr_factor(step, cfg))
             set_dropout_key(cfg.seed, step)  # masks keyed by (seed, step, VNode, sample): dropout.py
             run.tensor_peak.begin_step()
-            out, loss = run.trainer.forward_backward(inputs, targets)
+            out, loss = run.trainer.forward_backward(inputs, targets, accumulate=cfg.grad_accum,
+                                                     dropout_key=lambda offset: set_dropout_key(cfg.seed, step, offset))
             sync.pending.append((step, loss, optimizers.factor))
 
             validate = cfg.val_every > 0 and (step % cfg.val_every == 0 or step == cfg.steps)
@@ -284,7 +285,7 @@ class _SyncPoint:
                                             max_batches=cfg.val_batches, device=run.setup.device, amp=run.amp,
                                             costs=run.costs, token_feeds=run.token_feeds,
                                             target_feeds=run.target_feeds)
-        tokens = cfg.batch * run.setup.seq_len * len(self.pending)
+        tokens = cfg.batch * cfg.grad_accum * run.setup.seq_len * len(self.pending)
         rows = step_rows(self.pending, values, cfg.lr, tokens / max(now - self.last_flush, 1e-9),
                          now - self.start_time)
         rows[-1].update(extras)

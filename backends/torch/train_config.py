@@ -50,6 +50,8 @@ class TrainConfig:
     threads: int | None = None
     log_every: int | None = None  # default: every step on CPU, every 10 on an accelerator
     grad_clip: float | None = None
+    weight_decay: float = 0.0  # decoupled (AdamW) decay of Adam nodes' matrices; 0: plain Adam, as before
+    grad_accum: int = 1  # micro-batches of `batch` per optimizer step: the step trains grad_accum x batch samples
     corpus_bytes: int = D.DEFAULT_CORPUS_MAX_BYTES
     memory_limit: int | None = None
     compile: bool = False

@@ -744,7 +744,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     from vgraph.cli.common import remember_parser
     from vgraph.cli.main import add_plugin_option
 
-    from ..cli import add_tensorboard_option
+    from ..cli import add_optimizer_options, add_tensorboard_option
 
     from vgraph.base import options
     from vgraph.base.options import non_negative_int as _non_negative_int, positive_int as _positive_int
@@ -815,6 +815,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=_positive_int, help="CPU threads per worker (default: cores / workers)")
     p.add_argument("--log-every", type=_positive_int, metavar="N")
     p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM")
+    add_optimizer_options(p)  # --weight-decay; --grad-accum K: the global batch K x --batch in >= K micro-batches
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")
     p.add_argument("--quiet", action="store_true", help="no status lines (errors still show)")
     p.add_argument("--emit-job", metavar="DIR", type=options.path,
@@ -832,14 +833,17 @@ def run_launch(args: argparse.Namespace) -> int:
     from ..cli import print_result, resume_command
 
     config = LaunchConfig(
-        network=args.network, fleet=args.fleet, data=args.data, steps=args.steps, batch=args.batch, lr=args.lr,
+        network=args.network, fleet=args.fleet, data=args.data, steps=args.steps, lr=args.lr,
+        # A pipeline's micro-batches are gradient accumulation: K x --batch samples a step, in at least K of them.
+        batch=args.batch * args.grad_accum, weight_decay=args.weight_decay,
         warmup=args.warmup, schedule=args.schedule, seed=args.seed, out=args.out, resume=args.resume,
         device=args.device, passes=args.passes, fuse=not args.no_fuse, val_every=args.val_every,
         val_batches=args.val_batches, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
         log_every=args.log_every, grad_clip=args.grad_clip,
         corpus_bytes=args.corpus_bytes or D.DEFAULT_CORPUS_MAX_BYTES, progress=not args.quiet,
-        micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
+        micro_batches=(args.micro_batches if args.grad_accum == 1 else max(args.micro_batches or 1, args.grad_accum)),
+        pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
         comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout,
         grad_compress=args.grad_compress, nnodes=args.nnodes, node_rank=args.node_rank,

@@ -210,7 +210,7 @@ class Worker:
         self.stages = StageRunner(plan, self.local, P, self.device, transport, self.amp, self.scaler,
                                   seed=self.cfg.seed, lr=self.cfg.lr, pipeline=job.pipeline, replica=self.replica,
                                   tie_groups=tie_groups(plan, len(self.shares), self.replica),
-                                  stage_through_cpu=job.stage_through_cpu)
+                                  stage_through_cpu=job.stage_through_cpu, weight_decay=self.cfg.weight_decay)
         self.grad_sync = self._grad_sync(len(self.shares), P)
         self.figures = PNodeFigures(self.device, lambda: self.stages.transport.wait_s + (
             self.grad_sync.wait_s if self.grad_sync is not None else 0.0),
