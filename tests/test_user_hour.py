@@ -439,3 +439,18 @@ def test_vgraph_new_bad_numbers_are_usage_errors(argv, tmp_path) -> None:
 def test_vgraph_new_output_must_be_a_file(tmp_path, capsys) -> None:
     assert main(["new", "-o", str(tmp_path)]) == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_launch_grad_accum_is_the_global_batch_in_at_least_k_micro_batches(tmp_path, corpus_file) -> None:
+    """A pipeline's micro-batches accumulate gradients already: launch --batch 2 --grad-accum 3 is the global
+    batch 6 cut into at least 3 micro-batches per replica (the job the workers read says so)."""
+    import json
+
+    fleet = tmp_path / "fleet.yml"
+    fleet.write_text("name: two\npnodes:\n" + "".join(
+        f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(2)))
+    assert main(["launch", str(TINY), "--fleet", str(fleet), "--data", str(corpus_file), "--batch", "2",
+                 "--grad-accum", "3", "--replicas", "1", "--weight-decay", "0.1", "--out", str(tmp_path / "run"),
+                 "--emit-job", str(tmp_path / "job"), "--quiet"]) == 0
+    job = json.loads((tmp_path / "job" / "job.json").read_text())
+    assert job["train"]["batch"] == 6 and job["micro_batches"] >= 3 and job["train"]["weight_decay"] == 0.1
