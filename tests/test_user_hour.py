@@ -454,3 +454,22 @@ def test_launch_grad_accum_is_the_global_batch_in_at_least_k_micro_batches(tmp_p
                  "--emit-job", str(tmp_path / "job"), "--quiet"]) == 0
     job = json.loads((tmp_path / "job" / "job.json").read_text())
     assert job["train"]["batch"] == 6 and job["micro_batches"] >= 3 and job["train"]["weight_decay"] == 0.1
+
+
+def test_a_vnodes_own_adamw_and_weight_decay_win() -> None:
+    import vgraph
+    from vgraph.backends.torch import compile_network
+    from vgraph.backends.torch.node_optimizers import NodeOptimizers
+
+    graph = vgraph.load(TINY)
+    graph.node("block0_ffn_up").set_config(optimizer="adamw")  # AdamW's customary 0.01
+    graph.node("block0_ffn_down").set_config(weight_decay=0.3)  # an Adam node with its own decay
+    graph.node("head_up").set_config(weight_decay=0.0)  # no decay even under --weight-decay
+    module = compile_network(graph, train=True, seed=0)
+    for run_decay, want in ((0.0, {"block0_ffn_up": 0.01, "block0_ffn_down": 0.3}),
+                            (0.2, {"block0_ffn_up": 0.2, "block0_ffn_down": 0.3, "block1_ffn_up": 0.2})):
+        opts = NodeOptimizers(module, 1e-3, run_decay)
+        decay = {opts.key_of[p].split(".")[0]: g["weight_decay"] for o in opts.optimizers
+                 if type(o).__name__ == "AdamW" for g in o.param_groups for p in g["params"]}
+        assert {k: decay[k] for k in want} == want and "head_up" not in decay
+    assert vgraph.loads(vgraph.dumps(graph)).node("block0_ffn_down").cfg["weight_decay"] == 0.3  # YAML round trip
