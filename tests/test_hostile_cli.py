@@ -258,7 +258,8 @@ def test_hostile_value_is_a_diagnostic(command: str, dest: str, value: str, worl
                                                     "output-dir", "fleet-to-append") else value
     if value == "the-input":  # the output named like the command's own input
         if not positionals or not Path(positionals[0]).is_file():  # (`new` reads nothing)
-            pytest.skip(f"{command} reads a directory: no file of it to name as the output")
+            pytest.skip(f"{command} reads {'a directory' if positionals else 'no input'}: no file of it to name as "
+                        f"the output")
         given = positionals[0]
     argv = command.split()
     exclusive = {o for g in COMMANDS[command]._mutually_exclusive_groups if action in g._group_actions
