@@ -173,7 +173,7 @@ def test_first_run_says_it_builds_the_cache_and_every_phase_its_time(tmp_path, m
     for phase in ("setup: network loaded", "setup: memory estimate", "setup: data: ", "setup: compiled"):
         assert phase in second, second
     # captured (not a terminal): progress comes as lines (tools/main.sh), the first step's and the last's
-    assert "tiny-2l: step 1/2 (50%) loss=" in second and "tiny-2l: step 2/2 (100%)" in second, second
+    assert "train: step 1/2 (50%) loss=" in second and "train: step 2/2 (100%)" in second, second
 
 
 # -- hostile data: a diagnostic naming the file, exit 2, the run directory untouched ------------------------------

@@ -124,7 +124,8 @@ def test_first_interrupt_stops_every_worker_after_one_step_with_a_checkpoint(tmp
     with signal_after_rows(out / "metrics.jsonl", 2, signal.SIGINT):
         code = launch_main([*args, "--steps", "1000000"])
     err = capsys.readouterr().err
-    assert code == 130 and "Continue with: vgraph launch" in err and "Traceback" not in err, err
+    assert code == 130 and f"Continue with: python -m vgraph.backends.torch.distributed.launch launch {TINY} --fleet" in err \
+        and "Traceback" not in err, err
     step = load_checkpoint(latest_checkpoint(out)).step
     assert step >= 2
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn with the interrupt's checkpoint

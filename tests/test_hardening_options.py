@@ -34,7 +34,7 @@ BAD = {
 
 def _args(command: str, option: str, value: str, tmp: Path) -> list[str]:
     head = {"generate": [command, str(tmp)], "launch": [command, str(TINY), "--fleet", str(TINY)],
-            "export-onnx": [command, str(TINY), "-o", str(tmp / "m.onnx")],
+            "export-onnx": [command, str(TINY), "--random-weights", "-o", str(tmp / "m.onnx")],
             "partition": [command, str(TINY), "--fleet", str(TINY), "-o", str(tmp / "p")]}
     return [*head.get(command, [command, str(TINY)]), f"{option}={value}"]
 

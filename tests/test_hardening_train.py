@@ -72,7 +72,8 @@ def test_first_interrupt_checkpoints_and_says_how_to_resume(signum: int, tmp_pat
                          "2", "--val-every", "0", "--checkpoint-every", "0", "--quiet"])
     err = capsys.readouterr().err
     assert code == 128 + signum
-    assert f"vgraph train {TINY} --out {out} --resume" in err and "Traceback" not in err
+    assert f" train {TINY} --data {corpus} " in err and "Traceback" not in err  # the command as typed
+    assert f"--out {out} --resume" in err
     latest = ckpt.latest_checkpoint(out)
     assert latest is not None
     step = ckpt.load_checkpoint(latest).step

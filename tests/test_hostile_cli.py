@@ -67,6 +67,7 @@ STRING_KINDS: dict[tuple[str | None, str], str] = {
     (None, "passes"): "passes", (None, "device"): "device", (None, "target"): "target",
     (None, "master_addr"): "address",
     (None, "prompt"): "free-text",  # any text is a prompt
+    ("new", "name"): "free-text",  # a network's name: printable text (control characters are refused)
     ("probe", "id"): "pnode-id", ("probe", "append"): "fleet-to-append", ("probe", "peer"): "endpoint",
     ("probe", "listen"): "endpoint", ("probe", "bandwidth"): "bandwidth",
     (None, "grad_compress"): "grad-compress",
@@ -97,7 +98,7 @@ def _baseline(command: str, w: Path, out: Path) -> tuple[list[str], dict[str, st
         "validate": ([net], {}), "analyze": ([net], {}), "passes": ([], {}), "ops": ([], {}), "networks": ([], {}),
         "optimize": ([net], {"-o": str(out / "o.yml")}), "render": ([net], {"-o": str(out / "o.svg")}),
         "partition": ([net], {"--fleet": fleet, "-o": str(out / "parts")}),
-        "export-onnx": ([net], {"-o": str(out / "o.onnx")}), "check-onnx": ([net], {}),
+        "export-onnx": ([net], {"-o": str(out / "o.onnx"), "--random-weights": None}), "check-onnx": ([net], {}),
         "generate": ([run], {"--max-new-tokens": "1"}),
         "train": ([net], train), "launch": ([net], {"--fleet": fleet, **train}),
         "report": ([run], {"-o": str(out / "report.html")}),
@@ -107,6 +108,8 @@ def _baseline(command: str, w: Path, out: Path) -> tuple[list[str], dict[str, st
         "eval": ([run], {"--token-ids": str(w / "ids.npy")}),
         "import hf": ([str(w / "hf")], {"-o": str(out / "imported")}),
         "export hf": ([str(w / "hfrun")], {"-o": str(out / "exported")}),
+        "new": ([], {"-o": str(out / "new.yml"), "--layers": "1", "--dim": "32", "--heads": "2", "--vocab": "64",
+                     "--context": "8"}),
     }
     return table.get(command)
 
@@ -285,8 +288,9 @@ def test_hostile_value_is_a_diagnostic(command: str, dest: str, value: str, worl
     given = _hostile_path(value, world) if kind in ("input-file", "plugin", "input-file-or-dir", "output-file",
                                                     "output-dir", "fleet-to-append") else value
     if value == "the-input":  # the output named like the command's own input
-        if not Path(positionals[0]).is_file():
-            pytest.skip(f"{command} reads a directory: no file of it to name as the output")
+        if not positionals or not Path(positionals[0]).is_file():  # (`new` reads nothing)
+            pytest.skip(f"{command} reads {'a directory' if positionals else 'no input'}: no file of it to name as "
+                        f"the output")
         given = positionals[0]
     argv = command.split()
     exclusive = {o for g in COMMANDS[command]._mutually_exclusive_groups if action in g._group_actions

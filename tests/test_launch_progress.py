@@ -74,5 +74,5 @@ def test_a_launch_on_stderr_shows_the_bar(tmp_path: Path, capfd) -> None:
     launch(LaunchConfig(network=str(TINY), fleet=str(fleet), data=str(corpus), steps=4, batch=2, val_every=0,
                         checkpoint_every=4, threads=1, out=tmp_path / "run", replicas=2, progress=True))
     err = capfd.readouterr().err
-    assert "tiny-2l: step 4/4 (100%) loss=" in err and "tok_s=" in err and "eta" in err
+    assert "launch: step 4/4 (100%) loss=" in err and "tok_s=" in err and "eta" in err
     assert "[w0] checkpoint" in err and "@@vgraph-progress" not in err

@@ -124,7 +124,7 @@ def test_two_processes_with_slurm_variables_train_like_vgraph_train(files: Path,
     got = rows(tmp_path / "run")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     shown = (tmp_path / "rank0.log").read_text()  # captured, so the bar prints lines, as `vgraph train`'s does
-    assert f"tiny-std: step {STEPS}/{STEPS} (100%) loss=" in shown and "eta" in shown
+    assert f"launch: step {STEPS}/{STEPS} (100%) loss=" in shown and "eta" in shown
     for key in ("loss", "val_loss"):
         mine = [r[key] for r in got if key in r]
         theirs = [r[key] for r in ref.history if key in r]
@@ -143,3 +143,41 @@ def test_srun_without_a_real_shared_secret_is_refused(files: Path, tmp_path: Pat
     done = subprocess.run([sys.executable, "-m", WORKER, str(job)], env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 3 and TOKEN_ENV in done.stderr and "Traceback" not in done.stderr
+
+
+def test_torchrun_sigterm_makes_rank_0_save_a_checkpoint(files: Path, tmp_path: Path) -> None:
+    """Issue 38 item 7: the printed command carries --max-restarts; SIGTERM to torchrun (as a scheduler's
+    preemption sends it) reaches the workers through torchrun's agent, and they finish the step and rank 0
+    writes its checkpoint, as under `vgraph launch`, instead of dying with the run's steps since the last one."""
+    run, lines = tmp_path / "run", []
+    launch(LaunchConfig(**{**common(files), "steps": 50, "checkpoint_every": 0}, out=run, fleet=str(files / "fleet.yml"),
+                        micro_batches=MICRO, replicas=2, emit_job=tmp_path / "run-job", hold=("w0", 2),
+                        log=lines.append))
+    printed = "\n".join(lines)
+    assert "torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 3 " in printed and "resumes from the latest" in printed
+    cmd = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "3", "--monitor-interval", "0.1",
+           "-m", WORKER, str(tmp_path / "run-job" / "job.json")]
+    log = (tmp_path / "torchrun.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(**{TOKEN_ENV: SECRET}))
+    try:
+        marker = run / "launch" / "held-w0"
+        deadline = time.monotonic() + 180
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()
+            time.sleep(0.05)
+        assert json.loads(marker.read_text())["step"] == 2 and not list(run.glob("step-*"))  # nothing saved yet
+        proc.send_signal(signal.SIGTERM)  # to torchrun only: its agent forwards it to the workers
+        time.sleep(1.0)
+        (run / "launch" / "release").write_text("")  # rank 0 goes on from its held step
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    shown = (tmp_path / "torchrun.log").read_text()
+    assert code != 0, shown  # the job was stopped, not finished
+    saved = sorted(p.name for p in run.glob("step-*"))
+    assert saved == ["step-00000003"], shown  # the step in flight finished, then rank 0 saved it
+    assert load_checkpoint(run / "step-00000003").step == 3
+    assert "stopped by SIGTERM" in shown and "distributed/worker.py" not in shown  # (torchrun prints its own)

@@ -141,7 +141,7 @@ def emitted(tmp_path_factory) -> Path:
                                  steps=3, batch=4, out=d / "run", threads=1, replicas=2, emit_job=d / "jobs",
                                  log=lines.append))
     assert result.step == 0 and result.placement["replicas"] == 2
-    assert any("torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d" in line for line in lines)
+    assert any("torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d" in line for line in lines)
     return d
 
 

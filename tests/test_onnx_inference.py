@@ -203,13 +203,13 @@ def test_generate_refuses_options_of_the_other_backend(trained, argv, message, c
 
 def test_export_onnx_kv_cache_writes_a_decoder_and_refuses_with_loss(tmp_path, capsys) -> None:
     out = tmp_path / "decoder.onnx"
-    assert main(["export-onnx", str(TINY), "--kv-cache", "-o", str(out)]) == 0
+    assert main(["export-onnx", str(TINY), "--kv-cache", "--random-weights", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "past keys and values of 4 attention VNodes" in printed and "sequence 1 to 16" in printed
     model = onnx.load(str(out))
     names = [vi.name for vi in model.graph.input]
     assert "past_key:block0_head0" in names and "loss:in1" not in names
-    assert main(["export-onnx", str(TINY), "--kv-cache", "--with-loss", "-o", str(tmp_path / "x.onnx")]) == 2
+    assert main(["export-onnx", str(TINY), "--kv-cache", "--with-loss", "--random-weights", "-o", str(tmp_path / "x.onnx")]) == 2
     assert "exclude each other" in capsys.readouterr().err and not (tmp_path / "x.onnx").exists()
 
 

@@ -30,7 +30,7 @@ def test_cli_writes_parts_and_placement(tmp_path: Path, capsys):
     fl = FLEETS / "t4x4.yml"
     assert main(["partition", str(NET8), "--fleet", str(fl), "--batch", "16", "--replicas", "1", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "bottleneck:" in printed and "idle PNodes: t4-0" in printed
+    assert "bottleneck:" in printed and "idle PNodes: t4-0" in printed and "a larger --batch" in printed
     placement = json.loads((out / "placement.json").read_text())
     assert {"assignment", "cut_edges", "pnodes", "bottleneck_seconds", "cut_bytes_per_step"} <= set(placement)
     original = load(NET8)

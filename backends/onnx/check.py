@@ -38,7 +38,6 @@ import numpy as np
 import onnx
 
 from vgraph import Graph, VGraphError, verify
-from vgraph.run.files import STATE_JSON
 
 from .lower import expected_param_shapes, input_name, lower_network, network_input_type, value_name
 
@@ -202,7 +201,51 @@ def fp32_graph(graph: Graph) -> Graph:
     return verify(g)
 
 
-def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = None, *,
+@dataclass
+class SavedWeights:
+    """A checkpoint as read for ONNX: its weights (unfused layout), and the network it was trained on when it
+    carries it (every checkpoint `vgraph train` writes does; a bare ``.safetensors`` file does not)."""
+
+    path: Path
+    state: dict
+    network_yaml: str | None = None
+    run: dict = field(default_factory=dict)
+    tokenizer_json: str | None = None
+
+    def network(self) -> Graph:
+        """The network these weights were trained on (a VGraphError when the checkpoint does not carry it)."""
+        from vgraph import loads
+        from vgraph.plugins import naming_missing_plugins
+
+        if not self.network_yaml:
+            raise VGraphError(f"{self.path}: this checkpoint does not carry its network; name the network YAML and "
+                              f"pass the checkpoint with --checkpoint")
+        return naming_missing_plugins(self.run, lambda: loads(self.network_yaml, file=f"{self.path}/network.yml"))
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> SavedWeights:
+    """A checkpoint directory, a run directory (its latest, through the torch backend's one resolver) or a
+    ``.safetensors`` file, read."""
+    from safetensors import SafetensorError
+
+    from vgraph.backends.torch import CheckpointError, load_checkpoint, resolve_checkpoint
+
+    p = Path(path)
+    try:
+        if p.is_file():
+            from safetensors.torch import load_file
+
+            return SavedWeights(p, load_file(os.fspath(p)))
+        if not p.is_dir():
+            raise VGraphError(f"{p}: no such checkpoint file or directory")
+        saved = load_checkpoint(resolve_checkpoint(p))
+    except (CheckpointError, OSError, ValueError, SafetensorError) as exc:
+        raise VGraphError(f"{p}: cannot read checkpoint: {exc}") from None
+    return SavedWeights(saved.path, saved.model_state, saved.extra.get("network_yaml"), saved.extra.get("run") or {},
+                        saved.extra.get("tokenizer_json"))
+
+
+def weights_from_checkpoint(path: str | os.PathLike[str] | SavedWeights, graph: Graph | None = None, *,
                             given: str | None = None) -> dict[str, np.ndarray]:
     """Float32 numpy weights ``"<vnode>.<param>"`` from a checkpoint.
 
@@ -211,45 +254,24 @@ def weights_from_checkpoint(path: str | os.PathLike[str], graph: Graph | None = 
     (``vgraph.run.network_match``; ``given`` names it in the message), so weights
     never silently describe another function.
 
-    ``path`` is a checkpoint directory, a run directory (its ``latest``) or a
-    ``.safetensors`` file.  Checkpoints store the unfused layout; with
+    ``path`` is a checkpoint directory, a run directory (its ``latest``), a
+    ``.safetensors`` file, or what :func:`read_checkpoint` read.  Checkpoints store the unfused layout; with
     ``graph`` given, the weights come back in that graph's layout (a fused
     ``attention`` gets the concatenation of its heads', see ``vgraph.run.layout``).
     """
     import torch
-    from safetensors import SafetensorError
 
-    from vgraph.backends.torch import CheckpointError, checked_tokenizer, latest_checkpoint, load_checkpoint, network_vocab
-
-    p = Path(path)
-    trained_yaml = None
-    try:
-        if p.is_file():
-            from safetensors.torch import load_file
-
-            state = load_file(os.fspath(p))
-        elif p.is_dir():
-            latest = latest_checkpoint(p) if not (p / STATE_JSON).is_file() else None
-            saved = load_checkpoint(latest or p)
-            state = saved.model_state
-            trained_yaml = saved.extra.get("network_yaml")
-        else:
-            raise VGraphError(f"{p}: no such checkpoint file or directory")
-    except (CheckpointError, OSError, ValueError, SafetensorError) as exc:
-        raise VGraphError(f"{p}: cannot read checkpoint: {exc}") from None
-    if graph is not None and trained_yaml:  # the checkpoint says what it was trained on: it must be `graph`
-        from vgraph import loads
-        from vgraph.plugins import naming_missing_plugins
+    saved = path if isinstance(path, SavedWeights) else read_checkpoint(path)
+    if graph is not None and saved.network_yaml:  # the checkpoint says what it was trained on: it must be `graph`
+        from vgraph.backends.torch import checked_tokenizer, network_vocab
         from vgraph.run.network_match import require_match
 
-        run = saved.extra.get("run") or {}
-        trained = naming_missing_plugins(run, lambda: loads(trained_yaml, file=f"{p}/network.yml"))
-        require_match(trained, graph, checkpoint=str(p), given_label=given or f"network {graph.name!r}",
-                      changes=run.get("semantic_changes") or ())
-        tokenizer_json = saved.extra.get("tokenizer_json")
-        if tokenizer_json:  # ids past the vocabulary: a Gather error in onnxruntime otherwise
-            checked_tokenizer(tokenizer_json, network_vocab(trained), str(p))
-    weights = {k: v.detach().to(torch.float32).cpu().numpy() for k, v in state.items()}
+        trained = saved.network()
+        require_match(trained, graph, checkpoint=str(saved.path),
+                      given_label=given or f"network {graph.name!r}", changes=saved.run.get("semantic_changes") or ())
+        if saved.tokenizer_json:  # ids past the vocabulary: a Gather error in onnxruntime otherwise
+            checked_tokenizer(saved.tokenizer_json, network_vocab(trained), str(saved.path))
+    weights = {k: v.detach().to(torch.float32).cpu().numpy() for k, v in saved.state.items()}
     if graph is None or set(expected_param_shapes(graph)) <= set(weights):
         return weights
     from vgraph.run import layout

@@ -1,15 +1,18 @@
 """``vgraph export-onnx`` and ``vgraph check-onnx`` (registered through ``vgraph.commands``).
 
-    vgraph export-onnx FILE [--checkpoint CKPT] [--passes SPEC] [--with-loss | --kv-cache] -o OUT.onnx
-    vgraph check-onnx FILE [--checkpoint CKPT] [--batch B] [--passes SPEC]
+    vgraph export-onnx FILE|RUN [--checkpoint CKPT | --random-weights] [--passes SPEC] [--with-loss | --kv-cache]
+                       -o OUT.onnx
+    vgraph check-onnx FILE|RUN [--checkpoint CKPT] [--batch B] [--passes SPEC]
     vgraph check-onnx [FILE] --ops [TYPE ...]
 
 ``export-onnx`` writes the inference model (``inference.py``): logits, batch
 and sequence dynamic; ``--with-loss`` adds the costs and their targets,
-``--kv-cache`` makes it a decoder with past keys and values.  Without
-``--checkpoint`` the weights are the torch backend's seeded initialisation
-(``--seed``), so an export and a training run of the same seed start from the
-same model.  ``check-onnx`` compares the torch backend and onnxruntime
+``--kv-cache`` makes it a decoder with past keys and values.  The weights are
+a checkpoint's: a run directory (or a checkpoint directory) in place of FILE
+is the network it trained and its latest weights, resolved as ``generate``
+resolves them.  A model with the torch backend's seeded initialisation
+(``--seed``) is asked for with ``--random-weights``, so an export of untrained
+weights is never mistaken for a trained one.  ``check-onnx`` compares the torch backend and onnxruntime
 (``check.py``: realistic weights at several input scales, or the
 checkpoint's; the inference export and its KV cache, ``inference_check.py``);
 with ``--ops`` each op type alone (``op_check.py``).  It exits 0 when every
@@ -37,7 +40,8 @@ def _common(p: argparse.ArgumentParser, *, file_optional: bool = False) -> None:
     from vgraph.cli.main import add_plugin_option
 
     p.add_argument("file", metavar="FILE", type=options.network_file, nargs="?" if file_optional else None,
-                   help="network YAML or a shipped network's name" + (
+                   help="network YAML or a shipped network's name, or a run directory (its network and latest "
+                        "checkpoint)" + (
                        " (with --ops: optional, adds the configs its VNodes have)" if file_optional else ""))
     p.add_argument("--checkpoint", metavar="CKPT", type=options.path,
                    help="vgraph checkpoint directory, run directory or model .safetensors file")
@@ -49,11 +53,15 @@ def _common(p: argparse.ArgumentParser, *, file_optional: bool = False) -> None:
 
 
 def register_export(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("export-onnx", help="write the network's inference model as ONNX (float32 logits; "
-                                                  "batch and sequence dynamic)",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser("export-onnx", help="write a trained network's inference model as ONNX (float32 "
+                                                  "logits; batch and sequence dynamic)",
+                              description="Write the inference model of a trained network (a run directory, or "
+                                          "FILE with --checkpoint) as ONNX: float32 logits, batch and sequence "
+                                          "dynamic; --kv-cache for a decoder with past keys and values.")
     _common(p)
     p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", type=options.path)
+    p.add_argument("--random-weights", action="store_true",
+                   help="export the torch backend's seeded initialisation (--seed) instead of trained weights")
     p.add_argument("--no-weights", action="store_true",
                    help="make the parameters named graph inputs instead of storing them")
     p.add_argument("--with-loss", action="store_true",
@@ -83,9 +91,23 @@ def register_check(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _graph(args: argparse.Namespace):
+    """FILE's network, or a run's: a directory in place of FILE is a run (or checkpoint) directory, whose
+    network is the one it trained and whose latest weights become ``args.saved``."""
     import vgraph
 
-    graph = vgraph.load(args.file)  # plugins are loaded: `vgraph.cli.main.run_parser` does it for every command
+    from .check import read_checkpoint
+
+    args.saved = None
+    if os.path.isdir(args.file):
+        if args.checkpoint:
+            raise VGraphError(f"{args.file} is a run directory, which names its own checkpoint: leave out "
+                              f"--checkpoint (or name the network YAML instead of the run)")
+        args.saved = read_checkpoint(args.file)
+        graph = args.saved.network()
+    else:
+        graph = vgraph.load(args.file)  # plugins are loaded: `vgraph.cli.main.run_parser` does it for every command
+        if args.checkpoint:
+            args.saved = read_checkpoint(args.checkpoint)
     if args.passes:
         from vgraph.transform.pipeline import run_pipeline
 
@@ -96,9 +118,21 @@ def _graph(args: argparse.Namespace):
 def _weights(args: argparse.Namespace, graph):
     from .check import initial_weights, weights_from_checkpoint
 
-    if args.checkpoint:
-        return weights_from_checkpoint(args.checkpoint, graph, given=args.file)
+    if args.saved is not None:
+        return weights_from_checkpoint(args.saved, graph, given=args.file)
     return initial_weights(graph, args.seed)
+
+
+def _refuse_unweighted(args: argparse.Namespace) -> None:
+    """An export without trained weights must be asked for: its 'wrote ... parameters' reads like a real one."""
+    trained = args.checkpoint or os.path.isdir(args.file)
+    if args.random_weights and (trained or args.no_weights):
+        raise VGraphError(f"--random-weights excludes {'--no-weights' if args.no_weights else 'trained weights'}"
+                          f" ({'--no-weights' if args.no_weights else args.checkpoint or args.file}): give one")
+    if not (trained or args.no_weights or args.random_weights):
+        raise VGraphError(f"export-onnx {args.file}: no trained weights given: pass --checkpoint CKPT (or a run "
+                          f"directory in place of the network) to export trained weights, or --random-weights "
+                          f"to export the seeded initialisation (--seed)")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -111,7 +145,8 @@ def _export(args: argparse.Namespace) -> int:
     if args.with_loss and args.kv_cache:
         raise VGraphError("--with-loss and --kv-cache exclude each other: a decoder returns logits only")
     out = check_output(args.output, inputs=(args.file, args.checkpoint, *args.plugin))
-    graph = fp32_graph(_graph(args))
+    graph = fp32_graph(_graph(args))  # FILE read first: a missing or broken one is the first thing to say
+    _refuse_unweighted(args)
     weights = None if args.no_weights else _weights(args, graph)
     model = lower_inference(graph, weights, with_loss=args.with_loss, kv_cache=args.kv_cache)
     model = onnx.shape_inference.infer_shapes(model)  # value shapes for viewers such as Netron
@@ -125,7 +160,9 @@ def _export(args: argparse.Namespace) -> int:
     params = sum(_numel(t.dims) for t in model.graph.initializer if t.name in keys)
     data = f", tensors in {out.name}.data" if external else ""
     print(f"wrote {out}: {len(model.graph.node)} ONNX nodes from {len(graph)} VNodes, {params:,} parameters"
-          f"{' (as graph inputs)' if weights is None else ''}{data}; opset {model.opset_import[0].version}, "
+          f"{' (as graph inputs)' if weights is None else ''}"
+          f"{f' (random: seeded initialisation, seed {args.seed}, not trained)' if args.random_weights else ''}"
+          f"{data}; opset {model.opset_import[0].version}, "
           f"float32; {SEQUENCE_DIM} 1 to {context_length(graph)}")
     inputs = [v for v in model.graph.input if v.name not in keys]
     print("inputs:  " + ", ".join(_describe(v) for v in inputs if not v.name.startswith("past_"))
@@ -187,7 +224,7 @@ def _check(args: argparse.Namespace) -> int:
 def weights_from_checkpoint_of(args: argparse.Namespace, graph):
     from .check import weights_from_checkpoint
 
-    return weights_from_checkpoint(args.checkpoint, graph, given=args.file) if args.checkpoint else None
+    return weights_from_checkpoint(args.saved, graph, given=args.file) if args.saved is not None else None
 
 
 def _check_ops(args: argparse.Namespace) -> int:

@@ -14,8 +14,9 @@
 * `graph_breaks.py`: torch.compile graph breaks of a training step (one graph per step).
 * `to_graph_layout` / `to_unfused_layout`: move weights between fused and unfused graphs.
 * `estimate_training_memory` / `check_memory` (memory.py): refuse what cannot fit.
-* `load_checkpoint` / `latest_checkpoint` / `CheckpointError` (checkpoint.py): read a run's weights
-  (the ONNX backend's `check-onnx` does; other backends use this API, never the modules behind it);
+* `load_checkpoint` / `latest_checkpoint` / `resolve_checkpoint` / `CheckpointError` (checkpoint.py): read a
+  run's weights (`resolve_checkpoint`: a checkpoint or a run directory, its latest) (the ONNX backend's
+  `check-onnx` does; other backends use this API, never the modules behind it);
   `save_checkpoint` / `capture_rng_state`: write one (`vgraph import hf` writes a run's step 0).
 * `load_model` / `CausalLM` (model_api.py): a run or checkpoint as `forward(input_ids [B, T]) -> logits
   [B, T, vocab]`, in eval mode; `vgraph eval` scores token ids with it.
@@ -23,7 +24,7 @@
 from __future__ import annotations
 
 from .checkpoint import (CheckpointError, capture_rng_state, checked_tokenizer, latest_checkpoint, load_checkpoint,
-                         network_vocab, save_checkpoint)
+                         network_vocab, resolve_checkpoint, save_checkpoint)
 from .interpreter import interpret
 from .lower import (VGraphModule, compile_network, compute_dtype, feed_name, init_state, to_graph_layout,
                     to_unfused_layout)
@@ -38,5 +39,5 @@ __all__ = [
     "MemoryRefused", "check_memory", "estimate_training_memory", "TrainConfig", "TrainResult",
     "TrainingError", "train", "load_trained", "prepare_graph", "CheckpointError", "latest_checkpoint",
     "load_checkpoint", "checked_tokenizer", "network_vocab", "save_checkpoint", "capture_rng_state", "CausalLM",
-    "load_model",
+    "load_model", "resolve_checkpoint",
 ]

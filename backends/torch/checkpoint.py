@@ -54,7 +54,7 @@ from vgraph.base.diagnostics import VGraphError, printable, quote
 from vgraph.base.jsonio import loads
 from vgraph.base.numbers import NumberError, checked_number
 from vgraph.base.safeio import atomic_write, atomic_write_with, read_json
-from vgraph.run.files import LATEST, MAX_STEP, MODEL_FILE as MODEL, STATE_JSON
+from vgraph.run.files import LATEST, MAX_STEP, MODEL_FILE as MODEL, RUN_JSON, STATE_JSON
 
 try:  # numpy is optional; only needed to (de)serialise numpy RNG state.
     import numpy as np
@@ -69,6 +69,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "resolve_checkpoint",
     "capture_rng_state",
     "restore_rng_state",
     "LATEST_POINTER",
@@ -298,6 +299,25 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     if not (target / STATE_JSON_FILE).is_file():
         raise CheckpointError(f"{pointer} points to {target}, which is not a complete checkpoint")
     return target
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint a user named: a checkpoint directory itself, or a run directory's latest.
+
+    The one resolver of every command that reads a trained run (`generate`, `export-onnx`, `check-onnx`),
+    so each takes a run directory wherever it takes a checkpoint, and says the same when there is none."""
+    target = Path(path)
+    if not target.exists():
+        raise CheckpointError(f"{target}: no such checkpoint or run directory")
+    if not target.is_dir() or (target / STATE_JSON_FILE).is_file():
+        return target
+    latest = latest_checkpoint(target)
+    if latest is not None:
+        return latest
+    if (target / RUN_JSON).is_file():
+        raise CheckpointError(f"{target}: this run has no checkpoint yet (train it, or --resume it, first)")
+    raise CheckpointError(f"{target}: neither a checkpoint (no {STATE_JSON_FILE}) nor a run directory "
+                          f"(no {LATEST_POINTER})")
 
 
 def capture_rng_state() -> dict[str, Any]:

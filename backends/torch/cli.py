@@ -18,6 +18,7 @@ from typing import Sequence
 
 from vgraph.base import options
 from vgraph.base.diagnostics import Diagnostic, VGraphError
+from vgraph.cli.common import command_line, remember_parser
 from vgraph.cli.main import add_plugin_option
 
 
@@ -70,6 +71,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-every", type=_positive_int, metavar="N",
                    help="read the loss back every N steps (default: 1 on CPU, 10 on GPU)")
     p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM", help="clip the global gradient norm")
+    add_optimizer_options(p)
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N",
                    help="size cap of the embedded corpus")
     p.add_argument("--memory-limit", type=_bytes, metavar="SIZE",
@@ -79,6 +81,7 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
     add_tensorboard_option(p)
     add_plugin_option(p)
     p.set_defaults(func=run_train)
+    remember_parser(p)
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -92,13 +95,25 @@ def run_train(args: argparse.Namespace) -> int:
         fuse=not args.no_fuse, val_every=args.val_every,
         val_batches=args.val_batches, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
-        log_every=args.log_every, grad_clip=args.grad_clip,
+        log_every=args.log_every, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
+        grad_accum=args.grad_accum,
         corpus_bytes=args.corpus_bytes or DEFAULT_CORPUS_MAX_BYTES, memory_limit=args.memory_limit,
-        compile=args.compile, progress=not args.quiet, tensorboard=not args.no_tensorboard)
+        compile=args.compile, progress=not args.quiet, tensorboard=not args.no_tensorboard,
+        continue_command=resume_command(args))
     result = train(config)
     skipped = f"{result.skipped_steps} steps skipped by the loss scaler" if result.skipped_steps else None
     print_result(result, skipped)
     return 0
+
+
+def resume_command(args: argparse.Namespace):
+    """The exact command that continues a stopped `train`/`launch` run: this one, with the run directory as
+    --out and --resume (a changed network, once accepted, is the checkpoint's: --accept-network-change is
+    not repeated)."""
+    if getattr(args, "command_parser", None) is None:
+        return None
+    return lambda run_dir: command_line(args, override={"out": str(run_dir), "resume": True},
+                                        drop={"accept_network_change", "emit_job"})
 
 
 def print_result(result, *extra: str | None) -> None:
@@ -112,6 +127,17 @@ def print_result(result, *extra: str | None) -> None:
     print(f"{result.run_dir}: {', '.join(parts)}; checkpoint {result.checkpoint}")
     print(f"report: vgraph report {shlex.quote(str(result.run_dir))} -o "
           f"{shlex.quote(str(Path(result.run_dir) / 'report.html'))}")
+
+
+def add_optimizer_options(p: argparse.ArgumentParser) -> None:
+    """`--weight-decay` and `--grad-accum` (`vgraph train`, `vgraph launch`); both default to what a run did
+    before they existed, so runs stay comparable."""
+    p.add_argument("--weight-decay", type=options.non_negative_float, default=0.0, metavar="WD",
+                   help="decoupled weight decay (AdamW) of the matrices and embeddings of Adam nodes; a node's own "
+                        "weight_decay wins (default 0: Adam)")
+    p.add_argument("--grad-accum", type=_positive_int, default=1, metavar="K",
+                   help="gradient accumulation: K micro-batches of --batch per optimizer step, the step of a "
+                        "batch K x --batch (default 1)")
 
 
 def add_tensorboard_option(p: argparse.ArgumentParser) -> None:

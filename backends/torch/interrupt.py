@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -35,10 +36,16 @@ class Interrupted(VGraphError):
 class StopRequest:
     """The flag a training loop polls once per step (`requested`), set by the first signal."""
 
-    def __init__(self, say: Callable[[str], None], on_request: Callable[[], None] | None = None) -> None:
+    def __init__(self, say: Callable[[str], None], on_request: Callable[[], None] | None = None, *,
+                 echo_s: float = 0.0) -> None:
         self.say = say
         self.signum: int | None = None
         self.on_request = on_request  # called once, at the first signal (vgraph launch: tell the workers)
+        # A worker under torchrun or srun gets one stop twice: Ctrl-C reaches the whole process group and the
+        # agent forwards it again; a preempted SLURM job signals every process and srun forwards it. A second
+        # signal within `echo_s` of the first is that echo, not a second request.
+        self.echo_s = echo_s
+        self._first_at = 0.0
 
     @property
     def requested(self) -> bool:
@@ -46,9 +53,12 @@ class StopRequest:
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None:
+            if time.monotonic() - self._first_at < self.echo_s:
+                return
             self.say("second interrupt: stopping now, without a checkpoint")
             raise KeyboardInterrupt
         self.signum = signum
+        self._first_at = time.monotonic()
         self.say(f"{signal.Signals(signum).name}: finishing this step and writing a checkpoint "
                  f"(interrupt again to stop at once)")
         if self.on_request is not None:

@@ -170,7 +170,7 @@ def estimate_training_memory(graph: Graph, batch: int, *, compute_dtype: torch.d
         kind = (optimizers or {}).get(node.id) or cfg.get("optimizer") or "adam"
         if train and numel and kind != "none":
             grads += 4 * numel
-            opt_state += 8 * numel if kind == "adam" else 0
+            opt_state += 8 * numel if kind in ("adam", "adamw") else 0
         if node.type == "broadcast":
             continue
         kept_before = saved

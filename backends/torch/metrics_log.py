@@ -176,7 +176,10 @@ def step_rows(pending: list[PendingLoss], losses: list[float], base_lr: float, t
 
 def progress_bar(total: int, initial: int, name: str, enabled: bool):
     """The tqdm bar on a terminal; progress lines (`LineProgress`) when stderr is captured (a log, CI, tools/
-    main.sh), where a bar redrawn with carriage returns shows nothing until the end; disabled under --quiet."""
+    main.sh), where a bar redrawn with carriage returns shows nothing until the end; disabled under --quiet.
+
+    `name` prefixes every line: the command (`train`, `launch`), not the network, whose name (46 characters
+    for a production one) the run's first line states once."""
     from tqdm import tqdm
 
     if enabled and not sys.stderr.isatty():
@@ -186,8 +189,9 @@ def progress_bar(total: int, initial: int, name: str, enabled: bool):
 
 
 class LineProgress:
-    """The progress bar's interface, printing one line at the first step, then every `every` steps and at the
-    last: `name: step 40/160 (25%) loss=5.1 tok_s=2,890 lr=6.00e-04, 1m02s elapsed, eta 3m06s`."""
+    """The progress bar's interface, printing one line at the first step, then every `every` steps, at every
+    new validation loss (`val=`, shown when it is computed, not at the next tenth step) and at the last:
+    `train: step 40/160 (25%) loss=5.1 tok_s=2,890 lr=6.00e-04 val=5.3, 1m02s elapsed, eta 3m06s`."""
 
     def __init__(self, total: int, initial: int, name: str, every: int = 10) -> None:
         import time
@@ -195,6 +199,7 @@ class LineProgress:
         self.total, self.n, self.name, self.every = total, initial, name, every
         self.start, self.started_at = initial, time.perf_counter()
         self.printed = initial if initial else -every  # the first step is always shown
+        self.shown_val: str | None = None  # the validation loss of the last line
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -203,8 +208,10 @@ class LineProgress:
         """Called after each `update` with the step's figures: the moment a line may be due."""
         import time
 
-        if self.n - self.printed < self.every and self.n not in (self.total, self.start + 1):
+        new_val = values.get("val") is not None and values.get("val") != self.shown_val
+        if self.n - self.printed < self.every and self.n not in (self.total, self.start + 1) and not new_val:
             return
+        self.shown_val = values.get("val", self.shown_val)
         elapsed = time.perf_counter() - self.started_at
         done = self.n - self.start
         eta = elapsed / done * (self.total - self.n) if done else 0.0

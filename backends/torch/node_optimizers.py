@@ -1,8 +1,9 @@
 """The per-VNode optimizers of a network and the learning-rate schedule they follow.
 
 * **Per-VNode optimizers**: every trainable VNode is optimised as its config
-  says (`optimizer`: adam (default) | sgd | none; `learning_rate` overrides
-  `--lr`); a tied weight is its publisher's.  Adam and SGD are elementwise
+  says (`optimizer`: adam (default) | adamw | sgd | none; `learning_rate` overrides
+  `--lr`; `weight_decay`, else --weight-decay, decays its matrices AdamW's way); a tied weight is its
+  publisher's.  Adam and SGD are elementwise
   per parameter, so VNodes with equal settings share one torch optimizer
   (one param group per learning rate): the math is per VNode, the cost per
   step is that of a hand-written model's single optimizer.
@@ -38,12 +39,25 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     return 1.0
 
 
-def make_adam(groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-    """Adam, fused when this torch supports it for these tensors (one kernel per step)."""
+def make_adam(groups: list[dict[str, Any]], kind: str = "adam") -> torch.optim.Optimizer:
+    """Adam (or AdamW: decoupled weight decay, each group its `weight_decay`), fused when this torch supports
+    it for these tensors (one kernel per step)."""
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
     try:
-        return torch.optim.Adam(groups, fused=True)
+        return cls(groups, fused=True)
     except (RuntimeError, ValueError, TypeError):
-        return torch.optim.Adam(groups, foreach=True)
+        return cls(groups, foreach=True)
+
+
+def _node_decay(cfg: Mapping[str, Any], kind: str, run_decay: float) -> float:
+    """A node's decoupled weight decay: its own `weight_decay`, else the run's (--weight-decay) for Adam and
+    AdamW nodes; an `adamw` node without either decays by AdamW's customary 0.01."""
+    own = cfg.get("weight_decay")
+    if own is not None:
+        return float(own)
+    if kind == "adamw" and not run_decay:
+        return 0.01
+    return float(run_decay) if kind in ("adam", "adamw") else 0.0
 
 
 class NodeOptimizers:
@@ -54,25 +68,30 @@ class NodeOptimizers:
     publisher's, which owns the weight), times the schedule's current factor.
     """
 
-    KINDS = ("adam", "sgd", "none")
+    KINDS = ("adam", "adamw", "sgd", "none")
 
-    def __init__(self, module: VGraphModule, base_lr: float) -> None:
+    def __init__(self, module: VGraphModule, base_lr: float, weight_decay: float = 0.0) -> None:
         graph = module.network
         self.module = module
         self.base_lr: dict[str, float] = {}
         self.key_of: dict[torch.nn.Parameter, str] = {}
-        buckets: dict[tuple[str, float], list[torch.nn.Parameter]] = {}
+        buckets: dict[tuple[str, float, float], list[torch.nn.Parameter]] = {}
         for node in graph.topo_order():
             params = module.node_parameters(node.id)
             lr = float(node.cfg.get("learning_rate") or base_lr)
             self.base_lr[node.id] = lr
             kind = node.cfg.get("optimizer") or "adam"
+            decay = _node_decay(node.cfg, kind, weight_decay)
             for pname, param in params.items():
                 self.key_of[param] = f"{node.id}.{pname}"
                 if kind == "none":
                     param.requires_grad_(False)
                 else:
-                    buckets.setdefault((kind, lr), []).append(param)
+                    # Decay on matrices and embeddings only, as nanoGPT and most trainers: not on biases and
+                    # norm scales, whose pull to zero is no regularisation.  Adam with no decay is Adam.
+                    wd = decay if param.dim() >= 2 else 0.0
+                    kind_of = ("adamw" if wd > 0 else "adam") if kind in ("adam", "adamw") else kind
+                    buckets.setdefault((kind_of, lr, wd), []).append(param)
         publishers = graph.publishers()
         for node in graph.nodes:  # a tied node trains with its publisher's optimizer
             tied = node.op.tied(node.cfg)
@@ -81,10 +100,11 @@ class NodeOptimizers:
                 if alias in publishers:
                     self.base_lr[node.id] = self.base_lr[publishers[alias].id]
         self.optimizers: list[torch.optim.Optimizer] = []
-        for kind in ("adam", "sgd"):
-            groups = [{"params": ps, "lr": lr, "base_lr": lr} for (k, lr), ps in buckets.items() if k == kind]
+        for kind in ("adam", "adamw", "sgd"):
+            groups = [{"params": ps, "lr": lr, "base_lr": lr, **({"weight_decay": wd} if k == "adamw" else {})}
+                      for (k, lr, wd), ps in buckets.items() if k == kind]
             if groups:
-                self.optimizers.append(make_adam(groups) if kind == "adam" else torch.optim.SGD(groups))
+                self.optimizers.append(make_adam(groups, kind) if kind != "sgd" else torch.optim.SGD(groups))
         self.factor = 1.0
         self.trainable = [p for ps in buckets.values() for p in ps]
 

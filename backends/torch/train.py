@@ -155,7 +155,7 @@ def _set_up(cfg: TrainConfig, say: Callable[[str], None]) -> _Run:
         seed_everything(cfg.seed)
         module = compile_network(graph, device=device, train=True, seed=cfg.seed)
         state = TrainingState(
-            module, NodeOptimizers(module, cfg.lr),
+            module, NodeOptimizers(module, cfg.lr, cfg.weight_decay),
             torch.amp.GradScaler(device.type, init_scale=cfg.initial_loss_scale, enabled=setup.loss_scaling))
         details.append(f"{sum(p.numel() for p in module.parameters()):,} parameters on {device}")
     tokenizer_json = setup.data.tokenizer.to_str()
@@ -200,7 +200,7 @@ def _loop(run: _Run, result: TrainResult, say: Callable[[str], None]) -> TrainRe
     dataset = setup.data.dataset  # step s reads the samples (seed, s) names: nothing to checkpoint (data.py)
     is_accel = device.type != "cpu"
     log_every = cfg.log_every or (10 if is_accel else 1)
-    bar = progress_bar(cfg.steps, run.start_step, setup.source.name, cfg.progress)
+    bar = progress_bar(cfg.steps, run.start_step, "train", cfg.progress)
     say = (lambda msg: bar.write(msg, file=sys.stderr)) if cfg.progress else say
     say(run_banner(setup, module))
     sync = _SyncPoint(run, bar)
@@ -210,14 +210,15 @@ def _loop(run: _Run, result: TrainResult, say: Callable[[str], None]) -> TrainRe
     try:
         for step in range(run.start_step + 1, cfg.steps + 1):
             # -- the step: forward + backward; at a sync point the losses are checked before the update
-            inputs, targets = dataset.batch(step, cfg.batch)
+            inputs, targets = dataset.batch(step, cfg.batch * cfg.grad_accum)  # --grad-accum K: K x --batch
             if is_accel:
                 inputs = inputs.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
             optimizers.set_factor(lr_factor(step, cfg))
             set_dropout_key(cfg.seed, step)  # masks keyed by (seed, step, VNode, sample): dropout.py
             run.tensor_peak.begin_step()
-            out, loss = run.trainer.forward_backward(inputs, targets)
+            out, loss = run.trainer.forward_backward(inputs, targets, accumulate=cfg.grad_accum,
+                                                     dropout_key=lambda offset: set_dropout_key(cfg.seed, step, offset))
             sync.pending.append((step, loss, optimizers.factor))
 
             validate = cfg.val_every > 0 and (step % cfg.val_every == 0 or step == cfg.steps)
@@ -258,9 +259,10 @@ def _loop(run: _Run, result: TrainResult, say: Callable[[str], None]) -> TrainRe
     result.skipped_steps = run.loss_check.skipped_steps
     result.history = run.log.rows
     if stop.requested:
+        how = (cfg.continue_command(run.dir) if cfg.continue_command is not None else
+               f"vgraph train {cfg.network} --out {run.dir} --resume (and the same options)")
         raise stop.interrupted(f"{run.dir}: stopped at step {step} of {cfg.steps}; checkpoint {result.checkpoint}. "
-                               f"Continue with: vgraph train {cfg.network} --out {run.dir} --resume "
-                               f"(and the same options)")
+                               f"Continue with: {how}")
     return result
 
 
@@ -283,7 +285,7 @@ class _SyncPoint:
                                             max_batches=cfg.val_batches, device=run.setup.device, amp=run.amp,
                                             costs=run.costs, token_feeds=run.token_feeds,
                                             target_feeds=run.target_feeds)
-        tokens = cfg.batch * run.setup.seq_len * len(self.pending)
+        tokens = cfg.batch * cfg.grad_accum * run.setup.seq_len * len(self.pending)
         rows = step_rows(self.pending, values, cfg.lr, tokens / max(now - self.last_flush, 1e-9),
                          now - self.start_time)
         rows[-1].update(extras)
@@ -294,8 +296,9 @@ class _SyncPoint:
             rows[-1]["val_loss"] = self.last_val
         run.log.append(rows)
         self.bar.update(len(self.pending))
+        shown = {"val": f"{self.last_val:.4f}"} if self.last_val is not None else {}  # kept until the next one
         self.bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{rows[-1]['tokens_per_s']:,.0f}",
-                             lr=f"{rows[-1]['lr']:.2e}", refresh=False)
+                             lr=f"{rows[-1]['lr']:.2e}", **shown, refresh=False)
         self.pending.clear()
         self.last_flush = time.perf_counter()
         return values[-1]
@@ -314,12 +317,11 @@ def load_trained(path: str | Path, *, device: str | None = None, fuse: bool = Tr
     The tokenizer is None for a checkpoint without one (`vgraph import hf` of
     a model directory without tokenizer.json): such a model reads token ids.
     """
-    target = Path(path)
-    if not target.exists():
-        raise VGraphError(f"{target}: no such checkpoint or run directory")
     try:
-        if (target / ckpt.LATEST_POINTER).is_file():
-            target = ckpt.latest_checkpoint(target) or target
+        target = ckpt.resolve_checkpoint(path)
+    except ckpt.CheckpointError as exc:
+        raise VGraphError(str(exc)) from None
+    try:
         state = ckpt.load_checkpoint(target, map_location="cpu")
     except ckpt.CheckpointError as exc:
         raise VGraphError(f"{path}: {exc}") from None

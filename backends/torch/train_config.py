@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.ir.graph import Graph
@@ -50,6 +50,8 @@ class TrainConfig:
     threads: int | None = None
     log_every: int | None = None  # default: every step on CPU, every 10 on an accelerator
     grad_clip: float | None = None
+    weight_decay: float = 0.0  # decoupled (AdamW) decay of Adam nodes' matrices; 0: plain Adam, as before
+    grad_accum: int = 1  # micro-batches of `batch` per optimizer step: the step trains grad_accum x batch samples
     corpus_bytes: int = D.DEFAULT_CORPUS_MAX_BYTES
     memory_limit: int | None = None
     compile: bool = False
@@ -58,6 +60,9 @@ class TrainConfig:
     max_skipped_steps: int = 50
     cache_dir: str | Path | None = None  # the corpus cache (vgraph/data/cache.py); default $VGRAPH_CACHE_DIR, XDG
     tensorboard: bool = True  # event files in the run directory (tensorboard_log.py)
+    # The command that continues this run from its run directory (the CLI's own, as typed: vgraph.cli.common.
+    # command_line); None: a library caller, told the network and --out only.
+    continue_command: Callable[[Path], str] | None = None
 
 
 @dataclass

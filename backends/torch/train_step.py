@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Callable, Any, Mapping
 
 import torch
 
@@ -49,14 +49,37 @@ class TrainStep:
         self.amp = amp
         self.grad_clip = grad_clip
 
-    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, *, accumulate: int = 1,
+                         dropout_key: Callable[[int], None] | None = None
                          ) -> tuple[Mapping[str, torch.Tensor], torch.Tensor]:
-        """(the program's outputs, the summed loss, detached); the gradients are accumulated (scaled)."""
+        """(the program's outputs, the summed loss, detached); the gradients are accumulated (scaled).
+
+        With `accumulate` K > 1 the batch is K micro-batches run one after the other (gradient accumulation:
+        the memory of one micro-batch, the step of the whole batch).  A cost is a mean over its positions and
+        every sample is a full window, so each micro-batch's loss weighs 1/K and the gradients sum to the
+        whole batch's; `dropout_key(offset)` keys the masks by the sample's index in the whole batch, so the
+        step draws the masks the whole batch would.  Outputs are the last micro-batch's."""
+        if accumulate == 1:
+            return self._forward_backward(inputs, targets, 1.0)
+        total = 0.0
+        size = inputs.shape[0] // accumulate
+        for m in range(accumulate):
+            if dropout_key is not None:
+                dropout_key(m * size)
+            part = slice(m * size, (m + 1) * size)
+            out, loss = self._forward_backward(inputs[part], targets[part], 1.0 / accumulate)
+            total = total + loss
+        return out, total
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor, weight: float
+                          ) -> tuple[Mapping[str, torch.Tensor], torch.Tensor]:
         with self.amp:
             out = self.forward(*[inputs if is_tokens else targets for is_tokens in self.feed_is_tokens])
         loss = out[self.costs[0]]
         for name in self.costs[1:]:
             loss = loss + out[name]
+        if weight != 1.0:
+            loss = loss * weight
         self.scaler.scale(loss).backward()
         return out, loss.detach()
 

@@ -254,6 +254,9 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
                 "vocab_size": vocab,
                 "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "precision": precision,
                 "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
+                # recorded when set: a run with the defaults writes what it wrote before they existed
+                **({"weight_decay": cfg.weight_decay} if cfg.weight_decay else {}),
+                **({"grad_accum": cfg.grad_accum} if cfg.grad_accum != 1 else {}),
                 "semantic_changes": changes, "network_fingerprint": fingerprint(graph),
                 "plugins": loaded_files(),  # named (never loaded) when a later command lacks them
                 "plugin_distributions": plugin_distributions(source, graph),  # likewise, by package

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from vgraph.base.diagnostics import VGraphError, printable
 
-__all__ = ["KINDS", "shipped", "resolve", "is_bare_name"]
+__all__ = ["KINDS", "shipped", "resolve", "is_bare_name", "typed_name"]
 
 PACKAGE = "vgraph.networks"
 KINDS = {"network": ".", "fleet": "fleets"}  # kind -> folder inside the package
@@ -62,3 +62,12 @@ def resolve(text: str, kind: str) -> str:
     choices = ", ".join(found) or "none are installed"
     raise VGraphError(f"{printable(text)}: no such file, and no {kind} of that name ships with vgraph "
                       f"(shipped {kind}s: {choices}; `vgraph networks` lists them)")
+
+
+def typed_name(path: str, kind: str) -> str:
+    """What a user types for the file `resolve` gave: a shipped `kind`'s bare name, unless a local entry of
+    that name would win over it (then the path itself); any other path unchanged."""
+    for name, file in shipped(kind).items():
+        if os.path.realpath(path) == os.path.realpath(file):
+            return name if not any(os.path.lexists(name + s) for s in ("", *_SUFFIXES)) else path
+    return path

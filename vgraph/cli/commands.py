@@ -360,3 +360,63 @@ def _report(args: argparse.Namespace) -> int:
     steps = f"{len(rec.rows)} logged step(s)"
     print(f"wrote {printable(str(out))} ({rec.command} run, {steps}{'; ' + printable(why) if why else ''})")
     return 0
+
+
+@command("new")
+def _new_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("new", help="write a network YAML from a few numbers, in the production networks' shape",
+                       description="Write a decoder-only transformer as network YAML, shaped like the shipped "
+                                   "networks (one VNode per attention head, RoPE, colocation groups per block, tied "
+                                   "embedding and SwiGLU LM head, dropout, per-VNode Adam), from its sizes.")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.yml", type=options.path)
+    p.add_argument("--name", help="the network's name (default: the output file's stem)")
+    p.add_argument("--layers", type=options.positive_int, default=6, help="transformer blocks (default 6)")
+    p.add_argument("--dim", type=options.positive_int, default=512, help="model width (default 512)")
+    p.add_argument("--heads", type=options.positive_int, default=8, help="attention heads, each dim/heads wide "
+                                                                         "(default 8)")
+    p.add_argument("--kv-heads", type=options.positive_int,
+                   help="K/V heads for grouped-query attention, each shared by heads/kv-heads query heads (a "
+                        "kv_head VNode per group; default: every head its own K and V)")
+    p.add_argument("--vocab", type=options.positive_int, default=10000, help="vocabulary size (default 10000)")
+    p.add_argument("--context", type=options.positive_int, default=128, help="sequence length (default 128)")
+    p.add_argument("--ffn", type=options.positive_int, help="FFN width (default 4 x dim)")
+    p.add_argument("--ffn-kind", choices=("gelu", "swiglu"), default="gelu",
+                   help="gelu: dim -> ffn -> dim (default, as the shipped networks); swiglu: dim -> ffn -> ffn/2 "
+                        "gated -> dim")
+    p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default="fp16",
+                   help="the network's precision policy (default fp16, as the shipped networks)")
+    p.add_argument("--dropout", type=options.non_negative_float, default=0.1, help="dropout rate (default 0.1)")
+    p.set_defaults(func=_new)
+
+
+#: Beyond these a network is not one to write by accident (a typo's extra digits): the YAML alone would be
+#: gigabytes, or the weights of one matrix would not fit any machine.
+_NEW_LIMITS = {"layers": 4096, "dim": 65536, "heads": 4096, "kv_heads": 4096, "vocab": 2**31 - 1, "context": 2**24, "ffn": 2**20}
+
+
+def _new(args: argparse.Namespace) -> int:
+    from vgraph.base.safeio import atomic_write, check_output
+    from vgraph.cost.analyze import analyze
+    from vgraph.ir.transformer import TransformerSpec, check_spec, transformer
+    from vgraph.yamlio import dumps
+
+    over = [f"--{k} {getattr(args, k)} is over {v:,}" for k, v in _NEW_LIMITS.items()
+            if getattr(args, k) is not None and getattr(args, k) > v]
+    if over:
+        raise VGraphError("; ".join(over))
+    out = check_output(args.output)
+    name = args.name if args.name is not None else Path(args.output).stem
+    if not name or not name.isprintable() or len(name) > 200:
+        raise VGraphError(f"--name {printable(name)!r}: give a printable name of 1 to 200 characters")
+    spec = TransformerSpec(name, layers=args.layers, vocab=args.vocab, seq_len=args.context, dim=args.dim,
+                           heads=args.heads, ffn=args.ffn or 4 * args.dim, head_up=8 * args.dim,
+                           dropout=args.dropout, precision=None if args.precision == "fp32" else args.precision,
+                           ffn_kind=args.ffn_kind, kv_heads=args.kv_heads)
+    check_spec(spec)
+    graph = transformer(spec)
+    atomic_write(out, dumps(graph))
+    params = analyze(graph).params
+    print(f"wrote {printable(str(out))}: network {name!r}, {len(graph)} VNodes, {params:,} parameters "
+          f"({args.layers} x {args.heads} heads of {args.dim // args.heads}, context {args.context}, vocab "
+          f"{args.vocab}, {args.ffn_kind} FFN {spec.ffn}, {args.precision})")
+    return 0

@@ -42,8 +42,11 @@ def build_parser(wanted: str | None = None) -> argparse.ArgumentParser:
             register = plugin.load()
             guarded(plugin.who, "while adding its command", lambda: register(sub))
         else:
-            # Listed without importing it (backends import torch): its own -h has the details.
-            sub.add_parser(plugin.name, help=f"[{plugin.distribution}] see 'vgraph {plugin.name} -h'",
+            # Listed without importing it (backends import torch): its summary read from its module's source.
+            from vgraph.cli.command_help import summary
+
+            text = summary(plugin.name, plugin.value) or f"see 'vgraph {plugin.name} -h'"
+            sub.add_parser(plugin.name, help=text if plugin.builtin else f"[{plugin.distribution}] {text}",
                            add_help=False)
     return parser
 
@@ -78,7 +81,9 @@ def run_parser(build: Callable[[], argparse.ArgumentParser], argv: list[str]) ->
 def _dispatch(build: Callable[[], argparse.ArgumentParser], argv: list[str]) -> int:
     try:
         parser = build()
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            unrecognized(parser, args, extras)
         if not getattr(args, "func", None):
             parser.print_help()
             return 0 if not argv else EXIT_INVALID
@@ -121,6 +126,44 @@ def refuse_undecodable(parser: argparse.ArgumentParser, args: argparse.Namespace
         bad.append(f"{name}: not UTF-8 text ({quote(shown)}); give text in UTF-8")
     if bad:
         raise VGraphError(bad[0] if len(bad) == 1 else "; ".join(bad))
+
+
+#: What users of nanoGPT, Hugging Face's Trainer and torchrun type for vgraph's options (spelling aside).
+KNOWN_AS = {"--learning-rate": "--lr", "--batch-size": "--batch", "--max-steps": "--steps", "--max-iters": "--steps",
+            "--warmup-steps": "--warmup", "--warmup-iters": "--warmup", "--eval-interval": "--val-every",
+            "--eval-steps": "--val-every", "--eval-iters": "--val-batches", "--output-dir": "--out",
+            "--out-dir": "--out", "--max-grad-norm": "--grad-clip", "--resume-from-checkpoint": "--resume",
+            "--gradient-accumulation-steps": "--grad-accum"}
+
+
+def unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """argparse's usage error for arguments nobody takes, from the chosen command's parser (its usage, not the
+    top level's) and with the likeliest meant option of each mistyped one: `--batch-size` -> `--batch`."""
+    import difflib
+
+    chosen = _chosen_parser(parser, args)
+    known = [o for a in chosen._actions for o in a.option_strings if o.startswith("--")]
+    hints = []
+    for word in extras:
+        name = word.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        plain = "--" + name[2:].replace("_", "-").lower()
+        close = [o for o in (plain, KNOWN_AS.get(plain)) if o in known][:1] or difflib.get_close_matches(
+            plain, known, n=1, cutoff=0.6) or [o for o in known if plain.startswith(o + "-")][:1]
+        if close:
+            hints.append(f"{name}: did you mean {close[0]}?")
+    chosen.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser `args` chose."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(getattr(args, action.dest, None) or "")
+            if sub is not None:
+                return _chosen_parser(sub, args)
+    return parser
 
 
 def _chosen_actions(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[argparse.Action]:

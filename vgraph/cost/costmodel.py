@@ -346,7 +346,7 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
         if trained:
             grad = pbytes
             master = params * FP32 if pdtype != "float32" else 0
-            moments = params * (ADAM_STATE if optimizer == "adam" else SGD_STATE if optimizer == "sgd" else 0)
+            moments = params * (ADAM_STATE if optimizer in ("adam", "adamw") else SGD_STATE if optimizer == "sgd" else 0)
         else:
             grad = master = moments = 0
         c_id(n.id)

@@ -138,8 +138,10 @@ def F(name: str, kind: str = "str", default: Any = None, **kw: Any) -> Field:
 
 
 COMMON_FIELDS: tuple[Field, ...] = (
-    F("optimizer", choices=("adam", "sgd", "none"), doc="per-node optimizer"),
+    F("optimizer", choices=("adam", "adamw", "sgd", "none"), doc="per-node optimizer"),
     F("learning_rate", "float", min=0.0, doc="per-node learning rate"),
+    F("weight_decay", "float", min=0.0, doc="per-node decoupled (AdamW) weight decay of its matrices; default: "
+      "--weight-decay (0), 0.01 for adamw"),
     F("precision", "precision", doc="parameter and activation precision of this node"),
     F("param_precision", "precision", doc="parameter precision of this node (wins over precision)"),
     F("activation_precision", "precision", doc="activation precision of this node (wins over precision)"),

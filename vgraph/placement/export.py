@@ -354,7 +354,9 @@ def format_report(report: dict) -> str:
             lines.append("  ".join("-" * w for w in widths))
     idle = [pid for pid, p in report["pnodes"].items() if not p["vnodes"]]
     if idle:
-        lines.append(f"idle PNodes: {', '.join(idle)}")
+        lines.append(f"idle PNodes: {', '.join(idle)} (the planner predicts no shorter step using them at batch "
+                     f"{report['batch']}: another pipeline stage or replica would cost more in transfers or in the "
+                     f"gradient all-reduce than it saves; a larger --batch or --replicas N puts them to work)")
     lines.append(f"bottleneck: {report['bottleneck_seconds']:.4g} s per step on '{report['bottleneck_pnode']}' (*); "
                  f"cut: {len(report['cut_edges'])} edges, {human_bytes(report['cut_bytes_per_step'])} per step")
     for s in report["weight_sync"]:

@@ -23,6 +23,9 @@ order of use: its legacy fields are left exactly as they were.
 """
 from __future__ import annotations
 
+import math
+import statistics
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +36,8 @@ from vgraph.cost.fleet import Fleet
 from vgraph.cost.stepcost import FleetArrays, compute_seconds, replica_assignment, stage_loads, step_cost
 from vgraph.ir.graph import Graph
 
-__all__ = ["with_replicas", "replica_layout", "format_plan", "rebalanced_shares"]
+__all__ = ["with_replicas", "replica_layout", "format_plan", "rebalanced_shares", "step_prediction_gap",
+           "PREDICTION_TOLERANCE"]
 
 
 def replica_layout(graph: Graph, assignment: dict[str, str], batch: int) -> tuple[list[list[str]], list[int]]:
@@ -178,3 +182,43 @@ def rebalanced_shares(graph: Graph, fleet: Fleet, assignment: dict[str, str], ro
     shares, _ = balanced_shares(lambda r, b: pipeline_seconds(loads, fa, idx, b, micro_batches, rows=r), batch,
                                 guess, caps)
     return shares
+
+
+#: A predicted step more than this factor off the measured one (either way) is flagged (`vgraph report`,
+#: `vgraph launch`): within it the plan's choices still hold; beyond it the fleet describes other machines
+#: (a GPU fleet run on a CPU: 0.0034 s predicted against 3.77 s measured) and the placement is a guess.
+PREDICTION_TOLERANCE = 2.0
+_MIN_MEASURED_STEPS = 3  # the first step pays for warm-up: fewer measured steps say nothing yet
+
+
+def step_prediction_gap(placement: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """What to say when placement.json's predicted step is more than `PREDICTION_TOLERANCE` off the measured one,
+    else None.  Measured: the median over the logged steps of the slowest PNode's step time (metrics rows'
+    `pnodes`), the step as the pipeline and the replicas' all-reduce took it.  Both sides come from files a run
+    wrote (the report reads any run): a value that is not a finite positive number means there is nothing to say."""
+    predicted = placement.get("step_seconds", placement.get("bottleneck_seconds"))
+    if not _positive(predicted):
+        return None
+    steps = []
+    for row in rows:
+        pnodes = row.get("pnodes") if isinstance(row, Mapping) else None
+        times = [f.get("step_s") for f in pnodes.values() if isinstance(f, Mapping)] if isinstance(pnodes, Mapping) else []
+        times = [t for t in times if _positive(t)]
+        if times:
+            steps.append(max(times))
+    if len(steps) < _MIN_MEASURED_STEPS:
+        return None
+    measured = statistics.median(steps)
+    ratio = measured / predicted
+    if 1 / PREDICTION_TOLERANCE <= ratio <= PREDICTION_TOLERANCE:
+        return None
+    how = f"{ratio:,.0f}x slower" if ratio >= 10 else f"{ratio:.1f}x slower" if ratio > 1 else (
+        f"{1 / ratio:,.1f}x faster")
+    return (f"the step took {measured:.3g} s (median of {len(steps)}) against {predicted:.3g} s predicted, {how}: "
+            f"the fleet's figures do not describe the machines that ran it, so the placement was chosen on wrong "
+            f"numbers. Measure each machine with `vgraph probe NETWORK --id PNODE --bandwidth BW --append FLEET` "
+            f"(README: A fleet from probes) and partition or launch again.")
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0

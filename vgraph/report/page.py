@@ -139,6 +139,7 @@ td code {{ white-space: pre-wrap; word-break: break-all; }}
 .drawing svg.network {{ display: block; }}
 tr.total td {{ font-weight: 600; background: #f8fafc; }}
 .caption {{ font-size: 12px; color: #475569; }}
+.warning {{ font-size: 14px; color: #9a3412; background: #fff7ed; border-left: 4px solid #ea580c; padding: 6px 10px; }}
 footer {{ font-size: 11px; color: #64748b; }}
 </style></head><body>"""
 
@@ -276,8 +277,12 @@ def _pnode_section(rec: RunRecord) -> str:
     shown = (f"{hidden:,} PNodes not shown: the page shows placement.json's PNodes and the most recently "
              f"measured, at most {MAX_PNODES_SHOWN}." if hidden else "")
     caption = " ".join(filter(None, (basis, memory, idle, shown)))
-    return ('<section><h2>PNodes</h2><div class="charts">' + "".join(charts) + "</div><table>" + head
-            + "".join(body) + f'</table><p class="caption">{html.escape(caption)}</p></section>')
+    from vgraph.placement.replica_report import step_prediction_gap
+
+    gap = step_prediction_gap(rec.placement or {}, rec.rows)
+    warning = f'<p class="warning">Prediction off: {html.escape(gap)}</p>' if gap else ""
+    return ('<section><h2>PNodes</h2>' + warning + '<div class="charts">' + "".join(charts) + "</div><table>"
+            + head + "".join(body) + f'</table><p class="caption">{html.escape(caption)}</p></section>')
 
 
 def _pnode_row(pnode: str, pred: Mapping[str, Any], own: Sequence[Mapping[str, Any]], cuda: bool) -> str:

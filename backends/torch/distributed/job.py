@@ -153,7 +153,8 @@ class Job:
     # -- writing and reading ----------------------------------------------------------------------
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_WRITTEN}
-        data["train"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.train).items()}
+        data["train"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.train).items()
+                         if k != "continue_command"}  # the launcher's own resume hint, a function
         return json.dumps(data, indent=1, allow_nan=False) + "\n"
 
     def write(self, path: str | os.PathLike) -> Path:

@@ -510,6 +510,11 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     device = resolve_device(cfg.device)
     comm = choose_comm(device.type, len(local), torch.cuda.device_count() if device.type == "cuda" else 0,
                        torch.distributed.is_nccl_available(), cfg.comm)
+    gpus = sorted({p.accelerator for p in fleet if (p.accelerator or "").startswith("cuda") and p.id in ranks})
+    if number == 0 and device.type == "cpu" and gpus:  # the plan's figures are the GPUs', not this CPU's
+        run.say(f"launch: note: fleet {fleet.name!r} describes {', '.join(gpus)} PNodes and this run is on the CPU: "
+                f"the placement and its predicted step are for those GPUs (a CPU fleet: --fleet cpu2, or one "
+                f"measured with vgraph probe)")
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
     info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}),
                 compression=weight_keeping_changes(placement.graph),
@@ -575,8 +580,8 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
     shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
     while True:
         if stop.requested:
-            raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with "
-                                   f"vgraph launch {cfg.network} --out {run.run_dir} --resume (and the same options)")
+            raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
+                                   f"{_continue_with(cfg, run.run_dir)}")
         attempt = _place_attempt(run, fleet, number, *_given_placement(cfg, number, shrunk), hold)
         if attempt is None:
             return result
@@ -587,15 +592,21 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
         if stop.requested:
             where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
             raise stop.interrupted(f"{run.run_dir}: stopped as asked{'' if record['ok'] else ' (a worker failed on the way)'}; "
-                                   f"checkpoint {where or 'on machine 0'}. Continue with: vgraph launch "
-                                   f"{cfg.network} --fleet {cfg.fleet} --out {run.run_dir} --resume (and the same "
-                                   f"options)")
+                                   f"checkpoint {where or 'on machine 0'}. Continue with: "
+                                   f"{_continue_with(cfg, run.run_dir)}")
         if record["ok"]:
             return result
         fleet, shrunk = _after_failure(run, attempt, record, result, fleet)
         result.restarts += 1
         number += 1
         hold = None
+
+
+def _continue_with(cfg: LaunchConfig, run_dir: Path) -> str:
+    """The command that continues the run: the CLI's own as typed (cli.resume_command), else the gist."""
+    if cfg.continue_command is not None:
+        return cfg.continue_command(run_dir)
+    return f"vgraph launch {cfg.network} --fleet {cfg.fleet} --out {run_dir} --resume (and the same options)"
 
 
 def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
@@ -695,7 +706,12 @@ def _job_folder(cfg: LaunchConfig) -> OutputDir:
 def _emit_job(run: _Run, folder: OutputDir) -> LaunchResult:
     """--emit-job DIR: place, write DIR/job.json (its run directory relative to DIR, the files in it relative
     to the run directory, and DIR's real path, from which a copy of the job finds its run: job.py) and say
-    how to start it under torchrun or srun; trains nothing."""
+    how to start it under torchrun or srun; trains nothing.
+
+    The torchrun command carries `--max-restarts` (launch's own, default 3): torchrun's default, 0, ends the
+    job at the first dead worker, while each restart resumes from the run's latest checkpoint (worker.py), so
+    a few restarts cost at most a few checkpoint intervals and a fault that recurs still ends the job after a
+    handful of tries instead of looping."""
     cfg = run.cfg
     attempt = _place_attempt(run, run.fleet, 0, *_given_placement(cfg, 0, None), cfg.hold)
     folder.path.mkdir(parents=True, exist_ok=True)
@@ -706,8 +722,11 @@ def _emit_job(run: _Run, folder: OutputDir) -> LaunchResult:
     module = "vgraph.backends.torch.distributed.worker"
     run.emit(f"launch: wrote {path} ({world} worker(s) {', '.join(attempt.ranks)}; {attempt.comm.describe()}); "
              f"start it with\n"
-             f"  torchrun --nnodes {cfg.nnodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "
-             f"{cfg.master_addr}:{cfg.master_port or 29500} -m {module} {path}\n"
+             f"  torchrun --nnodes {cfg.nnodes} --nproc-per-node {per_node} --max-restarts {cfg.max_restarts} "
+             f"--rdzv-backend c10d --rdzv-endpoint {cfg.master_addr}:{cfg.master_port or 29500} -m {module} {path}\n"
+             f"    (--max-restarts {cfg.max_restarts}: without it one dead worker ends the job; with it torchrun "
+             f"starts the worker set again, which resumes from the latest checkpoint; SIGTERM or Ctrl-C: the "
+             f"workers finish the step and save a checkpoint first)\n"
              f"  srun --ntasks {world} --ntasks-per-node {per_node} python -m {module} {path}   "
              f"(with {TOKEN_ENV} exported)")
     return LaunchResult(run.run_dir, 0, None, None, None, placement=attempt.placement.report)
@@ -736,9 +755,10 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
 
     Long because it is one `add_argument` per option, in the order `--help` shows them;
     split up, the command's options would no longer read as one list."""
+    from vgraph.cli.common import remember_parser
     from vgraph.cli.main import add_plugin_option
 
-    from ..cli import add_tensorboard_option
+    from ..cli import add_optimizer_options, add_tensorboard_option
 
     from vgraph.base import options
     from vgraph.base.options import non_negative_int as _non_negative_int, positive_int as _positive_int
@@ -809,6 +829,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=_positive_int, help="CPU threads per worker (default: cores / workers)")
     p.add_argument("--log-every", type=_positive_int, metavar="N")
     p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM")
+    add_optimizer_options(p)  # --weight-decay; --grad-accum K: the global batch K x --batch in >= K micro-batches
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")
     p.add_argument("--quiet", action="store_true", help="no status lines (errors still show)")
     p.add_argument("--emit-job", metavar="DIR", type=options.path,
@@ -817,28 +838,39 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     add_tensorboard_option(p)  # rank 0 writes the event files
     add_plugin_option(p)  # the files travel to the workers in the job file
     p.set_defaults(func=run_launch)
+    remember_parser(p)
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    from vgraph.placement.replica_report import step_prediction_gap
+
+    from ..cli import print_result, resume_command
+
     config = LaunchConfig(
-        network=args.network, fleet=args.fleet, data=args.data, steps=args.steps, batch=args.batch, lr=args.lr,
+        network=args.network, fleet=args.fleet, data=args.data, steps=args.steps, lr=args.lr,
+        # A pipeline's micro-batches are gradient accumulation: K x --batch samples a step, in at least K of them.
+        batch=args.batch * args.grad_accum, weight_decay=args.weight_decay,
         warmup=args.warmup, schedule=args.schedule, seed=args.seed, out=args.out, resume=args.resume,
         device=args.device, passes=args.passes, fuse=not args.no_fuse, val_every=args.val_every,
         val_batches=args.val_batches, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
         log_every=args.log_every, grad_clip=args.grad_clip,
         corpus_bytes=args.corpus_bytes or D.DEFAULT_CORPUS_MAX_BYTES, progress=not args.quiet,
-        micro_batches=args.micro_batches, pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
+        micro_batches=(args.micro_batches if args.grad_accum == 1 else max(args.micro_batches or 1, args.grad_accum)),
+        pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
         comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout,
         grad_compress=args.grad_compress, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard,
-        emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)))
-    from ..cli import print_result
+        emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)),
+        continue_command=resume_command(args))
 
     result = launch(config)
     if not args.emit_job:
         print_result(result, f"{result.restarts} restart(s)" if result.restarts else None)
+        gap = step_prediction_gap(result.placement or {}, result.history)
+        if gap and not args.quiet:
+            print(f"note: prediction off: {gap}", file=sys.stderr)
     return 0
 
 

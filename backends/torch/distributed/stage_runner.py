@@ -79,7 +79,7 @@ class StageRunner:
     def __init__(self, plan: DistPlan, rank: int, world: int, device: torch.device, transport: Transport,
                  amp: Callable[[], ContextManager], scaler: SharedLossScaler, *, seed: int, lr: float,
                  pipeline: str = "1f1b", replica: int = 0, tie_groups: Mapping[int, Any] | None = None,
-                 stage_through_cpu: bool = False) -> None:
+                 stage_through_cpu: bool = False, weight_decay: float = 0.0) -> None:
         self.plan, self.rank, self.world, self.device = plan, rank, world, device
         self.transport = transport
         self.amp = amp  # a fresh autocast context (or nullcontext) per forward
@@ -94,7 +94,7 @@ class StageRunner:
         for task in self.tasks:
             module = compile_network(task.graph, device=device, train=True, seed=seed)
             self.modules[task.id] = module
-            self.optims[task.id] = NodeOptimizers(module, lr)
+            self.optims[task.id] = NodeOptimizers(module, lr, weight_decay)
         self._link_replicas()
         self.ties = TieSync(plan, rank, replica=replica, groups=tie_groups or {}, owner_params=self.owner_params,
                             replica_params=self.replica_params, stage_through_cpu=stage_through_cpu)

@@ -57,6 +57,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 import traceback
@@ -101,6 +102,8 @@ from ..metrics_log import MetricsLog
 from ..tensorboard_log import TensorBoardLog
 from ..node_optimizers import lr_factor
 from ..train_config import TrainingError
+from .. import checkpoint as ckpt
+from ..interrupt import StopRequest
 from ..train_step import LossCheck
 from ..training_setup import seed_everything, use_deterministic_kernels
 
@@ -130,6 +133,8 @@ class Worker:
         self.log_enabled = bool(self.cfg.progress)
         self.log: MetricsLog | None = None
         self.progress: RankZeroProgress | None = None  # rank 0's bar, events or lines (progress.py)
+        self._signalled: StopRequest | None = None  # a signal this worker got itself (torchrun, srun)
+        self._stopped_early = False
 
     def say(self, msg: str) -> None:
         if not self.log_enabled:
@@ -206,7 +211,7 @@ class Worker:
         self.stages = StageRunner(plan, self.local, P, self.device, transport, self.amp, self.scaler,
                                   seed=self.cfg.seed, lr=self.cfg.lr, pipeline=job.pipeline, replica=self.replica,
                                   tie_groups=tie_groups(plan, len(self.shares), self.replica),
-                                  stage_through_cpu=job.stage_through_cpu)
+                                  stage_through_cpu=job.stage_through_cpu, weight_decay=self.cfg.weight_decay)
         self.grad_sync = self._grad_sync(len(self.shares), P)
         self.figures = PNodeFigures(self.device, lambda: self.stages.transport.wait_s + (
             self.grad_sync.wait_s if self.grad_sync is not None else 0.0),
@@ -284,7 +289,7 @@ class Worker:
             self.log = self._open_log(start)
             if self.log_enabled:
                 self.progress = RankZeroProgress(progress_mode(os.environ, self.place.launcher), self.cfg.steps,
-                                                 start, self.graph.name, lambda line: print(line, flush=True))
+                                                 start, "launch", lambda line: print(line, flush=True))
         self._announce(start)
         self._pending: list[dict[str, Any]] = []
         self._start_time = self._last_flush = time.perf_counter()
@@ -294,6 +299,7 @@ class Worker:
             self._after_step(step, done)
             if done.stopping:
                 self.say(f"stopped after step {step} as asked")
+                self._stopped_early = step < self.cfg.steps
                 break
         if self.log is not None:
             self.log.plot(self.run_dir / LOSS_CURVE_PNG, self.graph.name)
@@ -349,7 +355,7 @@ class Worker:
         with self.figures.waiting():
             loss, sumsq, bad_grads, step_bytes, stopping = self.ctrl.all_reduce(
                 [float(sum(costs.values())) if costs else 0.0, self._local_sumsq(), self._local_bad_grads(),
-                 sent, float(self._stop_file.exists())])
+                 sent, float(self._stop_asked())])
         self.stages.traffic = 0
         done.stopping = stopping > 0
         done.save = done.save or done.stopping
@@ -476,6 +482,36 @@ class Worker:
         (total,) = self.ctrl.all_reduce([total])
         return total / max(count, 1)
 
+    @contextlib.contextmanager
+    def stop_request(self):
+        """Under torchrun or srun, SIGTERM and Ctrl-C reach the workers themselves (torchrun's agent forwards
+        them and waits its --shutdown-timeout, 30 s by default, before SIGKILL): the first one is a stop
+        request joined to the step's reduction, so every rank finishes the step and rank 0 saves its
+        checkpoint, as under `vgraph launch`, whose launcher turns the signal into the stop file.  Under
+        `vgraph launch` a worker's SIGTERM stays the supervisor's "stop now"."""
+        if self.place.launcher == "vgraph":
+            yield
+            return
+        self._signalled = StopRequest(self.say if self.rank == 0 else (lambda msg: None), echo_s=2.0)
+        with self._signalled.installed():
+            yield
+
+    def _stop_asked(self) -> bool:
+        """The launcher's stop file, or a signal this worker got itself (`stop_request`)."""
+        return self._stop_file.exists() or (self._signalled is not None and self._signalled.requested)
+
+    def stopped_status(self) -> int:
+        """0 for a finished run; 128 + the signal for one a signal stopped (a shell's convention, and what
+        `vgraph train` exits with), so torchrun with --max-restarts restarts a set that was signalled alone
+        and it resumes from the checkpoint just written."""
+        if self._signalled is None or not self._signalled.requested or not self._stopped_early:
+            return 0
+        if self.rank == 0:
+            print(f"stopped by {signal.Signals(self._signalled.signum).name}: checkpoint "
+                  f"{ckpt.latest_checkpoint(self.run_dir)}; start the same command again to continue",
+                  file=sys.stderr, flush=True)
+        return 128 + int(self._signalled.signum)
+
     @property
     def _stop_file(self) -> Path:
         """Written by the launcher on this machine at the first Ctrl-C/SIGTERM (launch.py)."""
@@ -552,9 +588,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             claim_run(job, place, os.environ)
             load_plugins(job.plugins)  # what the launcher loaded: installed op types, --plugin files
             worker = Worker(job, place)
-            worker.setup()
-            worker.run()
-        return 0
+            with worker.stop_request():
+                worker.setup()
+                worker.run()
+            return worker.stopped_status()
     except RunInUse as exc:  # the run is another worker set's: nothing of ours is written into it
         return _user_error(None, None, exc)
     except VGraphError as exc:
