@@ -141,6 +141,16 @@ def test_a_table_built_in_code_is_checked_as_a_read_one(rows):
         collectives_of([(2, 0.0, 0.0)], {2: math.inf})
 
 
+def test_a_code_built_tables_limits_are_the_readers():
+    """The limits themselves hold and their neighbours outside do not (mutants moving a limit survived the
+    audit of issue 41): a ring rate from 1 byte/s, control and hop up to an hour."""
+    assert collectives_of([(2, 3600.0, 3600.0)], {2: 1}).ring(2) == 1
+    for rows, rings in (([(2, 3600.5, 0.0)], None), ([(2, 0.0, 3600.5)], None), ([(2, 0.0, 0.0)], {2: 0.5}),
+                        ([(2, 0.0, 0.0)], {2: 1e31})):
+        with pytest.raises(ValueError):
+            collectives_of(rows, rings)
+
+
 @pytest.mark.parametrize("text, burst", [("16KiB", 16384), ("0", 0), ("250000", 250000), ("1MB", 10**6)])
 def test_a_pnode_burst_is_bytes(text, burst):
     fleet = loads_fleet(PNODES.replace("1Gbit/s}", f"1Gbit/s, burst: {text}}}"), "f.yml")
