@@ -381,3 +381,21 @@ def test_powersgd_replicas_end_with_the_sum_not_the_mean() -> None:
         assert sent[0] == [72] and sent[1] == [8, 8, 8]  # the premise: plain, then the matrix as two factors
         assert outs[0] == want.tolist() and outs[1] == want.tolist()  # plain all-reduce: exact
         torch.testing.assert_close(torch.tensor(outs[2]), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_powersgd_says_what_it_sends_and_refuses_a_state_of_other_buckets() -> None:
+    """No process group needed: the plain steps send the bucket; then a 16 x 12 matrix at rank 2 goes as P (16 x 2)
+    and Q (12 x 2) ((16 + 12) x 2 x min_rate 2 < 16 x 12: worth compressing), a vector whole.  A checkpoint's state for other buckets (larger or smaller) is refused with
+    a reason, and a fresh start; the state of these buckets loads."""
+    from vgraph.backends.torch.distributed.grad_compress import PowerSGD
+    from vgraph.cost.compression import GradCompression
+
+    params = [torch.nn.Parameter(torch.zeros(16, 12)), torch.nn.Parameter(torch.zeros(5))]
+    psgd = PowerSGD(None, GradCompression("powersgd", rank=2, start=2), size=2, seed=0)
+    assert psgd.wire_numels(Bucket(0, 1, params)) == [197]
+    psgd.state.iter = 2
+    assert psgd.wire_numels(Bucket(0, 1, params)) == [5, 32, 24]
+    saved = psgd.state_dict([197])
+    for other in ([196], [198], [197, 1], []):
+        assert "on buckets [197]" in psgd.load_state_dict(saved, other, torch.device("cpu")), other
+    assert psgd.load_state_dict(saved, [197], torch.device("cpu")) is None
