@@ -41,3 +41,34 @@ def test_save_fsyncs_the_checkpoint_and_the_run_directory(tmp_path, monkeypatch)
         assert names.count("run") >= 2, names  # after the rename, and after `latest` moved
         synced_dirs.clear()
     assert (run / "latest").read_text() == "step-2\n"
+
+
+def test_atomic_write_fsyncs_the_new_file_before_renaming_it_over_the_old(tmp_path, monkeypatch) -> None:
+    """A crash between the rename and the data reaching the disk leaves an empty file where the old one was:
+    the new file's own fsync must come first.  The system calls are recorded in order, the fsynced file known
+    by its inode (the one the target has afterwards); both writers (bytes, and a library writing by name)."""
+    from vgraph.base import safeio
+
+    calls: list[tuple[str, int]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def spy_fsync(fd):
+        calls.append(("fsync", os.fstat(fd).st_ino))
+        return real_fsync(fd)
+
+    def spy_replace(src, dst, *args, **kwargs):
+        calls.append(("replace", os.stat(src).st_ino))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(safeio.os, "fsync", spy_fsync)
+    monkeypatch.setattr(safeio.os, "replace", spy_replace)
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+    for write in (lambda: safeio.atomic_write(target, "new"),
+                  lambda: safeio.atomic_write_with(target, lambda tmp: tmp.write_text("newer"))):
+        calls.clear()
+        write()
+        inode = target.stat().st_ino
+        assert ("fsync", inode) in calls and ("replace", inode) in calls, calls  # the premise: both happened
+        assert calls.index(("fsync", inode)) < calls.index(("replace", inode)), calls
+    assert target.read_text() == "newer"

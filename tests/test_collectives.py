@@ -81,6 +81,20 @@ def test_the_all_reduce_rate_caps_a_gradient_ring_at_the_rank_count_measured():
     assert capped == pytest.approx(1.5 * 1e6 / 4e7 + 6 * 1e-3)
 
 
+
+def test_a_two_by_two_plans_gradient_ring_is_capped_at_the_rate_of_all_four_ranks():
+    """2 replicas x 2 stages: the two stage groups all-reduce at once, so all R x S = 4 ranks communicate and
+    the ring rate is the table's at 4 ranks (40 MB/s), not at the R = 2 members of one group (100 MB/s).
+    By hand, a stage's 1 MB of gradients: 2 (R - 1) / R x 1e6 B / 4e7 B/s = 25 ms, plus 2 (R - 1) hops of
+    the 4-rank hop (1 ms) = 27 ms (at the 2-rank rate it would be 10 + 2 = 12 ms)."""
+    text = ("collectives:\n  - {ranks: 2, control: 1ms, hop: 0.1ms, ring: 100MB/s}\n"
+            "  - {ranks: 4, control: 9ms, hop: 1ms, ring: 40MB/s}\n" + PNODES)
+    table = loads_fleet(text, "f.yml").collectives
+    idx = np.arange(4).reshape(2, 2)  # replica r, stage s on PNode 2 r + s
+    reduce = allreduce_seconds(_loads(2), _fleet(4, table), idx)
+    assert reduce.tolist() == pytest.approx([0.027, 0.027])
+    assert _fleet(4, table).bandwidth.min() == 1e8  # the premise: the links alone would allow 100 MB/s
+
 BROKEN = [
     ("collectives:\n  - {ranks: 0, control: 1ms, hop: 1us}\n", 2, "whole number from 1"),
     ("collectives:\n  - {ranks: two, control: 1ms, hop: 1us}\n", 2, "whole number from 1"),
@@ -125,6 +139,16 @@ def test_a_table_built_in_code_is_checked_as_a_read_one(rows):
         collectives_of([(2, 0.0, 0.0)], {3: 1e8})  # a rate without its row
     with pytest.raises(ValueError):
         collectives_of([(2, 0.0, 0.0)], {2: math.inf})
+
+
+def test_a_code_built_tables_limits_are_the_readers():
+    """The limits themselves hold and their neighbours outside do not (mutants moving a limit survived the
+    audit of issue 41): a ring rate from 1 byte/s, control and hop up to an hour."""
+    assert collectives_of([(2, 3600.0, 3600.0)], {2: 1}).ring(2) == 1
+    for rows, rings in (([(2, 3600.5, 0.0)], None), ([(2, 0.0, 3600.5)], None), ([(2, 0.0, 0.0)], {2: 0.5}),
+                        ([(2, 0.0, 0.0)], {2: 1e31})):
+        with pytest.raises(ValueError):
+            collectives_of(rows, rings)
 
 
 @pytest.mark.parametrize("text, burst", [("16KiB", 16384), ("0", 0), ("250000", 250000), ("1MB", 10**6)])

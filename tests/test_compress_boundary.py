@@ -231,9 +231,13 @@ def test_train_through_it_and_resume_exactly_with_error_feedback(fixture, corpus
     common = dict(network=str(fixture), data=str(corpus), batch=BATCH, lr=1e-3, seed=1, val_every=0,
                   checkpoint_every=2, threads=1, progress=False, passes=passes, deterministic=True)
     whole = train(TrainConfig(**common, steps=4, out=tmp_path / "whole"))
-    train(TrainConfig(**common, steps=2, out=tmp_path / "parts"))
+    part = train(TrainConfig(**common, steps=2, out=tmp_path / "parts"))
     resumed = train(TrainConfig(**common, steps=4, out=tmp_path / "parts", resume=True))
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in whole.history]  # bit for bit
+    # the premise: it resumed (steps 1-2 are the first run's rows, their wall times included; a run that started
+    # over would have timed them again), so the equality above is the residuals' doing
+    timed = lambda rows: [(r["step"], r["elapsed_s"]) for r in rows]  # noqa: E731
+    assert timed(resumed.history[:2]) == timed(part.history) and len(part.history) == 2
     first = load_checkpoint(tmp_path / "parts" / "step-00000002")
     residuals = first.extra["compression"]["boundary"]
     stored = loads((tmp_path / "whole" / "network.yml").read_text())  # the network it trained

@@ -14,6 +14,7 @@ import torch
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
+from vgraph.backends.torch.checkpoint import load_checkpoint
 from vgraph.backends.torch.data import default_corpus_documents
 from vgraph.backends.torch.distributed.launch import LaunchConfig, free_port, launch, main as launch_main
 from vgraph.base.diagnostics import VGraphError
@@ -52,6 +53,8 @@ def files(tmp_path_factory):
     (d / "fleet4.yml").write_text("name: four\npnodes:\n" + "".join(
         f"  - {{id: w{i}, memory: {int(0.8 * need)}, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n"
         for i in range(4)))
+    (d / "wide2.yml").write_text("name: wide\npnodes:\n" + "".join(  # each holds the network: 2 replicas of it
+        f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(2)))
     (d / "corpus.txt").write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
     return d
 
@@ -100,6 +103,29 @@ def test_two_stages_by_two_replicas_train_like_one_process(files, reference, tmp
             assert figures["bytes_sent"] == pytest.approx(pl["pnodes"][pnode]["bytes_sent_per_step"], abs=64)
     saved = json.loads((tmp_path / "run" / "placement.json").read_text())
     assert saved["replica_pnodes"] == pl["replica_pnodes"] and saved["step_seconds"] == pl["step_seconds"]
+
+
+def test_replicas_clip_the_norm_of_the_summed_gradient_like_one_process(files, tmp_path):
+    """--grad-clip with 2 replicas: the norm is the summed gradient's, counted once (not once per replica, which
+    would clip sqrt(2) too hard), so the run is `vgraph train --grad-clip` (weights and Adam's moments within
+    weights_util's bound; a clip sqrt(2) off scales the first moments by 0.7).  The premise, that the clip bites
+    every step (this network's gradient norm is about 0.03): then every step's gradient has norm
+    clip x total / (total + 1e-6) with total >= clip, and Adam's second moments sum to
+    (1 - b2) (b2^2 + b2 + 1) clip^2 within a factor (1 - 1e-6 / clip)^2; a step the clip spared would add
+    its own smaller square instead."""
+    clip, steps, beta2 = 1e-3, 3, 0.999
+    settings = {**common(files), "steps": steps, "val_every": 0, "checkpoint_every": steps}
+    ref = train(TrainConfig(**settings, grad_clip=clip, out=tmp_path / "ref"))
+    run = launch(LaunchConfig(**settings, grad_clip=clip, out=tmp_path / "run", fleet=str(files / "wide2.yml"),
+                              micro_batches=2, replicas=2))
+    assert run.placement["replicas"] == 2 and sorted(run.attempts[0]["ranks"]) == ["w0", "w1"]
+    last = f"step-{steps:08d}"
+    squares = sum(float(s["exp_avg_sq"].double().sum())
+                  for s in load_checkpoint(tmp_path / "ref" / last).optimizer_states.values())
+    assert squares == pytest.approx((1 - beta2) * (beta2 ** 2 + beta2 + 1) * clip ** 2, rel=2 * 1e-6 / clip)
+    assert_same_weights(tmp_path / "run" / last, tmp_path / "ref" / last, steps=steps, lr=LR)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in run.history], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in ref.history], dtype=torch.float64), rtol=1e-5, atol=0)
 
 
 def test_a_lost_worker_costs_its_replica_not_the_run(files, reference, tmp_path):

@@ -68,6 +68,10 @@ def test_the_forced_overflow_really_skips_steps_on_both_sides_of_the_resume(runs
 def test_fp16_resume_continues_scale_skips_and_weights_exactly(runs) -> None:
     whole, first, second = runs
     assert first.step == STOP_AT and second.step == STEPS
+    # the premise: the second run resumed rather than training again from step 0 (its first rows, wall times
+    # included, are the first run's)
+    assert [(r["step"], r["elapsed_s"]) for r in second.history[:STOP_AT]] == \
+        [(r["step"], r["elapsed_s"]) for r in first.history]
     # The scale after every step, and the losses, are those of the uninterrupted run.
     assert [(r["step"], r["loss"], r["loss_scale"]) for r in second.history] == \
         [(r["step"], r["loss"], r["loss_scale"]) for r in whole.history]

@@ -302,3 +302,100 @@ def test_a_gradient_replaced_instead_of_accumulated_is_refused(side: str) -> Non
     params[1].grad = _elsewhere(pool, sync.buckets[1].flat, side)  # not a view into its bucket: not summed
     with pytest.raises(RuntimeError, match="replaced during the round"):
         sync.finish()
+
+
+def _powersgd_step(psgd, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> torch.Tensor:
+    """One bucket of `params` holding `grads` through `psgd`'s hook, as GradientSync hands it over."""
+    bucket = Bucket(0, 1, params)
+    for view, g in zip(bucket.views, grads):
+        view.copy_(g)
+    return psgd.hook(psgd.state, bucket).wait().clone()
+
+
+def _powersgd_member(rank: int, port: int, world: int, check: str, out) -> None:
+    import torch.distributed as dist
+
+    from vgraph.backends.torch.distributed.grad_compress import PowerSGD
+    from vgraph.cost.compression import GradCompression
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        spec = GradCompression("powersgd", rank=1, start=2)
+        params = [torch.nn.Parameter(torch.zeros(8, 8)), torch.nn.Parameter(torch.zeros(8))]
+        u, v = torch.arange(1.0, 9.0), torch.arange(-3.0, 5.0)
+        if check == "sum":
+            # Rank r's gradients: (r + 1) u v^T (rank 1: lossless at rank 1) and a bias of small integers.
+            psgd = PowerSGD(dist.group.WORLD, spec, size=world, seed=3)
+            grads = [(rank + 1) * torch.outer(u, v), torch.arange(8.0) * (rank + 1)]
+            sent = [psgd.wire_numels(Bucket(0, 1, params)) for _ in range(1)]
+            outs = [_powersgd_step(psgd, params, grads) for _ in range(3)]  # 2 plain steps, then compressed
+            sent.append(psgd.wire_numels(Bucket(0, 1, params)))
+            out.put((rank, ([o.tolist() for o in outs], sent)))
+            return
+        # forget: a step whose gradients hold inf, then forget(); the next step is a fresh state's
+        used = PowerSGD(dist.group.WORLD, spec, size=world, seed=3)
+        g = [torch.outer(u, v), torch.arange(8.0)]
+        for _ in range(2):
+            _powersgd_step(used, params, g)
+        bad = [g[0].clone(), g[1]]
+        bad[0][2, 3] = float("inf")
+        _powersgd_step(used, params, bad)
+        poisoned = not all(bool(torch.isfinite(e).all()) for e in used.state.error_dict.values())
+        used.forget()
+        fresh = PowerSGD(dist.group.WORLD, spec, size=world, seed=3)
+        fresh.state.iter = used.state.iter  # the same step and generator: only the buffers may differ
+        fresh.state.rng.set_state(used.state.rng.get_state())
+        nxt = [2 * torch.outer(v, u) + 1, torch.ones(8)]
+        a, b = _powersgd_step(used, params, nxt), _powersgd_step(fresh, params, nxt)
+        out.put((rank, (poisoned, used.wire_numels(Bucket(0, 1, params)), a.tolist(), b.tolist())))
+    except Exception:
+        out.put((rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_powersgd_after_a_non_finite_step_and_forget_is_a_fresh_states() -> None:
+    """fp16 loss scaling skips a step whose gradients hold inf, and PowerSGD.forget() drops the error-feedback
+    buffers and warm-start factors the hook filled with it: the next compressed step is bit for bit what a
+    state that never saw it computes (same step counter and generator), not NaN for ever."""
+    (res,) = run_ranks(_powersgd_member, 1, 1, "forget").values()
+    assert not isinstance(res, str), res
+    poisoned, sent, after, fresh = res
+    assert poisoned and sent[1] > 0  # the premise: the inf reached the error buffer; the step is compressed
+    assert torch.isfinite(torch.tensor(after)).all() and after == fresh
+
+
+def test_powersgd_replicas_end_with_the_sum_not_the_mean() -> None:
+    """Two replicas whose gradient matrices are multiples of one rank-1 matrix, (r + 1) u v^T: their sum 3 u v^T
+    is rank 1, so PowerSGD of rank 1 reconstructs it (up to the float32 rounding of one orthogonalisation:
+    relative 1e-5 covers a norm over 8 elements, a division and two 8-term products, each a few 6e-8
+    roundings), and the bias (not compressed) and the two plain first steps are exact sums of small integers.
+    torch's hook returns the mean; the replicas need the sum (as without compression)."""
+    results = run_ranks(_powersgd_member, 2, 2, "sum")
+    u, v = torch.arange(1.0, 9.0), torch.arange(-3.0, 5.0)
+    want = torch.cat([3 * torch.outer(u, v).flatten(), 3 * torch.arange(8.0)])
+    for rank, res in results.items():
+        assert not isinstance(res, str), f"rank {rank}:\n{res}"
+        outs, sent = res
+        assert sent[0] == [72] and sent[1] == [8, 8, 8]  # the premise: plain, then the matrix as two factors
+        assert outs[0] == want.tolist() and outs[1] == want.tolist()  # plain all-reduce: exact
+        torch.testing.assert_close(torch.tensor(outs[2]), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_powersgd_says_what_it_sends_and_refuses_a_state_of_other_buckets() -> None:
+    """No process group needed: the plain steps send the bucket; then a 16 x 12 matrix at rank 2 goes as P (16 x 2)
+    and Q (12 x 2) ((16 + 12) x 2 x min_rate 2 < 16 x 12: worth compressing), a vector whole.  A checkpoint's state for other buckets (larger or smaller) is refused with
+    a reason, and a fresh start; the state of these buckets loads."""
+    from vgraph.backends.torch.distributed.grad_compress import PowerSGD
+    from vgraph.cost.compression import GradCompression
+
+    params = [torch.nn.Parameter(torch.zeros(16, 12)), torch.nn.Parameter(torch.zeros(5))]
+    psgd = PowerSGD(None, GradCompression("powersgd", rank=2, start=2), size=2, seed=0)
+    assert psgd.wire_numels(Bucket(0, 1, params)) == [197]
+    psgd.state.iter = 2
+    assert psgd.wire_numels(Bucket(0, 1, params)) == [5, 32, 24]
+    saved = psgd.state_dict([197])
+    for other in ([196], [198], [197, 1], []):
+        assert "on buckets [197]" in psgd.load_state_dict(saved, other, torch.device("cpu")), other
+    assert psgd.load_state_dict(saved, [197], torch.device("cpu")) is None

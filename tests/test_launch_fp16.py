@@ -107,6 +107,10 @@ def test_a_resumed_fp16_launch_is_the_uninterrupted_one(setup, whole) -> None:
     assert saved["_growth_tracker"] == _tracker(whole.history, STOP_AT) >= 1
     second = _replicas(d, common, "split", resume=True)
     assert [r["step"] for r in second.history] == list(range(1, STEPS + 1)) and first.step == STOP_AT
+    # the premise: the second run resumed (its first rows are the first run's, wall times included; a run that
+    # started over would have timed them again), so the equalities below are the restored state's doing
+    assert [(r["step"], r["elapsed_s"]) for r in second.history[:STOP_AT]] == \
+        [(r["step"], r["elapsed_s"]) for r in first.history]
     assert [(r["step"], r["loss"], r["loss_scale"]) for r in second.history] == \
         [(r["step"], r["loss"], r["loss_scale"]) for r in whole.history]
     assert _scaler(d / "split") == _scaler(d / "whole")

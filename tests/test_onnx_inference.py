@@ -107,6 +107,39 @@ def test_kv_cache_decoder_equals_the_whole_context(passes, pe) -> None:
     assert verdict.ok, verdict
 
 
+def test_a_runtime_that_reads_only_the_cache_metadata_decodes_the_whole_context() -> None:
+    """An external runtime knows a cache only by the model's `vgraph.kv_cache` entry: it allocates the empty
+    past from `shape` (per sample) with a 0 at `axis` of the batched tensor, and keeps only the positions a call
+    added, cut from its present along `axis` and appended to its own past.  Batch 2, so an axis one off (the
+    per-sample index: the batch or the heads axis) cuts the wrong positions.  Its logits are the whole
+    context's."""
+    graph = tiny32()
+    weights = random_weights(graph, 5)
+    model = lower_inference(graph, weights, kv_cache=True)
+    caches = json.loads({p.key: p.value for p in model.metadata_props}["vgraph.kv_cache"])
+    assert caches  # the premise: there are caches to grow
+    sess = session(model)
+    ids = np.random.default_rng(2).integers(0, 96, (2, CONTEXT))
+    past = {}
+    for c in caches:
+        shape = [2, *c["shape"]]
+        shape[c["axis"]] = 0
+        past[c["past_key"]] = past[c["past_value"]] = np.zeros([int(d) for d in shape], np.float32)
+    out, start = [], 0
+    for n in (3, 1, 12, CONTEXT - 16):
+        names = [model.graph.output[0].name] + [c[k] for c in caches for k in ("present_key", "present_value")]
+        results = sess.run(names, {"embedder:in0": ids[:, start:start + n], **past})
+        out.append(results[0])
+        for i, c in enumerate(caches):
+            for j, which in enumerate(("key", "value")):
+                present, mine = results[1 + 2 * i + j], past[c[f"past_{which}"]]
+                added = np.take(present, range(start, start + n), axis=c["axis"])
+                past[c[f"past_{which}"]] = np.concatenate([mine, added], axis=c["axis"])
+        start += n
+    verdict = compare_outputs("logits", "runtime", np.concatenate(out, axis=1), torch_logits(graph, weights, ids))
+    assert verdict.ok, verdict
+
+
 def test_decoder_feeds_only_what_its_cache_lacks_and_starts_over_past_the_context() -> None:
     graph = tiny32()
     weights = random_weights(graph, 5)

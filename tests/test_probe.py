@@ -58,6 +58,52 @@ def test_calibration_scales_the_vnodes_to_the_whole_program() -> None:
     assert [k for k, _ in eff.kinds] == [k for k in KINDS if k in set(kinds.values())]
 
 
+def test_calibration_scales_overheads_and_per_sample_times_each_by_their_own_factor() -> None:
+    """The whole program's fixed time 3x the VNodes' and its per-sample time half of theirs: overheads scale
+    by 3 and the per-sample seconds (so the shares of peak) by 1/2.  With equal factors (the test above) a
+    calibration that scaled overheads by the per-sample factor could not be told apart (issue 41)."""
+    graph = prepare_graph(vgraph.load(TINY_FP32), target="cpu")
+    nodes = P.training_nodes(graph)
+    flops = P.forward_flops(graph)
+    kinds = {n.id: op_kind(n.type, flops[n.id]) for n in nodes}
+    sizes = (1, 8)
+    per_vnode = tuple({n.id: 1e-4 + m * 1e-5 for n in nodes} for m in sizes)  # 100 us + 10 us a sample each
+    whole = (3 * 1e-4 * len(nodes), 0.5 * 1e-5 * len(nodes))
+    peak = 1e10
+    eff = dict(P.calibrate(graph, per_vnode, whole, sizes, peak).kinds)  # type: ignore[arg-type]
+    assert set(eff) == set(kinds.values()) and "matmul" in eff
+    structural = sum(k == "structural" for k in kinds.values())
+    for kind, cost in eff.items():
+        assert cost.overhead == pytest.approx(3e-4)  # 100 us x 3 a VNode, whatever its kind
+        if kind == "structural":
+            continue
+        timed = sum(k == kind for k in kinds.values()) + (structural if kind == "elementwise" else 0)
+        seconds = timed * 0.5e-5  # the kind's VNodes' 10 us a sample, halved
+        work = sum(3 * flops[v] for v, k in kinds.items() if k == kind)
+        assert cost.of_peak == pytest.approx(min(1.0, work / seconds / peak))
+
+
+def test_a_timing_is_the_time_of_one_call_not_of_a_repetition(monkeypatch) -> None:
+    """A fake clock that each call of `fast` advances by 1 ms (`slow` by 3 ms; binary fractions of a second,
+    so the sums are exact): every repetition loops until 10 ms have passed, and one call takes 1 ms (3 ms),
+    however many calls a repetition made."""
+    ms = 2.0 ** -10
+    now = [0.0]
+
+    def tick(seconds: float):
+        def fn() -> None:
+            now[0] += seconds
+        return fn
+
+    monkeypatch.setattr(P, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    fast, slow = tick(ms), tick(3 * ms)
+    assert P.timed_in_turn([fast, slow], P.torch.device("cpu"), repeats=3, least=10 * ms) == [ms, 3 * ms]
+    # the premise: a warm-up call each, then three repetitions of 10 calls (10 ms) and 4 calls (12 ms)
+    assert now[0] == 4 * ms + 3 * (10 * ms + 12 * ms)
+    monkeypatch.setattr(P, "MIN_REPEAT_S", 5 * ms)
+    assert P.timed(fast, P.torch.device("cpu"), repeats=2) == ms
+
+
 def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, capsys) -> None:
     out = tmp_path / "h0.yml"
     assert main(["probe", str(TINY_FP32), "--id", "h0", "--bandwidth", "20Mbit/s", "--threads", "1",

@@ -71,6 +71,51 @@ def test_the_table_goes_into_fleets_of_every_layout():
         PC.with_collectives(flow, "f.yml", table)
 
 
+def test_known_all_reduce_times_give_the_hop_and_the_ring_rate_by_hand(monkeypatch):
+    """Rank 0 of 3 measures against a fake process group and a fake clock: an all-reduce of 8 numbers among
+    k ranks takes small[k], of 1 MiB big[k], a control step 0.5 ms.  A ring all-reduce runs 2 (k - 1) hops,
+    so at k = 3 the hop is small[3] / 4 (not / 2: that would price every message twice), and the ring rate is
+    the bytes it moves, 2 (k - 1) / k MiB, over the time its hops do not take."""
+    import torch.distributed as dist
+
+    from vgraph.backends.torch.distributed import comm, rendezvous
+
+    small, big = {2: 1e-3, 3: 4e-3}, {2: 0.011, 3: 0.024}
+    now = [0.0]
+
+    class Control:
+        def __init__(self, rank, world, group=None):
+            self.world = world
+
+        def all_reduce(self, values):
+            now[0] += 2e-4
+            return values
+
+        def gather(self, obj):
+            now[0] += 3e-4
+            return [obj] * self.world
+
+    def all_reduce(tensor, group=None):
+        now[0] += (small if tensor.numel() == 8 else big)[len(group)]
+
+    monkeypatch.setattr(PC, "time", type("FakeTime", (), {"perf_counter": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(comm, "ControlGroup", Control)
+    monkeypatch.setattr(rendezvous, "rendezvous_store", lambda *a, **k: None)
+    monkeypatch.setattr(rendezvous, "gloo_environment", lambda *a, **k: {})
+    for name, fake in (("init_process_group", lambda *a, **k: None), ("new_group", lambda ranks: list(ranks)),
+                       ("all_reduce", all_reduce), ("barrier", lambda *a, **k: None),
+                       ("destroy_process_group", lambda *a, **k: None)):
+        monkeypatch.setattr(dist, name, fake)
+    table = PC.measure(0, 3, rounds=3, env={})
+    assert [n for n, _, _ in table.rows] == [1, 2, 3]
+    (_, c1, h1), (_, c2, h2), (_, c3, h3) = table.rows
+    assert (c1, c2, c3) == (pytest.approx(5e-4),) * 3 and h1 == 0.0
+    assert h2 == pytest.approx(1e-3 / 2) and h3 == pytest.approx(4e-3 / 4)  # 2 and 4 ring hops
+    mib = 2 ** 20
+    assert table.ring(2) == pytest.approx(mib / (0.011 - 2 * 0.5e-3))
+    assert table.ring(3) == pytest.approx(4 / 3 * mib / (0.024 - 4 * 1e-3))
+
+
 def test_the_host_counts_measured():
     assert PC.rank_counts(2) == [1, 2]
     assert PC.rank_counts(4) == [1, 2, 3, 4]

@@ -48,8 +48,13 @@ def _zero_gradient(key: str) -> bool:
 
 
 def assert_same_weights(a: str | Path, b: str | Path, *, steps: int = 0, lr: float = 0.0,
-                        bitwise: bool = False) -> None:
-    """The checkpoints `a` and `b` hold the same training's weights and optimizer state (see the docstring)."""
+                        bitwise: bool = False, flips: float = 0.0) -> None:
+    """The checkpoints `a` and `b` hold the same training's weights and optimizer state (see the docstring).
+
+    `flips`: the largest relative change a flipped rounding on the wire can make to a gradient (an int8
+    quantum, 1/127: tests/test_distributed_compression.py derives it); it widens each moment's bound by
+    `flips` of its largest value (second moments: twice, a square) and each weight's by Adam's update
+    off by that much every step, 2 x flips x ADAM_MAX_STEP x lr x steps."""
     ca, cb = load_checkpoint(a, map_location="cpu"), load_checkpoint(b, map_location="cpu")
     assert ca.model_state.keys() == cb.model_state.keys() and ca.model_state
     assert ca.optimizer_states.keys() == cb.optimizer_states.keys() and ca.optimizer_states
@@ -75,8 +80,12 @@ def assert_same_weights(a: str | Path, b: str | Path, *, steps: int = 0, lr: flo
                 assert diff <= bound, f"{key}: {diff:.3g} > Adam's bound {bound:.3g}"
             continue
         scale = float(y.double().abs().max())
-        tol = rtol * (2 if key.endswith(":exp_avg_sq") else 1)
-        assert diff <= tol * scale, f"{key}: differs by {diff:.3g}, {diff / max(scale, 1e-30):.3g} of its largest value"
+        square = 2 if key.endswith(":exp_avg_sq") else 1
+        bound = rtol * square * scale
+        if flips:
+            bound += square * flips * scale if ":" in key else 2 * flips * ADAM_MAX_STEP * lr * steps
+        assert diff <= bound, (f"{key}: differs by {diff:.3g}, {diff / max(scale, 1e-30):.3g} of its largest value "
+                               f"(bound {bound / max(scale, 1e-30):.3g})")
 
 
 # Imported by every launch worker (a --plugin file; RECORD is written above it): before each check of the

@@ -127,7 +127,7 @@ TARGETS: dict[str, Target] = {
         timeout=300.0, why="what a training run saves and restores on resume (scaler, optimizer, data RNG)"),
     "stepcost": Target(
         "vgraph/cost/stepcost.py", ("tests/test_stepcost.py", "tests/test_replica_shares.py", "tests/test_op_kinds.py",
-                                    "tests/test_makespan.py"),
+                                    "tests/test_makespan.py", "tests/test_collectives.py"),
         functions=("bubble", "resident_samples", "resident_array", "ring_allreduce_bytes", "loads", "link",
                    "stage_rates", "compute_per_sample", "stage_overhead", "compute_seconds", "step_cost_of",
                    "_slowest_link", "pipeline_seconds", "balanced_shares", "_fill_from_below", "tasks",
@@ -171,6 +171,25 @@ TARGETS: dict[str, Target] = {
     "loss-scaler": Target(
         "backends/torch/distributed/loss_scaler.py", ("tests/test_loss_scaler.py",),
         timeout=600.0, why="a launch's loss-scale decisions and their checkpoint state"),
+    "probe": Target(
+        "backends/torch/probe.py", ("tests/test_probe.py", "-k", "calibration or timing"),
+        functions=("timed_in_turn", "timed", "_line", "calibrate"),
+        timeout=300.0, why="the probed figures a fleet entry carries: time per call, the calibration's two scales"),
+    "probe-collectives": Target(
+        "backends/torch/probe_collectives.py", ("tests/test_probe_collectives.py", "-k", "by_hand or host_counts"),
+        functions=("rank_counts", "measure", "_median"),
+        timeout=300.0, why="the fleet's measured control, hop and ring rate by rank count"),
+    "collectives": Target(
+        "vgraph/cost/collectives.py", ("tests/test_collectives.py",),
+        functions=("ring", "at", "_lookup", "collectives_of"),
+        timeout=300.0, why="what the table adds to a plan's price: interpolated control and hop, the ring cap"),
+    "grad-compress": Target(
+        "backends/torch/distributed/grad_compress.py", ("tests/test_grad_sync.py", "-k", "powersgd or hook"),
+        timeout=600.0, why="PowerSGD on the replicas' buckets: the sum, its bytes, forgetting a non-finite step"),
+    "worker-step": Target(
+        "backends/torch/distributed/worker.py", ("tests/test_distributed_replicas.py", "-k", "clip"),
+        functions=("_local_sumsq", "_local_bad_grads", "_optimizer_step"),
+        timeout=600.0, why="a launch worker's update: the clip norm over replicas, skipped steps, the optimizer"),
     "replica-groups": Target(
         "backends/torch/distributed/replica_groups.py",
         ("tests/test_distributed_replicas.py", "-k", "stage_groups or drifted"),
