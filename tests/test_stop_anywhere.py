@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import random
+import shlex
 import signal
 from pathlib import Path
 
@@ -87,12 +88,17 @@ def test_a_stop_anywhere_saves_the_last_finished_step_and_resumes(phase: str, ca
     saved = ckpt.load_checkpoint(latest).step
     logged = _logged_steps(run)
     assert logged == list(range(1, saved + 1)), f"logged {logged}, checkpoint at {saved}"  # nothing finished lost
+    resume = argv + ["--resume"]
     if code == 130:
         assert f"stopped at step {saved} of {STEPS}; checkpoint {latest}" in err
-        assert f"vgraph train {TINY} --out {run} --resume" in err
+        # the hint is the command to copy: this one's options, the run as --out, --resume; it is what resumes
+        hint = shlex.split(err.split("Continue with: ", 1)[1].splitlines()[0])
+        resume = hint[hint.index("train"):]
+        assert resume[:2] == ["train", str(TINY)] and "--resume" in resume, hint
+        assert {"--data", corpus, "--out", str(run)} <= set(resume), hint
     else:  # the signal came after the last step's checkpoint: the run had finished
         assert code == 0 and saved == STEPS
-    assert cli.main(argv + ["--resume"]) == 0
+    assert cli.main(resume) == 0
     assert _logged_steps(run) == list(range(1, STEPS + 1))  # every step logged exactly once
     assert ckpt.load_checkpoint(ckpt.latest_checkpoint(run)).step == STEPS
 
