@@ -44,7 +44,6 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -139,9 +138,9 @@ def _stage_module(full, lo: int, hi: int, first: bool, last: bool):
     return Stage()
 
 
-def torch_worker(spec_path: str) -> int:
-    """One rank of the DDP or pipelining run `spec_path` describes (env: RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
-    spec = json.loads(Path(spec_path).read_text())
+def train_torch(spec: dict, rank: int, world: int) -> dict | None:
+    """One rank of the DDP or pipelining run `spec` describes, in a process group already joined; rank 0
+    returns {"times": seconds per step, "losses": the global batch's loss per step}."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -151,9 +150,6 @@ def torch_worker(spec_path: str) -> int:
     from vgraph.backends.torch.node_optimizers import make_adam
     from vgraph.data.shards import open_prepared
 
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = HandwrittenConfig(**spec["cfg"])
     data = TokenShards(open_prepared(spec["data"], verify="size"), seq_len=cfg.seq_len, vocab=cfg.vocab, seed=0)
     full = HandwrittenTransformer(cfg)
@@ -205,29 +201,58 @@ def torch_worker(spec_path: str) -> int:
             stamps.append(time.perf_counter())
         mine = torch.stack(losses)
     dist.all_reduce(mine)  # DDP: the shares' weighted losses; pipelining: the last stage's
-    if rank == 0:
-        times = [b - a for a, b in zip(stamps, stamps[1:])]
-        Path(spec["out"]).write_text(json.dumps({"times": times, "losses": mine.tolist()}))
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    return {"times": [b - a for a, b in zip(stamps, stamps[1:])], "losses": mine.tolist()}
+
+
+def torch_worker(spec_path: str) -> int:
+    """A testbed host's rank (env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 writes spec["out"]."""
+    import torch
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = train_torch(spec, rank, world)
+        if result is not None:
+            Path(spec["out"]).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
     return 0
 
 
-def run_torch(spec: dict, work: Path, name: str, hosts=None, port: int = 0) -> tuple[list[float], float]:
-    """(step times, last loss) of one torch run: P processes here, or one per testbed host (`hosts`)."""
-    from vgraph.backends.torch.distributed.rendezvous import free_port
+def _torch_member(rank: int, world: int, port: int, spec: dict, out) -> None:
+    """A rank on this machine, forked by bench_grad_sync's forkserver (`_spawn`): no torch import per run."""
+    import torch
+    import torch.distributed as dist
 
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank,
+                            world_size=world)
+    try:
+        out.put((rank, train_torch(spec, rank, world)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_torch(spec: dict, work: Path, name: str, hosts=None, port: int = 0) -> tuple[list[float], float]:
+    """(step times, last loss) of one torch run: P processes on this machine, or one per testbed host."""
+    if hosts is None:
+        from bench_grad_sync import _spawn
+
+        result = _spawn(_torch_member, spec["world"], spec)[0]
+        return result["times"], result["losses"][-1]
     spec = dict(spec, out=str(work / f"{name}.out.json"))
     path = work / f"{name}.json"
     path.write_text(json.dumps(spec))
     world = spec["world"]
     argv = [sys.executable, str(Path(__file__).resolve()), "--torch-worker", str(path)]
-    addr = "127.0.0.1" if hosts is None else hosts.ips[0]
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR=addr, OMP_NUM_THREADS="1",
-               MASTER_PORT=str(port or free_port()))
-    if hosts is None:
-        procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r))) for r in range(world)]
-    else:
-        procs = [hosts.popen(r, argv, env=dict(env, RANK=str(r), GLOO_SOCKET_IFNAME="eth0")) for r in range(world)]
+    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR=hosts.ips[0], MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
+    procs = [hosts.popen(r, argv, env=dict(env, RANK=str(r))) for r in range(world)]
     codes = [p.wait(timeout=1800) for p in procs]
     if any(codes):
         raise SystemExit(f"bench_vs_torch: a {spec['mode']} process exited with {codes} (its traceback above)")
