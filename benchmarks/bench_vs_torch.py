@@ -300,10 +300,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.network, args.procs, args.steps, args.warmup, args.rounds, args.uneven = "tiny", "2", 3, 1, 1, False
         args.batch, args.micro_batches = 4, 2
-    if args.uneven is None:
-        args.uneven = os.geteuid() == 0
-    if args.steps <= args.warmup + 1:
-        ap.error("--steps must exceed --warmup by at least 2 (step times are differences)")
+    try:
+        procs = [int(p) for p in args.procs.split(",")]
+    except ValueError:
+        ap.error(f"--procs takes process counts separated by commas, got {args.procs!r}")
+    if not procs or min(procs) < 2 or max(procs) > 64:
+        ap.error(f"--procs: each count must be 2 to 64 (a DDP or a pipeline of one process compares nothing), "
+                 f"got {args.procs!r}")
+    for P in procs:
+        if args.batch < 1 or args.batch % P or args.batch % args.micro_batches or args.micro_batches < 1:
+            ap.error(f"--batch {args.batch} must split evenly into {P} processes and {args.micro_batches} "
+                     f"micro-batches (unequal pieces would weight the two sides' losses differently)")
+    if args.rounds < 1 or args.warmup < 0 or args.steps <= args.warmup + 1:
+        ap.error("--rounds must be at least 1 and --steps exceed --warmup by at least 2 (step times are differences)")
+    if args.uneven is not False:
+        from tools.netlab import NetlabError, check_available
+
+        try:
+            check_available()
+            args.uneven = True
+        except NetlabError as exc:
+            if args.uneven:
+                ap.error(f"--uneven needs the netlab testbed: {exc}")
+            args.uneven = False
     return run(args)
 
 
