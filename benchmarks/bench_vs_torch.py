@@ -429,9 +429,10 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
     """Two testbed hosts, one core and half a core: `vgraph launch --replicas 2` on the probed fleet (the
     planner's shares) against DDP's equal split, alternated; the planner's predicted margin against the
     measured one.  Returns the table."""
+    from bench_testbed import host_pricer, probe_hosts
     from tools.netlab import Testbed
     from vgraph.backends.torch.distributed.launch import place, split_pipeline
-    from vgraph.cost.fleet import fleet_text, load_fleet
+    from vgraph.cost.fleet import load_fleet
     from vgraph.transform.pipeline import run_pipeline
     import vgraph
 
@@ -440,21 +441,13 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
     cores = (1.0, 0.5)
     times: dict[str, list[float]] = {"launch": [], "DDP": []}
     with Testbed(2, cpu=list(cores)) as tb:
-        entries = []
-        for i in range(2):  # one at a time, each inside its quota
-            out = work / f"probe-h{i}.yml"
-            done = tb.run(i, [vg, "probe", str(network), "--id", f"h{i}", "--threads", "1", "--no-precisions",
-                              "--batch", str(args.batch), *(["--quick"] if args.network == "tiny" else []),
-                              "-o", str(out)], timeout=1200)
-            if done.returncode != 0:
-                raise SystemExit(f"bench_vs_torch: probe of host {i} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-            entries.append(load_fleet(out).pnodes[0])
         fleet = work / "fleet-uneven.yml"
-        fleet.write_text(fleet_text("uneven", entries, f"probed on the testbed: hosts of {cores[0]:g} and "
-                                                       f"{cores[1]:g} cores"))
+        # bench_testbed's probes: each host inside its quota, its link measured to the other, then the
+        # collectives table of both (the full run: each host twice, one at a time, a third where they disagree)
+        probe_hosts(tb, network, fleet, 2.0, rounds=50, smoke=args.network == "tiny", batch=args.batch, micro=1)
         for r in range(args.rounds):
             for way in (("launch", "DDP") if r % 2 == 0 else ("DDP", "launch")):
-                port = 29400 + 10 * (2 * r + (way == "DDP"))
+                port = 29600 + 10 * (2 * r + (way == "DDP"))
                 if way == "DDP":
                     steps, _ = run_torch(dict(common, mode="ddp", world=2), work, f"uneven-r{r}", hosts=tb,
                                          port=port)
@@ -479,6 +472,8 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
             print(f"uneven round {r + 1}/{args.rounds}: launch {times['launch'][-1] * 1e3:.1f} ms, DDP "
                   f"{times['DDP'][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
     shares = planned["batch_shares"]
+    price = host_pricer(network, args.batch, 1)
+    alone = ", ".join(f"{p.id} {price(p) * 1e3:.1f} ms" for p in load_fleet(fleet).pnodes)
     graph = vgraph.load(network)
     before, partition, after = split_pipeline(None, True, {})
     seen = graph.copy()
@@ -490,7 +485,8 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
     measured = statistics.median(d / v for d, v in zip(times["DDP"], times["launch"]))
     return "\n".join([
         f"Unequal hosts (netlab: host h0 {cores[0]:g} core, h1 {cores[1]:g} core, cgroup quotas; fleet probed "
-        f"inside them), 2 processes, batch {args.batch}, {args.rounds} alternated rounds:", "",
+        f"inside them: the whole step alone priced at {alone}), 2 processes, batch {args.batch}, "
+        f"{args.rounds} alternated rounds:", "",
         "| way | batch shares | predicted step ms | measured step ms (median of rounds) |",
         "|---|---|---:|---:|",
         f"| vgraph launch --replicas 2 (planner) | {shares} | {planned['step_seconds'] * 1e3:.1f} | "
