@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import vgraph  # noqa: E402
 from vgraph.backends.onnx.check import _compile, _state_numpy, fp32_graph, random_feeds, session  # noqa: E402
-from vgraph.backends.onnx.lower import lower_network, value_name  # noqa: E402
+from vgraph.backends.onnx import lower_network, value_name  # noqa: E402
 from vgraph.cost.analyze import analyze  # noqa: E402
 
 VARIANTS = {"unfused": "none", "fused": "fuse-heads,fuse-lm-head-ce"}

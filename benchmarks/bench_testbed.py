@@ -450,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     plot(rows, Path(args.plot))
     print(f"plot: {args.plot}; load after: {os.getloadavg()[0]:.2f}")
-    print(f"worst predicted/measured: {worst:.2f}; pick vs fastest: {pick:.2f}")
+    print(f"worst predicted/measured: {worst:.2f}; pick vs fastest: {pick:.2f} (measured: medians of {args.passes} "
+          f"alternated passes)")
     return 0
 
 

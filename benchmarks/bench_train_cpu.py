@@ -339,10 +339,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{min(times['gemm']) * 1e3:.0f}-{max(times['gemm']) * 1e3:.0f} | - | - | {gemm_rate / 1e9:.1f} | 100% | - |")
     print("\nRatios and MFU are medians of the per-round values (each round runs every variant back to back).")
     if "vgraph fused" in times and "vgraph unfused" in times:
-        print(f"Head fusion: fused / unfused step time = {paired('vgraph fused', 'vgraph unfused'):.3f}.")
+        print(f"Head fusion: fused / unfused step time = {paired('vgraph fused', 'vgraph unfused'):.3f} (median of "
+              f"{args.rounds} alternated rounds).")
     if "vgraph fused +compile" in times and "handwritten" in times:
         print(f"Best of each: vgraph fused +compile / handwritten (eager) = "
-              f"{paired('vgraph fused +compile', 'handwritten'):.3f}.")
+              f"{paired('vgraph fused +compile', 'handwritten'):.3f} (median of {args.rounds} alternated rounds).")
     print(f"Load average after the run: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}.")
     return 0
 

@@ -52,6 +52,8 @@ SMOKE: dict[str, list[str] | None] = {
                         "--", "benchmarks/bench_passes.py", "--sizes", "200", "--repeat", "1"],
     "bench_testbed.py": ["--smoke", "--plot", "{tmp}/testbed.png", "--workdir", "{tmp}/bench-testbed"],
     "bench_hop_latency.py": ["--smoke"],
+    # the tiny network, 2 processes, 3 steps of each way, equal hosts only (--smoke); --data as above
+    "bench_vs_torch.py": ["--smoke", "--data", "{root}/docs/plugins.md"],
 }
 NEEDS_ROOT = {"bench_testbed.py", "bench_hop_latency.py"}  # the netlab testbed (network namespaces, cgroups): CI runs as root
 # gpu_check.sh without CUDA runs bench_gpu.py and bench_launch_pair.py on tiny shapes (its CPU fallback);
@@ -115,3 +117,20 @@ def test_bench_testbed_refuses_a_file_for_its_workdir(tmp_path: Path) -> None:
                        env=_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is not a directory" in r.stderr and "Traceback" not in r.stderr
     assert taken.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--procs", "1"], "each count must be 2 to 64"),
+    (["--procs", "2,x"], "process counts separated by commas"),
+    (["--procs", ""], "process counts separated by commas"),
+    (["--batch", "6", "--procs", "4"], "must split evenly into 4 processes"),
+    (["--batch", "8", "--micro-batches", "3"], "must split evenly"),
+    (["--steps", "3", "--warmup", "2"], "exceed --warmup by at least 2"),
+    (["--rounds", "0"], "--rounds must be at least 1"),
+])
+def test_bench_vs_torch_refuses_settings_that_compare_nothing(args: list[str], message: str, tmp_path: Path) -> None:
+    """Refused before anything runs: exit 2, the option named, no traceback."""
+    r = subprocess.run([sys.executable, str(BENCH / "bench_vs_torch.py"), *args], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

@@ -119,6 +119,11 @@ def test_two_workers_with_a_split_tied_weight_train_like_one_process(files, refe
     # Per PNode too, on one basis: what each sent (w0: activations and the tied weight; w1: their gradients).
     sent = {p: info["bytes_sent_per_step"] for p, info in result.placement["pnodes"].items()}
     assert [{p: f["bytes_sent"] for p, f in r["pnodes"].items()} for r in result.history] == [sent] * STEPS
+    # Rows are gathered at sync points by rank 0's clock (worker.py), yet every row keeps its own step's time
+    # (rank 0's clock at the step's end) and the network's metric (measured on w1, which holds the LM head).
+    elapsed = [r["elapsed_s"] for r in result.history]
+    assert all(b > a for a, b in zip(elapsed, elapsed[1:]))
+    assert [r.get("learning_rate") for r in result.history] == [pytest.approx(LR)] * STEPS
     # The run directory of `vgraph train`, and worker lines prefixed with their PNode.
     run = tmp_path / "run"
     for name in ("network.yml", "tokenizer.json", "run.json", "metrics.jsonl", "metrics.csv", "loss_curve.png",

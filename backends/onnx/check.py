@@ -39,7 +39,8 @@ import onnx
 
 from vgraph import Graph, VGraphError, verify
 
-from .lower import expected_param_shapes, input_name, lower_network, network_input_type, value_name
+from .lower import expected_param_shapes, lower_network, network_input_type
+from .names import input_name, value_name
 
 __all__ = ["providers", "session", "random_feeds", "fp32_graph", "weights_from_checkpoint",
            "initial_weights", "random_weights", "scaled_weights", "torch_outputs", "onnx_outputs", "OutputError",

@@ -140,7 +140,8 @@ def _export(args: argparse.Namespace) -> int:
 
     from .check import fp32_graph
     from .inference import lower_inference
-    from .lower import SEQUENCE_DIM, context_length, expected_param_shapes
+    from .lower import context_length, expected_param_shapes
+    from .names import SEQUENCE_DIM
 
     if args.with_loss and args.kv_cache:
         raise VGraphError("--with-loss and --kv-cache exclude each other: a decoder returns logits only")

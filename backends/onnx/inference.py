@@ -43,7 +43,8 @@ from vgraph import Graph, VGraphError
 from vgraph.base.diagnostics import printable
 from vgraph.base.jsonio import loads
 
-from .lower import BATCH_DIM, PAST_DIM, SEQUENCE_DIM, build_model, context_length, value_name
+from .lower import build_model, context_length
+from .names import BATCH_DIM, PAST_DIM, SEQUENCE_DIM, value_name
 
 __all__ = ["inference_outputs", "lower_inference", "Decoder"]
 

@@ -25,7 +25,8 @@ from vgraph import Graph, VGraphError
 from .check import (DEFAULT_SCALES, CheckReport, _compile, _run_module, check_network, compare_outputs, fp32_graph,
                     random_feeds, random_weights, session)
 from .inference import lower_inference
-from .lower import context_length, value_name
+from .lower import context_length
+from .names import value_name
 
 __all__ = ["check_network_and_export", "check_inference", "sequence_lengths"]
 

@@ -23,7 +23,8 @@ import onnx
 
 from vgraph import Graph, VGraphError
 
-from .lower import BATCH_DIM, OPSET, build_model, input_name, value_name
+from .lower import OPSET, build_model
+from .names import BATCH_DIM, input_name, value_name
 
 __all__ = ["Boundary", "Piece", "boundary", "export_subgraph", "assignment_from_meta",
            "assignment_by_group", "split_topological", "stages", "export_pieces", "run_in_sequence"]

@@ -6,8 +6,9 @@
 Run on every host of the fleet at the same time, as `vgraph launch` is (the same rendezvous, token rule
 and gloo backend: rendezvous.py).  For k = 1 .. N hosts (every k up to 16, then powers of two and N), the
 first k ranks time, `--rounds` times back to back, what the workers run every step besides training
-(`ControlGroup`, comm.py: the all-reduce of the step's five decisions, the gather of a metrics row to rank
-0, and rank 0 appending it to metrics.jsonl and .csv: `MetricsLog`), a gloo all-reduce of 8 numbers,
+(`ControlGroup`, comm.py: the all-reduce of the step's six decisions; the gather of the metrics rows to
+rank 0 and their writing happen at sync points about once a second (worker.py), a millisecond or two a
+second, and are not timed), a gloo all-reduce of 8 numbers,
 whose time over its 2 (k - 1) ring hops is one message's while k ranks communicate, and (RING_ROUNDS
 times) one of RING_BYTES, the bytes a second a replicas' gradient all-reduce gets among them (its hops'
 latency taken out); the other ranks wait.  Rank 0 writes the medians as the fleet's
@@ -19,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -32,16 +32,10 @@ from vgraph.cost.collectives import Collectives, collectives_of
 from vgraph.cost.fleet import MAX_FLEET_BYTES, FleetError, loads_fleet
 from vgraph.yamlio.yaml_reader import compose
 
-from .metrics_log import MetricsLog
 
 RENDEZVOUS_S = 300.0  # how long rank 0 waits for the others to join
 RING_BYTES, RING_ROUNDS = 1 << 20, 5  # the all-reduce whose rate is measured (0.7 s a round at 20 Mbit/s)
 MAX_ROUNDS = 100_000
-_LOGGED = {"step": 1, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0, "elapsed_s": 1.0, "val_loss": None}
-_METRICS_ROW = ({"loss": 1.0, "lr": 1e-3, "loss_scale": 1.0},  # what a worker gathers at a logged step
-                [(1, {"step_s": 0.1, "idle_s": 0.01, "bytes_sent": 123456, "tensor_peak_bytes": 1 << 20,
-                      "peak_rss_bytes": 1 << 28})])
-
 
 def rank_counts(world: int) -> list[int]:
     """The host counts measured: every one up to 16, then the powers of two below `world`, and `world`."""
@@ -64,30 +58,21 @@ def measure(rank: int, world: int, rounds: int, env: dict[str, str] | None = Non
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=RENDEZVOUS_S))
     try:
-        with tempfile.TemporaryDirectory(prefix="vgraph-probe-") as tmp:
-            log = MetricsLog(Path(tmp), list(_LOGGED)) if rank == 0 else None
-            rows, rings = [], {}
-            for k in rank_counts(world):
-                group = dist.new_group(list(range(k)))  # every rank creates every group, in the same order
-                if rank < k:
-                    ctrl = ControlGroup(rank, k, group)
-                    small = torch.zeros(8, dtype=torch.float64)
-
-                    def control_step() -> None:
-                        ctrl.all_reduce([0.0] * 5)
-                        gathered = ctrl.gather(_METRICS_ROW)
-                        if log is not None:
-                            log.append([{**_LOGGED, "pnodes": {str(i): g[1][0][1] for i, g in enumerate(gathered)}}])
-
-                    control = _median(control_step, rounds)
-                    hop = _median(lambda: dist.all_reduce(small, group=group), rounds) / (2 * (k - 1)) if k > 1 else 0.0
-                    rows.append((k, control, hop))
-                    if k > 1:
-                        big = torch.zeros(RING_BYTES // 4)
-                        seconds = _median(lambda: dist.all_reduce(big, group=group), min(rounds, RING_ROUNDS))
-                        moved = 2 * (k - 1) / k * RING_BYTES
-                        rings[k] = max(1.0, moved / max(seconds - 2 * (k - 1) * hop, seconds / 10))
-                dist.barrier()
+        rows, rings = [], {}
+        for k in rank_counts(world):
+            group = dist.new_group(list(range(k)))  # every rank creates every group, in the same order
+            if rank < k:
+                ctrl = ControlGroup(rank, k, group)
+                small = torch.zeros(8, dtype=torch.float64)
+                control = _median(lambda: ctrl.all_reduce([0.0] * 6), rounds)
+                hop = _median(lambda: dist.all_reduce(small, group=group), rounds) / (2 * (k - 1)) if k > 1 else 0.0
+                rows.append((k, control, hop))
+                if k > 1:
+                    big = torch.zeros(RING_BYTES // 4)
+                    seconds = _median(lambda: dist.all_reduce(big, group=group), min(rounds, RING_ROUNDS))
+                    moved = 2 * (k - 1) / k * RING_BYTES
+                    rings[k] = max(1.0, moved / max(seconds - 2 * (k - 1) * hop, seconds / 10))
+            dist.barrier()
         return collectives_of(rows, rings) if rank == 0 else None
     finally:
         dist.destroy_process_group()

@@ -1,9 +1,9 @@
 """What a step's small collectives cost among a fleet's hosts: measured together, not derived from links.
 
 Every launch step runs collectives over all its N ranks besides the pipeline's messages and the
-gradients' ring: an all-reduce on the control group (loss, gradient norm, traffic, a stop request: every
-rank decides alike) and, at every logged step (each step on a CPU by default), the gather of the ranks'
-metrics to rank 0.  Both are latency-bound, a few bytes over 2 (N - 1) hops, and a link probed between
+gradients' ring: an all-reduce on the control group (loss, gradient norm, traffic, a stop request, rank
+0's vote for a sync point: every rank decides alike) and, at sync points (about once a second unless
+--log-every asks for more; every step until issue 42), the gather of the ranks' metrics to rank 0.  Both are latency-bound, a few bytes over 2 (N - 1) hops, and a link probed between
 two idle hosts does not tell their price.  On the netlab testbed a gloo all-reduce of 8 numbers over 4
 hosts took 5.7-6.9 ms and 0.27 ms over 2, while a round trip between two of the 4 took 0.26-0.34 ms
 (BENCHMARKS.md, `bench_hop_latency.py`): with 4 ranks each one spends ~1.6 ms of CPU in a gloo
@@ -16,11 +16,11 @@ hosts at once, times them as the workers run them, and the fleet carries the tab
       - {ranks: 2, control: 1.4ms, hop: 0.16ms, ring: 110MB/s}
       - {ranks: 4, control: 7.4ms, hop: 0.94ms, ring: 61MB/s}
 
-`control`: what a step costs besides training over that many ranks: the control collectives (the
-all-reduce and the metrics gather) and rank 0's metrics row (metrics.jsonl and .csv), which the others
-wait for at the next step's all-reduce; on one 0.5-core testbed host 0.8 ms went to the all-reduce and
-2.9 ms to gathering and writing the row of tb-medium's step, and a one-host plan ran 6-13 ms over its
-prediction without them.  `hop`: one message between two of them while all communicate (a small
+`control`: what a step costs besides training over that many ranks: the control all-reduce.  (It was
+also the metrics gather and rank 0's metrics row while workers gathered every step: on one 0.5-core
+testbed host 0.8 ms went to the all-reduce and 2.9 ms to gathering and writing the row of tb-medium's
+step, and a one-host plan ran 6-13 ms over its prediction without them; at a sync point a second that is
+well under 1% of any step, and not priced.)  `hop`: one message between two of them while all communicate (a small
 all-reduce's time over its 2 (ranks - 1) ring hops; 0 for one rank).  `ring` (optional): the bytes a
 second a gloo all-reduce of 1 MiB moves among them (its algorithm bandwidth, 2 (ranks - 1) / ranks x
 bytes / seconds): with 4 hosts on this machine's 2 cores the ring's reductions and four TCP streams at

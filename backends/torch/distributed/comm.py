@@ -139,7 +139,8 @@ class ControlGroup:
     A world of one rank (a one-PNode launch) answers locally: the same values, the objects themselves
     (nothing crosses a process, so nothing is pickled).  Through gloo the step's two calls cost an
     instrumented one-host tb-small worker 1.25 ms of a 26 ms step (gather_object alone 0.88 ms: it pickles,
-    exchanges sizes, then the bytes), time no cost model priced and no rank needed."""
+    exchanges sizes, then the bytes), time no cost model priced and no rank needed; so a worker now gathers
+    only at sync points, about once a second unless --log-every asks otherwise (worker.py)."""
 
     def __init__(self, rank: int, world: int, group: Any = None) -> None:
         self.rank, self.world, self.group = rank, world, group

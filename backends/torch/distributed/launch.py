@@ -827,7 +827,9 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="N")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--threads", type=_positive_int, help="CPU threads per worker (default: cores / workers)")
-    p.add_argument("--log-every", type=_positive_int, metavar="N")
+    p.add_argument("--log-every", type=_positive_int, metavar="N",
+                   help="gather the metrics rows on rank 0 every N steps (default: about once a second; every "
+                        "step has its row either way)")
     p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM")
     add_optimizer_options(p)  # --weight-decay; --grad-accum K: the global batch K x --batch in >= K micro-batches
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")

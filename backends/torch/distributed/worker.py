@@ -27,8 +27,13 @@ What a worker does, per training step (every rank the same, in lockstep):
    `vgraph train`);
 4. steps its optimizers (per VNode, as `vgraph train`), then owners send
    tied weights to their replicas;
-5. on logging / validation / checkpoint steps, joins the collectives that
-   gather metrics, validation loss and checkpoint state on rank 0.
+5. at sync points (validation, checkpoint, `--log-every` steps, and by default whenever rank 0 last
+   flushed at least FLUSH_SECONDS ago: its vote travels in step 3's reduction, so every rank agrees),
+   joins the collectives that gather the metrics rows since the last sync point, validation loss and
+   checkpoint state on rank 0.  Every step still gets its row, with rank 0's own clock at its end as
+   `elapsed_s`.  Gathering at every step, as before, cost two more collectives a step (gather_object:
+   sizes, then bytes) than torch's DDP loop makes: on the tiny network a quarter of launch's step,
+   which left it 2.4x DDP's (benchmarks/bench_vs_torch.py).
 
 Micro-batching is exact: a cost is a mean over its tokens, so micro-batch m's
 loss is weighted by its share of the batch's counted tokens (targets equal to
@@ -107,7 +112,9 @@ from ..interrupt import StopRequest
 from ..train_step import LossCheck
 from ..training_setup import seed_everything, use_deterministic_kernels
 
-__all__ = ["main", "Worker", "claim_run", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment"]
+__all__ = ["main", "Worker", "claim_run", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment", "FLUSH_SECONDS"]
+
+FLUSH_SECONDS = 1.0  # without --log-every: rank 0's rows and figures are gathered about this often (see 5. above)
 
 @dataclass
 class _Step:
@@ -291,7 +298,8 @@ class Worker:
                 self.progress = RankZeroProgress(progress_mode(os.environ, self.place.launcher), self.cfg.steps,
                                                  start, "launch", lambda line: print(line, flush=True))
         self._announce(start)
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[dict[str, Any]] = []  # rank 0: the rows since the last sync point
+        self._extras: list[tuple[int, dict[str, Any]]] = []  # this rank's metrics entries since then, by step
         self._start_time = self._last_flush = time.perf_counter()
         dist.barrier(group=self.ctrl.group)  # rank 0's set-up (log files, TensorBoard's drawing) is not step 1's idle
         for step in range(start + 1, self.cfg.steps + 1):
@@ -344,27 +352,31 @@ class Worker:
         done = _Step({"step": step, "lr": cfg.lr * factor})
         done.validate = cfg.val_every > 0 and (step % cfg.val_every == 0 or step == cfg.steps)
         done.save = step == cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0)
-        done.flush = done.save or done.validate or step % (cfg.log_every or 1) == 0
-        if done.flush:
+        hold = self.job.hold  # a test hook stops a rank after this step: what came before is on disk then
+        by_time = cfg.log_every is None  # sync points by rank 0's clock (module docstring, 5.)
+        done.flush = done.save or done.validate or (not by_time and step % cfg.log_every == 0) or bool(
+            hold and hold["step"] == step)
+        if done.flush or by_time:  # by time, every row keeps its metrics (gathered at the next sync point)
             done.extras = local_metric_values(self.stages, costs, self.scaler.scale)
+        due = float(by_time and self.rank == 0 and time.perf_counter() - self._last_flush >= FLUSH_SECONDS)
         # One reduction: the loss, the summed gradients' squared norm (one replica counts them), a
         # non-finite gradient, the traffic since the previous reduction (the weight sync that preceded this
         # step, then its activations, gradients, tied-weight gradients and all-reduce: what placement_report
         # prices per step), and a stop request (the launcher got Ctrl-C/SIGTERM), so every rank decides alike.
         sent = self.stages.traffic
         with self.figures.waiting():
-            loss, sumsq, bad_grads, step_bytes, stopping = self.ctrl.all_reduce(
+            loss, sumsq, bad_grads, step_bytes, stopping, due = self.ctrl.all_reduce(
                 [float(sum(costs.values())) if costs else 0.0, self._local_sumsq(), self._local_bad_grads(),
-                 sent, float(self._stop_asked())])
+                 sent, float(self._stop_asked()), due])
         self.stages.traffic = 0
         done.stopping = stopping > 0
         done.save = done.save or done.stopping
-        done.flush = done.flush or done.stopping
+        done.flush = done.flush or done.stopping or due > 0
         self.loss_check.check(step, loss)
         self._optimizer_step(bad_grads > 0, sumsq)
         self.stages.sync_tied_weights()
         self.figures.end_step(step, sent)
-        done.row.update(loss=loss, boundary_bytes=int(step_bytes))
+        done.row.update(loss=loss, boundary_bytes=int(step_bytes), elapsed_s=time.perf_counter() - self._start_time)
         if self.loss_scaling:
             done.row["loss_scale"] = self.scaler.scale
         return done
@@ -383,8 +395,11 @@ class Worker:
     def _after_step(self, step: int, done: _Step) -> None:
         """At sync points: rows, metrics and figures to rank 0, validation; at checkpoints: the checkpoint."""
         self._pending.append(done.row)
+        if done.extras:
+            self._extras.append((step, done.extras))
         if done.flush:
-            gathered = self.ctrl.gather((done.extras, self.figures.take()))
+            extras, self._extras = self._extras, []
+            gathered = self.ctrl.gather((extras, self.figures.take()))
             val_loss = self.validate() if done.validate else None
             if self.rank == 0:
                 self._log_rows(step, gathered, val_loss)
@@ -408,11 +423,12 @@ class Worker:
         """Rank 0: complete the rows since the last sync point and append them to the log."""
         now = time.perf_counter()
         pending = self._pending
+        by_step = {r["step"]: r for r in pending}
         for r in pending:
             r["tokens_per_s"] = self.batch * self.seq_len * len(pending) / max(now - self._last_flush, 1e-9)
-            r["elapsed_s"] = now - self._start_time
-        for part, _ in gathered:
-            pending[-1].update(part)
+        for extras, _ in gathered:
+            for at, part in extras:
+                by_step[at].update(part)
         attach(pending, [figures for _, figures in gathered], self.job.ranks)
         if val_loss is not None:
             pending[-1]["val_loss"] = val_loss
