@@ -248,12 +248,13 @@ def checked_tokenizer(tokenizer_json: str | None, vocab: int | None, where: str)
 
     if not tokenizer_json:
         return None
+    from vgraph.data.tokenizer import vocabulary_span
+
     try:
         tokenizer = Tokenizer.from_str(tokenizer_json)
-        ids = tokenizer.get_vocab(with_added_tokens=True).values()
+        size = vocabulary_span(tokenizer)  # the one rule for a tokenizer's ids, the shards' dtype's too
     except Exception as exc:  # noqa: BLE001 - the Rust library's errors have no common Python class
         raise VGraphError(f"{where}: its tokenizer cannot be read ({quote(str(exc), 200)})") from None
-    size = max(ids, default=-1) + 1
     if vocab is not None and size > vocab:
         raise VGraphError(f"{where}: its tokenizer has {size:,} token ids (0..{size - 1}) but its network's "
                           f"vocabulary is {vocab:,}: ids from {vocab} on would index past the embedding (a "
