@@ -184,7 +184,7 @@ def _warmup(layout: Layout, mode: str, warmup: int) -> int:
     allocates the factors), so that the timed steps are what every later step costs."""
     extra = layout.modes[mode]
     if "--grad-compress" in extra:
-        from vgraph.cost.compression import parse_grad_compress
+        from vgraph.cost.grad_compression import parse_grad_compress
 
         return max(warmup, parse_grad_compress(extra[extra.index("--grad-compress") + 1]).start + 1)
     return warmup
@@ -208,7 +208,7 @@ def final_loss(rows: list[dict], last: int = 10) -> float:
 
 def run(args: argparse.Namespace) -> list[Row]:
     from tools.netlab import rate_bytes
-    from vgraph.backends.torch.data import default_corpus_documents
+    from vgraph.backends.torch.training.batches import default_corpus_documents
 
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench-compress-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -260,7 +260,7 @@ def print_plan(args: argparse.Namespace) -> None:
     """The cost model's step for every layout and mode, without running anything."""
     from tools.netlab import rate_bytes
     from vgraph import load
-    from vgraph.cost.compression import parse_grad_compress
+    from vgraph.cost.grad_compression import parse_grad_compress
     from vgraph.cost.fleet import load_fleet
     from vgraph.placement.export import placement_report
     from vgraph.transform.pipeline import run_pipeline

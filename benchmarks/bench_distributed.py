@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from vgraph.backends.torch import TrainConfig, train
-    from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+    from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 
     cores = os.cpu_count() or 1
     work = Path(tempfile.mkdtemp(prefix="bench_dist_"))

@@ -1,7 +1,7 @@
 """Keyed dropout vs `F.dropout` on the global RNG, at the 6-layer network's dropout shapes.
 
 Goal (issue 12): the counter-based keyed masks of `vgraph train` / `vgraph
-launch` (backends/torch/dropout.py) cost at most 1.05x what `F.dropout` costs
+launch` (backends/torch/lowering/dropout.py) cost at most 1.05x what `F.dropout` costs
 on a CPU.  The 6-layer network has 12 dropout VNodes, each on a `[B, 128, 512]`
 activation (B = 8 by default, `vgraph train`'s batch).  Per round, every
 variant runs back to back (the order alternates), and the ratio of a round is
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from vgraph.backends.torch.dropout import dropout_key, keyed_dropout, node_stream  # noqa: E402
+from vgraph.backends.torch.lowering.dropout import dropout_key, keyed_dropout, node_stream  # noqa: E402
 
 NODES = [f"block{b}_{part}_dropout" for b in range(6) for part in ("attn", "ffn")]  # the 6-layer network's 12
 RATE = 0.1

@@ -19,7 +19,7 @@ Adam, float32 loss, exactly as `vgraph train` runs it.  Variants:
                               `--compile-backend aot_eager` checks the same path quickly on a CPU).
 
 Graph breaks of each compiled variant's forward are counted with
-`torch._dynamo.explain` (backends/torch/graph_breaks.py; goal 0).  The run
+`torch._dynamo.explain` (backends/torch/lowering/graph_breaks.py; goal 0).  The run
 fails (exit 1, after writing the table) if the fused eager step formed a
 tensor as large as the `[B, S, V]` logits.
 
@@ -69,9 +69,9 @@ from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vg
 from tools.gen_networks import PRODUCTION, TINY  # noqa: E402
 from vgraph.backends.torch import compile_network, compute_dtype, prepare_graph  # noqa: E402
 from vgraph.backends.torch import kernels as K  # noqa: E402
-from vgraph.backends.torch.graph_breaks import explain_program  # noqa: E402
-from vgraph.backends.torch.node_optimizers import NodeOptimizers, make_adam  # noqa: E402
-from vgraph.backends.torch.training_setup import device_target  # noqa: E402
+from vgraph.backends.torch.lowering.graph_breaks import explain_program  # noqa: E402
+from vgraph.backends.torch.training.optimizers import NodeOptimizers, make_adam  # noqa: E402
+from vgraph.backends.torch.training.setup import device_target  # noqa: E402
 from vgraph.cost.analyze import analyze  # noqa: E402
 
 NETWORKS = {
@@ -118,9 +118,9 @@ def _amp(device: torch.device, dtype: torch.dtype):
 
 
 def _dropout_key(step: int):
-    """`vgraph train` keys dropout masks by (seed, step, VNode, sample) (backends/torch/dropout.py)."""
+    """`vgraph train` keys dropout masks by (seed, step, VNode, sample) (backends/torch/lowering/dropout.py)."""
     try:
-        from vgraph.backends.torch.dropout import dropout_key
+        from vgraph.backends.torch.lowering.dropout import dropout_key
     except ImportError:
         return contextlib.nullcontext()
     return dropout_key(0, step)

@@ -62,7 +62,7 @@ def _prepared(network: Path):
 def _shapes(network: Path) -> list[tuple[int, ...]]:
     """The trainable parameters' shapes of `network` as `vgraph launch` trains it (default passes)."""
     from vgraph.backends.torch import compile_network
-    from vgraph.backends.torch.train import NodeOptimizers
+    from vgraph.backends.torch.training.train import NodeOptimizers
 
     module = compile_network(_prepared(network), device="cpu", train=True, seed=0)
     return [tuple(p.shape) for p in NodeOptimizers(module, 1e-3).trainable]
@@ -84,7 +84,7 @@ def _sync_member(rank: int, world: int, port: int, cases: list, rounds: int, out
     import torch.distributed as dist
 
     from ring_allreduce_baseline import GradientRing
-    from vgraph.backends.torch.distributed.grad_sync import GradientSync
+    from vgraph.backends.torch.distributed.runtime.grad_sync import GradientSync
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank,
@@ -153,8 +153,8 @@ def _spawn(target, world: int, *args) -> dict:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["__main__", "torch.distributed", "ring_allreduce_baseline",
-                                    "vgraph.backends.torch.distributed.grad_sync",
-                                    "vgraph.backends.torch.distributed.stage_runner", "torch._dynamo"])
+                                    "vgraph.backends.torch.distributed.runtime.grad_sync",
+                                    "vgraph.backends.torch.distributed.runtime.stage_runner", "torch._dynamo"])
     else:
         ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -222,12 +222,12 @@ def _replica(network: str, rank: int, world: int):
     import torch.distributed as dist
 
     from ring_allreduce_baseline import GradientRing
-    from vgraph.backends.torch.distributed.comm import Transport
-    from vgraph.backends.torch.distributed.grad_sync import GradientSync
-    from vgraph.backends.torch.distributed.loss_scaler import SharedLossScaler
-    from vgraph.backends.torch.distributed.plan import make_plan
-    from vgraph.backends.torch.distributed.stage_runner import StageRunner
-    from vgraph.backends.torch.lower import compute_dtype
+    from vgraph.backends.torch.distributed.runtime.comm import Transport
+    from vgraph.backends.torch.distributed.runtime.grad_sync import GradientSync
+    from vgraph.backends.torch.distributed.runtime.loss_scaler import SharedLossScaler
+    from vgraph.run.step_plan import make_plan
+    from vgraph.backends.torch.distributed.runtime.stage_runner import StageRunner
+    from vgraph.backends.torch.lowering.lower import compute_dtype
 
     graph = _prepared(Path(network))
     plan = make_plan(graph, {n.id: "r" for n in graph.nodes}, ["r"])
@@ -247,8 +247,8 @@ def _step_member(rank: int, world: int, port: int, network: str, steps: int, bat
     import torch
     import torch.distributed as dist
 
-    from vgraph.backends.torch.distributed.plan import micro_batch_sizes
-    from vgraph.backends.torch.distributed.stage_runner import GlobalBatch
+    from vgraph.run.step_plan import micro_batch_sizes
+    from vgraph.backends.torch.distributed.runtime.stage_runner import GlobalBatch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, is_master=False), rank=rank,

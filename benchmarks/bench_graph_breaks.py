@@ -2,7 +2,7 @@
 
 Goal (issue 12): zero.  Each break in a compiled step is, on a GPU, a device
 sync and a fresh set of kernel launches every step.  Counted with
-`torch._dynamo.explain` (backends/torch/graph_breaks.py), which traces the
+`torch._dynamo.explain` (backends/torch/lowering/graph_breaks.py), which traces the
 program exactly as `torch.compile` does, under the trainer's autocast and
 dropout key, without compiling: so the 8-layer network is counted in seconds
 on a CPU.  Rows:
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 import vgraph  # noqa: E402
 from vgraph.backends.torch import compute_dtype, prepare_graph  # noqa: E402
-from vgraph.backends.torch.graph_breaks import stage_breaks, training_breaks  # noqa: E402
+from vgraph.backends.torch.lowering.graph_breaks import stage_breaks, training_breaks  # noqa: E402
 from network_paths import LABELS, NETWORK_FILES  # noqa: E402
 
 TARGETS = ("cpu", "cuda-sm80", "cuda-sm75")  # --targets picks; the fp16 (sm75) program differs from bf16 in dtype only
@@ -47,7 +47,7 @@ TARGETS = ("cpu", "cuda-sm80", "cuda-sm75")  # --targets picks; the fp16 (sm75) 
 
 def launch_rows(label: str, path: Path, pnodes: int = 3) -> list[tuple[str, str, str, int, int, float]]:
     """Stage programs of `path` with transformer block i on PNode i % pnodes (embedding and head on w0)."""
-    from vgraph.backends.torch.distributed.launch import place, split_pipeline
+    from vgraph.backends.torch.distributed.launcher.launch import place, split_pipeline
     from vgraph.cost.fleet import loads_fleet
 
     graph = vgraph.load(path)

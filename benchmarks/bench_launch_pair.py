@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import vgraph
     from vgraph.backends.torch import TrainConfig, train
-    from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+    from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 
     cuda = args.device.startswith("cuda")
     if cuda and torch.cuda.device_count() < args.workers:

@@ -5,7 +5,7 @@ heap), builds the network as `vgraph train` does (float32 on the CPU, Adam),
 takes one warm-up step (Adam's moments now exist) and then measures a step,
 forward + backward + Adam, three ways:
 
-* **tensor peak** (`vgraph.backends.torch.peak_memory.LiveTensorBytes`): a
+* **tensor peak** (`vgraph.backends.torch.training.peak_memory.LiveTensorBytes`): a
   TorchDispatchMode sees every tensor any aten op allocates during the step (forward, backward and optimizer) and follows each storage
   until it is freed (a weakref finalizer on the storage), so the maximum of
   the live bytes is the step's allocation peak above what existed before it,
@@ -67,7 +67,7 @@ def _reset_peak_rss() -> bool:
 def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
     import torch
 
-    from vgraph.backends.torch.peak_memory import LiveTensorBytes
+    from vgraph.backends.torch.training.peak_memory import LiveTensorBytes
     from train_step_fixture import training_step
     from vgraph.backends.torch import estimate_training_memory
 

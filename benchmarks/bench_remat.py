@@ -66,7 +66,7 @@ def child(network: str, passes: str | None, batch: int, threads: int) -> dict:
     """The tensor peak of one step of one variant (after a warm-up step)."""
     import torch
 
-    from vgraph.backends.torch.peak_memory import LiveTensorBytes
+    from vgraph.backends.torch.training.peak_memory import LiveTensorBytes
     from vgraph.backends.torch import estimate_training_memory
     from vgraph.cost.remat import marked_ids
 

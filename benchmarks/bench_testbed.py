@@ -185,7 +185,7 @@ def host_pricer(network: Path, batch: int, micro: int):
     import dataclasses
 
     import vgraph
-    from vgraph.backends.torch.distributed.launch import place, split_pipeline
+    from vgraph.backends.torch.distributed.launcher.launch import place, split_pipeline
     from vgraph.cost.fleet import Fleet
     from vgraph.transform.pipeline import run_pipeline
 
@@ -210,7 +210,7 @@ def forced_placement(network: Path, fleet_path: Path, stages: int, replicas: int
     slowest stage, replica r's stage s on host r x stages + s (rank i on host i), equal batch shares.
     The planner itself may use fewer stages than asked where a cut does not pay; here the shape is fixed."""
     import vgraph
-    from vgraph.backends.torch.distributed.launch import split_pipeline
+    from vgraph.backends.torch.distributed.launcher.launch import split_pipeline
     from vgraph.cost.costmodel import cost_model
     from vgraph.cost.fleet import load_fleet
     from vgraph.cost.stepcost import batch_shares
@@ -258,7 +258,7 @@ def least_max_cut(costs: list[float], parts: int) -> list[int]:
 def planner_pick(network: Path, fleet_path: Path, batch: int, micro: int) -> tuple[int, int]:
     """(stages, replicas) of the plan `vgraph launch --replicas auto` would run on the whole fleet."""
     import vgraph
-    from vgraph.backends.torch.distributed.launch import split_pipeline
+    from vgraph.backends.torch.distributed.launcher.launch import split_pipeline
     from vgraph.cost.fleet import load_fleet
     from vgraph.passes.partition_replicas import plan_replicas
     from vgraph.transform.pipeline import run_pipeline
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     with (contextlib.nullcontext(args.workdir) if args.workdir else
           tempfile.TemporaryDirectory(prefix="bench-testbed-")) as tmp:
         work = Path(tmp)
-        from vgraph.backends.torch.data import default_corpus_documents
+        from vgraph.backends.torch.training.batches import default_corpus_documents
 
         corpus = work / "corpus.txt"
         corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=200_000)), encoding="utf-8")

@@ -73,7 +73,7 @@ import vgraph  # noqa: E402
 from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vgraph_state  # noqa: E402
 from tools.gen_networks import PRODUCTION, TINY  # noqa: E402
 from vgraph.backends.torch import compile_network, prepare_graph  # noqa: E402
-from vgraph.backends.torch.node_optimizers import NodeOptimizers, make_adam  # noqa: E402
+from vgraph.backends.torch.training.optimizers import NodeOptimizers, make_adam  # noqa: E402
 from vgraph.cost.analyze import analyze  # noqa: E402
 
 NETWORKS = {
@@ -136,9 +136,9 @@ def vgraph_variant(name: str, graph: vgraph.Graph, fuse: bool, ids: torch.Tensor
 
 
 def dropout_keyed_like_train(step: int):
-    """`vgraph train` keys dropout masks by (seed, step, VNode, sample) (backends/torch/dropout.py)."""
+    """`vgraph train` keys dropout masks by (seed, step, VNode, sample) (backends/torch/lowering/dropout.py)."""
     try:
-        from vgraph.backends.torch.dropout import dropout_key
+        from vgraph.backends.torch.lowering.dropout import dropout_key
     except ImportError:  # a tree without keyed dropout: F.dropout on the global RNG, as train then does
         return contextlib.nullcontext()
     return dropout_key(0, step)
@@ -193,7 +193,7 @@ def lm_head_table(cfg: HandwrittenConfig, batch: int, rounds: int, warmup: int) 
     """Forward + backward of the tied LM head and its loss alone, plain vs fused, alternating."""
     import torch.nn.functional as F
 
-    from vgraph.backends.torch.kernels import tied_lm_head_ce
+    from vgraph.backends.torch.lowering.kernels import tied_lm_head_ce
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, cfg.seq_len, cfg.dim, generator=gen).requires_grad_()

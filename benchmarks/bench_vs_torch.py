@@ -146,8 +146,8 @@ def train_torch(spec: dict, rank: int, world: int) -> dict | None:
     import torch.nn.functional as F
 
     from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vgraph_state
-    from vgraph.backends.torch.data import TokenShards
-    from vgraph.backends.torch.node_optimizers import make_adam
+    from vgraph.backends.torch.training.batches import TokenShards
+    from vgraph.backends.torch.training.optimizers import make_adam
     from vgraph.data.shards import open_prepared
 
     cfg = HandwrittenConfig(**spec["cfg"])
@@ -264,7 +264,7 @@ def run_torch(spec: dict, work: Path, name: str, hosts=None, port: int = 0) -> t
 
 def run_launch(network: Path, fleet: Path, placement: Path, corpus: Path, work: Path, name: str, args,
                micro: int) -> tuple[list[float], float]:
-    from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+    from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 
     result = launch(LaunchConfig(network=str(network), data=str(corpus), steps=args.steps, batch=args.batch, lr=LR,
                                  seed=0, val_every=0, checkpoint_every=0, progress=False, tensorboard=False,
@@ -332,8 +332,8 @@ def run(args) -> int:
     from bench_testbed import forced_placement
     from handwritten_model import HandwrittenConfig
     from vgraph.backends.torch import compile_network, prepare_graph
-    from vgraph.backends.torch.train_config import TrainConfig
-    from vgraph.backends.torch.training_data import prepare_data
+    from vgraph.backends.torch.training.config import TrainConfig
+    from vgraph.backends.torch.training.corpus import prepare_data
     import vgraph
 
     spec = spec_of(args.network)
@@ -431,7 +431,7 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
     measured one.  Returns the table."""
     from bench_testbed import host_pricer, probe_hosts
     from tools.netlab import Testbed
-    from vgraph.backends.torch.distributed.launch import place, split_pipeline
+    from vgraph.backends.torch.distributed.launcher.launch import place, split_pipeline
     from vgraph.cost.fleet import load_fleet
     from vgraph.transform.pipeline import run_pipeline
     import vgraph

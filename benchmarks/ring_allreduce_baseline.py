@@ -5,7 +5,7 @@ ring: every gradient flattened with `torch.cat`, a ring of blocking
 isend/recv (R - 1 reduce-scatter and R - 1 all-gather steps, one chunk at a
 time), each gradient cloned back, all after the whole backward.  The
 runtime now uses torch's collectives in buckets overlapped with backward
-(backends/torch/distributed/grad_sync.py); this copy lets the benchmark put
+(backends/torch/distributed/runtime/grad_sync.py); this copy lets the benchmark put
 the old figure beside the new one in the same run.  Unchanged from the
 runtime's last version except this docstring.
 """

@@ -13,8 +13,8 @@ def training_step(network: Path, passes: str | None, batch: int, *, keyed_dropou
 
     import vgraph
     from vgraph.backends.torch import compile_network, prepare_graph
-    from vgraph.backends.torch.dropout import dropout_key
-    from vgraph.backends.torch.train import NodeOptimizers
+    from vgraph.backends.torch.lowering.dropout import dropout_key
+    from vgraph.backends.torch.training.train import NodeOptimizers
 
     graph = prepare_graph(vgraph.load(network), passes=passes, target="cpu")
     module = compile_network(graph, device="cpu", train=True, seed=0)

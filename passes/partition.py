@@ -26,13 +26,13 @@ from vgraph.cost.remat import RECOMPUTE, candidates, closed, marked_ids
 from vgraph.ir.graph import Graph
 from vgraph.transform.pass_api import Option, Pass, PassContext, PassError
 
-from vgraph.cost.compression import parse_grad_compress
+from vgraph.cost.grad_compression import parse_grad_compress
 
-from .partition_compress import describe_choice, plan_compressed
-from .partition_plan import Plan, apply_plan, plan_partition
-from .partition_problem import Evaluation, PartitionError, Problem, Unit, better, build_problem, evaluate
-from .partition_replicas import apply_replica_plan, parse_replicas
-from .partition_solve import solve
+from vgraph.passes.partition_compress import describe_choice, plan_compressed
+from vgraph.passes.partition_plan import Plan, apply_plan, plan_partition
+from vgraph.passes.partition_problem import Evaluation, PartitionError, Problem, Unit, better, build_problem, evaluate
+from vgraph.passes.partition_replicas import apply_replica_plan, parse_replicas
+from vgraph.passes.partition_solve import solve
 
 __all__ = ["Evaluation", "Partition", "PartitionError", "Plan", "Problem", "Unit", "apply_plan", "better",
            "build_problem", "evaluate", "plan_partition", "solve"]

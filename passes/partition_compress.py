@@ -28,14 +28,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from vgraph.cost.compression import GradCompression
+from vgraph.cost.grad_compression import GradCompression
 from vgraph.cost.costmodel import TRAIN_FLOPS_FACTOR, CostModel, cost_model, effective_dtype
 from vgraph.cost.fleet import Fleet
 from vgraph.ir.graph import Graph, VNode
 from vgraph.ops.boundary import CODEC_FLOPS, wire_bytes
 
-from .partition_problem import PartitionError
-from .partition_replicas import ReplicaPlan, plan_replicas
+from vgraph.passes.partition_problem import PartitionError
+from vgraph.passes.partition_replicas import ReplicaPlan, plan_replicas
 
 __all__ = ["plan_compressed", "describe_choice", "cut_pairs", "with_compressed_edges"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .partition_problem import PartitionError, Problem, evaluate
+from vgraph.passes.partition_problem import PartitionError, Problem, evaluate
 
 
 def solve_ilp(problem: Problem, *, time_limit: float = 60.0, cut_phase: bool = True,

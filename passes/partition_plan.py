@@ -17,8 +17,8 @@ from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.ir.graph import Graph
 
-from .partition_problem import Evaluation, PartitionError, Problem, better, build_problem, evaluate, infeasible
-from .partition_solve import solve
+from vgraph.passes.partition_problem import Evaluation, PartitionError, Problem, better, build_problem, evaluate, infeasible
+from vgraph.passes.partition_solve import solve
 
 __all__ = ["Plan", "apply_plan", "plan_partition"]
 

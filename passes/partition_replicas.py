@@ -62,9 +62,9 @@ from vgraph.cost.stepcost import (FleetArrays, LoadColumns, StageLoads, StepCost
                                   step_lower_bound)
 from vgraph.ir.graph import Graph
 
-from .partition_plan import Plan, plan_partition
-from .partition_problem import PartitionError, Problem, build_problem
-from .partition_solve import solve
+from vgraph.passes.partition_plan import Plan, plan_partition
+from vgraph.passes.partition_problem import PartitionError, Problem, build_problem
+from vgraph.passes.partition_solve import solve
 
 __all__ = ["ReplicaPlan", "plan_replicas", "apply_replica_plan", "candidates", "price_layout", "MAX_STAGES",
            "parse_replicas"]

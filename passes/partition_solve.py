@@ -35,7 +35,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .partition_problem import Problem, better, evaluate, infeasible
+from vgraph.passes.partition_problem import Problem, better, evaluate, infeasible
 
 EXACT_UNITS = 400  # up to this many units the stage split is an exact DP
 LOCAL_SEARCH_UNITS = 400  # local search on instances this small

@@ -18,7 +18,7 @@ import warnings
 from vgraph.cost.costmodel import CostModel
 from vgraph.ir.graph import Graph
 
-from .remat import RematScope, candidates, closed, plain_activation
+from vgraph.passes.remat import RematScope, candidates, closed, plain_activation
 
 
 def solve_remat_ilp(graph: Graph, cm: CostModel, scope: RematScope, where=None, *, time_limit: float = 60.0

@@ -67,7 +67,7 @@ def widened_head(text: str) -> str:
 def small_corpus(directory: Path) -> str:
     """A 20 kB training text (the embedded corpus, cut) written into `directory`: what the hardening tests
     train the tiny network on."""
-    from vgraph.backends.torch.data import default_corpus_documents
+    from vgraph.backends.torch.training.batches import default_corpus_documents
 
     path = directory / "corpus.txt"
     path.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vgraph.backends.torch.distributed import comm
-from vgraph.backends.torch.distributed.comm import PREPOSTED, Transport, TransportError
+from vgraph.backends.torch.distributed.runtime.comm import PREPOSTED, Transport, TransportError
 
 
 class FakeWire:

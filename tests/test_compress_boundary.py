@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from conftest import FIXTURES, NETWORKS, TINY
 from vgraph import dumps, load, loads
 from vgraph.backends.torch import TrainConfig, train
-from vgraph.backends.torch.checkpoint import load_checkpoint
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.cli.main import main
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import loads_fleet

@@ -1,4 +1,4 @@
-"""The wire formats of a `compress` VNode (backends/torch/compression.py) against a reference written out here.
+"""The wire formats of a `compress` VNode (backends/torch/lowering/wire_formats.py) against a reference written out here.
 
 The reference quantizes group by group in NumPy float32 with the rules of vgraph/ops/boundary.py (scale
 max |x| / 127, codes round half to even clamped to +-127, a zero group all zero, a group holding NaN or
@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vgraph.backends.torch.compression import (Codec, CompressState, ErrorFeedback, dequantize_int8,
+from vgraph.backends.torch.lowering.wire_formats import (Codec, CompressState, ErrorFeedback, dequantize_int8,
                                                merge_residuals, quantize_int8)
 from vgraph.ops.boundary import wire_bytes
 

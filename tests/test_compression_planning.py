@@ -21,10 +21,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_co
 
 from conftest import TINY
 from vgraph import dumps, load
-from vgraph.backends.torch.distributed.grad_compress import PowerSGD
-from vgraph.backends.torch.distributed.grad_sync import Bucket
-from vgraph.backends.torch.distributed.launch import place, split_pipeline
-from vgraph.cost.compression import GradCompression, allreduce_numel, parse_grad_compress
+from vgraph.backends.torch.distributed.runtime.powersgd import PowerSGD
+from vgraph.backends.torch.distributed.runtime.grad_sync import Bucket
+from vgraph.backends.torch.distributed.launcher.launch import place, split_pipeline
+from vgraph.cost.grad_compression import GradCompression, allreduce_numel, parse_grad_compress
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import loads_fleet
 from vgraph.placement.export import placement_report

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vgraph.backends.torch.distributed import comm
-from vgraph.backends.torch.distributed.comm import ControlGroup
+from vgraph.backends.torch.distributed.runtime.comm import ControlGroup
 
 
 class NoDist:

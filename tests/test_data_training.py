@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY
-from vgraph.backends.torch.data import TokenShards
-from vgraph.backends.torch.distributed.launch import main as launch_main
-from vgraph.backends.torch.train import TrainConfig, train
+from vgraph.backends.torch.training.batches import TokenShards
+from vgraph.backends.torch.distributed.launcher.launch import main as launch_main
+from vgraph.backends.torch.training.train import TrainConfig, train
 from vgraph.cli import main
 from vgraph.data.cache import cache_root
 from vgraph.data.sampler import step_samples
@@ -81,7 +81,7 @@ def test_batches_are_the_samples_the_seed_and_step_name(prepared) -> None:
 
 SPY = '''
 import json, os
-from vgraph.backends.torch.data import TokenShards
+from vgraph.backends.torch.training.batches import TokenShards
 
 _batch = TokenShards.batch
 

@@ -25,12 +25,12 @@ import torch
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, TrainingError, train
-from vgraph.backends.torch.checkpoint import load_checkpoint
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.distributed.launch import LaunchConfig, launch, main as launch_main, place, split_pipeline
-from vgraph.backends.torch.distributed.plan import (Message, make_plan, message_order, micro_batch_sizes, rank_ops,
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main, place, split_pipeline
+from vgraph.run.step_plan import (Message, make_plan, message_order, micro_batch_sizes, rank_ops,
                                                     schedule_ops, sends_of, stages, weight_ops)
-from vgraph.backends.torch.dropout import dropout_key, keyed_dropout
+from vgraph.backends.torch.lowering.dropout import dropout_key, keyed_dropout
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.fleet import loads_fleet
 from vgraph.placement.export import placement_report

@@ -5,7 +5,7 @@
   validation at rtol 1e-5, final weights and optimizer state as weights_util.py allows.  The workers put
   int8 codes and float32 scales on the wire, and the bytes they count equal the cost model's prediction.
 * PowerSGD replicas (--grad-compress) send, after the plain first steps, exactly the bytes the step cost
-  model predicts from the gradients' shapes (vgraph/cost/compression.py), far fewer than a plain all-reduce.
+  model predicts from the gradients' shapes (vgraph/cost/grad_compression.py), far fewer than a plain all-reduce.
 * A compressed run killed mid-way resumes exactly: the error-feedback residuals of the boundary and every
   replica's PowerSGD state (error buffers, warm-start factors, step counter, generator) are in the checkpoint.
 Tiny network (dim 32, fp32), few steps: these start real worker processes.
@@ -20,9 +20,9 @@ import torch
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
-from vgraph.backends.torch.checkpoint import load_checkpoint
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.distributed.launch import LaunchConfig, launch, place, split_pipeline
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, place, split_pipeline
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import load_fleet
 

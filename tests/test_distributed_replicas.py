@@ -14,9 +14,9 @@ import torch
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
-from vgraph.backends.torch.checkpoint import load_checkpoint
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.distributed.launch import LaunchConfig, free_port, launch, main as launch_main
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, free_port, launch, main as launch_main
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.remat import RECOMPUTE, candidates, closed
@@ -191,7 +191,7 @@ def test_replica_options_are_checked(files, tmp_path, capsys):
 
 
 def test_a_placement_file_with_replicas_is_read_or_refused(tmp_path):
-    from vgraph.backends.torch.distributed.launch import read_placement_layout
+    from vgraph.backends.torch.distributed.launcher.launch import read_placement_layout
 
     good = {"assignment": {"a": "w0", "b": "w1"}, "replica_pnodes": [["w0", "w1"], ["w2", "w3"]],
             "batch_shares": [5, 3]}
@@ -239,7 +239,7 @@ def test_a_restart_resumes_every_replica_from_the_checkpoint(files, reference, t
 def _layout_member(rank: int, port: int, sizes: list[int], out) -> None:
     import torch.distributed as dist
 
-    from vgraph.backends.torch.distributed.replica_groups import (ReplicaLayoutError, check_same_layout,
+    from vgraph.backends.torch.distributed.runtime.replica_groups import (ReplicaLayoutError, check_same_layout,
                                                                   stage_groups)
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
@@ -265,7 +265,7 @@ def test_stage_groups_check_that_replicas_hold_the_same_parameters(sizes, bad):
 def _agree_member(rank: int, port: int, values: list[list[float]], out) -> None:
     import torch.distributed as dist
 
-    from vgraph.backends.torch.distributed.replica_groups import ReplicaLayoutError, check_replicas_agree
+    from vgraph.backends.torch.distributed.runtime.replica_groups import ReplicaLayoutError, check_replicas_agree
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import TINY
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.train import TrainConfig, train
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.training.train import TrainConfig, train
 
 STEPS, STOP_AT = 12, 6
 FP16_POLICY = "precision{target=cuda-sm75},fuse-heads,fuse-lm-head-ce"

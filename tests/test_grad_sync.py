@@ -1,4 +1,4 @@
-"""The replicas' gradient sum (distributed/grad_sync.py) on real gloo process groups of 2 and 3 processes.
+"""The replicas' gradient sum (distributed/runtime/grad_sync.py) on real gloo process groups of 2 and 3 processes.
 
 Gradients are small integers (exact in float32 and float16), so the oracle is exact: every rank must end
 with the sum over ranks and micro-batches, bit for bit the same on every rank, whatever its number of
@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from vgraph.backends.torch.distributed.grad_sync import (Bucket, GradientSync, bucket_layout, ring_bytes_sent,
+from vgraph.backends.torch.distributed.runtime.grad_sync import (Bucket, GradientSync, bucket_layout, ring_bytes_sent,
                                                         summed)
 from ranks_util import run_ranks
 
@@ -90,7 +90,7 @@ def _grouped_member(rank: int, port: int, out) -> None:
     """2 replicas x 2 stages (replica_groups.stage_groups): world ranks 0, 2 sum stage 0, ranks 1, 3 stage 1."""
     import torch.distributed as dist
 
-    from vgraph.backends.torch.distributed.replica_groups import stage_groups
+    from vgraph.backends.torch.distributed.runtime.replica_groups import stage_groups
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
@@ -315,8 +315,8 @@ def _powersgd_step(psgd, params: list[torch.nn.Parameter], grads: list[torch.Ten
 def _powersgd_member(rank: int, port: int, world: int, check: str, out) -> None:
     import torch.distributed as dist
 
-    from vgraph.backends.torch.distributed.grad_compress import PowerSGD
-    from vgraph.cost.compression import GradCompression
+    from vgraph.backends.torch.distributed.runtime.powersgd import PowerSGD
+    from vgraph.cost.grad_compression import GradCompression
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -387,8 +387,8 @@ def test_powersgd_says_what_it_sends_and_refuses_a_state_of_other_buckets() -> N
     """No process group needed: the plain steps send the bucket; then a 16 x 12 matrix at rank 2 goes as P (16 x 2)
     and Q (12 x 2) ((16 + 12) x 2 x min_rate 2 < 16 x 12: worth compressing), a vector whole.  A checkpoint's state for other buckets (larger or smaller) is refused with
     a reason, and a fresh start; the state of these buckets loads."""
-    from vgraph.backends.torch.distributed.grad_compress import PowerSGD
-    from vgraph.cost.compression import GradCompression
+    from vgraph.backends.torch.distributed.runtime.powersgd import PowerSGD
+    from vgraph.cost.grad_compression import GradCompression
 
     params = [torch.nn.Parameter(torch.zeros(16, 12)), torch.nn.Parameter(torch.zeros(5))]
     psgd = PowerSGD(None, GradCompression("powersgd", rank=2, start=2), size=2, seed=0)

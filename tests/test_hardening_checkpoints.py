@@ -18,7 +18,7 @@ from conftest import TINY
 from hardening_util import file_size_limit, small_corpus, widened_head
 from vgraph.backends.torch import checkpoint as ckpt
 from vgraph.backends.torch import cli
-from vgraph.backends.torch.tensorboard_log import TensorBoardLog
+from vgraph.backends.torch.training.tensorboard_log import TensorBoardLog
 
 QUICK = ["--batch", "2", "--val-every", "0", "--quiet", "--threads", "1"]
 

@@ -11,10 +11,10 @@ import torch.distributed as dist
 
 from conftest import TINY
 from hardening_util import signal_after_rows
-from vgraph.backends.torch.distributed.launch import main as launch_main
+from vgraph.backends.torch.distributed.launcher.launch import main as launch_main
 from vgraph.backends.torch.distributed.rendezvous import (TOKEN_ENV, RendezvousError, check_token, free_port,
                                                           probe_port, rendezvous_store)
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.batches import default_corpus_documents
 
 FLEET = "name: two\npnodes:\n" + "".join(
     f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(2))
@@ -112,7 +112,7 @@ def test_launch_trains_through_the_bound_store(tmp_path: Path, capsys) -> None:
 def test_first_interrupt_stops_every_worker_after_one_step_with_a_checkpoint(tmp_path: Path, capsys) -> None:
     import signal
 
-    from vgraph.backends.torch.checkpoint import latest_checkpoint, load_checkpoint
+    from vgraph.backends.torch.training.checkpoint import latest_checkpoint, load_checkpoint
 
     fleet = tmp_path / "fleet.yml"
     fleet.write_text(FLEET)
@@ -124,7 +124,7 @@ def test_first_interrupt_stops_every_worker_after_one_step_with_a_checkpoint(tmp
     with signal_after_rows(out / "metrics.jsonl", 2, signal.SIGINT):
         code = launch_main([*args, "--steps", "1000000"])
     err = capsys.readouterr().err
-    assert code == 130 and f"Continue with: python -m vgraph.backends.torch.distributed.launch launch {TINY} --fleet" in err \
+    assert code == 130 and f"Continue with: python -m vgraph.backends.torch.distributed.launcher.launch launch {TINY} --fleet" in err \
         and "Traceback" not in err, err
     step = load_checkpoint(latest_checkpoint(out)).step
     assert step >= 2

@@ -35,12 +35,12 @@ from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import checkpoint as ckpt
 from vgraph.backends.torch import cli as torch_cli
 from vgraph.backends.torch import probe_cli
-from vgraph.backends.torch.distributed.comm_choice import worker_device
+from vgraph.backends.torch.distributed.runtime.comm_choice import worker_device
 from vgraph.backends.torch.distributed.job import Job, JobError
-from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.distributed.rendezvous import (TOKEN_ENV, RendezvousError, check_bound, check_listen_addr,
                                                           check_master_addr, free_port, rendezvous_store)
-from vgraph.backends.torch.distributed.worker import main as worker_main
+from vgraph.backends.torch.distributed.runtime.worker import main as worker_main
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cli.main import build_parser, main
 from vgraph.run.files import LOCK_FILE, METRICS_JSONL, RunLock

@@ -13,8 +13,8 @@ from conftest import TINY
 from hardening_util import modes_against_umask, signal_after_rows, widened_head
 from vgraph.backends.torch import checkpoint as ckpt
 from vgraph.backends.torch import cli
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.run_files import run_slug
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.training.run_files import run_slug
 
 QUICK = ["--steps", "2", "--batch", "2", "--val-every", "0", "--quiet"]
 
@@ -188,8 +188,8 @@ def test_a_device_this_machine_lacks_is_refused_by_name(name: str, why: str, mon
     """The CUDA index rule on any machine: CUDA is made to look present with one device."""
     import torch
 
-    from vgraph.backends.torch.train_config import TrainingError
-    from vgraph.backends.torch.training_setup import resolve_device
+    from vgraph.backends.torch.training.config import TrainingError
+    from vgraph.backends.torch.training.setup import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

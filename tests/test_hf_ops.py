@@ -25,8 +25,8 @@ from vgraph import VGraphError
 from vgraph.backends.onnx import lower_inference
 from vgraph.backends.onnx.inference_check import check_network_and_export
 from vgraph.backends.torch import cli, compile_network, init_state
-from vgraph.backends.torch.checkpoint import load_checkpoint
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.ir.builder import NetBuilder, example_graph
 from vgraph.ops.registry import get_op
 from vgraph.run.layout import to_graph_layout, to_unfused_layout
@@ -474,9 +474,9 @@ def test_remat_of_the_gqa_network_gives_the_same_step(passes) -> None:
 
 
 def test_the_reference_interpreter_agrees_on_the_gqa_network_outputs_and_gradients() -> None:
-    """backends/torch/interpreter.py writes every op out again (query heads, kv_heads, rmsnorm, GQA attention
+    """backends/torch/lowering/interpreter.py writes every op out again (query heads, kv_heads, rmsnorm, GQA attention
     split back into its heads); the compiled module must agree with it, per head and fused."""
-    from vgraph.backends.torch.interpreter import interpret
+    from vgraph.backends.torch.lowering.interpreter import interpret
 
     targets = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(8))
     for path in (GQA, GQA_FUSED):

@@ -53,7 +53,7 @@ def _config(run: Path, data: Path, **kw) -> dict:
 
 def _torch_steps(model, data: Path) -> list[float]:
     """The same steps in plain torch on the transformers model; the losses."""
-    from vgraph.backends.torch.data import TokenShards
+    from vgraph.backends.torch.training.batches import TokenShards
     from vgraph.data.shards import open_prepared
 
     shards = TokenShards(open_prepared(str(data)), seq_len=POSITIONS, vocab=VOCAB, seed=0)
@@ -120,7 +120,7 @@ def test_the_onnx_export_of_an_imported_run_computes_transformers_logits(family,
 def test_an_imported_model_partitioned_onto_a_fleet_trains_under_launch_as_under_train(corpus, tmp_path) -> None:
     from weights_util import assert_same_weights
 
-    from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+    from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 
     src = tmp_path / "src"
     llama(src, heads=4, kv_heads=2)

@@ -16,7 +16,7 @@ import torch
 import vgraph
 from conftest import TINY_FP32
 from vgraph.backends.torch import TrainConfig, TrainingError, load_trained, train
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.run.network_match import NetworkMismatch, difference, fingerprint
 from vgraph.transform.pass_api import LOCAL_PASSES, Pass, register_pass
 
@@ -143,7 +143,7 @@ def test_a_checkpoint_with_non_finite_weights_is_never_loaded(corpus, tmp_path):
 
 
 def test_divergence_never_recommends_a_non_finite_checkpoint(corpus, tmp_path):
-    from vgraph.backends.torch.train_step import LossCheck
+    from vgraph.backends.torch.training.step import LossCheck
 
     result = run(corpus, tmp_path / "run")
     check = LossCheck(torch.amp.GradScaler("cpu", enabled=False), False, 0, vgraph.load(TINY_FP32), tmp_path / "run")
@@ -161,7 +161,7 @@ def test_generate_refuses_a_run_whose_network_yml_is_not_the_checkpoints(corpus,
 
 
 def test_launch_refuses_a_pass_that_changes_the_network(corpus, tmp_path):
-    from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+    from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 
     fleet = tmp_path / "fleet.yml"
     fleet.write_text("name: two\npnodes:\n" + "".join(

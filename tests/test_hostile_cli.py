@@ -198,7 +198,7 @@ FLEET = "name: two\npnodes:\n" + "".join(
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> Path:
     """Inputs (a network, a fleet, a corpus, a trained run) and the hostile entries."""
-    from vgraph.backends.torch.data import default_corpus_documents
+    from vgraph.backends.torch.training.batches import default_corpus_documents
 
     w = tmp_path_factory.mktemp("world")
     shutil.copy(TINY, w / "net.yml")

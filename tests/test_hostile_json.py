@@ -88,7 +88,7 @@ def _partition_parts(tmp: Path, doc: bytes) -> None:
 
 
 def _launch_placement(tmp: Path, doc: bytes) -> None:
-    from vgraph.backends.torch.distributed.launch import read_placement, read_placement_layout
+    from vgraph.backends.torch.distributed.launcher.launch import read_placement, read_placement_layout
 
     path = _place(tmp / "plan.json", doc)
     _refused(lambda: read_placement(path), VGraphError, "plan.json")
@@ -189,7 +189,7 @@ def _run_files(tmp: Path, doc: bytes) -> None:
 
 
 def _progress_event(tmp: Path, doc: bytes) -> None:
-    from vgraph.backends.torch.distributed.progress import EVENT_PREFIX, LaunchBar
+    from vgraph.backends.torch.distributed.runtime.progress import EVENT_PREFIX, LaunchBar
 
     if doc == DIRECTORY:
         pytest.skip("a line, not a file")
@@ -514,7 +514,7 @@ def _lying_peer(reply: bytes) -> int:
                          + [doc + b"\n" for name, doc in HOSTILE.items() if doc not in (DIRECTORY, b"")],
                          ids=lambda r: r[:40].decode("utf-8", "replace"))
 def test_a_lying_probe_peer_is_a_diagnostic(reply: bytes) -> None:
-    from vgraph.backends.torch.probe_cli import measure_link
+    from vgraph.backends.torch.probe.cli import measure_link
 
     port = _lying_peer(reply)
     with pytest.raises(VGraphError, match=f"--peer 127.0.0.1:{port}: no measurement came back"):
@@ -537,7 +537,7 @@ def test_a_probe_peer_claiming_a_huge_rate_never_sizes_an_allocation(monkeypatch
 
 def test_the_channel_checks_the_seal_before_it_parses(monkeypatch) -> None:
     from vgraph.backends.torch.distributed import membership
-    from vgraph.backends.torch.distributed.membership import Machines, _digest
+    from vgraph.backends.torch.distributed.launcher.membership import Machines, _digest
     from vgraph.backends.torch.distributed.rendezvous import free_port
 
     parsed: list[bytes] = []

@@ -40,7 +40,7 @@ def losses(run_dir: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    from vgraph.backends.torch.data import default_corpus_documents
+    from vgraph.backends.torch.training.batches import default_corpus_documents
 
     path = tmp_path_factory.mktemp("script") / "corpus.txt"
     path.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")

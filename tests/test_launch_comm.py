@@ -1,4 +1,4 @@
-"""`vgraph launch`'s communication choice (distributed/comm_choice.py): every branch, and the nccl path's code
+"""`vgraph launch`'s communication choice (distributed/runtime/comm_choice.py): every branch, and the nccl path's code
 run end to end over gloo (`comm="nccl-on-gloo"`: a separate gloo control group, activations staged through
 host memory), which must train exactly like the single-process trainer.
 """
@@ -12,10 +12,10 @@ import torch
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.distributed.comm_choice import CommChoice, choose_comm, worker_device
-from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
-from vgraph.backends.torch.distributed.worker import LAUNCH_DIR
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.distributed.runtime.comm_choice import CommChoice, choose_comm, worker_device
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
+from vgraph.backends.torch.distributed.runtime.worker import LAUNCH_DIR
 from vgraph.base.diagnostics import VGraphError
 
 

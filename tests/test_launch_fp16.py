@@ -28,9 +28,9 @@ import torch
 
 from conftest import TINY
 from vgraph.backends.torch import TrainConfig, train
-from vgraph.backends.torch.checkpoint import load_checkpoint
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from weights_util import assert_replicas_identical, assert_same_weights, replicas_recorded
 
 STEPS, STOP_AT = 7, 5

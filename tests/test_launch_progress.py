@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import TINY
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
-from vgraph.backends.torch.distributed.progress import (EVENT_PREFIX, LaunchBar, RankZeroProgress,
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
+from vgraph.backends.torch.distributed.runtime.progress import (EVENT_PREFIX, LaunchBar, RankZeroProgress,
                                                         progress_mode)
 
 

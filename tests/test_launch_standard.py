@@ -25,16 +25,16 @@ import torch
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
-from vgraph.backends.torch.checkpoint import load_checkpoint
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.distributed.launch import LaunchConfig, launch
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.distributed.rendezvous import TOKEN_ENV, free_port
 from weights_util import assert_same_weights
 
 pytestmark = pytest.mark.slow
 
 STEPS, BATCH, MICRO, LR, SEED = 6, 8, 4, 1e-3, 7
-WORKER = "vgraph.backends.torch.distributed.worker"
+WORKER = "vgraph.backends.torch.distributed.runtime.worker"
 SECRET = "launch-standard-test-secret-0123"  # passes rendezvous.check_token, as a real one must
 BIN = Path(sys.executable).parent
 
@@ -180,4 +180,4 @@ def test_torchrun_sigterm_makes_rank_0_save_a_checkpoint(files: Path, tmp_path: 
     saved = sorted(p.name for p in run.glob("step-*"))
     assert saved == ["step-00000003"], shown  # the step in flight finished, then rank 0 saved it
     assert load_checkpoint(run / "step-00000003").step == 3
-    assert "stopped by SIGTERM" in shown and "distributed/worker.py" not in shown  # (torchrun prints its own)
+    assert "stopped by SIGTERM" in shown and "runtime/worker.py" not in shown  # (torchrun prints its own)

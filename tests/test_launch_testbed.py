@@ -23,8 +23,8 @@ from conftest import ROOT, TINY_FP32
 from tools.netlab import Testbed
 from weights_util import assert_same_weights
 from vgraph.backends.torch import TrainConfig, train
-from vgraph.backends.torch.checkpoint import latest_checkpoint
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.checkpoint import latest_checkpoint
+from vgraph.backends.torch.training.batches import default_corpus_documents
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),

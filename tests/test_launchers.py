@@ -17,11 +17,11 @@ from hypothesis import given, settings, strategies as st
 
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.backends.torch.distributed.job import JOB_VERSION, Job, JobError
-from vgraph.backends.torch.distributed.launch import LaunchConfig, launch, main as launch_main
-from vgraph.backends.torch.distributed.launchers import LauncherError, expand_nodelist, worker_place
-from vgraph.backends.torch.distributed.worker import main as worker_main
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main
+from vgraph.backends.torch.distributed.runtime.launchers import LauncherError, expand_nodelist, worker_place
+from vgraph.backends.torch.distributed.runtime.worker import main as worker_main
 from vgraph.base.diagnostics import VGraphError
 
 

@@ -31,7 +31,7 @@ def test_the_layer_contracts_are_kept() -> None:
 
 def test_the_installed_layout_holds_the_mapped_packages(tmp_path: Path) -> None:
     layout = installed_layout(ROOT, tmp_path)
-    for module in ("vgraph/ir/graph.py", "vgraph/passes/fuse_heads.py", "vgraph/backends/torch/kernels.py",
+    for module in ("vgraph/ir/graph.py", "vgraph/passes/fuse_heads.py", "vgraph/backends/torch/lowering/kernels.py",
                    "vgraph/backends/onnx/check.py"):
         assert (layout / module).is_file(), module
 
@@ -52,15 +52,15 @@ def _copy_of_sources(tmp_path: Path) -> Path:
     ("vgraph/ir/graph.py", "import vgraph.backends.torch", "vgraph.ir.graph -> vgraph.backends.torch"),
     ("passes/dead_nodes.py", "from vgraph.backends.onnx import lower",
      "vgraph.passes.dead_nodes -> vgraph.backends.onnx"),
-    ("backends/onnx/cli.py", "from vgraph.backends.torch.kernels import swiglu",
-     "vgraph.backends.onnx.cli -> vgraph.backends.torch.kernels"),
+    ("backends/onnx/cli.py", "from vgraph.backends.torch.lowering.kernels import swiglu",
+     "vgraph.backends.onnx.cli -> vgraph.backends.torch.lowering.kernels"),
     ("vgraph/ir/verify.py", "from vgraph.report import render", "vgraph.ir.verify -> vgraph.report.render"),
     ("vgraph/transform/pipeline.py", "from vgraph.cost import costmodel",
      "vgraph.transform.pipeline -> vgraph.cost.costmodel"),
     ("vgraph/cost/costmodel.py", "import torch", "vgraph.cost.costmodel -> torch"),
     ("passes/precision.py", "import onnx", "vgraph.passes.precision -> onnx"),
-    ("backends/torch/train.py", "from benchmarks import handwritten_model",
-     "vgraph.backends.torch.train -> benchmarks"),
+    ("backends/torch/training/train.py", "from benchmarks import handwritten_model",
+     "vgraph.backends.torch.training.train -> benchmarks"),
 ], ids=["core-imports-a-pass", "core-imports-a-backend", "pass-imports-a-backend", "onnx-imports-torch-internals",
         "ir-imports-the-report-layer", "transform-imports-its-independent-sibling", "core-imports-torch",
         "pass-imports-onnx", "backend-imports-a-benchmark"])

@@ -17,9 +17,9 @@ import pytest
 from conftest import TINY
 from hardening_util import signal_after_rows
 from vgraph.backends.torch import cli
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.distributed.launch import main as launch_main
-from vgraph.backends.torch.metrics_log import MetricsLog
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.distributed.launcher.launch import main as launch_main
+from vgraph.backends.torch.training.metrics_log import MetricsLog
 
 PNG = b"\x89PNG\r\n\x1a\n"
 FLEET = "name: two\npnodes:\n" + "".join(
@@ -28,7 +28,7 @@ FLEET = "name: two\npnodes:\n" + "".join(
 # Imported by every launch worker (--plugin): records the last logged step each time the PNG is rewritten.
 SPY = '''
 import json, os
-from vgraph.backends.torch.metrics_log import MetricsLog
+from vgraph.backends.torch.training.metrics_log import MetricsLog
 
 _plot = MetricsLog.plot
 
@@ -129,6 +129,6 @@ def test_launch_rank0_draws_at_checkpoints_and_the_end_not_at_validations(tmp_pa
     (4, [2, 2], "2 micro-batches per replica"), (4, [8], "4 micro-batches"), (1, [8], "1 micro-batch"),
     (4, [3, 5], "3 or 4 micro-batches per replica"), (2, [1, 1], "1 micro-batch per replica")])
 def test_the_launch_line_counts_the_micro_batches_each_replica_runs(micro: int, shares: list[int], text: str) -> None:
-    from vgraph.backends.torch.distributed.launch import _micro_per_replica
+    from vgraph.backends.torch.distributed.launcher.launch import _micro_per_replica
 
     assert _micro_per_replica(micro, shares) == text

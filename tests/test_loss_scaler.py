@@ -1,4 +1,4 @@
-"""The launch's shared loss scaler (distributed/loss_scaler.py) against torch's GradScaler, the one `vgraph train`
+"""The launch's shared loss scaler (distributed/runtime/loss_scaler.py) against torch's GradScaler, the one `vgraph train`
 uses: the same scale and growth tracker after every step of any sequence of overflows and good steps (halving
 on an overflow, doubling after 2000 good steps in a row), the same state_dict, and each one's state loads into
 the other, so checkpoints move between `vgraph train` and `vgraph launch`.  The launch-level behaviour (one
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vgraph.backends.torch.distributed.loss_scaler import SharedLossScaler
+from vgraph.backends.torch.distributed.runtime.loss_scaler import SharedLossScaler
 
 
 class TorchScaler:

@@ -252,7 +252,7 @@ def test_the_plan_and_the_cost_model_find_the_same_tasks():
     model's have the same ranks, depths, tensors (bytes each way) and so the same op lists."""
     pytest.importorskip("torch")
     from test_distributed import placed, tiny
-    from vgraph.backends.torch.distributed.plan import make_plan, scheduled_tasks, schedule_ops
+    from vgraph.run.step_plan import make_plan, scheduled_tasks, schedule_ops
     from vgraph.cost.costmodel import cost_model
     from vgraph.cost.stepcost import stage_loads
     from vgraph.ops.boundary import wire_bytes

@@ -1,4 +1,4 @@
-"""The launchers' channel of a multi-machine `vgraph launch` (backends/torch/distributed/membership.py), over
+"""The launchers' channel of a multi-machine `vgraph launch` (backends/torch/distributed/launcher/membership.py), over
 loopback: machine 0 notices a machine whose beats stop, a machine notices that machine 0 stopped an attempt,
 all machines take machine 0's one decision after a failure, a request without the run's secret gets no
 answer, and a machine that cannot reach machine 0 gives up within its bound.  The same channel across real
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from vgraph.backends.torch.distributed.membership import MachineLost, Machines, decide
+from vgraph.backends.torch.distributed.launcher.membership import MachineLost, Machines, decide
 from vgraph.backends.torch.distributed.rendezvous import RendezvousError, free_port, interface_towards
 
 TOKEN = "membership-test-secret"

@@ -19,7 +19,7 @@ from vgraph import VGraphError
 from vgraph.backends.onnx import Decoder, lower_inference
 from vgraph.backends.onnx.check import (_compile, _run_module, compare_outputs, fp32_graph, random_weights,
                                         session)
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.cli import main
 from vgraph.ir.builder import NetBuilder
 from vgraph.transform.pipeline import run_pipeline

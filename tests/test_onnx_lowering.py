@@ -299,7 +299,7 @@ def test_export_onnx_from_checkpoint_reproduces_the_torch_module(tmp_path, capsy
 
     from vgraph.backends.onnx.cli import main
     from vgraph.backends.torch import compile_network
-    from vgraph.backends.torch.checkpoint import save_checkpoint
+    from vgraph.backends.torch.training.checkpoint import save_checkpoint
 
     graph = vgraph.load(TINY_FP32)
     module = compile_network(graph, train=False, seed=7)

@@ -5,7 +5,7 @@ its OpDef declares (``vgraph.ir.builder.example_graph``: float inputs are networ
 inputs with declared shapes), and run in onnxruntime.  It is compared with
 the torch backend through ``check_network`` (what ``vgraph check-onnx`` does)
 and with a small node-by-node interpreter over
-``vgraph.backends.torch.kernels``, the functions that define the ops'
+``vgraph.backends.torch.lowering.kernels``, the functions that define the ops'
 semantics.  Weights are random O(1) values (not the torch init, whose zero
 biases and unit norm scales would leave parts of each op untested).  All
 float32; tolerance rtol 1e-4, atol 1e-5 element-wise against the kernels.
@@ -23,7 +23,7 @@ from vgraph import REGISTRY, Graph, VGraphError
 from vgraph.backends.onnx import lower_network, value_name
 from vgraph.backends.onnx.check import check_network, onnx_outputs, random_feeds, random_weights
 from vgraph.backends.torch import kernels as K
-from vgraph.backends.torch.compression import Codec
+from vgraph.backends.torch.lowering.wire_formats import Codec
 from vgraph.ir.builder import NetBuilder, example_graph
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -45,7 +45,7 @@ def _rope(cfg) -> float | None:
 
 def _ref_node(graph: Graph, n, xs: list[torch.Tensor], w: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     cfg, t = n.cfg, n.type
-    if t == "compress":  # the activation's wire round trip (backends/torch/compression.py defines it)
+    if t == "compress":  # the activation's wire round trip (backends/torch/lowering/wire_formats.py defines it)
         return [Codec(cfg["activations"], cfg["scale"]).round_trip(xs[0])]
     if t == "linear":
         if cfg.get("tie_weight_alias"):

@@ -1,4 +1,4 @@
-"""The tensor peak a run reports (backends/torch/peak_memory.py): counted by hand on known allocations, and
+"""The tensor peak a run reports (backends/torch/training/peak_memory.py): counted by hand on known allocations, and
 against torch's own tracker (`MemTracker`) on a training step of the tiny network, where that tracker works."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from conftest import ROOT, TINY
-from vgraph.backends.torch.peak_memory import (MEASURED_STEPS, LiveTensorBytes, TensorPeak, memory_figures,
+from vgraph.backends.torch.training.peak_memory import (MEASURED_STEPS, LiveTensorBytes, TensorPeak, memory_figures,
                                                state_tensors)
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

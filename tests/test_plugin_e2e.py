@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TINY_FP32
 from plugin_site import geglu_site, vgraph  # noqa: F401  (geglu_site is a fixture)
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.batches import default_corpus_documents
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import TINY
 from plugin_site import geglu_site, tanh_geglu_site, vgraph  # noqa: F401  (fixtures)
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.batches import default_corpus_documents
 
 pytestmark = pytest.mark.slow
 

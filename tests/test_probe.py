@@ -1,4 +1,4 @@
-"""`vgraph probe` (backends/torch/probe.py, probe_cli.py): the calibration's arithmetic on known timings, a real
+"""`vgraph probe` (backends/torch/probe/measure.py, probe_cli.py): the calibration's arithmetic on known timings, a real
 probe of the tiny network written as a fleet entry that the cost model reads, the link measured against a
 `--serve` peer, appending to a fleet, and mistakes refused before anything is measured.  Timings are shortened
 (one repetition of a few milliseconds): these tests check what is measured and written, not the figures."""
@@ -15,7 +15,7 @@ from conftest import TINY_FP32
 from vgraph.backends.torch import prepare_graph
 from vgraph.backends.torch import probe as P
 from vgraph.backends.torch import probe_cli as C
-from vgraph.backends.torch.probe_cli import burst_of, measure_link, serve
+from vgraph.backends.torch.probe.cli import burst_of, measure_link, serve
 from vgraph.cli.main import main
 from vgraph.cost.fleet import load_fleet, loads_fleet
 from vgraph.cost.op_kinds import KINDS, op_kind
@@ -158,8 +158,8 @@ def test_the_update_is_the_workers_batch_draw_and_optimizer_step(monkeypatch, bu
     step those parameters and draw a batch."""
     import torch
 
-    from vgraph.backends.torch.data import TokenShards
-    from vgraph.backends.torch.lower import compile_network
+    from vgraph.backends.torch.training.batches import TokenShards
+    from vgraph.backends.torch.lowering.lower import compile_network
 
     graph = prepare_graph(vgraph.load(TINY_FP32), target="cpu")
     module = compile_network(graph, device=torch.device("cpu"), train=True, seed=0)

@@ -1,4 +1,4 @@
-"""`vgraph probe --collectives` (backends/torch/probe_collectives.py): two processes on this machine measure the
+"""`vgraph probe --collectives` (backends/torch/probe/collectives.py): two processes on this machine measure the
 table and rank 0 writes it into a fleet (and replaces it the second time), the table written into fleets of
 every layout or refused, and every mistake refused before anyone joins a rendezvous."""
 from __future__ import annotations

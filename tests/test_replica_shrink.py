@@ -8,7 +8,7 @@ import pytest
 
 from test_replica_shares import REL, brute_force
 from tools.gen_networks import TransformerSpec, transformer
-from vgraph.backends.torch.distributed.launch import _shrink, place, split_pipeline
+from vgraph.backends.torch.distributed.launcher.launch import _shrink, place, split_pipeline
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import Fleet, PNode
 from vgraph.cost.fleet_links import Links, Region

@@ -13,11 +13,11 @@ import torch
 
 from conftest import TINY
 from vgraph import load
-from vgraph.backends.torch.lower import compile_network, param_sources
-from vgraph.backends.torch.node_optimizers import NodeOptimizers
-from vgraph.backends.torch.run_checkpoints import (TrainingState, optimizer_state_to_graph, resume_run,
+from vgraph.backends.torch.lowering.lower import compile_network, param_sources
+from vgraph.backends.torch.training.optimizers import NodeOptimizers
+from vgraph.backends.torch.training.run_checkpoints import (TrainingState, optimizer_state_to_graph, resume_run,
                                                    save_run_checkpoint)
-from vgraph.backends.torch.train_config import TrainingError
+from vgraph.backends.torch.training.config import TrainingError
 
 RUN = {"seed": 5, "batch": 4, "seq_len": 16, "data": "corpus-b.txt", "vocab_size": 64, "tokenizer": "byte",
        "lr": 0.01, "warmup": 2, "schedule": "cosine"}
@@ -83,8 +83,8 @@ def test_a_damaged_checkpoint_is_a_training_error(tmp_path) -> None:
 def test_optimizer_moments_split_and_join_like_the_weights() -> None:
     """Moments of a fused parameter (fused heads: weights and 1-D biases) are split into the unfused
     layout exactly as the weights are (`to_unfused_layout`), and joined back; scalars are copied."""
-    from vgraph.backends.torch.lower import init_state, to_unfused_layout
-    from vgraph.backends.torch.run_checkpoints import optimizer_state_to_unfused
+    from vgraph.backends.torch.lowering.lower import init_state, to_unfused_layout
+    from vgraph.backends.torch.training.run_checkpoints import optimizer_state_to_unfused
     from vgraph.transform.pipeline import run_pipeline
 
     graph = load(TINY)

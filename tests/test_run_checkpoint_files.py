@@ -1,4 +1,4 @@
-"""Which checkpoint directories a training run keeps, prunes and cleans (backends/torch/run_checkpoints.py).
+"""Which checkpoint directories a training run keeps, prunes and cleans (backends/torch/training/run_checkpoints.py).
 
 `--keep-checkpoints N` keeps the newest N complete checkpoints (at least one) and never the one just
 written, even when an older step is rewritten after a resume; a killed write leaves `.step-*.tmp-*` /
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vgraph.backends.torch.run_checkpoints import clean_stale, prune_checkpoints, run_checkpoints
+from vgraph.backends.torch.training.run_checkpoints import clean_stale, prune_checkpoints, run_checkpoints
 
 
 def _steps(run: Path, *steps: int) -> None:

@@ -25,10 +25,10 @@ from conftest import TINY
 from hardening_util import signal_after_rows, small_corpus
 from vgraph.backends.torch import checkpoint as ckpt
 from vgraph.backends.torch import cli
-from vgraph.backends.torch.metrics_log import MetricsLog
-from vgraph.backends.torch.train_step import TrainStep
+from vgraph.backends.torch.training.metrics_log import MetricsLog
+from vgraph.backends.torch.training.step import TrainStep
 
-train_module = importlib.import_module("vgraph.backends.torch.train")  # the module: the package exports train()
+train_module = importlib.import_module("vgraph.backends.torch.training.train")  # the module: the package exports train()
 STEPS = 6
 RUN = ["--steps", str(STEPS), "--batch", "2", "--val-every", "2", "--val-batches", "1", "--checkpoint-every", "4",
        "--log-every", "3", "--quiet", "--threads", "1", "--no-tensorboard"]
@@ -109,7 +109,7 @@ def test_a_launch_stopped_while_validating_saves_its_last_step_and_resumes(corpu
     """The launch workers decide to stop in each step's reduction, so a stop that reaches them during
     validation or logging is carried into the next step's reduction, which checkpoints: validation every
     step makes the stop land there."""
-    from vgraph.backends.torch.distributed.launch import main as launch_main
+    from vgraph.backends.torch.distributed.launcher.launch import main as launch_main
 
     fleet = tmp_path / "fleet.yml"
     fleet.write_text("pnodes:\n" + "".join(f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import TINY
 from vgraph import load
-from vgraph.backends.torch.tensorboard_log import TensorBoardLog, settings_markdown
+from vgraph.backends.torch.training.tensorboard_log import TensorBoardLog, settings_markdown
 
 
 def read(run_dir: Path):

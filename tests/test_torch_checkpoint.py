@@ -1,4 +1,4 @@
-"""Tests for atomic checkpoints (vgraph.backends.torch.checkpoint)."""
+"""Tests for atomic checkpoints (vgraph.backends.torch.training.checkpoint)."""
 
 from __future__ import annotations
 

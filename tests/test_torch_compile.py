@@ -1,5 +1,5 @@
 """One graph per training step: `vgraph train --compile` and `vgraph launch`'s stage programs trace without
-a graph break (backends/torch/graph_breaks.py), on the tiny networks, fused and unfused, in every precision.
+a graph break (backends/torch/lowering/graph_breaks.py), on the tiny networks, fused and unfused, in every precision.
 
 The production networks are counted by benchmarks/bench_graph_breaks.py (tracing them is too slow here).
 """
@@ -13,8 +13,8 @@ import torch
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import prepare_graph
-from vgraph.backends.torch.distributed.launch import place, split_pipeline
-from vgraph.backends.torch.graph_breaks import explain_program, stage_breaks, training_breaks
+from vgraph.backends.torch.distributed.launcher.launch import place, split_pipeline
+from vgraph.backends.torch.lowering.graph_breaks import explain_program, stage_breaks, training_breaks
 from vgraph.cost.fleet import loads_fleet
 
 FIXTURES = Path(__file__).parent / "fixtures"

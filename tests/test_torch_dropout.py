@@ -1,4 +1,4 @@
-"""Keyed dropout (backends/torch/dropout.py): counter-based masks, their statistics, and one graph.
+"""Keyed dropout (backends/torch/lowering/dropout.py): counter-based masks, their statistics, and one graph.
 
 The mask is specified by `mask_reference` in plain Python integers; the
 vectorised tensor code must give the same bits.  Statistics are checked on
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vgraph.backends.torch.dropout import (clear_dropout_key, current_dropout_key, dropout_key, keep_mask,
+from vgraph.backends.torch.lowering.dropout import (clear_dropout_key, current_dropout_key, dropout_key, keep_mask,
                                            keyed_dropout, mask_reference, node_stream, set_dropout_key)
 
 
@@ -53,7 +53,7 @@ def test_negative_and_huge_seeds_and_steps_are_keys_too() -> None:
 
 def test_node_streams_do_not_depend_on_the_process() -> None:
     """No Python hash(): another interpreter with another hash seed draws the same masks."""
-    code = ("from vgraph.backends.torch.dropout import node_stream, mask_reference;"
+    code = ("from vgraph.backends.torch.lowering.dropout import node_stream, mask_reference;"
             "print(node_stream('block3_ffn_dropout'), [mask_reference(1, 2, 'block3_ffn_dropout', 0, e, 0.5) "
             "for e in range(8)])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

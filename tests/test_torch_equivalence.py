@@ -8,7 +8,7 @@ import vgraph
 from conftest import NET6, TINY, TINY_FP32
 from vgraph.backends.torch import (TrainConfig, compile_network, interpret, prepare_graph, to_graph_layout,
                                    to_unfused_layout, train)
-from vgraph.backends.torch.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
 
 FUSE_ALL = "fuse-heads,fuse-lm-head-ce"
 
@@ -93,7 +93,7 @@ def test_layout_round_trip_is_exact(tiny) -> None:
 
 
 def _text_file(tmp_path) -> str:
-    from vgraph.backends.torch.data import default_corpus_documents
+    from vgraph.backends.torch.training.batches import default_corpus_documents
 
     path = tmp_path / "corpus.txt"
     path.write_text("\n\n".join(default_corpus_documents(max_bytes=12_000)), encoding="utf-8")

@@ -1,4 +1,4 @@
-"""Tests for the pure PyTorch op kernels (vgraph.backends.torch.kernels)."""
+"""Tests for the pure PyTorch op kernels (vgraph.backends.torch.lowering.kernels)."""
 
 from __future__ import annotations
 

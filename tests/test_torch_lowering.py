@@ -15,9 +15,9 @@ from vgraph.ops import REGISTRY
 from conftest import TINY_FP32
 from vgraph.backends.torch import (LOWERINGS, check_memory, compile_network, estimate_training_memory,
                                    init_state, interpret, register_lowering, to_unfused_layout)
-from vgraph.backends.torch.memory import MemoryRefused
-from vgraph.backends.torch.ops import cost_loss
-from vgraph.backends.torch.train import prepare_graph
+from vgraph.backends.torch.training.memory import MemoryRefused
+from vgraph.backends.torch.lowering.ops import cost_loss
+from vgraph.backends.torch.training.train import prepare_graph
 from vgraph.data.tokenizer import char_tokenizer
 
 VOCAB, SEQ, DIM = 50, 8, 16

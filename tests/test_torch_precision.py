@@ -31,8 +31,8 @@ import torch
 import vgraph
 from vgraph.backends.torch import compile_network, compute_dtype, prepare_graph
 from vgraph.backends.torch import kernels as K
-from vgraph.backends.torch.dropout import dropout_key
-from vgraph.backends.torch.ops import attention_head_sdpa
+from vgraph.backends.torch.lowering.dropout import dropout_key
+from vgraph.backends.torch.lowering.ops import attention_head_sdpa
 
 TINY = Path(__file__).parent / "fixtures" / "tiny_2l.yml"
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

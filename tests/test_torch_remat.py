@@ -7,9 +7,9 @@ import torch
 import vgraph
 from conftest import TINY
 from vgraph.backends.torch import compile_network, prepare_graph
-from vgraph.backends.torch.dropout import dropout_key
-from vgraph.backends.torch.train import train
-from vgraph.backends.torch.train_config import TrainConfig
+from vgraph.backends.torch.lowering.dropout import dropout_key
+from vgraph.backends.torch.training.train import train
+from vgraph.backends.torch.training.config import TrainConfig
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.remat import RECOMPUTE, marked_ids, remat_layout
 from vgraph.ir.graph import VNode

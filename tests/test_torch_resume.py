@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.batches import default_corpus_documents
 
 STEPS = 40
 
@@ -24,7 +24,7 @@ KILLER = textwrap.dedent("""
     import importlib, os, signal, sys
     import torch
     from vgraph.backends.torch import checkpoint, cli
-    T = importlib.import_module("vgraph.backends.torch.train")  # the module, not the function
+    T = importlib.import_module("vgraph.backends.torch.training.train")  # the module, not the function
 
     mode, n, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     seen = [0]

@@ -15,10 +15,10 @@ from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import (TrainConfig, TrainingError, compile_network, init_state, load_trained,
                                    train)
 from vgraph.backends.torch import cli
-from vgraph.backends.torch.checkpoint import load_checkpoint
-from vgraph.backends.torch.data import default_corpus_documents
-from vgraph.backends.torch.memory import MemoryRefused
-from vgraph.backends.torch.train import NodeOptimizers
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.backends.torch.training.memory import MemoryRefused
+from vgraph.backends.torch.training.train import NodeOptimizers
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A rank's work each step beyond its program (vgraph/cost/update.py): how a PNode's `update` is read and
 written, every mistake at its line, what it adds to a plan's price (the slowest rank's, by the parameters
-its stage trains), and the probe's line through the whole program's times (backends/torch/probe.py)."""
+its stage trains), and the probe's line through the whole program's times (backends/torch/probe/measure.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -129,7 +129,7 @@ def test_a_stage_counts_the_parameters_its_ranks_update():
 # -- the probe's line through the whole program --------------------------------------------------------
 
 def test_the_line_is_exact_on_linear_times_and_closer_where_they_bend():
-    from vgraph.backends.torch.probe import _line, fit_line
+    from vgraph.backends.torch.probe.measure import _line, fit_line
 
     assert fit_line([1, 2, 4, 8], [3.0, 4.0, 6.0, 10.0]) == (pytest.approx(2.0), pytest.approx(1.0))
     sizes, times = [1, 2, 4, 8], [8.1, 10.2, 12.9, 17.1]  # tb-small in a 0.5-core host, ms
@@ -142,7 +142,7 @@ def test_the_line_is_exact_on_linear_times_and_closer_where_they_bend():
 
 
 def test_the_line_stays_non_negative_and_refuses_what_is_no_line():
-    from vgraph.backends.torch.probe import fit_line
+    from vgraph.backends.torch.probe.measure import fit_line
 
     assert fit_line([1, 8], [5.0, 4.0]) == (pytest.approx(4.5, rel=0.05), 0.0)  # no per-sample cost: flat
     fixed, slope = fit_line([1, 2, 8], [0.5, 2.0, 8.0])  # would cross below zero: through the origin

@@ -348,8 +348,8 @@ def test_weight_decay_is_adamw_on_matrices_and_adam_without_it(tmp_path, corpus_
     import torch
 
     from vgraph.backends.torch import compile_network
-    from vgraph.backends.torch.node_optimizers import NodeOptimizers
-    from vgraph.backends.torch.checkpoint import load_checkpoint
+    from vgraph.backends.torch.training.optimizers import NodeOptimizers
+    from vgraph.backends.torch.training.checkpoint import load_checkpoint
 
     import vgraph
 
@@ -459,7 +459,7 @@ def test_launch_grad_accum_is_the_global_batch_in_at_least_k_micro_batches(tmp_p
 def test_a_vnodes_own_adamw_and_weight_decay_win() -> None:
     import vgraph
     from vgraph.backends.torch import compile_network
-    from vgraph.backends.torch.node_optimizers import NodeOptimizers
+    from vgraph.backends.torch.training.optimizers import NodeOptimizers
 
     graph = vgraph.load(TINY)
     graph.node("block0_ffn_up").set_config(optimizer="adamw")  # AdamW's customary 0.01

@@ -17,7 +17,7 @@ import pytest
 from browser_util import colour_mask, drawn_label_sizes, ink, screenshot
 from hardening_util import modes_against_umask
 from conftest import FIXTURES
-from vgraph.backends.torch.data import default_corpus_documents
+from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.cli.main import main
 from vgraph.report.page import LOSS_COLOR, PNODE_COLORS, THROUGHPUT_COLOR, VAL_COLOR
 from vgraph.report.render import CATEGORY_COLORS, CUT_COLOR, FUSED_COLOR
@@ -171,7 +171,7 @@ def launched(corpus: Path, tmp_path_factory) -> tuple[Path, str]:
     run = work / "run"
     # The forkserver the workers fork from is started at another umask first (as an earlier launch in this
     # process would have): the workers must take the launcher's umask of now, not the forkserver's.
-    from vgraph.backends.torch.distributed.supervisor import _context
+    from vgraph.backends.torch.distributed.launcher.supervisor import _context
 
     old = os.umask(0o022)
     started = _context().Process(target=os.getpid)
@@ -247,7 +247,7 @@ def test_chromium_shows_the_launch_report_with_pnode_curves(launched, tmp_path: 
 
 def test_a_new_session_waits_out_the_second_of_an_earlier_event_file(tmp_path: Path) -> None:
     """TensorBoard orders event files by name, which starts with their second: a session must not share one."""
-    from vgraph.backends.torch.tensorboard_log import wait_past_earlier_sessions
+    from vgraph.backends.torch.training.tensorboard_log import wait_past_earlier_sessions
 
     now, slept = 1_764_644_000.25, []
     (tmp_path / "events.out.tfevents.1764644000.host.name.99.0").write_bytes(b"")

@@ -37,7 +37,7 @@ from typing import Iterator
 
 import torch
 
-from vgraph.backends.torch.checkpoint import load_checkpoint
+from vgraph.backends.torch.training.checkpoint import load_checkpoint
 
 ADAM_RTOL_PER_STEP = 4.7e-5 / 4  # the calibration below: 4.7e-5 after 4 Adam steps
 ADAM_MAX_STEP = 3.2  # |update| / lr of one Adam step, at most (1 - beta1) / sqrt(1 - beta2) with the defaults

@@ -105,22 +105,22 @@ TARGETS: dict[str, Target] = {
         "vgraph/run/layout.py", ("tests/test_passes.py", "tests/test_torch_equivalence.py", "-k", "not six_layer"),
         timeout=300.0, why="weights between fused and unfused layouts: checkpoints go through it"),
     "kernels-ce": Target(
-        "backends/torch/kernels.py",
+        "backends/torch/lowering/kernels.py",
         ("tests/test_ce_reduced_precision.py", "tests/test_torch_kernels.py", "-k", "tied or ce or logits"),
         functions=("mm_fp32", "logits_chunk", "matmul_dtype", "forward", "backward", "tied_lm_head_ce",
                    "default_ce_chunk_size", "_accum_dtype"),
         timeout=300.0, why="the chunked tied LM-head cross-entropy: the production loss"),
     "kernels-attention": Target(
-        "backends/torch/kernels.py", ("tests/test_torch_kernels.py", "tests/test_hf_ops.py"),
+        "backends/torch/lowering/kernels.py", ("tests/test_torch_kernels.py", "tests/test_hf_ops.py"),
         functions=("rope_cos_sin", "_build_rope_tables", "_rotate_half", "_swap_halves", "apply_rope",
                    "attention_head", "multihead_attention", "rms_norm", "swiglu", "apply_mask"),
         timeout=300.0, why="RoPE, attention and SwiGLU kernels"),
     "checkpoint": Target(
-        "backends/torch/checkpoint.py", ("tests/test_torch_checkpoint.py", "tests/test_checkpoint_fsync.py",
+        "backends/torch/training/checkpoint.py", ("tests/test_torch_checkpoint.py", "tests/test_checkpoint_fsync.py",
                                          "tests/test_checkpoint_malformed.py", "tests/test_fp16_resume.py"),
         timeout=300.0, why="atomic safetensors checkpoints, RNG state"),
     "run-checkpoints": Target(
-        "backends/torch/run_checkpoints.py", ("tests/test_run_checkpoint_files.py", "tests/test_resume_settings.py",
+        "backends/torch/training/run_checkpoints.py", ("tests/test_run_checkpoint_files.py", "tests/test_resume_settings.py",
                                               "tests/test_fp16_resume.py",
                                               "tests/test_torch_checkpoint.py",
                                               "tests/test_torch_equivalence.py", "-k", "not six_layer"),
@@ -161,22 +161,22 @@ TARGETS: dict[str, Target] = {
                                  "-k", "not training_resume"),
         timeout=600.0, why="what recompute marks cost and which regions a backend checkpoints"),
     "remat-regions": Target(
-        "backends/torch/remat_regions.py", ("tests/test_torch_remat.py", "-k", "not training_resume"),
+        "backends/torch/lowering/remat_regions.py", ("tests/test_torch_remat.py", "-k", "not training_resume"),
         timeout=600.0, why="the torch lowering of remat regions: checkpointed submodules, dropout keys"),
     "grad-sync": Target(
-        "backends/torch/distributed/grad_sync.py", ("tests/test_grad_sync.py",),
+        "backends/torch/distributed/runtime/grad_sync.py", ("tests/test_grad_sync.py",),
         functions=("allreduce_sum", "summed", "ring_bytes_sent", "bucket_layout", "__init__", "begin",
                    "last_backward", "ready", "finish", "_on_grad", "_mark", "_launch"),
         timeout=600.0, why="the replicas' gradient sum: buckets, readiness, the ring bytes"),
     "loss-scaler": Target(
-        "backends/torch/distributed/loss_scaler.py", ("tests/test_loss_scaler.py",),
+        "backends/torch/distributed/runtime/loss_scaler.py", ("tests/test_loss_scaler.py",),
         timeout=600.0, why="a launch's loss-scale decisions and their checkpoint state"),
     "probe": Target(
-        "backends/torch/probe.py", ("tests/test_probe.py", "-k", "calibration or timing"),
+        "backends/torch/probe/measure.py", ("tests/test_probe.py", "-k", "calibration or timing"),
         functions=("timed_in_turn", "timed", "_line", "calibrate"),
         timeout=300.0, why="the probed figures a fleet entry carries: time per call, the calibration's two scales"),
     "probe-collectives": Target(
-        "backends/torch/probe_collectives.py", ("tests/test_probe_collectives.py", "-k", "by_hand or host_counts"),
+        "backends/torch/probe/collectives.py", ("tests/test_probe_collectives.py", "-k", "by_hand or host_counts"),
         functions=("rank_counts", "measure", "_median"),
         timeout=300.0, why="the fleet's measured control, hop and ring rate by rank count"),
     "collectives": Target(
@@ -184,14 +184,14 @@ TARGETS: dict[str, Target] = {
         functions=("ring", "at", "_lookup", "collectives_of"),
         timeout=300.0, why="what the table adds to a plan's price: interpolated control and hop, the ring cap"),
     "grad-compress": Target(
-        "backends/torch/distributed/grad_compress.py", ("tests/test_grad_sync.py", "-k", "powersgd or hook"),
+        "backends/torch/distributed/runtime/powersgd.py", ("tests/test_grad_sync.py", "-k", "powersgd or hook"),
         timeout=600.0, why="PowerSGD on the replicas' buckets: the sum, its bytes, forgetting a non-finite step"),
     "worker-step": Target(
-        "backends/torch/distributed/worker.py", ("tests/test_distributed_replicas.py", "-k", "clip"),
+        "backends/torch/distributed/runtime/worker.py", ("tests/test_distributed_replicas.py", "-k", "clip"),
         functions=("_local_sumsq", "_local_bad_grads", "_optimizer_step"),
         timeout=600.0, why="a launch worker's update: the clip norm over replicas, skipped steps, the optimizer"),
     "replica-groups": Target(
-        "backends/torch/distributed/replica_groups.py",
+        "backends/torch/distributed/runtime/replica_groups.py",
         ("tests/test_distributed_replicas.py", "-k", "stage_groups or drifted"),
         timeout=600.0, why="the stage groups and the checks that replicas hold the same parameters and values"),
 }

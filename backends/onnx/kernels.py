@@ -20,7 +20,7 @@ __all__ = ["Kernels", "CAUSAL_MASK_VALUE"]
 
 
 def _rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin ``[S, hd]`` of the rotate-half convention (see backends/torch/kernels.py)."""
+    """cos/sin ``[S, hd]`` of the rotate-half convention (see backends/torch/lowering/kernels.py)."""
     inv_freq = float(theta) ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     angles = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq)
     angles = np.concatenate([angles, angles], axis=-1)

@@ -23,15 +23,15 @@
 """
 from __future__ import annotations
 
-from .checkpoint import (CheckpointError, capture_rng_state, checked_tokenizer, latest_checkpoint, load_checkpoint,
+from .training.checkpoint import (CheckpointError, capture_rng_state, checked_tokenizer, latest_checkpoint, load_checkpoint,
                          network_vocab, resolve_checkpoint, save_checkpoint)
-from .interpreter import interpret
-from .lower import (VGraphModule, compile_network, compute_dtype, feed_name, init_state, to_graph_layout,
+from .lowering.interpreter import interpret
+from .lowering.lower import (VGraphModule, compile_network, compute_dtype, feed_name, init_state, to_graph_layout,
                     to_unfused_layout)
 from .model_api import CausalLM, load_model
-from .memory import MemoryEstimate, MemoryRefused, check_memory, estimate_training_memory
-from .ops import LOWERINGS, LowerCtx, register_lowering
-from .train import TrainConfig, TrainingError, TrainResult, load_trained, prepare_graph, train
+from .training.memory import MemoryEstimate, MemoryRefused, check_memory, estimate_training_memory
+from .lowering.ops import LOWERINGS, LowerCtx, register_lowering
+from .training.train import TrainConfig, TrainingError, TrainResult, load_trained, prepare_graph, train
 
 __all__ = [
     "VGraphModule", "compile_network", "compute_dtype", "feed_name", "init_state", "to_graph_layout",

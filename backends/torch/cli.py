@@ -85,8 +85,8 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .data import DEFAULT_CORPUS_MAX_BYTES
-    from .train import TrainConfig, train
+    from .training.batches import DEFAULT_CORPUS_MAX_BYTES
+    from .training.train import TrainConfig, train
 
     config = TrainConfig(
         network=args.network, data=args.data, steps=args.steps, batch=args.batch, lr=args.lr,
@@ -225,9 +225,9 @@ class LogitsSource:
 
     def __init__(self, checkpoint: str, *, backend: str = "torch", kv_cache: bool | None = None,
                  device: str | None = None) -> None:
-        from .data import EOT_TOKEN, PAD_TOKEN
+        from .training.batches import EOT_TOKEN, PAD_TOKEN
         from .model_api import logits_output
-        from .train import load_trained
+        from .training.train import load_trained
 
         if backend not in BACKENDS:
             raise VGraphError(f"--backend must be one of {', '.join(BACKENDS)}; got {backend!r}")

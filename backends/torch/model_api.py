@@ -79,7 +79,7 @@ def logits_output(graph) -> str:
 
 def load_model(path: str | Path, *, device: str | None = None) -> CausalLM:
     """The language model of a run directory (its latest checkpoint) or a checkpoint, in eval mode."""
-    from .train import load_trained
+    from .training.train import load_trained
 
     module, tokenizer, graph = load_trained(path, device=device)
     return CausalLM(module, graph, tokenizer)
@@ -147,7 +147,7 @@ def corpus_windows(path: str, seq_len: int, vocab: int) -> Iterator[torch.Tensor
     """The validation windows of a prepared corpus (`vgraph data prepare`), as `vgraph train` reads them."""
     from vgraph.data.shards import DataError, is_prepared, open_prepared
 
-    from .data import TokenShards
+    from .training.batches import TokenShards
 
     if not is_prepared(path):
         raise VGraphError(f"{printable(path)}: not a prepared corpus (`vgraph data prepare ... -o DIR` writes one)")

@@ -42,7 +42,7 @@ from typing import Iterable, Mapping, NamedTuple
 import numpy as np
 
 from vgraph.cost.analyze import human
-from vgraph.cost.compression import NO_GRAD_COMPRESSION, GradCompression, parse_grad_compress
+from vgraph.cost.grad_compression import NO_GRAD_COMPRESSION, GradCompression, parse_grad_compress
 from vgraph.cost.remat import NO_REMAT, RematLayout, marked_ids, remat_layout
 from vgraph.ir.graph import Graph, VNode
 from vgraph.ops import REGISTRY, OpDef
@@ -133,7 +133,7 @@ class CostModel:
                  edge_columns: dict[str, list], ties: list[TieCost], remat: RematLayout | None = None,
                  grad_compress: GradCompression = NO_GRAD_COMPRESSION) -> None:
         self.name = name
-        self.grad_compress = grad_compress  # how replicas all-reduce gradients (vgraph/cost/compression.py)
+        self.grad_compress = grad_compress  # how replicas all-reduce gradients (vgraph/cost/grad_compression.py)
         self.remat = remat if remat is not None else NO_REMAT
         self.batch = batch
         self.micro_batches = micro_batches
@@ -281,7 +281,7 @@ def tensor_bytes(t: TensorType, activation: str | None = None) -> int:
 def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int = 1,
                grad_compress: GradCompression | str | None = None) -> CostModel:
     """Costs of every VNode and edge of a verified graph (types inferred); `grad_compress` says how
-    replicas would all-reduce its gradients (vgraph/cost/compression.py).
+    replicas would all-reduce its gradients (vgraph/cost/grad_compression.py).
 
     Long because it is written as one tight loop (about 5 us a VNode), each
     column appended through a bound method: partitioning a 100k-VNode network

@@ -1,7 +1,7 @@
 """The micro-batch schedule of a partitioned training step: which ops each rank runs, and in which order.
 
 One definition serves the two sides that must agree on it: the torch backend's workers run these orders
-(backends/torch/distributed/plan.py turns its tasks into `ScheduledTask`s, stage_runner.py executes the
+(vgraph/run/step_plan.py turns its tasks into `ScheduledTask`s, stage_runner.py executes the
 ops), and the step cost model prices a pipeline as the makespan of the same orders (vgraph/cost/makespan.py
 gives every op its duration).  A model that priced some other schedule (a linear chain's bubble, as
 stepcost.py did) mispredicted exactly where the workers' schedule differs from it: on the testbed, a cut

@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
-from vgraph.cost.compression import per_node
+from vgraph.cost.grad_compression import per_node
 from vgraph.cost.costmodel import CostModel
 from vgraph.cost.makespan import Durations, TaskEdge, compile_program, makespan
 from vgraph.cost.op_kinds import KINDS, op_kind
@@ -107,7 +107,7 @@ class StageLoads:
     activation_bytes: np.ndarray  # [S] kept for backward, per sample
     kind_flops: np.ndarray | None = None  # [K, S] training FLOPs per sample by op kind (op_kinds.KINDS)
     kind_ops: np.ndarray | None = None  # [K, S] VNodes by op kind
-    # Gradient compression (vgraph/cost/compression.py), with replicas only: FLOPs a stage member spends
+    # Gradient compression (vgraph/cost/grad_compression.py), with replicas only: FLOPs a stage member spends
     # compressing its gradients per step, the memory it keeps for that, all-reduces per bucket.
     reduce_flops: np.ndarray | None = None  # [S]
     reduce_memory: np.ndarray | None = None  # [S] bytes

@@ -4,7 +4,7 @@ Every launch worker, after the step's forward and backward and before the next, 
 its optimizers over the parameters it holds.  On the testbed's one-host tb-small run (0.5 core) that was
 8-10 ms of a 51 ms step, the largest part the cost model did not price: the program's time is measured by
 `vgraph probe`, the control collectives by `probe --collectives`, and this was neither.  The probe times it
-as a worker does it (backends/torch/probe.py, `update_costs`) and writes
+as a worker does it (backends/torch/probe/measure.py, `update_costs`) and writes
 
     - id: host0
       update: {fixed: 1.4ms, per_param: 0.6ns}
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .op_kinds import format_seconds, parse_seconds
+from vgraph.cost.op_kinds import format_seconds, parse_seconds
 
 UPDATE_KEYS = ("fixed", "per_param")
 

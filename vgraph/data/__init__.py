@@ -15,6 +15,6 @@ command starts fast and its worker processes stay small.
 """
 from __future__ import annotations
 
-from .shards import DataError
+from vgraph.data.shards import DataError
 
 __all__ = ["DataError"]

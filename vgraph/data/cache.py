@@ -34,10 +34,10 @@ from typing import Callable, Iterator, Sequence
 
 from vgraph.base.diagnostics import printable
 
-from .prepare import PrepareOptions, prepare
-from .shards import FORMAT_VERSION, DataError, PreparedCorpus, open_prepared
-from .sources import find_sources
-from .stdlib_corpus import default_corpus_documents, stdlib_dir
+from vgraph.data.prepare import PrepareOptions, prepare
+from vgraph.data.shards import FORMAT_VERSION, DataError, PreparedCorpus, open_prepared
+from vgraph.data.sources import find_sources
+from vgraph.data.stdlib_corpus import default_corpus_documents, stdlib_dir
 
 __all__ = ["cache_root", "default_corpus", "text_corpus", "cached"]
 

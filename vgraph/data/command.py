@@ -80,9 +80,9 @@ def register_data(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    from .prepare import PrepareOptions, prepare
-    from .shards import DataError
-    from .tokenizer import MAX_TRAINED_VOCAB, MIN_BPE_VOCAB
+    from vgraph.data.prepare import PrepareOptions, prepare
+    from vgraph.data.shards import DataError
+    from vgraph.data.tokenizer import MAX_TRAINED_VOCAB, MIN_BPE_VOCAB
 
     if args.vocab is not None and not 4 <= args.vocab <= MAX_TRAINED_VOCAB:
         raise DataError(f"--vocab must be from 4 to {MAX_TRAINED_VOCAB:,} tokens (byte-level BPE from "

@@ -28,8 +28,8 @@ from vgraph.base.diagnostics import printable
 from vgraph.base.jsonio import loads
 from vgraph.base.safeio import atomic_write
 
-from .shards import DataError, encode_index
-from .sources import Source, Unit, read_unit
+from vgraph.data.shards import DataError, encode_index
+from vgraph.data.sources import Source, Unit, read_unit
 
 __all__ = ["init_worker", "encode_unit", "doc_hash", "shard_names", "pieces", "PIECE_CHARS"]
 

@@ -53,11 +53,11 @@ from vgraph.base.safeio import MANIFEST as OUTPUTS_MANIFEST
 from vgraph.base.safeio import OutputDir, atomic_write, read_json
 from vgraph.base.safeio import check_output_dir as check_output_dir_of_every_command
 
-from . import encode
-from .shards import (FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, DataError, PreparedCorpus,
+from vgraph.data import encode
+from vgraph.data.shards import (FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, TOKENIZER_FILE, DataError, PreparedCorpus,
                      open_prepared, token_dtype)
-from .sources import Source, Unit, find_sources, plan_units, read_unit
-from .tokenizer import EOT_TOKEN, load_tokenizer, tokenizer_kind, train_tokenizer, vocabulary_span
+from vgraph.data.sources import Source, Unit, find_sources, plan_units, read_unit
+from vgraph.data.tokenizer import EOT_TOKEN, load_tokenizer, tokenizer_kind, train_tokenizer, vocabulary_span
 
 __all__ = ["PrepareOptions", "prepare", "check_output_dir", "WORK_DIR"]
 
@@ -383,7 +383,7 @@ def _valid_record(record: Any, unit: int, units: int) -> bool:
 
 
 def _shard_intact(root: Path, shard: dict) -> bool:
-    from .shards import sha256_file
+    from vgraph.data.shards import sha256_file
 
     return all((root / shard[k]).is_file() and not (root / shard[k]).is_symlink()
                and sha256_file(root / shard[k]) == shard[f"{k}_sha256"] for k in ("bin", "idx"))

@@ -41,7 +41,7 @@ from vgraph.base.diagnostics import VGraphError, printable
 from vgraph.base.jsonio import jsonl_lines, loads
 from vgraph.base.safeio import read_json
 
-from .shards import DataError
+from vgraph.data.shards import DataError
 
 __all__ = ["Source", "Unit", "find_sources", "plan_units", "read_unit", "SEPARATOR", "TEXT_SUFFIXES"]
 

@@ -14,7 +14,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from .shards import DataError
+from vgraph.data.shards import DataError
 
 __all__ = ["DEFAULT_CORPUS_MAX_BYTES", "default_corpus_documents", "stdlib_dir"]
 

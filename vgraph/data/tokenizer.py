@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 from vgraph.base.diagnostics import printable
 from vgraph.base.safeio import read_input
 
-from .shards import DataError
+from vgraph.data.shards import DataError
 
 __all__ = ["EOT_TOKEN", "PAD_TOKEN", "UNK_TOKEN", "SPECIAL_TOKENS", "MIN_BPE_VOCAB", "train_tokenizer",
            "MAX_TRAINED_VOCAB", "MAX_PIECE_BYTES", "load_tokenizer", "tokenizer_kind", "vocabulary_span"]

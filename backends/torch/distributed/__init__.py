@@ -37,13 +37,13 @@ The pieces, each in its own module:
               file, forkserver-started workers, failure detection and restarts.
 
 Dropout keyed by (seed, step, VNode, sample) lives one level up
-(`vgraph.backends.torch.dropout`): `vgraph train` uses it too.
+(`vgraph.backends.torch.lowering.dropout`): `vgraph train` uses it too.
 """
 from __future__ import annotations
 
-from .launch import LaunchConfig, LaunchResult, launch, place, register_launch, split_pipeline
-from .plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops, stages
-from ..dropout import dropout_key, keyed_dropout
+from .launcher.launch import LaunchConfig, LaunchResult, launch, place, register_launch, split_pipeline
+from vgraph.run.step_plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops, stages
+from ..lowering.dropout import dropout_key, keyed_dropout
 
 __all__ = [
     "LaunchConfig", "LaunchResult", "launch", "place", "register_launch", "split_pipeline",

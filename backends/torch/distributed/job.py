@@ -37,12 +37,12 @@ from typing import Any, Union
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import atomic_write, read_json
-from vgraph.cost.compression import parse_grad_compress
+from vgraph.cost.grad_compression import parse_grad_compress
 from vgraph.run.compiled_graph import PLAN_CHOICES
 from vgraph.run.files import LAUNCH_DIR, RUN_JSON, STOP_FILE, RunReader  # re-exported: the run format's names
 
-from ..train_config import TrainConfig
-from .plan import PIPELINES
+from ..training.config import TrainConfig
+from vgraph.run.step_plan import PIPELINES
 
 __all__ = ["Job", "JobError", "JOB_VERSION", "JOB_FILE", "LAUNCH_DIR", "STOP_FILE", "EXIT_USER_ERROR"]
 
@@ -94,7 +94,7 @@ class Job:
     bucket_bytes: int  # gradient buckets of the replicas' all-reduce
     plugins: list[str] = field(default_factory=list)  # plugin files the launcher loaded
     hold: dict[str, int] | None = None  # test hook: {"rank", "step"}: that rank stops after that step, once
-    grad_compress: str = "none"  # the replicas' all-reduce (vgraph/cost/compression.py: none | powersgd:...)
+    grad_compress: str = "none"  # the replicas' all-reduce (vgraph/cost/grad_compression.py: none | powersgd:...)
     plan_choices: dict[str, Any] = field(default_factory=dict)  # the partition's choices later passes read
     written_in: str = ""  # the real path of the folder the job was written to ("": a job of an older vgraph)
     version: int = JOB_VERSION

@@ -38,13 +38,13 @@ from vgraph.base.diagnostics import Diagnostic
 from .comm import Transport
 from .grad_sync import GradientSync
 from .loss_scaler import SharedLossScaler
-from .plan import DistPlan, Message, Op, Task, message_order, schedule_ops
+from vgraph.run.step_plan import DistPlan, Message, Op, Task, message_order, schedule_ops
 from .tie_sync import TieSync
-from ..compression import Codec, ErrorFeedback
-from ..dropout import set_dropout_key
-from ..lower import VGraphModule, compile_network
-from ..node_optimizers import NodeOptimizers
-from ..train_config import TrainingError
+from ...lowering.wire_formats import Codec, ErrorFeedback
+from ...lowering.dropout import set_dropout_key
+from ...lowering.lower import VGraphModule, compile_network
+from ...training.optimizers import NodeOptimizers
+from ...training.config import TrainingError
 
 __all__ = ["StageRunner"]
 

@@ -40,7 +40,7 @@ from vgraph.cost.host_memory import available_host_memory
 from vgraph.cost.remat import remat_layout
 from vgraph.ir.graph import Graph
 
-from . import kernels as K
+from ..lowering import kernels as K
 
 __all__ = ["MemoryEstimate", "MemoryRefused", "estimate_training_memory", "available_memory", "check_memory"]
 

@@ -23,11 +23,11 @@ from vgraph.ir.graph import Graph
 from vgraph.run import files
 
 from . import checkpoint as ckpt
-from .compression import boundary_state, compress_modules, load_boundary_state
-from .lower import VGraphModule, param_sources
-from .node_optimizers import NodeOptimizers
+from ..lowering.wire_formats import boundary_state, compress_modules, load_boundary_state
+from ..lowering.lower import VGraphModule, param_sources
+from .optimizers import NodeOptimizers
 from .run_network import check_finite, check_resumed_network
-from .train_config import TrainingError
+from .config import TrainingError
 
 __all__ = ["CHECKPOINT_PREFIX", "run_checkpoints", "prune_checkpoints", "clean_stale",
            "optimizer_state_to_unfused", "optimizer_state_to_graph", "TrainingState", "save_run_checkpoint",

@@ -49,7 +49,7 @@ from typing import Any, Callable
 from vgraph.base.diagnostics import VGraphError
 from vgraph.base.jsonio import loads
 
-from .rendezvous import RendezvousError, _family, check_bound, check_listen_addr
+from ..rendezvous import RendezvousError, _family, check_bound, check_listen_addr
 
 HEARTBEAT_S = 1.0
 REQUEST_TIMEOUT_S = 2.0

@@ -108,7 +108,7 @@ def _stage_args(module: VGraphModule, task: Any, plan: Any, batch: int, ids: tor
 def stage_breaks(placed: Graph, assignment: dict[str, str], ranks: Sequence[str], *,
                  batch: int = 2) -> list[BreakReport]:
     """Graph breaks of every stage program `vgraph launch` runs for a placed graph."""
-    from .distributed.plan import make_plan
+    from vgraph.run.step_plan import make_plan
 
     plan = make_plan(placed, assignment, list(ranks))
     seq_len, vocab = _token_shape(placed)

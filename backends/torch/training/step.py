@@ -25,9 +25,9 @@ from vgraph.ir.graph import Graph
 
 from . import checkpoint as ckpt
 from .run_network import finite_checkpoint
-from .lower import VGraphModule
-from .node_optimizers import NodeOptimizers
-from .train_config import TrainingError
+from ..lowering.lower import VGraphModule
+from .optimizers import NodeOptimizers
+from .config import TrainingError
 
 __all__ = ["TrainStep", "LossCheck", "PendingLoss"]
 

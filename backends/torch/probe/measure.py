@@ -18,7 +18,7 @@ a PNode entry from a probe is measured, with the engine that will train:
   whole program's line.  Per op kind (vgraph/cost/op_kinds.py) that gives the share of the peak its FLOPs
   reach and its overhead per VNode and micro-batch: the figures the cost model prices a stage with;
 * the rank's own work each step beyond the program (`update`, vgraph/cost/update.py): drawing its batch
-  from a token shard (backends/torch/data.py) and the optimizer step over its parameters
+  from a token shard (backends/torch/training/batches.py) and the optimizer step over its parameters
   (node_optimizers.py), as a launch worker does them (right after a run of the program, which leaves the
   caches cold: `update_costs`), over all the network's parameters and over its smallest tensor alone: a
   fixed time and a time per parameter.  An instrumented one-host tb-small worker
@@ -55,9 +55,9 @@ from vgraph.cost.op_kinds import KINDS, Efficiency, KindCost, op_kind
 from vgraph.cost.update import Update
 from vgraph.ir.graph import Graph
 
-from .dropout import dropout_key
-from .lower import VGraphModule, compile_network, compute_dtype
-from .ops import LowerCtx, get_lowering
+from ..lowering.dropout import dropout_key
+from ..lowering.lower import VGraphModule, compile_network, compute_dtype
+from ..lowering.ops import LowerCtx, get_lowering
 
 MIN_REPEAT_S = 0.02  # one timed repetition lasts at least this long (a loop of calls)
 PROGRAM_REPEAT_S = 0.1  # the same for the whole program, the figure every prediction scales to
@@ -293,7 +293,7 @@ def update_costs(graph: Graph, module: VGraphModule, device: torch.device, amp: 
     Why after the program: timed in a loop of its own, tb-small's draw and update took 0.69-0.76 ms; right
     after a program run 0.91-1.48 ms, and 1.27 ms in an instrumented launch worker (full core): the program
     leaves the caches to whatever comes next, and a loop of the update alone never pays for that."""
-    from .node_optimizers import NodeOptimizers, make_adam
+    from ..training.optimizers import NodeOptimizers, make_adam
 
     optims = NodeOptimizers(module, 1e-3)
     params = optims.trainable
@@ -335,7 +335,7 @@ def _batch_draw(graph: Graph, where: Path, batch: int) -> Callable[[int], Any]:
     """A worker's batch draw (TokenShards.batch) for `graph`, from a shard of random tokens in `where`."""
     from vgraph.data.shards import PreparedCorpus, ShardFile, TokenStream
 
-    from .data import TokenShards
+    from ..training.batches import TokenShards
 
     embed = graph.nodes_of_type("embedder")[0].cfg
     vocab, seq = int(embed["vocab_size"]), int(embed["seq_len"])
@@ -412,7 +412,7 @@ def precision_rates(graph: Graph, module: VGraphModule, device: torch.device, m:
 def probe(graph: Graph, device: torch.device, micro_batch: int, *, per_precision: bool = True,
           say: Callable[[str], None] = lambda line: None) -> ProbeResult:
     """Measure this machine for `graph` (prepared: the pipeline it trains with) on `device`."""
-    from .memory import available_memory
+    from ..training.memory import available_memory
 
     dtype = compute_dtype(graph)
     amp = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype != torch.float32 else nullcontext

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from vgraph.base.diagnostics import VGraphError
 from vgraph.ir.graph import Graph
 
-from . import data as D
+from . import batches as D
 
 __all__ = ["TrainConfig", "TrainResult", "TrainingError"]
 

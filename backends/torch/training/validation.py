@@ -10,8 +10,8 @@ import contextlib
 
 import torch
 
-from .data import TokenShards
-from .lower import VGraphModule
+from .batches import TokenShards
+from ..lowering.lower import VGraphModule
 
 __all__ = ["validation_loss"]
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from .lower import VGraphModule
+from ..lowering.lower import VGraphModule
 
 if TYPE_CHECKING:
-    from .train_config import TrainConfig
+    from .config import TrainConfig
 
 __all__ = ["NodeOptimizers", "make_adam", "lr_factor"]
 

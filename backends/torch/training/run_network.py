@@ -30,7 +30,7 @@ from vgraph.run.compiled_graph import definition_spec as passes_for_definition, 
 from vgraph.run.network_match import NetworkMismatch, difference, require_match
 from vgraph.yamlio import dumps, loads
 
-from .train_config import TrainingError
+from .config import TrainingError
 
 __all__ = ["trained_network_yaml", "definition_graph", "preserving_spec", "check_resumed_network",
            "check_finite", "NetworkMismatch", "require_match"]

@@ -173,8 +173,8 @@ def _checked(args: argparse.Namespace) -> dict:
 def _checked_collectives(args: argparse.Namespace) -> dict:
     from vgraph.cost.collectives import MAX_RANKS
 
-    from .distributed.rendezvous import TOKEN_ENV, check_master_addr, check_token
-    from .probe_collectives import MAX_ROUNDS
+    from ..distributed.rendezvous import TOKEN_ENV, check_master_addr, check_token
+    from .collectives import MAX_ROUNDS
 
     if args.serve or args.quick or any(x is not None for x in (args.network, args.output, args.peer, args.bandwidth,
                                                                args.id)):
@@ -196,7 +196,7 @@ def _checked_collectives(args: argparse.Namespace) -> dict:
 def run_probe(args: argparse.Namespace) -> int:
     checked = _checked(args)
     if args.collectives:
-        from .probe_collectives import run_collectives
+        from .collectives import run_collectives
 
         run_collectives(args.node_rank, args.nnodes, args.rounds, args.append, checked["env"],
                         lambda line: print(line, file=sys.stderr, flush=True))
@@ -208,8 +208,8 @@ def run_probe(args: argparse.Namespace) -> int:
 
     import vgraph
 
-    from .probe import probe, quick_timings
-    from .training_setup import device_target, prepare_graph, resolve_device
+    from .measure import probe, quick_timings
+    from ..training.setup import device_target, prepare_graph, resolve_device
 
     device = resolve_device(args.device)
     if args.threads:
@@ -261,7 +261,7 @@ MAX_AUTH_LINE = len(AUTH_PREFIX) + 64 + 1
 
 def probe_token(env: dict | None = None) -> str:
     """The shared secret of `--serve` and `--peer` (VGRAPH_LAUNCH_TOKEN, the rules of `vgraph launch`)."""
-    from .distributed.rendezvous import TOKEN_ENV, check_token
+    from ..distributed.rendezvous import TOKEN_ENV, check_token
 
     token = (os.environ if env is None else env).get(TOKEN_ENV)
     if not token:
@@ -273,7 +273,7 @@ def probe_token(env: dict | None = None) -> str:
 
 def listen_address(addr: str) -> str:
     """--listen's address through the one check of every listener (never a wildcard)."""
-    from .distributed.rendezvous import check_listen_addr
+    from ..distributed.rendezvous import check_listen_addr
 
     return check_listen_addr(addr, "--listen")
 
@@ -389,7 +389,7 @@ def serve(addr: str, port: int, *, once: bool = False, ready: threading.Event | 
     when asked the arrival curve).  Only connections that present the secret count (`token`, default the
     environment's); with `once`, one probe: its connections until one announces no more (at most
     MAX_ROUNDS).  `ready` is set once it listens.  No client can stop it (module docstring)."""
-    from .distributed.rendezvous import RendezvousError, check_bound
+    from ..distributed.rendezvous import RendezvousError, check_bound
 
     expected = auth_line(token if token is not None else probe_token())
     addr = listen_address(addr)

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from .plan import DistPlan, Tie, weight_ops
+from vgraph.run.step_plan import DistPlan, Tie, weight_ops
 
 __all__ = ["TieSync", "tie_groups"]
 

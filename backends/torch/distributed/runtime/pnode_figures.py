@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..peak_memory import TensorPeak, memory_figures
+from ...training.peak_memory import TensorPeak, memory_figures
 
 __all__ = ["PNodeFigures", "attach"]
 

@@ -48,8 +48,8 @@ def measure(rank: int, world: int, rounds: int, env: dict[str, str] | None = Non
     import torch
     import torch.distributed as dist
 
-    from .distributed.comm import ControlGroup
-    from .distributed.rendezvous import gloo_environment, rendezvous_store
+    from ..distributed.runtime.comm import ControlGroup
+    from ..distributed.rendezvous import gloo_environment, rendezvous_store
 
     env = dict(os.environ if env is None else env)
     os.environ.update(gloo_environment(env.get("MASTER_ADDR", "127.0.0.1"), env))

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from vgraph.run.files import RUN_LOCK_ENV
 
-from .progress import PROGRESS_ENV
-from .rendezvous import TOKEN_ENV, gloo_environment
+from ..runtime.progress import PROGRESS_ENV
+from ..rendezvous import TOKEN_ENV, gloo_environment
 
 __all__ = ["Supervisor", "TERMINATE_GRACE_S"]
 
@@ -61,7 +61,7 @@ def _worker_process(job_path: str, env: dict[str, str], output: Any, umask: int)
     _die_with_parent()
     # Ctrl-C reaches the whole process group: the launcher alone decides (a stop request, launch()).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from .worker import main as worker_main
+    from ..runtime.worker import main as worker_main
 
     sys.exit(worker_main([job_path]))
 
@@ -81,7 +81,7 @@ def _context() -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first optimizer built imports it (1-2 s), once here instead of in every worker.
-    ctx.set_forkserver_preload(["vgraph.backends.torch.distributed.launch", "torch._dynamo"])
+    ctx.set_forkserver_preload(["vgraph.backends.torch.distributed.launcher.launch", "torch._dynamo"])
     return ctx
 
 

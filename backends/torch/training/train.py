@@ -53,19 +53,19 @@ from vgraph.run.files import RunLock, RunReader
 from vgraph.yamlio import loads
 
 from . import checkpoint as ckpt
-from .dropout import clear_dropout_key, set_dropout_key
+from ..lowering.dropout import clear_dropout_key, set_dropout_key
 from .interrupt import StopRequest
-from .lower import compile_network
+from ..lowering.lower import compile_network
 from .metrics_log import MetricsLog, metric_columns, metric_values, progress_bar, run_banner, step_rows
-from .node_optimizers import NodeOptimizers, lr_factor
+from .optimizers import NodeOptimizers, lr_factor
 from .peak_memory import TensorPeak, memory_figures
 from .run_checkpoints import TrainingState, resume_run, save_run_checkpoint
 from .run_files import atomic_write_text
 from .tensorboard_log import TensorBoardLog
 from .run_network import check_finite, definition_graph, passes_for_definition, require_match
-from .train_config import TrainConfig, TrainingError, TrainResult
-from .train_step import LossCheck, PendingLoss, TrainStep
-from .training_setup import (device_target, feed_roles, phase, prepare_graph, resolve_device, seed_everything,
+from .config import TrainConfig, TrainingError, TrainResult
+from .step import LossCheck, PendingLoss, TrainStep
+from .setup import (device_target, feed_roles, phase, prepare_graph, resolve_device, seed_everything,
                              set_up_run)
 from .validation import validation_loss
 

@@ -13,7 +13,7 @@ adds around the hook:
   steps; after that the gradients it does not compress (decided with the
   hook's own `_should_compress`), the P factors and the Q factors, each a ring
   all-reduce (grad_sync.py counts 2 (R - 1) / R of each).  The cost model
-  (vgraph/cost/compression.py) predicts the same numbers without torch;
+  (vgraph/cost/grad_compression.py) predicts the same numbers without torch;
 * **recovery**: a step whose gradients are not finite (fp16 loss scaling
   skips it) would leave NaN in the error-feedback buffer and the warm-start
   factors for ever: `forget` drops them (the hook starts those buckets afresh,
@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
-from vgraph.cost.compression import GradCompression
+from vgraph.cost.grad_compression import GradCompression
 
 from .grad_sync import Bucket, summed
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 from vgraph.base.diagnostics import VGraphError
 from vgraph.base.jsonio import loads
 
-from ..metrics_log import progress_bar
+from ...training.metrics_log import progress_bar
 
 __all__ = ["PROGRESS_ENV", "EVENT_PREFIX", "RankZeroProgress", "LaunchBar", "progress_mode"]
 

@@ -17,8 +17,8 @@ from vgraph.data.cache import default_corpus, text_corpus
 from vgraph.data.shards import DataError, PreparedCorpus, is_prepared, open_prepared
 from vgraph.data.tokenizer import load_tokenizer
 
-from .data import TokenShards
-from .train_config import TrainConfig, TrainingError
+from .batches import TokenShards
+from .config import TrainConfig, TrainingError
 
 __all__ = ["PreparedData", "prepare_data", "open_corpus"]
 

@@ -59,7 +59,7 @@ link is noticed within --link-timeout, and machine 0 decides for all what the
 next attempt is.  A PNode stays on the machine that ran it first (after a
 shrink, the survivors keep theirs).  The worker is a plain
 torchrun-style program, so
-`torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.distributed.worker JOB.json`
+`torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.distributed.runtime.worker JOB.json`
 from the job file `--emit-job DIR` writes (it prepares the run directory and
 trains nothing) also works, and so does `srun` (docs/distributed.md).
 
@@ -85,7 +85,7 @@ import torch
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import OutputDir, check_output_dir, read_input, read_json
-from vgraph.cost.compression import parse_grad_compress
+from vgraph.cost.grad_compression import parse_grad_compress
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
@@ -97,22 +97,22 @@ from vgraph.run.files import (METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEAS
                               WORKERS_JSON, RunLock, error_name, held_name)
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
 
-from .. import checkpoint as ckpt
-from .. import data as D
-from .comm_choice import COMM_MODES, choose_comm
-from .grad_sync import DEFAULT_BUCKET_BYTES
-from .job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
+from ...training import checkpoint as ckpt
+from ...training import batches as D
+from ..runtime.comm_choice import COMM_MODES, choose_comm
+from ..runtime.grad_sync import DEFAULT_BUCKET_BYTES
+from ..job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
 from .membership import MachineLost, Machines, decide
-from .plan import PIPELINES
-from .progress import LaunchBar
-from .rendezvous import TOKEN_ENV, check_master_addr, check_token, free_port, probe_port
+from vgraph.run.step_plan import PIPELINES
+from ..runtime.progress import LaunchBar
+from ..rendezvous import TOKEN_ENV, check_master_addr, check_token, free_port, probe_port
 from .supervisor import Supervisor
-from ..interrupt import StopRequest
-from ..metrics_log import read_rows
-from ..run_files import atomic_write_text, run_slug
-from ..train_config import TrainConfig, TrainingError
-from ..training_data import prepare_data
-from ..training_setup import (NO_FUSE_PIPELINE, device_target, load_network, open_run_dir, resolve_device,
+from ...training.interrupt import StopRequest
+from ...training.metrics_log import read_rows
+from ...training.run_files import atomic_write_text, run_slug
+from ...training.config import TrainConfig, TrainingError
+from ...training.corpus import prepare_data
+from ...training.setup import (NO_FUSE_PIPELINE, device_target, load_network, open_run_dir, resolve_device,
                               vocab_and_seq)
 
 __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", "read_placement",
@@ -719,7 +719,7 @@ def _emit_job(run: _Run, folder: OutputDir) -> LaunchResult:
     path = attempt.job.write(folder.check(JOB_FILE))
     folder.wrote(JOB_FILE)
     world, per_node = len(attempt.ranks), len(attempt.local)
-    module = "vgraph.backends.torch.distributed.worker"
+    module = "vgraph.backends.torch.distributed.runtime.worker"
     run.emit(f"launch: wrote {path} ({world} worker(s) {', '.join(attempt.ranks)}; {attempt.comm.describe()}); "
              f"start it with\n"
              f"  torchrun --nnodes {cfg.nnodes} --nproc-per-node {per_node} --max-restarts {cfg.max_restarts} "
@@ -758,7 +758,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     from vgraph.cli.common import remember_parser
     from vgraph.cli.main import add_plugin_option
 
-    from ..cli import add_optimizer_options, add_tensorboard_option
+    from ...cli import add_optimizer_options, add_tensorboard_option
 
     from vgraph.base import options
     from vgraph.base.options import non_negative_int as _non_negative_int, positive_int as _positive_int
@@ -846,7 +846,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     from vgraph.placement.replica_report import step_prediction_gap
 
-    from ..cli import print_result, resume_command
+    from ...cli import print_result, resume_command
 
     config = LaunchConfig(
         network=args.network, fleet=args.fleet, data=args.data, steps=args.steps, lr=args.lr,
@@ -884,10 +884,10 @@ def _micro_per_replica(micro: int, shares: list[int]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vgraph.backends.torch.distributed.launch launch ...` (before the entry point is installed)."""
+    """`python -m vgraph.backends.torch.distributed.launcher.launch launch ...` (before the entry point is installed)."""
     from vgraph.cli.main import run_commands
 
-    return run_commands([register_launch], argv, prog="python -m vgraph.backends.torch.distributed.launch")
+    return run_commands([register_launch], argv, prog="python -m vgraph.backends.torch.distributed.launcher.launch")
 
 
 if __name__ == "__main__":

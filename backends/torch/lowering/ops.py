@@ -35,7 +35,7 @@ from vgraph.ir.graph import Graph, VNode
 from vgraph.plugins import require_lowering
 
 from . import kernels as K
-from .compression import CompressState
+from .wire_formats import CompressState
 from .dropout import keyed_dropout, node_stream
 
 __all__ = [
@@ -461,7 +461,7 @@ def _detokenizer(ctx: LowerCtx):
 # equal to the publisher's).
 # A `compress` VNode: the wire round trip of its codecs, forward and back (compression.py); its module holds
 # the codecs and the error-feedback residuals.  Under `vgraph launch` the transport does the same work on the
-# real wire instead (distributed/plan.py lifts it out of the sender's program).
+# real wire instead (vgraph/run/step_plan.py lifts it out of the sender's program).
 register_lowering("compress", make_module=lambda node, options: CompressState(node.cfg))(
     lambda ctx: [ctx.own_module(ctx.inputs[0])])
 register_lowering("send")(lambda ctx: [ctx.inputs[0]])

@@ -1,6 +1,6 @@
 """One worker of `vgraph launch`: hosts one PNode's part of the network and trains it in lockstep.
 
-    python -m vgraph.backends.torch.distributed.worker JOB.json
+    python -m vgraph.backends.torch.distributed.runtime.worker JOB.json
 
 Started by `vgraph launch` (launch.py), by `torchrun`, or by `srun`, from the
 job file launch writes (job.py; `vgraph launch ... --emit-job DIR` writes one
@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.base.safeio import atomic_write, read_json
-from vgraph.cost.compression import parse_grad_compress
+from vgraph.cost.grad_compression import parse_grad_compress
 from vgraph.data.shards import DataError, open_prepared
 from vgraph.placement.export import assignment_of
 from vgraph.plugins import load_plugins
@@ -85,32 +85,32 @@ from vgraph.run.files import (LOSS_CURVE_PNG, PLACEMENT_JSON, RELEASE_FILE, RUN_
                               error_name, held_name)
 from vgraph.yamlio import loads
 
-from ..data import TokenShards
+from ...training.batches import TokenShards
 from .comm import ControlGroup, Transport
 from .comm_choice import worker_device
-from .grad_compress import PowerSGD
+from .powersgd import PowerSGD
 from .grad_sync import GradientSync
-from .job import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, Job
+from ..job import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, Job
 from .launchers import WorkerPlace, worker_place
 from .replica_groups import ReplicaLayoutError, check_replicas_agree, check_same_layout, stage_groups
 from .loss_scaler import SharedLossScaler
-from .plan import make_plan, micro_batch_sizes
+from vgraph.run.step_plan import make_plan, micro_batch_sizes
 from .pnode_figures import PNodeFigures, attach
 from .progress import RankZeroProgress, progress_mode
-from .rendezvous import gloo_environment, process_group_store
+from ..rendezvous import gloo_environment, process_group_store
 from .rank_zero import GatheredCheckpoints, local_metric_values
 from .stage_runner import GlobalBatch, StageRunner
 from .tie_sync import tie_groups
-from ..dropout import clear_dropout_key
-from ..lower import compute_dtype
-from ..metrics_log import MetricsLog
-from ..tensorboard_log import TensorBoardLog
-from ..node_optimizers import lr_factor
-from ..train_config import TrainingError
-from .. import checkpoint as ckpt
-from ..interrupt import StopRequest
-from ..train_step import LossCheck
-from ..training_setup import seed_everything, use_deterministic_kernels
+from ...lowering.dropout import clear_dropout_key
+from ...lowering.lower import compute_dtype
+from ...training.metrics_log import MetricsLog
+from ...training.tensorboard_log import TensorBoardLog
+from ...training.optimizers import lr_factor
+from ...training.config import TrainingError
+from ...training import checkpoint as ckpt
+from ...training.interrupt import StopRequest
+from ...training.step import LossCheck
+from ...training.setup import seed_everything, use_deterministic_kernels
 
 __all__ = ["main", "Worker", "claim_run", "EXIT_USER_ERROR", "LAUNCH_DIR", "apply_assignment", "FLUSH_SECONDS"]
 
@@ -590,10 +590,10 @@ def claim_run(job: Job, place: WorkerPlace, env: Mapping[str, str]) -> RunLock |
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m vgraph.backends.torch.distributed.worker JOB.json` (see the module docstring)."""
+    """`python -m vgraph.backends.torch.distributed.runtime.worker JOB.json` (see the module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m vgraph.backends.torch.distributed.worker JOB.json", file=sys.stderr)
+        print("usage: python -m vgraph.backends.torch.distributed.runtime.worker JOB.json", file=sys.stderr)
         return 2
     job: Job | None = None
     place: WorkerPlace | None = None

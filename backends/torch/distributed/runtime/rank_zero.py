@@ -25,15 +25,15 @@ from vgraph.base.safeio import read_input
 from vgraph.run import layout
 
 from .comm import ControlGroup
-from .grad_compress import PowerSGD
-from .job import Job
+from .powersgd import PowerSGD
+from ..job import Job
 from .loss_scaler import SharedLossScaler
 from .stage_runner import StageRunner
-from .. import checkpoint as ckpt
-from ..compression import merge_residuals
-from ..run_checkpoints import (CHECKPOINT_PREFIX, clean_stale, optimizer_state_to_graph,
+from ...training import checkpoint as ckpt
+from ...lowering.wire_formats import merge_residuals
+from ...training.run_checkpoints import (CHECKPOINT_PREFIX, clean_stale, optimizer_state_to_graph,
                                optimizer_state_to_unfused, prune_checkpoints)
-from ..train_config import TrainingError
+from ...training.config import TrainingError
 
 __all__ = ["GatheredCheckpoints", "local_metric_values"]
 

@@ -36,14 +36,14 @@ from vgraph.transform.pipeline import semantic_changes
 from vgraph.yamlio import dumps, load
 
 from . import checkpoint as ckpt
-from .lower import VGraphModule, compute_dtype
+from ..lowering.lower import VGraphModule, compute_dtype
 from .memory import available_memory, check_memory
 from .peak_memory import estimate_record
 from .run_checkpoints import clean_stale
 from .run_files import run_slug
 from .run_network import trained_network_yaml
-from .train_config import TrainConfig, TrainingError
-from .training_data import PreparedData, prepare_data
+from .config import TrainConfig, TrainingError
+from .corpus import PreparedData, prepare_data
 
 __all__ = ["phase", "NO_FUSE_PIPELINE", "device_target", "prepare_graph", "feed_roles", "vocab_and_seq", "resolve_device",
            "use_deterministic_kernels", "load_network", "RunSetup", "set_up_run", "seed_everything"]

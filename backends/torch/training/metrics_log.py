@@ -20,15 +20,15 @@ import torch
 from vgraph.base.safeio import atomic_write
 from vgraph.run.files import METRICS_CSV, METRICS_JSONL, RunReader
 
-from .lower import VGraphModule
-from .node_optimizers import NodeOptimizers
+from ..lowering.lower import VGraphModule
+from .optimizers import NodeOptimizers
 from .run_files import atomic_write_text, run_slug
 
 if TYPE_CHECKING:
     from vgraph.ir.graph import Endpoint
 
-    from .train_step import PendingLoss
-    from .training_setup import RunSetup
+    from .step import PendingLoss
+    from .setup import RunSetup
 
 __all__ = ["MetricsLog", "MetricsSink", "metric_columns", "metric_values", "step_rows", "progress_bar", "run_banner",
            "LineProgress", "read_rows"]

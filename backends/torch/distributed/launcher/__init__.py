@@ -1,0 +1,1 @@
+"""The launcher side of `vgraph launch`: placement, machines, supervision of workers."""

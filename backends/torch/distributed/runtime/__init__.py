@@ -1,0 +1,1 @@
+"""The worker side of `vgraph launch`: one rank's stages, transport, gradient and tie sync."""

@@ -1,0 +1,1 @@
+"""Lowering: network YAML to torch (fx code, ops, kernels, keyed dropout, wire formats, remat, graph breaks)."""

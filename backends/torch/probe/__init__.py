@@ -1,0 +1,1 @@
+"""The probe: a PNode's own figures measured (`vgraph probe`), collectives included."""

@@ -1,0 +1,1 @@
+"""Training: the loop, its step, config, data, optimizers, validation, logs, checkpoints, memory."""
