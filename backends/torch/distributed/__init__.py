@@ -42,11 +42,11 @@ Dropout keyed by (seed, step, VNode, sample) lives one level up
 from __future__ import annotations
 
 from .launcher.launch import LaunchConfig, LaunchResult, launch, place, register_launch, split_pipeline
-from vgraph.run.step_plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops, stages
+from vgraph.run.step_plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops
 from ..lowering.dropout import dropout_key, keyed_dropout
 
 __all__ = [
     "LaunchConfig", "LaunchResult", "launch", "place", "register_launch", "split_pipeline",
-    "DistPlan", "Task", "Tie", "Transfer", "make_plan", "rank_ops", "schedule_ops", "stages",
+    "DistPlan", "Task", "Tie", "Transfer", "make_plan", "rank_ops", "schedule_ops",
     "dropout_key", "keyed_dropout",
 ]
