@@ -80,7 +80,8 @@ def test_the_backend_contracts_catch_each_violation(tmp_path: Path) -> None:
     root = _copy_of_sources(tmp_path)
     violations = {
         "backends/torch/cli.py": ("import vgraph.backends.onnx", "vgraph.backends.torch.cli -> vgraph.backends.onnx"),
-        "backends/onnx/lower.py": ("import vgraph.backends.torch", "vgraph.backends.onnx.lower -> vgraph.backends.torch"),
+        "backends/onnx/lower.py": ("import vgraph.backends.torch",
+                                   "vgraph.backends.onnx.lower -> vgraph.backends.torch"),
         "backends/torch/lowering/kernels.py": ("from vgraph.backends.torch.training import config",
                                                "vgraph.backends.torch.lowering.kernels -> "
                                                "vgraph.backends.torch.training.config"),

@@ -2,11 +2,12 @@
 
 A stage (one PNode of a replica) cannot always run its VNodes as one block: the embedder and the tied LM
 head form one colocation group, so the stage holding them computes the start of the network, waits for
-the blocks on the other stages, then computes the end.  The torch workers' step plan (vgraph/run/step_plan.py)
-therefore cuts each stage's VNodes into *tasks* by depth: a VNode's depth is the number of stage changes on
-the longest path reaching it (the one rule, vgraph/ir/depth.py), and a task is one (stage, depth).  This module derives the same tasks from the cost
-model's columns, so the step cost model can price the schedule the workers run over them
-(vgraph/cost/makespan.py); tests/test_makespan.py checks that both sides find the same task graph.
+the blocks on the other stages, then computes the end.  The torch workers' step plan
+(vgraph/run/step_plan.py) therefore cuts each stage's VNodes into *tasks* by depth: a VNode's depth is the
+number of stage changes on the longest path reaching it (the one rule, vgraph/ir/depth.py), and a task is
+one (stage, depth).  This module derives the same tasks from the cost model's columns, so the step cost
+model can price the schedule the workers run over them (vgraph/cost/makespan.py); tests/test_makespan.py
+checks that both sides find the same task graph.
 """
 from __future__ import annotations
 
