@@ -36,6 +36,12 @@ def test_text_and_values() -> None:
     assert str(Pipeline.of("a") + Pipeline.of("b")) == "a,b"
     with pytest.raises(TypeError):
         Pipeline.of("a") + "b"  # text is read with Pipeline.parse, never glued on
+    with pytest.raises(PassError, match="holds Steps, not str"):
+        Pipeline(("a", "b"))
+    steps = [Step("a")]
+    held = Pipeline(steps)
+    steps.append(Step("b"))
+    assert held == Pipeline.of("a") and hash(held) == hash(Pipeline.of("a"))  # immutable, a dict key too
 
 
 def test_insert_places_a_pass_and_writes_its_options() -> None:

@@ -202,6 +202,13 @@ class Pipeline:
 
     steps: tuple[Step, ...] = ()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(self.steps))  # a list given stays the caller's, not ours
+        bad = [step for step in self.steps if not isinstance(step, Step)]
+        if bad:
+            raise PassError(f"a Pipeline holds Steps, not {type(bad[0]).__name__} ({bad[0]!r}): read text with "
+                            f"Pipeline.parse")
+
     @classmethod
     def of(cls, *names: str) -> Pipeline:
         """The passes `names`, each with its default options."""
