@@ -7,10 +7,15 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vgraph.base import options
 from vgraph.base.diagnostics import VGraphError, printable
 from vgraph.cli.common import EXIT_INVALID, add_plugin_option, command, load_network
+
+if TYPE_CHECKING:
+    from vgraph.transform.pipeline import Pipeline
+
 
 @command("validate")
 def _validate_parser(sub: argparse._SubParsersAction) -> None:
