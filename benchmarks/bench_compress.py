@@ -51,7 +51,7 @@ TOKEN = "bench-compress-secret-0123456789"
 PASSES = "dead-nodes,precision,partition{replicas=1},%s,fuse-heads,fuse-lm-head-ce"
 # Rank 32 after 30 plain steps (torch's advice: start at ~10% of the steps): on the wide network the loss
 # after 300 steps is within 2% of the uncompressed run's; rank 4 (+8.3%) and rank 16 after 30 (+2.1%) are
-# not (BENCHMARKS.md).
+# not (docs/benchmarks-history.md, compression).
 POWERSGD = "powersgd:rank=32,start=30"
 
 
