@@ -53,3 +53,26 @@ def test_timed_rounds_alternates_and_skips_the_warmup() -> None:
 def test_rounds_note_says_how_many() -> None:
     assert rounds_note(5) == "median of 5 alternated rounds"
     assert rounds_note(1) == "median of 1 alternated round"
+
+
+def _script(name: str):
+    """A benchmark script as a module (scripts are not package members)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_compress_speed_up_pairs_the_rounds() -> None:
+    """Round 2 ran the uncompressed mode in a slow spell (4.0 s): its own ratio that round is 4x like round 3's,
+    so the speed-up is 4.00x; the medians taken apart (1.0 / 0.5) would say 2x."""
+    bench = _script("bench_compress")
+    base = bench.Row("pipeline", "none", 1.0, step_s=1.0, rounds_s=[1.0, 4.0, 1.0])
+    int8 = bench.Row("pipeline", "int8", 0.3, step_s=0.5, rounds_s=[0.5, 1.0, 0.25])
+    assert bench.speed_up(base, int8) == pytest.approx(4.0)
+    assert base.step_s / int8.step_s == pytest.approx(2.0)  # the premise: the old rule reads otherwise
+    assert bench.summary_line([base, int8], 3) == "speed-up a step: pipeline int8 4.00x (median of 3 alternated rounds)"
+    assert "none measured" in bench.summary_line([int8], 1)  # --smoke runs no uncompressed mode
