@@ -197,10 +197,10 @@ class LoopEnd:
 
 
 def run_loop(steps: StepStrategy, out: RunOutput, stop: StopSource, cfg: Any, start: int) -> LoopEnd:
-    """Train steps `start + 1 ..= cfg.steps` (`cfg`: a TrainConfig): the cadence of the module docstring.
+    """Train steps `start + 1 ..= cfg.steps` (`cfg`: a TrainConfig) on the cadence of the module docstring.
 
-    Long because it is the one place a reader follows a step from its batch to its checkpoint, and the stop
-    handling (a request seen at any point saves the last finished step) needs all of it in view."""
+    The one place a reader follows a step from its batch to its checkpoint: the stop handling (a request
+    seen at any point saves the last finished step) needs all of it in view."""
     cadence = Cadence(cfg.steps, cfg.val_every, cfg.checkpoint_every, cfg.log_every)
     end = LoopEnd(start)
     rows: list[dict[str, Any]] = []  # the steps since the last sync point
