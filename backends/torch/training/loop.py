@@ -221,8 +221,8 @@ def run_loop(steps: StepStrategy, out: RunOutput, stop: StopSource, cfg: Any, st
             if not done.due.flush:
                 continue
             gathered = out.gather(extras, steps.figures())
+            now = time.perf_counter()  # training's throughput: validation's time is not in it
             val_loss = steps.validate() if done.due.validate else None
-            now = time.perf_counter()
             for r in rows:
                 r["tokens_per_s"] = steps.tokens_per_step * len(rows) / max(now - last_flush, 1e-9)
             out.write(step, rows, gathered, val_loss)

@@ -23,12 +23,12 @@ What a worker does, per training step (every rank the same, in lockstep):
    micro-batch's backward runs (grad_sync.py), all waited for before the step;
 3. all-reduces [loss, squared gradient norm, non-finite flag, bytes sent] on
    the control group, so every rank takes the same decision (stop on a
-   non-finite loss, skip under loss scaling, clip: train_step.LossCheck, as
+   non-finite loss, skip under loss scaling, clip: step.LossCheck, as
    `vgraph train`);
 4. steps its optimizers (per VNode, as `vgraph train`), then owners send
    tied weights to their replicas;
 5. at sync points (validation, checkpoint, `--log-every` steps, and by default whenever rank 0 last
-   flushed at least FLUSH_SECONDS ago: its vote travels in step 3's reduction, so every rank agrees),
+   flushed at least loop.FLUSH_SECONDS ago: its vote travels in step 3's reduction, so every rank agrees),
    joins the collectives that gather the metrics rows since the last sync point, validation loss and
    checkpoint state on rank 0.  Every step still gets its row, with rank 0's own clock at its end as
    `elapsed_s`.  Gathering at every step, as before, cost two more collectives a step (gather_object:
@@ -46,10 +46,14 @@ global layout: rank 0 gathers every rank's parameters and optimizer state and
 writes one checkpoint, atomically, then moves `latest`.  A run resumes from
 it on any partition, or on one process with `vgraph train --resume`.
 
-This module is the entry point (`main`) and the loop (`Worker`); the rank's
-stages and schedule rounds live in stage_runner.py, what rank 0 gathers
-(metrics entries, checkpoints) in rank_zero.py, the shared loss-scaling
-decision in loss_scaler.py.
+This module is the entry point (`main`) and the rank's set-up (`Worker`),
+which runs the one training loop `vgraph train` runs too (training/loop.py:
+sync points, validation, checkpoints, stop requests, the rows) with this
+rank's step strategy (pipeline_step.py: steps 1 to 4 above, and the vote of
+step 5) and output (rank_zero.RankOutput: the gathering of step 5); the
+launcher's stop file and test hold are here (`LaunchStop`, `hold`).  The
+rank's stages and schedule rounds live in stage_runner.py, the shared
+loss-scaling decision in loss_scaler.py.
 
 Exit status: 0 done; 2 a usage error; 3 a user-facing error (message in
 launch/error-<rank>.txt and on stderr; the launcher does not restart);
