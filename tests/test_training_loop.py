@@ -180,6 +180,7 @@ def test_the_loop_writes_every_row_once_and_saves_on_its_cadence() -> None:
     assert [w[1] for w in writes] == [2, 3, 4, 6, 7] and [w[3] for w in writes] == [None, 0.5, None, 0.5, 0.5]
     assert [r["step"] for r in out.rows] == list(range(1, 8))  # each step once, in order
     assert all(r["m"] == r["step"] * 10 and r["tokens_per_s"] > 0 and r["lr"] == 1.0 for r in out.rows)
+    assert [r.get("val_loss") for r in out.rows] == [None, None, 0.5, None, None, 0.5, 0.5]  # on its step's row
     assert [e[1] for e in log if e[0] == "save"] == [4, 7]
     assert log[-3:] == [("finish",), ("close",), ("close-out",)]
     assert end == LoopEnd(step=7, loss=7.0, val_loss=0.5, checkpoint=Path("step-7"), stopped=False)

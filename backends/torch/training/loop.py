@@ -134,7 +134,8 @@ class RunOutput(Protocol):
         under launch, before validation)."""
 
     def write(self, step: int, rows: list[dict[str, Any]], gathered: Any, val_loss: float | None) -> None:
-        """Complete and append the rows since the last sync point (where they are written), show progress."""
+        """Add what was gathered to the rows since the last sync point (the loop filled in the rest) and append
+        them where they are written; show progress (`val_loss`: this sync point's validation, if any)."""
 
     def save(self, step: int) -> Path | None:
         """Write checkpoint `step` (every rank takes part); its path where it is written."""
@@ -225,6 +226,8 @@ def run_loop(steps: StepStrategy, out: RunOutput, stop: StopSource, cfg: Any, st
             val_loss = steps.validate() if done.due.validate else None
             for r in rows:
                 r["tokens_per_s"] = steps.tokens_per_step * len(rows) / max(now - last_flush, 1e-9)
+            if val_loss is not None:
+                rows[-1]["val_loss"] = val_loss
             out.write(step, rows, gathered, val_loss)
             end.loss = rows[-1]["loss"]
             end.val_loss = val_loss if val_loss is not None else end.val_loss

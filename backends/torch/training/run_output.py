@@ -32,7 +32,7 @@ class LocalOutput:
         merge_entries(rows, extras)
         rows[-1].update(figures)
         if val_loss is not None:
-            rows[-1]["val_loss"] = self.last_val = val_loss
+            self.last_val = val_loss
         self.log.append(rows)
         self.bar.update(len(rows))
         shown = {"val": f"{self.last_val:.4f}"} if self.last_val is not None else {}

@@ -238,8 +238,6 @@ class RankOutput:
         for extras, _ in gathered:
             merge_entries(rows, extras)
         attach(rows, [figures for _, figures in gathered], self.pnodes)
-        if val_loss is not None:
-            rows[-1]["val_loss"] = val_loss
         self.log.append(rows)
         if self.progress is not None:
             self.progress.report(step, rows[-1], val_loss)
