@@ -69,7 +69,8 @@ def register_train(subparsers: argparse._SubParsersAction) -> None:
                    help="deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one")
     p.add_argument("--threads", type=_positive_int, help="CPU threads for torch")
     p.add_argument("--log-every", type=_positive_int, metavar="N",
-                   help="read the loss back every N steps (default: 1 on CPU, 10 on GPU)")
+                   help="write the metrics rows (the losses read back and checked) every N steps (default: about "
+                        "once a second; every step has its row either way)")
     p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM", help="clip the global gradient norm")
     add_optimizer_options(p)
     p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N",
