@@ -190,6 +190,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _export_serving(args: argparse.Namespace) -> int:
     """``--serving``: the decoder in the serving layout and the files its runtimes read, into ``-o DIR``."""
+    from vgraph.base.diagnostics import printable
     from vgraph.base.safeio import OutputDir
 
     from .check import fp32_graph
@@ -217,7 +218,7 @@ def _export_serving(args: argparse.Namespace) -> int:
     for name in sorted(files, key=lambda n: n == "config.json"):  # config.json last: its presence marks a model
         target.write(name, files[name])
     target.remove_stale()
-    print(f"wrote {target.path}: {MODEL_FILE} ({shape.layers} blocks, {shape.heads} heads, {shape.kv_heads} K/V "
+    print(f"wrote {printable(str(target.path))}: {MODEL_FILE} ({shape.layers} blocks, {shape.heads} heads, {shape.kv_heads} K/V "
           f"heads of {shape.head_dim}, vocabulary {shape.vocab:,}, context {shape.context}"
           f"{f'; random: seeded initialisation, seed {args.seed}, not trained' if args.random_weights else ''}), "
           f"{', '.join(sorted(files))}")

@@ -282,13 +282,14 @@ def serving_files(shape: ServingShape, *, network: str, tokenizer_json: str | No
                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
                "outputs": {"logits": LOGITS, "present_key_names": "present.%d.key",
                            "present_value_names": "present.%d.value"}}
-    genai = {"model": {**tokens, "context_length": shape.context, "decoder": decoder, "type": "llama",
+    known = {k: v for k, v in tokens.items() if v is not None}  # genai refuses a null id
+    genai = {"model": {**known, "context_length": shape.context, "decoder": decoder, "type": "llama",
                        "vocab_size": shape.vocab},
              "search": {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": shape.context,
                         "min_length": 0, "past_present_share_buffer": False, "temperature": 1.0, "top_k": 1,
                         "top_p": 1.0, "repetition_penalty": 1.0, "length_penalty": 1.0,
                         "no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "early_stopping": True}}
-    generation = {**{k: v for k, v in tokens.items() if v is not None}, "do_sample": False,
+    generation = {**known, "do_sample": False,
                   "max_length": shape.context}
     files = {"config.json": config, "genai_config.json": genai, "generation_config.json": generation}
     out = {name: json.dumps(doc, indent=2) + "\n" for name, doc in files.items()}
