@@ -227,15 +227,19 @@ def served(tmp_path_factory):
     return d
 
 
-def _generated(run, prompt: str, new: int = 8) -> tuple[list[int], list[int]]:
-    """(prompt ids, greedy new ids) of `vgraph generate RUN --temperature 0`."""
+PROMPTS = ["x = ", "def main"]
+
+
+@pytest.fixture(scope="module")
+def generated(served) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, greedy new ids) of `vgraph generate RUN --temperature 0 --max-new-tokens 8` per prompt."""
     from vgraph.backends.torch.cli import generate_ids
 
-    ids, n, _ = generate_ids(str(run), prompt, max_new_tokens=new, temperature=0.0, backend="torch")
-    return ids[:n], ids[n:]
-
-
-PROMPTS = ["x = ", "def main"]
+    out = []
+    for prompt in PROMPTS:
+        ids, n, _ = generate_ids(str(served / "run"), prompt, max_new_tokens=8, temperature=0.0, backend="torch")
+        out.append((ids[:n], ids[n:]))
+    return out
 
 
 def test_the_export_carries_the_runs_tokenizer_and_its_special_ids(served) -> None:
@@ -250,12 +254,12 @@ def test_the_export_carries_the_runs_tokenizer_and_its_special_ids(served) -> No
     assert json.loads((out / "tokenizer_config.json").read_text())["padding_side"] == "left"
 
 
-def test_onnxruntime_genai_generates_vgraph_generates_greedy_tokens_for_a_padded_batch(served) -> None:
+def test_onnxruntime_genai_generates_vgraph_generates_greedy_tokens_for_a_padded_batch(served, generated) -> None:
     if _genai_optional():
         pytest.importorskip("onnxruntime_genai")
     import onnxruntime_genai as og
     out = served / "served"
-    want = [_generated(served / "run", p) for p in PROMPTS]
+    want = generated
     prompts = [ids for ids, _ in want]
     assert len(set(map(len, prompts))) == 2  # the premise: different lengths, so one is padded
     pad = json.loads((out / "genai_config.json").read_text())["model"]["pad_token_id"]
@@ -284,7 +288,7 @@ def _genai_optional() -> bool:
                 or (sys.platform == "win32" and platform.machine() == "AMD64"))
 
 
-def test_docs_serving_onnxruntime_loop_runs_as_written_and_matches_vgraph_generate(served, monkeypatch,
+def test_docs_serving_onnxruntime_loop_runs_as_written_and_matches_vgraph_generate(served, generated, monkeypatch,
                                                                                      capsys) -> None:
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(encoding="utf-8"), flags=re.S)
     (loop,) = [b for b in blocks if "ort.InferenceSession" in b]
@@ -294,8 +298,7 @@ def test_docs_serving_onnxruntime_loop_runs_as_written_and_matches_vgraph_genera
     exec(compile(loop, str(DOC), "exec"), namespace)  # noqa: S102 - the documented example, verbatim
     printed = capsys.readouterr().out.splitlines()
     eos = json.loads((served / "served" / "config.json").read_text())["eos_token_id"]
-    for text, row, line in zip(PROMPTS, namespace["out"], printed):
-        prompt, new = _generated(served / "run", text)
+    for text, row, line, (prompt, new) in zip(PROMPTS, namespace["out"], printed, generated):
         assert namespace["tokenizer"].encode(text).ids == prompt
         assert (row[: row.index(eos)] if eos in row else row) == new
         assert line == repr(namespace["tokenizer"].decode(prompt + new))
@@ -311,9 +314,9 @@ def test_serving_into_the_run_it_reads_is_refused(served, capsys) -> None:
     assert sorted(p.name for p in run.iterdir()) == before
 
 
-def test_vgraph_serving_decoder_reads_the_directory_and_agrees(served) -> None:
+def test_vgraph_serving_decoder_reads_the_directory_and_agrees(served, generated) -> None:
     config = json.loads((served / "served" / "config.json").read_text())
     decoder = ServingDecoder(served / "served", pad=config["pad_token_id"])
-    want = [_generated(served / "run", p) for p in PROMPTS]
+    want = generated
     got = decoder.greedy([ids for ids, _ in want], 8, eos=config["eos_token_id"])
     assert [g[:-1] if g and g[-1] == config["eos_token_id"] else g for g in got] == [new for _, new in want]
