@@ -255,28 +255,57 @@ def test_the_export_carries_the_runs_tokenizer_and_its_special_ids(served) -> No
 
 
 def test_onnxruntime_genai_generates_vgraph_generates_greedy_tokens_for_a_padded_batch(served, generated) -> None:
-    if _genai_optional():
-        pytest.importorskip("onnxruntime_genai")
-    import onnxruntime_genai as og
+    og = _genai()
     out = served / "served"
     want = generated
     prompts = [ids for ids, _ in want]
     assert len(set(map(len, prompts))) == 2  # the premise: different lengths, so one is padded
     pad = json.loads((out / "genai_config.json").read_text())["model"]["pad_token_id"]
     eos = json.loads((out / "config.json").read_text())["eos_token_id"]
-    model = og.Model(str(out))
+    tokens = _genai_greedy(og, out, prompts, 8, pad)
+    for i, (_, new) in enumerate(want):
+        got = tokens[i][: tokens[i].index(eos)] if eos in tokens[i] else tokens[i]
+        assert got == new, (i, got, new)
+    assert any(len(new) == 8 for _, new in want)  # tokens were generated, not an immediate end-of-text
+
+
+def _genai():
+    if _genai_optional():
+        pytest.importorskip("onnxruntime_genai")
+    import onnxruntime_genai as og
+
+    return og
+
+
+def _genai_greedy(og, directory, prompts: list[list[int]], new: int, pad: int) -> list[list[int]]:
+    """onnxruntime-genai's greedy new tokens for a batch, padded on the right as genai reads padding."""
+    model = og.Model(str(directory))
     width = max(map(len, prompts))
     params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=width + 8, batch_size=2)
+    params.set_search_options(do_sample=False, max_length=width + new, batch_size=len(prompts))
     generator = og.Generator(model, params)
     generator.append_tokens(np.array([p + [pad] * (width - len(p)) for p in prompts], dtype=np.int32))
     while not generator.is_done():
         generator.generate_next_token()
-    for i, (_, new) in enumerate(want):
-        got = [int(t) for t in generator.get_sequence(i)[width:]]
-        got = got[: got.index(eos)] if eos in got else got
-        assert got == new, (i, got, new)
-    assert any(len(new) == 8 for _, new in want)  # tokens were generated, not an immediate end-of-text
+    return [[int(t) for t in generator.get_sequence(i)[width:]] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("fixture,new", [("tiny_2l", 8), ("tiny_gqa", 3)])
+def test_onnxruntime_genai_gives_a_padded_batch_each_prompts_tokens_alone(tmp_path, fixture, new) -> None:
+    """Weights at a trained network's scale (random_weights), so greedy tokens vary with the context: genai's
+    for a padded batch equal vgraph's for each prompt alone (whose logits the test above checks against torch)."""
+    og = _genai()
+    graph = fp32_graph(vgraph.load(FIXTURES / f"{fixture}.yml"))
+    model, shape = lower_serving(graph, random_weights(graph, 3))
+    from vgraph.backends.onnx.serving import serving_files
+
+    tmp_path.joinpath("model.onnx").write_bytes(model.SerializeToString())
+    for name, text in serving_files(shape, network=graph.name, tokenizer_json=None).items():
+        tmp_path.joinpath(name).write_text(text)
+    prompts = [[5, 9, 11], [3, 4, 5, 6, 7]]
+    alone = [ServingDecoder(model).greedy([p], new)[0] for p in prompts]
+    assert len({t for row in alone for t in row}) > 2  # the premise: tokens that depend on the context
+    assert _genai_greedy(og, tmp_path, prompts, new, pad=0) == alone
 
 
 def _genai_optional() -> bool:

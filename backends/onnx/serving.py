@@ -297,7 +297,8 @@ def serving_files(shape: ServingShape, *, network: str, tokenizer_json: str | No
         out["tokenizer.json"] = tokenizer_json
         out["tokenizer_config.json"] = json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOT_TOKEN, "bos_token": EOT_TOKEN,
-             "pad_token": PAD_TOKEN, "padding_side": "left", "model_max_length": shape.context}, indent=2) + "\n"
+             "pad_token": PAD_TOKEN, "padding_side": "left", "model_max_length": shape.context,
+             "model_input_names": [INPUT_IDS, ATTENTION_MASK]}, indent=2) + "\n"  # no token_type_ids
     return out
 
 
