@@ -181,6 +181,29 @@ def test_serving_without_weights_is_refused_and_a_foreign_file_is_never_replaced
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
 
 
+def test_an_interrupted_export_leaves_no_config_and_the_next_run_finishes_it(tmp_path, monkeypatch) -> None:
+    """config.json is written last (its presence marks a complete model); the files written before an interrupt
+    are recorded as this command's, so the rerun replaces them instead of refusing."""
+    from vgraph.base.safeio import OutputDir
+
+    out = tmp_path / "served"
+    write = OutputDir.write
+
+    def interrupted(self, name, data):
+        if name == "config.json":
+            raise KeyboardInterrupt
+        return write(self, name, data)
+
+    monkeypatch.setattr(OutputDir, "write", interrupted)
+    assert main(["export-onnx", str(TINY), "--serving", "--random-weights", "-o", str(out)]) == 130  # Ctrl-C
+    assert (out / "model.onnx").is_file() and not (out / "config.json").exists()
+    monkeypatch.setattr(OutputDir, "write", write)
+    assert main(["export-onnx", str(TINY), "--serving", "--random-weights", "-o", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 96
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "config.json", "genai_config.json", "generation_config.json", "model.onnx"]
+
+
 def test_serving_output_must_be_a_directory(tmp_path, capsys) -> None:
     (tmp_path / "plain").write_text("x")
     assert main(["export-onnx", str(TINY), "--serving", "--random-weights", "-o", str(tmp_path / "plain")]) == 2
