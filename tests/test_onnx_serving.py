@@ -61,6 +61,7 @@ def test_export_writes_optimum_and_genai_names_with_a_blocks_heads_grouped(tmp_p
                  str(out)]) == 0
     assert "2 blocks" in capsys.readouterr().out
     model = onnx.load(str(out / "model.onnx"))
+    onnx.checker.check_model(model, full_check=True)
     inputs = {vi.name: _dims(vi) for vi in model.graph.input}
     outputs = {vi.name: _dims(vi) for vi in model.graph.output}
     vocab = outputs["logits"][-1]

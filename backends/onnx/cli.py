@@ -190,6 +190,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _export_serving(args: argparse.Namespace) -> int:
     """``--serving``: the decoder in the serving layout and the files its runtimes read, into ``-o DIR``."""
+    import onnx
+
     from vgraph.base.diagnostics import printable
     from vgraph.base.safeio import OutputDir
 
@@ -214,6 +216,7 @@ def _export_serving(args: argparse.Namespace) -> int:
         target.wrote(MODEL_FILE + ".data")
         target.wrote(MODEL_FILE)
     else:
+        onnx.checker.check_model(model, full_check=True)
         target.write(MODEL_FILE, model.SerializeToString())
     for name in sorted(files, key=lambda n: n == "config.json"):  # config.json last: its presence marks a model
         target.write(name, files[name])

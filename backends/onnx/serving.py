@@ -148,8 +148,7 @@ def lower_serving(graph: Graph, weights: Mapping[str, np.ndarray] | None) -> tup
     props.update({"vgraph.layout": "serving", "vgraph.endpoints": json.dumps({LOGITS: LOGITS})})
     del model.metadata_props[:]
     helper.set_model_props(model, props)
-    onnx.checker.check_model(model, full_check=True)
-    return model, shape
+    return onnx.shape_inference.infer_shapes(model), shape  # value shapes for viewers such as Netron
 
 
 def _rewrite_interface(model: onnx.ModelProto, tokens: str, logits: str, layers: list[list[dict]],
@@ -188,7 +187,7 @@ def _rewrite_interface(model: onnx.ModelProto, tokens: str, logits: str, layers:
     g.node.extend(nodes)
     g.input.extend(inputs)
     g.output.extend(outputs)
-    del g.value_info[:]  # inferred shapes of the old interface; the writer infers them again
+    del g.value_info[:]  # shapes inferred for the old interface; lower_serving infers them again
 
 
 def _axis_const(name: str) -> onnx.NodeProto:
