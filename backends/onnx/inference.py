@@ -169,7 +169,9 @@ class Decoder:
         """Logits ``[vocab]`` at the last of ``context`` (1 up to the context length token ids)."""
         context = [int(t) for t in context]
         if not 1 <= len(context) <= self.context:
-            raise ValueError(f"a context holds 1 to {self.context} tokens; got {len(context)}")
+            raise VGraphError(f"a context holds 1 to {self.context} tokens; got {len(context)}"
+                              + (": past the network's context length (its seq_len); slide the window or "
+                                 "start over" if context else ""))
         if not self.caches:
             return self._run(context, {})[0, -1]
         if self.held != context[: len(self.held)] or len(self.held) >= len(context):
