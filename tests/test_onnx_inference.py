@@ -151,9 +151,9 @@ def test_decoder_feeds_only_what_its_cache_lacks_and_starts_over_past_the_contex
         assert compare_outputs("last", "", dec.last_logits(context), full.last_logits(context)).ok
     # 4 positions at first, 1 per token up to the context, then the whole (slid) context each time
     assert dec.positions_run == 4 + (CONTEXT - 4) + 3 * CONTEXT
-    with pytest.raises(ValueError, match="1 to 32 tokens"):
+    with pytest.raises(VGraphError, match="1 to 32 tokens"):
         dec.last_logits([])
-    with pytest.raises(ValueError, match="1 to 32 tokens"):
+    with pytest.raises(VGraphError, match="1 to 32 tokens"):
         dec.last_logits(ids[: CONTEXT + 1])
 
 
