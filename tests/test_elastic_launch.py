@@ -25,7 +25,7 @@ from vgraph.run.files import FLEET_EVENTS_JSONL, RELEASE_FILE
 
 STEPS, BATCH, MICRO, LR, SEED = 8, 8, 2, 1e-3, 7
 TOKEN = "elastic-test-secret-0123"
-PNODE = "  - {{id: {id}, memory: {memory}, flops: 20M, bandwidth: 1GB/s, accelerator: cpu}}\n"
+PNODE = "  - {{id: {id}, memory: {memory}, flops: 2M, bandwidth: 1GB/s, accelerator: cpu}}\n"
 
 
 def tiny():
@@ -37,7 +37,7 @@ def tiny():
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("elastic")
     vgraph.save(tiny(), d / "net.yml")
-    # Slow PNodes (20 MFLOP/s): the plan's predicted step is seconds, so a second machine's replica saves more
+    # Slow PNodes (2 MFLOP/s): the plan's predicted step is seconds, so a second machine's replica saves more
     # over the steps left than the boundary costs, and the decision takes it (its numbers are logged).
     (d / "one.yml").write_text("name: one\npnodes:\n" + PNODE.format(id="m0", memory="256MiB"))
     (d / "j1.yml").write_text("name: j1\npnodes:\n" + PNODE.format(id="j1", memory="256MiB"))

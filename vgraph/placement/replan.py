@@ -21,10 +21,12 @@ do not either (none are kept across steps).
 `overhead_s` is what the boundary itself costs whatever moves: today the launcher's restart path (the
 workers finish the step and rank 0 writes a checkpoint, the next attempt is placed, its workers are forked
 and meet in a new rendezvous, and each rank loads its share of the checkpoint).  DEFAULT_REPLAN_OVERHEAD_S is
-that, measured: `tests/test_elastic_launch.py`'s loopback run (tiny 2-layer network, 2 worker processes on
-a 2-core AMD EPYC VM, 2026-12-07) went from the stop request to the new attempt's first logged step in
-3.1 s, of which about 0.2 s was the extra step's compute; with a bigger network the checkpoint write and
-read grow with the state, which the move's bytes already price.
+that, measured: in `tests/test_elastic_launch.py`'s loopback run (a tiny 2-layer network, one worker, then
+two on two launchers; a 2-core AMD EPYC VM at load average 16, 2026-12-07) the workers stopped and saved 1.3 s
+after the stop request, the new attempt's workers were started 1.9 s after it and finished their first step
+0.8 s later: 2.7 s, about 0.3 s of it the two steps' own compute, so 2.4 s of boundary; 3 s leaves room for
+a slower machine.  With a bigger network the checkpoint write and read grow with the state, which the
+move's bytes price.
 
 Pure and torch-free: the decision reads plans as assignments (VNode -> PNode per replica), their predicted
 steps, each VNode's state bytes and the fleet's links; `best_plan` asks the partition pass (through the
