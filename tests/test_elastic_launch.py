@@ -138,14 +138,13 @@ def pnode_text(pid: str, memory: str = "256MiB") -> str:
 
 def test_joins_beyond_max_or_with_a_taken_id_are_refused_with_a_reason(files, tmp_path):
     adm = admission(files, tmp_path)
-    assert join(adm, pnode_text("m0")) == {"admitted": False, "reason": pytest.approx(join(adm, pnode_text("m0"))["reason"])}
-    assert "already in the run" in join(adm, pnode_text("m0"))["reason"]
+    taken = join(adm, pnode_text("m0"))
+    assert taken["admitted"] is False and "'m0' is already in the run" in taken["reason"]
     ok = join(adm, pnode_text("j1"))
     assert ok["admitted"] and ok["machine"] == 1 and not ok["queued"]
     assert "already in the run" in join(adm, pnode_text("j1"))["reason"]
     beyond = join(adm, pnode_text("j2"))
     assert not beyond["admitted"] and "has its 2 machines (--nnodes 1:2)" in beyond["reason"]
-    time.sleep(0.2)  # refusals under the lock are recorded from a thread
     outcomes = [(e["pnode"], e["outcome"]) for e in events(tmp_path)]
     assert ("j1", "admitted") in outcomes and ("j2", "refused") in outcomes
 

@@ -216,35 +216,24 @@ class Admission:
         if len(fleet) != 1:
             return self._refuse(None, f"{file}: a PNode file describes one machine; this one lists {len(fleet)}")
         pnode = fleet.pnodes[0]
-        with self.lock:
-            taken = set(self.fleet.ids) | {j.pnode.id for j in self.joined.values()}
-            machines = self.static_machines + len(self.joined)
-            if pnode.id in taken:
-                return self._refuse(pnode.id, f"PNode id {pnode.id!r} is already in the run: every machine needs "
-                                              f"its own id (vgraph probe --id)", locked=True)
-            if machines >= self.max_machines:
-                return self._refuse(pnode.id, f"the run has its {self.max_machines} machines (--nnodes "
-                                              f"{self.static_machines}:{self.max_machines})", locked=True)
         group, need = smallest_share(self.graph)
-        if pnode.memory < need:
-            return self._refuse(pnode.id, f"PNode {pnode.id!r} has {human_bytes(pnode.memory)} of memory; no plan "
-                                          f"can give it a share: the smallest, {group!r} with one sample, needs "
-                                          f"{human_bytes(need)}")
         try:
-            self.grown_fleet(Fleet.of(self.fleet.name, *self.fleet.pnodes, pnode, links=self.fleet.links,
-                                      collectives=self.fleet.collectives))
+            Fleet.of(self.fleet.name, *self.fleet.pnodes, pnode, links=self.fleet.links,
+                     collectives=self.fleet.collectives)
+            fits = ""
         except FleetError as exc:
-            return self._refuse(pnode.id, f"PNode {pnode.id!r} does not fit the run's fleet: {exc}")
-        with self.lock:
-            if pnode.id in {j.pnode.id for j in self.joined.values()} or \
-                    self.static_machines + len(self.joined) >= self.max_machines:  # a join raced this one
-                return self._refuse(pnode.id, "another machine took that id or the last place first", locked=True)
-            machine = self.static_machines + len(self.joined)
-            joined = _Joined(machine, pnode, self.step())
-            self.joined[machine] = joined
-            queued = self.replanning
-            if queued:
-                self.queued.append(machine)
+            fits = str(exc)
+        with self.lock:  # checked and taken at once: two joins racing for the last place get one each
+            reason = self._refusal(pnode, need, group, fits)
+            if reason is None:
+                machine = self.static_machines + len(self.joined)
+                joined = _Joined(machine, pnode, self.step())
+                self.joined[machine] = joined
+                queued = self.replanning
+                if queued:
+                    self.queued.append(machine)
+        if reason is not None:
+            return self._refuse(pnode.id, reason)
         self.event({"event": "join", "pnode": pnode.id, "machine": machine, "step": joined.step,
                     "outcome": "admitted", "queued": queued})
         if self.on_join is not None and not queued:
@@ -253,12 +242,21 @@ class Admission:
                 "files": {n: {"size": s, "sha256": d} for n, (_, s, d) in self.files.items()
                           if not n.startswith("job-")}}
 
-    def _refuse(self, pnode: str | None, reason: str, locked: bool = False) -> dict:
-        row = {"event": "join", "pnode": pnode, "outcome": "refused", "reason": reason}
-        if locked:  # event() takes the lock itself: write it from a thread that does not hold it
-            threading.Thread(target=self.event, args=(row,), daemon=True).start()
-        else:
-            self.event(row)
+    def _refusal(self, pnode: PNode, need: int, group: str, fits: str) -> str | None:
+        """Why `pnode` may not join now, or None (under the lock)."""
+        if pnode.id in set(self.fleet.ids) | {j.pnode.id for j in self.joined.values()}:
+            return f"PNode id {pnode.id!r} is already in the run: every machine needs its own id (vgraph probe --id)"
+        if self.static_machines + len(self.joined) >= self.max_machines:
+            return f"the run has its {self.max_machines} machines (--nnodes {self.static_machines}:{self.max_machines})"
+        if pnode.memory < need:
+            return (f"PNode {pnode.id!r} has {human_bytes(pnode.memory)} of memory; no plan can give it a share: the "
+                    f"smallest, {group!r} with one sample, needs {human_bytes(need)}")
+        if fits:
+            return f"PNode {pnode.id!r} does not fit the run's fleet: {fits}"
+        return None
+
+    def _refuse(self, pnode: str | None, reason: str) -> dict:
+        self.event({"event": "join", "pnode": pnode, "outcome": "refused", "reason": reason})
         return {"admitted": False, "reason": reason}
 
     def _fetch(self, request: dict) -> dict:

@@ -545,6 +545,11 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     return _Attempt(number, placement, job, job_path, local, threads, comm)
 
 
+class _RankZeroJoined(Exception):
+    """A plan that puts rank 0 on a joined machine: machine 0 holds the run (its metrics, checkpoints and
+    rank 0) until the coordinator can move (issue 36), so such a plan is not run; the joined PNodes wait."""
+
+
 def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
     """The world ranks this machine starts: a PNode stays on the machine that ran it first (machines
     k = ceil(ranks / N) consecutive ranks each at the first attempt); across machines, attempt `number`
@@ -554,6 +559,8 @@ def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
         per_node = math.ceil(len(ranks) / cfg.nnodes)
         run.home = {p: r // per_node for r, p in enumerate(ranks)}
     home = run.home
+    if run.admission is not None and ranks[0] in run.admission.home():
+        raise _RankZeroJoined(ranks[0])
     if run.machines.active and home.get(ranks[0], 0) != 0:
         raise TrainingError("the replica of machine 0 was dropped: machine 0 holds the run and its rank 0, so the "
                             "run stops here; continue it with --resume")
@@ -599,7 +606,14 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
         if stop.requested:
             raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
                                    f"{_continue_with(cfg, run.run_dir)}")
-        attempt = _place_attempt(run, fleet, number, *_given_placement(cfg, number, shrunk), hold)
+        try:
+            attempt = _place_attempt(run, fleet, number, *_given_placement(cfg, number, shrunk), hold)
+        except _RankZeroJoined as exc:
+            waiting = sorted(set(run.admission.home()) & set(fleet.ids))
+            run.admission.event({"event": "placement", "attempt": number, "waiting": waiting,
+                                 "reason": f"the plan puts rank 0 on joined PNode {exc}: machine 0 keeps it"})
+            fleet = fleet.without(waiting)
+            attempt = _place_attempt(run, fleet, number, *_given_placement(cfg, number, shrunk), hold)
         if attempt is None:
             return result
         if run.admission is not None:
@@ -670,6 +684,9 @@ def _on_join(run: _Run, joined: Any) -> None:
         new = place(run.source, grown, before=run.before, partition=run.partition, after=run.after,
                     target=run.target, batch=cfg.batch, micro_batches=run.micro,
                     grad_compress=run.run_info["grad_compress"], pipeline=cfg.pipeline)
+        if new.world[0] in admission.home():
+            raise VGraphError(f"the planner's plan puts rank 0 on {new.world[0]}, and machine 0 keeps rank 0 (it "
+                              f"holds the run) until the coordinator can move")
         sizes = state_bytes(_before_partition(run))
         views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
                  for p in (placement, new)]
