@@ -203,6 +203,7 @@ def host_port(text: str) -> tuple[str, int]:
     return host, port(match.group(2) or match.group(4))
 
 
-__all__ = ["nnodes", "host_port", "MAX_MACHINES", "positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float", "op_type",
+__all__ = ["nnodes", "host_port", "MAX_MACHINES",
+           "positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float", "op_type",
            "token_ids", "temperature", "batch", "MAX_BATCH", "MIN_TEMPERATURE",
            "byte_size", "replicas", "path", "network_file", "fleet_file", "compile_target", "MAX_SEED"]

@@ -654,7 +654,8 @@ def _admission(run: _Run) -> elastic.Admission:
                                   step=lambda: _last_step(run), on_join=lambda adm, joined: _on_join(run, joined))
     corpus = Path(run.data_dir)
     splits = open_prepared(corpus, verify="size").manifest["splits"]
-    names = [MANIFEST, TOKENIZER_FILE] + [s[k] for split in SPLITS for s in splits[split]["shards"] for k in ("bin", "idx")]
+    shards = [shard[k] for split in SPLITS for shard in splits[split]["shards"] for k in ("bin", "idx")]
+    names = [MANIFEST, TOKENIZER_FILE, *shards]
     for name in names:
         admission.serve(name, corpus / name)
     run.machines.serve_extra(admission.answer)
