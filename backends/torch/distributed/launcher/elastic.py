@@ -22,13 +22,17 @@ dropped unread), one request per connection:
   after --join-timeout.
 * `fetch` {name, offset}: the files an admitted machine needs, in chunks of CHUNK_BYTES (base64 in a line,
   below the channel's 1 MiB line limit; a slow link gets FETCH_TIMEOUT_S per chunk).  Only files machine 0
-  registered are served, by name, never a path a request names.  What travels: the prepared corpus (its
-  manifest, tokenizer and shards: every rank draws the global batch from the whole corpus, so a joiner needs
-  all of it; the default corpus, the embedded one prepared for a 64-token vocabulary, is 2.2 MB) and the
-  tokenizer; each file's size and SHA-256 are sent with the admission and checked on arrival, and the corpus's
-  manifest digest is the one the workers check again.  The joiner writes them into its own run directory
-  (--out, default runs/join-<pnode>) through OutputDir, so a second join into the same directory replaces
-  only what a join wrote there.
+  registered are served, by name, never a path a request names.  What travels: the whole prepared corpus
+  (manifest, tokenizer, shards), not the windows the joiner's ranks will read: every rank draws the global
+  batch, so its windows over a run are steps x batch x seq_len tokens, more than the corpus after a few
+  hundred steps, and a later re-plan may give it other samples.  Measured: the default corpus (the embedded
+  one, prepared for the README's distributed_attention_example_6_swiglu_head, 10,000-token vocabulary) is
+  1,064,749 bytes (tokenizer 284,950, shards 778,332, manifest 1,467), where that network's windows at --batch
+  8 (seq_len 128, 2-byte tokens) are 2 KiB a step: the shards' size by step 380 of the default 1000.  Each
+  file's size and SHA-256 are sent with the admission and checked on arrival, and the corpus's manifest digest
+  is the one the workers check again.  The joiner writes them into its own run directory (--out, default
+  runs/join-<pnode>) through OutputDir, so a second join into the same directory replaces only what a join
+  wrote there.
 * `job` {attempt}: the job file of attempt N once machine 0 placed it (the network YAML, the placement and
   the training options are all in it), with the machines' PNodes (`home`), or `done` when the run ended.  The
   joiner rewrites the job's paths to its own copies and starts the workers of its PNodes.
