@@ -118,6 +118,44 @@ def test_a_machine_that_joins_a_running_run_takes_part_from_the_boundary(files, 
     assert any("j1" in (r.get("pnodes") or {}) for r in result.history[boundary["step"]:])
 
 
+@pytest.mark.slow
+def test_a_machine_the_run_started_with_follows_machine_0_after_a_join(files, tmp_path, monkeypatch):
+    """--nnodes 2:3: machines 0 and 1 start the run, a third joins; machine 1's launcher cannot place the
+    grown fleet itself (only machine 0 admitted the joiner), so after the boundary it runs machine 0's job."""
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = free_port()
+    lines: list[str] = []
+    fleet = files / "two.yml"
+    fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
+                     + PNODE.format(id="m1", memory="256MiB"))
+
+    def machine(rank: int):
+        return lambda: launch(LaunchConfig(**common(files), out=tmp_path / f"node{rank}", fleet=str(fleet), nnodes=2,
+                                           max_nnodes=3, node_rank=rank, master_port=port, log=lines.append,
+                                           hold=("m0", 2) if rank == 0 else None))
+
+    lead, second = Thread(machine(0)), Thread(machine(1))
+    lead.start()
+    second.start()
+    run_dir = tmp_path / "node0"
+    wait_for(lambda: (run_dir / "launch" / "held-m0").exists(), "m0 held after step 2", lead.is_alive)
+    joiner = Thread(lambda: elastic.follow("127.0.0.1", port, files / "j1.yml", tmp_path / "joiner",
+                                           join_timeout=30, link_timeout=10, comm_timeout=120, emit=lines.append))
+    joiner.start()
+    wait_for(lambda: any(e["event"] == "replan" for e in events(run_dir)), "the join's decision", lead.is_alive)
+    (run_dir / "launch" / RELEASE_FILE).write_text("go\n")
+    for t in (lead, second, joiner):
+        t.join(timeout=300)
+    assert lead.error is None and second.error is None and joiner.error is None, (
+        lead.error, second.error, joiner.error, lines[-20:])
+    decision = next(e for e in events(run_dir) if e["event"] == "replan")
+    assert decision["chosen"] == "new" and decision["pnode"] == "j1", decision
+    first, after = lead.result.attempts
+    assert sorted(first["ranks"]) == ["m0", "m1"] and sorted(after["ranks"]) == ["j1", "m0", "m1"]
+    assert second.result.attempts[-1] == {"attempt": 1, "followed": True} and joiner.result.attempts == [1]
+    assert [r["step"] for r in lead.result.history] == list(range(1, STEPS + 1))
+
+
 # -- refusals ---------------------------------------------------------------------------------------
 
 def admission(files: Path, tmp_path: Path, **kw) -> elastic.Admission:

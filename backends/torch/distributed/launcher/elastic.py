@@ -68,7 +68,7 @@ from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, STOP_FILE
 from .membership import MAX_LINE, REQUEST_TIMEOUT_S, ask, channel_key
 
 __all__ = ["Admission", "JoinRefused", "Joined", "read_pnode_file", "check_pnode_memory", "smallest_share",
-           "join_run", "follow", "ask_stop", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]
+           "join_run", "follow", "follow_attempts", "ask_stop", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]
 
 CHUNK_BYTES = 512 * 1024  # raw bytes a `fetch` answers: base64 makes it 683 KiB, inside the 1 MiB line
 FETCH_TIMEOUT_S = 60.0  # one chunk over a slow link: 512 KiB at 100 kB/s is 5 s, so 60 s is generous
@@ -265,8 +265,8 @@ class Admission:
 
     def _fetch(self, request: dict) -> dict:
         machine, name, offset = int(request["machine"]), str(request["name"]), int(request["offset"])
-        if machine not in self.joined:
-            return {"error": "only an admitted machine fetches the run's files"}
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run fetches its files"}
         if name not in self.files:
             return {"error": f"no file {quote(name, 80)} is offered"}
         path, size, digest = self.files[name]
@@ -279,8 +279,8 @@ class Admission:
 
     def _job(self, request: dict) -> dict:
         machine, attempt = int(request["machine"]), int(request["attempt"])
-        if machine not in self.joined:
-            return {"error": "only an admitted machine reads the run's jobs"}
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run reads its jobs"}
         with self.lock:
             later = sorted(a for a in self.jobs if a >= attempt)
             if later:
@@ -294,12 +294,12 @@ class Admission:
             return {"wait": True}
 
     def wait_told(self, timeout: float) -> None:
-        """Machine 0 at the end: give the joined machines up to `timeout` s to read `done`
+        """Machine 0 at the end: give the other machines up to `timeout` s to read `done`
         (they would otherwise wait for machine 0 until their link timeout and end with an error)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
-                if set(self.joined) <= self.told_done:
+                if set(self.joined) | set(range(1, self.static_machines)) <= self.told_done:
                     return
             time.sleep(0.05)
 
@@ -392,15 +392,11 @@ class Joined:
 
 def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path | None, *, join_timeout: float,
            link_timeout: float, comm_timeout: float, emit: Callable[[str], None]) -> Joined:
-    """`vgraph launch --join ADDR:PORT --pnode FILE`: be admitted, receive the run's files, then run this
-    machine's workers in every attempt machine 0 places them in, until machine 0 says the run is done.
-
-    Long because it is the joiner's whole life in order (admission, files, then attempt after attempt with
-    its failure report); cut up, the order of the conversation with machine 0 would be spread over helpers."""
-    from ..job import Job
+    """`vgraph launch --join ADDR:PORT --pnode FILE`: be admitted, receive the run's files into this machine's
+    run directory, then run this machine's workers in every attempt machine 0 places them in, until machine 0
+    says the run is done (`follow_attempts`)."""
     from ..rendezvous import TOKEN_ENV, check_token
     from .membership import Machines, MachineLost
-    from .supervisor import Supervisor
 
     token = check_token(os.environ.get(TOKEN_ENV) or None, 2)
     channel = master_port - 1
@@ -429,9 +425,29 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
             result.received_bytes += int(meta["size"])
         emit(f"launch --join: received the run's corpus and tokenizer ({human_bytes(result.received_bytes)}) "
              f"into {corpus_dir}")
-        attempt = 0
+        follow_attempts(machines, token, addr, master_port, run_dir, corpus_dir.absolute(),
+                        f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, comm_timeout + link_timeout, emit, result)
+        return result
+    finally:
+        machines.close()
+
+
+def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_dir: Path, data_dir: Path,
+                    tokenizer: str, attempt: int, silence_s: float, emit: Callable[[str], None],
+                    result: Joined) -> Joined:
+    """Run this machine's workers in attempt `attempt` and every later one machine 0 publishes, from its job
+    file with the paths made this machine's (`run_dir`, the corpus in `data_dir`, `tokenizer` relative to the
+    run directory), until machine 0 says the run is done.  A joined machine follows from its admission; a
+    machine the run started with (--nnodes MIN:MAX, MIN > 1) from its second attempt, since the fleet may have
+    grown by then and only machine 0 knows it.  A failed attempt is reported (membership.py) and machine 0's
+    decision read: an error ends here too."""
+    from ..job import Job
+    from .membership import MachineLost
+    from .supervisor import Supervisor
+
+    try:
         while True:
-            reply = wait_for_job(machines.request, attempt, comm_timeout + link_timeout)
+            reply = wait_for_job(machines.request, attempt, silence_s)
             if reply.get("done"):
                 return result
             number, home = int(reply["attempt"]), {str(k): int(v) for k, v in dict(reply["home"]).items()}
@@ -439,17 +455,16 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
             job_path = run_dir / LAUNCH_DIR / f"job-{number}.json"
             atomic_write(job_path, raw)
             job = Job.read(job_path)  # checked field by field, as every worker reads it
-            job.run_dir, job.data_dir, job.plugins = "..", str(corpus_dir.absolute()), []
-            job.tokenizer = f"{LAUNCH_DIR}/corpus/tokenizer.json"
+            job.run_dir, job.data_dir, job.tokenizer, job.plugins = "..", str(data_dir), tokenizer, []
             job.write(job_path)
-            local = [r for r, p in enumerate(job.ranks) if home.get(p) == machine]
+            local = [r for r, p in enumerate(job.ranks) if home.get(p) == result.machine]
             machines.begin(number, set())
             attempt = number + 1
             if not local:
-                emit(f"launch --join: attempt {number} runs without this machine; waiting for the next")
+                emit(f"launch: attempt {number} runs without this machine; waiting for the next")
                 continue
-            emit(f"launch --join: attempt {number}: {', '.join(job.ranks[r] for r in local)} of "
-                 f"{len(job.ranks)} worker(s)")
+            emit(f"launch: attempt {number}: {', '.join(job.ranks[r] for r in local)} of {len(job.ranks)} "
+                 f"worker(s)")
             supervisor = Supervisor(emit, token)
             try:
                 supervisor.start(job_path, local, job.ranks, len(job.ranks), addr, master_port + number,
@@ -467,5 +482,3 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
                     raise JoinRefused(f"machine 0 ended the run: {plan['error']}")
     except MachineLost as exc:
         raise JoinRefused(str(exc)) from None
-    finally:
-        machines.close()

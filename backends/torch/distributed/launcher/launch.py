@@ -625,6 +625,15 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
         if record["ok"] and run.admission is not None and not stop.requested and _boundary(run):
             fleet, shrunk, number, hold = run.admission.grown_fleet(fleet), None, number + 1, None
             continue
+        if _elastic(cfg) and not run.lead and not stop.requested:  # only machine 0 knows the grown fleet
+            if not record["ok"]:
+                _after_failure(run, attempt, record, result, fleet)  # its report; machine 0's error raised here
+            followed = elastic.Joined(cfg.node_rank, "", run.run_dir)
+            elastic.follow_attempts(run.machines, run.token, cfg.master_addr, base_port, run.run_dir,
+                                    Path(run.data_dir), run.tokenizer, number + 1,
+                                    cfg.comm_timeout + cfg.link_timeout, run.emit, followed)
+            result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
+            return result
         if stop.requested:
             where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
             raise stop.interrupted(f"{run.run_dir}: stopped as asked{'' if record['ok'] else ' (a worker failed on the way)'}; "
