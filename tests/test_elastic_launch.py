@@ -240,6 +240,22 @@ def test_only_offered_files_are_served_and_in_chunks(files, tmp_path):
         elastic._fetch_bytes(request, "big.bin", big.stat().st_size, "0" * 64)
 
 
+@pytest.mark.parametrize("make, says", [
+    (lambda d: d, "not a regular file|directory"),
+    (lambda d: d / "missing.yml", "missing.yml"),
+    (lambda d: (d / "empty.yml", (d / "empty.yml").write_text(""))[0], "empty.yml:1"),
+    (lambda d: (d / "bin.yml", (d / "bin.yml").write_bytes(b"name: \xff\xfe\n"))[0], "bin.yml"),
+    (lambda d: (d / "two.yml", (d / "two.yml").write_text("name: x\npnodes:\n" + PNODE.format(id="a", memory="1GiB")
+                                                          + PNODE.format(id="b", memory="1GiB")))[0], "lists 2"),
+    (lambda d: (d / "big.yml", (d / "big.yml").write_text("# pad\n" * 20_000 + "name: x\npnodes:\n"
+                                                          + PNODE.format(id="a", memory="1GiB")))[0], "big.yml"),
+    (lambda d: (d / "bad\x1bname.yml", (d / "bad\x1bname.yml").write_text("pnodes: 3\n"))[0], "name.yml"),
+])
+def test_a_pnode_file_the_joiner_cannot_read_is_named(tmp_path, make, says):
+    with pytest.raises(VGraphError, match=says):
+        elastic.read_pnode_file(make(tmp_path))
+
+
 def test_a_pnode_file_that_claims_memory_this_machine_lacks_refuses_to_join(files, tmp_path):
     pnode, _ = elastic.read_pnode_file(files / "j1.yml")
     with pytest.raises(elastic.JoinRefused, match=r"claims 256.00 MiB.*has 1.00 MiB available"):

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import OutputDir, atomic_write
+from vgraph.base.safeio import OutputDir, atomic_write, read_input
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import Fleet, FleetError, PNode, human_bytes, load_fleet, loads_fleet
 from vgraph.cost.host_memory import available_host_memory
@@ -89,10 +89,8 @@ def read_pnode_file(path: str | Path) -> tuple[PNode, str]:
     if len(fleet) != 1:
         raise JoinRefused(f"{path}: a PNode file describes one machine (vgraph probe -o writes one); this one "
                           f"lists {len(fleet)} PNodes ({', '.join(fleet.ids[:5])})")
-    text = Path(path).read_text(encoding="utf-8")
-    if len(text.encode()) > MAX_PNODE_TEXT:
-        raise JoinRefused(f"{path}: {len(text.encode()):,} bytes; a PNode file is at most {MAX_PNODE_TEXT:,}")
-    return fleet.pnodes[0], text
+    text = read_input(path, what="PNode file", limit=MAX_PNODE_TEXT)  # what the fleet reader just took
+    return fleet.pnodes[0], str(text)
 
 
 def check_pnode_memory(pnode: PNode, where: str, available: tuple[int | None, str] | None = None) -> None:
@@ -227,11 +225,12 @@ class Admission:
             fits = ""
         except FleetError as exc:
             fits = str(exc)
+        step = self.step()
         with self.lock:  # checked and taken at once: two joins racing for the last place get one each
             reason = self._refusal(pnode, need, group, fits)
             if reason is None:
                 machine = self.static_machines + len(self.joined)
-                joined = _Joined(machine, pnode, self.step())
+                joined = _Joined(machine, pnode, step)
                 self.joined[machine] = joined
                 queued = self.replanning
                 if queued:

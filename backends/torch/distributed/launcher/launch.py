@@ -672,8 +672,25 @@ def _admission(run: _Run) -> elastic.Admission:
 
 
 def _last_step(run: _Run) -> int:
-    rows = read_rows(run.run_dir / METRICS_JSONL) if (run.run_dir / METRICS_JSONL).exists() else []
-    return int(rows[-1]["step"]) if rows else 0
+    """The run's last logged step (rank 0 writes metrics.jsonl about once a second): its last complete line,
+    read from the file's tail, since a join must not wait for a read of a long run's whole log."""
+    from vgraph.base.jsonio import loads
+
+    path = run.run_dir / METRICS_JSONL
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            tail = f.read()
+    except OSError:
+        return 0
+    for line in reversed(tail.split(b"\n")[1:] if len(tail) == 65536 else tail.split(b"\n")):
+        try:
+            row = loads(line, str(path)) if line.strip() else None
+        except VGraphError:
+            continue  # a line being written
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
+            return max(0, row["step"])
+    return 0
 
 
 def _on_join(run: _Run, joined: Any) -> None:
