@@ -148,10 +148,17 @@ class Admission:
     current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def serve(self, name: str, path: Path) -> None:
-        """Offer `path` to admitted machines as `name` (its size and SHA-256 taken now)."""
-        data = path.read_bytes()
-        self.files[name] = (path, len(data), hashlib.sha256(data).hexdigest())
+    def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
+        """Offer `path` to admitted machines as `name`: its size now and its SHA-256 (given, as a corpus's
+        manifest records its shards', or computed here a megabyte at a time)."""
+        size = path.stat().st_size
+        if sha256 is None:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            sha256 = digest.hexdigest()
+        self.files[name] = (path, size, sha256)
 
     def event(self, row: dict[str, Any]) -> None:
         """One row of launch/fleet-events.jsonl (appended; the file is machine 0's, in the run it owns)."""

@@ -662,11 +662,12 @@ def _admission(run: _Run) -> elastic.Admission:
     admission = elastic.Admission(run.run_dir, run.fleet, run.source, cfg.max_nnodes or cfg.nnodes, cfg.nnodes,
                                   step=lambda: _last_step(run), on_join=lambda adm, joined: _on_join(run, joined))
     corpus = Path(run.data_dir)
-    splits = open_prepared(corpus, verify="size").manifest["splits"]
-    shards = [shard[k] for split in SPLITS for shard in splits[split]["shards"] for k in ("bin", "idx")]
-    names = [MANIFEST, TOKENIZER_FILE, *shards]
-    for name in names:
+    splits = open_prepared(corpus, verify="size").manifest["splits"]  # checked: names inside the directory
+    for name in (MANIFEST, TOKENIZER_FILE):
         admission.serve(name, corpus / name)
+    for shard in (shard for split in SPLITS for shard in splits[split]["shards"]):
+        for key in ("bin", "idx"):  # the manifest's SHA-256 of each: a large corpus is not read again here
+            admission.serve(shard[key], corpus / shard[key], shard[f"{key}_sha256"])
     run.machines.serve_extra(admission.answer)
     return admission
 
