@@ -20,6 +20,7 @@ from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, free
 from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.base import options
 from vgraph.base.diagnostics import VGraphError
+from vgraph.base.safeio import OutputDir
 from vgraph.cli.main import main
 from vgraph.run.files import FLEET_EVENTS_JSONL, RELEASE_FILE
 
@@ -238,6 +239,15 @@ def test_only_offered_files_are_served_and_in_chunks(files, tmp_path):
         assert "no file" in request("fetch", name=name, offset=0)["error"]
     with pytest.raises(elastic.JoinRefused, match="SHA-256"):
         elastic._fetch_bytes(request, "big.bin", big.stat().st_size, "0" * 64)
+    out = tmp_path / "joined"
+    out.mkdir()
+    folder = OutputDir(out, command="launch --join")
+    elastic._fetch_file(request, "big.bin", big.stat().st_size, adm.files["big.bin"][2], folder)
+    assert (out / "big.bin").read_bytes() == big.read_bytes()
+    with pytest.raises(elastic.JoinRefused, match="SHA-256"):  # a damaged transfer leaves the file as it was
+        elastic._fetch_file(request, "big.bin", big.stat().st_size, "1" * 64, folder)
+    assert (out / "big.bin").read_bytes() == big.read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == [".vgraph-outputs.json", "big.bin"]  # no temporary left
 
 
 @pytest.mark.parametrize("make, says", [

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import OutputDir, atomic_write, read_input
+from vgraph.base.safeio import OutputDir, atomic_write, atomic_write_with, read_input
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import Fleet, FleetError, PNode, human_bytes, load_fleet, loads_fleet
 from vgraph.cost.host_memory import available_host_memory
@@ -367,9 +367,10 @@ def wait_for_job(request: Callable[..., dict], attempt: int, silence_s: float) -
         time.sleep(0.5)
 
 
-def _fetch_bytes(request: Callable[..., dict], name: str, size: int, sha256: str) -> bytes:
-    """`name` from machine 0, chunk by chunk, checked against the size and SHA-256 it announced."""
-    digest, parts, got = hashlib.sha256(), [], 0
+def _fetch(request: Callable[..., dict], name: str, size: int, sha256: str, sink: Callable[[bytes], None]) -> None:
+    """`name` from machine 0, chunk by chunk into `sink`, checked against the size and SHA-256 it announced
+    (a JoinRefused otherwise, after which what `sink` got must be thrown away)."""
+    digest, got = hashlib.sha256(), 0
     while got < size:
         reply = request("fetch", timeout=FETCH_TIMEOUT_S, name=name, offset=got)
         if "error" in reply:
@@ -377,12 +378,28 @@ def _fetch_bytes(request: Callable[..., dict], name: str, size: int, sha256: str
         chunk = base64.b64decode(str(reply.get("data", "")), validate=True)
         if not chunk or got + len(chunk) > size:
             raise JoinRefused(f"{name}: machine 0 sent {got + len(chunk):,} bytes of {size:,}")
-        parts.append(chunk)
+        sink(chunk)
         digest.update(chunk)
         got += len(chunk)
     if digest.hexdigest() != sha256:
         raise JoinRefused(f"{name}: the {size:,} bytes that arrived do not have the SHA-256 machine 0 announced")
+
+
+def _fetch_bytes(request: Callable[..., dict], name: str, size: int, sha256: str) -> bytes:
+    parts: list[bytes] = []
+    _fetch(request, name, size, sha256, parts.append)
     return b"".join(parts)
+
+
+def _fetch_file(request: Callable[..., dict], name: str, size: int, sha256: str, folder: OutputDir) -> None:
+    """`name` into `folder`, streamed into a temporary beside it and renamed into place only when complete
+    and checked (a shard may be large: it is never held in memory whole); recorded in the folder's manifest."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            _fetch(request, name, size, sha256, f.write)
+
+    atomic_write_with(folder.check(name), write)
+    folder.wrote(name)
 
 
 @dataclass
@@ -427,7 +444,7 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
     result = Joined(machine, pid, run_dir)
     try:
         for name, meta in files.items():
-            data.write(name, _fetch_bytes(machines.request, name, int(meta["size"]), str(meta["sha256"])))
+            _fetch_file(machines.request, name, int(meta["size"]), str(meta["sha256"]), data)
             result.received_bytes += int(meta["size"])
         emit(f"launch --join: received the run's corpus and tokenizer ({human_bytes(result.received_bytes)}) "
              f"into {corpus_dir}")
