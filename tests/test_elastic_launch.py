@@ -266,6 +266,30 @@ def test_a_pnode_file_the_joiner_cannot_read_is_named(tmp_path, make, says):
         elastic.read_pnode_file(make(tmp_path))
 
 
+@pytest.mark.parametrize("error", ["", "training diverged at step 4"])
+def test_a_joined_machine_hears_how_the_run_ended(files, tmp_path, error):
+    adm = admission(files, tmp_path)
+    machine = join(adm, pnode_text("j1"))["machine"]
+
+    class Channel:  # the joined machine's side of the channel, answered by machine 0's admission directly
+        def request(self, op, timeout=None, **kw):
+            return adm.answer({"op": op, "machine": machine, **kw})
+
+        def begin(self, attempt, machines):
+            pass
+
+    threading.Timer(0.3, adm.finish, kwargs={"error": error}).start()
+    joined = elastic.Joined(machine, "j1", tmp_path)
+    if error:
+        with pytest.raises(elastic.JoinRefused, match=f"machine 0 ended the run: {error}"):
+            elastic.follow_attempts(Channel(), TOKEN, "127.0.0.1", 1, tmp_path, tmp_path, "t.json", 0, 30, print,
+                                    joined)
+    else:
+        assert elastic.follow_attempts(Channel(), TOKEN, "127.0.0.1", 1, tmp_path, tmp_path, "t.json", 0, 30, print,
+                                       joined) is joined and joined.attempts == []
+    assert adm.told_done == {machine}
+
+
 def test_a_pnode_file_that_claims_memory_this_machine_lacks_refuses_to_join(files, tmp_path):
     pnode, _ = elastic.read_pnode_file(files / "j1.yml")
     with pytest.raises(elastic.JoinRefused, match=r"claims 256.00 MiB.*has 1.00 MiB available"):

@@ -146,6 +146,7 @@ class Admission:
     queued: list[int] = field(default_factory=list)  # machines admitted during a re-plan: the boundary after it
     told_done: set[int] = field(default_factory=set)  # joined machines that read `done`
     current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
+    error: str = ""  # why the run ended, when it failed
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
@@ -195,9 +196,10 @@ class Admission:
                 if j.pnode.id in home:
                     j.active = True
 
-    def finish(self) -> None:
+    def finish(self, error: str = "") -> None:
+        """The run is over (with machine 0's `error` when it failed): followers stop waiting for jobs."""
         with self.lock:
-            self.done = True
+            self.done, self.error = True, error
 
     # -- requests -------------------------------------------------------------------------------
     def answer(self, request: dict) -> dict:
@@ -296,7 +298,7 @@ class Admission:
                 return {**job, "size": size, "sha256": digest}
             if self.done:
                 self.told_done.add(machine)
-                return {"done": True}
+                return {"done": True, "failure": self.error}
             return {"wait": True}
 
     def wait_told(self, timeout: float) -> None:
@@ -472,6 +474,8 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
         while True:
             reply = wait_for_job(machines.request, attempt, silence_s)
             if reply.get("done"):
+                if reply.get("failure"):
+                    raise JoinRefused(f"machine 0 ended the run: {str(reply['failure'])[:2000]}")
                 return result
             number, home = int(reply["attempt"]), {str(k): int(v) for k, v in dict(reply["home"]).items()}
             raw = _fetch_bytes(machines.request, str(reply["file"]), int(reply["size"]), str(reply["sha256"]))

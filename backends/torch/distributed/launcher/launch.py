@@ -370,7 +370,13 @@ def launch(config: LaunchConfig) -> LaunchResult:
                 run.admission = _admission(run)
             if jobs is not None:
                 return _emit_job(run, jobs)
-            return _collect(run, _attempts(run, stop))
+            try:
+                return _collect(run, _attempts(run, stop))
+            except BaseException as exc:
+                if run.admission is not None:  # the joined machines hear why, instead of waiting on silence
+                    run.admission.finish(error=str(exc) or type(exc).__name__)
+                    run.admission.wait_told(min(config.link_timeout, 5.0))
+                raise
     finally:
         machines.close()
         restore()
