@@ -317,6 +317,29 @@ def test_a_join_with_the_wrong_secret_gets_a_clear_message_after_its_timeout(fil
         server.close()
 
 
+def test_the_join_command_with_the_wrong_secret_or_a_lying_file_exits_2_with_a_message(files, tmp_path,
+                                                                                       monkeypatch, capsys):
+    from vgraph.backends.torch.distributed.launcher.membership import Machines
+
+    port = free_port()
+    server = Machines()
+    server.open("127.0.0.1", port - 1, TOKEN, 0, 2, 10.0, 10.0)  # machine 0's channel: --master-port - 1
+    server.serve_extra(admission(files, tmp_path).answer)
+    try:
+        monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", "not-the-run-secret-42")
+        assert main(["launch", "--join", f"127.0.0.1:{port}", "--pnode", str(files / "j1.yml"), "--join-timeout", "1",
+                     "--out", str(tmp_path / "j")]) == 2
+        assert "no admission from machine 0" in capsys.readouterr().err
+        monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+        liar = tmp_path / "liar.yml"
+        liar.write_text("name: x\npnodes:\n" + PNODE.format(id="liar", memory="1000TiB"))
+        assert main(["launch", "--join", f"127.0.0.1:{port}", "--pnode", str(liar), "--out", str(tmp_path / "j")]) == 2
+        assert "claims 1000.00 TiB" in capsys.readouterr().err
+        assert not (tmp_path / "j").exists()  # refused before anything was written
+    finally:
+        server.close()
+
+
 def test_a_join_to_nobody_says_so(files):
     with pytest.raises(elastic.JoinRefused, match="cannot reach"):
         elastic.join_run("127.0.0.1", free_port(), TOKEN, files / "j1.yml", 0.5, available=(1 << 40, "test"))
