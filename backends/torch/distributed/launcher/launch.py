@@ -63,6 +63,13 @@ torchrun-style program, so
 from the job file `--emit-job DIR` writes (it prepares the run directory and
 trains nothing) also works, and so does `srun` (docs/distributed.md).
 
+Machines that join while the run goes on (`--nnodes MIN:MAX` on the machines the run starts with,
+`vgraph launch --join HOST:PORT --pnode PNODE.yml` on a newcomer): machine 0 admits them on the launchers'
+channel, decides whether re-planning onto the grown fleet pays (`_on_join`, vgraph/placement/replan.py) and
+then asks for a boundary: the workers stop after the current step with a checkpoint and the next attempt
+is placed on the grown fleet (`_boundary`); the other machines run the jobs machine 0 publishes from then on
+(elastic.py).
+
 The launch reads top to bottom: `_prepare` (settings, run directory, data,
 once), then per attempt `_place_attempt` (placement, run.json,
 placement.json, the job file: job.py) and `_supervise` (this machine's
