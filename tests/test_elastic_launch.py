@@ -77,7 +77,22 @@ class Thread(threading.Thread):
             self.error = exc
 
 
-def test_a_machine_that_joins_a_running_run_takes_part_from_the_boundary(files, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def reference(files, tmp_path_factory):
+    return train(TrainConfig(**{k: v for k, v in common(files).items() if k != "micro_batches"},
+                             out=tmp_path_factory.mktemp("ref") / "run"))
+
+
+def same_training(rows: list[dict], reference) -> None:
+    """Every step logged once, and the losses of `vgraph train` at the same global batch (rtol 1e-5, the
+    suite's bound for replicas and pipelines: tests/test_distributed_replicas.py)."""
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in reference.history], dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+
+
+def test_a_machine_that_joins_a_running_run_takes_part_from_the_boundary(files, reference, tmp_path, monkeypatch):
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
     port = free_port()
     run_dir = tmp_path / "run"
@@ -110,17 +125,12 @@ def test_a_machine_that_joins_a_running_run_takes_part_from_the_boundary(files, 
     assert result.restarts == 0 and joined.attempts == [1] and joined.machine == 1 and joined.pnode == "j1"
     assert joined.received_bytes > 0 and (tmp_path / "joiner" / "launch" / "corpus" / "manifest.json").is_file()
 
-    reference = train(TrainConfig(**{k: v for k, v in common(files).items() if k != "micro_batches"},
-                                  out=tmp_path / "ref"))
-    assert [r["step"] for r in result.history] == list(range(1, STEPS + 1))  # every step logged once
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in result.history], dtype=torch.float64),
-                               torch.tensor([r["loss"] for r in reference.history], dtype=torch.float64),
-                               rtol=1e-5, atol=0)
+    same_training(result.history, reference)
     assert any("j1" in (r.get("pnodes") or {}) for r in result.history[boundary["step"]:])
 
 
 @pytest.mark.slow
-def test_a_machine_the_run_started_with_follows_machine_0_after_a_join(files, tmp_path, monkeypatch):
+def test_a_machine_the_run_started_with_follows_machine_0_after_a_join(files, reference, tmp_path, monkeypatch):
     """--nnodes 2:3: machines 0 and 1 start the run, a third joins; machine 1's launcher cannot place the
     grown fleet itself (only machine 0 admitted the joiner), so after the boundary it runs machine 0's job."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
@@ -154,7 +164,7 @@ def test_a_machine_the_run_started_with_follows_machine_0_after_a_join(files, tm
     first, after = lead.result.attempts
     assert sorted(first["ranks"]) == ["m0", "m1"] and sorted(after["ranks"]) == ["j1", "m0", "m1"]
     assert second.result.attempts[-1] == {"attempt": 1, "followed": True} and joiner.result.attempts == [1]
-    assert [r["step"] for r in lead.result.history] == list(range(1, STEPS + 1))
+    same_training(lead.result.history, reference)
 
 
 # -- refusals ---------------------------------------------------------------------------------------
