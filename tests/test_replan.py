@@ -52,6 +52,27 @@ def test_a_replica_on_the_new_pnode_copies_every_vnode_from_the_fastest_holder()
     assert move.seconds == pytest.approx(24 * MB / (50 * MB))  # p0's 50 MB/s link is the busy one: 0.48 s
 
 
+def test_a_vnode_two_pnodes_hold_comes_from_the_faster_link_and_never_from_one_that_left():
+    # Two replicas [[p0], [p1]] -> three [[p0], [p1], [p2]]: p2 gets all 24 MB from p1 (100 MB/s: 0.24 s), not
+    # from p0 (10 MB/s: 2.4 s); with p1 gone, from p0 whatever its link.
+    old = PlanView.of(dict.fromkeys(SIZES, "p0"), [["p0"], ["p1"]], 1.0)
+    new = PlanView.of(dict.fromkeys(SIZES, "p0"), [["p0"], ["p1"], ["p2"]], 0.7)
+    f = fleet(10 * MB, 100 * MB, 100 * MB)
+    move = price_move(old, new, SIZES, f)
+    assert {(t[1], t[2]) for t in move.transfers} == {("p1", "p2")} and move.seconds == pytest.approx(0.24)
+    without_p1 = price_move(old, PlanView.of(dict.fromkeys(SIZES, "p0"), [["p0"], ["p2"]], 0.9), SIZES, f,
+                            gone=["p1"])
+    assert {(t[1], t[2]) for t in without_p1.transfers} == {("p0", "p2")}
+    assert without_p1.seconds == pytest.approx(2.4)
+
+
+def test_transfers_into_one_pnode_queue_on_its_link():
+    # Everything to p2: 12 MB from p0 and 12 MB from p1, each sender busy 0.12 s, but p2 receives 24 MB: 0.24 s.
+    move = price_move(two_stage(), PlanView.of(dict.fromkeys(SIZES, "p2"), None, 0.5), SIZES,
+                      fleet(100 * MB, 100 * MB, 100 * MB))
+    assert move.bytes == 24 * MB and move.seconds == pytest.approx(0.24)
+
+
 def test_a_gain_over_many_steps_pays_for_the_move():
     # gain (1.0 - 0.8) x 100 = 20 s > 0.12 s + 3 s
     r = decide(two_stage(), three_stage(), SIZES, fleet(100 * MB, 100 * MB, 100 * MB), 100, overhead_s=3.0)
