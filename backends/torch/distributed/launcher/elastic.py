@@ -73,7 +73,8 @@ __all__ = ["Admission", "JoinRefused", "Joined", "read_pnode_file", "check_pnode
 CHUNK_BYTES = 512 * 1024  # raw bytes a `fetch` answers: base64 makes it 683 KiB, inside the 1 MiB line
 FETCH_TIMEOUT_S = 60.0  # one chunk over a slow link: 512 KiB at 100 kB/s is 5 s, so 60 s is generous
 MAX_PNODE_TEXT = 64 * 1024  # a PNode file: a few hundred bytes, its per-kind figures a few more
-assert 4 * (CHUNK_BYTES + 2) // 3 + 4096 < MAX_LINE
+if 4 * (CHUNK_BYTES + 2) // 3 + 4096 >= MAX_LINE:  # a chunk's answer must fit the channel's line
+    raise ImportError("elastic.CHUNK_BYTES is too large for membership.MAX_LINE")
 
 
 class JoinRefused(VGraphError):
@@ -121,7 +122,6 @@ class _Joined:
     machine: int
     pnode: PNode
     step: int  # the run's last logged step when it was admitted
-    active: bool = False  # placed in an attempt
 
 
 @dataclass
@@ -144,7 +144,7 @@ class Admission:
     done: bool = False
     replanning: bool = False  # a boundary was asked for and its next attempt is not placed yet
     queued: list[int] = field(default_factory=list)  # machines admitted during a re-plan: the boundary after it
-    told_done: set[int] = field(default_factory=set)  # joined machines that read `done`
+    told_done: set[int] = field(default_factory=set)  # machines that read `done`
     current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
     error: str = ""  # why the run ended, when it failed
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -178,8 +178,9 @@ class Admission:
         """`fleet` with every admitted PNode it lacks (the regions and links kept)."""
         have = set(fleet.ids)
         extra = [p for p in self.pnodes if p.id not in have]
-        return Fleet.of(fleet.name, *fleet.pnodes, *extra, links=fleet.links, collectives=fleet.collectives) \
-            if extra else fleet
+        if not extra:
+            return fleet
+        return Fleet.of(fleet.name, *fleet.pnodes, *extra, links=fleet.links, collectives=fleet.collectives)
 
     def home(self) -> dict[str, int]:
         return {j.pnode.id: j.machine for j in self.joined.values()}
@@ -192,9 +193,6 @@ class Admission:
         with self.lock:
             self.current = (placement, fleet)
             self.jobs[attempt] = {"attempt": attempt, "file": name, "home": dict(home)}
-            for j in self.joined.values():
-                if j.pnode.id in home:
-                    j.active = True
 
     def finish(self, error: str = "") -> None:
         """The run is over (with machine 0's `error` when it failed): followers stop waiting for jobs."""
