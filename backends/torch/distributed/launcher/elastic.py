@@ -427,7 +427,7 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
         raise JoinRefused(f"--join {addr}:{master_port}: the launchers' channel is that port - 1; give machine 0's "
                           f"--master-port (2 to 65535)")
     admitted = join_run(addr, channel, token, pnode_file, join_timeout)
-    machine, pid = int(admitted["machine"]), str(admitted["pnode"])
+    machine, pid = int(admitted["machine"]), admitted["pnode_object"].id  # its own id names its directory
     emit(f"launch --join: admitted as machine {machine} with PNode {pid}"
          f"{' (queued behind a re-plan under way)' if admitted.get('queued') else ''}")
     run_dir = Path(out) if out is not None else Path("runs") / f"join-{pid}"
