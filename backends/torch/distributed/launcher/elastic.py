@@ -15,7 +15,8 @@ dropped unread), one request per connection:
   already has --nnodes MAX machines; a PNode id the run already has; a file the fleet reader refuses (the
   reason names the joiner's file and line); memory that cannot hold even the network's smallest colocation
   group with one sample's activations (then no plan can give it a share).  A join while a re-plan is under
-  way is admitted and queued to the boundary after it, never refused.  Before sending, the joiner checks
+  way is admitted and queued, never refused: no decision of its own is priced (the workers are already
+  stopping), and the planner places it with the others at that re-plan's boundary.  Before sending, the joiner checks
   its own file against its machine's available memory (vgraph/cost/host_memory.py) and refuses to join
   with a message when the file claims more: a plan built on memory a machine lacks crashes the run later.
   A joiner with the wrong secret gets no answer at all (the channel drops it unread); it says so itself
@@ -143,7 +144,7 @@ class Admission:
     jobs: dict[int, dict[str, Any]] = field(default_factory=dict)  # attempt -> what followers need
     done: bool = False
     replanning: bool = False  # a boundary was asked for and its next attempt is not placed yet
-    queued: list[int] = field(default_factory=list)  # machines admitted during a re-plan: the boundary after it
+    queued: list[int] = field(default_factory=list)  # machines admitted during a re-plan: placed at its boundary
     told_done: set[int] = field(default_factory=set)  # machines that read `done`
     current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
     error: str = ""  # why the run ended, when it failed
