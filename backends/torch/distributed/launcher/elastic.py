@@ -14,13 +14,13 @@ dropped unread), one request per connection:
 * `join` {pnode: the PNode file's text, file: its name}: machine 0 admits or refuses with a reason: the run
   already has --nnodes MAX machines; a PNode id the run already has; a file the fleet reader refuses (the
   reason names the joiner's file and line); memory that cannot hold even the network's smallest colocation
-  group with one sample's activations (then no plan can give it a share).  A join while a re-plan is under
-  way is admitted and queued, never refused: no decision of its own is priced (the workers are already
-  stopping), and the planner places it with the others at that re-plan's boundary.  Before sending, the joiner checks
-  its own file against its machine's available memory (vgraph/cost/host_memory.py) and refuses to join
-  with a message when the file claims more: a plan built on memory a machine lacks crashes the run later.
-  A joiner with the wrong secret gets no answer at all (the channel drops it unread); it says so itself
-  after --join-timeout.
+  group with one sample's activations (then no plan can give it a share).  A join while a re-plan is under way
+  is admitted and queued, never refused: no decision of its own is priced (the workers are already stopping),
+  and the planner places it with the others at that re-plan's boundary.  Before sending, the joiner checks its
+  own file against its machine's available memory (vgraph/cost/host_memory.py) and refuses to join with a
+  message when the file claims more: a plan built on memory a machine lacks crashes the run later. A joiner
+  with the wrong secret gets no answer at all (the channel drops it unread); it says so itself after --join-
+  timeout.
 * `fetch` {name, offset}: the files an admitted machine needs, in chunks of CHUNK_BYTES (base64 in a line,
   below the channel's 1 MiB line limit; a slow link gets FETCH_TIMEOUT_S per chunk).  Only files machine 0
   registered are served, by name, never a path a request names.  What travels: the whole prepared corpus
