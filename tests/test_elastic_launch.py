@@ -5,6 +5,8 @@ plan can use, a file that lies about this machine's memory, the wrong secret); t
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -22,7 +24,7 @@ from vgraph.base import options
 from vgraph.base.diagnostics import VGraphError
 from vgraph.base.safeio import OutputDir
 from vgraph.cli.main import main
-from vgraph.run.files import FLEET_EVENTS_JSONL, RELEASE_FILE
+from vgraph.run.files import FLEET_EVENTS_JSONL, RELEASE_FILE, WORKERS_JSON
 
 STEPS, BATCH, MICRO, LR, SEED = 8, 8, 2, 1e-3, 7
 TOKEN = "elastic-test-secret-0123"
@@ -164,6 +166,36 @@ def test_a_machine_the_run_started_with_follows_machine_0_after_a_join(files, re
     first, after = lead.result.attempts
     assert sorted(first["ranks"]) == ["m0", "m1"] and sorted(after["ranks"]) == ["j1", "m0", "m1"]
     assert second.result.attempts[-1] == {"attempt": 1, "followed": True} and joiner.result.attempts == [1]
+    same_training(lead.result.history, reference)
+
+
+@pytest.mark.slow
+def test_a_join_that_does_not_pay_waits_for_the_next_restart(files, reference, tmp_path, monkeypatch):
+    """Held after step 7 of 8, one step is left: the second replica would save 1.6 s, less than the boundary
+    costs, so the plan is kept and j1 waits, admitted.  Then m0's worker is killed: the restart (from the
+    step-6 checkpoint) is a boundary too, and j1 takes part in it."""
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = free_port()
+    run_dir = tmp_path / "run"
+    lines: list[str] = []
+    lead = Thread(lambda: launch(LaunchConfig(**common(files), out=run_dir, fleet=str(files / "one.yml"), nnodes=1,
+                                              max_nnodes=2, master_port=port, hold=("m0", 7), log=lines.append)))
+    lead.start()
+    wait_for(lambda: (run_dir / "launch" / "held-m0").exists(), "m0 held after step 7", lead.is_alive)
+    joiner = Thread(lambda: elastic.follow("127.0.0.1", port, files / "j1.yml", tmp_path / "joiner",
+                                           join_timeout=30, link_timeout=10, comm_timeout=120, emit=lines.append))
+    joiner.start()
+    wait_for(lambda: any(e["event"] == "replan" for e in events(run_dir)), "the join's decision", lead.is_alive)
+    decision = next(e for e in events(run_dir) if e["event"] == "replan")
+    assert decision["chosen"] == "keep" and decision["steps_left"] == 1, decision
+    assert 0 < decision["gain_s"] < decision["move_s"] + decision["overhead_s"]
+    os.kill(json.loads((run_dir / "launch" / WORKERS_JSON).read_text())["pids"]["m0"], signal.SIGKILL)
+    lead.join(timeout=300)
+    joiner.join(timeout=60)
+    assert lead.error is None and joiner.error is None, (lead.error, joiner.error, lines[-20:])
+    first, second = lead.result.attempts
+    assert not first["ok"] and first["lost"] == ["m0"] and second["ok"] and sorted(second["ranks"]) == ["j1", "m0"]
+    assert lead.result.restarts == 1 and joiner.result.attempts == [1]
     same_training(lead.result.history, reference)
 
 
