@@ -1073,14 +1073,9 @@ def _run_join(args: argparse.Namespace) -> int:
     host, port = args.join
     check_master_addr(host)
     say = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    try:
-        joined = elastic.follow(host, port, args.pnode, args.out, join_timeout=args.join_timeout,
-                                link_timeout=args.link_timeout, comm_timeout=args.comm_timeout,
-                                emit=lambda line: print(line, file=sys.stderr, flush=True))
-    except elastic.JoinRefused:
-        raise
-    except MachineLost as exc:
-        raise TrainingError(str(exc)) from None
+    joined = elastic.follow(host, port, args.pnode, args.out, join_timeout=args.join_timeout,
+                            link_timeout=args.link_timeout, comm_timeout=args.comm_timeout,
+                            emit=lambda line: print(line, file=sys.stderr, flush=True))  # JoinRefused: exit 2
     say(f"launch --join: done: machine {joined.machine} (PNode {joined.pnode}) ran in attempt(s) "
         f"{', '.join(map(str, joined.attempts)) or 'none'}")
     return 0
