@@ -422,6 +422,17 @@ def test_host_port_refuses(bad):
         options.host_port(bad)
 
 
+@pytest.mark.parametrize("given, shown", [("1:4", "--nnodes 1:4"), ("3:3", "--nnodes 3"), ("2", "--nnodes 2")])
+def test_the_continue_command_keeps_the_machines_as_given(files, given, shown):
+    from vgraph.cli.common import command_line
+    from vgraph.cli.main import build_parser
+
+    args = build_parser("launch").parse_args(["launch", str(files / "net.yml"), "--fleet", str(files / "one.yml"),
+                                              "--nnodes", given, "--master-port", "29500"])
+    line = command_line(args, override={"out": "runs/x", "resume": True})
+    assert shown in line and "(" not in line
+
+
 def test_the_cli_refuses_bad_combinations_with_exit_2(files, tmp_path, capsys):
     net, fleet = str(files / "net.yml"), str(files / "one.yml")
 
