@@ -732,9 +732,10 @@ def _on_join(run: _Run, joined: Any) -> None:
         views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
                  for p in (placement, new)]
         decision = decide(*views, sizes, grown, max(0, cfg.steps - step))
-    except VGraphError as exc:
-        admission.event({"event": "replan", "pnode": pid, "step": step, "chosen": "keep", "reason": str(exc)})
-        run.say(f"launch: join {pid} at step {step}: admitted; no re-plan now: {exc}")
+    except Exception as exc:  # in its own thread: whatever went wrong is said and recorded, the run goes on
+        why = str(exc) if isinstance(exc, VGraphError) else f"{type(exc).__name__}: {exc}"
+        admission.event({"event": "replan", "pnode": pid, "step": step, "chosen": "keep", "reason": why})
+        run.emit(f"launch: join {pid} at step {step}: admitted; no re-plan now: {why}")
         return
     admission.event({"event": "replan", "pnode": pid, "machine": joined.machine, "step": step, **decision.to_json()})
     run.say(f"launch: join {pid} (machine {joined.machine}) at step {step}: admitted; {decision.describe()}")
