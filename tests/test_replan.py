@@ -180,3 +180,8 @@ def test_on_random_fleets_the_choice_follows_its_own_prices(tiny, flops, bandwid
     same = {v: set(p) for v, p in new.holders.items()} == {v: set(p) for v, p in old.holders.items()}
     pays = (old.step_seconds - new.step_seconds) * steps_left > r.move_seconds + overhead
     assert r.chosen == ("new" if pays and not same else "keep")
+    # Both sides of the threshold on the same fleets: nothing left never pays, a faster plan over a long
+    # enough run always does (the move's seconds are finite).
+    assert decide(old, new, sizes, after, 0, overhead_s=overhead).chosen == "keep"
+    if new.step_seconds < old.step_seconds and not same:
+        assert decide(old, new, sizes, after, 10**12, overhead_s=overhead).chosen == "new"
