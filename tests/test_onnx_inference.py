@@ -224,8 +224,6 @@ def test_generate_onnx_gives_the_torch_greedy_tokens_with_and_without_the_cache(
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--kv-cache"], "apply to --backend onnx"),
-    (["--no-kv-cache"], "apply to --backend onnx"),
     (["--backend", "onnx", "--device", "cpu"], "--device applies to --backend torch"),
 ])
 def test_generate_refuses_options_of_the_other_backend(trained, argv, message, capsys) -> None:

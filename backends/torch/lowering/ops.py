@@ -118,10 +118,12 @@ class Lowering:
 
     For a decode program (a KV cache, decode.py): `positionwise` says the
     output at a position reads that position alone, so the rule runs
-    unchanged on new positions; `caches` says the rule reads `ctx.decode`
-    and extends its VNode's keys and values.  Each is a bool or a predicate
-    of the VNode; a rule that declares neither (the default, the safe one for
-    a plugin) keeps its network from decoding incrementally.
+    unchanged on new positions (a bool, or a predicate of the VNode);
+    `caches(node)` gives the per-sample shape of the VNode's empty key cache
+    (values alike; 0 on the growing axis), or None for a config that caches
+    nothing, and the rule then reads `ctx.decode` and extends the cache.  A
+    rule that declares neither (the default, the safe one for a plugin)
+    keeps its network from decoding incrementally.
     """
 
     op: str
@@ -131,13 +133,14 @@ class Lowering:
     make_module: Callable[[VNode, dict[str, Any]], nn.Module] | None = None
     origin: str = "vgraph"
     positionwise: bool | Callable[[VNode], bool] = False
-    caches: bool | Callable[[VNode], bool] = False
+    caches: Callable[[VNode], tuple[int, ...] | None] | None = None
 
     def is_positionwise(self, node: VNode) -> bool:
         return bool(self.positionwise(node) if callable(self.positionwise) else self.positionwise)
 
-    def caches_for(self, node: VNode) -> bool:
-        return bool(self.caches(node) if callable(self.caches) else self.caches)
+    def caches_for(self, node: VNode) -> tuple[int, ...] | None:
+        """The empty key cache's per-sample shape (decode programs), None when `node` caches nothing."""
+        return self.caches(node) if self.caches is not None else None
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -148,7 +151,7 @@ def register_lowering(op: str, *, init: InitFn | None = None,
                       make_module: Callable[[VNode, dict[str, Any]], nn.Module] | None = None,
                       replace: bool = False, origin: str = "vgraph",
                       positionwise: bool | Callable[[VNode], bool] = False,
-                      caches: bool | Callable[[VNode], bool] = False):
+                      caches: Callable[[VNode], tuple[int, ...] | None] | None = None):
     """Decorator: `emit` becomes the torch lowering of op type `op` (its canonical name); `positionwise` and
     `caches` declare how it runs in a decode program (`Lowering`)."""
     from vgraph.ops import REGISTRY
@@ -357,12 +360,19 @@ def _rope_theta(cfg: dict[str, Any]) -> float | None:
     return float(cfg["rope_theta"]) if cfg["position_encoding"] == "rope" else None
 
 
-def _causal(node: VNode) -> bool:
-    return bool(node.cfg["causal"])
+def _head_cache(node: VNode) -> tuple[int, ...] | None:
+    """A causal head caches `[past, head_dim]`; a query head of a GQA group caches nothing (its kv_head does)."""
+    return (0, int(node.cfg["head_dim"])) if node.cfg["causal"] and not node.cfg["kv_input"] else None
+
+
+def _attention_cache(node: VNode) -> tuple[int, ...] | None:
+    """A causal fused attention caches its K/V heads, `[kv_heads, past, head_dim]`."""
+    cfg = node.cfg
+    return (int(cfg.get("num_kv_heads") or cfg["num_heads"]), 0, int(cfg["head_dim"])) if cfg["causal"] else None
 
 
 @register_lowering("attention_head", positionwise=lambda n: n.cfg["kv_input"] and n.cfg["causal"],
-                   caches=lambda n: not n.cfg["kv_input"] and n.cfg["causal"])
+                   caches=_head_cache)
 def _attention_head(ctx: LowerCtx):
     cfg = ctx.cfg
     if ctx.decode is not None:
@@ -397,7 +407,7 @@ def _record_present(ctx: LowerCtx, step: Value) -> Value:
     return parts[0]
 
 
-@register_lowering("kv_head", caches=True)
+@register_lowering("kv_head", caches=lambda n: (0, int(n.cfg["head_dim"])))
 def _kv_head(ctx: LowerCtx):
     p, b = ctx.param, functools.partial(_optional, ctx)
     if ctx.decode is not None:
@@ -409,7 +419,7 @@ def _kv_head(ctx: LowerCtx):
                      rope_theta=_rope_theta(ctx.cfg))]
 
 
-@register_lowering("attention", caches=_causal)
+@register_lowering("attention", caches=_attention_cache)
 def _attention(ctx: LowerCtx):
     cfg = ctx.cfg
     out_w = ctx.param("out_weight") if cfg["output_projection"] else None
