@@ -193,20 +193,23 @@ MAX_PROMPTS_FILE_BYTES = 64 * 2**20
 def run_generate(args: argparse.Namespace) -> int:
     import json
 
-    source = LogitsSource(args.checkpoint, backend=args.backend, kv_cache=args.kv_cache, device=args.device)
-    if args.prompt_ids is not None:
-        prompts = [source.checked_ids(ids, f"--prompt-ids {n + 1}") for n, ids in enumerate(args.prompt_ids)]
-    else:
+    texts = None
+    if args.prompt_ids is None:  # the prompts are checked before the run is loaded
         texts = read_prompts(args.prompts_file) if args.prompts_file is not None else (args.prompt or [""])
         if args.prompt is not None:
-            for n, text in enumerate(texts):
-                check_prompt_text(text, f"--prompt {n + 1}" if len(texts) > 1 else "--prompt")
+            for text, where in zip(texts, prompt_labels(args, texts)):
+                check_prompt_text(text, where)
+    count = len(texts if texts is not None else args.prompt_ids)
+    if count > MAX_PROMPTS:
+        raise VGraphError(f"{count:,} prompts: at most {MAX_PROMPTS:,} run as one batch; split them")
+    source = LogitsSource(args.checkpoint, backend=args.backend, kv_cache=args.kv_cache, device=args.device)
+    if texts is None:
+        prompts = [source.checked_ids(ids, f"--prompt-ids {n + 1}") for n, ids in enumerate(args.prompt_ids)]
+    else:
         prompts = [source.encode(text, where) for text, where in zip(texts, prompt_labels(args, texts))]
-    if len(prompts) > MAX_PROMPTS:
-        raise VGraphError(f"{len(prompts):,} prompts: at most {MAX_PROMPTS:,} run as one batch; split them")
     rows = source.sample_many(prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, seed=args.seed)
-    if args.prompt_ids is not None:
+    if texts is None:
         for row in rows:
             print(",".join(map(str, row)))
     else:

@@ -156,7 +156,6 @@ def sample_batch(logits: BatchLogits, prompts: Sequence[Sequence[int]], *, conte
     """Each prompt followed by up to `max_new_tokens` drawn tokens (a row stops at end-of-text).
 
     `on_slide(length)` is called once, when the first row outgrows the context (see the module docstring).
-    Long because it is the one loop of every way and batch: draw, retire finished rows, slide or extend.
     """
     if any(not 1 <= len(p) <= context for p in prompts):
         raise VGraphError(f"a prompt holds 1 to {context} tokens (the network's context)")
