@@ -236,8 +236,6 @@ def test_generate_onnx_without_the_decoder_entry_point_says_so(trained, monkeypa
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--kv-cache"], "apply to --backend onnx"),
-    (["--no-kv-cache"], "apply to --backend onnx"),
     (["--backend", "onnx", "--device", "cpu"], "--device applies to --backend torch"),
 ])
 def test_generate_refuses_options_of_the_other_backend(trained, argv, message, capsys) -> None:
