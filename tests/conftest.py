@@ -36,15 +36,16 @@ def vgraph_in_process(*args, cwd: Path | None = None) -> subprocess.CompletedPro
 
     argv = [str(a) for a in args]
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.ExitStack() as stack:
+    here = os.getcwd()
+    try:
         if cwd is not None:
-            stack.enter_context(contextlib.chdir(cwd))
-        stack.enter_context(contextlib.redirect_stdout(out))
-        stack.enter_context(contextlib.redirect_stderr(err))
-        try:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main(argv)
-        except SystemExit as stop:  # argparse's own exits (--help, a usage error)
-            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except SystemExit as stop:  # argparse's own exits (--help, a usage error)
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        os.chdir(here)
     return subprocess.CompletedProcess(["vgraph", *argv], code, out.getvalue(), err.getvalue())
 
 
