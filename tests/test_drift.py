@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY
 from vgraph import VGraphError, load
 from vgraph.cost.fleet import loads_fleet
-from vgraph.placement.drift import (DriftWatch, busy_seconds, measured_fleet, measured_fleet_text, predicted_busy)
+from vgraph.placement.drift import (DriftWatch, busy_seconds, fleet_file_text, measured_fleet, predicted_busy)
 from vgraph.placement.export import placement_report
 from vgraph.transform.pipeline import run_pipeline
 
@@ -46,7 +46,7 @@ def test_a_pnode_twice_as_slow_is_priced_twice_as_slow_and_the_other_is_unchange
     assert again["pnodes"]["b"]["compute_seconds"] == pytest.approx(2 * before["b"], rel=1e-12)
     assert again["pnodes"]["a"]["compute_seconds"] == pytest.approx(before["a"], rel=1e-12)
     # Written and read back: the same figures (a file the next `vgraph launch --fleet` takes).
-    back = loads_fleet(measured_fleet_text(result, "measured"))
+    back = loads_fleet(fleet_file_text(result.fleet, "measured"))
     assert placement_report(g, back)["pnodes"]["b"]["compute_seconds"] == pytest.approx(2 * before["b"], rel=1e-4)
 
 

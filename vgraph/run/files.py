@@ -620,6 +620,19 @@ def clean_json(value: Any, depth: int = 0) -> tuple[Any, int]:
     return value, 0
 
 
+def _per_pnode_numbers(item: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], int]:
+    """({pnode: {name: number}}, how many values were left out) of a row's per-PNode mapping."""
+    pnodes, dropped = {}, 0
+    for pnode, figures in item.items():
+        if not isinstance(figures, dict):
+            dropped += 1
+            continue
+        kept = {k: v for k, v in figures.items() if is_number(v)}
+        dropped += len(figures) - len(kept)
+        pnodes[pnode] = kept
+    return pnodes, dropped
+
+
 def metrics_row(value: Any) -> tuple[dict[str, Any] | None, int]:
     """(One metrics.jsonl row with only checked numbers, how many values were left out), or (None, 0)
     when it is not a row (not an object, or no step that is an integer from 0 to MAX_STEP)."""
@@ -634,15 +647,13 @@ def metrics_row(value: Any) -> tuple[dict[str, Any] | None, int]:
         if key == "step":
             continue
         if key == "pnodes" and isinstance(item, dict):
-            pnodes = {}
-            for pnode, figures in item.items():
-                if not isinstance(figures, dict):
-                    dropped += 1
-                    continue
-                kept = {k: v for k, v in figures.items() if is_number(v)}
-                dropped += len(figures) - len(kept)
-                pnodes[pnode] = kept
-            row["pnodes"] = pnodes
+            row["pnodes"], left_out = _per_pnode_numbers(item)
+            dropped += left_out
+        elif key == "drift" and isinstance(item, dict) and isinstance(item.get("pnodes"), dict):
+            # a drift episode's start (vgraph/placement/drift.py): {step, pnodes: {pnode: {measured_s, ...}}}
+            pnodes, left_out = _per_pnode_numbers(item["pnodes"])
+            row["drift"] = {"pnodes": pnodes, **({"step": item["step"]} if is_number(item.get("step")) else {})}
+            dropped += left_out + sum(1 for k in item if k not in ("step", "pnodes"))
         elif is_number(item):
             row[key] = item
         else:
