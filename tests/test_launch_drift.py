@@ -14,7 +14,8 @@ from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, laun
 from vgraph.backends.torch.distributed.runtime.pnode_figures import RunDrift
 from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.cost.fleet import load_fleet, loads_fleet
-from vgraph.placement.drift import DEFAULT_WARMUP, MEASURED_FLEET, DriftWatch, fleet_file_text
+from vgraph.placement.drift import DEFAULT_WARMUP, DriftWatch, fleet_file_text
+from vgraph.run.files import MEASURED_FLEET
 
 LIE = 1000.0  # w1 claims this many times the FLOP/s of w0, which is the same kind of process on the same CPU
 

@@ -38,7 +38,7 @@ from vgraph.cost.op_kinds import Efficiency, KindCost
 from vgraph.cost.update import Update
 
 __all__ = ["DRIFT_TOLERANCE", "DEFAULT_DRIFT_STEPS", "DEFAULT_WARMUP", "DEFAULT_WINDOW", "MAX_FACTOR",
-           "MeasuredFleet", "measured_fleet", "fleet_file_text", "MEASURED_FLEET", "predicted_busy", "busy_seconds",
+           "MeasuredFleet", "measured_fleet", "fleet_file_text", "predicted_busy", "busy_seconds",
            "Drift", "DriftWatch"]
 
 DRIFT_TOLERANCE = 1.25  # the plan still holds within 25% either way (issue 36 item 6)
@@ -46,7 +46,6 @@ DEFAULT_DRIFT_STEPS = 5  # K: consecutive steps outside the band
 DEFAULT_WARMUP = 3  # W: the first steps pay for allocation and warm-up, they say nothing about the machine
 DEFAULT_WINDOW = 3  # the median of this many steps: one slow step cannot move it
 MAX_FACTOR = 1e6  # measured / predicted beyond this (either way) is not a machine's load: refused
-MEASURED_FLEET = "fleet.measured.yml"  # in the run directory: the fleet as the run measured it
 _MAX_OVERHEAD_S = 3600.0  # what a fleet file's overhead may say (op_kinds.parse_seconds)
 
 

@@ -15,6 +15,7 @@ here so that nothing else writes over them):
     RUN/tokenizer.json      the tokenizer
     RUN/metrics.jsonl       one JSON row per logged step (+ metrics.csv, the same rows)
     RUN/placement.json      launch runs: the plan
+    RUN/fleet.measured.yml  launch runs: the fleet rescaled to what the run measured, after a drift
     RUN/loss_curve.png      the curve, redrawn at each validation and at the end
     RUN/latest              the newest complete checkpoint's folder name
     RUN/step-NNNNNNNN/      a checkpoint: model.safetensors, optimizer.*, state.*
@@ -43,7 +44,7 @@ from vgraph.base.numbers import is_number, number_or_none
 from vgraph.base.jsonio import MAX_DEPTH, jsonl_lines, loads
 from vgraph.base.safeio import decode_text, read_open_file, register_owner
 
-__all__ = ["RUN_JSON", "NETWORK_YML", "TOKENIZER_JSON", "METRICS_JSONL", "METRICS_CSV", "PLACEMENT_JSON",
+__all__ = ["RUN_JSON", "NETWORK_YML", "TOKENIZER_JSON", "METRICS_JSONL", "METRICS_CSV", "PLACEMENT_JSON", "MEASURED_FLEET",
            "LOSS_CURVE_PNG", "LATEST", "CHECKPOINT_PREFIX", "MODEL_FILE", "STATE_JSON", "LAUNCH_DIR", "STOP_FILE",
            "WORKERS_JSON", "RELEASE_FILE", "JOB_FILE", "LOCK_FILE", "RUN_LOCK_ENV", "RunLock", "RunInUse", "refuse_foreign",
            "owned_by_run", "looks_like_run", "is_checkpoint", "run_owner", "checkpoint_name", "job_name", "error_name",
@@ -55,6 +56,7 @@ TOKENIZER_JSON = "tokenizer.json"
 METRICS_JSONL = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
 PLACEMENT_JSON = "placement.json"
+MEASURED_FLEET = "fleet.measured.yml"  # launch runs: the fleet rescaled to the run's figures (placement/drift.py)
 LOSS_CURVE_PNG = "loss_curve.png"
 LATEST = "latest"  # a pointer file: the newest complete checkpoint's folder name
 CHECKPOINT_PREFIX = "step-"
@@ -76,7 +78,8 @@ RUN_LOCK_ENV = "VGRAPH_RUN_LOCK_KEY"  # the key of the run lock `vgraph launch` 
 LOCK_FILE = ".vgraph-lock"  # the advisory lock of the process writing the run (`RunLock`); its presence marks a run
 EVENTS_PREFIX = "events.out.tfevents."
 _OWNED_NAMES = {RUN_JSON: "settings", NETWORK_YML: "network", TOKENIZER_JSON: "tokenizer", METRICS_JSONL: "metrics",
-                METRICS_CSV: "metrics", PLACEMENT_JSON: "placement", LOSS_CURVE_PNG: "loss curve",
+                METRICS_CSV: "metrics", PLACEMENT_JSON: "placement",
+                MEASURED_FLEET: "measured fleet", LOSS_CURVE_PNG: "loss curve",
                 LATEST: "checkpoint pointer", LOCK_FILE: "lock", LAUNCH_DIR: "job files, worker errors and stop request"}
 
 

@@ -37,11 +37,11 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from vgraph.base.diagnostics import VGraphError
-from vgraph.base.safeio import atomic_write, check_output, read_json
+from vgraph.base.safeio import atomic_write, read_json, same_file
 from vgraph.cost.fleet import Fleet, loads_fleet
-from vgraph.placement.drift import (MEASURED_FLEET, Drift, DriftWatch, busy_seconds, fleet_file_text, measured_fleet,
+from vgraph.placement.drift import (Drift, DriftWatch, busy_seconds, fleet_file_text, measured_fleet,
                                     predicted_busy)
-from vgraph.run.files import PLACEMENT_JSON
+from vgraph.run.files import MEASURED_FLEET, PLACEMENT_JSON
 
 from ..job import Job
 
@@ -140,8 +140,11 @@ class RunDrift:
         skipped = "".join(f"; {pid} kept as given: {why}" for pid, why in sorted(result.skipped.items()))
         comment = (f"fleet {self.fleet.name!r} rescaled to the busy times measured at step {drift.step} "
                    f"(vgraph/placement/drift.py)")
+        path = self.out
+        # Not check_output: the run owns this name (no other command writes there), and this is the run.
+        if self.fleet_file and same_file(path, Path(self.fleet_file)):
+            return f"the measured fleet was not written: {path} is the fleet file this run read{skipped}"
         try:
-            path = check_output(self.out, inputs=[self.fleet_file or None], what="the measured fleet")
             atomic_write(path, fleet_file_text(result.fleet, comment))
         except VGraphError as exc:
             return f"the measured fleet was not written: {exc}{skipped}"
