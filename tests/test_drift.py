@@ -85,6 +85,10 @@ def feed(watch: DriftWatch, ratios: list[float], predicted: float = 0.1):
 def test_one_slow_step_never_triggers_and_k_consecutive_do() -> None:
     watch = DriftWatch({"p": 0.1}, steps=3, warmup=0, window=3)
     assert feed(watch, [1.0] * 5 + [10.0] + [1.0] * 10) == {}  # a checkpoint's step
+    # Even when one step outside would be enough, the window's median keeps a lone spike out...
+    assert feed(DriftWatch({"p": 0.1}, steps=1, warmup=0, window=3), [1.0] * 5 + [10.0] + [1.0] * 10) == {}
+    # ...which a window of one does not (the premise of the line above).
+    assert list(feed(DriftWatch({"p": 0.1}, steps=1, warmup=0, window=1), [1.0] * 5 + [10.0] + [1.0] * 10)) == [6]
     watch = DriftWatch({"p": 0.1}, steps=3, warmup=0, window=3)
     # The window's median is outside from the 2nd slow step on: 3 steps outside at the 4th slow step.
     got = feed(watch, [1.0] * 3 + [2.0] * 3)
