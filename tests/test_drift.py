@@ -99,6 +99,17 @@ def test_one_slow_step_never_triggers_and_k_consecutive_do() -> None:
     assert feed(watch, [1.0] * 3 + [0.5] * 4) != {}  # back in the band, then 2x fast: a new episode
 
 
+def test_the_measured_figure_is_the_episodes_median() -> None:
+    watch = DriftWatch({"p": 0.1}, steps=2, warmup=0, window=3)
+    feed(watch, [1.0, 1.0, 3.0, 3.0, 3.0, 3.0, 1.5, 1.5, 1.5])
+    # The window left the band at the 4th step (1, 3, 3): the episode holds those and every step after,
+    # 1 1.5 1.5 1.5 3 3 3 3, whose median is 2.25; the window's (1.5 x 3) is not what the fleet gets.
+    assert watch.drifting and watch.measured()["p"] == pytest.approx(0.225)
+    assert watch.busy_medians()["p"] == pytest.approx(0.15)
+    feed(watch, [1.0] * 3)
+    assert not watch.drifting and watch.measured()["p"] == pytest.approx(0.1)
+
+
 def test_warmup_steps_are_ignored_and_zero_disables() -> None:
     watch = DriftWatch({"p": 0.1}, steps=2, warmup=4, window=1)
     assert feed(watch, [5.0] * 4 + [1.0] * 3) == {}  # the slow steps were all warm-up
@@ -114,6 +125,9 @@ def test_the_watch_skips_hostile_figures_and_refuses_bad_settings() -> None:
         assert watch.feed(step, {"p": bad, "q": 1.0}) is None
     assert [why for _, pid, why in watch.skipped] == ["busy seconds " + repr(b) + " is not a finite positive number"
                                                       for b in (math.nan, math.inf, -0.1, 0.0, None)]
+    for step in range(6, 300):
+        watch.feed(step, {"p": math.nan})
+    assert len(watch.skipped) == 100 and watch.skipped_count == 299  # reasons kept are bounded, all counted
     for kwargs in ({"steps": -1}, {"steps": 1.5}, {"steps": True}, {"window": 0}, {"warmup": 10**9},
                    {"tolerance": 1.0}, {"tolerance": math.inf}, {"tolerance": math.nan}):
         with pytest.raises(VGraphError):

@@ -45,6 +45,8 @@ DRIFT_TOLERANCE = 1.25  # the plan still holds within 25% either way (issue 36 i
 DEFAULT_DRIFT_STEPS = 5  # K: consecutive steps outside the band
 DEFAULT_WARMUP = 3  # W: the first steps pay for allocation and warm-up, they say nothing about the machine
 DEFAULT_WINDOW = 3  # the median of this many steps: one slow step cannot move it
+EPISODE_STEPS = 256  # the busy times of a drift episode its measured figure is the median of
+MAX_SKIPPED = 100  # refused figures whose reasons a watch keeps
 MAX_FACTOR = 1e6  # measured / predicted beyond this (either way) is not a machine's load: refused
 _MAX_OVERHEAD_S = 3600.0  # what a fleet file's overhead may say (op_kinds.parse_seconds)
 
@@ -187,11 +189,13 @@ class DriftWatch:
     warmup: int = DEFAULT_WARMUP
     window: int = DEFAULT_WINDOW
     tolerance: float = DRIFT_TOLERANCE
-    skipped: list[tuple[int, str, str]] = field(default_factory=list)  # (step, PNode, why) of refused figures
+    skipped: list[tuple[int, str, str]] = field(default_factory=list)  # (step, PNode, why): the first refused figures
+    skipped_count: int = 0  # all of them (a worker that always sends nonsense must not grow `skipped` for ever)
     _seen: int = 0
     _recent: dict[str, deque] = field(default_factory=dict)
     _outside: dict[str, int] = field(default_factory=dict)
     _reported: set[str] = field(default_factory=set)
+    _episode: dict[str, deque] = field(default_factory=dict)  # per PNode off the band: its busy times since then
 
     def __post_init__(self) -> None:
         for what, value, low in (("steps", self.steps, 0), ("warmup", self.warmup, 0), ("window", self.window, 1)):
@@ -201,9 +205,28 @@ class DriftWatch:
             raise VGraphError(f"drift watch: tolerance must be a finite number above 1, got {self.tolerance!r}")
         self.predicted = {pid: float(s) for pid, s in self.predicted.items() if _finite_positive(s)}
 
+    def skip(self, step: int, pnode: str, why: str) -> None:
+        """A figure refused: counted, and its reason kept while fewer than `MAX_SKIPPED` are."""
+        self.skipped_count += 1
+        if len(self.skipped) < MAX_SKIPPED:
+            self.skipped.append((step, pnode, why))
+
     def busy_medians(self) -> dict[str, float]:
-        """Per PNode, the median busy seconds of the current window (what `measured_fleet` should be given)."""
+        """Per PNode, the median busy seconds of the current window (what the band is checked on)."""
         return {pid: statistics.median(d) for pid, d in self._recent.items() if d}
+
+    def measured(self) -> dict[str, float]:
+        """Per PNode, what `measured_fleet` should be given: for a PNode off the band, the median busy seconds
+        since its window's median left the band (up to `EPISODE_STEPS` of them: the longer the episode,
+        the steadier the figure); for the others, the window's median."""
+        out = self.busy_medians()
+        out.update({pid: statistics.median(d) for pid, d in self._episode.items() if d})
+        return out
+
+    @property
+    def drifting(self) -> bool:
+        """Whether some PNode's drift episode is on (reported and not over)."""
+        return bool(self._reported)
 
     def feed(self, step: int, busy: Mapping[str, Any]) -> Drift | None:
         """One step's measured busy seconds per PNode; the Drift when an episode starts at this step."""
@@ -214,7 +237,7 @@ class DriftWatch:
             if pid not in self.predicted:
                 continue  # no prediction to compare with (a PNode the plan priced at zero)
             if not _finite_positive(value):
-                self.skipped.append((step, pid, f"busy seconds {value!r} is not a finite positive number"))
+                self.skip(step, pid, f"busy seconds {value!r} is not a finite positive number")
                 continue  # neither counts nor breaks the run of steps outside the band
             self._recent.setdefault(pid, deque(maxlen=self.window)).append(float(value))
         started: dict[str, tuple[float, float]] = {}
@@ -223,8 +246,13 @@ class DriftWatch:
             if 1 / self.tolerance <= ratio <= self.tolerance:
                 self._outside[pid] = 0
                 self._reported.discard(pid)  # the episode is over: a later drift reports again
+                self._episode.pop(pid, None)
                 continue
             self._outside[pid] = self._outside.get(pid, 0) + 1
+            if self._outside[pid] == 1:  # the window that left the band is the episode's first figures
+                self._episode[pid] = deque(self._recent[pid], maxlen=EPISODE_STEPS)
+            elif pid in busy and _finite_positive(busy[pid]):
+                self._episode[pid].append(float(busy[pid]))
             if self._outside[pid] >= self.steps and pid not in self._reported:
                 self._reported.add(pid)
                 started[pid] = (median, self.predicted[pid])

@@ -39,7 +39,7 @@ import torch
 from vgraph.base.diagnostics import VGraphError
 from vgraph.base.safeio import atomic_write, read_json, same_file
 from vgraph.cost.fleet import Fleet, loads_fleet
-from vgraph.placement.drift import (Drift, DriftWatch, busy_seconds, fleet_file_text, measured_fleet,
+from vgraph.placement.drift import (DriftWatch, busy_seconds, fleet_file_text, measured_fleet,
                                     predicted_busy)
 from vgraph.run.files import MEASURED_FLEET, PLACEMENT_JSON
 
@@ -117,6 +117,7 @@ class RunDrift:
         self.relaunch, self.say = relaunch, say
 
     def rows(self, rows: Sequence[dict[str, Any]]) -> None:
+        rewrite = None
         for row in rows:
             figures = row.get("pnodes")
             if not isinstance(figures, dict) or not isinstance(row.get("step"), int):
@@ -125,20 +126,24 @@ class RunDrift:
             for pid, entry in figures.items():
                 seconds, why = busy_seconds(entry)
                 if seconds is None:
-                    self.watch.skipped.append((row["step"], pid, str(why)))
+                    self.watch.skip(row["step"], pid, str(why))
                 else:
                     busy[pid] = seconds
             drift = self.watch.feed(row["step"], busy)
             if drift is not None:
                 row["drift"] = drift.to_json()
                 self.say(f"drift at step {drift.step}: {drift.describe()} busy against the plan; "
-                         f"{self._write(drift)}")
+                         f"{self._write(drift.step)}")
+            elif self.watch.drifting:  # the episode goes on: its figure steadies, rewritten (said once)
+                rewrite = row["step"]
+        if rewrite is not None:  # once per gather, not per row
+            self._write(rewrite)
 
-    def _write(self, drift: Drift) -> str:
+    def _write(self, step: int) -> str:
         """Write the measured fleet; what to do next (or why it was not written)."""
-        result = measured_fleet(self.fleet, self.watch.predicted, self.watch.busy_medians())
+        result = measured_fleet(self.fleet, self.watch.predicted, self.watch.measured())
         skipped = "".join(f"; {pid} kept as given: {why}" for pid, why in sorted(result.skipped.items()))
-        comment = (f"fleet {self.fleet.name!r} rescaled to the busy times measured at step {drift.step} "
+        comment = (f"fleet {self.fleet.name!r} rescaled to the busy times measured up to step {step} "
                    f"(vgraph/placement/drift.py)")
         path = self.out
         # Not check_output: the run owns this name (no other command writes there), and this is the run.
@@ -149,7 +154,7 @@ class RunDrift:
         except VGraphError as exc:
             return f"the measured fleet was not written: {exc}{skipped}"
         return (f"measured figures written to {path}{skipped}; to plan on them: {self.relaunch} --fleet {path} "
-                f"(a re-plan during the run will use them when the launcher re-plans)")
+                f"(this run keeps its plan)")
 
 
 def run_drift(job: Job, run_dir: Path, say: Callable[[str], None]) -> RunDrift | None:
