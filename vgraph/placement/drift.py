@@ -17,7 +17,8 @@ for a step measured at 0.10-0.51 s).  A launch run already measures every PNode'
 * `DriftWatch`: fed each step's measured busy seconds per PNode, it says when a PNode's ratio measured /
   predicted has stayed outside [1 / 1.25, 1.25] for K consecutive steps, after W warm-up steps, the ratio
   taken as the median of a short window so that one slow step (a checkpoint, a validation) never triggers it.
-  One report per episode: a PNode reports again only after its ratio came back inside the band.
+  One report per episode: a PNode reports again only after its ratio came back inside the band.  Its
+  measured figure (`DriftWatch.measured`) is the median over the episode so far, steadier than the window.
 
 What to do with a drift (re-plan now, or when the next membership change re-plans) is the launcher's: the seam
 is `measured_fleet` (the fleet the planner should price with) and `DriftWatch.feed`'s `Drift`.
