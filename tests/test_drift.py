@@ -134,3 +134,17 @@ def test_the_watch_skips_hostile_figures_and_refuses_bad_settings() -> None:
             DriftWatch({"p": 0.1}, **kwargs)
     with pytest.raises(VGraphError, match="no 'pnodes'"):
         predicted_busy({"pnodes": []})
+
+
+def test_the_run_reader_keeps_a_drift_field_with_only_its_numbers() -> None:
+    from vgraph.run.files import metrics_row
+
+    row, dropped = metrics_row({"step": 7, "drift": {"step": 7, "pnodes": {"w1": {"measured_s": 0.2, "predicted_s": 0.1,
+                                                                                   "ratio": 2.0}}}})
+    assert row["drift"] == {"step": 7, "pnodes": {"w1": {"measured_s": 0.2, "predicted_s": 0.1, "ratio": 2.0}}}
+    assert dropped == 0
+    row, dropped = metrics_row({"step": 7, "drift": {"step": "x", "pnodes": {"w1": {"ratio": "nan", "x": [1]},
+                                                                             "w2": 3}, "evil": 1}})
+    assert row["drift"] == {"pnodes": {"w1": {}}} and dropped == 4
+    row, dropped = metrics_row({"step": 7, "drift": "slow"})
+    assert "drift" not in row and dropped == 1
