@@ -15,6 +15,7 @@ here so that nothing else writes over them):
     RUN/tokenizer.json      the tokenizer
     RUN/metrics.jsonl       one JSON row per logged step (+ metrics.csv, the same rows)
     RUN/placement.json      launch runs: the plan
+    RUN/fleet.measured.yml  launch runs: the fleet rescaled to what the run measured, after a drift
     RUN/loss_curve.png      the curve, redrawn at each validation and at the end
     RUN/latest              the newest complete checkpoint's folder name
     RUN/step-NNNNNNNN/      a checkpoint: model.safetensors, optimizer.*, state.*
@@ -43,7 +44,7 @@ from vgraph.base.numbers import is_number, number_or_none
 from vgraph.base.jsonio import MAX_DEPTH, jsonl_lines, loads
 from vgraph.base.safeio import decode_text, read_open_file, register_owner
 
-__all__ = ["RUN_JSON", "NETWORK_YML", "TOKENIZER_JSON", "METRICS_JSONL", "METRICS_CSV", "PLACEMENT_JSON",
+__all__ = ["RUN_JSON", "NETWORK_YML", "TOKENIZER_JSON", "METRICS_JSONL", "METRICS_CSV", "PLACEMENT_JSON", "MEASURED_FLEET",
            "LOSS_CURVE_PNG", "LATEST", "CHECKPOINT_PREFIX", "MODEL_FILE", "STATE_JSON", "LAUNCH_DIR", "STOP_FILE",
            "WORKERS_JSON", "FLEET_EVENTS_JSONL", "RELEASE_FILE", "JOB_FILE", "LOCK_FILE", "RUN_LOCK_ENV", "RunLock", "RunInUse", "refuse_foreign",
            "owned_by_run", "looks_like_run", "is_checkpoint", "run_owner", "checkpoint_name", "job_name", "error_name",
@@ -55,6 +56,7 @@ TOKENIZER_JSON = "tokenizer.json"
 METRICS_JSONL = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
 PLACEMENT_JSON = "placement.json"
+MEASURED_FLEET = "fleet.measured.yml"  # launch runs: the fleet rescaled to the run's figures (placement/drift.py)
 LOSS_CURVE_PNG = "loss_curve.png"
 LATEST = "latest"  # a pointer file: the newest complete checkpoint's folder name
 CHECKPOINT_PREFIX = "step-"
@@ -77,7 +79,8 @@ RUN_LOCK_ENV = "VGRAPH_RUN_LOCK_KEY"  # the key of the run lock `vgraph launch` 
 LOCK_FILE = ".vgraph-lock"  # the advisory lock of the process writing the run (`RunLock`); its presence marks a run
 EVENTS_PREFIX = "events.out.tfevents."
 _OWNED_NAMES = {RUN_JSON: "settings", NETWORK_YML: "network", TOKENIZER_JSON: "tokenizer", METRICS_JSONL: "metrics",
-                METRICS_CSV: "metrics", PLACEMENT_JSON: "placement", LOSS_CURVE_PNG: "loss curve",
+                METRICS_CSV: "metrics", PLACEMENT_JSON: "placement",
+                MEASURED_FLEET: "measured fleet", LOSS_CURVE_PNG: "loss curve",
                 LATEST: "checkpoint pointer", LOCK_FILE: "lock", LAUNCH_DIR: "job files, worker errors and stop request"}
 
 
@@ -621,6 +624,19 @@ def clean_json(value: Any, depth: int = 0) -> tuple[Any, int]:
     return value, 0
 
 
+def _per_pnode_numbers(item: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], int]:
+    """({pnode: {name: number}}, how many values were left out) of a row's per-PNode mapping."""
+    pnodes, dropped = {}, 0
+    for pnode, figures in item.items():
+        if not isinstance(figures, dict):
+            dropped += 1
+            continue
+        kept = {k: v for k, v in figures.items() if is_number(v)}
+        dropped += len(figures) - len(kept)
+        pnodes[pnode] = kept
+    return pnodes, dropped
+
+
 def metrics_row(value: Any) -> tuple[dict[str, Any] | None, int]:
     """(One metrics.jsonl row with only checked numbers, how many values were left out), or (None, 0)
     when it is not a row (not an object, or no step that is an integer from 0 to MAX_STEP)."""
@@ -635,15 +651,13 @@ def metrics_row(value: Any) -> tuple[dict[str, Any] | None, int]:
         if key == "step":
             continue
         if key == "pnodes" and isinstance(item, dict):
-            pnodes = {}
-            for pnode, figures in item.items():
-                if not isinstance(figures, dict):
-                    dropped += 1
-                    continue
-                kept = {k: v for k, v in figures.items() if is_number(v)}
-                dropped += len(figures) - len(kept)
-                pnodes[pnode] = kept
-            row["pnodes"] = pnodes
+            row["pnodes"], left_out = _per_pnode_numbers(item)
+            dropped += left_out
+        elif key == "drift" and isinstance(item, dict) and isinstance(item.get("pnodes"), dict):
+            # a drift episode's start (vgraph/placement/drift.py): {step, pnodes: {pnode: {measured_s, ...}}}
+            pnodes, left_out = _per_pnode_numbers(item["pnodes"])
+            row["drift"] = {"pnodes": pnodes, **({"step": item["step"]} if is_number(item.get("step")) else {})}
+            dropped += left_out + sum(1 for k in item if k not in ("step", "pnodes"))
         elif is_number(item):
             row[key] = item
         else:

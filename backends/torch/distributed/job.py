@@ -97,6 +97,9 @@ class Job:
     grad_compress: str = "none"  # the replicas' all-reduce (vgraph/cost/grad_compression.py: none | powersgd:...)
     plan_choices: dict[str, Any] = field(default_factory=dict)  # the partition's choices later passes read
     written_in: str = ""  # the real path of the folder the job was written to ("": a job of an older vgraph)
+    fleet_yaml: str = ""  # the attempt's fleet as a fleet file (placement/drift.py: rank 0 rescales it to the run's figures)
+    fleet_file: str = ""  # the real path of the fleet file given ("": built in code), never written over
+    drift_steps: int = 0  # consecutive steps off the plan by more than 25% before rank 0 reports a drift (0: never)
     version: int = JOB_VERSION
     path: Path | None = field(default=None, compare=False)  # the file it was read from (not written)
     located: Path | None = field(default=None, compare=False)  # the run directory `locate_run` found (not written)

@@ -94,6 +94,7 @@ from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import OutputDir, check_output_dir, read_input, read_json
 from vgraph.cost.grad_compression import parse_grad_compress
 from vgraph.cost.fleet import Fleet, resolve_fleet
+from vgraph.placement.drift import DEFAULT_DRIFT_STEPS, fleet_file_text
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
 from vgraph.placement.replica_report import rebalanced_shares
@@ -153,6 +154,7 @@ class LaunchConfig(TrainConfig):
     comm: str = "auto"  # auto | gloo | nccl-on-gloo (test hook: the nccl path's code over gloo), comm_choice.py
     log: Callable[[str], None] | None = None  # where status and worker lines go (default stderr)
     emit_job: str | Path | None = None  # write the run directory and DIR/job.json, train nothing (torchrun, srun)
+    drift_steps: int = DEFAULT_DRIFT_STEPS  # steps off the plan by > 25% before a drift is reported (0: never; drift.py)
 
 
 @dataclass
@@ -339,6 +341,9 @@ def _validate(cfg: LaunchConfig) -> None:
                           "(--nnodes MIN:MAX) restarts, shrinks or stops")
     if _elastic(cfg) and cfg.emit_job is not None:
         raise VGraphError("--emit-job writes a job for torchrun or srun, whose machines are fixed: give --nnodes N")
+    if (isinstance(cfg.drift_steps, bool) or not isinstance(cfg.drift_steps, int)
+            or not 0 <= cfg.drift_steps <= 1_000_000):
+        raise VGraphError(f"--drift-steps must be a whole number from 0 to 1000000, got {cfg.drift_steps!r}")
     if cfg.emit_job is not None and cfg.node_rank != 0:
         raise VGraphError("--emit-job writes the job once, on machine 0: drop --node-rank (torchrun and srun "
                           "start every machine's workers from that one job file)")
@@ -543,7 +548,7 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     if run.lead:
         atomic_write_text(run.run_dir / RUN_JSON, json.dumps(info, indent=2, default=str) + "\n")
         atomic_write_text(run.run_dir / PLACEMENT_JSON, json.dumps(placement.report, indent=2) + "\n")
-    job = _job(run, placement, comm, info, number, threads, hold)
+    job = _job(run, placement, comm, info, number, threads, hold, fleet=fleet)
     job_path = job.write(run.launch_dir / f"job-{number}.json")
     return _Attempt(number, placement, job, job_path, local, threads, comm)
 
@@ -572,8 +577,9 @@ def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
 
 
 def _job(run: _Run, placement: Placement, comm: Any, info: dict[str, Any], number: int, threads: int,
-         hold: tuple[str, int] | None, run_dir: str = "..") -> Job:
-    """The job file's content (job.py); `run_dir` relative to the folder the job is written to."""
+         hold: tuple[str, int] | None, run_dir: str = "..", fleet: Fleet | None = None) -> Job:
+    """The job file's content (job.py); `run_dir` relative to the folder the job is written to; `fleet`: the
+    attempt's, for rank 0's measured figures (vgraph/placement/drift.py)."""
     cfg = run.cfg
     train = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
     train.network, train.threads = run.network_file, threads
@@ -595,7 +601,10 @@ def _job(run: _Run, placement: Placement, comm: Any, info: dict[str, Any], numbe
         micro_batches=run.micro, pipeline=cfg.pipeline, comm_timeout=float(cfg.comm_timeout),
         bucket_bytes=cfg.bucket_bytes, plugins=loaded_files(),  # every worker loads the launcher's plugin files
         grad_compress=run.run_info["grad_compress"], plan_choices=placement.choices,
-        hold={"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None)
+        hold={"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None,
+        fleet_yaml=fleet_file_text(fleet) if fleet is not None else "",
+        fleet_file=os.path.realpath(fleet.source) if fleet is not None and fleet.source else "",
+        drift_steps=cfg.drift_steps)
 
 
 def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
@@ -1000,6 +1009,11 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--emit-job", metavar="DIR", type=options.path,
                    help="prepare the run directory and write DIR/job.json, train nothing: start the workers with "
                         "torchrun or srun (docs/distributed.md; the command is printed)")
+    # Figures from the run itself (vgraph/placement/drift.py); a block of its own while options move (issue 40).
+    p.add_argument("--drift-steps", type=_non_negative_int, default=DEFAULT_DRIFT_STEPS, metavar="K",
+                   help="report a drift when a PNode's busy time stays more than 25%% off the plan's prediction for "
+                        "K steps, and write the run's measured fleet (fleet.measured.yml); 0: never "
+                        f"(default {DEFAULT_DRIFT_STEPS})")
     add_tensorboard_option(p)  # rank 0 writes the event files
     add_plugin_option(p)  # the files travel to the workers in the job file
     # Joining a running run (elastic.py): the only options a volunteer machine gives, with its secret in
@@ -1041,7 +1055,8 @@ def run_launch(args: argparse.Namespace) -> int:
         comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout,
         grad_compress=args.grad_compress, nnodes=args.nnodes[0], max_nnodes=args.nnodes[1], node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard,
-        emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)),
+        emit_job=args.emit_job, drift_steps=args.drift_steps,
+        log=None if not args.emit_job else (lambda line: print(line, flush=True)),
         continue_command=resume_command(args))
 
     result = launch(config)

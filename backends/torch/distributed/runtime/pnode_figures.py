@@ -31,13 +31,23 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from vgraph.base.diagnostics import VGraphError
+from vgraph.base.safeio import atomic_write, read_json, same_file
+from vgraph.cost.fleet import Fleet, loads_fleet
+from vgraph.placement.drift import (DriftWatch, busy_seconds, fleet_file_text, measured_fleet,
+                                    predicted_busy)
+from vgraph.run.files import MEASURED_FLEET, PLACEMENT_JSON
+
+from ..job import Job
+
 from ...training.peak_memory import TensorPeak, memory_figures
 
-__all__ = ["PNodeFigures", "attach"]
+__all__ = ["PNodeFigures", "attach", "RunDrift", "run_drift"]
 
 
 class PNodeFigures:
@@ -92,3 +102,72 @@ def attach(rows: Sequence[dict[str, Any]], gathered: Sequence[Sequence[tuple[int
     for row in rows:
         if row.get("step") in by_step:
             row["pnodes"] = by_step[row["step"]]
+
+
+class RunDrift:
+    """Rank 0: the gathered figures fed to a `DriftWatch` (vgraph/placement/drift.py), busy = step - idle per
+    PNode.  When a drift episode starts, its row gets `"drift": {step, pnodes: {pnode: {measured_s,
+    predicted_s, ratio}}}`, the fleet rescaled to the window's measured busy times is written to the run
+    directory (fleet.measured.yml, atomically, never over the fleet file given), and one line says it.
+    The re-plan from it is the launcher's to decide (`measured_fleet` is the seam)."""
+
+    def __init__(self, watch: DriftWatch, fleet: Fleet, out: Path, fleet_file: str, relaunch: str,
+                 say: Callable[[str], None]) -> None:
+        self.watch, self.fleet, self.out, self.fleet_file = watch, fleet, out, fleet_file
+        self.relaunch, self.say = relaunch, say
+
+    def rows(self, rows: Sequence[dict[str, Any]]) -> None:
+        rewrite = None
+        for row in rows:
+            figures = row.get("pnodes")
+            if not isinstance(figures, dict) or not isinstance(row.get("step"), int):
+                continue
+            busy = {}
+            for pid, entry in figures.items():
+                seconds, why = busy_seconds(entry)
+                if seconds is None:
+                    self.watch.skip(row["step"], pid, str(why))
+                else:
+                    busy[pid] = seconds
+            drift = self.watch.feed(row["step"], busy)
+            if drift is not None:
+                row["drift"] = drift.to_json()
+                self.say(f"drift at step {drift.step}: {drift.describe()} busy against the plan; "
+                         f"{self._write(drift.step)}")
+            elif self.watch.drifting:  # the episode goes on: its figure steadies, rewritten (said once)
+                rewrite = row["step"]
+        if rewrite is not None:  # once per gather, not per row
+            self._write(rewrite)
+
+    def _write(self, step: int) -> str:
+        """Write the measured fleet; what to do next (or why it was not written)."""
+        result = measured_fleet(self.fleet, self.watch.predicted, self.watch.measured())
+        skipped = "".join(f"; {pid} kept as given: {why}" for pid, why in sorted(result.skipped.items()))
+        comment = (f"fleet {self.fleet.name!r} rescaled to the busy times measured up to step {step} "
+                   f"(vgraph/placement/drift.py)")
+        path = self.out
+        # Not check_output: the run owns this name (no other command writes there), and this is the run.
+        if self.fleet_file and same_file(path, Path(self.fleet_file)):
+            return f"the measured fleet was not written: {path} is the fleet file this run read{skipped}"
+        try:
+            atomic_write(path, fleet_file_text(result.fleet, comment))
+        except VGraphError as exc:
+            return f"the measured fleet was not written: {exc}{skipped}"
+        return (f"measured figures written to {path}{skipped}; to plan on them: {self.relaunch} --fleet {path} "
+                f"(this run keeps its plan)")
+
+
+def run_drift(job: Job, run_dir: Path, say: Callable[[str], None]) -> RunDrift | None:
+    """Rank 0's drift report for this job, or None: disabled (--drift-steps 0), a job without its fleet (an older
+    launcher's), or a plan without per-PNode predictions (said once: the run goes on without it)."""
+    if not job.drift_steps or not job.fleet_yaml:
+        return None
+    try:
+        fleet = loads_fleet(job.fleet_yaml, "<the job's fleet>")
+        predicted = predicted_busy(read_json(run_dir / PLACEMENT_JSON, what=PLACEMENT_JSON))
+    except VGraphError as exc:
+        say(f"note: no drift report in this run: {exc}")
+        return None
+    watch = DriftWatch(predicted, steps=job.drift_steps)
+    relaunch = f"vgraph launch {job.network_file} (the same options and a new --out)"
+    return RunDrift(watch, fleet, run_dir / MEASURED_FLEET, job.fleet_file, relaunch, say)

@@ -221,8 +221,9 @@ class RankOutput:
     def __init__(self, ctrl: ControlGroup, checkpoints: GatheredCheckpoints, *, log: MetricsLog | None,
                  progress: RankZeroProgress | None, pnodes: list[str], curve: tuple[Path, str],
                  before_save: Callable[[], None], after_step: Callable[[int], None],
-                 say: Callable[[str], None]) -> None:
+                 say: Callable[[str], None], drift: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.ctrl, self.checkpoints, self.log, self.progress = ctrl, checkpoints, log, progress
+        self.drift = drift  # rank 0: the rows' figures against the plan (pnode_figures.RunDrift)
         self.pnodes, self.curve, self.say = pnodes, curve, say
         self.before_save, self.after_step = before_save, after_step
 
@@ -238,6 +239,8 @@ class RankOutput:
         for extras, _ in gathered:
             merge_entries(rows, extras)
         attach(rows, [figures for _, figures in gathered], self.pnodes)
+        if self.drift is not None:
+            self.drift(rows)
         self.log.append(rows)
         if self.progress is not None:
             self.progress.report(step, rows[-1], val_loss)

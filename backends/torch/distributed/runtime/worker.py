@@ -93,7 +93,7 @@ from .grad_sync import GradientSync
 from .launchers import WorkerPlace, worker_place
 from .loss_scaler import SharedLossScaler
 from .pipeline_step import PipelineStep
-from .pnode_figures import PNodeFigures
+from .pnode_figures import PNodeFigures, run_drift
 from .powersgd import PowerSGD
 from .progress import RankZeroProgress, progress_mode
 from .rank_zero import GatheredCheckpoints, RankOutput, open_log
@@ -244,9 +244,11 @@ class Worker:
                 self.progress = RankZeroProgress(progress_mode(os.environ, self.place.launcher), self.cfg.steps,
                                                  start, "launch", lambda line: print(line, flush=True))
         self._announce(start)
+        drift = run_drift(self.job, self.run_dir, self.say) if log is not None else None  # rank 0 (drift.py)
         out = RankOutput(self.ctrl, self.checkpoints, log=log, progress=self.progress, pnodes=list(self.job.ranks),
                          curve=(self.run_dir / LOSS_CURVE_PNG, self.graph.name), before_save=self._check_replicas,
-                         after_step=lambda step: hold(self.job, self.rank, self.pnode, step), say=self.say)
+                         after_step=lambda step: hold(self.job, self.rank, self.pnode, step), say=self.say,
+                         drift=drift.rows if drift is not None else None)
         dist.barrier(group=self.ctrl.group)  # rank 0's set-up (log files, TensorBoard's drawing) is not step 1's idle
         end = run_loop(self.steps, out, LaunchStop(self.run_dir / LAUNCH_DIR / STOP_FILE, self._signalled),
                        self.cfg, start)
