@@ -112,6 +112,7 @@ from ...training.metrics_log import read_rows
 from ...training.run_files import atomic_write_text, run_slug
 from ...training.config import TrainConfig, TrainingError
 from ...training.corpus import prepare_data
+from ...training.options import add_train_options, check_train_config, print_result, train_settings
 from ...training.setup import (NO_FUSE_PIPELINE, device_target, load_network, open_run_dir, resolve_device,
                               vocab_and_seq)
 
@@ -302,10 +303,7 @@ def read_placement(path: str | Path) -> dict[str, str]:
 def _validate(cfg: LaunchConfig) -> None:
     if cfg.fleet is None:
         raise VGraphError("vgraph launch needs a fleet: --fleet FLEET.yml (see networks/fleets/)")
-    if cfg.steps < 0 or cfg.batch < 1:
-        raise TrainingError(f"--steps must be >= 0 and --batch >= 1 (got {cfg.steps}, {cfg.batch})")
-    if cfg.schedule not in ("constant", "cosine"):
-        raise TrainingError(f"--schedule must be constant or cosine, not {cfg.schedule!r}")
+    check_train_config(cfg)  # a library caller's values, held to the command line's checks
     if cfg.comm not in COMM_MODES:
         raise VGraphError(f"comm must be one of {', '.join(COMM_MODES)}, not {cfg.comm!r}")
     if cfg.on_failure not in ON_FAILURE:
@@ -758,8 +756,6 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     from vgraph.cli.common import remember_parser
     from vgraph.cli.main import add_plugin_option
 
-    from ...cli import add_optimizer_options, add_tensorboard_option
-
     from vgraph.base import options
     from vgraph.base.options import non_negative_int as _non_negative_int, positive_int as _positive_int
 
@@ -769,8 +765,6 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                     "PNode (torch.distributed; pipelined micro-batches, boundary tensors by send/recv). A "
                     "worker that dies is detected and the run restarts from the last checkpoint. The run "
                     "directory is the one `vgraph train` writes.")
-    p.add_argument("network", metavar="FILE", type=options.network_file,
-                   help="network YAML, or a shipped network's name (vgraph networks)")
     p.add_argument("--fleet", required=True, metavar="FLEET", type=options.fleet_file,
                    help="fleet spec YAML (PNodes), or a shipped fleet's name")
     p.add_argument("--micro-batches", type=_positive_int, metavar="M",
@@ -806,38 +800,10 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                    help="address of machine 0 (default 127.0.0.1)")
     p.add_argument("--master-port", type=options.port, metavar="PORT",
                    help="rendezvous port on machine 0 (default: free port; 29500 with --nnodes > 1)")
-    p.add_argument("--data", metavar="PATH", type=options.path,
-                   help="a directory `vgraph data prepare` wrote, or text/JSONL/Parquet files, a directory or a glob "
-                        "(prepared into the cache); default: the embedded corpus")
-    p.add_argument("--steps", type=_non_negative_int, default=1000)
-    p.add_argument("--batch", type=_positive_int, default=8)
-    p.add_argument("--lr", type=options.positive_float, default=6e-4)
-    p.add_argument("--warmup", type=_non_negative_int, default=0)
-    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
-    p.add_argument("--seed", type=options.seed, default=0)
-    p.add_argument("--out", metavar="DIR", type=options.path, help="run directory (default runs/<network name>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--passes", metavar="SPEC", help="pass pipeline (the partition pass is inserted before "
-                   "the fusions unless the pipeline names it)")
-    p.add_argument("--no-fuse", action="store_true")
-    p.add_argument("--val-every", type=_non_negative_int, default=200, metavar="N")
-    p.add_argument("--val-batches", type=_positive_int, default=8, metavar="N")
-    p.add_argument("--checkpoint-every", type=_non_negative_int, default=500, metavar="N")
-    p.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="N")
-    p.add_argument("--deterministic", action="store_true")
-    p.add_argument("--threads", type=_positive_int, help="CPU threads per worker (default: cores / workers)")
-    p.add_argument("--log-every", type=_positive_int, metavar="N",
-                   help="gather the metrics rows on rank 0 every N steps (default: about once a second; every "
-                        "step has its row either way)")
-    p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM")
-    add_optimizer_options(p)  # --weight-decay; --grad-accum K: the global batch K x --batch in >= K micro-batches
-    p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")
-    p.add_argument("--quiet", action="store_true", help="no status lines (errors still show)")
+    add_train_options(p, "launch")  # the network and the training options, as `vgraph train` has them
     p.add_argument("--emit-job", metavar="DIR", type=options.path,
                    help="prepare the run directory and write DIR/job.json, train nothing: start the workers with "
                         "torchrun or srun (docs/distributed.md; the command is printed)")
-    add_tensorboard_option(p)  # rank 0 writes the event files
     add_plugin_option(p)  # the files travel to the workers in the job file
     p.set_defaults(func=run_launch)
     remember_parser(p)
@@ -846,26 +812,19 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     from vgraph.placement.replica_report import step_prediction_gap
 
-    from ...cli import print_result, resume_command
-
+    train = train_settings(args, "launch")
+    # A pipeline's micro-batches are gradient accumulation: K x --batch samples a step, in at least K of them.
+    accum = train.pop("grad_accum")
+    train["batch"] *= accum
     config = LaunchConfig(
-        network=args.network, fleet=args.fleet, data=args.data, steps=args.steps, lr=args.lr,
-        # A pipeline's micro-batches are gradient accumulation: K x --batch samples a step, in at least K of them.
-        batch=args.batch * args.grad_accum, weight_decay=args.weight_decay,
-        warmup=args.warmup, schedule=args.schedule, seed=args.seed, out=args.out, resume=args.resume,
-        device=args.device, passes=args.passes, fuse=not args.no_fuse, val_every=args.val_every,
-        val_batches=args.val_batches, checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
-        log_every=args.log_every, grad_clip=args.grad_clip,
-        corpus_bytes=args.corpus_bytes or D.DEFAULT_CORPUS_MAX_BYTES, progress=not args.quiet,
-        micro_batches=(args.micro_batches if args.grad_accum == 1 else max(args.micro_batches or 1, args.grad_accum)),
+        **train, fleet=args.fleet,
+        micro_batches=(args.micro_batches if accum == 1 else max(args.micro_batches or 1, accum)),
         pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
         comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout,
         grad_compress=args.grad_compress, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard,
-        emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)),
-        continue_command=resume_command(args))
+        master_addr=args.master_addr, master_port=args.master_port,
+        emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)))
 
     result = launch(config)
     if not args.emit_job:
