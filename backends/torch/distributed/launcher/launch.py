@@ -84,7 +84,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import OutputDir, check_output_dir, read_input, read_json
+from vgraph.base.safeio import OutputDir, atomic_write, check_output_dir, read_input, read_json
 from vgraph.cost.grad_compression import parse_grad_compress
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.ir.graph import Graph
@@ -98,7 +98,6 @@ from vgraph.run.files import (METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEAS
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
 
 from ...training import checkpoint as ckpt
-from ...training import batches as D
 from ..runtime.comm_choice import COMM_MODES, choose_comm
 from ..runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from ..job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
@@ -109,9 +108,9 @@ from ..rendezvous import TOKEN_ENV, check_master_addr, check_token, free_port, p
 from .supervisor import Supervisor
 from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
-from ...training.run_files import atomic_write_text, run_slug
 from ...training.config import TrainConfig, TrainingError
 from ...training.corpus import prepare_data
+from ...training.run_files import run_slug
 from ...training.options import add_train_options, check_train_config, print_result, train_settings
 from ...training.setup import (NO_FUSE_PIPELINE, device_target, load_network, open_run_dir, resolve_device,
                               vocab_and_seq)
@@ -257,10 +256,15 @@ def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: st
                      choices)
 
 
+_NOT_A_PLACEMENT = "expected {'assignment': {vnode: pnode}}"
+
+
 def read_placement_layout(path: str | Path) -> tuple[dict[str, str], tuple[list[list[str]], list[int]] | None]:
     """The assignment of a placement.json and, when it plans replicas, (replica_pnodes, batch_shares)."""
-    assignment = read_placement(path)
-    data = read_json(path, what="placement.json")
+    data = read_json(path, what="placement.json")  # a regular file of bounded size, JSON of bounded depth
+    assignment = data["assignment"] if isinstance(data, dict) and "assignment" in data else data
+    if not isinstance(assignment, dict) or not all(isinstance(v, str) for v in assignment.values()):
+        raise VGraphError(f"{path}: not a placement: {quote(_NOT_A_PLACEMENT, 200)}")
     rows, shares = (data.get("replica_pnodes"), data.get("batch_shares")) if isinstance(data, dict) else (None, None)
     if not rows or len(rows) < 2:
         return assignment, None
@@ -288,19 +292,14 @@ def _shrink(placement: Placement, fleet: Fleet, lost: list[str], described: str,
 
 def read_placement(path: str | Path) -> dict[str, str]:
     """The `assignment` of a placement.json (as `vgraph partition` and `vgraph launch` write)."""
-    try:
-        data = read_json(path, what="placement.json")  # a regular file of bounded size, JSON of bounded depth
-        assignment = data["assignment"] if isinstance(data, dict) and "assignment" in data else data
-        if not isinstance(assignment, dict) or not all(isinstance(v, str) for v in assignment.values()):
-            raise ValueError("expected {'assignment': {vnode: pnode}}")
-    except (ValueError, KeyError) as exc:
-        raise VGraphError(f"{path}: not a placement: {quote(str(exc), 200)}") from None
-    return assignment
+    return read_placement_layout(path)[0]
 
 
 # -- the launch -------------------------------------------------------------------------------------
 
-def _validate(cfg: LaunchConfig) -> None:
+def _validate(cfg: LaunchConfig) -> str:
+    """Refuse settings that cannot run, before anything is written or started; the run's gradient compression
+    in its canonical text (parsed here once)."""
     if cfg.fleet is None:
         raise VGraphError("vgraph launch needs a fleet: --fleet FLEET.yml (see networks/fleets/)")
     check_train_config(cfg)  # a library caller's values, held to the command line's checks
@@ -308,7 +307,6 @@ def _validate(cfg: LaunchConfig) -> None:
         raise VGraphError(f"comm must be one of {', '.join(COMM_MODES)}, not {cfg.comm!r}")
     if cfg.on_failure not in ON_FAILURE:
         raise VGraphError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {cfg.on_failure!r}")
-    check_master_addr(cfg.master_addr)  # never every interface (rendezvous.py)
     if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
         raise VGraphError(f"--node-rank must be in 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), got {cfg.node_rank}")
     if cfg.nnodes > 1 and cfg.on_failure == "repartition":
@@ -327,13 +325,15 @@ def _validate(cfg: LaunchConfig) -> None:
         raise VGraphError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
     if isinstance(cfg.bucket_bytes, bool) or not isinstance(cfg.bucket_bytes, int) or not 1 <= cfg.bucket_bytes <= 2**62:
         raise VGraphError(f"--bucket-size must be a whole number of bytes from 1 to 2**62, got {cfg.bucket_bytes!r}")
-    try:
-        parse_grad_compress(cfg.grad_compress)
-    except ValueError as exc:
-        raise VGraphError(f"--grad-compress: {exc}") from None
     if cfg.emit_job is not None and cfg.node_rank != 0:
         raise VGraphError("--emit-job writes the job once, on machine 0: drop --node-rank (torchrun and srun "
                           "start every machine's workers from that one job file)")
+    try:
+        grad_compress = parse_grad_compress(cfg.grad_compress).text()
+    except ValueError as exc:
+        raise VGraphError(f"--grad-compress: {exc}") from None
+    check_master_addr(cfg.master_addr)  # never every interface (rendezvous.py)
+    return grad_compress
 
 
 def launch(config: LaunchConfig) -> LaunchResult:
@@ -352,7 +352,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
             run = _prepare(config, stop, machines)
             if jobs is not None:
                 return _emit_job(run, jobs)
-            return _collect(run, _attempts(run, stop))
+            result = _attempts(run, stop)
+            return _collect(run, result)
     finally:
         machines.close()
         restore()
@@ -360,8 +361,9 @@ def launch(config: LaunchConfig) -> LaunchResult:
 
 @dataclass
 class _Run:
-    """What a launch prepares once, before any attempt: the checked settings, the network, the run
-    directory with its data files, and the pass pipeline around the partition."""
+    """What a launch prepares once, before any attempt: the checked settings, turned into the plain values
+    the attempts use (the config's files read, its device resolved), the network, the run directory with
+    its data files, and the pass pipeline around the partition."""
 
     cfg: LaunchConfig
     machines: Machines  # several machines: the launchers' channel (membership.py)
@@ -369,6 +371,8 @@ class _Run:
     say: Callable[[str], None]  # status lines (silent under --quiet)
     token: str
     fleet: Fleet
+    given: tuple[Any, Any]  # --placement read: (assignment, replica layout), or (None, None): the partition pass
+    device: Any  # torch.device of --device
     source: Graph
     yaml_text: str
     network_file: str
@@ -379,6 +383,7 @@ class _Run:
     partition: str
     after: str
     target: str
+    grad_compress: str  # the replicas' all-reduce, canonical text
     run_info: dict[str, Any]
     data_dir: str  # the prepared corpus (absolute)
     data_digest: str
@@ -392,8 +397,11 @@ class _Run:
 
 
 def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
-    """Check the settings, open the run directory (machine 0), tokenise the data once, write the run's files."""
-    _validate(cfg)
+    """Check the settings, open the run directory (machine 0), tokenise the data once, write the run's files.
+
+    Long because it is the launch's one walk through its settings, in the order the run needs them: each
+    setting read, checked and turned into the value the attempts use, so none of them goes back to it."""
+    grad_compress = _validate(cfg)
     emitting = cfg.emit_job is not None
     lock = threading.Lock()
 
@@ -419,54 +427,54 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
             except MachineLost as exc:
                 raise TrainingError(str(exc)) from None
     fleet = resolve_fleet(cfg.fleet)
-    device = resolve_device(cfg.device)
-    source, yaml_text = load_network(cfg.network)
-    network_file = str(cfg.network) if not isinstance(cfg.network, Graph) else f"<{source.name}>"
-    vocab, seq_len = vocab_and_seq(source)
+    given = (read_placement_layout(cfg.placement) if isinstance(cfg.placement, (str, Path))
+             else (cfg.placement, None))
     micro = cfg.micro_batches or min(cfg.batch, 2 * len(fleet))
     if not 1 <= micro <= cfg.batch:
         raise TrainingError(f"--micro-batches must be between 1 and --batch {cfg.batch}, got {micro}")
+    source, yaml_text = load_network(cfg.network)
+    network_file = str(cfg.network) if not isinstance(cfg.network, Graph) else f"<{source.name}>"
     run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
-    launch_dir = run_dir / LAUNCH_DIR
+    vocab, seq_len = vocab_and_seq(source)
+    device = resolve_device(cfg.device)
+    target = device_target(device)
     lead = cfg.node_rank == 0
     if lead:
         open_run_dir(run_dir, cfg.resume, command="vgraph launch")  # an existing run only with --resume; locked
+    launch_dir = run_dir / LAUNCH_DIR
     launch_dir.mkdir(parents=True, exist_ok=True)
     (launch_dir / STOP_FILE).unlink(missing_ok=True)
-    stop.on_request = lambda: atomic_write_text(launch_dir / STOP_FILE, "stop\n")
+    stop.on_request = lambda: atomic_write(launch_dir / STOP_FILE, "stop\n")
     if lead:
         for stale in [*launch_dir.glob(held_name("*")), *launch_dir.glob(error_name("*")), launch_dir / RELEASE_FILE]:
             stale.unlink(missing_ok=True)
-    target = device_target(device)
-    grad_compress = parse_grad_compress(cfg.grad_compress).text()
     options = {"batch": str(cfg.batch), "micro_batches": str(micro), "replicas": str(cfg.replicas),
                **({"grad_compress": grad_compress} if grad_compress != "none" else {})}
     before, partition, after = split_pipeline(cfg.passes, cfg.fuse, options)
-    run = _Run(cfg, machines, emit, emit if cfg.progress else (lambda line: None), token, fleet, source, yaml_text,
-               network_file, micro, run_dir, lead, before, partition, after, target, {}, "", "", "", bar=bar)
-    _write_data(run, vocab, seq_len, device)
+    run = _Run(cfg, machines, emit, emit if cfg.progress else (lambda line: None), token, fleet, given, device,
+               source, yaml_text, network_file, micro, run_dir, lead, before, partition, after, target, grad_compress,
+               {}, "", "", f"{LAUNCH_DIR}/tokenizer.json", bar=bar)
+    _write_data(run, vocab, seq_len)
     return run
 
 
-def _write_data(run: _Run, vocab: int, seq_len: int, device: Any) -> None:
-    """The corpus every worker reads (prepared and verified once: training_data.py), the tokenizer, and
+def _write_data(run: _Run, vocab: int, seq_len: int) -> None:
+    """The corpus every worker reads (prepared and verified once: corpus.py), its tokenizer, and
     network.yml + tokenizer.json as `vgraph train` writes them; run_info, run.json's content."""
     cfg = run.cfg
     data = prepare_data(cfg, vocab, seq_len, run.say)  # the corpus `vgraph train` would read
-    tokenizer = data.tokenizer
     run.data_dir, run.data_digest = str(data.dataset.corpus.root.absolute()), data.digest
-    run.tokenizer = f"{LAUNCH_DIR}/tokenizer.json"
-    atomic_write_text(run.run_dir / run.tokenizer, tokenizer.to_str())
+    tokenizer = data.tokenizer.to_str()
+    atomic_write(run.run_dir / run.tokenizer, tokenizer)
     run.run_info = {
         "network": run.source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
         "data": data.description, "data_digest": data.digest, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
-        "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "lr": cfg.lr, "steps": cfg.steps,
-        "warmup": cfg.warmup, "schedule": cfg.schedule,
-        "grad_compress": parse_grad_compress(cfg.grad_compress).text(),
+        "passes": cfg.passes, "fuse": cfg.fuse, "device": str(run.device), "lr": cfg.lr, "steps": cfg.steps,
+        "warmup": cfg.warmup, "schedule": cfg.schedule, "grad_compress": run.grad_compress,
     }
     if run.lead and (not (run.run_dir / NETWORK_YML).exists() or not cfg.resume):
-        atomic_write_text(run.run_dir / NETWORK_YML, run.yaml_text)
-        atomic_write_text(run.run_dir / TOKENIZER_JSON, tokenizer.to_str())
+        atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
+        atomic_write(run.run_dir / TOKENIZER_JSON, tokenizer)
 
 
 @dataclass
@@ -493,35 +501,33 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     cfg = run.cfg
     placement = place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
                       target=run.target, batch=cfg.batch, micro_batches=run.micro, assignment=given, replicas=layout,
-                      grad_compress=run.run_info["grad_compress"], pipeline=cfg.pipeline)
+                      grad_compress=run.grad_compress, pipeline=cfg.pipeline)
     changes = network_changes(placement.graph)  # passes that keep every weight aside: checkpoints stay true
     if changes:  # checkpoints carry the network as given: training another function would make them lie
         raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "
                             f"stores the network as given: write the changed network first (vgraph optimize "
                             f"{run.network_file} --passes '{cfg.passes}' -o NEW.yml) and launch NEW.yml")
+    compression = weight_keeping_changes(placement.graph)
+    distributions = plugin_distributions(run.source, placement.graph)
     ranks = placement.world
     local = _local_ranks(run, ranks, number)
     if not local:  # shrunk away: this machine's PNodes are all in dropped replicas
         run.emit(f"launch: no worker of this machine (node rank {cfg.node_rank}) is left in the run; it goes on "
                  f"without it")
         return None
-    device = resolve_device(cfg.device)
-    comm = choose_comm(device.type, len(local), torch.cuda.device_count() if device.type == "cuda" else 0,
-                       torch.distributed.is_nccl_available(), cfg.comm)
     gpus = sorted({p.accelerator for p in fleet if (p.accelerator or "").startswith("cuda") and p.id in ranks})
-    if number == 0 and device.type == "cpu" and gpus:  # the plan's figures are the GPUs', not this CPU's
+    if number == 0 and run.device.type == "cpu" and gpus:  # the plan's figures are the GPUs', not this CPU's
         run.say(f"launch: note: fleet {fleet.name!r} describes {', '.join(gpus)} PNodes and this run is on the CPU: "
                 f"the placement and its predicted step are for those GPUs (a CPU fleet: --fleet cpu2, or one "
                 f"measured with vgraph probe)")
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
-    info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}),
-                compression=weight_keeping_changes(placement.graph),
-                plugin_distributions=plugin_distributions(run.source, placement.graph),
+    info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}), compression=compression,
+                plugin_distributions=distributions,
                 launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": run.micro, "attempt": number})
+    job, comm = _job(run, placement, info, number, local, threads, hold)
     if run.lead:
-        atomic_write_text(run.run_dir / RUN_JSON, json.dumps(info, indent=2, default=str) + "\n")
-        atomic_write_text(run.run_dir / PLACEMENT_JSON, json.dumps(placement.report, indent=2) + "\n")
-    job = _job(run, placement, comm, info, number, threads, hold)
+        atomic_write(run.run_dir / RUN_JSON, json.dumps(info, indent=2, default=str) + "\n")
+        atomic_write(run.run_dir / PLACEMENT_JSON, json.dumps(placement.report, indent=2) + "\n")
     job_path = job.write(run.launch_dir / f"job-{number}.json")
     return _Attempt(number, placement, job, job_path, local, threads, comm)
 
@@ -542,15 +548,15 @@ def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
     return [r for r, p in enumerate(ranks) if home.get(p, 0) == cfg.node_rank]
 
 
-def _job(run: _Run, placement: Placement, comm: Any, info: dict[str, Any], number: int, threads: int,
-         hold: tuple[str, int] | None, run_dir: str = "..") -> Job:
-    """The job file's content (job.py); `run_dir` relative to the folder the job is written to."""
+def _job(run: _Run, placement: Placement, info: dict[str, Any], number: int, local: list[int], threads: int,
+         hold: tuple[str, int] | None, run_dir: str = "..") -> tuple[Job, Any]:
+    """The job file's content (job.py), with the transport this machine's `local` workers use (comm_choice.py);
+    `run_dir` relative to the folder the job is written to."""
     cfg = run.cfg
+    comm = choose_comm(run.device.type, len(local), torch.cuda.device_count() if run.device.type == "cuda" else 0,
+                       torch.distributed.is_nccl_available(), cfg.comm)
     train = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
     train.network, train.threads = run.network_file, threads
-    for name in ("out", "data", "cache_dir"):
-        value = getattr(train, name)
-        setattr(train, name, None if value is None else str(value))
     ranks = placement.world
     return Job(
         run_dir=run_dir, network_yaml=run.yaml_text, network_file=run.network_file,
@@ -565,8 +571,8 @@ def _job(run: _Run, placement: Placement, comm: Any, info: dict[str, Any], numbe
         run_info=json.loads(json.dumps(info, default=str)), attempt=number, train=train,
         micro_batches=run.micro, pipeline=cfg.pipeline, comm_timeout=float(cfg.comm_timeout),
         bucket_bytes=cfg.bucket_bytes, plugins=loaded_files(),  # every worker loads the launcher's plugin files
-        grad_compress=run.run_info["grad_compress"], plan_choices=placement.choices,
-        hold={"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None)
+        grad_compress=run.grad_compress, plan_choices=placement.choices,
+        hold={"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None), comm
 
 
 def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
@@ -574,17 +580,15 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
     cfg = run.cfg
     result = LaunchResult(run.run_dir, 0, None, None, None)
     fleet, hold, number = run.fleet, cfg.hold, 0
-    base_port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)
     shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
     while True:
         if stop.requested:
             raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
                                    f"{_continue_with(cfg, run.run_dir)}")
-        attempt = _place_attempt(run, fleet, number, *_given_placement(cfg, number, shrunk), hold)
+        attempt = _place_attempt(run, fleet, number, *_given_placement(run, number, shrunk), hold)
         if attempt is None:
             return result
-        port = (base_port + number) if base_port else free_port(cfg.master_addr)
-        record = _supervise(run, attempt, port)
+        record = _supervise(run, attempt)
         result.attempts.append(record)
         result.placement = attempt.placement.report
         if stop.requested:
@@ -607,9 +611,14 @@ def _continue_with(cfg: LaunchConfig, run_dir: Path) -> str:
     return f"vgraph launch {cfg.network} --fleet {cfg.fleet} --out {run_dir} --resume (and the same options)"
 
 
-def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
-    """Start this machine's workers of `attempt`, relay their output, wait for the outcome (its record)."""
+def _supervise(run: _Run, attempt: _Attempt) -> dict[str, Any]:
+    """Start this machine's workers of `attempt`, relay their output, wait for the outcome (its record).
+
+    The rendezvous port: --master-port (29500 across machines) moved up by the attempt's number, else a free
+    one."""
     cfg, placement = run.cfg, attempt.placement
+    base_port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)
+    port = (base_port + attempt.number) if base_port else free_port(cfg.master_addr)
     if run.lead:
         probe_port(cfg.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
     run.say(f"launch: {run.source.name} on {len(attempt.ranks)} worker(s) {', '.join(attempt.ranks)} of fleet "
@@ -623,7 +632,7 @@ def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
     try:
         supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), cfg.master_addr, port,
                          attempt.threads)
-        atomic_write_text(run.launch_dir / WORKERS_JSON,
+        atomic_write(run.launch_dir / WORKERS_JSON,
                           json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
         ok, codes, lost = supervisor.wait(trouble=run.machines.trouble)
     except BaseException:
@@ -711,7 +720,7 @@ def _emit_job(run: _Run, folder: OutputDir) -> LaunchResult:
     a few restarts cost at most a few checkpoint intervals and a fault that recurs still ends the job after a
     handful of tries instead of looping."""
     cfg = run.cfg
-    attempt = _place_attempt(run, run.fleet, 0, *_given_placement(cfg, 0, None), cfg.hold)
+    attempt = _place_attempt(run, run.fleet, 0, *run.given, cfg.hold)
     folder.path.mkdir(parents=True, exist_ok=True)
     attempt.job.run_dir = os.path.relpath(run.run_dir.absolute(), folder.path.absolute())
     path = attempt.job.write(folder.check(JOB_FILE))
@@ -730,14 +739,11 @@ def _emit_job(run: _Run, folder: OutputDir) -> LaunchResult:
     return LaunchResult(run.run_dir, 0, None, None, None, placement=attempt.placement.report)
 
 
-def _given_placement(cfg: LaunchConfig, number: int, shrunk: Any) -> tuple[Any, Any]:
+def _given_placement(run: _Run, number: int, shrunk: Any) -> tuple[Any, Any]:
     """(assignment, replica layout) attempt `number` must use, or (None, None): the partition pass decides."""
     if shrunk is not None:
         return shrunk
-    given = cfg.placement if number == 0 or cfg.on_failure == "restart" else None
-    if isinstance(given, (str, Path)):
-        return read_placement_layout(given)
-    return given, None
+    return run.given if number == 0 or run.cfg.on_failure == "restart" else (None, None)
 
 
 def _user_errors(launch_dir: Path) -> str:
