@@ -163,3 +163,14 @@ def test_the_job_files_train_section_is_json_and_drops_the_resume_hint(tmp_path:
     assert section["out"] == str(tmp_path / "run") and section["data"] == "corpus"
     assert "continue_command" not in section
     assert set(section) == {f.name for f in dataclasses.fields(TrainConfig)} - {"continue_command"}
+
+
+def test_launchs_own_options_default_to_launchconfigs() -> None:
+    actions = {a.dest: a for a in _parser(register_launch)._actions}
+    dest = {"bucket_bytes": "bucket_size"}
+    for f in dataclasses.fields(LaunchConfig):
+        name = dest.get(f.name, f.name)
+        if f.name in LAUNCH_ONLY | {"bucket_bytes"} and name in actions and f.name != "replicas":
+            assert actions[name].default == f.default, f.name
+    assert actions["replicas"].default == "auto" and LaunchConfig(network="n").replicas == 1  # the CLI plans
+    assert actions["max_restarts"].help == f"default {LaunchConfig(network='n').max_restarts}"

@@ -297,12 +297,12 @@ def read_placement(path: str | Path) -> dict[str, str]:
 
 # -- the launch -------------------------------------------------------------------------------------
 
-def _validate(cfg: LaunchConfig) -> str:
-    """Refuse settings that cannot run, before anything is written or started; the run's gradient compression
-    in its canonical text (parsed here once)."""
+def _validate(cfg: LaunchConfig) -> tuple[str, tuple[Any, Any]]:
+    """Refuse settings that cannot run, before anything is written or started; the values the attempts use
+    in place of the settings that need reading: the gradient compression's canonical text, and the given
+    placement as (assignment, replica layout), or (None, None) when the partition pass decides."""
     if cfg.fleet is None:
         raise VGraphError("vgraph launch needs a fleet: --fleet FLEET.yml (see networks/fleets/)")
-    check_train_config(cfg)  # a library caller's values, held to the command line's checks
     if cfg.comm not in COMM_MODES:
         raise VGraphError(f"comm must be one of {', '.join(COMM_MODES)}, not {cfg.comm!r}")
     if cfg.on_failure not in ON_FAILURE:
@@ -328,12 +328,14 @@ def _validate(cfg: LaunchConfig) -> str:
     if cfg.emit_job is not None and cfg.node_rank != 0:
         raise VGraphError("--emit-job writes the job once, on machine 0: drop --node-rank (torchrun and srun "
                           "start every machine's workers from that one job file)")
+    given = read_placement_layout(cfg.placement) if isinstance(cfg.placement, (str, Path)) else (cfg.placement, None)
+    check_train_config(cfg)  # a library caller's values, held to the command line's checks
     try:
         grad_compress = parse_grad_compress(cfg.grad_compress).text()
     except ValueError as exc:
         raise VGraphError(f"--grad-compress: {exc}") from None
     check_master_addr(cfg.master_addr)  # never every interface (rendezvous.py)
-    return grad_compress
+    return grad_compress, given
 
 
 def launch(config: LaunchConfig) -> LaunchResult:
@@ -401,7 +403,7 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
 
     Long because it is the launch's one walk through its settings, in the order the run needs them: each
     setting read, checked and turned into the value the attempts use, so none of them goes back to it."""
-    grad_compress = _validate(cfg)
+    grad_compress, given = _validate(cfg)
     emitting = cfg.emit_job is not None
     lock = threading.Lock()
 
@@ -427,8 +429,6 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
             except MachineLost as exc:
                 raise TrainingError(str(exc)) from None
     fleet = resolve_fleet(cfg.fleet)
-    given = (read_placement_layout(cfg.placement) if isinstance(cfg.placement, (str, Path))
-             else (cfg.placement, None))
     micro = cfg.micro_batches or min(cfg.batch, 2 * len(fleet))
     if not 1 <= micro <= cfg.batch:
         raise TrainingError(f"--micro-batches must be between 1 and --batch {cfg.batch}, got {micro}")
@@ -765,6 +765,8 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     from vgraph.base import options
     from vgraph.base.options import non_negative_int as _non_negative_int, positive_int as _positive_int
 
+    default = {f.name: f.default for f in fields(LaunchConfig)}  # LaunchConfig's, but --replicas: auto
+
     p = subparsers.add_parser(
         "launch", help="train a network partitioned over a fleet, one torch.distributed worker per PNode",
         description="Partition the network onto the fleet's PNodes and train it with one worker process per "
@@ -775,7 +777,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                    help="fleet spec YAML (PNodes), or a shipped fleet's name")
     p.add_argument("--micro-batches", type=_positive_int, metavar="M",
                    help="micro-batches per step, pipelined over the PNodes (default min(batch, 2 x PNodes))")
-    p.add_argument("--pipeline", choices=PIPELINES, default="1f1b",
+    p.add_argument("--pipeline", choices=PIPELINES, default=default["pipeline"],
                    help="micro-batch schedule: 1f1b (default; at most min(M, PNodes) micro-batches of activations "
                         "per worker) or gpipe (all forwards, then all backwards)")
     p.add_argument("--placement", metavar="JSON", type=options.path, help="use this placement.json's assignment (VNode -> PNode, "
@@ -783,26 +785,27 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
                    help="data-parallel replicas of the pipeline (default auto: the plan of least predicted step "
                         "time, see `vgraph partition`); each replica's stage groups all-reduce gradients")
-    p.add_argument("--on-failure", choices=ON_FAILURE, default="restart",
+    p.add_argument("--on-failure", choices=ON_FAILURE, default=default["on_failure"],
                    help="when a worker dies: restart all from the last checkpoint on the same placement "
                         "(default), re-partition onto the surviving PNodes, shrink (drop the replicas that "
                         "lost a worker; the others share the global batch), or stop")
-    p.add_argument("--max-restarts", type=_non_negative_int, default=3, metavar="N", help="default 3")
-    p.add_argument("--comm-timeout", type=options.positive_float, default=300.0, metavar="S",
+    p.add_argument("--max-restarts", type=_non_negative_int, default=default["max_restarts"], metavar="N",
+                   help=f"default {default['max_restarts']}")
+    p.add_argument("--comm-timeout", type=options.positive_float, default=default["comm_timeout"], metavar="S",
                    help="seconds a worker waits on a peer before failing (default 300)")
-    p.add_argument("--bucket-size", type=options.byte_size, default=DEFAULT_BUCKET_BYTES, metavar="SIZE",
+    p.add_argument("--bucket-size", type=options.byte_size, default=default["bucket_bytes"], metavar="SIZE",
                    help="gradient bucket of the replicas' all-reduce, e.g. 25M (default 25 MiB, as DDP): a bucket "
                         "is all-reduced as soon as its gradients are final in the last backward")
-    p.add_argument("--grad-compress", default="none", metavar="none|powersgd[:rank=R,start=N]",
+    p.add_argument("--grad-compress", default=default["grad_compress"], metavar="none|powersgd[:rank=R,start=N]",
                    help="the replicas' gradient all-reduce: none (default) or PowerSGD with error feedback "
                         "(torch's powerSGD_hook; rank R, default 4, after N plain steps, default 2); the planner "
                         "prices it")
-    p.add_argument("--link-timeout", type=options.positive_float, default=10.0, metavar="S",
+    p.add_argument("--link-timeout", type=options.positive_float, default=default["link_timeout"], metavar="S",
                    help="several machines: a machine silent for S seconds is lost (its link or itself); the "
                         "others stop their workers (default 10; see membership.py)")
-    p.add_argument("--nnodes", type=_positive_int, default=1, help="machines taking part (default 1)")
-    p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this machine's index (default 0)")
-    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+    p.add_argument("--nnodes", type=_positive_int, default=default["nnodes"], help="machines taking part (default 1)")
+    p.add_argument("--node-rank", type=_non_negative_int, default=default["node_rank"], help="this machine's index (default 0)")
+    p.add_argument("--master-addr", default=default["master_addr"], metavar="HOST",
                    help="address of machine 0 (default 127.0.0.1)")
     p.add_argument("--master-port", type=options.port, metavar="PORT",
                    help="rendezvous port on machine 0 (default: free port; 29500 with --nnodes > 1)")
