@@ -68,7 +68,7 @@ import vgraph  # noqa: E402
 from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vgraph_state  # noqa: E402
 from tools.gen_networks import PRODUCTION, TINY  # noqa: E402
 from vgraph.backends.torch import compile_network, compute_dtype, prepare_graph  # noqa: E402
-from vgraph.backends.torch import kernels as K  # noqa: E402
+from vgraph.backends.torch.lowering import kernels as K  # noqa: E402
 from vgraph.backends.torch.lowering.graph_breaks import explain_program  # noqa: E402
 from vgraph.backends.torch.training.optimizers import NodeOptimizers, make_adam  # noqa: E402
 from vgraph.backends.torch.training.setup import device_target  # noqa: E402

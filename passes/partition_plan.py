@@ -40,11 +40,11 @@ class Plan:
         """graph.meta["placement"]: the plan in numbers (JSON-compatible)."""
         ev, pr = self.evaluation, self.problem
         counts = Counter(self.assign.tolist())
-        stages = []
+        along = []  # the PNodes in order of use along the unit chain (one the chain comes back to, again)
         for u in range(pr.n):
             pid = pr.pnodes[int(self.assign[u])].id
-            if not stages or stages[-1] != pid:
-                stages.append(pid)
+            if not along or along[-1] != pid:
+                along.append(pid)
         pnodes = {}
         for i, p in enumerate(pr.pnodes):
             pnodes[p.id] = {
@@ -62,7 +62,7 @@ class Plan:
                              "to_pnode": b, "bytes_per_step": t.sync_bytes_per_step})
         return {
             "fleet": fleet.name, "batch": pr.batch, "micro_batches": pr.micro_batches, "view": pr.view,
-            "units": pr.n, "method": self.method, "stages": stages,
+            "units": pr.n, "method": self.method, "stages": along,
             "bottleneck_seconds": ev.bottleneck,
             "bottleneck_pnode": pr.pnodes[int(np.argmax(ev.times))].id,
             "cut_bytes_per_step": ev.cut, "pnodes": pnodes, "weight_sync": sync,

@@ -124,8 +124,8 @@ def build_problem(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
     else:
         units, unit_of = _units(graph, order, required, split_preferred=True)
     n = len(units)
-    depth = len(fleet)
-    resident = cm.resident_samples(depth)
+    stages = len(fleet)  # at most one stage per PNode
+    resident = cm.resident_samples(stages)
     ids = cm.node_columns["id"]
     index = np.fromiter((unit_of[nid] for nid in ids), dtype=np.int64, count=len(ids))
     flops = effective_flops(cm, fleet)  # FLOPs, or time in FLOPs of the peak when the fleet was probed

@@ -284,7 +284,7 @@ def _splits(graph: Graph, fleet: Fleet, cm: CostModel, cols: LoadColumns, batch:
 
 
 def _retarget(base: Problem, pnodes: list[PNode], cm: CostModel) -> Problem:
-    """`base` (built for any fleet) on `pnodes`: only the resident activations depend on the depth."""
+    """`base` (built for any fleet) on `pnodes`: only the resident activations depend on the stage count."""
     resident = cm.resident_samples(len(pnodes))
     breakdown = base.breakdown.copy()
     breakdown[:, 3] *= resident / base.resident_samples

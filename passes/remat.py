@@ -239,8 +239,8 @@ def scopes_of(graph: Graph, cm: CostModel, budget: int | None, device_memory: in
     pnodes = placement.get("pnodes") or {}
     where = {n.id: n.meta.get("pnode") for n in graph.nodes}
     if pnodes and all(where.values()):
-        depth = max(1, len(placement.get("stages") or [None]))
-        resident = cm.resident_samples(depth)
+        stages = max(1, len(placement.get("stages") or [None]))
+        resident = cm.resident_samples(stages)
         out = []
         for pid, info in pnodes.items():
             ids = [nid for nid, p in where.items() if p == pid]

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vgraph.backends.torch import kernels as K
+from vgraph.backends.torch.lowering import kernels as K
 
 B, S, D, V = 3, 11, 32, 97
 # Relative-norm bound on each gradient: 4 x the unit roundoff of the compute dtype.

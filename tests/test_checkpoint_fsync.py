@@ -12,7 +12,7 @@ import stat
 
 import torch
 
-from vgraph.backends.torch import checkpoint as C
+from vgraph.backends.torch.training import checkpoint as C
 
 
 def test_save_fsyncs_the_checkpoint_and_the_run_directory(tmp_path, monkeypatch) -> None:

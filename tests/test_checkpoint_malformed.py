@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from vgraph.backends.torch import checkpoint as C
+from vgraph.backends.torch.training import checkpoint as C
 
 
 @pytest.fixture

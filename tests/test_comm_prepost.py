@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vgraph.backends.torch.distributed import comm
+from vgraph.backends.torch.distributed.runtime import comm
 from vgraph.backends.torch.distributed.runtime.comm import PREPOSTED, Transport, TransportError
 
 

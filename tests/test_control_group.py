@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from vgraph.backends.torch.distributed import comm
+from vgraph.backends.torch.distributed.runtime import comm
 from vgraph.backends.torch.distributed.runtime.comm import ControlGroup
 
 

@@ -97,7 +97,7 @@ def test_optimizers_integer_edges_and_micro_batches():
     ids = next(e for e in cm.edges if e.src == "tok")
     assert not ids.gradient and cm.edge_bytes(ids) == 8 * 8 * 10  # int64 ids, no gradient
     assert cm.micro_batch == 3
-    assert cm.resident_samples(pipeline_depth=2) == 6 and cm.resident_samples(pipeline_depth=16) == 12
+    assert cm.resident_samples(stages=2) == 6 and cm.resident_samples(stages=16) == 12
     with pytest.raises(ValueError):
         cost_model(g, batch=0)
 

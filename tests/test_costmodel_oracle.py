@@ -23,9 +23,9 @@ def test_node_memory_by_hand(net8) -> None:
     up = cm.nodes["block0_ffn_up"]
     assert up.static_bytes == (2 + 2 + 4 + 8) * UP_PARAMS
     assert up.memory_bytes(3) == 16 * UP_PARAMS + 3 * UP_ACTIVATION
-    assert cm.node_memory("block0_ffn_up", pipeline_depth=1) == 16 * UP_PARAMS + 4 * UP_ACTIVATION
-    assert cm.node_memory("block0_ffn_up", pipeline_depth=2) == 16 * UP_PARAMS + 8 * UP_ACTIVATION
-    t = cm.totals(["block0_ffn_up"], pipeline_depth=2)
+    assert cm.node_memory("block0_ffn_up", stages=1) == 16 * UP_PARAMS + 4 * UP_ACTIVATION
+    assert cm.node_memory("block0_ffn_up", stages=2) == 16 * UP_PARAMS + 8 * UP_ACTIVATION
+    t = cm.totals(["block0_ffn_up"], stages=2)
     assert t["memory_bytes"] == 16 * UP_PARAMS + 8 * UP_ACTIVATION
     assert t["transient_bytes"] == 0 and cm.transient_bytes() == 0  # nothing rematerialised without remat
 

@@ -29,9 +29,10 @@ from vgraph.backends.torch.training.checkpoint import load_checkpoint
 from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main, place, split_pipeline
 from vgraph.run.step_plan import (Message, make_plan, message_order, micro_batch_sizes, rank_ops,
-                                                    schedule_ops, sends_of, stages, weight_ops)
+                                                    schedule_ops, sends_of, weight_ops)
 from vgraph.backends.torch.lowering.dropout import dropout_key, keyed_dropout
 from vgraph.base.diagnostics import VGraphError
+from vgraph.ir.depth import graph_depths
 from vgraph.cost.fleet import loads_fleet
 from vgraph.placement.export import placement_report
 from vgraph.run.files import WORKERS_JSON
@@ -279,13 +280,13 @@ def simulate(plan, micro: int, pipeline: str = "1f1b") -> None:
     assert sent == {(s, d, m) for (s, d), msgs in order.items() for m in msgs}
 
 
-def test_stages_make_the_task_graph_acyclic_when_the_pnode_graph_is_not() -> None:
+def test_depths_make_the_task_graph_acyclic_when_the_pnode_graph_is_not() -> None:
     p = placed(tiny(False), 3)
     plan = make_plan(p.graph, p.final, p.ranks)
-    w0 = [t.stage for t in plan.tasks_of(0)]
+    w0 = [t.depth for t in plan.tasks_of(0)]
     assert len(w0) == 2 and w0[0] < w0[1]  # embedder first, LM head after the blocks
     for tr in plan.transfers:
-        assert plan.tasks[tr.src_task].stage < plan.tasks[tr.dst_task].stage
+        assert plan.tasks[tr.src_task].depth < plan.tasks[tr.dst_task].depth
     assert not any(t.remote for t in plan.ties)  # the replica shares the publisher's Parameter
     simulate(plan, 4, "1f1b")
     simulate(plan, 4, "gpipe")
@@ -304,7 +305,7 @@ def test_any_placement_gets_a_deadlock_free_schedule_and_the_predicted_bytes() -
         simulate(plan, rng.randint(1, 6), rng.choice(["1f1b", "gpipe"]))
         report = placement_report(graph, fleet, batch=8)
         assert plan.cut_bytes_per_step(8) == report["cut_bytes_per_step"], trial
-        order = stages(graph, assignment)
+        order = graph_depths(graph, assignment)
         assert all(order[e.dst] >= order[e.src] for e in graph.edges)
         assert {r for tie in plan.ties for r in (tie.owner_rank, tie.replica_rank)} <= set(range(plan.world_size))
         for r in range(plan.world_size):
@@ -317,13 +318,18 @@ def test_micro_batches_and_pipeline_splitting() -> None:
         micro_batch_sizes(4, 5)
     opts = {"batch": "8", "micro_batches": "2"}
     one = "partition{batch=8,micro_batches=2,replicas=1}"  # one pipeline unless the options ask for replicas
-    assert split_pipeline(None, True, opts) == ("dead-nodes,precision", one, "fuse-heads,fuse-lm-head-ce")
-    assert split_pipeline(None, False, opts) == ("dead-nodes,precision", one, "")
-    assert split_pipeline("", True, opts) == ("", one, "")
-    assert split_pipeline("fuse-heads,partition{fleet=x.yml},precision", True, opts) == (
+
+    def split(*args) -> tuple[str, ...]:
+        return tuple(map(str, split_pipeline(*args)))
+
+    assert split(None, True, opts) == ("dead-nodes,precision", one, "fuse-heads,fuse-lm-head-ce")
+    assert split(None, False, opts) == ("dead-nodes,precision", one, "")
+    assert split("", True, opts) == ("", one, "")
+    assert split("fuse-heads,partition{fleet=x.yml},precision", True, opts) == (
         "fuse-heads", "partition{fleet=x.yml,batch=8,micro_batches=2,replicas=1}", "precision")
-    assert split_pipeline(None, False, {**opts, "replicas": "auto"})[1] == \
-        "partition{batch=8,micro_batches=2,replicas=auto}"
+    assert split("fuse-heads,precision", True, opts) == ("fuse-heads,precision", one, "")
+    assert split("fuse-heads", True, opts) == ("", one, "fuse-heads")
+    assert split(None, False, {**opts, "replicas": "auto"})[1] == "partition{batch=8,micro_batches=2,replicas=auto}"
 
 
 def test_fusion_after_the_partition_respects_it() -> None:

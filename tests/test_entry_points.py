@@ -47,3 +47,8 @@ def test_partition_and_onnx_come_from_their_entry_points() -> None:
 
     assert get_pass("partition") is Partition
     assert find_exporter("onnx") is export_subgraph
+    from vgraph.backends.onnx import Decoder
+    from vgraph.plugins import find_plugin
+
+    assert find_plugin("vgraph.decoders", "onnx").load() is Decoder  # what `generate --backend onnx` uses
+    assert find_plugin("vgraph.decoders", "no-such-backend") is None

@@ -83,7 +83,7 @@ def test_fp16_resume_continues_scale_skips_and_weights_exactly(runs) -> None:
 
 
 def test_fp16_checkpoint_carries_the_scaler_state(runs) -> None:
-    from vgraph.backends.torch import checkpoint as ckpt
+    from vgraph.backends.torch.training import checkpoint as ckpt
 
     whole, first, _ = runs
     state = ckpt.load_checkpoint(first.checkpoint, map_location="cpu")

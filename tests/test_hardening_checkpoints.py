@@ -16,7 +16,7 @@ import pytest
 
 from conftest import TINY
 from hardening_util import file_size_limit, small_corpus, widened_head
-from vgraph.backends.torch import checkpoint as ckpt
+from vgraph.backends.torch.training import checkpoint as ckpt
 from vgraph.backends.torch import cli
 from vgraph.backends.torch.training.tensorboard_log import TensorBoardLog
 

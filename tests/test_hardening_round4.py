@@ -32,9 +32,9 @@ import vgraph
 from conftest import TINY
 from hardening_util import small_corpus
 from tools.gen_networks import TransformerSpec, transformer
-from vgraph.backends.torch import checkpoint as ckpt
+from vgraph.backends.torch.training import checkpoint as ckpt
 from vgraph.backends.torch import cli as torch_cli
-from vgraph.backends.torch import probe_cli
+from vgraph.backends.torch.probe import cli as probe_cli
 from vgraph.backends.torch.distributed.runtime.comm_choice import worker_device
 from vgraph.backends.torch.distributed.job import Job, JobError
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch

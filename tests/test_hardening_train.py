@@ -11,7 +11,7 @@ import pytest
 
 from conftest import TINY
 from hardening_util import modes_against_umask, signal_after_rows, widened_head
-from vgraph.backends.torch import checkpoint as ckpt
+from vgraph.backends.torch.training import checkpoint as ckpt
 from vgraph.backends.torch import cli
 from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.backends.torch.training.run_files import run_slug

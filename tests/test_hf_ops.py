@@ -85,7 +85,7 @@ def test_rmsnorm_is_torchs_rms_norm_in_float32() -> None:
 def test_rmsnorm_normalises_half_precision_in_float32() -> None:
     """Values around 300: their squares overflow float16 (max 65504), so a float16 mean square is inf and the
     output 0; computed in float32 and cast back (Llama's LlamaRMSNorm) it is the float32 result rounded."""
-    from vgraph.backends.torch import kernels as K
+    from vgraph.backends.torch.lowering import kernels as K
 
     x = (300.0 + _randn(2, SEQ, DIM, seed=3)).half()
     weight = torch.ones(DIM, dtype=torch.float16)

@@ -142,7 +142,7 @@ def _jsonl_line(tmp: Path, doc: bytes) -> None:
 def _checkpoint_state(tmp: Path, doc: bytes) -> None:
     import torch
 
-    from vgraph.backends.torch import checkpoint as C
+    from vgraph.backends.torch.training import checkpoint as C
 
     saved = C.save_checkpoint(tmp / "step-1", step=1, model_state={"w": torch.ones(2)},
                               optimizer_states={"w": {"step": 1}}, rng_state={}, extra={})
@@ -160,7 +160,7 @@ def _checkpoint_aliases(tmp: Path, doc: bytes) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from vgraph.backends.torch import checkpoint as C
+    from vgraph.backends.torch.training import checkpoint as C
 
     if doc == DIRECTORY:
         pytest.skip("metadata inside a file, not a file")
@@ -523,7 +523,7 @@ def test_a_lying_probe_peer_is_a_diagnostic(reply: bytes) -> None:
 
 def test_a_probe_peer_claiming_a_huge_rate_never_sizes_an_allocation(monkeypatch) -> None:
     """1 KB counted in 1 us is 1e9 B/s: the burst is capped by what the stream carried, sent from one buffer."""
-    from vgraph.backends.torch import probe_cli
+    from vgraph.backends.torch.probe import cli as probe_cli
 
     sizes: list[int] = []
     monkeypatch.setattr(probe_cli, "burst_of", lambda reply, size: sizes.append(size) or 0.0)
@@ -536,7 +536,7 @@ def test_a_probe_peer_claiming_a_huge_rate_never_sizes_an_allocation(monkeypatch
 # -- the launchers' channel -----------------------------------------------------------------------------------
 
 def test_the_channel_checks_the_seal_before_it_parses(monkeypatch) -> None:
-    from vgraph.backends.torch.distributed import membership
+    from vgraph.backends.torch.distributed.launcher import membership
     from vgraph.backends.torch.distributed.launcher.membership import Machines, _digest
     from vgraph.backends.torch.distributed.rendezvous import free_port
 

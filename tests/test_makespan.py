@@ -267,7 +267,7 @@ def test_the_plan_and_the_cost_model_find_the_same_tasks():
         stage_of = {v: plan.ranks.index(p) for v, p in assignment.items()}
         loads = stage_loads(cost_model(graph, batch=8), stage_of, plan.world_size)
         tasks = loads.task_view()
-        name = {f"{plan.ranks.index(t.pnode)}#{t.stage}": t.id for t in plan.tasks.values()}
+        name = {f"{plan.ranks.index(t.pnode)}#{t.depth}": t.id for t in plan.tasks.values()}
         mine = [ScheduledTask(name[t.id], t.rank, tuple(name[x] for x in t.reads),
                               tuple(name[x] for x in t.grads_from)) for t in tasks.scheduled]
         theirs = scheduled_tasks(plan)

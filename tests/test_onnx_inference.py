@@ -223,6 +223,18 @@ def test_generate_onnx_gives_the_torch_greedy_tokens_with_and_without_the_cache(
     assert sampled[0] == sampled[1]  # equal logits, the same draw on the same generator
 
 
+def test_generate_onnx_without_the_decoder_entry_point_says_so(trained, monkeypatch, capsys) -> None:
+    """The torch backend reaches the ONNX Decoder only through the `vgraph.decoders` entry point."""
+    import vgraph.plugins
+
+    real = vgraph.plugins.find_plugin
+    monkeypatch.setattr(vgraph.plugins, "find_plugin",
+                        lambda group, name: None if group == "vgraph.decoders" else real(group, name))
+    assert main(["generate", str(trained), "--backend", "onnx", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "entry point 'onnx' in 'vgraph.decoders'" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--kv-cache"], "apply to --backend onnx"),
     (["--no-kv-cache"], "apply to --backend onnx"),

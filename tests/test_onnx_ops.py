@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from vgraph import REGISTRY, Graph, VGraphError
 from vgraph.backends.onnx import lower_network, value_name
 from vgraph.backends.onnx.check import check_network, onnx_outputs, random_feeds, random_weights
-from vgraph.backends.torch import kernels as K
+from vgraph.backends.torch.lowering import kernels as K
 from vgraph.backends.torch.lowering.wire_formats import Codec
 from vgraph.ir.builder import NetBuilder, example_graph
 

@@ -9,7 +9,7 @@ from onnx import shape_inference
 import vgraph
 from vgraph import Graph, VGraphError
 from vgraph.backends.onnx import (boundary, export_pieces, export_subgraph, lower_network,
-                                  run_in_sequence, split_topological, stages)
+                                  run_in_sequence, split_topological, runnable_pieces)
 from vgraph.backends.onnx.check import onnx_outputs, random_feeds, random_weights
 from vgraph.backends.onnx.subgraph import assignment_by_group, assignment_from_meta
 
@@ -18,7 +18,7 @@ from tests.test_onnx_lowering import fuse_by_hand, fused_feeds
 
 
 def _run_parts(graph: Graph, assignment: dict[str, str], weights, feeds) -> tuple[list, dict]:
-    pieces = stages(graph, assignment)
+    pieces = runnable_pieces(graph, assignment)
     models = export_pieces(graph, pieces, weights)
     for model in models:
         onnx.checker.check_model(model, full_check=True)
@@ -43,7 +43,7 @@ def test_topological_split_runs_in_sequence_like_the_whole(parts: int) -> None:
 
 def test_boundary_tensors_are_named_after_their_producer_slot() -> None:
     graph = vgraph.load(TINY_FP32)
-    pieces = stages(graph, split_topological(graph, 3))
+    pieces = runnable_pieces(graph, split_topological(graph, 3))
     models = export_pieces(graph, pieces, None)
     produced: dict[str, onnx.ValueInfoProto] = {}
     for piece, model in zip(pieces, models):
@@ -110,7 +110,7 @@ def test_mistakes_are_user_errors() -> None:
         export_subgraph(graph, ["embedder", "nope"])
     with pytest.raises(VGraphError, match="no meta\\['pnode'\\]"):
         assignment_from_meta(graph)
-    pieces = stages(graph, split_topological(graph, 2))
+    pieces = runnable_pieces(graph, split_topological(graph, 2))
     models = export_pieces(graph, pieces, random_weights(graph))
     with pytest.raises(VGraphError, match="needs .*which no feed or earlier part provides"):
         run_in_sequence(models[::-1], random_feeds(graph, 1))
@@ -124,7 +124,7 @@ def test_parts_without_a_cycle_stay_whole_even_when_reached_by_paths_of_differen
     assignment["block0_head1"] = "C"
     for node_id in ["block0_head0", *order[order.index("block0_stack"):]]:
         assignment[node_id] = "B"  # head0 reads only A; the stack reads head0 (B) and head1 (C)
-    pieces = stages(graph, assignment)
+    pieces = runnable_pieces(graph, assignment)
     assert [p.name for p in pieces] == ["A", "C", "B"]
     assert pieces[2].node_ids[0] == "block0_head0"
     weights, feeds = random_weights(graph, 8), random_feeds(graph, 2, 8)

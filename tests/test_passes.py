@@ -57,7 +57,7 @@ def test_each_pass_is_idempotent_and_keeps_endpoints(path, name):
 def test_default_pipeline_keeps_every_output_cost_and_metric(net6):
     g = net6.copy()
     pm = run_pipeline(g)
-    assert [r.name for r in pm.records] == DEFAULT_PIPELINE.split(",")
+    assert [r.name for r in pm.records] == DEFAULT_PIPELINE.names
     assert endpoint_view(g) == endpoint_view(net6)
     logits = next(ep for ep in g.outputs if ep.name == "logits")
     assert (g.node(logits.node).type, logits.slot) == ("tied_lm_head_ce", 1)

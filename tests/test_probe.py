@@ -13,8 +13,8 @@ import pytest
 import vgraph
 from conftest import TINY_FP32
 from vgraph.backends.torch import prepare_graph
-from vgraph.backends.torch import probe as P
-from vgraph.backends.torch import probe_cli as C
+from vgraph.backends.torch.probe import measure as P
+from vgraph.backends.torch.probe import cli as C
 from vgraph.backends.torch.probe.cli import burst_of, measure_link, serve
 from vgraph.cli.main import main
 from vgraph.cost.fleet import load_fleet, loads_fleet

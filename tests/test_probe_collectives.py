@@ -12,7 +12,7 @@ import pytest
 
 from conftest import TINY_FP32
 
-from vgraph.backends.torch import probe_collectives as PC
+from vgraph.backends.torch.probe import collectives as PC
 from vgraph.backends.torch.distributed.rendezvous import free_port
 from vgraph.cli.main import main
 from vgraph.cost.collectives import collectives_of
@@ -79,7 +79,8 @@ def test_known_all_reduce_times_give_the_hop_and_the_ring_rate_by_hand(monkeypat
     the bytes it moves, 2 (k - 1) / k MiB, over the time its hops do not take."""
     import torch.distributed as dist
 
-    from vgraph.backends.torch.distributed import comm, rendezvous
+    from vgraph.backends.torch.distributed import rendezvous
+    from vgraph.backends.torch.distributed.runtime import comm
 
     small, big = {2: 1e-3, 3: 4e-3}, {2: 0.011, 3: 0.024}
     now = [0.0]

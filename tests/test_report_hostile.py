@@ -309,3 +309,13 @@ def test_report_never_raises_never_reads_outside_never_leaks(tmp_path_factory, r
     page = out.read_text(encoding="utf-8")
     assert SECRET not in page
     assert not outside(paths, elsewhere), paths
+
+
+def test_a_job_files_pipeline_text_that_does_not_parse_is_shown_as_written() -> None:
+    """The caption builds the launch's pipeline as a value; text that is no pipeline is described, not run."""
+    from vgraph.report.page import _job_pipeline
+
+    assert _job_pipeline({"pipeline_before": " dead-nodes, precision", "pipeline_after": "fuse-heads"}) == \
+        "dead-nodes,precision,partition,fuse-heads"
+    assert _job_pipeline({"pipeline_before": "a,,b{", "pipeline_after": ""}) == "a,,b{,partition"
+    assert _job_pipeline({}) == "partition"

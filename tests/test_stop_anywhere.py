@@ -23,7 +23,7 @@ import pytest
 
 from conftest import TINY
 from hardening_util import signal_after_rows, small_corpus
-from vgraph.backends.torch import checkpoint as ckpt
+from vgraph.backends.torch.training import checkpoint as ckpt
 from vgraph.backends.torch import cli
 from vgraph.backends.torch.training.metrics_log import MetricsLog
 from vgraph.backends.torch.training.step import TrainStep

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vgraph.backends.torch import checkpoint as C
+from vgraph.backends.torch.training import checkpoint as C
 
 DIM = 32
 

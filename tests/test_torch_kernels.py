@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from vgraph.backends.torch import kernels as K
+from vgraph.backends.torch.lowering import kernels as K
 
 DIM = 32
 HEADS = 2

@@ -30,7 +30,7 @@ import torch
 
 import vgraph
 from vgraph.backends.torch import compile_network, compute_dtype, prepare_graph
-from vgraph.backends.torch import kernels as K
+from vgraph.backends.torch.lowering import kernels as K
 from vgraph.backends.torch.lowering.dropout import dropout_key
 from vgraph.backends.torch.lowering.ops import attention_head_sdpa
 

@@ -23,7 +23,8 @@ STEPS = 40
 KILLER = textwrap.dedent("""
     import importlib, os, signal, sys
     import torch
-    from vgraph.backends.torch import checkpoint, cli
+    from vgraph.backends.torch import cli
+    from vgraph.backends.torch.training import checkpoint
     T = importlib.import_module("vgraph.backends.torch.training.train")  # the module, not the function
 
     mode, n, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]

@@ -94,7 +94,7 @@ _REPLICA_SPY = '''
 import itertools
 import torch
 import torch.distributed as dist
-from vgraph.backends.torch.distributed import worker as _worker
+from vgraph.backends.torch.distributed.runtime import worker as _worker
 
 _check = _worker.check_replicas_agree
 _count = itertools.count()
@@ -114,7 +114,7 @@ def replicas_recorded(directory: Path) -> Iterator[Path]:
     The path is written into the plugin file: workers fork from a forkserver that an earlier launch may
     have started with its own environment."""
     from vgraph import plugins
-    from vgraph.backends.torch.distributed import worker
+    from vgraph.backends.torch.distributed.runtime import worker
 
     directory.mkdir(parents=True, exist_ok=True)
     spy = directory / "replica_spy.py"

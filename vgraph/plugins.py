@@ -20,6 +20,9 @@ Groups:
   reads which backends lower an op from these names alone.
 - `vgraph.commands`: name -> a callable `(subparsers) -> None` adding a CLI command
 - `vgraph.exporters`: name -> `fn(graph, node_ids, name=...)` serialising one part of a partition
+- `vgraph.decoders`: backend -> a class sampling a trained network's next-token logits through that
+  backend (`for_network(graph, weights, kv_cache=, logits_output=, threads=)`, `last_logits(ids)`):
+  how `generate --backend onnx` reaches the ONNX backend without the torch backend importing it
 
 A plugin *file* declares its lazy lowerings with `@lowering("torch", "my_op")`.
 """
@@ -42,7 +45,7 @@ from vgraph.base.diagnostics import Diagnostic, VGraphError
 BUILTIN = "vgraph"  # the distribution whose entry points are the built-ins
 BACKENDS = ("torch", "onnx")
 LOWERINGS_PREFIX = "vgraph.lowerings."
-GROUPS = ("vgraph.passes", "vgraph.ops", "vgraph.commands", "vgraph.exporters",
+GROUPS = ("vgraph.passes", "vgraph.ops", "vgraph.commands", "vgraph.exporters", "vgraph.decoders",
           *(LOWERINGS_PREFIX + b for b in BACKENDS))
 
 R = TypeVar("R")
@@ -155,6 +158,11 @@ def _entry_points(search_path: tuple[str, ...]) -> dict[str, list[Plugin]]:
 def discover(group: str) -> list[Plugin]:
     """Every entry point of `group`, sorted by (name, distribution), none imported."""
     return list(_entry_points(tuple(sys.path)).get(group, ()))
+
+
+def find_plugin(group: str, name: str) -> Plugin | None:
+    """The entry point `name` of `group` (the first by distribution), not imported; None if none is installed."""
+    return next((plugin for plugin in discover(group) if plugin.name == name), None)
 
 
 def discover_groups(prefix: str) -> dict[str, list[Plugin]]:

@@ -20,9 +20,9 @@ from .names import BATCH_DIM, PAST, SEQUENCE_DIM, input_name, param_key, value_n
 from .ops import LOWERINGS, NodeLowering, register_lowering
 from .inference import Decoder, inference_outputs, lower_inference
 from .subgraph import (Boundary, Piece, boundary, export_pieces, export_subgraph, run_in_sequence,
-                       split_topological, stages)
+                       split_topological, runnable_pieces)
 
 __all__ = ["BATCH_DIM", "LOWERINGS", "OPSET", "PAST", "SEQUENCE_DIM", "NodeLowering", "context_length",
            "build_model", "expected_param_shapes", "input_name", "lower_network", "onnx_dims", "param_key", "register_lowering", "value_name",
            "Boundary", "Piece", "boundary", "export_pieces", "export_subgraph", "run_in_sequence",
-           "split_topological", "stages", "Decoder", "inference_outputs", "lower_inference"]
+           "split_topological", "runnable_pieces", "Decoder", "inference_outputs", "lower_inference"]

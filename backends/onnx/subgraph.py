@@ -8,7 +8,7 @@ the earlier ones produced, gives the whole network's result.
 A partition need not be runnable as one call per part: the production
 colocation groups put the embedder and the LM head on one PNode with the
 transformer blocks in between, so that PNode's work is two calls (before and
-after the blocks).  :func:`stages` splits the parts into such pieces (one
+after the blocks).  :func:`runnable_pieces` splits the parts into such pieces (one
 per part whenever the parts depend on each other without a cycle), in an
 order that can be run front to back.
 """
@@ -22,12 +22,13 @@ import numpy as np
 import onnx
 
 from vgraph import Graph, VGraphError
+from vgraph.ir.depth import graph_depths
 
 from .lower import OPSET, build_model
 from .names import BATCH_DIM, input_name, value_name
 
 __all__ = ["Boundary", "Piece", "boundary", "export_subgraph", "assignment_from_meta",
-           "assignment_by_group", "split_topological", "stages", "export_pieces", "run_in_sequence"]
+           "assignment_by_group", "split_topological", "runnable_pieces", "export_pieces", "run_in_sequence"]
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def split_topological(graph: Graph, parts: int) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Piece:
-    """One runnable call: the nodes of ``part`` at ``stage`` (pieces run in increasing stage).
+    """One runnable call: the nodes of ``part`` at ``depth`` (pieces run in increasing depth).
 
     ``name`` is the part's name, or ``"<part>@<i>"`` (i-th piece of that
     part, from 0) when a part runs in more than one piece.
@@ -151,29 +152,30 @@ class Piece:
 
     name: str
     part: str
-    stage: int
+    depth: int
     node_ids: tuple[str, ...]
 
 
-def stages(graph: Graph, assignment: Mapping[str, str]) -> list[Piece]:
+def runnable_pieces(graph: Graph, assignment: Mapping[str, str]) -> list[Piece]:
     """Split the parts into pieces that can run front to back, and order them.
 
     If the parts depend on each other without a cycle, each part is one
     piece, in dependency order.  Otherwise a part is cut where a path leaves
     it and comes back (the production LM head shares its PNode with the
-    embedder): a node's stage is the largest number of part changes on any
-    path into it, and a piece (part, stage) reads only pieces of lower
-    stages, so sorting by (stage, first node) is a valid running order.
+    embedder): a node's depth is the largest number of part changes on any
+    path into it (`vgraph.ir.depth`, the rule the torch workers cut by), and
+    a piece (part, depth) reads only pieces of lower depths, so sorting by
+    (depth, first node) is a valid running order.
     """
     order = graph.topo_order()
     missing = [n.id for n in order if n.id not in assignment]
     if missing:
         raise VGraphError(f"VNode(s) in no part: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     position = {n.id: i for i, n in enumerate(order)}
-    stage = _part_dag_stages(graph, assignment, order) or _path_stages(graph, assignment, order)
+    depth = _part_dag_depths(graph, assignment, order) or graph_depths(graph, assignment)
     groups: dict[tuple[str, int], list[str]] = {}
     for n in order:
-        groups.setdefault((assignment[n.id], stage[n.id]), []).append(n.id)
+        groups.setdefault((assignment[n.id], depth[n.id]), []).append(n.id)
     keys = sorted(groups, key=lambda k: (k[1], position[groups[k][0]]))
     count = Counter(part for part, _ in keys)
     seen: Counter[str] = Counter()
@@ -185,7 +187,7 @@ def stages(graph: Graph, assignment: Mapping[str, str]) -> list[Piece]:
     return pieces
 
 
-def _part_dag_stages(graph: Graph, assignment: Mapping[str, str], order) -> dict[str, int] | None:
+def _part_dag_depths(graph: Graph, assignment: Mapping[str, str], order) -> dict[str, int] | None:
     """Every node at its part's position in a topological order of the parts; None if they cycle."""
     import networkx as nx
 
@@ -205,14 +207,6 @@ def _part_dag_stages(graph: Graph, assignment: Mapping[str, str], order) -> dict
     return {n.id: rank[assignment[n.id]] for n in order}
 
 
-def _path_stages(graph: Graph, assignment: Mapping[str, str], order) -> dict[str, int]:
-    stage: dict[str, int] = {}
-    for n in order:
-        s = 0
-        for e in graph.in_edges(n.id):
-            s = max(s, stage[e.src] + (assignment[e.src] != assignment[n.id]))
-        stage[n.id] = s
-    return stage
 
 
 def export_pieces(graph: Graph, pieces: Sequence[Piece],

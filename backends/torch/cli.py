@@ -77,6 +77,7 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 BACKENDS = ("torch", "onnx")
+DECODERS = "vgraph.decoders"  # the entry point group of the decoders other backends provide
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -122,7 +123,7 @@ class LogitsSource:
     The network has a fixed context length S: the context is the last S
     tokens and the next token is drawn from the logits at its last position.
     Both backends compute those logits as if the context were run at once
-    (see `_torch_logits`, `vgraph.backends.onnx.Decoder`), and the draw is the
+    (see `_torch_logits`, the ONNX backend's `Decoder`), and the draw is the
     same code on the same generator, so equal logits give equal tokens.
     """
 
@@ -203,8 +204,13 @@ def _onnx_logits(module, graph, output: str, *, kv_cache: bool):
     """onnxruntime's next-token logits on the network's inference export, with the trained weights."""
     import torch
 
-    from vgraph.backends.onnx import Decoder
+    from vgraph.plugins import find_plugin
 
+    found = find_plugin(DECODERS, "onnx")  # an entry point: the torch backend imports nothing of the ONNX one
+    if found is None:
+        raise VGraphError(f"--backend onnx needs the ONNX backend's decoder (entry point 'onnx' in {DECODERS!r}): "
+                          f"reinstall vgraph (pip install -e .) so its entry points are registered")
+    Decoder = found.load()
     weights = {k: v.detach().float().cpu().numpy() for k, v in module.state_dict().items()}
     try:
         decoder = Decoder.for_network(graph, weights, kv_cache=kv_cache, logits_output=output,

@@ -7,10 +7,15 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vgraph.base import options
 from vgraph.base.diagnostics import VGraphError, printable
 from vgraph.cli.common import EXIT_INVALID, add_plugin_option, command, load_network
+
+if TYPE_CHECKING:
+    from vgraph.transform.pipeline import Pipeline
+
 
 @command("validate")
 def _validate_parser(sub: argparse._SubParsersAction) -> None:
@@ -73,8 +78,7 @@ def _fleet_plan(graph, fleet, batch: int, micro_batches: int, replicas: str) -> 
         return "the 'partition' pass is not installed"
     placed = graph.copy()
     try:
-        run_pipeline(placed, f"partition{{batch={batch},micro_batches={micro_batches},replicas={replicas}}}",
-                     data={"fleet": fleet})
+        run_pipeline(placed, _pipeline_with_partition(None, batch, micro_batches, replicas), data={"fleet": fleet})
     except VGraphError as exc:
         return "; ".join(str(d) for d in exc.diagnostics)
     report = placement_report(placed, fleet)
@@ -131,8 +135,7 @@ def _analyze_max_batch(graph, args: argparse.Namespace) -> int:
     fleet = load_fleet(args.fleet)
     batch = args.batch or DEFAULT_BATCH
     placed = graph.copy()
-    run_pipeline(placed, f"partition{{batch={batch},micro_batches={args.micro_batches},replicas=1}}",
-                 data={"fleet": fleet})
+    run_pipeline(placed, _pipeline_with_partition(None, batch, args.micro_batches, "1"), data={"fleet": fleet})
     cm = cost_model(placed, batch=batch, micro_batches=args.micro_batches)
     stages = len(placed.meta["placement"].get("stages") or [None])
     report = max_batch_report(placed, cm, fleet, {n.id: n.meta["pnode"] for n in placed.nodes},
@@ -142,15 +145,14 @@ def _analyze_max_batch(graph, args: argparse.Namespace) -> int:
     return 0
 
 
-def _pipeline_with_partition(spec: str | None, batch: int, micro_batches: int, replicas: str = "auto") -> str:
+def _pipeline_with_partition(spec: str | None, batch: int, micro_batches: int, replicas: str = "auto") -> Pipeline:
     """The user's pipeline, with `partition` added (at the batch asked for) unless it is there."""
-    from vgraph.transform.pipeline import parse_pipeline
+    from vgraph.transform.pipeline import Pipeline
 
-    items = parse_pipeline(spec) if spec else []
-    if any(name == "partition" for name, _ in items):
-        return spec or ""
-    extra = f"partition{{batch={batch},micro_batches={micro_batches},replicas={replicas}}}"
-    return f"{spec},{extra}" if spec else extra
+    pipeline = Pipeline.parse(spec or "")
+    if "partition" in pipeline:
+        return pipeline
+    return pipeline.insert("partition", batch=batch, micro_batches=micro_batches, replicas=replicas)
 
 
 @command("partition")

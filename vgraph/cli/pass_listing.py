@@ -45,7 +45,7 @@ def pass_json(info: PassInfo, cls: type[Pass]) -> dict[str, Any]:
 
 def listing() -> dict[str, Any]:
     """Every available pass as one JSON document (imports each pass's module, as running it would)."""
-    return {"default_pipeline": DEFAULT_PIPELINE,
+    return {"default_pipeline": str(DEFAULT_PIPELINE),
             "passes": [pass_json(info, info.load()) for info in available_passes().values()]}
 
 

@@ -31,7 +31,7 @@ and the user's PNode holds a replica (weight + gradient).
 
 A step runs `micro_batches` micro-batches of `ceil(batch / micro_batches)`
 samples; with a 1F1B pipeline schedule a stage keeps the activations of at
-most min(micro_batches, pipeline depth) micro-batches.
+most min(micro_batches, stages) micro-batches (the pipeline's stage count).
 """
 from __future__ import annotations
 
@@ -190,12 +190,12 @@ class CostModel:
     def micro_batch(self) -> int:
         return ceil(self.batch / self.micro_batches)
 
-    def resident_samples(self, pipeline_depth: int = 1) -> int:
-        """Samples whose activations a stage keeps at once (1F1B: <= depth micro-batches)."""
-        return self.micro_batch * max(1, min(self.micro_batches, pipeline_depth))
+    def resident_samples(self, stages: int = 1) -> int:
+        """Samples whose activations a stage keeps at once (1F1B: at most one micro-batch per stage)."""
+        return self.micro_batch * max(1, min(self.micro_batches, stages))
 
-    def node_memory(self, node_id: str, pipeline_depth: int = 1) -> int:
-        return self.nodes[node_id].memory_bytes(self.resident_samples(pipeline_depth))
+    def node_memory(self, node_id: str, stages: int = 1) -> int:
+        return self.nodes[node_id].memory_bytes(self.resident_samples(stages))
 
     def edge_bytes(self, e: EdgeCost) -> int:
         return e.bytes_per_step(self.batch)
@@ -224,12 +224,12 @@ class CostModel:
                 out.setdefault(b, [0, 0])[1] += t.sync_bytes_per_step - t.weight_bytes
         return {p: (v[0], v[1]) for p, v in out.items()}
 
-    def totals(self, ids: Iterable[str] | None = None, pipeline_depth: int = 1) -> dict[str, int]:
+    def totals(self, ids: Iterable[str] | None = None, stages: int = 1) -> dict[str, int]:
         """Summed bytes by kind and training FLOPs per step of `ids` (default: every node)."""
         nodes = self.nodes.values() if ids is None else (self.nodes[i] for i in ids)
         out = dict(params=0, param_bytes=0, grad_bytes=0, optimizer_bytes=0, activation_bytes=0,
                    flops_per_step=0, recompute_flops_per_step=0)
-        resident = self.resident_samples(pipeline_depth)
+        resident = self.resident_samples(stages)
         out["transient_bytes"] = self.transient_bytes(ids) * resident
         for c in nodes:
             out["params"] += c.params

@@ -2,10 +2,10 @@
 
 The step cost model (stepcost.py) used to price a replica's pipeline as (M + S - 1) / M x its slowest
 stage, the bubble of a linear chain of S equal stages.  The workers run something else whenever a rank
-holds several tasks (plan.py: the embedder and the tied LM head in one colocation group put the first
+holds several tasks (step_plan.py: the embedder and the tied LM head in one colocation group put the first
 rank at both ends, rank 0 -> 1 -> 0), and 1F1B's in-flight cap then serialises much of the step: on the
 netlab testbed such 2-stage plans ran 1.2x to 2.5x slower than that formula (BENCHMARKS.md).  This module
-prices the schedule the workers actually run (vgraph/cost/schedule.py, the orders plan.py hands them), given
+prices the schedule the workers actually run (vgraph/cost/schedule.py, the orders step_plan.py hands them), given
 every op's duration:
 
 - a rank runs its ops in order; an op starts when the rank is free and every tensor it reads has arrived

@@ -8,7 +8,7 @@ stepcost.py did) mispredicted exactly where the workers' schedule differs from i
 whose first rank also runs the last task (the tied LM head next to the embedder: rank 0 -> 1 -> 0) ran
 near the serial sum of its stages, 1.2x to 2.5x the bubble formula (BENCHMARKS.md).
 
-**Tasks.**  A rank may run several tasks (a PNode's VNodes at different depths of the network: plan.py),
+**Tasks.**  A rank may run several tasks (a PNode's VNodes at different depths of the network: step_plan.py),
 listed here in forward order.  A task's forward reads the forward outputs of the tasks in `reads`; its
 backward needs the gradients that the tasks in `grads_from` send back for what they read from it.
 

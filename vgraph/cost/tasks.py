@@ -2,11 +2,12 @@
 
 A stage (one PNode of a replica) cannot always run its VNodes as one block: the embedder and the tied LM
 head form one colocation group, so the stage holding them computes the start of the network, waits for
-the blocks on the other stages, then computes the end.  The torch backend's plan (plan.py) therefore cuts
-each PNode's VNodes into *tasks* by depth: a VNode's depth is the number of stage changes on the longest
-path reaching it, and a task is one (stage, depth).  This module derives the same tasks from the cost
-model's columns, so the step cost model can price the schedule the workers run over them
-(vgraph/cost/makespan.py); tests/test_makespan.py checks that both sides find the same task graph.
+the blocks on the other stages, then computes the end.  The torch workers' step plan
+(vgraph/run/step_plan.py) therefore cuts each stage's VNodes into *tasks* by depth: a VNode's depth is the
+number of stage changes on the longest path reaching it (the one rule, vgraph/ir/depth.py), and a task is
+one (stage, depth).  This module derives the same tasks from the cost model's columns, so the step cost
+model can price the schedule the workers run over them (vgraph/cost/makespan.py); tests/test_makespan.py
+checks that both sides find the same task graph.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from functools import cached_property
 import numpy as np
 
 from vgraph.cost.makespan import TaskEdge
+from vgraph.ir.depth import depths
 from vgraph.cost.schedule import ScheduledTask, TiedPair
 
 __all__ = ["TaskLoads", "TaskGraphIndex", "chain_tasks"]
@@ -93,19 +95,9 @@ class TaskGraphIndex:
         return order
 
     def depth(self, where: np.ndarray) -> np.ndarray:
-        """Per VNode, the number of stage changes on the longest path reaching it (plan.py's `stages`)."""
-        w = where.tolist()
-        out = [0] * self.n
-        preds = self.preds
-        for v in self.order:
-            best = 0
-            wv = w[v]
-            for u in preds[v]:
-                x = out[u] + (w[u] != wv)
-                if x > best:
-                    best = x
-            out[v] = best
-        return np.asarray(out, dtype=np.int64)
+        """Per VNode, its depth when `where` places it (the one rule: vgraph/ir/depth.py)."""
+        out = depths(self.order, self.preds, where.tolist())
+        return np.fromiter((out[v] for v in range(self.n)), dtype=np.int64, count=self.n)
 
 
 def chain_tasks(flops: np.ndarray, send: np.ndarray, kind_flops: np.ndarray | None = None,

@@ -116,7 +116,12 @@ class Endpoint:
 
 
 class Graph:
-    """A network: VNodes, slot-to-slot edges, and its outputs, costs and metrics."""
+    """A network: VNodes, slot-to-slot edges, and its outputs, costs and metrics.
+
+    Long because the use-def links are private to this class: every method that adds, removes or rewires
+    a VNode, an edge or an endpoint keeps them in step itself, and nothing outside vgraph/ir/ may touch
+    them (tests/test_layers.py greps for it); a second class sharing the storage would break that promise.
+    """
 
     def __init__(self, name: str = "network", *, source: str | None = None) -> None:
         self.name = name

@@ -74,6 +74,13 @@ def check(graph: Graph, sink: DiagnosticSink, skip: Iterable[str] = ()) -> None:
 
 
 class _Checker:
+    """One verification of a graph: configs, edge slots, tied weights and publishers, type inference in
+    topological order, endpoints.
+
+    Long because its checks share the sets of what is already broken or unknown, so that one problem is
+    reported once and never again as the inference failures it causes downstream.
+    """
+
     def __init__(self, graph: Graph, sink: DiagnosticSink, skip: set[str]) -> None:
         self.graph = graph
         self.sink = sink

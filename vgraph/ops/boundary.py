@@ -23,7 +23,7 @@ wire.  A tied weight read on a PNode other than its publisher's becomes a
   format of `gradients` (with `error_feedback`, the sender of the gradient adds
   what the previous rounding lost).  `vgraph train` computes exactly that in
   one process; `vgraph launch` sends the wire format itself (the transport
-  encodes and decodes, plan.py), so both train the same numbers.  It holds no
+  encodes and decodes, step_plan.py), so both train the same numbers.  It holds no
   weights: a checkpoint of a compressed run is a checkpoint of the network
   without it.
 

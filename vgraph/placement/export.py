@@ -277,11 +277,11 @@ def register_exporter(name: str, fn: Callable[..., Any]) -> None:
 def find_exporter(name: str) -> Callable[..., Any]:
     if name in EXPORTERS:
         return EXPORTERS[name]
-    from vgraph.plugins import discover
+    from vgraph.plugins import find_plugin
 
-    for plugin in discover(EXPORTER_GROUP):
-        if plugin.name == name:
-            return plugin.load()
+    plugin = find_plugin(EXPORTER_GROUP, name)
+    if plugin is not None:
+        return plugin.load()
     raise VGraphError(f"no {name!r} exporter is installed: a backend provides it as entry point "
                       f"{name!r} in the group {EXPORTER_GROUP!r} (e.g. the ONNX backend)")
 

@@ -208,10 +208,23 @@ def _metric_table(rows: Sequence[Mapping[str, Any]]) -> str:
             + body + "</table>")
 
 
+def _job_pipeline(job: dict) -> str:
+    """The pipeline a launch ran, as its job file splits it around the partition (the text as written
+    where the file's text is not a pipeline: the caption describes, compiled_graph refuses)."""
+    from vgraph.transform.pass_api import PassError
+    from vgraph.transform.pipeline import Pipeline
+
+    before, after = job.get("pipeline_before") or "", job.get("pipeline_after") or ""
+    try:
+        return str(Pipeline.parse(before) + Pipeline.of("partition") + Pipeline.parse(after))
+    except PassError:
+        return ",".join(p for p in (before, "partition", after) if p)
+
+
 def _network_caption(rec: RunRecord) -> str:
     passes = rec.run.get("passes")
     if rec.job:
-        spec = ",".join(p for p in (rec.job.get("pipeline_before"), "partition", rec.job.get("pipeline_after")) if p)
+        spec = _job_pipeline(rec.job)
     else:
         spec = "the production pipeline" if passes is None else (passes or "no passes")
         if rec.run.get("fuse") is False and passes is None:
@@ -428,7 +441,7 @@ def compiled_graph(rec: RunRecord):
     refuse_files_named(rec.run.get("passes"), files.RUN_JSON)
     spec = training_spec(definition_spec(rec.run), rec.run.get("fuse", True) is not False)
     graph = source.copy()
-    if spec != "":
+    if spec is None or spec:  # None: the production pipeline; an empty one runs nothing
         run_pipeline(graph, spec, target=target)
     return graph
 

@@ -29,36 +29,39 @@ from typing import Any, Mapping
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.ir.graph import Graph
 from vgraph.plugins import distributions_used
-from vgraph.transform.pipeline import (APPLIED, SEMANTIC_CHANGES, available_passes, build_pipeline,
+from vgraph.transform.pipeline import (APPLIED, SEMANTIC_CHANGES, Pipeline, available_passes, build_pipeline,
                                        options_naming_files, run_pipeline)
 
 __all__ = ["NO_FUSE_PIPELINE", "training_spec", "preserving_spec", "definition_spec", "apply_assignment",
            "refuse_files_named", "PLAN_CHOICES", "network_changes", "weight_keeping_changes", "plugin_distributions"]
 
-NO_FUSE_PIPELINE = "dead-nodes,precision"
+NO_FUSE_PIPELINE = Pipeline.of("dead-nodes", "precision")  # what --no-fuse runs
 PLAN_CHOICES = ("compress",)  # graph.meta["placement"] keys a partition decides and passes after it read
 
 
-def training_spec(passes: str | None, fuse: bool) -> str | None:
-    """The pipeline spec a run prepares its graph with: `passes` as given ('' runs nothing), else the
-    production pipeline (None), or the production pipeline without fusions under `--no-fuse`."""
-    return passes if passes is not None else (None if fuse else NO_FUSE_PIPELINE)
+def training_spec(passes: str | Pipeline | None, fuse: bool) -> Pipeline | None:
+    """The pipeline a run prepares its graph with: `passes` as given (text is read here; empty runs nothing),
+    else the production pipeline (None), or the production pipeline without fusions under `--no-fuse`."""
+    if passes is not None:
+        return Pipeline.parse(passes) if isinstance(passes, str) else passes
+    return None if fuse else NO_FUSE_PIPELINE
 
 
-def preserving_spec(spec: str | None) -> str | None:
+def preserving_spec(spec: str | Pipeline | None) -> Pipeline | None:
     """`spec` without the passes that change what a network computes (they already ran on a definition)."""
-    if not spec:
-        return spec
-    return ",".join(p.spec() for p in build_pipeline(spec) if p.preserves_semantics)
+    if spec is None:
+        return None
+    return Pipeline.of_passes(p for p in build_pipeline(spec) if p.preserves_semantics)
 
 
-def definition_spec(run: Mapping[str, Any]) -> str | None:
+def definition_spec(run: Mapping[str, Any]) -> Pipeline | None:
     """The `--passes` that rebuild a run's trained graph from its stored definition (run.json's fields)."""
     passes = run.get("passes")
-    return preserving_spec(passes) if run.get("semantic_changes") else passes
+    return preserving_spec(passes) if run.get("semantic_changes") else training_spec(passes, True)
 
 
-def apply_assignment(source: Graph, before: str, assignment: Mapping[str, str], after: str, target: str,
+def apply_assignment(source: Graph, before: str | Pipeline, assignment: Mapping[str, str], after: str | Pipeline,
+                     target: str,
                      choices: Mapping[str, Any] | None = None) -> Graph:
     """The placed, optimised graph: passes up to the partition, its assignment (and `choices`, the
     partition's `PLAN_CHOICES`, e.g. what compress=auto chose), passes after it.
@@ -79,7 +82,7 @@ def apply_assignment(source: Graph, before: str, assignment: Mapping[str, str], 
     return graph
 
 
-def refuse_files_named(spec: str | None, where: str) -> None:
+def refuse_files_named(spec: str | Pipeline | None, where: str) -> None:
     """A VGraphError when the pipeline `spec`, read from the run file `where`, sets an option that names a
     file (`partition{fleet=...}`): a reader of a run never opens a path the run's files name (the run may
     be someone else's, and what the pass would say about that file, e.g. a parse error quoting it, would

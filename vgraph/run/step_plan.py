@@ -7,11 +7,12 @@ pass) and the order of the PNodes (rank r hosts `ranks[r]`).  Output: a
 **Tasks.**  A PNode's VNodes cannot always run as one block: production
 networks keep the embedder and the LM head in one `required` group, so the
 PNode holding it computes the start of the network, waits for the blocks on
-the other PNodes, then computes the end.  Each VNode therefore gets a *stage*:
-0 where no edge enters, else the largest stage among its producers, plus one
-when the producer lives on another PNode.  A *task* is one (PNode, stage);
-edges between tasks only go from lower to higher stages, so the task graph is
-acyclic even when the PNode graph has a cycle.  The tasks are cut out with
+the other PNodes, then computes the end.  Each VNode therefore gets a *depth*:
+the number of stage changes on the longest path reaching it (one rule for the
+whole project: `vgraph.ir.depth`; a *stage* is the VNodes one PNode holds in
+the pipeline, its rank here).  A *task* is one (PNode, depth); edges between
+tasks only go from lower to higher depths, so the task graph is acyclic even
+when the PNode graph has a cycle.  The tasks are cut out with
 `vgraph.placement.export.split_network` (tasks stand in for PNodes), so every
 crossing is an explicit `send` / `receive` pair and a tied weight used away
 from its publisher's task is a `weight_replica`.
@@ -59,12 +60,13 @@ from typing import Iterable, Sequence
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.schedule import PIPELINES, Op, ScheduledTask, TiedPair, schedule, weight_round
+from vgraph.ir.depth import graph_depths
 from vgraph.ir.graph import Graph
 from vgraph.ops.boundary import wire_bytes
 from vgraph.placement.export import split_network
 from vgraph.run import layout
 
-__all__ = ["Task", "Transfer", "Compression", "Tie", "MetricSource", "DistPlan", "make_plan", "stages", "Op", "rank_ops",
+__all__ = ["Task", "Transfer", "Compression", "Tie", "MetricSource", "DistPlan", "make_plan", "Op", "rank_ops",
            "schedule_ops", "PIPELINES", "weight_ops", "sends_of", "message_order", "Message", "micro_batch_sizes",
            "scheduled_tasks", "tied_pairs"]
 
@@ -73,12 +75,12 @@ _REDUCED = ("float16", "bfloat16")
 
 @dataclass
 class Task:
-    """The VNodes of one PNode at one stage, as a network of their own."""
+    """The VNodes of one PNode at one depth, as a network of their own."""
 
-    id: str  # "<pnode>#<stage>"
+    id: str  # "<pnode>#<depth>"
     pnode: str
     rank: int
-    stage: int
+    depth: int
     graph: Graph
     sends: list[int] = field(default_factory=list)  # indices of outgoing transfers
     receives: list[int] = field(default_factory=list)  # indices of incoming transfers
@@ -172,7 +174,7 @@ class MetricSource:
 class DistPlan:
     graph: Graph
     ranks: list[str]  # rank -> PNode id
-    tasks: dict[str, Task]  # in (stage, rank) order
+    tasks: dict[str, Task]  # in (depth, rank) order
     transfers: list[Transfer]
     ties: list[Tie]
     metrics: list[MetricSource]
@@ -182,8 +184,8 @@ class DistPlan:
         return len(self.ranks)
 
     def tasks_of(self, rank: int) -> list[Task]:
-        """The rank's tasks in forward order (by stage)."""
-        return sorted((t for t in self.tasks.values() if t.rank == rank), key=lambda t: t.stage)
+        """The rank's tasks in forward order (by depth)."""
+        return sorted((t for t in self.tasks.values() if t.rank == rank), key=lambda t: t.depth)
 
     def param_keys(self, rank: int) -> set[str]:
         """Unfused checkpoint keys the rank's tasks own (replicas excluded: their owners save them)."""
@@ -213,20 +215,9 @@ class DistPlan:
                  f"{sum(t.remote for t in self.transfers)} remote transfers, "
                  f"{sum(t.remote for t in self.ties)} tied weights synced"]
         for task in self.tasks.values():
-            lines.append(f"  rank {task.rank} ({task.pnode}) stage {task.stage}: {len(task.graph)} VNodes, "
+            lines.append(f"  rank {task.rank} ({task.pnode}) depth {task.depth}: {len(task.graph)} VNodes, "
                          f"in {len(task.receives)}, out {len(task.sends)}, costs {task.costs or '-'}")
         return "\n".join(lines)
-
-
-def stages(graph: Graph, assignment: dict[str, str]) -> dict[str, int]:
-    """VNode -> stage: the number of PNode changes on the longest path reaching it."""
-    out: dict[str, int] = {}
-    for node in graph.topo_order():
-        stage = 0
-        for e in graph.in_edges(node.id):
-            stage = max(stage, out[e.src] + (assignment[e.src] != assignment[node.id]))
-        out[node.id] = stage
-    return out
 
 
 def _wire_dtype(graph: Graph, node_id: str, declared: str) -> str:
@@ -252,8 +243,8 @@ def make_plan(graph: Graph, assignment: dict[str, str], ranks: Sequence[str] | N
     unknown = sorted({p for p in assignment.values() if p not in rank_of})
     if unknown:
         raise VGraphError(f"PNode(s) {', '.join(unknown)} hold VNodes but have no worker rank")
-    stage_of = stages(graph, assignment)
-    task_of = {nid: f"{assignment[nid]}#{stage_of[nid]}" for nid in stage_of}
+    depth_of = graph_depths(graph, assignment)
+    task_of = {nid: f"{assignment[nid]}#{depth_of[nid]}" for nid in depth_of}
     parts = split_network(graph, task_of)
     precision = graph.meta.get("precision")
     lifted: dict[str, Compression] = {}
@@ -265,8 +256,8 @@ def make_plan(graph: Graph, assignment: dict[str, str], ranks: Sequence[str] | N
         part = parts[tid]
         if precision is not None:
             part.meta["precision"] = copy.deepcopy(precision)
-        pnode, stage = tid.rsplit("#", 1)
-        task = Task(tid, pnode, rank_of[pnode], int(stage), part)
+        pnode, depth = tid.rsplit("#", 1)
+        task = Task(tid, pnode, rank_of[pnode], int(depth), part)
         task.costs = [ep.name for ep in part.costs]
         for ep in part.outputs:
             if part.node(ep.node).type == "send":
@@ -317,7 +308,7 @@ def _transfers(graph: Graph, tasks: dict[str, Task], lifted: dict[str, Compressi
             src, src_slot = n.cfg["peer_node"], int(n.cfg["peer_slot"])
             t = graph.node(src).outputs[src_slot]
             found.append((src_task, task, send_id, n.id, src, src_slot, edge.dst, edge.dst_slot, t))
-    found.sort(key=lambda f: (f[0].stage, f[0].rank, f[1].stage, f[1].rank, f[6], f[7]))
+    found.sort(key=lambda f: (f[0].depth, f[0].rank, f[1].depth, f[1].rank, f[6], f[7]))
     out = []
     for i, (st, dt, send_id, recv_id, src, src_slot, dst, dst_slot, t) in enumerate(found):
         dtype = _wire_dtype(graph, src, t.dtype)
@@ -339,7 +330,7 @@ def _ties(graph: Graph, tasks: dict[str, Task]) -> list[Tie]:
                 raise VGraphError(f"weight replica {n.id!r} in task {task.id} has no publisher of {alias!r}")
             owner_task = tasks[n.cfg["peer_pnode"]]
             found.append((alias, owner_task, owner.id, task, n.id, tuple(n.cfg["shape"])))
-    found.sort(key=lambda f: (f[0], f[3].stage, f[3].rank))
+    found.sort(key=lambda f: (f[0], f[3].depth, f[3].rank))
     return [Tie(i, alias, ot.id, owner, ot.rank, rt.id, rid, rt.rank, shape)
             for i, (alias, ot, owner, rt, rid, shape) in enumerate(found)]
 
@@ -383,7 +374,7 @@ def scheduled_tasks(plan: DistPlan) -> tuple[ScheduledTask, ...]:
     a forward reads the tasks its transfers come from; a backward waits for the gradients of the tasks its
     outputs go to (local transfers included: they are handed over in memory, but in order all the same)."""
     out = []
-    for task in sorted(plan.tasks.values(), key=lambda t: (t.rank, t.stage)):
+    for task in sorted(plan.tasks.values(), key=lambda t: (t.rank, t.depth)):
         reads = tuple(dict.fromkeys(plan.transfers[i].src_task for i in task.receives))
         grads = tuple(dict.fromkeys(plan.transfers[i].dst_task for i in task.sends if plan.transfers[i].grad))
         out.append(ScheduledTask(task.id, task.rank, reads, grads))

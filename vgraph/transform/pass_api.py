@@ -182,10 +182,13 @@ class Pass:
     def run(self, graph: Graph, ctx: PassContext) -> Counter | dict[str, int] | None:
         raise NotImplementedError(f"pass {self.name!r} does not implement run()")
 
+    def changed_options(self) -> dict[str, Any]:
+        """The options this instance sets away from their defaults (what its pipeline text must say)."""
+        return {k: v for k, v in self.opts.items() if v != self.options[k].default}
+
     def spec(self) -> str:
         """This pass as pipeline text, with the options that differ from the defaults."""
-        changed = {k: v for k, v in self.opts.items() if v != self.options[k].default}
-        inner = ",".join(f"{k}={v}" for k, v in changed.items())
+        inner = ",".join(f"{k}={v}" for k, v in self.changed_options().items())
         return f"{self.name}{{{inner}}}" if inner else self.name
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""The pass manager: pipelines as text, dependency order, verification, instruments.
+"""The pass manager: pipelines as values and text, dependency order, verification, instruments.
 
     fuse-heads,fuse-lm-head-ce,precision{target=cuda-sm80}
 
@@ -28,7 +28,6 @@ from vgraph.ir.graph import Graph
 from vgraph.plugins import Plugin, discover, guarded, shown
 from vgraph.transform.pass_api import LOCAL_PASSES, Pass, PassContext, PassError, check_pass_name
 
-DEFAULT_PIPELINE = "dead-nodes,precision,fuse-heads,fuse-lm-head-ce"
 APPLIED = "applied_passes"  # graph.meta key: names of passes whose results hold
 # graph.meta key: the passes that changed what the network computes, in the order they ran, each
 # {"pass": name, "spec": pipeline text with options, "origin": distribution or file}.  Empty or
@@ -151,28 +150,164 @@ def parse_pipeline(spec: str) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-def options_naming_files(spec: str) -> list[str]:
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # what the text form can name (_ITEM's name group)
+_KEY = re.compile(r"[^\s,{}=][^,{}=]*[^\s,{}=]|[^\s,{}=]")  # an option key the text form carries unchanged
+_VALUE = re.compile(r"(?:[^\s,{}][^,{}]*[^\s,{}]|[^\s,{}])?")  # a value likewise ('' allowed: `k=`)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pass of a pipeline with the options written for it (text values, as pipeline text gives them)."""
+
+    name: str
+    options: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        # Refused here, not when printed: every Step's text form parses back to an equal Step.
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise PassError(f"pass name {self.name!r}: letters, digits, '_', '.' and '-' only")
+        keys = [k for k, _ in self.options]
+        for key, value in self.options:
+            if not isinstance(key, str) or not _KEY.fullmatch(key):
+                raise PassError(f"pass {self.name!r}: option name {key!r} is empty, has ',', '{{', '}}' or '=', "
+                                f"or starts or ends with a space")
+            if not isinstance(value, str) or not _VALUE.fullmatch(value):
+                raise PassError(f"pass {self.name!r}: option {key}={value!r} has ',', '{{' or '}}', or starts or "
+                                f"ends with a space (pipeline text could not carry it)")
+        if len(set(keys)) != len(keys):
+            raise PassError(f"pass {self.name!r}: an option is given twice ({', '.join(keys)})")
+
+    @property
+    def opts(self) -> dict[str, str]:
+        return dict(self.options)
+
+    def __str__(self) -> str:
+        inner = ",".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.name}{{{inner}}}" if inner else self.name
+
+
+def _text(value: object) -> str:
+    """An option value as pipeline text: bools as the option parser reads them, the rest as str()."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A pass pipeline as a value: code builds these (`insert`, `with_options`), pipeline text is only input
+    (`--passes`, read by `Pipeline.parse`) and the form written to a run's files (`str`).
+
+        Pipeline.parse("dead-nodes,fuse-heads").insert("partition", after="dead-nodes", batch=8)
+        -> dead-nodes,partition{batch=8},fuse-heads
+    """
+
+    steps: tuple[Step, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(self.steps))  # a list given stays the caller's, not ours
+        bad = [step for step in self.steps if not isinstance(step, Step)]
+        if bad:
+            raise PassError(f"a Pipeline holds Steps, not {type(bad[0]).__name__} ({bad[0]!r}): read text with "
+                            f"Pipeline.parse")
+
+    @classmethod
+    def of(cls, *names: str) -> Pipeline:
+        """The passes `names`, each with its default options."""
+        return cls(tuple(Step(n) for n in names))
+
+    @classmethod
+    def parse(cls, text: str) -> Pipeline:
+        """Pipeline text ('a,b{k=v}'; '' is the empty pipeline); a PassError says where it is malformed."""
+        return cls(tuple(Step(name, tuple(opts.items())) for name, opts in parse_pipeline(text)))
+
+    @classmethod
+    def of_passes(cls, passes: Iterable[Pass]) -> Pipeline:
+        """The pipeline that builds `passes` again: each with the options it sets away from the defaults."""
+        return cls(tuple(Step(p.name, tuple((k, _text(v)) for k, v in p.changed_options().items()))
+                         for p in passes))
+
+    @property
+    def names(self) -> list[str]:
+        return [step.name for step in self.steps]
+
+    def __str__(self) -> str:
+        return ",".join(map(str, self.steps))
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __contains__(self, name: object) -> bool:
+        return any(step.name == name for step in self.steps)
+
+    def __add__(self, other: Pipeline) -> Pipeline:
+        if not isinstance(other, Pipeline):
+            return NotImplemented
+        return Pipeline(self.steps + other.steps)
+
+    def index(self, name: str) -> int:
+        """Where the first pass named `name` stands; a PassError if none does."""
+        for i, step in enumerate(self.steps):
+            if step.name == name:
+                return i
+        raise PassError(f"pipeline {str(self)!r} has no pass {name!r}")
+
+    def insert(self, name: str, *, before: str | Sequence[str] = (), after: str | Sequence[str] = (),
+               **options: object) -> Pipeline:
+        """This pipeline with pass `name` added: right after the last pass named in `after` that is present,
+        else right before the first one named in `before` that is present, else at the end (a pass also
+        runs in its declared order, `requires`/`after`/`before`, whatever its place)."""
+        step = Step(name, tuple((k, _text(v)) for k, v in options.items()))
+        after, before = _names(after), _names(before)
+        at = max((i + 1 for i, s in enumerate(self.steps) if s.name in after), default=None)
+        if at is None:
+            at = min((i for i, s in enumerate(self.steps) if s.name in before), default=len(self.steps))
+        return Pipeline(self.steps[:at] + (step,) + self.steps[at:])
+
+    def with_options(self, name: str, **options: object) -> Pipeline:
+        """Every pass named `name` with `options` set (over the ones written); a PassError if none is there."""
+        self.index(name)
+        return Pipeline(tuple(Step(s.name, tuple({**s.opts, **{k: _text(v) for k, v in options.items()}}.items()))
+                              if s.name == name else s for s in self.steps))
+
+    def without(self, name: str) -> Pipeline:
+        """This pipeline less every pass named `name`."""
+        return Pipeline(tuple(s for s in self.steps if s.name != name))
+
+    def split(self, name: str) -> tuple[Pipeline, Step, Pipeline]:
+        """(the passes before the first `name`, that pass, the passes after it)."""
+        at = self.index(name)
+        return Pipeline(self.steps[:at]), self.steps[at], Pipeline(self.steps[at + 1:])
+
+
+DEFAULT_PIPELINE = Pipeline.of("dead-nodes", "precision", "fuse-heads", "fuse-lm-head-ce")  # the production one
+
+
+def options_naming_files(spec: str | Pipeline) -> list[str]:
     """The `pass{option=value}` items of `spec` whose option names a file the pass would open
     (`Option.names_file`): a reader of someone else's run (`vgraph report`) must not run those."""
     named = []
-    for name, opts in parse_pipeline(spec):
-        declared = get_pass(name).options
-        named += [f"{name}{{{key}={value}}}" for key, value in opts.items()
+    for step in Pipeline.parse(spec) if isinstance(spec, str) else spec:
+        declared = get_pass(step.name).options
+        named += [f"{step.name}{{{key}={value}}}" for key, value in step.options
                   if key in declared and declared[key].names_file]
     return named
 
 
-def build_pipeline(spec: str | Sequence[str | Pass] | None) -> list[Pass]:
-    """Pass instances from text, names or instances (None: the default pipeline)."""
+def build_pipeline(spec: Pipeline | str | Sequence[str | Pass] | None) -> list[Pass]:
+    """Pass instances from a Pipeline, its text, names or instances (None: the default pipeline)."""
     if spec is None:
         spec = DEFAULT_PIPELINE
-    items: list[Pass] = []
     if isinstance(spec, str):
+        spec = Pipeline.parse(spec)
+    items: list[Pass] = []
+    if isinstance(spec, Pipeline):
         classes: dict[str, type[Pass]] = {}  # one look-up per name, not per item
-        for name, opts in parse_pipeline(spec):
-            if name not in classes:
-                classes[name] = get_pass(name)
-            items.append(classes[name](**opts))
+        for step in spec:
+            if step.name not in classes:
+                classes[step.name] = get_pass(step.name)
+            items.append(classes[step.name](**step.opts))
     else:
         for item in spec:
             items.extend(build_pipeline(item) if isinstance(item, str) else [item])

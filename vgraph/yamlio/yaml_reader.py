@@ -74,7 +74,12 @@ def line_of(ynode: yaml.Node) -> int:
 
 
 class YamlReader:
-    """Walks composed YAML nodes, reporting structural problems with their line."""
+    """Walks composed YAML nodes, reporting structural problems with their line.
+
+    Long because it is one walk over the network YAML's sections (nodes, edges, endpoints): each section's
+    reader uses the shared typed readers (`mapping`, `scalar`, `integer`, `shapes`), which report a problem
+    with the line of the YAML node they stand on.
+    """
 
     def __init__(self, build: Builder) -> None:
         self.build = build

@@ -15,15 +15,15 @@ a run moves freely between one process and any partition).
 
 The pieces, each in its own module:
 
-* plan.py   - tasks (PNode x stage), transfers (cut edges), ties, the 1F1B /
-              GPipe schedules and their per-peer message order (deadlock-free
-              by construction);
+* vgraph/run/step_plan.py (the core: no torch) - tasks (PNode x depth),
+              transfers (cut edges), ties, the 1F1B / GPipe schedules and
+              their per-peer message order (deadlock-free by construction);
 * comm.py   - the transport: isend / ordered recv with buffering, bytes counted;
               the control group's small collectives (ControlGroup);
 * worker.py - one rank's entry point and training loop: set-up, loss
               reduction, optimizer step, logging on rank 0;
-* stage_runner.py - a rank's stages (modules, optimizers, tied weights) and
-              its ops of one schedule round;
+* rank_stage.py - a rank's stage: its tasks' modules, optimizers, tied
+              weights; stage_runner.py - its ops of one schedule round;
 * grad_sync.py - the replicas' gradient sum: buckets all-reduced on torch's
               collectives while the last backward runs;
 * tie_sync.py - tied weights split over two ranks, synced by reduce and
@@ -42,11 +42,11 @@ Dropout keyed by (seed, step, VNode, sample) lives one level up
 from __future__ import annotations
 
 from .launcher.launch import LaunchConfig, LaunchResult, launch, place, register_launch, split_pipeline
-from vgraph.run.step_plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops, stages
+from vgraph.run.step_plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops
 from ..lowering.dropout import dropout_key, keyed_dropout
 
 __all__ = [
     "LaunchConfig", "LaunchResult", "launch", "place", "register_launch", "split_pipeline",
-    "DistPlan", "Task", "Tie", "Transfer", "make_plan", "rank_ops", "schedule_ops", "stages",
+    "DistPlan", "Task", "Tie", "Transfer", "make_plan", "rank_ops", "schedule_ops",
     "dropout_key", "keyed_dropout",
 ]

@@ -139,10 +139,10 @@ def prepare_graph(graph: Graph, *, passes: str | None = None, fuse: bool = True,
 
     if passes is not None and not fuse:
         raise VGraphError("give either --passes or --no-fuse, not both (--no-fuse means the pipeline "
-                          f"{NO_FUSE_PIPELINE!r})")
+                          f"'{NO_FUSE_PIPELINE}')")
     spec = training_spec(passes, fuse)
     prepared = graph.copy()
-    if spec == "":
+    if spec is not None and not spec:  # an empty pipeline: the graph as loaded
         return prepared
     # remat{budget=auto} plans for this device's free memory (a GPU's; on the CPU, the core reads the host's)
     device_memory = available_memory("cuda")[0] if target.startswith("cuda") and torch.cuda.is_available() else None

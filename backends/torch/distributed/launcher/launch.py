@@ -95,7 +95,7 @@ from vgraph.run.compiled_graph import (PLAN_CHOICES, apply_assignment, network_c
                                        weight_keeping_changes)
 from vgraph.run.files import (METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEASE_FILE, RUN_JSON, TOKENIZER_JSON,
                               WORKERS_JSON, RunLock, error_name, held_name)
-from vgraph.transform.pipeline import DEFAULT_PIPELINE, available_passes, parse_pipeline, run_pipeline
+from vgraph.transform.pipeline import DEFAULT_PIPELINE, Pipeline, available_passes, run_pipeline
 
 from ...training import checkpoint as ckpt
 from ..runtime.comm_choice import COMM_MODES, choose_comm
@@ -161,7 +161,7 @@ class LaunchResult:
 
 # -- the graph --------------------------------------------------------------------------------------
 
-def split_pipeline(passes: str | None, fuse: bool, options: dict[str, str]) -> tuple[str, str, str]:
+def split_pipeline(passes: str | None, fuse: bool, options: dict[str, str]) -> tuple[Pipeline, Pipeline, Pipeline]:
     """(passes before the partition, the partition pass, passes after it) for a `vgraph train` pipeline.
 
     The partition goes right after dead-nodes/precision (it prices effective
@@ -171,24 +171,13 @@ def split_pipeline(passes: str | None, fuse: bool, options: dict[str, str]) -> t
     """
     if passes is not None and not fuse:
         raise VGraphError(f"give either --passes or --no-fuse, not both (--no-fuse means the pipeline "
-                          f"{NO_FUSE_PIPELINE!r})")
+                          f"'{NO_FUSE_PIPELINE}')")
     options = {**options, "replicas": options.get("replicas", "1")}  # one pipeline unless the run asks for more
-    spec = passes if passes is not None else (DEFAULT_PIPELINE if fuse else NO_FUSE_PIPELINE)
-    items = parse_pipeline(spec) if spec.strip() else []
-    names = [name for name, _ in items]
-    if "partition" in names:
-        at = names.index("partition")
-        opts = {**items[at][1], **options}
-        items = items[:at] + items[at + 1:]
-    else:
-        at = max((i + 1 for i, name in enumerate(names) if name in ("dead-nodes", "precision")), default=0)
-        opts = dict(options)
-
-    def text(part: list[tuple[str, dict[str, str]]]) -> str:
-        return ",".join(name + ("{" + ",".join(f"{k}={v}" for k, v in o.items()) + "}" if o else "")
-                        for name, o in part)
-
-    return text(items[:at]), text([("partition", opts)]), text(items[at:])
+    pipeline = Pipeline.parse(passes) if passes is not None else (DEFAULT_PIPELINE if fuse else NO_FUSE_PIPELINE)
+    if "partition" not in pipeline:  # after the last of dead-nodes/precision, else first
+        pipeline = pipeline.insert("partition", after=("dead-nodes", "precision"), before=pipeline.names)
+    before, partition, after = pipeline.with_options("partition", **options).split("partition")
+    return before, Pipeline((partition,)), after
 
 
 @dataclass
@@ -209,7 +198,8 @@ class Placement:
         return [row[stage[p]] for row in self.rows for p in self.ranks]
 
 
-def place(source: Graph, fleet: Fleet, *, before: str, partition: str, after: str, target: str, batch: int,
+def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str | Pipeline, after: str | Pipeline,
+          target: str, batch: int,
           micro_batches: int, assignment: dict[str, str] | None = None,
           replicas: tuple[list[list[str]], list[int]] | None = None, grad_compress: str = "none",
           pipeline: str = "1f1b") -> Placement:
@@ -381,9 +371,9 @@ class _Run:
     micro: int
     run_dir: Path
     lead: bool  # machine 0: writes the run directory
-    before: str
-    partition: str
-    after: str
+    before: Pipeline
+    partition: Pipeline
+    after: Pipeline
     target: str
     grad_compress: str  # the replicas' all-reduce, canonical text
     run_info: dict[str, Any]
@@ -560,7 +550,7 @@ def _job(run: _Run, placement: Placement, info: dict[str, Any], number: int, loc
     ranks = placement.world
     return Job(
         run_dir=run_dir, network_yaml=run.yaml_text, network_file=run.network_file,
-        pipeline_before=run.before, pipeline_after=run.after, target=run.target,
+        pipeline_before=str(run.before), pipeline_after=str(run.after), target=run.target,
         assignment=placement.assignment, final_assignment=placement.final, ranks=ranks,
         plan_ranks=placement.ranks, batch_shares=placement.shares,
         predicted_bytes=float(placement.report["bytes_per_step"]),

@@ -1,1 +1,1 @@
-"""The worker side of `vgraph launch`: one rank's stages, transport, gradient and tie sync."""
+"""The worker side of `vgraph launch`: one rank's stage and its schedule rounds, transport, gradient and tie sync."""

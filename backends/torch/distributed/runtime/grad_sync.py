@@ -8,7 +8,7 @@ so the *sum* of the R gradients is the gradient of the global batch's loss.
 DistributedDataParallel does (Li et al., VLDB 2020):
 
 * **buckets**: the rank's trainable parameters, in the order their gradients
-  become final (StageRunner gives them: later stages' tasks first, each
+  become final (StageRunner gives them: the deeper tasks first, each
   task's parameters in reverse, a remote tied weight's owner last), cut into
   buckets of at most `bucket_bytes` (25 MiB, DDP's default) of one dtype and
   device.  Each parameter's `.grad` is a view into its bucket's flat buffer,

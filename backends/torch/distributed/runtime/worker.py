@@ -14,7 +14,7 @@ What a worker does, per training step (every rank the same, in lockstep):
 1. reads its replica's share of the step's global batch from the prepared
    corpus (the samples are a function of (seed, step): data.py; replicas read
    disjoint samples) and cuts it into micro-batches;
-2. runs its ops of the pipeline schedule (plan.py, 1F1B or GPipe): the
+2. runs its ops of the pipeline schedule (step_plan.py, 1F1B or GPipe): the
    forward of a task for a micro-batch receives boundary activations and
    sends its own; its backward receives the gradients of what it sent and
    sends those of what it received; then the tied-weight gradients;
