@@ -19,6 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
+
 
 def run_once(checkout: Path, script: str, args: list[str], timeout: float) -> str:
     python = checkout / ".venv" / "bin" / "python"
@@ -55,8 +59,7 @@ def main() -> int:
     metrics = {m.split("=", 1)[0]: re.compile(m.split("=", 1)[1]) for m in args.metric}
     sides: dict[str, dict[str, list[float]]] = {"A": {k: [] for k in metrics}, "B": {k: [] for k in metrics}}
     for r in range(args.rounds):
-        order = [("A", args.a), ("B", args.b)] if r % 2 == 0 else [("B", args.b), ("A", args.a)]
-        for side, checkout in order:
+        for side, checkout in rotated([("A", args.a), ("B", args.b)], r):
             for name, value in measure(run_once(checkout, bench[0], bench[1:], args.timeout), metrics).items():
                 sides[side][name].append(value)
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
@@ -68,7 +71,9 @@ def main() -> int:
     for k in metrics:
         ratios = [b / a for a, b in zip(sides["A"][k], sides["B"][k])]
         print(f"| {k} | {statistics.median(sides['A'][k]):.4g} | {statistics.median(sides['B'][k]):.4g} | "
-              f"{statistics.median(ratios):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+              f"{paired_median(sides['B'][k], sides['A'][k]):.3f} | {min(ratios):.3f}-{max(ratios):.3f} |")
+    print("\nB/A: " + "; ".join(f"{k} {paired_median(sides['B'][k], sides['A'][k]):.3f}" for k in metrics)
+          + f" ({rounds_note(args.rounds)})")
     return 0
 
 

@@ -20,8 +20,10 @@ uncompressed layout (the table prints its prediction beside the measurement), so
 the compression's, not the compute's.  The shapes are chosen from the cost model before running
 (`--print-plan` shows it without running anything).
 
-Per mode: the step time on the testbed (the mean of `--steps` steps after `--warmup`, from the run's
-`elapsed_s`, logged every step), the bytes a step put on the wire (the workers' count) against
+Per mode: the step time on the testbed (a run's figure is the mean of `--steps` steps after `--warmup`,
+from its `elapsed_s`, logged every step; every mode runs once in each of `--rounds` rounds, in an order that
+turns every round, and the table gives the median over rounds, the speed-up the median of the rounds' own
+ratios to the uncompressed mode, as the last line does), the bytes a step put on the wire (the workers' count) against
 placement.json's prediction, and the training loss after `--loss-steps` steps of the same run (same seed,
 same data) on this machine without the link limit (the numbers do not depend on the link rate), as the
 mean of the last 10 steps' losses and relative to the uncompressed mode of its layout.  The acceptance of
@@ -36,6 +38,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,13 +48,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
 
 VGRAPH = [sys.executable, "-m", "vgraph"]
 TOKEN = "bench-compress-secret-0123456789"
 PASSES = "dead-nodes,precision,partition{replicas=1},%s,fuse-heads,fuse-lm-head-ce"
 # Rank 32 after 30 plain steps (torch's advice: start at ~10% of the steps): on the wide network the loss
 # after 300 steps is within 2% of the uncompressed run's; rank 4 (+8.3%) and rank 16 after 30 (+2.1%) are
-# not (BENCHMARKS.md).
+# not (docs/benchmarks-history.md, compression).
 POWERSGD = "powersgd:rank=32,start=30"
 
 
@@ -78,6 +84,7 @@ class Row:
     bytes: float | None = None
     loss: float | None = None
     extra: dict = field(default_factory=dict)
+    rounds_s: list[float] = field(default_factory=list)  # the step seconds of each timed round
 
 
 def layouts(smoke: bool) -> list[Layout]:
@@ -143,11 +150,12 @@ def rows_of(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def timed(layout: Layout, mode: str, work: Path, data: Path, args: argparse.Namespace) -> tuple[float, float, float, float]:
+def timed(layout: Layout, mode: str, work: Path, data: Path, args: argparse.Namespace, round_: int = 0
+          ) -> tuple[float, float, float, float]:
     """(measured step seconds, bytes a step, predicted step seconds, predicted bytes) over the testbed."""
     from tools.netlab import Testbed
 
-    out = work / f"timed-{layout.name}-{mode}"
+    out = work / f"timed-{layout.name}-{mode}-r{round_}"
     warmup = _warmup(layout, mode, args.warmup)
     steps = warmup + args.steps
     env = dict(os.environ, VGRAPH_LAUNCH_TOKEN=TOKEN, PYTHONUNBUFFERED="1")
@@ -221,16 +229,23 @@ def run(args: argparse.Namespace) -> list[Row]:
         if layout.name not in args.layouts:
             continue
         write_inputs(layout, work, rate)
+        rows: dict[str, list[dict]] = {mode: [] for mode in layout.modes}
+        figures: dict[str, list[tuple]] = {mode: [] for mode in layout.modes}
+        if args.only != "time" or not args.testbed:  # the loss runs (on loopback they give the times too)
+            for mode in layout.modes:
+                found, timing = untimed(layout, mode, work, data, args)
+                rows[mode] = found if args.only != "time" else []
+                figures[mode].append(timing)
+        if args.testbed and args.only != "loss":  # every mode once a round, in an order that turns
+            figures = {mode: [] for mode in layout.modes}
+            for r in range(args.rounds):
+                for mode in rotated(list(layout.modes), r):
+                    figures[mode].append(timed(layout, mode, work, data, args, r))
         for mode in layout.modes:
-            rows, figures = [], None
-            if args.only != "time" or not args.testbed:  # the loss run (on loopback it gives the times too)
-                rows, figures = untimed(layout, mode, work, data, args)
-                rows = rows if args.only != "time" else []
-            if args.testbed and args.only != "loss":
-                figures = timed(layout, mode, work, data, args)
-            step_s, sent, predicted, predicted_bytes = figures
-            out.append(Row(layout.name, mode, predicted, step_s if args.only != "loss" else None, predicted_bytes,
-                           sent, final_loss(rows) if rows else None))
+            steps = [f[0] for f in figures[mode]]
+            _, sent, predicted, predicted_bytes = figures[mode][-1]
+            out.append(Row(layout.name, mode, predicted, statistics.median(steps) if args.only != "loss" else None,
+                           predicted_bytes, sent, final_loss(rows[mode]) if rows[mode] else None, rounds_s=steps))
             print(f"  {layout.name:9s} {mode:9s} {_f(out[-1].step_s, '.3f')} s a step (predicted {predicted:.3f} s), "
                   f"{sent:,.0f} B/step, loss {_f(out[-1].loss, '.4f')}", file=sys.stderr, flush=True)
     if not args.workdir:
@@ -245,11 +260,26 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = base.get(r.layout)  # none where the uncompressed mode did not run (--smoke)
-        speed = f"{b.step_s / r.step_s:.2f}x" if b is not None and b.step_s and r.step_s else "-"
+        speed = f"{speed_up(b, r):.2f}x" if b is not None and b.step_s and r.step_s else "-"
         versus = f"{100 * (r.loss / b.loss - 1):+.2f}%" if b is not None and b.loss and r.loss is not None else "-"
         lines.append(f"| {r.layout} | {r.mode} | {r.predicted_s:.3f} | {_f(r.step_s, '.3f')} | {speed} | "
                      f"{r.predicted_bytes:,.0f} | {r.bytes:,.0f} | {_f(r.loss, '.4f')} | {versus} |")
     return "\n".join(lines)
+
+
+def speed_up(base: Row, row: Row) -> float:
+    """The uncompressed step over this mode's: the median of the rounds' own ratios (the two ran in each)."""
+    return paired_median(base.rounds_s, row.rounds_s)
+
+
+def summary_line(rows: list[Row], rounds: int) -> str:
+    """The last line: each compressed mode's speed-up a step, and how many rounds it rests on."""
+    base = {r.layout: r for r in rows if r.mode == "none"}
+    ups = [f"{r.layout} {r.mode} {speed_up(base[r.layout], r):.2f}x" for r in rows
+           if r.mode != "none" and r.layout in base and base[r.layout].step_s and r.step_s]
+    if not ups:
+        return "speed-up a step: none measured (no uncompressed mode ran beside a compressed one)"
+    return f"speed-up a step: {'; '.join(ups)} ({rounds_note(rounds)})"
 
 
 def _f(value: float | None, spec: str) -> str:
@@ -287,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="20Mbit/s", help="each host's link rate both ways (default 20Mbit/s)")
     p.add_argument("--cpu", type=float, default=1.0, help="CPU cores per host (cgroup quota, default 1)")
     p.add_argument("--steps", type=int, default=8, help="timed steps per mode (default 8)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timed runs of every mode on the testbed, alternated (default 3; loopback times: 1)")
     p.add_argument("--warmup", type=int, default=3,
                    help="steps before the timed ones (default 3: PowerSGD all-reduces plainly for its first 2)")
     p.add_argument("--loss-steps", type=int, default=300, help="steps of the loss comparison (default 300)")
@@ -303,8 +335,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="tiny networks, 2 timed steps, 3 loss steps, on loopback, the compressed modes int8 and "
                    "PowerSGD only: the CI setting")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.smoke:
         args.steps, args.warmup, args.loss_steps, args.testbed = 2, 1, 3, False
+    if not args.testbed or args.only == "loss":
+        args.rounds = 1  # the loss runs' own steps are the times
     if args.only == "loss":
         args.testbed = False
     if args.print_plan:
@@ -321,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} timed steps after {args.warmup}, loss over {args.loss_steps} steps; load {load:.2f} at the "
           f"start, {os.getloadavg()[0]:.2f} at the end; {time.time() - start:.0f} s")
     print(table(rows, args))
+    print(summary_line(rows, args.rounds))
     return 0
 
 

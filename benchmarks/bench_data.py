@@ -15,6 +15,10 @@ Two claims of issue 24, measured side by side in one run:
    corpus grows about as much: windows are read, not mapped
    (vgraph/data/shards.py ShardFile), so memory does not follow the corpus size.
 
+With `--rounds N` each comparison runs N times, its two sides in an order that turns every round, and the
+ratio and the differences printed are medians of the rounds' own (benchmarks/rounds.py); the default is one
+round, the full run taking tens of minutes.
+
     python benchmarks/bench_data.py                    # 2 GB, 200 steps (tens of minutes on 2 cores)
     python benchmarks/bench_data.py --smoke            # seconds: the suite's smoke setting
 """
@@ -26,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import statistics
 import subprocess
 import sys
 import threading
@@ -33,6 +38,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
+
 NET6 = ROOT / "networks" / "distributed_attention_example_6_swiglu_head.yml"
 TINY = ROOT / "tests" / "fixtures" / "tiny_2l.yml"
 
@@ -176,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--network", type=Path, default=NET6)
     p.add_argument("--skip-prepare", action="store_true", help="only the memory comparison (prepared corpora reused)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, the tiny network, 3 steps")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each comparison, alternated (default 1)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.smoke:
         args.size_mb, args.small_mb, args.unit_mb, args.steps, args.batch, args.threads, args.warm = 1, 0.25, 0.25, 3, 2, 1, 1
         args.network = TINY
@@ -202,17 +214,28 @@ def main(argv: list[str] | None = None) -> int:
     prepared_big, prepared_small = work / f"prepared-{big.stem}-{vocab}", work / f"prepared-{small.stem}-{vocab}"
     if not args.skip_prepare:
         mb = big.stat().st_size / 1e6
-        base_s = baseline(big, tokenizer.read_text(encoding="utf-8"), args.workers, unit)
-        prep_s = prepare_once(big, prepared_big, tokenizer, args.workers, unit)
-        print(f"\n| {args.workers} processes, {mb:,.0f} MB | seconds | MB/s | ratio |\n|---|---:|---:|---:|\n"
+        seconds: dict[str, list[float]] = {"tokenizers": [], "prepare": []}
+        for r in range(args.rounds):
+            for way in rotated(list(seconds), r):
+                seconds[way].append(baseline(big, tokenizer.read_text(encoding="utf-8"), args.workers, unit)
+                                    if way == "tokenizers" else
+                                    prepare_once(big, prepared_big, tokenizer, args.workers, unit))
+        base_s, prep_s = statistics.median(seconds["tokenizers"]), statistics.median(seconds["prepare"])
+        ratio = paired_median(seconds["tokenizers"], seconds["prepare"])  # prepare's throughput over the baseline's
+        print(f"\n| {args.workers} processes, {mb:,.0f} MB | seconds (median) | MB/s | ratio |\n|---|---:|---:|---:|\n"
               f"| tokenizers encode_batch_fast (read + encode) | {base_s:.1f} | {mb / base_s:.2f} | 1.00 |\n"
               f"| vgraph data prepare (read, split, hash, encode, write shards) | {prep_s:.1f} | {mb / prep_s:.2f} | "
-              f"{base_s / prep_s:.2f} |", flush=True)
+              f"{ratio:.2f} |\n\nprepare / tokenizers throughput: {ratio:.2f} ({rounds_note(args.rounds)})", flush=True)
     prepare_once(small, prepared_small, tokenizer, args.workers, unit)
-    rows = {}
-    for name, data in (("small", prepared_small), ("big", prepared_big)):
-        rows[name] = rss_of_training(args.network, data, work / f"run-{name}", args.steps, args.batch, args.threads,
-                                     args.warm)
+    runs: dict[str, list[dict]] = {"small": [], "big": []}
+    for r in range(args.rounds):
+        for name in rotated(list(runs), r):
+            runs[name].append(rss_of_training(args.network, prepared_big if name == "big" else prepared_small,
+                                              work / f"run-{name}", args.steps, args.batch, args.threads, args.warm))
+    rows = {name: {key: statistics.median(run[key] for run in done) for key in done[0]} for name, done in runs.items()}
+
+    def big_minus_small(key: str) -> float:
+        return statistics.median(b[key] - s[key] for b, s in zip(runs["big"], runs["small"]))
     print(f"\n| training {args.network.name}, {args.steps} steps, batch {args.batch} | RSS after step 1 | "
           f"after step {args.warm} | growth from step {args.warm} to {args.steps} (RSS / anon / file) | "
           f"peak RSS, final save included | seconds |\n|---|---:|---:|---:|---:|---:|")
@@ -222,9 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {size:,.1f} MB corpus | {r['first'] / mb:,.0f} MB | {r['warm'] / mb:,.0f} MB | "
               f"{r['steps_growth'] / mb:,.1f} / {r['anon_growth'] / mb:,.1f} / {r['file_growth'] / mb:,.1f} MB | "
               f"{r['peak'] / mb:,.0f} MB | {r['seconds']:.0f} |")
-    print(f"\ngrowth from step {args.warm}, big - small corpus: "
-          f"{(rows['big']['steps_growth'] - rows['small']['steps_growth']) / mb:,.1f} MB; "
-          f"peak RSS, big - small corpus: {(rows['big']['peak'] - rows['small']['peak']) / mb:,.1f} MB; "
+    print(f"\ngrowth from step {args.warm}, big - small corpus: {big_minus_small('steps_growth') / mb:,.1f} MB; "
+          f"peak RSS, big - small corpus: {big_minus_small('peak') / mb:,.1f} MB ({rounds_note(args.rounds)}); "
           f"load {os.getloadavg()[0]:.1f}")
     return 0
 

@@ -3,14 +3,15 @@ that crossed PNode boundaries per step (counted by the workers) against the part
 
     .venv/bin/python benchmarks/bench_distributed.py [--steps 8] [--batch 4] [--micro-batches 1,2,4] [--rounds 2]
 
-Rows, all in one run, alternating over `--rounds`: the single-process trainer
-(`vgraph train`, all cores and one core), `vgraph launch` on a one-PNode fleet
+Rows, all in one run, alternating over `--rounds` (the order turning every round): the single-process
+trainer (`vgraph train`, all cores and one core), `vgraph launch` on a one-PNode fleet
 (one worker, all cores) and on a fleet of two equal PNodes (two workers, the
 cores split between them) for each micro-batch count.  Step times are the per-step wall times after `--warmup`
 steps (metrics.jsonl `elapsed_s`), the minimum (the machine's own cost, least
-disturbed by other load) and the median; "x single" is the ratio to the
-single-process step (all cores).  The last loss of every row is printed too: the rows are
-the same training, so it must agree to float rounding.
+disturbed by other load) and the median; "x single" is the median over rounds of the round's ratio of
+median steps to the single-process step's (all cores), and the last line gives the two-worker rows against
+the one-thread process the same way (benchmarks/rounds.py).  The last loss of every row is printed too: the
+rows are the same training, so it must agree to float rounding.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
 
 NET6 = ROOT / "networks" / "distributed_attention_example_6_swiglu_head.yml"
 
@@ -76,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     configs = [("train", 1, cores, "-"), ("train", 1, 1, "-"), ("launch", 1, cores, 1)]
     configs += [("launch", 2, max(1, cores // 2), int(m)) for m in args.micro_batches.split(",")]
     times: dict[int, list[float]] = {i: [] for i in range(len(configs))}
+    per_round: dict[int, list[float]] = {i: [] for i in range(len(configs))}  # each round's median step
     last: dict[int, tuple] = {}
     try:
         for round_ in range(args.rounds):  # configurations alternate, so a noisy neighbour hits all alike
-            for i, (kind, workers, threads, micro) in enumerate(configs):
+            for i, (kind, workers, threads, micro) in rotated(list(enumerate(configs)), round_):
                 out = work / f"r{round_}_{i}"
                 t = time.perf_counter()
                 if kind == "train":
@@ -96,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                                result.placement["cut_bytes_per_step"])
                     print(f"  placement: {counts} VNodes per PNode", file=sys.stderr)
                 times[i] += step_times(history, args.warmup)
+                per_round[i].append(statistics.median(step_times(history, args.warmup)))
                 print(f"round {round_}: {kind} {workers}x{threads} threads, micro {micro}: "
                       f"{time.perf_counter() - t:.1f} s", file=sys.stderr)
     finally:
@@ -103,22 +109,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for i, (kind, workers, threads, micro) in enumerate(configs):
         name = "vgraph train (1 process)" if kind == "train" else f"vgraph launch, {workers} worker(s)"
-        rows.append((name, workers, threads, micro, times[i], *last[i]))
+        rows.append((name, workers, threads, micro, times[i], per_round[i], *last[i]))
 
-    base_min, base_med = min(rows[0][4]), statistics.median(rows[0][4])
     print(f"6-layer network {Path(args.network).name}, batch {args.batch}, {args.steps} steps x {args.rounds} "
           f"rounds (steps {args.warmup + 1}..{args.steps} of every round), fp32 CPU, torch {torch.__version__}, "
           f"{cores} cores")
     print()
-    print("| run | workers | threads/worker | micro-batches | step s (min) | x single | step s (median) | x single "
-          "| boundary bytes/step measured | predicted (placement) | last loss |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, workers, threads, micro, times, loss, measured, predicted in rows:
-        best, median = min(times), statistics.median(times)
+    print("| run | workers | threads/worker | micro-batches | step s (min) | step s (median) | x single (median of "
+          "rounds) | boundary bytes/step measured | predicted (placement) | last loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, workers, threads, micro, times, rounds, loss, measured, predicted in rows:
         m = f"{int(measured):,}" if measured is not None else "-"
         p = f"{int(predicted):,}" if predicted is not None else "-"
-        print(f"| {name} | {workers} | {threads} | {micro} | {best:.3f} | {best / base_min:.2f} | {median:.3f} | "
-              f"{median / base_med:.2f} | {m} | {p} | {loss:.6f} |")
+        print(f"| {name} | {workers} | {threads} | {micro} | {min(times):.3f} | {statistics.median(times):.3f} | "
+              f"{paired_median(rounds, rows[0][5]):.2f} | {m} | {p} | {loss:.6f} |")
+    one_thread = rows[1][5]  # vgraph train on one core: what two one-core workers are held against
+    print(f"\n2 workers / 1 process of 1 thread, by micro-batches: " + "; ".join(
+        f"{micro}: {paired_median(rounds, one_thread):.2f}" for _, workers, _, micro, _, rounds, *_ in rows
+        if workers == 2) + f" ({rounds_note(args.rounds)})")
     return 0
 
 

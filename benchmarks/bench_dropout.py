@@ -26,10 +26,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
 from vgraph.backends.torch.lowering.dropout import dropout_key, keyed_dropout, node_stream  # noqa: E402
 
 NODES = [f"block{b}_{part}_dropout" for b in range(6) for part in ("attn", "ffn")]  # the 6-layer network's 12
@@ -62,21 +64,17 @@ def main(argv: list[str] | None = None) -> int:
         for backward in (False, True):
             xs = [torch.randn(shape).to(dtype).requires_grad_(backward) for _ in NODES]
             times: dict[bool, list[float]] = {False: [], True: []}
-            ratios = []
             for step in range(args.rounds + 2):
-                per = {}
-                for keyed in ((False, True) if step % 2 else (True, False)):
+                for keyed in rotated((True, False), step):
                     with dropout_key(0, step):
                         start = time.perf_counter()
                         one_step(xs, keyed, backward)
-                        per[keyed] = time.perf_counter() - start
-                if step >= 2:  # the first two rounds warm the allocator up
-                    for keyed, t in per.items():
-                        times[keyed].append(t)
-                    ratios.append(per[True] / per[False])
+                        if step >= 2:  # the first two rounds warm the allocator up
+                            times[keyed].append(time.perf_counter() - start)
+            ratios = [k / f for k, f in zip(times[True], times[False])]
             rows.append((str(dtype).removeprefix("torch."), "forward + backward" if backward else "forward",
-                         statistics.median(times[False]), statistics.median(times[True]), statistics.median(ratios),
-                         min(ratios), max(ratios)))
+                         statistics.median(times[False]), statistics.median(times[True]),
+                         paired_median(times[True], times[False]), min(ratios), max(ratios)))
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"### Keyed dropout vs F.dropout: 12 dropouts of the 6-layer network, [{', '.join(map(str, shape))}] each, "
           f"p={RATE}")
@@ -91,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---:|---:|---:|---:|---:|")
     for dtype, what, base, keyed, ratio, lo, hi in rows:
         print(f"| {dtype} | {what} | {base * 1e3:.1f} | {keyed * 1e3:.1f} | {ratio:.2f}x | {lo:.2f}x | {hi:.2f}x |")
+    print()
+    print("keyed / F.dropout: " + "; ".join(f"{dtype} {what} {ratio:.2f}x" for dtype, what, _, _, ratio, _, _ in rows)
+          + f" ({rounds_note(args.rounds)}, goal <= 1.05x)")
     return 0
 
 

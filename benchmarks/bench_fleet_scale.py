@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.evolutionary_allocation import evolve  # noqa: E402
+from benchmarks.rounds import paired_median, rotated, rounds_note  # noqa: E402
 from tools.gen_fleet import WORLD_CITIES, heterogeneous, world_links  # noqa: E402
 from vgraph.cost.costmodel import cost_model  # noqa: E402
 from vgraph.cost.fleet import Fleet, PNode  # noqa: E402
@@ -167,23 +168,27 @@ def pass_time(with_100k: bool, repeat: int = 3) -> None:
     cases = [("8-layer production", load(NET8))]
     if with_100k:
         cases.append(("synthetic 100k", synthetic(100_000)))
-    print("\n## 4. Partition pass time (Partition.run, batch 8, median), one pipeline vs auto\n")
-    print("| network | fleet | replicas=1 | auto | auto plan | auto step / one pipeline's |")
-    print("|---|---|---:|---:|---|---:|")
+    print("\n## 4. Partition pass time (Partition.run, batch 8, median), one pipeline vs auto, alternated\n")
+    print("| network | fleet | replicas=1 | auto | auto / replicas=1 time (median of rounds) | auto plan | "
+          "auto step / one pipeline's |")
+    print("|---|---|---:|---:|---:|---|---:|")
     for name, graph in cases:
+        rounds = repeat if len(graph) < 10_000 else 1
         for fl in ("t4x4", "mixed16"):
             fleet = load_fleet(ROOT / "networks" / "fleets" / f"{fl}.yml")
-            times, placed = {}, {}
-            for rep in ("1", "auto"):
-                ts = []
-                for _ in range(repeat if len(graph) < 10_000 else 1):
+            times: dict[str, list[float]] = {"1": [], "auto": []}
+            placed = {}
+            for r in range(rounds):
+                for rep in rotated(list(times), r):
                     g = graph.copy()
                     t = time.perf_counter()
                     Partition(batch=8, replicas=rep).run(g, PassContext(data={"fleet": fleet}))
-                    ts.append(time.perf_counter() - t)
-                times[rep], placed[rep] = statistics.median(ts), g.meta["placement"]
+                    times[rep].append(time.perf_counter() - t)
+                    placed[rep] = g.meta["placement"]
             a = placed["auto"]
-            print(f"| {name} | {fl} | {times['1'] * 1e3:.1f} ms | {times['auto'] * 1e3:.1f} ms | "
+            print(f"| {name} | {fl} | {statistics.median(times['1']) * 1e3:.1f} ms | "
+                  f"{statistics.median(times['auto']) * 1e3:.1f} ms | "
+                  f"{paired_median(times['auto'], times['1']):.2f} ({rounds_note(rounds)}) | "
                   f"{a['replicas']} x {a['stages_per_replica']} | "
                   f"{a['step_seconds'] / placed['1']['step_seconds']:.2f} |")
 

@@ -8,8 +8,9 @@ prompt, so their tokens must be equal (issue 23's acceptance: 32 tokens on the 6
 short training run); the script exits 1 if they are not.  Each way is loaded once (the run, and for
 ONNX the model built and its session created, and one token drawn: "setup"); the sampling loop alone
 is timed.  The ways
-alternate whole generations over `--repeat` rounds (order flipped every round) and the median per
-token is reported.
+alternate whole generations over `--repeat` rounds (the order turning every round) and the median per
+token is reported; the last line gives each way's time per token against the first way's, the median of
+the rounds' own ratios.
 
     .venv/bin/python benchmarks/bench_generate.py RUN [--tokens 32] [--prompt "def "] [--repeat 3]
     .venv/bin/python benchmarks/bench_generate.py --smoke DIR     # trains the tiny fixture 3 steps into DIR first
@@ -25,9 +26,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
 from vgraph.backends.torch.cli import LogitsSource  # noqa: E402
 
 WAYS = [("torch (window recomputed)", "torch", None), ("onnxruntime, no cache", "onnx", False),
@@ -68,7 +71,7 @@ def main() -> int:
     ids: dict[str, list[int]] = {}
     times: dict[str, list[float]] = {label: [] for label, _, _ in WAYS}
     for i in range(args.repeat):
-        for label, _, _ in (WAYS if i % 2 == 0 else WAYS[::-1]):
+        for label, _, _ in rotated(WAYS, i):
             start = time.perf_counter()
             out = sources[label].sample(prompt, max_new_tokens=args.tokens, temperature=0.0, top_k=0, seed=0)
             times[label].append((time.perf_counter() - start) / max(1, len(out) - len(prompt)))
@@ -81,6 +84,10 @@ def main() -> int:
     for label, _, _ in WAYS:
         same = "yes" if ids[label] == reference else "NO"
         print(f"| {label} | {setup[label]:.1f} | {statistics.median(times[label]) * 1e3:.1f} | {same} |")
+    first = WAYS[0][0]
+    print(f"\nms per token / {first}'s: " + "; ".join(
+        f"{label} {paired_median(times[label], times[first]):.3f}" for label, _, _ in WAYS[1:])
+        + f" ({rounds_note(args.repeat)})")
     return 0 if all(ids[label] == reference for label, _, _ in WAYS) else 1
 
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from network_paths import LABELS, NETWORK_FILES  # noqa: E402
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
 
 
 def _network(name: str) -> Path:
@@ -128,7 +129,7 @@ def _sync_member(rank: int, world: int, port: int, cases: list, rounds: int, out
             times = {"bare": [], "new": [], "old": []}
             methods = [("bare", bare), ("new", new), ("old", old)]
             for r in range(rounds + 1):  # round 0 warms up (gloo's pairs, the allocator)
-                for key, method in methods[r % 3:] + methods[:r % 3]:
+                for key, method in rotated(methods, r):
                     t = _slowest(method())
                     if r:
                         times[key].append(t)
@@ -183,11 +184,6 @@ def _spawn(target, world: int, *args) -> dict:
             p.join(timeout=60)
             if p.exitcode is None:
                 p.kill()
-
-
-def paired_median(a: list[float], b: list[float]) -> float:
-    """The median over rounds of a[i] / b[i] (round i ran both, back to back)."""
-    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def sync_table(label: str, shapes: list, mib: float, procs: list[int], rounds: int) -> float:
@@ -282,7 +278,7 @@ def _step_member(rank: int, world: int, port: int, network: str, steps: int, bat
         times = {m: ([], []) for m in engines}
         modes = list(times)
         for r in range(steps + 1):  # round 0 warms up
-            for mode in modes[r % 3:] + modes[:r % 3]:
+            for mode in rotated(modes, r):
                 total, wait = step(mode, r * 3 + modes.index(mode) + 1)
                 total, wait = _slowest(total), _slowest(wait)
                 if r:
@@ -298,7 +294,8 @@ def step_table(network: str, label: str, world: int, steps: int, batch: int, mic
     nbytes, buckets, sizes, times = _spawn(_step_member, world, network, steps, batch, micro)[0]
     med = {m: (statistics.median(s), statistics.median(w)) for m, (s, w) in times.items()}
     print(f"{label} network, {world} replicas of batch share {batch // world} in {len(sizes)} micro-batch(es) "
-          f"{sizes}, {nbytes:,} bytes of gradients in {buckets} bucket(s), medians of {steps} steps:")
+          f"{sizes}, {nbytes:,} bytes of gradients in {buckets} bucket(s), medians of {steps} steps, the modes "
+          f"alternated step by step (ratios: medians of the steps' own ratios):")
     print()
     print("| sync | step s | wait for the all-reduce after backward s | wait / no-overlap wait |")
     print("|---|---:|---:|---:|")
@@ -306,10 +303,10 @@ def step_table(network: str, label: str, world: int, steps: int, batch: int, mic
              "new": "new, buckets launched from the backward hooks (vgraph launch)"}
     for mode in ("old", "after", "new"):
         step_s, wait_s = med[mode]
-        print(f"| {names[mode]} | {step_s:.3f} | {wait_s:.3f} | {wait_s / med['after'][1]:.2f} |")
+        print(f"| {names[mode]} | {step_s:.3f} | {wait_s:.3f} | {paired_median(times[mode][1], times['after'][1]):.2f} |")
     print()
-    print(f"hidden behind backward: {1 - med['new'][1] / med['after'][1]:.0%} of the all-reduce's wait; "
-          f"old ring wait / new wait: {med['old'][1] / med['new'][1]:.1f}x")
+    print(f"hidden behind backward: {1 - paired_median(times['new'][1], times['after'][1]):.0%} of the all-reduce's "
+          f"wait; old ring wait / new wait: {paired_median(times['old'][1], times['new'][1]):.1f}x ({rounds_note(steps)})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
     load = os.getloadavg()
     print(f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end")
-    print(f"grad sync / bare all_reduce: {worst:.2f} (worst row, median of {args.rounds} alternated rounds)")
+    print(f"grad sync / bare all_reduce: {worst:.2f} (worst row, {rounds_note(args.rounds)})")
     return 0
 
 

@@ -1,7 +1,7 @@
 """What one message and one small collective cost between testbed hosts, by host count and CPU quota.
 
-The quiet testbed run (BENCHMARKS.md, issue 26) measured every 4-host plan at 1 Gbit/s 10-55 ms a step slower
-than predicted, whatever the network's size, and the 2-host plans close to their prediction: a fixed cost per
+The quiet testbed run (docs/benchmarks-history.md, issue 26) measured every 4-host plan at 1 Gbit/s
+10-55 ms a step slower than predicted, whatever the network's size, and the 2-host plans close to their prediction: a fixed cost per
 step that grows with the hosts, not with the bytes.  This script isolates it.  In each of 2 and 4 netlab
 hosts (1 Gbit/s, with and without a 0.5-core quota), one gloo process (the workers' backend and transport)
 times, after a barrier, 200 times each:

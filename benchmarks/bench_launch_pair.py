@@ -8,9 +8,11 @@ on a CPU.  Same steps, batch and seed for both runs; the table gives the
 median step time after the first step (metrics.jsonl `elapsed_s`), tokens/s,
 and the last losses, which agree to float rounding (`launch` is the same
 training as `train`).  The corpus is a synthetic text file, so no tokenizer
-for the embedded corpus has to be trained first.
+for the embedded corpus has to be trained first.  With `--rounds N` both run N
+times in an order that turns every round; a row gives the median over rounds,
+and the last line launch / train, the median of the rounds' own ratios.
 
-    python benchmarks/bench_launch_pair.py [--network 8] [--batch 32] [--steps 6] [--device cuda] [--out FILE]
+    python benchmarks/bench_launch_pair.py [--network 8] [--batch 32] [--steps 6] [--device cuda] [--rounds 1] [--out FILE]
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from network_paths import NETWORK_FILES  # noqa: E402
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
 
 
 def halves(graph, workers: int) -> dict[str, str]:
@@ -62,8 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each, alternated (default 1)")
     ap.add_argument("--out", type=Path, help="also write the markdown table here")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     import torch
 
@@ -87,20 +93,30 @@ def main(argv: list[str] | None = None) -> int:
         (work / "placement.json").write_text(json.dumps({"assignment": halves(graph, args.workers)}))
         common = dict(network=str(path), data=str(work / "corpus.txt"), steps=args.steps, batch=args.batch,
                       lr=3e-4, seed=0, val_every=0, checkpoint_every=0, progress=False, device=args.device)
-        start = time.perf_counter()
-        single = train(TrainConfig(**common, out=work / "train")).history
-        train_s = time.perf_counter() - start
-        start = time.perf_counter()
-        result = launch(LaunchConfig(**common, out=work / "launch", fleet=str(work / "fleet.yml"),
-                                     micro_batches=args.micro_batches, placement=str(work / "placement.json"),
-                                     log=lambda line: None))
-        launch_s = time.perf_counter() - start
+        runs = {
+            "train": lambda r: train(TrainConfig(**common, out=work / f"train{r}")).history,
+            "launch": lambda r: launch(LaunchConfig(**common, out=work / f"launch{r}", fleet=str(work / "fleet.yml"),
+                                                    micro_batches=args.micro_batches,
+                                                    placement=str(work / "placement.json"),
+                                                    log=lambda line: None)).history,
+        }
+        steps: dict[str, list[float]] = {way: [] for way in runs}
+        walls: dict[str, list[float]] = {way: [] for way in runs}
+        last: dict[str, float] = {}
+        for r in range(args.rounds):
+            for way in rotated(list(runs), r):
+                start = time.perf_counter()
+                history = runs[way](r)
+                walls[way].append(time.perf_counter() - start)
+                steps[way].append(step_seconds(history))
+                last[way] = history[-1]["loss"]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     tokens = args.batch * int(graph.nodes_of_type("embedder")[0].cfg["seq_len"])
-    rows = [("vgraph train, 1 device", 1, "-", step_seconds(single), single[-1]["loss"], train_s),
+    med = {way: (statistics.median(steps[way]), statistics.median(walls[way])) for way in runs}
+    rows = [("vgraph train, 1 device", 1, "-", *med["train"][:1], last["train"], med["train"][1]),
             (f"vgraph launch, {args.workers} devices ({backend})", args.workers, args.micro_batches,
-             step_seconds(result.history), result.history[-1]["loss"], launch_s)]
+             *med["launch"][:1], last["launch"], med["launch"][1])]
     lines = [f"### `vgraph launch` on {args.workers} {'GPUs' if cuda else 'CPU workers'}: {graph.name}, batch "
              f"{args.batch}, {args.steps} steps",
              "",
@@ -113,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, devices, micro, step, loss, wall in rows:
         lines.append(f"| {name} | {devices} | {micro} | {step * 1e3:.1f} | {tokens / step:,.0f} | {loss:.6f} | "
                      f"{wall:.0f} |")
+    lines += ["", f"launch / train step: {paired_median(steps['launch'], steps['train']):.3f} "
+                  f"({rounds_note(args.rounds)})"]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

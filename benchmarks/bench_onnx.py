@@ -5,7 +5,7 @@ same token batch in float32, computing every output and cost (logits and the
 mean cross-entropy), with the same number of threads.  The two are measured
 alternately in one run (the order flips every round) so machine noise hits
 both alike; the ratio is onnxruntime time / torch time (< 1: onnxruntime is
-faster).  GFLOP/s uses vgraph's forward FLOP count (the full S x S
+faster), the median over rounds of each round's own ratio (benchmarks/rounds.py).  GFLOP/s uses vgraph's forward FLOP count (the full S x S
 attention square, as ``vgraph analyze`` counts it).
 
     .venv/bin/python benchmarks/bench_onnx.py [--batch 8] [--repeat 7] [--variants unfused,fused]
@@ -17,15 +17,16 @@ import datetime
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import vgraph  # noqa: E402
+from rounds import paired_median, rounds_note, timed_rounds  # noqa: E402
 from vgraph.backends.onnx.check import _compile, _state_numpy, fp32_graph, random_feeds, session  # noqa: E402
 from vgraph.backends.onnx import lower_network, value_name  # noqa: E402
 from vgraph.cost.analyze import analyze  # noqa: E402
@@ -55,16 +56,7 @@ def measure(passes: str, batch: int, repeat: int, warmup: int) -> dict:
     def run_ort():
         return sess.run(names, feeds)
 
-    for _ in range(warmup):
-        run_torch()
-        run_ort()
-    times = {"torch": [], "onnxruntime": []}
-    runners = [("torch", run_torch), ("onnxruntime", run_ort)]
-    for i in range(repeat):
-        for name, fn in runners if i % 2 == 0 else runners[::-1]:
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    times = timed_rounds({"torch": run_torch, "onnxruntime": run_ort}, repeat, warmup)
     # Sanity: the two agree (check-onnx's tolerance), so the same work was timed.
     ref = run_torch()
     got = dict(zip(names, run_ort()))
@@ -74,7 +66,8 @@ def measure(passes: str, batch: int, repeat: int, warmup: int) -> dict:
     t_ort = statistics.median(times["onnxruntime"])
     tokens = batch * graph.node("embedder").cfg["seq_len"]
     flops = analyze(graph).flops_per_sample * batch
-    return {"passes": passes, "torch": t_torch, "ort": t_ort, "ratio": t_ort / t_torch, "flops": flops,
+    ratio = paired_median(times["onnxruntime"], times["torch"])
+    return {"passes": passes, "torch": t_torch, "ort": t_ort, "ratio": ratio, "flops": flops,
             "tokens": tokens, "err": err, "vnodes": len(graph), "onnx_nodes": len(model.graph.node)}
 
 
@@ -93,7 +86,7 @@ def main() -> None:
     print(f"6-layer network, batch {args.batch}, float32 inference (logits + loss), "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
           f"{platform.machine()}, {datetime.date.today()}")
-    print(f"| graph | VNodes | ONNX nodes | torch eager (ms) | onnxruntime (ms) | ratio ort/torch | "
+    print(f"| graph | VNodes | ONNX nodes | torch eager (ms) | onnxruntime (ms) | ratio ort/torch (paired) | "
           f"torch GFLOP/s | ort GFLOP/s | max abs diff |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -101,6 +94,9 @@ def main() -> None:
         print(f"| {label} | {r['vnodes']} | {r['onnx_nodes']} | {r['torch'] * 1e3:.0f} | {r['ort'] * 1e3:.0f} | "
               f"{r['ratio']:.2f} | {r['flops'] / r['torch'] / 1e9:.1f} | {r['flops'] / r['ort'] / 1e9:.1f} | "
               f"{r['err']:.1e} |")
+    print()
+    print("onnxruntime / torch eager: " + "; ".join(
+        f"{'unfused' if r['passes'] == 'none' else 'fused'} {r['ratio']:.2f}" for r in rows) + f" ({rounds_note(args.repeat)})")
 
 
 if __name__ == "__main__":

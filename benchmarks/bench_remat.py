@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
+
 NETWORKS = {
     "12": ROOT / "networks" / "distributed_attention_example_12_swiglu_head_vocab32768_seq2048.yml",
     "8": ROOT / "networks" / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml",
@@ -93,8 +95,8 @@ def time_child(network: str, specs: list[str | None], batch: int, threads: int, 
         step()  # warm-up
     wall: list[list[float]] = [[] for _ in specs]
     cpu: list[list[float]] = [[] for _ in specs]
-    for _ in range(steps):
-        for i, step in enumerate(trainers):
+    for r in range(steps):
+        for i, step in rotated(list(enumerate(trainers)), r):
             gc.collect()
             w0, c0 = time.perf_counter(), time.process_time()
             step()
@@ -225,10 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     for label, t in zip(variants, times):
         rows[label]["step_s"] = statistics.median(t["wall"])
         rows[label]["cpu_s"] = statistics.median(t["cpu"])
+        rows[label]["times"] = t
     base, remat = rows["without remat"], rows["with remat"]
     print(f"\n**Measured CPU training step** ({NETWORKS[args.network].stem}, batch {args.batch} x {base['seq']}, "
           f"float32, Adam, torch {base['torch']}, {args.threads} threads; peaks: one fresh process per variant; "
-          f"times: both variants in one process, steps alternated, median of {args.steps} each)\n")
+          f"times: both variants in one process, steps alternated, median of {args.steps} each; the ratios below "
+          f"are medians of the rounds' own ratios)\n")
     print("| variant | VNodes | marked | tensor peak of the step (MiB) | estimate (MiB) | estimate / peak | "
           "step wall (s) | step CPU (s) | first loss |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -236,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {label} | {r['vnodes']} | {r['marked']} | {r['tensor_peak'] / MIB:.0f} | "
               f"{r['estimate_step'] / MIB:.0f} | {r['estimate_step'] / r['tensor_peak']:.2f} | {r['step_s']:.2f} | "
               f"{r['cpu_s']:.2f} | {r['loss']:.6f} |")
+    wall = paired_median(remat["times"]["wall"], base["times"]["wall"])
+    cpu = paired_median(remat["times"]["cpu"], base["times"]["cpu"])
     print(f"\nWith remat the step's tensor peak is {1 - remat['tensor_peak'] / base['tensor_peak']:.1%} lower and the "
-          f"step takes {remat['step_s'] / base['step_s']:.2f}x the wall time ({remat['cpu_s'] / base['cpu_s']:.2f}x "
-          f"the CPU time).")
+          f"step takes {wall:.2f}x the wall time ({cpu:.2f}x the CPU time; {rounds_note(args.steps)}).")
     return 0
 
 

@@ -71,6 +71,7 @@ import torch  # noqa: E402
 
 import vgraph  # noqa: E402
 from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vgraph_state  # noqa: E402
+from rounds import paired_median, rotated, rounds_note, timed_rounds  # noqa: E402
 from tools.gen_networks import PRODUCTION, TINY  # noqa: E402
 from vgraph.backends.torch import compile_network, prepare_graph  # noqa: E402
 from vgraph.backends.torch.training.optimizers import NodeOptimizers, make_adam  # noqa: E402
@@ -206,26 +207,28 @@ def lm_head_table(cfg: HandwrittenConfig, batch: int, rounds: int, warmup: int) 
     def fused():
         return tied_lm_head_ce(x, w, t)
 
-    runs = {"F.linear + F.cross_entropy": plain, "kernels.tied_lm_head_ce (chunked)": fused}
-    times: dict[str, list[float]] = {k: [] for k in runs}
     grads = {}
-    for r in range(warmup + rounds):
-        for name in (list(runs) if r % 2 else list(runs)[::-1]):
+
+    def run(name: str, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def go() -> None:
             x.grad = w.grad = None
-            start = time.perf_counter()
-            runs[name]().backward()
-            if r >= warmup:
-                times[name].append(time.perf_counter() - start)
+            loss().backward()
             grads[name] = (x.grad, w.grad)
-    (px, pw), (fx, fw) = grads.values()
+        return go
+
+    base = "F.linear + F.cross_entropy"
+    runs = {base: plain, "kernels.tied_lm_head_ce (chunked)": fused}
+    times = timed_rounds({name: run(name, fn) for name, fn in runs.items()}, rounds, warmup)
+    (px, pw), (fx, fw) = (grads[name] for name in runs)
     err = max(float((fx - px).abs().max() / px.abs().max()), float((fw - pw).abs().max() / pw.abs().max()))
-    base = statistics.median(times["F.linear + F.cross_entropy"])
     print(f"\nLM head + loss alone ({batch * cfg.seq_len} rows x vocab {cfg.vocab} x dim {cfg.dim}, forward + "
           f"backward, {rounds} alternating rounds; gradients agree to {err:.1e} relative):\n")
-    print("| loss | ms | vs plain |")
+    print("| loss | ms (median) | vs plain (median of per-round ratios) |")
     print("|---|---:|---:|")
     for name, ts in times.items():
-        print(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {statistics.median(ts) / base:.3f} |")
+        print(f"| {name} | {statistics.median(ts) * 1e3:.1f} | {paired_median(ts, times[base]):.3f} |")
+    print(f"\nFused / plain LM head + loss: {paired_median(times['kernels.tied_lm_head_ce (chunked)'], times[base]):.3f} "
+          f"({rounds_note(rounds)}).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {v.name: [] for v in everything}
     first: dict[str, float] = {}
     for r in range(args.warmup + args.rounds):
-        order = everything[r % len(everything):] + everything[: r % len(everything)]
-        for v in order:
+        for v in rotated(everything, r):
             start = time.perf_counter()
             v.step()
             elapsed = time.perf_counter() - start
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         """Median over rounds of this round's ratio: robust to load that changes between rounds."""
         if ref not in times:
             return None
-        return statistics.median(a / b for a, b in zip(times[name], times[ref]))
+        return paired_median(times[name], times[ref])
 
     def round_mfu(name: str) -> float:
         return statistics.median(model_flops / t / (gemm_flops / g) for t, g in zip(times[name], times["gemm"]))
@@ -338,12 +340,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| gemm {args.gemm_size}^3 x4 | {med['gemm'] * 1e3:.0f} | "
           f"{min(times['gemm']) * 1e3:.0f}-{max(times['gemm']) * 1e3:.0f} | - | - | {gemm_rate / 1e9:.1f} | 100% | - |")
     print("\nRatios and MFU are medians of the per-round values (each round runs every variant back to back).")
+    if "vgraph fused" in times and "handwritten" in times:
+        print(f"vgraph fused / handwritten step time = {paired('vgraph fused', 'handwritten'):.3f} "
+              f"({rounds_note(args.rounds)}).")
     if "vgraph fused" in times and "vgraph unfused" in times:
-        print(f"Head fusion: fused / unfused step time = {paired('vgraph fused', 'vgraph unfused'):.3f} (median of "
-              f"{args.rounds} alternated rounds).")
+        print(f"Head fusion: fused / unfused step time = {paired('vgraph fused', 'vgraph unfused'):.3f} "
+              f"({rounds_note(args.rounds)}).")
     if "vgraph fused +compile" in times and "handwritten" in times:
         print(f"Best of each: vgraph fused +compile / handwritten (eager) = "
-              f"{paired('vgraph fused +compile', 'handwritten'):.3f} (median of {args.rounds} alternated rounds).")
+              f"{paired('vgraph fused +compile', 'handwritten'):.3f} ({rounds_note(args.rounds)}).")
     print(f"Load average after the run: {' / '.join(f'{x:.2f}' for x in os.getloadavg())}.")
     return 0
 

@@ -53,6 +53,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from rounds import paired_median, rotated, rounds_note  # noqa: E402
+
 HEAD = ("final_norm", "head_up", "head_swiglu", "head_down", "lm_head", "loss")
 LR = 6e-4
 BUCKET_MIB = 25  # DDP's bucket_cap_mb default, and vgraph launch's --bucket-size default
@@ -370,7 +372,7 @@ def run(args) -> int:
         last_loss: dict[str, float] = {}
         names = list(ways)
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in rotated(names, r):
                 kind, go = ways[name]
                 t0 = time.perf_counter()
                 times, loss = go(f"r{r}-{name.replace(' ', '_')}")
@@ -384,7 +386,7 @@ def run(args) -> int:
 
 
 def paired(medians: dict[str, list[float]], a: str, b: str) -> float:
-    return statistics.median(x / y for x, y in zip(medians[a], medians[b]))
+    return paired_median(medians[a], medians[b])
 
 
 def report(args, cfg, procs, medians, last_loss, uneven, load, started) -> None:
@@ -421,8 +423,8 @@ def report(args, cfg, procs, medians, last_loss, uneven, load, started) -> None:
                          f"training")
     P = max(procs)
     print(f"launch/DDP: {paired(medians, f'launch replicas {P}', f'DDP {P}'):.3f}; launch/pipelining: "
-          f"{paired(medians, f'launch stages {P}', f'pipelining {P}'):.3f} ({P} processes, medians of "
-          f"{args.rounds} alternated rounds)")
+          f"{paired(medians, f'launch stages {P}', f'pipelining {P}'):.3f} ({P} processes, "
+          f"{rounds_note(args.rounds)})")
 
 
 def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) -> str:
@@ -446,7 +448,7 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
         # collectives table of both (the full run: each host twice, one at a time, a third where they disagree)
         probe_hosts(tb, network, fleet, 2.0, rounds=50, smoke=args.network == "tiny", batch=args.batch, micro=1)
         for r in range(args.rounds):
-            for way in (("launch", "DDP") if r % 2 == 0 else ("DDP", "launch")):
+            for way in rotated(("launch", "DDP"), r):
                 port = 29600 + 10 * (2 * r + (way == "DDP"))
                 if way == "DDP":
                     steps, _ = run_torch(dict(common, mode="ddp", world=2), work, f"uneven-r{r}", hosts=tb,
@@ -482,7 +484,7 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
                   batch=args.batch, micro_batches=1, assignment={n.id: "h0" for n in seen.nodes},
                   replicas=([["h0"], ["h1"]], [args.batch // 2, args.batch - args.batch // 2])).report
     predicted = equal["step_seconds"] / planned["step_seconds"]
-    measured = statistics.median(d / v for d, v in zip(times["DDP"], times["launch"]))
+    measured = paired_median(times["DDP"], times["launch"])
     return "\n".join([
         f"Unequal hosts (netlab: host h0 {cores[0]:g} core, h1 {cores[1]:g} core, cgroup quotas; fleet probed "
         f"inside them: the whole step alone priced at {alone}), 2 processes, batch {args.batch}, "
@@ -494,7 +496,7 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
         f"| DDP (equal split) | {[args.batch // 2, args.batch - args.batch // 2]} | {equal['step_seconds'] * 1e3:.1f} "
         f"(vgraph's price of it) | {statistics.median(times['DDP']) * 1e3:.1f} |", "",
         f"DDP / launch on unequal hosts: measured {measured:.2f}x, predicted {predicted:.2f}x "
-        f"(measured / predicted {measured / predicted:.2f})"])
+        f"(measured / predicted {measured / predicted:.2f}; {rounds_note(args.rounds)})"])
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def test_sample_count_and_bad_arguments() -> None:
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps (Linux) to see the mappings")
 def test_windows_are_read_without_mapping_the_shards(tmp_path: Path) -> None:
     """Training's resident memory must not follow the corpus: a memory map's touched (and read-ahead) pages
-    count in it (474-646 MB more on a 2 GB corpus, BENCHMARKS.md), so windows are read, not mapped."""
+    count in it (474-646 MB more on a 2 GB corpus, docs/benchmarks-history.md), so windows are read, not mapped."""
     write_corpus(tmp_path / "c", {"train": [[[5, 6, 7]] * 40, [[8, 9]] * 30], "val": [[[1]]]})
     corpus = open_prepared(tmp_path / "c")
     got = [corpus.train.window(i, 7) for i in range(0, corpus.train.tokens - 7, 5)]

@@ -187,8 +187,8 @@ TARGETS: dict[str, Target] = {
         "backends/torch/distributed/runtime/powersgd.py", ("tests/test_grad_sync.py", "-k", "powersgd or hook"),
         timeout=600.0, why="PowerSGD on the replicas' buckets: the sum, its bytes, forgetting a non-finite step"),
     "worker-step": Target(
-        "backends/torch/distributed/runtime/worker.py", ("tests/test_distributed_replicas.py", "-k", "clip"),
-        functions=("_local_sumsq", "_local_bad_grads", "_optimizer_step"),
+        "backends/torch/distributed/runtime/pipeline_step.py", ("tests/test_distributed_replicas.py", "-k", "clip"),
+        functions=("_local_sumsq", "_local_bad_grads", "unscale", "clip", "step"),
         timeout=600.0, why="a launch worker's update: the clip norm over replicas, skipped steps, the optimizer"),
     "replica-groups": Target(
         "backends/torch/distributed/runtime/replica_groups.py",

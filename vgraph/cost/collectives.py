@@ -6,7 +6,7 @@ gradients' ring: an all-reduce on the control group (loss, gradient norm, traffi
 --log-every asks for more; every step until issue 42), the gather of the ranks' metrics to rank 0.  Both are latency-bound, a few bytes over 2 (N - 1) hops, and a link probed between
 two idle hosts does not tell their price.  On the netlab testbed a gloo all-reduce of 8 numbers over 4
 hosts took 5.7-6.9 ms and 0.27 ms over 2, while a round trip between two of the 4 took 0.26-0.34 ms
-(BENCHMARKS.md, `bench_hop_latency.py`): with 4 ranks each one spends ~1.6 ms of CPU in a gloo
+(docs/benchmarks-history.md, `bench_hop_latency.py`): with 4 ranks each one spends ~1.6 ms of CPU in a gloo
 collective of 8 numbers, and these hosts share 2 cores.  The cost model priced none of it and every
 4-host plan ran 10-55 ms a step over its prediction.  So `vgraph probe --collectives`, run on the fleet's
 hosts at once, times them as the workers run them, and the fleet carries the table:

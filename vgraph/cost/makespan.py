@@ -4,7 +4,7 @@ The step cost model (stepcost.py) used to price a replica's pipeline as (M + S -
 stage, the bubble of a linear chain of S equal stages.  The workers run something else whenever a rank
 holds several tasks (step_plan.py: the embedder and the tied LM head in one colocation group put the first
 rank at both ends, rank 0 -> 1 -> 0), and 1F1B's in-flight cap then serialises much of the step: on the
-netlab testbed such 2-stage plans ran 1.2x to 2.5x slower than that formula (BENCHMARKS.md).  This module
+netlab testbed such 2-stage plans ran 1.2x to 2.5x slower than that formula (docs/benchmarks-history.md).  This module
 prices the schedule the workers actually run (vgraph/cost/schedule.py, the orders step_plan.py hands them), given
 every op's duration:
 

@@ -6,7 +6,7 @@ ops), and the step cost model prices a pipeline as the makespan of the same orde
 gives every op its duration).  A model that priced some other schedule (a linear chain's bubble, as
 stepcost.py did) mispredicted exactly where the workers' schedule differs from it: on the testbed, a cut
 whose first rank also runs the last task (the tied LM head next to the embedder: rank 0 -> 1 -> 0) ran
-near the serial sum of its stages, 1.2x to 2.5x the bubble formula (BENCHMARKS.md).
+near the serial sum of its stages, 1.2x to 2.5x the bubble formula (docs/benchmarks-history.md).
 
 **Tasks.**  A rank may run several tasks (a PNode's VNodes at different depths of the network: step_plan.py),
 listed here in forward order.  A task's forward reads the forward outputs of the tasks in `reads`; its

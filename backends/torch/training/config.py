@@ -48,7 +48,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     deterministic: bool = False
     threads: int | None = None
-    log_every: int | None = None  # default: every step on CPU, every 10 on an accelerator
+    log_every: int | None = None  # None: the loop's one default (training/loop.py: by the clock, any device)
     grad_clip: float | None = None
     weight_decay: float = 0.0  # decoupled (AdamW) decay of Adam nodes' matrices; 0: plain Adam, as before
     grad_accum: int = 1  # micro-batches of `batch` per optimizer step: the step trains grad_accum x batch samples

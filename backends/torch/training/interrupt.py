@@ -36,6 +36,8 @@ class Interrupted(VGraphError):
 class StopRequest:
     """The flag a training loop polls once per step (`requested`), set by the first signal."""
 
+    late_requests = True  # one process: a request during a sync point's logging still stops there (loop.py)
+
     def __init__(self, say: Callable[[str], None], on_request: Callable[[], None] | None = None, *,
                  echo_s: float = 0.0) -> None:
         self.say = say

@@ -1,9 +1,11 @@
 """What a training run reports: metrics.jsonl / metrics.csv, the loss curve, the progress bar and its lines.
 
-The rows are written at every sync point of the loop (every `--log-every`
-steps, at validation and at checkpoints); a resumed run drops the rows past
-its checkpoint (`MetricsLog.restart`) and writes them again.  Shared with
-the workers of `vgraph launch`, whose rank 0 writes the same files.
+The rows are written at every sync point of the loop (loop.py: every
+`--log-every` steps or about once a second, at validation and at checkpoints);
+a resumed run drops the rows past its checkpoint (`MetricsLog.restart`) and
+writes them again.  Shared with the workers of `vgraph launch`, whose rank 0
+writes the same files.  The loop hands it plain rows and column names: it
+knows nothing of the step that made them.
 """
 from __future__ import annotations
 
@@ -13,25 +15,14 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol
-
-import torch
+from typing import Any, Protocol
 
 from vgraph.base.safeio import atomic_write
 from vgraph.run.files import METRICS_CSV, METRICS_JSONL, RunReader
 
-from ..lowering.lower import VGraphModule
-from .optimizers import NodeOptimizers
 from .run_files import atomic_write_text, run_slug
 
-if TYPE_CHECKING:
-    from vgraph.ir.graph import Endpoint
-
-    from .step import PendingLoss
-    from .setup import RunSetup
-
-__all__ = ["MetricsLog", "MetricsSink", "metric_columns", "metric_values", "step_rows", "progress_bar", "run_banner",
-           "LineProgress", "read_rows"]
+__all__ = ["MetricsLog", "MetricsSink", "progress_bar", "LineProgress", "read_rows"]
 
 
 
@@ -137,43 +128,6 @@ def _finite(v: Any) -> bool:
 
 
 
-def metric_columns(metric_eps: Iterable[Endpoint]) -> list[str]:
-    """The metrics table's columns: the loop's own, then the network's `metrics:` entries."""
-    return ["step", "loss", "lr", "tokens_per_s", "elapsed_s", "val_loss", "loss_scale",
-            *[ep.name for ep in metric_eps if ep.name not in ("step", "loss", "lr")]]
-
-
-def metric_values(metric_eps: Iterable[Endpoint], module: VGraphModule, optimizers: NodeOptimizers,
-                  scaler: torch.amp.GradScaler, out: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The network's `metrics:` entries now (between backward and update: gradients are this step's)."""
-    values: dict[str, Any] = {}
-    graph = module.network
-    cost_at = {(ep.node, ep.slot): ep.name for ep in graph.costs}
-    for ep in metric_eps:
-        if ep.type in (None, "learning_rate"):
-            values[ep.name] = optimizers.lr_of(ep.node) if ep.node in optimizers.base_lr else None
-        elif ep.type == "loss" and (ep.node, ep.slot) in cost_at:
-            values[ep.name] = float(out[cost_at[(ep.node, ep.slot)]].detach())
-        elif ep.type == "grad_norm":
-            node = graph.node(ep.node)
-            params = list(module.node_parameters(ep.node).values())
-            if not params and node.op.tied(node.cfg):
-                alias = next(iter(node.op.tied(node.cfg).values()))[0]
-                params = [module.node_parameters(graph.publishers()[alias].id)["weight"]]
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-                values[ep.name] = float(norm) / (scaler.get_scale() if scaler.is_enabled() else 1.0)
-    return values
-
-
-def step_rows(pending: list[PendingLoss], losses: list[float], base_lr: float, tokens_per_s: float,
-              elapsed_s: float) -> list[dict[str, Any]]:
-    """One metrics row per step since the last sync point (the caller adds the last row's extras)."""
-    return [{"step": s, "loss": value, "lr": base_lr * factor, "tokens_per_s": tokens_per_s, "elapsed_s": elapsed_s}
-            for (s, _, factor), value in zip(pending, losses)]
-
-
 def progress_bar(total: int, initial: int, name: str, enabled: bool):
     """The tqdm bar on a terminal; progress lines (`LineProgress`) when stderr is captured (a log, CI, tools/
     main.sh), where a bar redrawn with carriage returns shows nothing until the end; disabled under --quiet.
@@ -230,15 +184,3 @@ class LineProgress:
 def _clock(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     return f"{minutes}m{secs:02d}s" if minutes else f"{seconds:.1f}s"
-
-
-def run_banner(setup: RunSetup, module: VGraphModule) -> str:
-    """The line a run starts with: network, size, precision, device, data and run directory."""
-    graph, dtype, data = setup.graph, setup.dtype, setup.data
-    return (f"{graph.name}: {len(graph)} VNodes, {sum(p.numel() for p in module.parameters()):,} "
-            f"parameters, {str(dtype).removeprefix('torch.')} compute on {setup.device}"
-            f"{' with loss scaling' if setup.loss_scaling else ''}"
-            f"{' (' + setup.precision['reason'] + ')' if setup.precision.get('reason') else ''}; data "
-            f"{data.description} ({data.dataset.train_tokens:,} train / "
-            f"{data.dataset.val_tokens:,} val tokens, {data.tokenizer_kind} tokenizer); "
-            f"run dir {setup.run_dir}")

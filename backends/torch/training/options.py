@@ -115,9 +115,10 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
                 "deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one"),
     TrainOption("--threads", "threads", "CPU threads for torch", options.positive_int,
                 launch_help="CPU threads per worker (default: cores / workers)"),
-    TrainOption("--log-every", "log_every", "read the loss back every N steps (default: 1 on CPU, 10 on GPU)",
-                options.positive_int, "N", launch_help="gather the metrics rows on rank 0 every N steps (default: "
-                                                       "about once a second; every step has its row either way)"),
+    TrainOption("--log-every", "log_every", "write the metrics rows (the losses read back and checked) every N steps "
+                "(default: about once a second; every step has its row either way)", options.positive_int, "N",
+                launch_help="gather the metrics rows on rank 0 every N steps (default: about once a second; every "
+                            "step has its row either way)"),
     TrainOption("--grad-clip", "grad_clip", "clip the global gradient norm", options.positive_float, "NORM"),
     TrainOption("--weight-decay", "weight_decay", "decoupled weight decay (AdamW) of the matrices and embeddings of "
                 "Adam nodes; a node's own weight_decay wins (default {default}: Adam)", options.non_negative_float,

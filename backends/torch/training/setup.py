@@ -47,7 +47,7 @@ from .options import check_train_config
 from .corpus import PreparedData, prepare_data
 
 __all__ = ["phase", "NO_FUSE_PIPELINE", "device_target", "prepare_graph", "feed_roles", "vocab_and_seq", "resolve_device",
-           "use_deterministic_kernels", "load_network", "RunSetup", "set_up_run", "seed_everything"]
+           "use_deterministic_kernels", "load_network", "RunSetup", "set_up_run", "seed_everything", "run_banner"]
 
 
 
@@ -298,3 +298,15 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
     except ImportError:  # pragma: no cover
         pass
+
+
+def run_banner(setup: RunSetup, module: VGraphModule) -> str:
+    """The line a run starts with: network, size, precision, device, data and run directory."""
+    graph, dtype, data = setup.graph, setup.dtype, setup.data
+    return (f"{graph.name}: {len(graph)} VNodes, {sum(p.numel() for p in module.parameters()):,} "
+            f"parameters, {str(dtype).removeprefix('torch.')} compute on {setup.device}"
+            f"{' with loss scaling' if setup.loss_scaling else ''}"
+            f"{' (' + setup.precision['reason'] + ')' if setup.precision.get('reason') else ''}; data "
+            f"{data.description} ({data.dataset.train_tokens:,} train / "
+            f"{data.dataset.val_tokens:,} val tokens, {data.tokenizer_kind} tokenizer); "
+            f"run dir {setup.run_dir}")

@@ -14,18 +14,22 @@ One run lives in one directory (``--out``)::
                        and the network YAML and tokenizer again, so one checkpoint
                        directory is self-contained (`vgraph generate` needs nothing else)
 
-This module is the entry point (`train`, `load_trained`) and the loop itself,
-which reads top to bottom; each part it calls lives in a module of its own:
+This module is the entry point (`train`, `load_trained`): it sets a run up and
+hands it to the one training loop (loop.py, which `vgraph launch`'s workers run
+too); each part lives in a module of its own:
 
-* set-up (training_setup.py, training_data.py): the config checked, the
-  device, the graph through the pass pipeline, the run directory, memory,
-  the tokenizer and token streams;
-* the step (train_step.py, node_optimizers.py): forward and backward under
+* set-up (setup.py, corpus.py): the config checked, the device, the graph
+  through the pass pipeline, the run directory, memory, the tokenizer and
+  token streams;
+* the loop (loop.py): the cadence of sync points, validation, checkpoints and
+  stop requests, the metrics rows;
+* the step (step.py, optimizers.py): `LocalStep`, forward and backward under
   autocast with loss scaling, the non-finite-loss check, the per-VNode
   optimizers and the learning-rate schedule;
 * evaluation (validation.py): the held-out loss;
 * checkpointing (run_checkpoints.py): save, prune, resume, clean a killed write;
-* logging (metrics_log.py): metrics.jsonl / .csv, the loss curve, the progress bar.
+* logging (run_output.py, metrics_log.py): metrics.jsonl / .csv, the loss
+  curve, the progress bar.
 
 **Exact resume**: a step's samples are a function of (seed, step) (data.py:
 nothing to checkpoint) and dropout masks are keyed by (seed, step, VNode, sample)
@@ -39,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -53,20 +56,21 @@ from vgraph.run.files import RunLock, RunReader
 from vgraph.yamlio import loads
 
 from . import checkpoint as ckpt
-from ..lowering.dropout import clear_dropout_key, set_dropout_key
 from .interrupt import StopRequest
 from ..lowering.lower import compile_network
-from .metrics_log import MetricsLog, metric_columns, metric_values, progress_bar, run_banner, step_rows
+from .loop import row_columns, run_loop
+from .metrics_log import MetricsLog, progress_bar
 from .optimizers import NodeOptimizers, lr_factor
-from .peak_memory import TensorPeak, memory_figures
+from .peak_memory import TensorPeak
 from .run_checkpoints import TrainingState, resume_run, save_run_checkpoint
 from .run_files import atomic_write_text
+from .run_output import LocalOutput
 from .tensorboard_log import TensorBoardLog
 from .run_network import check_finite, definition_graph, passes_for_definition, require_match
 from .config import TrainConfig, TrainingError, TrainResult
-from .step import LossCheck, PendingLoss, TrainStep
-from .setup import (device_target, feed_roles, phase, prepare_graph, resolve_device, seed_everything,
-                             set_up_run)
+from .step import LocalStep, LossCheck, TrainStep, metric_values
+from .setup import (device_target, feed_roles, phase, prepare_graph, resolve_device, run_banner, seed_everything,
+                    set_up_run)
 from .validation import validation_loss
 
 __all__ = [
@@ -119,21 +123,14 @@ def _train(cfg: TrainConfig, say: Callable[[str], None]) -> TrainResult:
 @dataclass
 class _Run:
     """What the loop needs, made once before its first step: the set-up (training_setup.py), the compiled
-    network with its optimizers and loss scaler, the step, the loss check, the logs."""
+    network with its optimizers and loss scaler, the step strategy, the logs."""
 
     cfg: TrainConfig
     setup: Any
     module: Any
     state: TrainingState
-    trainer: TrainStep
-    loss_check: LossCheck
-    tensor_peak: TensorPeak
+    steps: LocalStep
     log: MetricsLog
-    amp: Any
-    costs: tuple[str, ...]
-    token_feeds: Any
-    target_feeds: Any
-    metric_eps: list
     tokenizer_json: str
     start_step: int
 
@@ -142,7 +139,7 @@ class _Run:
         return self.setup.run_dir
 
     def close(self) -> None:
-        self.tensor_peak.close()
+        self.steps.close()
         self.log.close()
 
 
@@ -175,133 +172,53 @@ def _set_up(cfg: TrainConfig, say: Callable[[str], None]) -> _Run:
     metric_eps = list(graph.metrics)
     tensorboard = (TensorBoardLog(run_dir, settings=setup.run_info, graph=graph, say=say) if cfg.tensorboard
                    else None)  # event files beside metrics.jsonl, the same rows (tensorboard_log.py)
-    log = MetricsLog(run_dir, metric_columns(metric_eps), sink=tensorboard)
+    log = MetricsLog(run_dir, row_columns(ep.name for ep in metric_eps), sink=tensorboard)
     log.restart(start_step)
     amp = (torch.autocast(device.type, dtype=setup.dtype) if setup.dtype != torch.float32
            else contextlib.nullcontext())
     trainer = TrainStep(module, state.optimizers, state.scaler, costs, token_feeds, amp, compile=cfg.compile,
                         grad_clip=cfg.grad_clip)
-    loss_check = LossCheck(state.scaler, setup.loss_scaling, cfg.max_skipped_steps, graph, run_dir)
-    tensor_peak = TensorPeak(device, lambda: (module, *state.optimizers.optimizers))  # vs the estimate
-    return _Run(cfg, setup, module, state, trainer, loss_check, tensor_peak, log, amp, costs, token_feeds,
-                target_feeds, metric_eps, tokenizer_json, start_step)
+
+    def validate() -> float:  # found through this module's globals at the call (tests wrap it here)
+        return validation_loss(module, setup.data.dataset, batch=cfg.batch, max_batches=cfg.val_batches,
+                               device=device, amp=amp, costs=costs, token_feeds=token_feeds, target_feeds=target_feeds)
+
+    steps = LocalStep(cfg, trainer, LossCheck(state.scaler, setup.loss_scaling, cfg.max_skipped_steps, graph, run_dir),
+                      TensorPeak(device, lambda: (module, *state.optimizers.optimizers)),  # vs the estimate
+                      dataset=setup.data.dataset,  # step s reads the samples (seed, s) names: nothing to checkpoint
+                      device=device, seq_len=setup.seq_len, loss_scaling=setup.loss_scaling,
+                      measure=lambda out: metric_values(metric_eps, module, state.optimizers, state.scaler, out),
+                      validate=validate)
+    return _Run(cfg, setup, module, state, steps, log, tokenizer_json, start_step)
 
 
 def _loop(run: _Run, result: TrainResult, say: Callable[[str], None]) -> TrainResult:
-    """The steps.  Losses are read back at sync points only (every --log-every steps, validations and
-    checkpoints: `_log`), where a non-finite loss stops the run before its update is applied.
-
-    Long because the loop is the one place a reader follows a step from its batch to its checkpoint, and
-    the stop handling (a stop request seen at any point saves the last finished step) needs all of it in view.
-    """
-    cfg, setup, module = run.cfg, run.setup, run.module
-    optimizers = run.state.optimizers
-    device = setup.device
-    dataset = setup.data.dataset  # step s reads the samples (seed, s) names: nothing to checkpoint (data.py)
-    is_accel = device.type != "cpu"
-    log_every = cfg.log_every or (10 if is_accel else 1)
+    """The one training loop (loop.py) with this process's step (step.LocalStep) and output
+    (run_output.LocalOutput); a stop request (Ctrl-C / SIGTERM: interrupt.py) ends it with a checkpoint and
+    a message saying how to continue."""
+    cfg, setup = run.cfg, run.setup
     bar = progress_bar(cfg.steps, run.start_step, "train", cfg.progress)
     say = (lambda msg: bar.write(msg, file=sys.stderr)) if cfg.progress else say
-    say(run_banner(setup, module))
-    sync = _SyncPoint(run, bar)
-    step = run.start_step
-    stop = StopRequest(say)  # Ctrl-C / SIGTERM: finish the step, checkpoint, say how to resume (interrupt.py)
-    restore_signals = stop.install()
-    try:
-        for step in range(run.start_step + 1, cfg.steps + 1):
-            # -- the step: forward + backward; at a sync point the losses are checked before the update
-            inputs, targets = dataset.batch(step, cfg.batch * cfg.grad_accum)  # --grad-accum K: K x --batch
-            if is_accel:
-                inputs = inputs.to(device, non_blocking=True)
-                targets = targets.to(device, non_blocking=True)
-            optimizers.set_factor(lr_factor(step, cfg))
-            set_dropout_key(cfg.seed, step)  # masks keyed by (seed, step, VNode, sample): dropout.py
-            run.tensor_peak.begin_step()
-            out, loss = run.trainer.forward_backward(inputs, targets, accumulate=cfg.grad_accum,
-                                                     dropout_key=lambda offset: set_dropout_key(cfg.seed, step, offset))
-            sync.pending.append((step, loss, optimizers.factor))
+    say(run_banner(setup, run.module))
 
-            validate = cfg.val_every > 0 and (step % cfg.val_every == 0 or step == cfg.steps)
-            save_now = (step == cfg.steps or (cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0)
-                        or stop.requested)
-            flush = save_now or validate or step % log_every == 0
-            if flush:
-                # Sync point: a non-finite loss stops here, before its update is applied.
-                values = run.loss_check.losses(sync.pending)
-                extras = metric_values(run.metric_eps, module, optimizers, run.state.scaler, out)
-            run.trainer.update()
-            run.tensor_peak.end_step()
-            if not flush:
-                continue
-            result.loss = sync.log(values, extras, validate)
+    def save(step: int) -> Path:  # found through this module's globals at the call (tests wrap it here)
+        return save_run_checkpoint(run.dir, step, run.state, setup.run_info, setup.yaml_text, run.tokenizer_json,
+                                   cfg.keep_checkpoints)
 
-            # -- checkpointing; the loss curve is drawn here and at the end, not at every validation
-            # (matplotlib takes seconds; a killed run keeps the curve of its last checkpoint).  A stop request
-            # that arrived after `save_now` was decided (during the update, validation or logging) saves too:
-            # the step is finished and logged, and stopping without its checkpoint would lose every step
-            # since the last one.
-            if save_now or stop.requested:
-                result.checkpoint = save_run_checkpoint(run.dir, step, run.state, setup.run_info, setup.yaml_text,
-                                                        run.tokenizer_json, cfg.keep_checkpoints)
-                run.log.plot(run.dir / files.LOSS_CURVE_PNG, setup.source.name)
-                sync.last_flush = time.perf_counter()
-            if stop.requested:
-                break
-        run.log.plot(run.dir / files.LOSS_CURVE_PNG, setup.source.name)  # still under the stop handler
-    finally:
-        run.tensor_peak.close()
-        restore_signals()
-        clear_dropout_key()
-        bar.close()
-        run.log.close()
-    result.step = step
-    result.val_loss = sync.last_val
-    result.skipped_steps = run.loss_check.skipped_steps
+    out = LocalOutput(run.log, bar, save, (run.dir / files.LOSS_CURVE_PNG, setup.source.name))
+    stop = StopRequest(say)  # finish the step, checkpoint, say how to resume
+    with stop.installed():
+        end = run_loop(run.steps, out, stop, cfg, run.start_step)
+    result.step, result.loss, result.val_loss = end.step, end.loss, end.val_loss
+    result.checkpoint = end.checkpoint or result.checkpoint
+    result.skipped_steps = run.steps.loss_check.skipped_steps
     result.history = run.log.rows
-    if stop.requested:
+    if end.stopped:
         how = (cfg.continue_command(run.dir) if cfg.continue_command is not None else
                f"vgraph train {cfg.network} --out {run.dir} --resume (and the same options)")
-        raise stop.interrupted(f"{run.dir}: stopped at step {step} of {cfg.steps}; checkpoint {result.checkpoint}. "
-                               f"Continue with: {how}")
+        raise stop.interrupted(f"{run.dir}: stopped at step {end.step} of {cfg.steps}; checkpoint "
+                               f"{result.checkpoint}. Continue with: {how}")
     return result
-
-
-class _SyncPoint:
-    """Evaluation and logging at a sync point: validation when due, the rows of the steps since the last sync
-    point (throughput over them, memory figures, the loss scale), the progress bar."""
-
-    def __init__(self, run: _Run, bar: Any) -> None:
-        self.run, self.bar = run, bar
-        self.pending: list[PendingLoss] = []  # steps since the last sync point
-        self.last_flush = self.start_time = time.perf_counter()
-        self.last_val: float | None = None
-
-    def log(self, values: list[float], extras: dict[str, Any], validate: bool) -> float:
-        """Log the pending steps (their checked loss `values`), return the last loss."""
-        run, cfg = self.run, self.run.cfg
-        now = time.perf_counter()
-        if validate:
-            self.last_val = validation_loss(run.module, run.setup.data.dataset, batch=cfg.batch,
-                                            max_batches=cfg.val_batches, device=run.setup.device, amp=run.amp,
-                                            costs=run.costs, token_feeds=run.token_feeds,
-                                            target_feeds=run.target_feeds)
-        tokens = cfg.batch * cfg.grad_accum * run.setup.seq_len * len(self.pending)
-        rows = step_rows(self.pending, values, cfg.lr, tokens / max(now - self.last_flush, 1e-9),
-                         now - self.start_time)
-        rows[-1].update(extras)
-        rows[-1].update(memory_figures(run.tensor_peak))  # vs run.json's memory_estimate
-        if run.setup.loss_scaling:
-            rows[-1]["loss_scale"] = run.loss_check.scale_after_update()
-        if validate:
-            rows[-1]["val_loss"] = self.last_val
-        run.log.append(rows)
-        self.bar.update(len(self.pending))
-        shown = {"val": f"{self.last_val:.4f}"} if self.last_val is not None else {}  # kept until the next one
-        self.bar.set_postfix(loss=f"{values[-1]:.4f}", tok_s=f"{rows[-1]['tokens_per_s']:,.0f}",
-                             lr=f"{rows[-1]['lr']:.2e}", **shown, refresh=False)
-        self.pending.clear()
-        self.last_flush = time.perf_counter()
-        return values[-1]
 
 
 # --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ back, which queues behind whatever the receiver is sending on its own uplink.
 On the testbed at 20 Mbit/s (tb-medium, 2-stage pipeline, 64 KiB messages)
 a message sent behind another arrived 20-28 ms later than the link allows,
 with and without a CPU quota, while raw TCP, both ways at once, and a message
-whose receive was already posted, arrived on time (BENCHMARKS.md): the cost
+whose receive was already posted, arrived on time (docs/benchmarks-history.md): the cost
 model's pipelines (a message leaves when its op ends) were 0.71x the measured
 step.  Two posted per peer cover a message queued behind one in flight; more
 would hold more of a round's activations in receive buffers at once.  Only over

@@ -1,5 +1,9 @@
 """What rank 0 gathers from every rank of a partitioned run: metrics entries and checkpoint shares.
 
+`RankOutput` is where a launch worker's rows and checkpoints go in the one
+training loop (training/loop.RunOutput): every rank sends its metrics entries,
+per-step figures and checkpoint share, rank 0 writes the run's files.
+
 Checkpoints are `vgraph train` checkpoints (checkpoint.py), in the unfused
 global layout: rank 0 gathers every rank's parameters and optimizer state and
 writes one checkpoint, atomically, then moves `latest`.  A run resumes from
@@ -21,21 +25,28 @@ from typing import Any, Callable
 import torch
 
 from vgraph.base.diagnostics import VGraphError
-from vgraph.base.safeio import read_input
+from vgraph.base.safeio import read_input, read_json
+from vgraph.ir.graph import Graph
 from vgraph.run import layout
+from vgraph.run.files import PLACEMENT_JSON
 
 from .comm import ControlGroup
 from .powersgd import PowerSGD
 from ..job import Job
 from .loss_scaler import SharedLossScaler
+from .pnode_figures import attach
+from .progress import RankZeroProgress
 from .stage_runner import StageRunner
 from ...training import checkpoint as ckpt
 from ...lowering.wire_formats import merge_residuals
 from ...training.run_checkpoints import (CHECKPOINT_PREFIX, clean_stale, optimizer_state_to_graph,
                                optimizer_state_to_unfused, prune_checkpoints)
 from ...training.config import TrainingError
+from ...training.loop import merge_entries, row_columns
+from ...training.metrics_log import MetricsLog
+from ...training.tensorboard_log import TensorBoardLog
 
-__all__ = ["GatheredCheckpoints", "local_metric_values"]
+__all__ = ["GatheredCheckpoints", "RankOutput", "local_metric_values", "open_log"]
 
 
 def local_metric_values(stages: StageRunner, costs: dict[str, torch.Tensor], scale: float) -> dict[str, Any]:
@@ -202,3 +213,73 @@ class GatheredCheckpoints:
                                         "powersgd": (saved.get("powersgd") or {}).get(r)}})
         self.say(f"resumed from {latest} at step {state.step}")
         return out
+
+
+class RankOutput:
+    """Launch's loop.RunOutput: every rank sends, rank 0 (the one holding `log`) writes rows and checkpoints."""
+
+    def __init__(self, ctrl: ControlGroup, checkpoints: GatheredCheckpoints, *, log: MetricsLog | None,
+                 progress: RankZeroProgress | None, pnodes: list[str], curve: tuple[Path, str],
+                 before_save: Callable[[], None], after_step: Callable[[int], None],
+                 say: Callable[[str], None]) -> None:
+        self.ctrl, self.checkpoints, self.log, self.progress = ctrl, checkpoints, log, progress
+        self.pnodes, self.curve, self.say = pnodes, curve, say
+        self.before_save, self.after_step = before_save, after_step
+
+    def gather(self, extras: list[tuple[int, dict[str, Any]]], figures: Any) -> Any:
+        """Rows since the last sync point: every rank's metrics entries and figures, on rank 0 (None elsewhere).
+        Gathered at sync points only: at every step, two more collectives (sizes, then bytes) than torch's DDP
+        loop makes were a quarter of launch's step on the tiny network (benchmarks/bench_vs_torch.py)."""
+        return self.ctrl.gather((extras, figures))
+
+    def write(self, step: int, rows: list[dict[str, Any]], gathered: Any, val_loss: float | None) -> None:
+        if self.log is None:
+            return
+        for extras, _ in gathered:
+            merge_entries(rows, extras)
+        attach(rows, [figures for _, figures in gathered], self.pnodes)
+        self.log.append(rows)
+        if self.progress is not None:
+            self.progress.report(step, rows[-1], val_loss)
+
+    def save(self, step: int) -> Path | None:
+        self.before_save()  # the replicas still agree (replica_groups.py)
+        path = self.checkpoints.save(step)
+        if path is not None:
+            self.say(f"checkpoint {path}")
+        # Drawn at checkpoints and at the end only: matplotlib's seconds on rank 0 would be every other
+        # worker's idle time at each validation.
+        self.finish()
+        return path
+
+    def step_done(self, step: int) -> None:
+        self.after_step(step)
+
+    def finish(self) -> None:
+        if self.log is not None:
+            self.log.plot(*self.curve)
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+        if self.progress is not None:
+            self.progress.close()
+
+
+def open_log(job: Job, graph: Graph, start: int, metric_names: list[str], say: Callable[[str], None]) -> MetricsLog:
+    """Rank 0's metrics.jsonl / .csv (and TensorBoard, unless --no-tensorboard: the placed graph drawn by
+    PNode, the settings), cut back to the resumed step."""
+    run_dir, tensorboard = job.run_path, None
+    if job.train.tensorboard:
+        placement = None
+        try:
+            placement = read_json(run_dir / PLACEMENT_JSON, what=PLACEMENT_JSON)
+        except VGraphError:
+            pass  # the drawing then takes each VNode's PNode from the graph itself
+        settings = dict(job.run_info, pipeline=job.pipeline, micro_batches=job.micro_batches,
+                        batch_shares=list(job.batch_shares))
+        tensorboard = TensorBoardLog(run_dir, settings=settings, graph=graph,
+                                     placement=placement if isinstance(placement, dict) else None, say=say)
+    log = MetricsLog(run_dir, row_columns(metric_names, extra=("boundary_bytes",)), sink=tensorboard)
+    log.restart(start)
+    return log
