@@ -4,9 +4,10 @@ Issue 28's row: from a warm cache, `vgraph train tests/fixtures/tiny_2l.yml --st
 within 3 s of starting.  The command runs as a user runs it (the installed `vgraph` script, stderr captured,
 so the progress comes as lines, metrics_log.LineProgress); the clock stops when the line of step 1 arrives.
 The first run warms the cache (its time is shown too: the cost every run paid before the cache); then
---runs timed runs.
+--runs timed runs.  With --cache a directory that already holds a cache (the test suite's smoke passes its
+session's, so the smoke does not prepare the corpus once more), the first run is labelled as such, not cold.
 
-    python benchmarks/bench_first_step.py [--runs 5]
+    python benchmarks/bench_first_step.py [--runs 5] [--cache DIR]
 """
 from __future__ import annotations
 
@@ -47,11 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     vgraph = shutil.which("vgraph", path=str(Path(sys.executable).parent)) or shutil.which("vgraph")
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "VGRAPH_CACHE_DIR": str(args.cache or Path(tmp) / "cache")}
+        cache = args.cache or Path(tmp) / "cache"
+        was_cold = not (cache.is_dir() and any(cache.iterdir()))
+        env = {**os.environ, "VGRAPH_CACHE_DIR": str(cache)}
         cold = first_step_seconds(vgraph, Path(tmp) / "run", env)
         warm = [first_step_seconds(vgraph, Path(tmp) / "run", env) for _ in range(args.runs)]
     print("| vgraph train tiny_2l.yml --steps 3 | first step line (s) | exit (s) |\n|---|---:|---:|")
-    print(f"| cold cache (builds it) | {cold[0]:.2f} | {cold[1]:.2f} |")
+    first_row = "cold cache (builds it)" if was_cold else "first run (the given cache held entries already)"
+    print(f"| {first_row} | {cold[0]:.2f} | {cold[1]:.2f} |")
     firsts = [w[0] for w in warm]
     print(f"| warm cache, median of {len(warm)} | {statistics.median(firsts):.2f} | "
           f"{statistics.median(w[1] for w in warm):.2f} |")

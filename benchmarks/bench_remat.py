@@ -7,8 +7,8 @@ Three tables (issue 14's goals), each side by side in one run:
 2. **policy vs ILP**: recompute FLOPs the `remat` pass's policy chooses and the exact ILP optimum
    (passes/remat_ilp.py) on the tiny networks, fused and unfused, at several budgets;
 3. **a measured CPU step** (float32, Adam) without and with remat: the tensor peak of one training
-   step, each variant in a fresh process (every storage any aten op allocates, followed until freed,
-   as benchmarks/bench_memory.py measures), with `estimate_training_memory`'s activations + workspace
+   step, each variant in a process of its own, forked (every storage any aten op allocates, followed until
+   freed, as benchmarks/bench_memory.py measures), with `estimate_training_memory`'s activations + workspace
    beside it; and the step time, both variants built in one process and their steps alternated after
    a warm-up each (median of --steps per variant, wall and process CPU time), so that the load of a
    shared machine falls on both alike.  The remat
@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -157,12 +156,33 @@ def gap_rows(fractions: list[float]) -> list[tuple]:
     return rows
 
 
-def _run_child(cmd: list[str]):
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        print(done.stderr, file=sys.stderr)
-        return None
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _in_fork(fn, *args):
+    """fn(*args) in a forked child: a process of its own for each measurement, with torch already imported
+    by this one (a fresh interpreter paid 3-4 CPU-s of imports per child, most of the smoke setting's time).
+    The result comes back as JSON; None (its traceback on stderr) where the child failed."""
+    import multiprocessing as mp
+    import traceback
+
+    def run(conn) -> None:
+        try:
+            conn.send(json.dumps(fn(*args)))
+        except BaseException:  # noqa: BLE001 - any failure is the parent's to report
+            traceback.print_exc()
+            conn.send(None)
+        finally:
+            conn.close()
+
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run, args=(send,))
+    proc.start()
+    send.close()
+    try:
+        answer = receive.recv()
+    except EOFError:  # the child died before answering (killed, out of memory)
+        answer = None
+    proc.join()
+    return None if answer is None or proc.exitcode != 0 else json.loads(answer)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,19 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--fractions", default="0.95,0.85,0.75,0.65", help="ILP table: budgets as activation fractions")
     ap.add_argument("--smoke", action="store_true", help="tiny network, one timed step, two budgets")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--time-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         args.network, args.steps, args.threads, args.fractions = "tiny", 1, 1, "0.9,0.7"
-    if args.child is not None:
-        passes = None if args.child == "-" else args.child
-        print(json.dumps(child(args.network, passes, args.batch, args.threads)))
-        return 0
-    if args.time_child is not None:
-        specs = [None if s == "-" else s for s in json.loads(args.time_child)]
-        print(json.dumps(time_child(args.network, specs, args.batch, args.threads, args.steps)))
-        return 0
 
     print(f"### Rematerialisation ({datetime.date.today().isoformat()}, {platform.machine()} {os.cpu_count()}-core "
           f"CPU)\n")
@@ -213,15 +223,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{optimum if status == 'Optimal' else status} | {gap} | {tp:.3f} | {ti:.3f} |")
 
     variants = {"without remat": None, "with remat": remat_spec(args.network, args.batch)}
-    common = [sys.executable, __file__, "--network", args.network, "--batch", str(args.batch), "--steps",
-              str(args.steps), "--threads", str(args.threads)]
+    import torch  # noqa: F401 - imported once here, before the children fork
+
     rows = {}
     for label, passes in variants.items():
-        rows[label] = _run_child(common + ["--child", passes or "-"])
+        rows[label] = _in_fork(child, args.network, passes, args.batch, args.threads)
         if rows[label] is None:
             return 1
         print(f"measured {label}", file=sys.stderr)
-    times = _run_child(common + ["--time-child", json.dumps([p or "-" for p in variants.values()])])
+    times = _in_fork(time_child, args.network, list(variants.values()), args.batch, args.threads, args.steps)
     if times is None:
         return 1
     for label, t in zip(variants, times):
@@ -230,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[label]["times"] = t
     base, remat = rows["without remat"], rows["with remat"]
     print(f"\n**Measured CPU training step** ({NETWORKS[args.network].stem}, batch {args.batch} x {base['seq']}, "
-          f"float32, Adam, torch {base['torch']}, {args.threads} threads; peaks: one fresh process per variant; "
+          f"float32, Adam, torch {base['torch']}, {args.threads} threads; peaks: one forked process per variant; "
           f"times: both variants in one process, steps alternated, median of {args.steps} each; the ratios below "
           f"are medians of the rounds' own ratios)\n")
     print("| variant | VNodes | marked | tensor peak of the step (MiB) | estimate (MiB) | estimate / peak | "

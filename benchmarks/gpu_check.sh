@@ -33,13 +33,12 @@ LOG="$RESULTS/gpu_check.log"
 say() { echo "[gpu_check] $*" | tee -a "$LOG" >&2; }
 
 PY="${PYTHON:-python3}"
-# Each Python start below imports torch (seconds on a CPU), so each asks all it needs at once.
-if TORCH="$("$PY" -c 'import torch; print(torch.__version__, "cuda" if torch.cuda.is_available() else "no cuda")' \
-            2>/dev/null)"; then
-  say "using the machine's torch: $TORCH ($(command -v "$PY" || echo "$PY"))"
-  SITE="$(mktemp -d /tmp/vgraph-site.XXXXXX)"
-  trap 'rm -rf "$SITE"' EXIT
-  # Lay vgraph out as an install would (package-dir mapping + entry points), from pyproject.toml.
+# Each Python start below imports torch (seconds on a CPU), so each asks all it needs at once: the site is laid
+# out first (the standard library only), then one start checks torch, vgraph from the site and the GPU count.
+SITE="$(mktemp -d /tmp/vgraph-site.XXXXXX)"
+trap 'rm -rf "$SITE"' EXIT
+# Lay vgraph out as an install would (package-dir mapping + entry points), from pyproject.toml.
+lay_out_site() {
   "$PY" - "$ROOT" "$SITE" <<'EOF'
 import re, shutil, sys, tomllib
 from pathlib import Path
@@ -58,17 +57,38 @@ info.mkdir()
     f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in entries.items()) + "\n"
     for group, entries in project.get("entry-points", {}).items()))
 EOF
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+}
+# Exit 3: no torch for this Python; any other failure: vgraph or a dependency does not import.  The torch line
+# comes first, the GPU count last (whatever an import printed between them).
+PROBE='import sys
+try:
+    import torch
+except Exception:
+    sys.exit(3)
+print("torch:", torch.__version__, "cuda" if torch.cuda.is_available() else "no cuda", flush=True)
+import vgraph, vgraph.backends.torch, yaml, networkx, tokenizers
+print(torch.cuda.device_count() if torch.cuda.is_available() else 0)'
+probe_rc=0
+if lay_out_site 2>/dev/null; then
+  PROBED="$(PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "$PROBE")" || probe_rc=$?
 else
+  probe_rc=3  # a Python without tomllib (before 3.11): the project venv below
+fi
+if [ "$probe_rc" -eq 0 ]; then
+  say "using the machine's torch: $(printf '%s\n' "$PROBED" | sed -n 's/^torch: //p' | head -n 1) ($(command -v "$PY" || echo "$PY"))"
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  GPUS="$PROBED"
+elif [ "$probe_rc" -eq 3 ]; then
   say "no torch for $PY: creating the project venv with VGRAPH_TORCH=${VGRAPH_TORCH:-torch}"
   export VGRAPH_TORCH="${VGRAPH_TORCH:-torch}"
   # shellcheck source=/dev/null
   source "$ROOT/tools/setup_env.sh"
   PY="$VENV/bin/python"
+  GPUS="$("$PY" -c "$PROBE")" || { say "vgraph or one of its dependencies does not import with $PY"; exit 1; }
+else
+  say "vgraph or one of its dependencies does not import with $PY (the site laid out from this checkout)"
+  exit 1
 fi
-GPUS="$("$PY" -c "import vgraph, vgraph.backends.torch, yaml, networkx, tokenizers, torch
-print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")" \
-  || { say "vgraph or one of its dependencies does not import with $PY"; exit 1; }
 GPUS="${GPUS##*$'\n'}"  # the count is the last line, whatever an import printed before it
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm \
   --format=csv 2>&1 | tee -a "$LOG" || true

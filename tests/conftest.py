@@ -1,8 +1,11 @@
 """Shared fixtures: the production networks and the tiny test networks."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,29 @@ PRODUCTION = [NET6, NET8]
 NET12 = NETWORKS / "distributed_attention_example_12_swiglu_head_vocab32768_seq2048.yml"
 TINY = FIXTURES / "tiny_2l.yml"
 TINY_FP32 = FIXTURES / "tiny_1l_fp32.yml"
+
+
+def vgraph_in_process(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`vgraph ARGS...` run by its main() in this process, answered as subprocess.run(capture_output=True) would.
+
+    A fresh `python -m vgraph` costs 2.5-3 CPU-s here (the plugin entry points import torch); a test that needs
+    the command's behaviour, not a separate process, runs it here.  Use it with the `local_passes` fixture
+    when --plugin registers passes (plugin files are forgotten after each test by the autouse fixture below)."""
+    from vgraph.cli.main import main
+
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    except SystemExit as stop:  # argparse's own exits (--help, a usage error)
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["vgraph", *argv], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ BENCH = ROOT / "benchmarks"
 TINY_FP32 = str(ROOT / "tests" / "fixtures" / "tiny_1l_fp32.yml")  # the scripts run in a scratch directory
 
 # The smallest setting of each script: tiny networks, one round, no warmup, one thread.  {tmp} is a
-# scratch directory for anything a script writes, {root} this checkout.
+# scratch directory for anything a script writes, {root} this checkout, {cache} the session's corpus cache.
 SMOKE: dict[str, list[str] | None] = {
     "bench_passes.py": ["--sizes", "200", "--repeat", "1"],
     "bench_load.py": ["--sizes", "200", "--no-pyyaml"],
@@ -44,7 +44,8 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_grad_sync.py": ["--network", "tiny", "--procs", "2", "--mib", "1", "--rounds", "1", "--steps", "1",
                            "--batch", "2", "--micro-batches", "1"],
     "bench_data.py": ["--smoke", "--workdir", "{tmp}/bench-data"],
-    "bench_first_step.py": ["--runs", "1"],
+    # the session's corpus cache ({cache}, conftest): the tiny corpus is prepared once for the suite, not again here
+    "bench_first_step.py": ["--runs", "1", "--cache", "{cache}"],
     "bench_compress.py": ["--smoke"],
     # Two checkouts alternated: here this checkout against itself, one round of the pass benchmark.
     "ab_checkouts.py": ["{root}", "{root}", "--rounds", "1",
@@ -88,7 +89,8 @@ def test_benchmark_runs_on_its_smallest_setting(script: str, tmp_path: Path) -> 
         pytest.fail(f"benchmarks/{script} is listed in SMOKE but does not exist")
     if script in NEEDS_ROOT and os.geteuid() != 0 and not os.environ.get("CI"):
         pytest.skip(f"{script} needs root (the testbed); CI runs as root, so there it runs")
-    args = [a.replace("{tmp}", str(tmp_path)).replace("{root}", str(ROOT)) for a in SMOKE[script]]
+    given = {"{tmp}": str(tmp_path), "{root}": str(ROOT), "{cache}": os.environ["VGRAPH_CACHE_DIR"]}
+    args = [re.sub(r"\{(tmp|root|cache)\}", lambda m: given[m.group(0)], a) for a in SMOKE[script]]
     r = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, env=_env(),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{script} {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}"

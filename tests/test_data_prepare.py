@@ -73,6 +73,26 @@ def test_default_corpus_is_capped_deterministic_english(docs) -> None:
     assert default_corpus_documents(max_bytes=120_000)[: len(docs) - 1] == docs[:-1]
 
 
+def test_the_kept_walk_answers_every_size_as_a_fresh_walk(monkeypatch) -> None:
+    """The walk kept for the process (a smaller request after a larger one, a larger one extending it, the same
+    one again) answers as a process that never walked before, and a caller's edits do not reach the next."""
+    import vgraph.data.stdlib_corpus as corpus
+
+    monkeypatch.setattr(corpus, "_WALKS", {})
+    sizes = (30_000, 8_000, 30_000, 45_001, 1)
+    kept = [corpus.default_corpus_documents(max_bytes=n) for n in sizes]
+    assert len(corpus._WALKS) == 1 and len(kept[0]) > 5  # the premise: the later requests read the kept walk
+    kept[0].append("edited by a caller")
+    kept[0][0] = "and this too"
+    again = corpus.default_corpus_documents(max_bytes=30_000)
+    fresh = {}
+    for n in sorted(set(sizes)):
+        monkeypatch.setattr(corpus, "_WALKS", {})  # a process that never walked
+        fresh[n] = corpus.default_corpus_documents(max_bytes=n)
+    assert kept[1:] == [fresh[n] for n in sizes[1:]] and again == fresh[30_000]
+    assert 45_001 - 4 <= sum(len(d.encode("utf-8")) for d in kept[3]) <= 45_001
+
+
 def test_default_corpus_skips_tests_and_vendored_code(monkeypatch, tmp_path) -> None:
     stdlib = tmp_path / "lib"
     for rel, doc in {"a.py": "Alpha module documentation that is long enough to keep.",

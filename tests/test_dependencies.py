@@ -26,19 +26,48 @@ def test_test_and_benchmark_tools_are_extras_not_dependencies() -> None:
     extras = {name: {Requirement(r).name for r in reqs} for name, reqs in PROJECT["optional-dependencies"].items()}
     assert not runtime & {"pulp", "pymetis", "pytest", "hypothesis", "pyarrow"}
     assert {"pulp", "pytest", "hypothesis"} <= extras["dev"] and {"pulp", "pymetis"} <= extras["bench"]
-    assert '-e "$ROOT[dev,bench]"' in (ROOT / "tools" / "setup_env.sh").read_text()
+    assert '-e "$ROOT[$EXTRAS]"' in (ROOT / "tools" / "setup_env.sh").read_text()
 
 
-@pytest.mark.parametrize("platform,machine,runtime", [
-    ("linux", "x86_64", "onnxruntime-gpu"), ("win32", "AMD64", "onnxruntime-gpu"),
-    ("linux", "aarch64", "onnxruntime"), ("darwin", "arm64", "onnxruntime"), ("darwin", "x86_64", "onnxruntime"),
-    ("win32", "ARM64", "onnxruntime"), ("freebsd14", "amd64", "onnxruntime")])
-def test_one_onnx_runtime_per_platform(platform: str, machine: str, runtime: str) -> None:
-    """onnxruntime-gpu only where PyPI has its wheels (x86-64 Linux and Windows); the CPU build elsewhere."""
-    env = {"sys_platform": platform, "platform_machine": machine}
-    chosen = [r.name for r in map(Requirement, PROJECT["dependencies"])
-              if r.name.startswith("onnxruntime") and (r.marker is None or r.marker.evaluate(env))]
-    assert chosen == [runtime]
+@pytest.mark.parametrize("platform,machine,gpu", [
+    ("linux", "x86_64", True), ("win32", "AMD64", True), ("linux", "aarch64", False), ("darwin", "arm64", False),
+    ("darwin", "x86_64", False), ("win32", "ARM64", False), ("freebsd14", "amd64", False)])
+def test_the_cpu_onnx_runtime_everywhere_and_the_cuda_build_as_the_gpu_extra(platform: str, machine: str,
+                                                                              gpu: bool) -> None:
+    """The base install takes onnxruntime (the CPU build) on every platform; `[gpu]` adds onnxruntime-gpu
+    only where PyPI has its wheels (x86-64 Linux and Windows), so the extra installs everywhere."""
+    env = {"sys_platform": platform, "platform_machine": machine, "extra": ""}
+
+    def chosen(reqs: list[str], extra: str = "") -> list[str]:
+        return [r.name for r in map(Requirement, reqs) if r.name.startswith("onnxruntime")
+                and (r.marker is None or r.marker.evaluate({**env, "extra": extra}))]
+
+    assert chosen(PROJECT["dependencies"]) == ["onnxruntime"]
+    assert chosen(PROJECT["optional-dependencies"]["gpu"], "gpu") == (["onnxruntime-gpu"] if gpu else [])
+
+
+def test_the_test_environment_holds_one_onnx_runtime_build() -> None:
+    """Both builds install the module `onnxruntime` (whichever came last owns its files): setup_env.sh, which
+    builds this environment, removes the one it did not choose."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    present = []
+    for name in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            distribution(name)
+            present.append(name)
+        except PackageNotFoundError:
+            pass
+    assert len(present) == 1, present
+
+
+@pytest.mark.parametrize("value", ["tpu", "GPU", "cpu gpu"])
+def test_setup_env_refuses_an_unknown_onnx_runtime_choice(value: str) -> None:
+    import subprocess
+
+    run = subprocess.run(["bash", str(ROOT / "tools" / "setup_env.sh")], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "VGRAPH_ONNXRUNTIME": value}, timeout=60)
+    assert run.returncode == 2 and "VGRAPH_ONNXRUNTIME must be cpu or gpu" in run.stderr
 
 
 def _tree(root: Path, files: dict[str, str], deps: list[str], extras: dict[str, list[str]]) -> Path:

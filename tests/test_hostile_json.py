@@ -422,7 +422,7 @@ def test_options_accept_the_edges() -> None:
 
 def test_sampling_at_the_smallest_temperature_is_greedy_not_nan() -> None:
     torch = pytest.importorskip("torch")
-    from vgraph.backends.torch.cli import _draw
+    from vgraph.backends.torch.generation import draw as _draw
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.tensor([1.0, 3.0, 2.5, -1e30], dtype=torch.float32)

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, vgraph_in_process
 from vgraph.cli.pass_listing import listing
 from vgraph.transform.pass_api import Pass, PassError, register_pass
 from vgraph.transform.pipeline import build_pipeline, order_pipeline, run_pipeline
@@ -33,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("local_passes")  # passes a test registers 
 
 
 def vgraph(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "vgraph", *args], capture_output=True, text=True, cwd=cwd)
+    return vgraph_in_process(*args, cwd=cwd)
 
 
 @pytest.fixture()

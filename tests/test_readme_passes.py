@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, vgraph_in_process
 
 
 def readme_block(marker: str) -> str:
@@ -20,11 +18,10 @@ def readme_block(marker: str) -> str:
     ("class ScaleDropout", "scale-dropout{factor=0.1}", "rescaled=4"),
     ("class DropSlightDropout", "drop-slight-dropout{max_rate=0.2}", "dropped=4"),
 ])
-def test_readme_pass_examples_run(tmp_path, marker, spec, expect):
+def test_readme_pass_examples_run(tmp_path, marker, spec, expect, local_passes):
     plugin = tmp_path / "my_passes.py"
     plugin.write_text(readme_block(marker))
     out = tmp_path / "out.yml"
-    done = subprocess.run([sys.executable, "-m", "vgraph", "optimize", str(TINY), "--plugin", str(plugin),
-                           "--passes", spec, "-o", str(out)], capture_output=True, text=True, cwd=ROOT)
+    done = vgraph_in_process("optimize", TINY, "--plugin", plugin, "--passes", spec, "-o", out, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert expect in done.stdout and out.exists()

@@ -1,12 +1,9 @@
 """Rules that see their pass: options reach predicates and rewrite functions; a rule's bugs are clear errors."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, vgraph_in_process
 from vgraph.base.diagnostics import VGraphError
 from vgraph.transform.pass_api import Option, PassContext, PassError, register_pass
 from vgraph.transform.pipeline import build_pipeline, run_pipeline
@@ -144,12 +141,11 @@ class Broken(RewritePass):
     ("broken-rule{rate=nan}", "option rate='nan' must be a finite number"),
     ("broken-rule{rate=-1}", "option rate='-1' must be >= 0.0"),
 ])
-def test_cli_reports_rule_and_option_errors_without_a_traceback(tmp_path, spec, message):
+def test_cli_reports_rule_and_option_errors_without_a_traceback(tmp_path, spec, message, local_passes):
     plugin = tmp_path / "broken.py"
     plugin.write_text(PLUGIN)
     out = tmp_path / "out.yml"
-    done = subprocess.run([sys.executable, "-m", "vgraph", "optimize", str(TINY), "--plugin", str(plugin),
-                           "--passes", spec, "-o", str(out)], capture_output=True, text=True, cwd=ROOT)
+    done = vgraph_in_process("optimize", TINY, "--plugin", plugin, "--passes", spec, "-o", out, cwd=ROOT)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr and "Traceback" not in done.stderr
     assert not out.exists()

@@ -317,7 +317,7 @@ def test_a_float32_vnode_inside_a_reduced_precision_network() -> None:
                            "reason": "test"}
     g.node("head_up").meta["precision"] = {"param": "float32", "activation": "float32", "master": None}
     module = compile_network(g, seed=0, train=False)
-    assert "head_up = vgraph_backends_torch_lower_linear_float32(" in module.code()
+    assert "head_up = vgraph_backends_torch_lowering_lower_linear_float32(" in module.code()
     feeds = {"embedder:in0": _ids((2, 8), 64, 0)}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = module(feeds, want=("head_up:0", "block0_ffn_up:0"))

@@ -19,7 +19,8 @@ from vgraph.cli.main import main
 
 # What launch alone has: LaunchConfig's own fields, by their option's dest (--bucket-size sets bucket_bytes).
 LAUNCH_ONLY = ({f.name for f in dataclasses.fields(LaunchConfig)} - {f.name for f in dataclasses.fields(TrainConfig)}
-               - {"bucket_bytes", "hold", "comm", "log"}) | {"bucket_size"}
+               - {"bucket_bytes", "hold", "comm", "log", "max_nnodes"}) | {"bucket_size", "join", "join_timeout", "pnode"}
+# (--nnodes MIN:MAX sets nnodes and max_nnodes; --join, --join-timeout and --pnode are a joining machine's)
 NOT_TRAINING = {"help", "plugin", "command_parser", "func"}
 
 
@@ -72,7 +73,7 @@ def test_no_options_given_is_trainconfigs_defaults_on_both_commands() -> None:
 
 def test_train_and_launch_share_every_option_launch_takes() -> None:
     train, launch = _parser(register_train), _parser(register_launch)
-    shared = {a.dest for a in launch._actions} - LAUNCH_ONLY - NOT_TRAINING
+    shared = {a.dest for a in launch._actions} - LAUNCH_ONLY - NOT_TRAINING - {"network"}  # optional: --join
     by_dest = {a.dest: a for a in train._actions}
     for action in launch._actions:
         if action.dest in shared:
@@ -170,7 +171,8 @@ def test_launchs_own_options_default_to_launchconfigs() -> None:
     dest = {"bucket_bytes": "bucket_size"}
     for f in dataclasses.fields(LaunchConfig):
         name = dest.get(f.name, f.name)
-        if f.name in LAUNCH_ONLY | {"bucket_bytes"} and name in actions and f.name != "replicas":
+        if f.name in LAUNCH_ONLY | {"bucket_bytes"} and name in actions and f.name not in ("replicas", "nnodes"):
             assert actions[name].default == f.default, f.name
+    assert actions["nnodes"].default[0] == LaunchConfig(network="n").nnodes  # --nnodes N|MIN:MAX: (MIN, MAX)
     assert actions["replicas"].default == "auto" and LaunchConfig(network="n").replicas == 1  # the CLI plans
     assert actions["max_restarts"].help == f"default {LaunchConfig(network='n').max_restarts}"

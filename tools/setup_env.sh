@@ -8,8 +8,23 @@ PY="${PYTHON:-python3}"
 # torch: the CPU build that this machine kind keeps on disk unless told otherwise
 # (VGRAPH_TORCH="torch==2.13.0" by default; set it to e.g. "torch" on a CUDA machine).
 TORCH_SPEC="${VGRAPH_TORCH:-torch==2.13.0}"
+# onnxruntime: the CPU build (the base dependency) unless this machine has an NVIDIA GPU (nvidia-smi lists one)
+# or VGRAPH_ONNXRUNTIME=gpu asks for the CUDA build (the `gpu` extra); VGRAPH_ONNXRUNTIME=cpu forces the CPU one.
+# Both builds install the same `onnxruntime` module, so the other one is removed (one_onnxruntime below).
+if [ -z "${VGRAPH_ONNXRUNTIME:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+    VGRAPH_ONNXRUNTIME=gpu
+  else
+    VGRAPH_ONNXRUNTIME=cpu
+  fi
+fi
+case "$VGRAPH_ONNXRUNTIME" in
+  cpu) EXTRAS="dev,bench" ;;
+  gpu) EXTRAS="dev,bench,gpu" ;;
+  *) echo "[setup] VGRAPH_ONNXRUNTIME must be cpu or gpu, got '$VGRAPH_ONNXRUNTIME'" >&2; exit 2 ;;
+esac
 STAMP="$VENV/.vgraph-stamp"
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/tools/setup_env.sh" | sha256sum | cut -c1-16) $TORCH_SPEC"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/tools/setup_env.sh" | sha256sum | cut -c1-16) $TORCH_SPEC $VGRAPH_ONNXRUNTIME"
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
@@ -41,7 +56,27 @@ install_with_uv() {
   # pip's certificate bundle (PIP_CERT) for uv, which reads SSL_CERT_FILE; nothing when neither is set
   [ -n "${SSL_CERT_FILE:-${PIP_CERT:-}}" ] && cert=("SSL_CERT_FILE=${SSL_CERT_FILE:-$PIP_CERT}")
   env ${cert[@]+"${cert[@]}"} "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" "${args[@]}" \
-    pip setuptools wheel "$TORCH_SPEC" -e "$ROOT[dev,bench]"
+    pip setuptools wheel "$TORCH_SPEC" -e "$ROOT[$EXTRAS]" && one_onnxruntime uv
+}
+# Leave exactly one onnxruntime build: uninstalling the other deletes the module files both share, so the one
+# wanted is reinstalled over them, at the version installed.  Argument: uv or pip (the installer used).
+one_onnxruntime() {
+  local other=onnxruntime-gpu wanted=onnxruntime spec
+  [ "$VGRAPH_ONNXRUNTIME" = gpu ] && other=onnxruntime wanted=onnxruntime-gpu
+  "$VENV/bin/python" -m pip show -q "$other" >/dev/null 2>&1 || return 0
+  spec="$(pip_spec "$wanted")"
+  echo "[setup] replacing $other with $wanted (both install the module onnxruntime)"
+  if [ "$1" = uv ]; then
+    "$VENV/bin/uv" pip uninstall -q --python "$VENV/bin/python" "$other" &&
+      env ${cert[@]+"${cert[@]}"} "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" "${args[@]}" \
+        --reinstall --no-deps "$spec"
+  else
+    "$VENV/bin/python" -m pip uninstall -q -y "$other" &&
+      "$VENV/bin/python" -m pip install -q --force-reinstall --no-deps "$spec"
+  fi
+}
+pip_spec() {  # the version of $1 now installed, pinned, so the reinstall does not change it
+  "$VENV/bin/python" -m pip show "$1" 2>/dev/null | awk -v n="$1" '/^Version:/ {print n "==" $2}'
 }
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing vgraph and its dependencies into .venv"
@@ -49,7 +84,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     echo "[setup] uv unavailable: installing with pip"
     "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
     "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[dev,bench]"  # extras: the tests' and the benchmarks' own needs
+    "$VENV/bin/python" -m pip install -q -e "$ROOT[$EXTRAS]"  # extras: the tests' and the benchmarks' own needs
+    one_onnxruntime pip
   fi
   echo "$want" > "$STAMP"
 fi

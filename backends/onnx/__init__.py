@@ -10,6 +10,8 @@
   ``"<producer>:<slot>"``; splitting a partition into runnable pieces.
 * ``inference``: the served model (logits, dynamic batch and sequence, a KV
   cache) and ``Decoder``, which samples through it.
+* ``serving``: that decoder in the layout Optimum and onnxruntime-genai read
+  (``export-onnx --serving``), the configs beside it, and ``ServingDecoder``.
 * ``check``: the torch backend vs onnxruntime on the same inputs.
 * ``cli``: ``vgraph export-onnx`` and ``vgraph check-onnx``.
 """
@@ -19,10 +21,12 @@ from .lower import OPSET, build_model, context_length, expected_param_shapes, lo
 from .names import BATCH_DIM, PAST, SEQUENCE_DIM, input_name, param_key, value_name
 from .ops import LOWERINGS, NodeLowering, register_lowering
 from .inference import Decoder, inference_outputs, lower_inference
+from .serving import ServingDecoder, lower_serving
 from .subgraph import (Boundary, Piece, boundary, export_pieces, export_subgraph, run_in_sequence,
                        split_topological, runnable_pieces)
 
 __all__ = ["BATCH_DIM", "LOWERINGS", "OPSET", "PAST", "SEQUENCE_DIM", "NodeLowering", "context_length",
            "build_model", "expected_param_shapes", "input_name", "lower_network", "onnx_dims", "param_key", "register_lowering", "value_name",
            "Boundary", "Piece", "boundary", "export_pieces", "export_subgraph", "run_in_sequence",
-           "split_topological", "runnable_pieces", "Decoder", "inference_outputs", "lower_inference"]
+           "split_topological", "runnable_pieces", "Decoder", "inference_outputs", "lower_inference",
+           "ServingDecoder", "lower_serving"]

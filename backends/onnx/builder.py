@@ -45,6 +45,10 @@ class ModelBuilder:
     sequence: str | None = None  # the symbolic sequence dimension, None: shapes as the IR infers them
     caches: dict[str, CacheSlot] = field(default_factory=dict)  # VNode id -> its KV cache (decoder export)
     decoder: bool = False  # a KV-cache decoder: each call runs its new positions only
+    # The serving layout's inputs (``serving.py``): int64 [batch, sequence] positions of this call's tokens and
+    # int64 [batch, past + sequence] 1/0 for real/padding keys; None: positions from the past length, no padding.
+    position_ids: str | None = None
+    attention_mask: str | None = None
     _past: str | None = None
 
     _memo: dict[tuple, str] = field(default_factory=dict)

@@ -2,12 +2,18 @@
 
     vgraph export-onnx FILE|RUN [--checkpoint CKPT | --random-weights] [--passes SPEC] [--with-loss | --kv-cache]
                        -o OUT.onnx
+    vgraph export-onnx FILE|RUN [--checkpoint CKPT | --random-weights] --serving -o DIR
     vgraph check-onnx FILE|RUN [--checkpoint CKPT] [--batch B] [--passes SPEC]
     vgraph check-onnx [FILE] --ops [TYPE ...]
 
 ``export-onnx`` writes the inference model (``inference.py``): logits, batch
 and sequence dynamic; ``--with-loss`` adds the costs and their targets,
-``--kv-cache`` makes it a decoder with past keys and values.  The weights are
+``--kv-cache`` makes it a decoder with past keys and values, named after its
+VNodes.  ``--serving`` writes a directory in the layout Hugging Face Optimum's
+``ORTModelForCausalLM`` and onnxruntime-genai read (``serving.py``: model.onnx
+with ``input_ids``, ``attention_mask``, ``position_ids``, ``past_key_values.{i}.*``,
+``logits``, ``present.{i}.*``; config.json, genai_config.json,
+generation_config.json and the run's tokenizer); docs/serving.md.  The weights are
 a checkpoint's: a run directory (or a checkpoint directory) in place of FILE
 is the network it trained and its latest weights, resolved as ``generate``
 resolves them.  A model with the torch backend's seeded initialisation
@@ -59,7 +65,8 @@ def register_export(subparsers: argparse._SubParsersAction) -> None:
                                           "FILE with --checkpoint) as ONNX: float32 logits, batch and sequence "
                                           "dynamic; --kv-cache for a decoder with past keys and values.")
     _common(p)
-    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx", type=options.path)
+    p.add_argument("-o", "--output", required=True, metavar="OUT.onnx|DIR", type=options.path,
+                   help="the model file; with --serving, the directory of the model and its configs")
     p.add_argument("--random-weights", action="store_true",
                    help="export the torch backend's seeded initialisation (--seed) instead of trained weights")
     p.add_argument("--no-weights", action="store_true",
@@ -68,6 +75,11 @@ def register_export(subparsers: argparse._SubParsersAction) -> None:
                    help="also return the costs (the model then takes their targets)")
     p.add_argument("--kv-cache", action="store_true",
                    help="a decoder: takes and returns every attention VNode's past keys and values")
+    p.add_argument("--serving", action="store_true",
+                   help="write -o DIR for Hugging Face Optimum (ORTModelForCausalLM) and onnxruntime-genai: a "
+                        "decoder with input_ids, attention_mask, position_ids and past_key_values per block, "
+                        "config.json, genai_config.json, generation_config.json and the tokenizer "
+                        "(docs/serving.md)")
     p.set_defaults(func=_export)
 
 
@@ -145,6 +157,8 @@ def _export(args: argparse.Namespace) -> int:
 
     if args.with_loss and args.kv_cache:
         raise VGraphError("--with-loss and --kv-cache exclude each other: a decoder returns logits only")
+    if args.serving:
+        return _export_serving(args)
     out = check_output(args.output, inputs=(args.file, args.checkpoint, *args.plugin))
     graph = fp32_graph(_graph(args))  # FILE read first: a missing or broken one is the first thing to say
     _refuse_unweighted(args)
@@ -171,6 +185,48 @@ def _export(args: argparse.Namespace) -> int:
              if args.kv_cache else ""))
     print("outputs: " + ", ".join(_describe(v) for v in model.graph.output if not v.name.startswith("present_"))
           + (" + their present keys and values" if args.kv_cache else ""))
+    return 0
+
+
+def _export_serving(args: argparse.Namespace) -> int:
+    """``--serving``: the decoder in the serving layout and the files its runtimes read, into ``-o DIR``."""
+    import onnx
+
+    from vgraph.base.diagnostics import printable
+    from vgraph.base.safeio import OutputDir
+
+    from .check import fp32_graph
+    from .serving import MODEL_FILE, lower_serving, serving_files
+
+    clash = next((o for o, on in (("--with-loss", args.with_loss), ("--no-weights", args.no_weights)) if on), None)
+    if clash:
+        raise VGraphError(f"--serving and {clash} exclude each other: a served decoder returns logits only and "
+                          "carries its weights")
+    target = OutputDir(args.output, command="export-onnx --serving", inputs=(args.file, args.checkpoint, *args.plugin))
+    graph = fp32_graph(_graph(args))
+    _refuse_unweighted(args)
+    model, shape = lower_serving(graph, _weights(args, graph))
+    tokenizer = args.saved.tokenizer_json if args.saved is not None else None
+    files = serving_files(shape, network=graph.name, tokenizer_json=tokenizer)
+    external = model.ByteSize() > EXTERNAL_DATA_BYTES
+    target.plan([MODEL_FILE, *([MODEL_FILE + ".data"] if external else []), *files])
+    if external:
+        target.check(MODEL_FILE + ".data")
+        _save_external(model, target.check(MODEL_FILE))
+        target.wrote(MODEL_FILE + ".data")
+        target.wrote(MODEL_FILE)
+    else:
+        onnx.checker.check_model(model, full_check=True)
+        target.write(MODEL_FILE, model.SerializeToString())
+    for name in sorted(files, key=lambda n: n == "config.json"):  # config.json last: its presence marks a model
+        target.write(name, files[name])
+    target.remove_stale()
+    print(f"wrote {printable(str(target.path))}: {MODEL_FILE} ({shape.layers} blocks, {shape.heads} heads, {shape.kv_heads} K/V "
+          f"heads of {shape.head_dim}, vocabulary {shape.vocab:,}, context {shape.context}"
+          f"{f'; random: seeded initialisation, seed {args.seed}, not trained' if args.random_weights else ''}), "
+          f"{', '.join(sorted(files))}")
+    if tokenizer is None:
+        print("note: no tokenizer beside it (the weights carry none): feed token ids", file=sys.stderr)
     return 0
 
 

@@ -8,8 +8,8 @@ keeps the costs (and their targets input) for evaluation.
 * Axes: ``batch`` and ``sequence`` are symbolic.  A call may cover 1 up to
   the network's context length (the ``seq_len`` its YAML declares, which
   sizes the RoPE tables, learned positions and causal masks).
-* KV cache (``kv_cache=True``, the decoder-with-past layout of Hugging Face
-  Optimum and onnxruntime-genai): every attention VNode, per head
+* KV cache (``kv_cache=True``; ``serving.py`` renames and groups it into the
+  layout Hugging Face Optimum and onnxruntime-genai read): every attention VNode, per head
   (``attention_head``) or fused (``attention``), takes ``past_key:<vnode>`` /
   ``past_value:<vnode>`` and returns ``present_key:<vnode>`` /
   ``present_value:<vnode>``, the past extended by this call's positions.
@@ -72,8 +72,9 @@ def _ancestors(graph: Graph, values: Sequence[tuple[str, int]]) -> set[str]:
 
 
 def lower_inference(graph: Graph, weights: Mapping[str, np.ndarray] | None = None, *, with_loss: bool = False,
-                    kv_cache: bool = False, batch_dim: str = BATCH_DIM) -> onnx.ModelProto:
-    """The inference model of a verified float32 ``graph`` (see the module doc)."""
+                    kv_cache: bool = False, batch_dim: str = BATCH_DIM, padding: bool = False) -> onnx.ModelProto:
+    """The inference model of a verified float32 ``graph`` (see the module doc); ``padding`` adds the
+    ``attention_mask`` and ``position_ids`` inputs of the serving layout (``serving.py``)."""
     if kv_cache and with_loss:
         raise VGraphError("a KV-cache decoder returns logits only: a loss over the positions of one call is not "
                           "the network's loss (export --with-loss without --kv-cache)")
@@ -81,7 +82,7 @@ def lower_inference(graph: Graph, weights: Mapping[str, np.ndarray] | None = Non
     docs = {(ep.node, ep.slot): f"output {ep.name!r}" for ep in graph.outputs}
     docs.update({(ep.node, ep.slot): f"cost {ep.name!r}" for ep in (graph.costs if with_loss else ())})
     model = build_model(graph, _ancestors(graph, outputs), weights=weights, outputs=outputs, output_docs=docs,
-                        batch_dim=batch_dim, sequence=SEQUENCE_DIM, kv_cache=kv_cache)
+                        batch_dim=batch_dim, sequence=SEQUENCE_DIM, kv_cache=kv_cache, padding=padding)
     endpoints = {ep.name: value_name(ep.node, ep.slot)
                  for ep in [*graph.outputs, *(graph.costs if with_loss else ())]}
     props = {"vgraph.network": graph.name, "vgraph.endpoints": json.dumps(endpoints, sort_keys=True),
@@ -168,7 +169,9 @@ class Decoder:
         """Logits ``[vocab]`` at the last of ``context`` (1 up to the context length token ids)."""
         context = [int(t) for t in context]
         if not 1 <= len(context) <= self.context:
-            raise ValueError(f"a context holds 1 to {self.context} tokens; got {len(context)}")
+            raise VGraphError(f"a context holds 1 to {self.context} tokens; got {len(context)}"
+                              + (": past the network's context length (its seq_len); slide the window or "
+                                 "start over" if context else ""))
         if not self.caches:
             return self._run(context, {})[0, -1]
         if self.held != context[: len(self.held)] or len(self.held) >= len(context):

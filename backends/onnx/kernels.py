@@ -63,7 +63,16 @@ class Kernels:
 
     def window(self, table: str, length: str, tag: str, *, axis: int = 0) -> str:
         """Rows ``[past, past + length)`` of a per-position constant (RoPE tables, causal mask, learned
-        positions): the positions this call covers.  Shared by every reader of the same table and length."""
+        positions): the positions this call covers.  Shared by every reader of the same table and length.
+
+        With the serving layout's ``position_ids`` the rows are those ids, ``[batch, sequence, ...]``: a
+        left-padded prompt's first real token is position 0 whatever its index in the batch."""
+        if self._b.position_ids is not None:
+            if axis != 0:
+                raise ValueError("position_ids select rows of axis 0 of a per-position table")
+            return self._b.memo(("positions_of", table), lambda: self.op(
+                "Gather", [table, self._b.position_ids], f"{tag}_rows", axis=0))
+
         def make() -> str:
             start = self.past_length()
             stop = self._b.memo(("stop", length), lambda: self.op("Add", [start, length], f"{tag}_stop"))
@@ -73,18 +82,25 @@ class Kernels:
         return self._b.memo(("window", table, length, axis), make)
 
     def rope(self, x: str, seq_len: int, head_dim: int, theta: float, tag: str, *,
-             positions: str | None = None) -> str:
+             positions: str | None = None, rank: int = 3) -> str:
         """Rotate-half RoPE (GPT-NeoX / Llama) of ``x[..., S, hd]`` with float64-built tables.
 
         The tables cover ``seq_len`` positions (the context length); a call
         takes the rows of its own positions, from the past length on: as many
-        as ``positions`` (default ``x``) has along axis -2.
+        as ``positions`` (default ``x``) has along axis -2.  ``rank`` is
+        ``x``'s, batch included (4 for ``[B, heads, S, hd]``): rows chosen by
+        the serving layout's ``position_ids`` are ``[B, S, hd]`` and get the
+        heads' axes so they broadcast per sample.
         """
         cos, sin = _rope_tables(seq_len, head_dim, theta)
         key = f"rope_s{seq_len}_d{head_dim}_theta{theta:g}"
         length = self.length(positions or x, -2)
         cos_name = self.window(self.const(f"{key}_cos", cos), length, "rope_cos")
         sin_name = self.window(self.const(f"{key}_sin", sin), length, "rope_sin")
+        if self._b.position_ids is not None and rank > 3:
+            axes = self.const(f"axes_1_to_{rank - 3}", np.arange(1, rank - 2))
+            cos_name, sin_name = (self._b.memo(("per_sample_rows", t, rank), lambda t=t: self.op(
+                "Unsqueeze", [t, axes], f"{t.rsplit('/', 1)[-1]}_heads_axes")) for t in (cos_name, sin_name))
         x1, x2 = self.op("Split", [x], f"{tag}_halves", outputs=2, axis=-1, num_outputs=2)
         neg = self.op("Neg", [x2], f"{tag}_neg")
         rotated = self.op("Concat", [neg, x1], f"{tag}_rotate_half", axis=-1)
@@ -110,6 +126,20 @@ class Kernels:
                                      self.float_const("float32_zero", 0.0)], "causal_mask")
 
         return self._b.memo(("causal_mask", length), make)
+
+    def padding_bias(self, rank: int) -> str:
+        """The serving layout's ``attention_mask`` (int64 ``[B, past + S]``, 0 at padding) as an additive
+        bias on scores of ``rank`` axes: ``CAUSAL_MASK_VALUE`` on padded keys, broadcast over heads and
+        queries, so a left-padded prompt attends to its own tokens only.  One per rank, shared."""
+        def make() -> str:
+            padded = self.op("Equal", [self._b.attention_mask, self.const("int64_zero", np.asarray(0, np.int64))],
+                             "padded_keys")
+            bias = self.op("Where", [padded, self.float_const("causal_mask_value", CAUSAL_MASK_VALUE),
+                                     self.float_const("float32_zero", 0.0)], "padding_bias")
+            axes = self.const(f"axes_1_to_{rank - 2}", np.arange(1, rank - 1))
+            return self.op("Unsqueeze", [bias, axes], f"padding_bias_rank{rank}")
+
+        return self._b.memo(("padding_bias", rank), make)
 
     def positions(self, start: str, stop: str, tag: str) -> str:
         """int64 ``[stop - start]``: the positions ``start .. stop - 1`` (``start``, ``stop``: int64 ``[1]``)."""
@@ -145,6 +175,8 @@ class Kernels:
         if causal:
             length = self.length(positions or q, -2)
             scores = self.op("Add", [scores, self.causal_mask(length)], "masked_scores")
+        if self._b.attention_mask is not None:
+            scores = self.op("Add", [scores, self.padding_bias(len(k_perm))], "unpadded_scores")
         probs = self.op("Softmax", [scores], "probs", axis=-1)
         return self.op("MatMul", [probs, v], "attend", out=out)
 

@@ -58,7 +58,8 @@ from vgraph.base.diagnostics import Diagnostic
 from vgraph.plugins import require_lowering
 
 from .builder import ModelBuilder
-from .names import BATCH_DIM, PAST, PAST_DIM, TOTAL_DIM, CacheSlot, input_name, node_error, param_key, value_name
+from .names import (ATTENTION_MASK, BATCH_DIM, PAST, PAST_DIM, POSITION_IDS, TOTAL_DIM, CacheSlot, input_name,
+                    node_error, param_key, value_name)
 from .ops import LOWERINGS, NodeLowering, traits_of
 
 __all__ = [
@@ -149,6 +150,7 @@ def build_model(
     model_name: str | None = None,
     sequence: str | None = None,
     kv_cache: bool = False,
+    padding: bool = False,
 ) -> onnx.ModelProto:
     """Lower the VNodes ``node_ids`` (default: all) of a verified ``graph`` to one ONNX model.
 
@@ -159,12 +161,18 @@ def build_model(
     ``outputs`` lists the ``(node, slot)`` values to expose as graph outputs
     (named ``"node:slot"``); default: the network's outputs and costs.
     ``sequence`` names a symbolic sequence dimension (see the module doc);
-    ``kv_cache`` needs it.
+    ``kv_cache`` needs it.  ``padding`` adds the inputs ``position_ids``
+    ``[batch, sequence]`` and ``attention_mask`` ``[batch, total_sequence]``
+    (int64), through which a batch of left-padded prompts of different
+    lengths runs as each prompt would alone (``serving.py``); it needs
+    ``kv_cache``.
     """
     if opset < 18:
         raise ValueError(f"the ONNX lowering needs opset >= 18; got {opset}")
     if kv_cache and sequence is None:
         raise ValueError("a KV-cache decoder needs a symbolic sequence dimension (sequence=...)")
+    if padding and not kv_cache:
+        raise ValueError("position_ids and attention_mask are inputs of a KV-cache decoder (kv_cache=True)")
     order = _lowered_nodes(graph, node_ids)
     ids = {n.id for n in order}
     if outputs is None:
@@ -182,6 +190,9 @@ def build_model(
     io = _GraphIO(b, batch_dim, context_length(graph, order) if sequence else None)
     if kv_cache:
         b.caches, b.decoder = _cache_slots(order), True
+    if padding:
+        b.position_ids, b.attention_mask = POSITION_IDS, ATTENTION_MASK
+        b.used_names.update((POSITION_IDS, ATTENTION_MASK))
     env = _lower_nodes(b, io, order)
     graph_outputs = io.outputs(outputs, env, dict(output_docs or {}))
     onnx_graph = helper.make_graph(
@@ -352,7 +363,10 @@ class _GraphIO:
                 vi = helper.make_tensor_value_info(name, TensorProto.FLOAT, slot.dims(PAST_DIM, self.batch_dim))
                 vi.doc_string = f"cached {what} of '{slot.node}' (RoPE applied), {PAST_DIM} positions; empty at first"
                 caches.append(vi)
-        return [*inputs, *self.b.inputs.values(), *caches]
+        padding = [helper.make_tensor_value_info(name, TensorProto.INT64, dims)
+                   for name, dims in ((self.b.attention_mask, [self.batch_dim, TOTAL_DIM]),
+                                      (self.b.position_ids, [self.batch_dim, self.b.sequence])) if name]
+        return [*inputs, *padding, *self.b.inputs.values(), *caches]
 
 
 def _vgraph_version() -> str:

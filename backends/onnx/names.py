@@ -12,7 +12,7 @@ from typing import Any
 from vgraph import VGraphError, VNode
 from vgraph.base.diagnostics import Diagnostic
 
-__all__ = ["BATCH_DIM", "SEQUENCE_DIM", "PAST_DIM", "TOTAL_DIM", "PAST", "CacheSlot", "value_name", "input_name",
+__all__ = ["ATTENTION_MASK", "POSITION_IDS", "BATCH_DIM", "SEQUENCE_DIM", "PAST_DIM", "TOTAL_DIM", "PAST", "CacheSlot", "value_name", "input_name",
            "param_key", "node_error"]
 
 #: Name of the symbolic batch dimension of every graph input and output.
@@ -21,6 +21,9 @@ BATCH_DIM = "batch"
 SEQUENCE_DIM = "sequence"
 PAST_DIM = "past_sequence"
 TOTAL_DIM = "total_sequence"
+#: The inputs of the serving layout (``serving.py``), named as Hugging Face's decoders name them.
+POSITION_IDS = "position_ids"
+ATTENTION_MASK = "attention_mask"
 #: Marks the growing axis in a lowering's declared cache shape (see ``LoweringTraits.kv_cache``).
 PAST = "past"
 

@@ -344,8 +344,8 @@ def _lower_attention(n: NodeLowering) -> list[str]:
         per_head.append(n.op("Transpose", [shaped], f"{name}_bhsd", perm=[0, 2, 1, 3]))
     q, k, v = per_head
     if cfg["position_encoding"] == "rope":
-        q = n.rope(q, seq, hd, cfg["rope_theta"], "q", positions=x)
-        k = n.rope(k, seq, hd, cfg["rope_theta"], "k", positions=x)
+        q = n.rope(q, seq, hd, cfg["rope_theta"], "q", positions=x, rank=4)
+        k = n.rope(k, seq, hd, cfg["rope_theta"], "k", positions=x, rank=4)
     k, v = n.cached(k, v)
     if kv_heads == heads:
         ctx = n.attend(q, k, v, seq_len=seq, head_dim=hd, causal=cfg["causal"], k_perm=[0, 1, 3, 2], positions=x)

@@ -174,6 +174,36 @@ def replicas(text: str) -> str:
     return str(value)
 
 
-__all__ = ["positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float", "op_type",
+MAX_MACHINES = 65536  # --nnodes: launchers of one run; a typo of 10**9 is a usage error, not a wait forever
+
+
+def nnodes(text: str) -> tuple[int, int]:
+    """--nnodes N or MIN:MAX (torchrun's spelling): the run starts when MIN machines are there and admits
+    joins up to MAX; N means N:N.  Whole numbers from 1 to 65536, no spaces, MIN <= MAX."""
+    raw = str(text)
+    match = re.fullmatch(r"([0-9_]+)(?::([0-9_]+))?", raw)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX machines (e.g. 2 or 1:4), got {quote(raw)}")
+    low = _int_in(match.group(1), 1, MAX_MACHINES, f"machines from 1 to {MAX_MACHINES}")
+    high = low if match.group(2) is None else _int_in(match.group(2), 1, MAX_MACHINES,
+                                                       f"machines from 1 to {MAX_MACHINES}")
+    if high < low:
+        raise argparse.ArgumentTypeError(f"MIN:MAX with MAX >= MIN, got {quote(raw)}")
+    return low, high
+
+
+def host_port(text: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 address in brackets: [::1]:29500): a host name or address without spaces or
+    control characters, and a port from 1 to 65535."""
+    raw = str(text)
+    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:([0-9]+)|([A-Za-z0-9._-]+):([0-9]+)", raw)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (e.g. 10.0.0.1:29500, [::1]:29500), got {quote(raw)}")
+    host = match.group(1) or match.group(3)
+    return host, port(match.group(2) or match.group(4))
+
+
+__all__ = ["nnodes", "host_port", "MAX_MACHINES",
+           "positive_int", "non_negative_int", "seed", "port", "positive_float", "non_negative_float", "op_type",
            "token_ids", "temperature", "batch", "MAX_BATCH", "MIN_TEMPERATURE",
            "byte_size", "replicas", "path", "network_file", "fleet_file", "compile_target", "MAX_SEED"]

@@ -4,13 +4,16 @@ Training must work out of the box, on any machine, without network access.
 Modules are parsed with :mod:`ast`, never imported, so nothing executes and
 no optional dependency is needed.  The walk takes seconds (about 16 s for
 the default 4 MB cap on a loaded 2-core machine), which is why its prepared
-form is cached on disk (cache.py) rather than rebuilt by every run.
+form is cached on disk (cache.py) rather than rebuilt by every run, and the walk itself is kept for the
+process as far as it went (a later, smaller or larger, request reads it again from memory).
 """
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import sysconfig
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -46,17 +49,45 @@ def default_corpus_documents(max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> list[
         raise DataError(f"standard library source directory not found: {stdlib}")
     documents: list[str] = []
     remaining = max_bytes
-    for source_file in _stdlib_sources(stdlib):
-        for doc in _docstrings(source_file):
-            encoded = doc.encode("utf-8")
-            if len(encoded) >= remaining:
-                documents.append(encoded[:remaining].decode("utf-8", errors="ignore"))
-                return documents
-            documents.append(doc)
-            remaining -= len(encoded)
+    for doc, encoded in _walked(stdlib):
+        if len(encoded) >= remaining:
+            documents.append(encoded[:remaining].decode("utf-8", errors="ignore"))
+            return documents
+        documents.append(doc)
+        remaining -= len(encoded)
     if not documents:
         raise DataError(f"no docstrings found in the standard library sources under {stdlib}")
     return documents
+
+
+class _Walk:
+    """The docstrings of one stdlib directory as far as a caller has needed them, kept for the process: a test
+    session or a benchmark asks for the corpus again and again (4 CPU-s a megabyte of parsing each time), and the
+    answer is a prefix of the same walk."""
+
+    def __init__(self, root: Path) -> None:
+        self.lock = threading.Lock()
+        self.seen: list[tuple[str, bytes]] = []
+        self.rest = ((doc, doc.encode("utf-8")) for path in _stdlib_sources(root) for doc in _docstrings(path))
+
+
+_WALKS: dict[Path, _Walk] = {}
+_WALKS_LOCK = threading.Lock()
+
+
+def _walked(root: Path) -> Iterator[tuple[str, bytes]]:
+    """(docstring, its UTF-8) in walk order: those seen before, then the walk continued (and kept) on demand."""
+    with _WALKS_LOCK:
+        walk = _WALKS.get(root) or _WALKS.setdefault(root, _Walk(root))
+    for i in itertools.count():
+        with walk.lock:
+            if i == len(walk.seen):
+                item = next(walk.rest, None)
+                if item is None:
+                    return
+                walk.seen.append(item)
+            item = walk.seen[i]
+        yield item
 
 
 def _stdlib_sources(root: Path) -> Iterator[Path]:

@@ -45,7 +45,7 @@ from vgraph.base.safeio import decode_text, read_open_file, register_owner
 
 __all__ = ["RUN_JSON", "NETWORK_YML", "TOKENIZER_JSON", "METRICS_JSONL", "METRICS_CSV", "PLACEMENT_JSON",
            "LOSS_CURVE_PNG", "LATEST", "CHECKPOINT_PREFIX", "MODEL_FILE", "STATE_JSON", "LAUNCH_DIR", "STOP_FILE",
-           "WORKERS_JSON", "RELEASE_FILE", "JOB_FILE", "LOCK_FILE", "RUN_LOCK_ENV", "RunLock", "RunInUse", "refuse_foreign",
+           "WORKERS_JSON", "FLEET_EVENTS_JSONL", "RELEASE_FILE", "JOB_FILE", "LOCK_FILE", "RUN_LOCK_ENV", "RunLock", "RunInUse", "refuse_foreign",
            "owned_by_run", "looks_like_run", "is_checkpoint", "run_owner", "checkpoint_name", "job_name", "error_name",
            "held_name", "RunReader", "MAX_METRICS_BYTES", "clean_json", "metrics_row"]
 
@@ -63,6 +63,7 @@ STATE_JSON = "state.json"
 LAUNCH_DIR = "launch"  # launch runs: job files, worker errors, the stop request
 STOP_FILE = "stop"  # in LAUNCH_DIR: the launcher asks every worker to stop after this step, with a checkpoint
 WORKERS_JSON = "workers.json"  # in LAUNCH_DIR: which process runs which rank, for an outside supervisor
+FLEET_EVENTS_JSONL = "fleet-events.jsonl"  # in LAUNCH_DIR: joins admitted or refused, each re-plan decision
 RELEASE_FILE = "release"  # in LAUNCH_DIR: lets workers held at a step (--hold, for tests) go on
 JOB_FILE = re.compile(r"job-(\d+)\.json")  # in LAUNCH_DIR
 MAX_METRICS_BYTES = 512 * 2**20

@@ -18,6 +18,10 @@
   step costs one dict lookup plus the generated code: no interpretation.
   Dropout is simply absent from eval programs.  `module.code()` shows the
   code; `module.program()` returns the GraphModule (for torch.compile/export).
+* **Decoding** (`decode=True`, eval only): the program that runs new
+  positions against a KV cache, taking `position_ids`, `attention_mask` and
+  each attention VNode's `past_key:<id>` / `past_value:<id>`, returning
+  `present_key:<id>` / `present_value:<id>` beside `want` (decode.py).
 * **Initialisation** (deterministic): weights normal(0, 0.02), biases zero,
   layernorm weight one, each drawn from a generator seeded by
   sha256(f"{seed}:{unfused key}").  Parameters are initialised in the UNFUSED
@@ -46,6 +50,7 @@ from vgraph.ir.graph import Graph, VNode
 from vgraph.ir.verify import verify
 from vgraph.run import layout
 
+from . import decode as D
 from .ops import LowerCtx, default_init, get_lowering
 from .remat_regions import outline_remat_regions
 
@@ -195,7 +200,7 @@ class VGraphModule(nn.Module):
         self.network = graph
         self.options = dict(options or {})
         self.compute_dtype = compute_dtype(graph)
-        self._programs: dict[tuple[Any, bool], Program] = {}
+        self._programs: dict[tuple[Any, bool, bool], Program] = {}
         self._attr: dict[str, str] = {}  # vnode id -> attribute name inside the GraphModules
         self.param_owner: dict[str, str] = {}  # "<id>.<param>" -> owning vnode id
         publishers = graph.publishers()
@@ -274,12 +279,12 @@ class VGraphModule(nn.Module):
         self.load_state_dict(to_graph_layout(state, self.network), strict=True)
 
     # -- running -------------------------------------------------------------------
-    def forward(self, feeds: Mapping[str, Any], want: Want = None) -> dict[str, Any]:
+    def forward(self, feeds: Mapping[str, Any], want: Want = None, decode: bool = False) -> dict[str, Any]:
         if want.__class__ is list:
             want = tuple(want)
-        program = self._programs.get((want, self.training))
+        program = self._programs.get((want, self.training, decode))
         if program is None:
-            program = self.program_for(want, self.training)
+            program = self.program_for(want, self.training, decode)
         try:
             args = [feeds[name] for name in program.feeds]
         except KeyError:
@@ -288,26 +293,33 @@ class VGraphModule(nn.Module):
                               f"(this computation needs {', '.join(program.feeds)})") from None
         return program.module(*args)
 
-    def program_for(self, want: Want = None, training: bool | None = None) -> Program:
+    def program_for(self, want: Want = None, training: bool | None = None, decode: bool = False) -> Program:
         if training is None:
             training = self.training
         if isinstance(want, list):
             want = tuple(want)
-        key = (want, training)
+        key = (want, training, decode)
         if key not in self._programs:
-            self._programs[key] = _lower(self, want, training)
+            if decode and training:
+                raise VGraphError("a decode program (KV cache) is an inference program: call it in eval mode")
+            self._programs[key] = _lower(self, want, training, decode)
         return self._programs[key]
 
-    def program(self, want: Want = None, training: bool | None = None) -> fx.GraphModule:
+    def program(self, want: Want = None, training: bool | None = None, decode: bool = False) -> fx.GraphModule:
         """The torch.fx GraphModule computing `want` (positional feeds, dict result)."""
-        return self.program_for(want, training).module
+        return self.program_for(want, training, decode).module
 
-    def code(self, want: Want = None, training: bool | None = None) -> str:
+    def code(self, want: Want = None, training: bool | None = None, decode: bool = False) -> str:
         """The generated Python source of the program for `want`."""
-        return self.program(want, training).code
+        return self.program(want, training, decode).code
 
-    def feeds_needed(self, want: Want = None) -> tuple[str, ...]:
-        return self.program_for(want).feeds
+    def feeds_needed(self, want: Want = None, decode: bool = False) -> tuple[str, ...]:
+        return self.program_for(want, decode=decode).feeds
+
+    def decode_caches(self, want: Want = None) -> tuple[str, ...]:
+        """The VNodes whose keys and values the decode program for `want` caches, in feed order."""
+        return tuple(name.split(":", 1)[1] for name in self.program_for(want, False, True).feeds
+                     if name.startswith("past_key:"))
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
         # Programs hold the Parameter objects; drop them whenever tensors may be replaced.
@@ -394,7 +406,29 @@ def _node_float32(graph: Graph, node: VNode, compute: torch.dtype) -> bool:
     return compute != torch.float32 and info.get("activation") == "float32"
 
 
-def _lower(module: VGraphModule, want: Want, training: bool) -> Program:
+def _decode_inputs(graph: Graph, order: list[VNode], fxg: fx.Graph, emitter: "_FxEmitter",
+                   feeds: list[str]) -> D.DecodeCtx:
+    """A decode program's extra placeholders (positions, mask, past caches) after the network's inputs; a
+    network with a VNode that cannot run on new positions alone is refused, every such VNode named."""
+    problems = D.undecodable(graph, order, get_lowering)
+    if problems:
+        raise VGraphError(problems)
+    positions = fxg.placeholder(D.POSITION_IDS)
+    mask = fxg.placeholder(D.ATTENTION_MASK)
+    feeds += [D.POSITION_IDS, D.ATTENTION_MASK]
+    past = {}
+    for node in order:
+        if get_lowering(node).caches_for(node):
+            names = D.past_names(node.id)
+            past[node.id] = tuple(fxg.placeholder(n.replace(":", "_")) for n in names)
+            feeds += names
+    emitter.node_id = "decode"
+    return D.DecodeCtx(positions, emitter.call(D.decode_mask, (mask, positions), {}), past)
+
+
+def _lower(module: VGraphModule, want: Want, training: bool, decode: bool = False) -> Program:
+    """Long because it is the driver's one pass: placeholders, each needed VNode's rule, the output, and the
+    parameters and submodules the GraphModule holds, in order."""
     graph = module.network
     targets = _targets(graph, want)
     out_slots, in_slots = _needed(graph, targets)
@@ -412,6 +446,7 @@ def _lower(module: VGraphModule, want: Want, training: bool) -> Program:
                 name = feed_name(node.id, slot)
                 placeholders[(node.id, slot)] = fxg.placeholder(name.replace(":", "_"))
                 feeds.append(name)
+    decoding = _decode_inputs(graph, order, fxg, emitter, feeds) if decode else None
     for node in order:
         lowering = get_lowering(node)
         inputs: list[Any] = []
@@ -424,7 +459,7 @@ def _lower(module: VGraphModule, want: Want, training: bool) -> Program:
         emitter.node_id = node.id
         emitter.float32 = _node_float32(graph, node, module.compute_dtype)
         emitter.created = set()
-        ctx = LowerCtx(node, graph, inputs, out_slots[node.id], training, emitter, module._publishers)
+        ctx = LowerCtx(node, graph, inputs, out_slots[node.id], training, emitter, module._publishers, decoding)
         outs = list(lowering.emit(ctx))
         if len(outs) != node.num_outputs:
             raise VGraphError([Diagnostic(f"torch lowering of {node.type!r} returned {len(outs)} values "
@@ -436,7 +471,15 @@ def _lower(module: VGraphModule, want: Want, training: bool) -> Program:
             values[(node.id, slot)] = value
         _name_outputs(node, outs, out_slots[node.id], emitter.created)
         created[node.id] = emitter.created
-    fxg.output({name: values[(node_id, slot)] for name, node_id, slot in targets})
+    results = {name: values[(node_id, slot)] for name, node_id, slot in targets}
+    if decoding is not None:
+        silent = [Diagnostic(f"its torch lowering declares a key/value cache but did not extend it "
+                             f"(ctx.decode.present)", graph.node(n).loc, n) for n in decoding.past if n not in decoding.present]
+        if silent:
+            raise VGraphError(silent)
+        for node_id, kv in decoding.present.items():
+            results.update(zip(D.present_names(node_id), kv))
+    fxg.output(results)
     root: dict[str, Any] = {}
     owners = {attr: node_id for node_id, attr in module._attr.items()}
     for fx_node in fxg.nodes:
@@ -451,7 +494,7 @@ def _lower(module: VGraphModule, want: Want, training: bool) -> Program:
         outline_remat_regions(graph, fxg, root, created)
     class_name = "".join(part.capitalize() for part in _words(graph.name)) or "Network"
     gm = fx.GraphModule(root, fxg, class_name=class_name)
-    return Program(gm, tuple(feeds), tuple(name for name, _, _ in targets))
+    return Program(gm, tuple(feeds), tuple(results))
 
 
 def _words(text: str) -> list[str]:

@@ -34,6 +34,7 @@ from vgraph.base.diagnostics import Diagnostic, VGraphError
 from vgraph.ir.graph import Graph, VNode
 from vgraph.plugins import require_lowering
 
+from . import decode as D
 from . import kernels as K
 from .wire_formats import CompressState
 from .dropout import keyed_dropout, node_stream
@@ -77,6 +78,7 @@ class LowerCtx:
     training: bool
     emitter: Emitter
     publishers: dict[str, VNode] = field(default_factory=dict)
+    decode: D.DecodeCtx | None = None  # a decode program's positions, mask and caches (decode.py)
 
     @property
     def cfg(self) -> dict[str, Any]:
@@ -113,6 +115,15 @@ class Lowering:
     graph run for its logits alone needs no targets.  `make_module(node,
     options)` builds the VNode's own nn.Module when it needs more than its
     parameters (None: a plain parameter namespace).
+
+    For a decode program (a KV cache, decode.py): `positionwise` says the
+    output at a position reads that position alone, so the rule runs
+    unchanged on new positions (a bool, or a predicate of the VNode);
+    `caches(node)` gives the per-sample shape of the VNode's empty key cache
+    (values alike; 0 on the growing axis), or None for a config that caches
+    nothing, and the rule then reads `ctx.decode` and extends the cache.  A
+    rule that declares neither (the default, the safe one for a plugin)
+    keeps its network from decoding incrementally.
     """
 
     op: str
@@ -121,6 +132,15 @@ class Lowering:
     inputs_needed: Callable[[frozenset[int], int], frozenset[int]] | None = None
     make_module: Callable[[VNode, dict[str, Any]], nn.Module] | None = None
     origin: str = "vgraph"
+    positionwise: bool | Callable[[VNode], bool] = False
+    caches: Callable[[VNode], tuple[int, ...] | None] | None = None
+
+    def is_positionwise(self, node: VNode) -> bool:
+        return bool(self.positionwise(node) if callable(self.positionwise) else self.positionwise)
+
+    def caches_for(self, node: VNode) -> tuple[int, ...] | None:
+        """The empty key cache's per-sample shape (decode programs), None when `node` caches nothing."""
+        return self.caches(node) if self.caches is not None else None
 
 
 LOWERINGS: dict[str, Lowering] = {}
@@ -129,8 +149,11 @@ LOWERINGS: dict[str, Lowering] = {}
 def register_lowering(op: str, *, init: InitFn | None = None,
                       inputs_needed: Callable[[frozenset[int], int], frozenset[int]] | None = None,
                       make_module: Callable[[VNode, dict[str, Any]], nn.Module] | None = None,
-                      replace: bool = False, origin: str = "vgraph"):
-    """Decorator: `emit` becomes the torch lowering of op type `op` (its canonical name)."""
+                      replace: bool = False, origin: str = "vgraph",
+                      positionwise: bool | Callable[[VNode], bool] = False,
+                      caches: Callable[[VNode], tuple[int, ...] | None] | None = None):
+    """Decorator: `emit` becomes the torch lowering of op type `op` (its canonical name); `positionwise` and
+    `caches` declare how it runs in a decode program (`Lowering`)."""
     from vgraph.ops import REGISTRY
 
     name = REGISTRY.canonical(op) or op
@@ -138,7 +161,7 @@ def register_lowering(op: str, *, init: InitFn | None = None,
     def deco(emit: Callable[[LowerCtx], Sequence[Value | None]]):
         if name in LOWERINGS and not replace:
             raise ValueError(f"op type {name!r} already has a torch lowering (from {LOWERINGS[name].origin})")
-        LOWERINGS[name] = Lowering(name, emit, init, inputs_needed, make_module, origin)
+        LOWERINGS[name] = Lowering(name, emit, init, inputs_needed, make_module, origin, positionwise, caches)
         return emit
 
     return deco
@@ -297,10 +320,12 @@ def _batch_dim(axis: int) -> int:
     return axis + 1 if axis >= 0 else axis
 
 
-@register_lowering("embedder")
+@register_lowering("embedder", positionwise=True)
 def _embedder(ctx: LowerCtx):
     x = ctx.call(F.embedding, ctx.inputs[0], ctx.param("weight"))
-    if ctx.cfg["position_encoding"] == "learned":
+    if ctx.cfg["position_encoding"] == "learned" and ctx.decode is not None:
+        x = ctx.call(D.embed_positions, x, ctx.param("position"), ctx.decode.positions)
+    elif ctx.cfg["position_encoding"] == "learned":
         x = ctx.call(K.add_positions, x, ctx.param("position"))
     return [x]
 
@@ -310,7 +335,7 @@ def _optional(ctx: LowerCtx, name: str) -> Value | None:
     return ctx.param(name) if name in ctx.node.op.param_shapes(ctx.cfg) else None
 
 
-@register_lowering("linear")
+@register_lowering("linear", positionwise=True)
 def _linear(ctx: LowerCtx):
     if ctx.cfg.get("tie_weight_alias"):
         return [ctx.call(F.linear, ctx.inputs[0], ctx.tied("weight"))]
@@ -319,14 +344,14 @@ def _linear(ctx: LowerCtx):
     return [ctx.call(F.linear, ctx.inputs[0], ctx.param("weight"), ctx.param("bias"))]
 
 
-@register_lowering("layernorm", init=_layernorm_init)
+@register_lowering("layernorm", init=_layernorm_init, positionwise=True)
 def _layernorm(ctx: LowerCtx):
     cfg = ctx.cfg
     return [ctx.call(F.layer_norm, ctx.inputs[0], (cfg["dim"],), ctx.param("weight"), ctx.param("bias"),
                      cfg["eps"])]
 
 
-@register_lowering("rmsnorm", init=_layernorm_init)
+@register_lowering("rmsnorm", init=_layernorm_init, positionwise=True)
 def _rmsnorm(ctx: LowerCtx):
     return [ctx.call(K.rms_norm, ctx.inputs[0], ctx.param("weight"), eps=ctx.cfg["eps"])]
 
@@ -335,9 +360,23 @@ def _rope_theta(cfg: dict[str, Any]) -> float | None:
     return float(cfg["rope_theta"]) if cfg["position_encoding"] == "rope" else None
 
 
-@register_lowering("attention_head")
+def _head_cache(node: VNode) -> tuple[int, ...] | None:
+    """A causal head caches `[past, head_dim]`; a query head of a GQA group caches nothing (its kv_head does)."""
+    return (0, int(node.cfg["head_dim"])) if node.cfg["causal"] and not node.cfg["kv_input"] else None
+
+
+def _attention_cache(node: VNode) -> tuple[int, ...] | None:
+    """A causal fused attention caches its K/V heads, `[kv_heads, past, head_dim]`."""
+    cfg = node.cfg
+    return (int(cfg.get("num_kv_heads") or cfg["num_heads"]), 0, int(cfg["head_dim"])) if cfg["causal"] else None
+
+
+@register_lowering("attention_head", positionwise=lambda n: n.cfg["kv_input"] and n.cfg["causal"],
+                   caches=_head_cache)
 def _attention_head(ctx: LowerCtx):
     cfg = ctx.cfg
+    if ctx.decode is not None:
+        return [_attention_head_step(ctx)]
     if cfg["kv_input"]:
         return [ctx.call(query_head_sdpa, ctx.inputs[0], ctx.inputs[1], ctx.param("wq"), _optional(ctx, "bq"),
                          causal=cfg["causal"], rope_theta=_rope_theta(cfg))]
@@ -347,19 +386,51 @@ def _attention_head(ctx: LowerCtx):
                      causal=cfg["causal"], rope_theta=_rope_theta(cfg))]
 
 
-@register_lowering("kv_head")
+def _attention_head_step(ctx: LowerCtx) -> Value:
+    """An attention_head in a decode program: a query head reads its kv_head's keys and values (the past
+    included); a head with its own keys extends its cache."""
+    cfg, dec = ctx.cfg, ctx.decode
+    rope = {"rope_theta": _rope_theta(cfg), "context": int(cfg["seq_len"])}
+    if cfg["kv_input"]:
+        return ctx.call(D.query_head_step, ctx.inputs[0], ctx.inputs[1], ctx.param("wq"), _optional(ctx, "bq"),
+                        dec.positions, dec.mask, **rope)
+    p, b = ctx.param, functools.partial(_optional, ctx)
+    step = ctx.call(D.head_step, ctx.inputs[0], p("wq"), b("bq"), p("wk"), b("bk"), p("wv"), b("bv"),
+                    *dec.past[ctx.node.id], dec.positions, dec.mask, **rope)
+    return _record_present(ctx, step)
+
+
+def _record_present(ctx: LowerCtx, step: Value) -> Value:
+    """Result 0 of a caching step; results 1 and 2 (keys and values so far) become the VNode's present."""
+    parts = [ctx.call(operator.getitem, step, i) for i in range(3)]
+    ctx.decode.present[ctx.node.id] = (parts[1], parts[2])
+    return parts[0]
+
+
+@register_lowering("kv_head", caches=lambda n: (0, int(n.cfg["head_dim"])))
 def _kv_head(ctx: LowerCtx):
     p, b = ctx.param, functools.partial(_optional, ctx)
+    if ctx.decode is not None:
+        step = ctx.call(D.kv_head_step, ctx.inputs[0], p("wk"), b("bk"), p("wv"), b("bv"),
+                        *ctx.decode.past[ctx.node.id], ctx.decode.positions, rope_theta=_rope_theta(ctx.cfg),
+                        context=int(ctx.cfg["seq_len"]))
+        return [_record_present(ctx, step)]
     return [ctx.call(kv_head_projection, ctx.inputs[0], p("wk"), b("bk"), p("wv"), b("bv"),
                      rope_theta=_rope_theta(ctx.cfg))]
 
 
-@register_lowering("attention")
+@register_lowering("attention", caches=_attention_cache)
 def _attention(ctx: LowerCtx):
     cfg = ctx.cfg
     out_w = ctx.param("out_weight") if cfg["output_projection"] else None
     out_b = ctx.param("out_bias") if cfg["output_projection"] else None
     kv = {"num_kv_heads": cfg["num_kv_heads"]} if cfg.get("num_kv_heads") not in (None, cfg["num_heads"]) else {}
+    if ctx.decode is not None:
+        step = ctx.call(D.attention_step, ctx.inputs[0], ctx.param("qkv_weight"), _optional(ctx, "qkv_bias"),
+                        out_w, out_b, *ctx.decode.past[ctx.node.id], ctx.decode.positions, ctx.decode.mask,
+                        num_heads=cfg["num_heads"], head_dim=cfg["head_dim"], num_kv_heads=kv.get("num_kv_heads"),
+                        rope_theta=_rope_theta(cfg), context=int(ctx.cfg["seq_len"]))
+        return [_record_present(ctx, step)]
     return [ctx.call(K.multihead_attention, ctx.inputs[0], ctx.param("qkv_weight"), _optional(ctx, "qkv_bias"),
                      out_w, out_b, num_heads=cfg["num_heads"], head_dim=cfg["head_dim"],
                      causal=cfg["causal"], rope_theta=_rope_theta(cfg), **kv)]
@@ -369,7 +440,7 @@ def _lm_head_inputs(needed: frozenset[int], num_inputs: int) -> frozenset[int]:
     return frozenset({0, 1}) if 0 in needed else frozenset({0})  # logits alone need no targets
 
 
-@register_lowering("tied_lm_head_ce", inputs_needed=_lm_head_inputs)
+@register_lowering("tied_lm_head_ce", inputs_needed=_lm_head_inputs, positionwise=True)
 def _tied_lm_head_ce(ctx: LowerCtx):
     weight = ctx.tied("weight")
     loss = logits = None
@@ -393,17 +464,17 @@ def _cost(ctx: LowerCtx):
 
 
 for _name, _fn in (("relu", F.relu), ("silu", F.silu), ("swiglu", K.swiglu)):
-    register_lowering(_name)(lambda ctx, _fn=_fn: [ctx.call(_fn, ctx.inputs[0])])
+    register_lowering(_name, positionwise=True)(lambda ctx, _fn=_fn: [ctx.call(_fn, ctx.inputs[0])])
 
 
-@register_lowering("gelu")
+@register_lowering("gelu", positionwise=True)
 def _gelu(ctx: LowerCtx):
     if ctx.cfg["approximate"] == "tanh":
         return [ctx.call(F.gelu, ctx.inputs[0], approximate="tanh")]
     return [ctx.call(F.gelu, ctx.inputs[0])]
 
 
-@register_lowering("dropout")
+@register_lowering("dropout", positionwise=True)
 def _dropout(ctx: LowerCtx):
     rate = ctx.cfg["rate"]
     if not ctx.training or rate == 0.0:
@@ -415,12 +486,18 @@ def _dropout(ctx: LowerCtx):
                      stream=node_stream(ctx.node.id))]
 
 
-@register_lowering("broadcast")
+@register_lowering("broadcast", positionwise=True)
 def _broadcast(ctx: LowerCtx):
     return [ctx.inputs[0]] * ctx.node.num_outputs  # copies are the same tensor: no work
 
 
-@register_lowering("stack")
+def _off_sequence_axis(node: VNode) -> bool:
+    """A stack joins per-head outputs along features (positionwise), or along the sequence (not)."""
+    rank = len(node.outputs[0].shape) if node.outputs else 0
+    return rank > 0 and node.cfg["axis"] % rank != 0
+
+
+@register_lowering("stack", positionwise=_off_sequence_axis)
 def _stack(ctx: LowerCtx):
     inputs = list(ctx.inputs)
     if len(inputs) == 1:
@@ -428,7 +505,7 @@ def _stack(ctx: LowerCtx):
     return [ctx.call(torch.cat, inputs, dim=_batch_dim(ctx.cfg["axis"]))]
 
 
-@register_lowering("add")
+@register_lowering("add", positionwise=True)
 def _add(ctx: LowerCtx):
     return [ctx.call(operator.add, ctx.inputs[0], ctx.inputs[1])]
 

@@ -138,11 +138,12 @@ TRAIN_OPTIONS: tuple[TrainOption, ...] = (
 )
 
 
-def add_train_options(parser: argparse.ArgumentParser, command: str) -> None:
-    """The network argument and every training option `command` ("train" or "launch") takes, with the
-    defaults of `TrainConfig`."""
-    parser.add_argument("network", metavar="FILE", type=options.network_file,
-                        help="network YAML, or a shipped network's name (vgraph networks)")
+def add_train_options(parser: argparse.ArgumentParser, command: str, *, network: bool = True) -> None:
+    """The network argument (unless the command declares its own: `launch --join` takes none) and every
+    training option `command` ("train" or "launch") takes, with the defaults of `TrainConfig`."""
+    if network:
+        parser.add_argument("network", metavar="FILE", type=options.network_file,
+                            help="network YAML, or a shipped network's name (vgraph networks)")
     for option in TRAIN_OPTIONS:
         if command not in option.commands:
             continue

@@ -63,6 +63,13 @@ torchrun-style program, so
 from the job file `--emit-job DIR` writes (it prepares the run directory and
 trains nothing) also works, and so does `srun` (docs/distributed.md).
 
+Machines that join while the run goes on (`--nnodes MIN:MAX` on the machines the run starts with,
+`vgraph launch --join HOST:PORT --pnode PNODE.yml` on a newcomer): machine 0 admits them on the launchers'
+channel, decides whether re-planning onto the grown fleet pays (`_on_join`, vgraph/placement/replan.py) and
+then asks for a boundary: the workers stop after the current step with a checkpoint and the next attempt
+is placed on the grown fleet (`_boundary`); the other machines run the jobs machine 0 publishes from then on
+(elastic.py).
+
 The launch reads top to bottom: `_prepare` (settings, run directory, data,
 once), then per attempt `_place_attempt` (placement, run.json,
 placement.json, the job file: job.py) and `_supervise` (this machine's
@@ -102,6 +109,7 @@ from ..runtime.comm_choice import COMM_MODES, choose_comm
 from ..runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from ..job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
 from .membership import MachineLost, Machines, decide
+from . import elastic
 from vgraph.run.step_plan import PIPELINES
 from ..runtime.progress import LaunchBar
 from ..rendezvous import TOKEN_ENV, check_master_addr, check_token, free_port, probe_port
@@ -136,6 +144,7 @@ class LaunchConfig(TrainConfig):
     link_timeout: float = 10.0  # several machines: seconds of silence after which a machine is lost (membership.py)
     grad_compress: str = "none"  # the replicas' all-reduce: none | powersgd[:rank=R,start=N] (grad_compress.py)
     nnodes: int = 1
+    max_nnodes: int | None = None  # --nnodes MIN:MAX: machines may join up to MAX (elastic.py); None: nnodes
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # default: a free port (one machine), 29500 (several)
@@ -315,6 +324,13 @@ def _validate(cfg: LaunchConfig) -> tuple[str, tuple[Any, Any]]:
         raise VGraphError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
     if isinstance(cfg.bucket_bytes, bool) or not isinstance(cfg.bucket_bytes, int) or not 1 <= cfg.bucket_bytes <= 2**62:
         raise VGraphError(f"--bucket-size must be a whole number of bytes from 1 to 2**62, got {cfg.bucket_bytes!r}")
+    if cfg.max_nnodes is not None and not (isinstance(cfg.max_nnodes, int) and cfg.nnodes <= cfg.max_nnodes):
+        raise VGraphError(f"--nnodes MIN:MAX needs MAX >= MIN, got {cfg.nnodes}:{cfg.max_nnodes}")
+    if _elastic(cfg) and cfg.on_failure == "repartition":
+        raise VGraphError("--on-failure repartition needs all workers on one machine; a run that takes joins "
+                          "(--nnodes MIN:MAX) restarts, shrinks or stops")
+    if _elastic(cfg) and cfg.emit_job is not None:
+        raise VGraphError("--emit-job writes a job for torchrun or srun, whose machines are fixed: give --nnodes N")
     if cfg.emit_job is not None and cfg.node_rank != 0:
         raise VGraphError("--emit-job writes the job once, on machine 0: drop --node-rank (torchrun and srun "
                           "start every machine's workers from that one job file)")
@@ -326,6 +342,11 @@ def _validate(cfg: LaunchConfig) -> tuple[str, tuple[Any, Any]]:
         raise VGraphError(f"--grad-compress: {exc}") from None
     check_master_addr(cfg.master_addr)  # never every interface (rendezvous.py)
     return grad_compress, given
+
+
+def _elastic(cfg: LaunchConfig) -> bool:
+    """A run that admits joins: --nnodes MIN:MAX with MAX > MIN (elastic.py)."""
+    return cfg.max_nnodes is not None and cfg.max_nnodes > cfg.nnodes
 
 
 def launch(config: LaunchConfig) -> LaunchResult:
@@ -342,10 +363,18 @@ def launch(config: LaunchConfig) -> LaunchResult:
         with RunLock.held():  # machine 0's lock of the run directory (taken in _prepare), held until here
             jobs = _job_folder(config) if config.emit_job is not None else None  # refused before any work
             run = _prepare(config, stop, machines)
+            if _elastic(config) and run.lead:
+                run.admission = _admission(run)
             if jobs is not None:
                 return _emit_job(run, jobs)
-            result = _attempts(run, stop)
-            return _collect(run, result)
+            try:
+                result = _attempts(run, stop)
+                return _collect(run, result)
+            except BaseException as exc:
+                if run.admission is not None:  # the joined machines hear why, instead of waiting on silence
+                    run.admission.finish(error=str(exc) or type(exc).__name__)
+                    run.admission.wait_told(min(config.link_timeout, 5.0))
+                raise
     finally:
         machines.close()
         restore()
@@ -381,6 +410,7 @@ class _Run:
     data_digest: str
     tokenizer: str  # relative to run_dir
     home: dict[str, int] | None = None  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
+    admission: "elastic.Admission | None" = None  # machine 0 of a run that takes joins (elastic.py)
     bar: LaunchBar | None = None  # rank 0's progress, drawn here (progress.py)
 
     @property
@@ -409,10 +439,10 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
     emit = bar.write if bar is not None else out
     token = os.environ.get(TOKEN_ENV) or ""
     if not emitting:  # torchrun has its own rendezvous; srun workers check the token themselves
-        token = check_token(token or None, cfg.nnodes)  # before anything is written or started
+        token = check_token(token or None, cfg.max_nnodes or cfg.nnodes)  # before anything is written or started
         if cfg.master_port and cfg.node_rank == 0:
             probe_port(cfg.master_addr, cfg.master_port)
-        if cfg.nnodes > 1:  # the launchers' channel: heartbeats and one decision per failure
+        if cfg.nnodes > 1 or _elastic(cfg):  # the launchers' channel: heartbeats, decisions, joins
             try:
                 machines.open(cfg.master_addr, (cfg.master_port or 29500) - 1, token, cfg.node_rank, cfg.nnodes,
                               cfg.link_timeout, cfg.comm_timeout)
@@ -522,6 +552,11 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     return _Attempt(number, placement, job, job_path, local, threads, comm)
 
 
+class _RankZeroJoined(Exception):
+    """A plan that puts rank 0 on a joined machine: machine 0 holds the run (its metrics, checkpoints and
+    rank 0) until the coordinator can move (issue 36), so such a plan is not run; the joined PNodes wait."""
+
+
 def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
     """The world ranks this machine starts: a PNode stays on the machine that ran it first (machines
     k = ceil(ranks / N) consecutive ranks each at the first attempt); across machines, attempt `number`
@@ -531,6 +566,8 @@ def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
         per_node = math.ceil(len(ranks) / cfg.nnodes)
         run.home = {p: r // per_node for r, p in enumerate(ranks)}
     home = run.home
+    if run.admission is not None and ranks[0] in run.admission.home():
+        raise _RankZeroJoined(ranks[0])
     if run.machines.active and home.get(ranks[0], 0) != 0:
         raise TrainingError("the replica of machine 0 was dropped: machine 0 holds the run and its rank 0, so the "
                             "run stops here; continue it with --resume")
@@ -575,23 +612,163 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
         if stop.requested:
             raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
                                    f"{_continue_with(cfg, run.run_dir)}")
-        attempt = _place_attempt(run, fleet, number, *_given_placement(run, number, shrunk), hold)
+        try:
+            attempt = _place_attempt(run, fleet, number, *_given_placement(run, number, shrunk), hold)
+        except _RankZeroJoined as exc:
+            waiting = sorted(set(run.admission.home()) & set(fleet.ids))
+            run.admission.event({"event": "placement", "attempt": number, "waiting": waiting,
+                                 "reason": f"the plan puts rank 0 on joined PNode {exc}: machine 0 keeps it"})
+            fleet = fleet.without(waiting)
+            attempt = _place_attempt(run, fleet, number, *_given_placement(run, number, shrunk), hold)
         if attempt is None:
             return result
+        if run.admission is not None:
+            run.admission.publish(number, attempt.job_path, dict(run.home or {}), attempt.placement, fleet)
         record = _supervise(run, attempt)
         result.attempts.append(record)
         result.placement = attempt.placement.report
+        if record["ok"] and run.admission is not None and not stop.requested and _boundary(run):
+            fleet, shrunk, number, hold = run.admission.grown_fleet(fleet), None, number + 1, None
+            continue
+        if _elastic(cfg) and not run.lead and not stop.requested:  # only machine 0 knows the grown fleet
+            if not record["ok"]:
+                _after_failure(run, attempt, record, result, fleet)  # its report; machine 0's error raised here
+            followed = elastic.Joined(cfg.node_rank, "", run.run_dir)
+            elastic.follow_attempts(run.machines, run.token, cfg.master_addr, _base_port(cfg), run.run_dir,
+                                    Path(run.data_dir), run.tokenizer, number + 1,
+                                    cfg.comm_timeout + cfg.link_timeout, run.emit, followed)
+            result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
+            return result
         if stop.requested:
             where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
             raise stop.interrupted(f"{run.run_dir}: stopped as asked{'' if record['ok'] else ' (a worker failed on the way)'}; "
                                    f"checkpoint {where or 'on machine 0'}. Continue with: "
                                    f"{_continue_with(cfg, run.run_dir)}")
         if record["ok"]:
+            if run.admission is not None:
+                run.admission.finish()
+                run.admission.wait_told(cfg.link_timeout)
             return result
+        if run.admission is not None:  # a restart is a boundary too: the admitted machines take part
+            fleet = run.admission.grown_fleet(fleet)
+            run.home = {**(run.home or {}), **run.admission.home()}
         fleet, shrunk = _after_failure(run, attempt, record, result, fleet)
         result.restarts += 1
         number += 1
         hold = None
+
+
+def _admission(run: _Run) -> elastic.Admission:
+    """Machine 0 of a run that takes joins: what it offers a joined machine (the prepared corpus's files,
+    by the names its manifest gives) and how it decides on a join, served on the launchers' channel."""
+    from vgraph.data.shards import MANIFEST, SPLITS, TOKENIZER_FILE, open_prepared
+
+    cfg = run.cfg
+    admission = elastic.Admission(run.run_dir, run.fleet, run.source, cfg.max_nnodes or cfg.nnodes, cfg.nnodes,
+                                  step=lambda: _last_step(run), on_join=lambda adm, joined: _on_join(run, joined))
+    corpus = Path(run.data_dir)
+    splits = open_prepared(corpus, verify="size").manifest["splits"]  # checked: names inside the directory
+    for name in (MANIFEST, TOKENIZER_FILE):
+        admission.serve(name, corpus / name)
+    for shard in (shard for split in SPLITS for shard in splits[split]["shards"]):
+        for key in ("bin", "idx"):  # the manifest's SHA-256 of each: a large corpus is not read again here
+            admission.serve(shard[key], corpus / shard[key], shard[f"{key}_sha256"])
+    run.machines.serve_extra(admission.answer)
+    return admission
+
+
+def _last_step(run: _Run) -> int:
+    """The run's last logged step (rank 0 writes metrics.jsonl about once a second): its last complete line,
+    read from the file's tail, since a join must not wait for a read of a long run's whole log."""
+    from vgraph.base.jsonio import loads
+
+    path = run.run_dir / METRICS_JSONL
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            tail = f.read()
+    except OSError:
+        return 0
+    for line in reversed(tail.split(b"\n")[1:] if len(tail) == 65536 else tail.split(b"\n")):
+        try:
+            row = loads(line, str(path)) if line.strip() else None
+        except VGraphError:
+            continue  # a line being written
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
+            return max(0, row["step"])
+    return 0
+
+
+def _on_join(run: _Run, joined: Any) -> None:
+    """A machine was admitted (its own thread): price the planner's plan on the grown fleet against the
+    running one (vgraph/placement/replan.py); when it pays, ask the workers for a boundary: they stop after
+    the current step with a checkpoint and the next attempt runs on the grown fleet (`_boundary`)."""
+    from vgraph.placement.replan import PlanView, decide, state_bytes
+
+    cfg, admission = run.cfg, run.admission
+    pid, step = joined.pnode.id, joined.step
+    try:
+        with admission.lock:
+            current = admission.current
+        if current is None:
+            raise VGraphError("no attempt is running yet: it takes part from the first boundary")
+        placement, fleet = current
+        grown = admission.grown_fleet(fleet)
+        new = place(run.source, grown, before=run.before, partition=run.partition, after=run.after,
+                    target=run.target, batch=cfg.batch, micro_batches=run.micro,
+                    grad_compress=run.grad_compress, pipeline=cfg.pipeline)
+        if new.world[0] in admission.home():
+            raise VGraphError(f"the planner's plan puts rank 0 on {new.world[0]}, and machine 0 keeps rank 0 (it "
+                              f"holds the run) until the coordinator can move")
+        sizes = state_bytes(_before_partition(run))
+        views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
+                 for p in (placement, new)]
+        decision = decide(*views, sizes, grown, max(0, cfg.steps - step))
+    except Exception as exc:  # in its own thread: whatever went wrong is said and recorded, the run goes on
+        why = str(exc) if isinstance(exc, VGraphError) else f"{type(exc).__name__}: {exc}"
+        admission.event({"event": "replan", "pnode": pid, "step": step, "chosen": "keep", "reason": why})
+        run.emit(f"launch: join {pid} at step {step}: admitted; no re-plan now: {why}")
+        return
+    admission.event({"event": "replan", "pnode": pid, "machine": joined.machine, "step": step, **decision.to_json()})
+    run.say(f"launch: join {pid} (machine {joined.machine}) at step {step}: admitted; {decision.describe()}")
+    if decision.chosen == "new":
+        with admission.lock:
+            if admission.done:
+                return
+            admission.replanning = True
+        elastic.ask_stop(run.run_dir)
+
+
+def _before_partition(run: _Run) -> Graph:
+    """The network as the partition pass sees it (after the passes before it): the VNodes plans assign."""
+    graph = run.source.copy()
+    if run.before:
+        run_pipeline(graph, run.before, target=run.target)
+    return graph
+
+
+def _boundary(run: _Run) -> bool:
+    """Machine 0, every worker done: was it a re-plan boundary (`_on_join`) with steps left?  Then the
+    admitted machines get their PNodes' homes and the next attempt is placed on the grown fleet."""
+    admission = run.admission
+    with admission.lock:
+        asked, admission.replanning = admission.replanning, False
+        queued, admission.queued = admission.queued, []
+    (run.launch_dir / STOP_FILE).unlink(missing_ok=True)
+    step = _last_step(run)
+    if not asked or step >= run.cfg.steps:
+        return False
+    run.home = {**(run.home or {}), **admission.home()}
+    admission.event({"event": "boundary", "step": step, "pnodes": sorted(run.home),
+                     "queued": [admission.joined[m].pnode.id for m in queued]})
+    run.say(f"launch: re-plan boundary after step {step}: the next attempt runs on {', '.join(sorted(run.home))}")
+    return True
+
+
+def _base_port(cfg: LaunchConfig) -> int | None:
+    """The rendezvous port of attempt 0 (attempt n: + n): --master-port, 29500 across machines, else None (a
+    free port each attempt)."""
+    return cfg.master_port or (29500 if cfg.nnodes > 1 or _elastic(cfg) else None)
 
 
 def _continue_with(cfg: LaunchConfig, run_dir: Path) -> str:
@@ -607,7 +784,7 @@ def _supervise(run: _Run, attempt: _Attempt) -> dict[str, Any]:
     The rendezvous port: --master-port (29500 across machines) moved up by the attempt's number, else a free
     one."""
     cfg, placement = run.cfg, attempt.placement
-    base_port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)
+    base_port = _base_port(cfg)
     port = (base_port + attempt.number) if base_port else free_port(cfg.master_addr)
     if run.lead:
         probe_port(cfg.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
@@ -763,8 +940,10 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                     "PNode (torch.distributed; pipelined micro-batches, boundary tensors by send/recv). A "
                     "worker that dies is detected and the run restarts from the last checkpoint. The run "
                     "directory is the one `vgraph train` writes.")
-    p.add_argument("--fleet", required=True, metavar="FLEET", type=options.fleet_file,
-                   help="fleet spec YAML (PNodes), or a shipped fleet's name")
+    p.add_argument("network", metavar="FILE", type=options.network_file, nargs="?",
+                   help="network YAML, or a shipped network's name (vgraph networks); not with --join")
+    p.add_argument("--fleet", metavar="FLEET", type=options.fleet_file,
+                   help="fleet spec YAML (PNodes), or a shipped fleet's name (required, except with --join)")
     p.add_argument("--micro-batches", type=_positive_int, metavar="M",
                    help="micro-batches per step, pipelined over the PNodes (default min(batch, 2 x PNodes))")
     p.add_argument("--pipeline", choices=PIPELINES, default=default["pipeline"],
@@ -793,17 +972,28 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--link-timeout", type=options.positive_float, default=default["link_timeout"], metavar="S",
                    help="several machines: a machine silent for S seconds is lost (its link or itself); the "
                         "others stop their workers (default 10; see membership.py)")
-    p.add_argument("--nnodes", type=_positive_int, default=default["nnodes"], help="machines taking part (default 1)")
+    p.add_argument("--nnodes", type=options.nnodes, default=(1, 1), metavar="N|MIN:MAX",
+                   help="machines taking part (default 1); MIN:MAX: start with MIN, admit joins up to MAX "
+                        "(launch --join)")
     p.add_argument("--node-rank", type=_non_negative_int, default=default["node_rank"], help="this machine's index (default 0)")
     p.add_argument("--master-addr", default=default["master_addr"], metavar="HOST",
                    help="address of machine 0 (default 127.0.0.1)")
     p.add_argument("--master-port", type=options.port, metavar="PORT",
                    help="rendezvous port on machine 0 (default: free port; 29500 with --nnodes > 1)")
-    add_train_options(p, "launch")  # the network and the training options, as `vgraph train` has them
+    add_train_options(p, "launch", network=False)  # the training options, as `vgraph train` has them
     p.add_argument("--emit-job", metavar="DIR", type=options.path,
                    help="prepare the run directory and write DIR/job.json, train nothing: start the workers with "
                         "torchrun or srun (docs/distributed.md; the command is printed)")
     add_plugin_option(p)  # the files travel to the workers in the job file
+    # Joining a running run (elastic.py): the only options a volunteer machine gives, with its secret in
+    # VGRAPH_LAUNCH_TOKEN; everything else comes from machine 0.
+    p.add_argument("--join", metavar="HOST:PORT", type=options.host_port,
+                   help="join the run whose machine 0 has --master-addr HOST --master-port PORT and --nnodes "
+                        "MIN:MAX (the run's secret in VGRAPH_LAUNCH_TOKEN); needs --pnode")
+    p.add_argument("--pnode", metavar="PNODE.yml", type=options.path,
+                   help="with --join: this machine's figures (the file `vgraph probe -o` writes)")
+    p.add_argument("--join-timeout", type=options.positive_float, default=60.0, metavar="S",
+                   help="with --join: seconds to wait for machine 0's admission (default 60)")
     p.set_defaults(func=run_launch)
     remember_parser(p)
 
@@ -811,6 +1001,11 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     from vgraph.placement.replica_report import step_prediction_gap
 
+    if args.join is not None or args.pnode is not None:
+        return _run_join(args)
+    if args.network is None or args.fleet is None:
+        raise VGraphError("vgraph launch needs a network FILE and --fleet FLEET (or, to join a running run, "
+                          "--join HOST:PORT --pnode PNODE.yml)")
     train = train_settings(args, "launch")
     # A pipeline's micro-batches are gradient accumulation: K x --batch samples a step, in at least K of them.
     accum = train.pop("grad_accum")
@@ -821,7 +1016,7 @@ def run_launch(args: argparse.Namespace) -> int:
         pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
         comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout,
-        grad_compress=args.grad_compress, nnodes=args.nnodes, node_rank=args.node_rank,
+        grad_compress=args.grad_compress, nnodes=args.nnodes[0], max_nnodes=args.nnodes[1], node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port,
         emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)))
 
@@ -831,6 +1026,25 @@ def run_launch(args: argparse.Namespace) -> int:
         gap = step_prediction_gap(result.placement or {}, result.history)
         if gap and not args.quiet:
             print(f"note: prediction off: {gap}", file=sys.stderr)
+    return 0
+
+
+def _run_join(args: argparse.Namespace) -> int:
+    """`vgraph launch --join HOST:PORT --pnode PNODE.yml`: this machine takes part in a running run
+    (elastic.py).  Everything but --out, --link-timeout, --comm-timeout and --quiet comes from machine 0."""
+    if args.join is None or args.pnode is None:
+        raise VGraphError("--join HOST:PORT and --pnode PNODE.yml go together: a machine joins with its own figures")
+    if args.network is not None or args.fleet is not None:
+        raise VGraphError("a joining machine gives no network or fleet: machine 0 sends the run's (drop "
+                          f"{'FILE' if args.network is not None else '--fleet'})")
+    host, port = args.join
+    check_master_addr(host)
+    say = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
+    joined = elastic.follow(host, port, args.pnode, args.out, join_timeout=args.join_timeout,
+                            link_timeout=args.link_timeout, comm_timeout=args.comm_timeout,
+                            emit=lambda line: print(line, file=sys.stderr, flush=True))  # JoinRefused: exit 2
+    say(f"launch --join: done: machine {joined.machine} (PNode {joined.pnode}) ran in attempt(s) "
+        f"{', '.join(map(str, joined.attempts)) or 'none'}")
     return 0
 
 

@@ -79,6 +79,29 @@ def _unseal(key: str, line: bytes, where: str) -> Any:
     return loads(body, where)
 
 
+def channel_key(token: str) -> str:
+    """The channel's HMAC key, derived from the run's secret (which is never sent)."""
+    return _digest(token)
+
+
+def ask(addr: str, port: int, key: str, message: dict, timeout: float = REQUEST_TIMEOUT_S) -> dict:
+    """One sealed request to machine 0's launcher and its sealed answer: a fresh connection with `timeout`
+    on every socket operation; OSError/ValueError when it fails (a request without the run's secret gets no
+    answer at all: ValueError)."""
+    with socket.create_connection((addr, port), timeout=timeout) as conn:
+        conn.sendall(_seal(key, message))
+        line = conn.makefile("rb").readline(MAX_LINE + 1)
+    if not line:
+        raise ValueError("machine 0 refused the request (another run's secret?)")
+    try:
+        reply = _unseal(key, line, f"machine 0's launcher at {addr}:{port}")
+    except VGraphError as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(reply, dict):
+        raise ValueError("machine 0's answer is not sealed with the run's secret, or not an object")
+    return reply
+
+
 @dataclass
 class _Board:
     """Machine 0's record of the run: beats, aborted attempts, reports, decisions.  Guarded by `lock`."""
@@ -89,9 +112,16 @@ class _Board:
     plans: dict[int, dict] = field(default_factory=dict)  # attempt -> the decision that starts it
     taken: dict[int, set[int]] = field(default_factory=dict)  # attempt -> machines that read its plan
     lock: threading.Lock = field(default_factory=threading.Lock)
+    extra: Callable[[dict], dict] | None = None  # the requests of an elastic run: joins, files, jobs (elastic.py)
 
     def answer(self, request: dict) -> dict:
         op, machine, attempt = request.get("op"), int(request.get("machine", -1)), int(request.get("attempt", -1))
+        if op not in ("beat", "report", "plan") and self.extra is not None:
+            if machine >= 0:
+                with self.lock:
+                    count, _ = self.beats.get(machine, (0, 0.0))
+                    self.beats[machine] = (count + 1, time.monotonic())
+            return self.extra(request)
         with self.lock:
             count, _ = self.beats.get(machine, (0, 0.0))
             self.beats[machine] = (count + 1, time.monotonic())  # any request is a sign of life
@@ -202,20 +232,18 @@ class Machines:
             self._server = None
         self.active = False
 
-    def _request(self, op: str, **fields: Any) -> dict:
-        """One request to machine 0: a fresh connection, 2 s timeouts; OSError/ValueError when it fails."""
-        payload = _seal(self.key, {"op": op, "machine": self.node_rank, **fields})
-        with socket.create_connection((self.addr, self.port), timeout=REQUEST_TIMEOUT_S) as conn:
-            conn.sendall(payload)
-            line = conn.makefile("rb").readline(MAX_LINE + 1)
-        if not line:
-            raise ValueError("machine 0 refused the request (another run's secret?)")
-        try:
-            reply = _unseal(self.key, line, f"machine 0's launcher at {self.addr}:{self.port}")
-        except VGraphError as exc:
-            raise ValueError(str(exc)) from None
-        if not isinstance(reply, dict):
-            raise ValueError("machine 0's answer is not sealed with the run's secret, or not an object")
+    def serve_extra(self, handler: Callable[[dict], dict]) -> None:
+        """Machine 0: answer the requests this module does not know with `handler` (elastic.py's joins)."""
+        self._board.extra = handler
+
+    def _request(self, op: str, timeout: float = REQUEST_TIMEOUT_S, **fields: Any) -> dict:
+        """One request to machine 0 (`ask`) as this machine."""
+        return ask(self.addr, self.port, self.key, {"op": op, "machine": self.node_rank, **fields}, timeout)
+
+    def request(self, op: str, timeout: float = REQUEST_TIMEOUT_S, **fields: Any) -> dict:
+        """One request to machine 0 as this machine; OSError/ValueError when it fails (elastic.py)."""
+        reply = self._request(op, timeout, **fields)
+        self._last_reply = time.monotonic()
         return reply
 
     def _beat(self, every: float) -> None:
@@ -343,4 +371,4 @@ def decide(reports: dict[int, dict], missing: list[int], home: dict[str, int], o
     return {"lost": lost, "described": described, "error": ""}
 
 
-__all__ = ["Machines", "MachineLost", "decide", "HEARTBEAT_S", "REQUEST_TIMEOUT_S"]
+__all__ = ["Machines", "MachineLost", "decide", "ask", "channel_key", "HEARTBEAT_S", "REQUEST_TIMEOUT_S", "MAX_LINE"]

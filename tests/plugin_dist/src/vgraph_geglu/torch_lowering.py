@@ -25,7 +25,7 @@ def emit(ctx: LowerCtx):
 
 
 def register() -> None:
-    register_lowering("geglu", origin="vgraph-geglu")(emit)
+    register_lowering("geglu", origin="vgraph-geglu", positionwise=True)(emit)
 
 
 def gelu_ffn(x: torch.Tensor, up_weight: torch.Tensor, up_bias: torch.Tensor, down_weight: torch.Tensor,

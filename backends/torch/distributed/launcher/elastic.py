@@ -1,0 +1,510 @@
+"""Elastic runs: a machine joins a running `vgraph launch` and takes part from the next attempt.
+
+    machine 0:   vgraph launch NET.yml --fleet FLEET.yml --nnodes 1:4 --master-addr 10.0.0.1 --master-port 29500 ...
+    a volunteer: VGRAPH_LAUNCH_TOKEN=<the run's secret> vgraph launch --join 10.0.0.1:29500 --pnode me.yml
+
+Why: a volunteer fleet gains machines while a run goes on, and a run with a fixed set of machines cannot use
+them until it is stopped and started again.  The joiner brings only its own figures (PNODE.yml, the fleet of
+one PNode `vgraph probe -o` writes) and the run's secret; everything else comes from machine 0.
+
+The conversation is on the launchers' channel (membership.py: machine 0 listens on --master-port - 1; every
+line both ways sealed with an HMAC keyed by the run's secret, and a line whose seal does not check is
+dropped unread), one request per connection:
+
+* `join` {pnode: the PNode file's text, file: its name}: machine 0 admits or refuses with a reason: the run
+  already has --nnodes MAX machines; a PNode id the run already has; a file the fleet reader refuses (the
+  reason names the joiner's file and line); memory that cannot hold even the network's smallest colocation
+  group with one sample's activations (then no plan can give it a share).  A join while a re-plan is under way
+  is admitted and queued, never refused: no decision of its own is priced (the workers are already stopping),
+  and the planner places it with the others at that re-plan's boundary.  Before sending, the joiner checks its
+  own file against its machine's available memory (vgraph/cost/host_memory.py) and refuses to join with a
+  message when the file claims more: a plan built on memory a machine lacks crashes the run later. A joiner
+  with the wrong secret gets no answer at all (the channel drops it unread); it says so itself after --join-
+  timeout.
+* `fetch` {name, offset}: the files an admitted machine needs, in chunks of CHUNK_BYTES (base64 in a line,
+  below the channel's 1 MiB line limit; a slow link gets FETCH_TIMEOUT_S per chunk).  Only files machine 0
+  registered are served, by name, never a path a request names.  What travels: the whole prepared corpus
+  (manifest, tokenizer, shards), not the windows the joiner's ranks will read: every rank draws the global
+  batch, so its windows over a run are steps x batch x seq_len tokens, more than the corpus after a few
+  hundred steps, and a later re-plan may give it other samples.  Measured: the default corpus (the embedded
+  one, prepared for the README's distributed_attention_example_6_swiglu_head, 10,000-token vocabulary) is
+  1,064,749 bytes (tokenizer 284,950, shards 778,332, manifest 1,467), where that network's windows at --batch
+  8 (seq_len 128, 2-byte tokens) are 2 KiB a step: the shards' size by step 380 of the default 1000.  Each
+  file's size and SHA-256 are sent with the admission and checked on arrival, and the corpus's manifest digest
+  is the one the workers check again.  The joiner writes them into its own run directory (--out, default
+  runs/join-<pnode>) through OutputDir, so a second join into the same directory replaces only what a join
+  wrote there.
+* `job` {attempt}: the job file of attempt N once machine 0 placed it (the network YAML, the placement and
+  the training options are all in it), with the machines' PNodes (`home`), or `done` when the run ended.  The
+  joiner rewrites the job's paths to its own copies and starts the workers of its PNodes.
+
+Machine 0 decides what a join changes with the re-plan decision (vgraph/placement/replan.py: the planner's
+plan on the fleet with the joiner, against the current plan's predicted step over the steps left, the move's
+bytes priced over the links).  When the new plan pays, it asks the workers to stop after the current step
+with a checkpoint (the stop file, as Ctrl-C does) and the next attempt is placed on the grown fleet: the
+state moves through the checkpoint, as the restart path moves it, until the workers hand state over
+themselves.  When it does not pay, the machine stays admitted and takes part from the next boundary there
+is (a restart after a failure).  Every join and decision is a row of launch/fleet-events.jsonl.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from vgraph.base.diagnostics import VGraphError, quote
+from vgraph.base.safeio import OutputDir, atomic_write, atomic_write_with, read_input
+from vgraph.cost.costmodel import cost_model
+from vgraph.cost.fleet import Fleet, FleetError, PNode, human_bytes, load_fleet, loads_fleet
+from vgraph.cost.host_memory import available_host_memory
+from vgraph.ir.graph import Graph
+from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, STOP_FILE
+
+from .membership import MAX_LINE, REQUEST_TIMEOUT_S, ask, channel_key
+
+__all__ = ["Admission", "JoinRefused", "Joined", "read_pnode_file", "check_pnode_memory", "smallest_share",
+           "join_run", "follow", "follow_attempts", "ask_stop", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]
+
+CHUNK_BYTES = 512 * 1024  # raw bytes a `fetch` answers: base64 makes it 683 KiB, inside the 1 MiB line
+FETCH_TIMEOUT_S = 60.0  # one chunk over a slow link: 512 KiB at 100 kB/s is 5 s, so 60 s is generous
+MAX_PNODE_TEXT = 64 * 1024  # a PNode file: a few hundred bytes, its per-kind figures a few more
+if 4 * (CHUNK_BYTES + 2) // 3 + 4096 >= MAX_LINE:  # a chunk's answer must fit the channel's line
+    raise ImportError("elastic.CHUNK_BYTES is too large for membership.MAX_LINE")
+
+
+class JoinRefused(VGraphError):
+    """Machine 0 refused this machine (its reason), or this machine refuses to join (its own check)."""
+
+
+# -- the joiner's own checks --------------------------------------------------------------------------
+
+def read_pnode_file(path: str | Path) -> tuple[PNode, str]:
+    """The one PNode of a PNode file (a fleet of one, as `vgraph probe -o` writes it) and its text; the fleet
+    reader's errors name the file and line."""
+    fleet = load_fleet(path)
+    if len(fleet) != 1:
+        raise JoinRefused(f"{path}: a PNode file describes one machine (vgraph probe -o writes one); this one "
+                          f"lists {len(fleet)} PNodes ({', '.join(fleet.ids[:5])})")
+    text = read_input(path, what="PNode file", limit=MAX_PNODE_TEXT)  # what the fleet reader just took
+    return fleet.pnodes[0], str(text)
+
+
+def check_pnode_memory(pnode: PNode, where: str, available: tuple[int | None, str] | None = None) -> None:
+    """Refuse to join when the file claims more memory than this machine has available now: the plan would
+    give it a share it cannot hold, and the run would crash there instead of being refused here."""
+    have, source = available if available is not None else available_host_memory()
+    if have is not None and pnode.memory > have:
+        raise JoinRefused(f"{where}: PNode {pnode.id!r} claims {human_bytes(pnode.memory)} of memory, and this "
+                          f"machine has {human_bytes(have)} available ({source}): measure it again (vgraph probe "
+                          f"-o) or give the memory it has")
+
+
+def smallest_share(graph: Graph) -> tuple[str, int]:
+    """(colocation group or VNode, bytes) of the least any plan can give a PNode: the smallest group that must
+    stay together, its parameters, gradients and optimizer state, with one sample's activations."""
+    need: dict[str, int] = {}
+    for c in cost_model(graph, batch=1).nodes.values():
+        key = c.group or c.id
+        need[key] = need.get(key, 0) + c.memory_bytes(1)
+    name = min(need, key=lambda k: need[k])
+    return name, need[name]
+
+
+# -- machine 0 ------------------------------------------------------------------------------------
+
+@dataclass
+class _Joined:
+    machine: int
+    pnode: PNode
+    step: int  # the run's last logged step when it was admitted
+
+
+@dataclass
+class Admission:
+    """Machine 0's side of an elastic run: admits joins, serves files and jobs, records events.
+
+    `on_join` runs in its own thread after an admission (the re-plan decision: it may take seconds, longer
+    than a request may wait); `step` reads the run's last logged step."""
+
+    run_dir: Path
+    fleet: Fleet
+    graph: Graph  # the network, for the smallest share a PNode must hold
+    max_machines: int
+    static_machines: int  # the machines the run started with (--nnodes MIN)
+    step: Callable[[], int]
+    on_join: Callable[["Admission", _Joined], None] | None = None
+    files: dict[str, tuple[Path, int, str]] = field(default_factory=dict)  # name -> (path, size, sha256)
+    joined: dict[int, _Joined] = field(default_factory=dict)
+    jobs: dict[int, dict[str, Any]] = field(default_factory=dict)  # attempt -> what followers need
+    done: bool = False
+    replanning: bool = False  # a boundary was asked for and its next attempt is not placed yet
+    queued: list[int] = field(default_factory=list)  # machines admitted during a re-plan: placed at its boundary
+    told_done: set[int] = field(default_factory=set)  # machines that read `done`
+    current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
+    error: str = ""  # why the run ended, when it failed
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
+        """Offer `path` to admitted machines as `name`: its size now and its SHA-256 (given, as a corpus's
+        manifest records its shards', or computed here a megabyte at a time)."""
+        size = path.stat().st_size
+        if sha256 is None:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            sha256 = digest.hexdigest()
+        self.files[name] = (path, size, sha256)
+
+    def event(self, row: dict[str, Any]) -> None:
+        """One row of launch/fleet-events.jsonl (appended; the file is machine 0's, in the run it owns)."""
+        path = self.run_dir / LAUNCH_DIR / FLEET_EVENTS_JSONL
+        line = json.dumps({"time": round(time.time(), 3), **row}, allow_nan=False) + "\n"
+        with self.lock:
+            with open(path, "a", encoding="utf-8") as f:
+                f.write(line)
+
+    @property
+    def pnodes(self) -> list[PNode]:
+        """The joined PNodes, in order of admission."""
+        return [j.pnode for j in sorted(self.joined.values(), key=lambda j: j.machine)]
+
+    def grown_fleet(self, fleet: Fleet) -> Fleet:
+        """`fleet` with every admitted PNode it lacks (the regions and links kept)."""
+        have = set(fleet.ids)
+        extra = [p for p in self.pnodes if p.id not in have]
+        if not extra:
+            return fleet
+        return Fleet.of(fleet.name, *fleet.pnodes, *extra, links=fleet.links, collectives=fleet.collectives)
+
+    def home(self) -> dict[str, int]:
+        return {j.pnode.id: j.machine for j in self.joined.values()}
+
+    def publish(self, attempt: int, job_path: Path, home: dict[str, int], placement: Any, fleet: Fleet) -> None:
+        """Attempt `attempt`'s job, for the machines that follow machine 0 (the joined ones); its placement
+        and fleet are what the next join's decision starts from."""
+        name = f"job-{attempt}.json"
+        self.serve(name, job_path)
+        with self.lock:
+            self.current = (placement, fleet)
+            self.jobs[attempt] = {"attempt": attempt, "file": name, "home": dict(home)}
+
+    def finish(self, error: str = "") -> None:
+        """The run is over (with machine 0's `error` when it failed): followers stop waiting for jobs."""
+        with self.lock:
+            self.done, self.error = True, error
+
+    # -- requests -------------------------------------------------------------------------------
+    def answer(self, request: dict) -> dict:
+        op = request.get("op")
+        try:
+            if op == "join":
+                return self._join(request)
+            if op == "fetch":
+                return self._fetch(request)
+            if op == "job":
+                return self._job(request)
+        except (TypeError, ValueError, KeyError) as exc:
+            return {"error": f"malformed {op} request: {quote(str(exc), 120)}"}
+        return {"error": f"unknown request {quote(str(op), 40)}"}
+
+    def _join(self, request: dict) -> dict:
+        text, file = request.get("pnode"), request.get("file")
+        if not isinstance(text, str) or not isinstance(file, str) or len(text) > MAX_PNODE_TEXT or len(file) > 300:
+            return self._refuse(None, "the join request carries no PNode file text (or an oversized one)")
+        file = "".join(c if c.isprintable() else "?" for c in file)
+        try:
+            fleet = loads_fleet(text, file)
+        except FleetError as exc:
+            return self._refuse(None, str(exc))
+        if len(fleet) != 1:
+            return self._refuse(None, f"{file}: a PNode file describes one machine; this one lists {len(fleet)}")
+        pnode = fleet.pnodes[0]
+        group, need = smallest_share(self.graph)
+        try:
+            Fleet.of(self.fleet.name, *self.fleet.pnodes, pnode, links=self.fleet.links,
+                     collectives=self.fleet.collectives)
+            fits = ""
+        except FleetError as exc:
+            fits = str(exc)
+        step = self.step()
+        with self.lock:  # checked and taken at once: two joins racing for the last place get one each
+            reason = self._refusal(pnode, need, group, fits)
+            if reason is None:
+                machine = self.static_machines + len(self.joined)
+                joined = _Joined(machine, pnode, step)
+                self.joined[machine] = joined
+                queued = self.replanning
+                if queued:
+                    self.queued.append(machine)
+        if reason is not None:
+            return self._refuse(pnode.id, reason)
+        self.event({"event": "join", "pnode": pnode.id, "machine": machine, "step": joined.step,
+                    "outcome": "admitted", "queued": queued})
+        if self.on_join is not None and not queued:
+            threading.Thread(target=self.on_join, args=(self, joined), daemon=True).start()
+        return {"admitted": True, "machine": machine, "pnode": pnode.id, "queued": queued,
+                "files": {n: {"size": s, "sha256": d} for n, (_, s, d) in self.files.items()
+                          if not n.startswith("job-")}}
+
+    def _refusal(self, pnode: PNode, need: int, group: str, fits: str) -> str | None:
+        """Why `pnode` may not join now, or None (under the lock)."""
+        if pnode.id in set(self.fleet.ids) | {j.pnode.id for j in self.joined.values()}:
+            return f"PNode id {pnode.id!r} is already in the run: every machine needs its own id (vgraph probe --id)"
+        if self.static_machines + len(self.joined) >= self.max_machines:
+            return f"the run has its {self.max_machines} machines (--nnodes {self.static_machines}:{self.max_machines})"
+        if pnode.memory < need:
+            return (f"PNode {pnode.id!r} has {human_bytes(pnode.memory)} of memory; no plan can give it a share: the "
+                    f"smallest, {group!r} with one sample, needs {human_bytes(need)}")
+        if fits:
+            return f"PNode {pnode.id!r} does not fit the run's fleet: {fits}"
+        return None
+
+    def _refuse(self, pnode: str | None, reason: str) -> dict:
+        self.event({"event": "join", "pnode": pnode, "outcome": "refused", "reason": reason})
+        return {"admitted": False, "reason": reason}
+
+    def _fetch(self, request: dict) -> dict:
+        machine, name, offset = int(request["machine"]), str(request["name"]), int(request["offset"])
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run fetches its files"}
+        if name not in self.files:
+            return {"error": f"no file {quote(name, 80)} is offered"}
+        path, size, digest = self.files[name]
+        if not 0 <= offset <= size:
+            return {"error": f"offset {offset} outside {name} ({size} bytes)"}
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(CHUNK_BYTES)
+        return {"data": base64.b64encode(data).decode("ascii"), "size": size, "sha256": digest}
+
+    def _job(self, request: dict) -> dict:
+        machine, attempt = int(request["machine"]), int(request["attempt"])
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run reads its jobs"}
+        with self.lock:
+            later = sorted(a for a in self.jobs if a >= attempt)
+            if later:
+                job = self.jobs[later[0]]
+                name = job["file"]
+                _, size, digest = self.files[name]
+                return {**job, "size": size, "sha256": digest}
+            if self.done:
+                self.told_done.add(machine)
+                return {"done": True, "failure": self.error}
+            return {"wait": True}
+
+    def wait_told(self, timeout: float) -> None:
+        """Machine 0 at the end: give the other machines up to `timeout` s to read `done`
+        (they would otherwise wait for machine 0 until their link timeout and end with an error)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if set(self.joined) | set(range(1, self.static_machines)) <= self.told_done:
+                    return
+            time.sleep(0.05)
+
+
+def ask_stop(run_dir: Path) -> None:
+    """Ask this machine's workers to stop after the current step with a checkpoint (a boundary)."""
+    atomic_write(run_dir / LAUNCH_DIR / STOP_FILE, "boundary\n")
+
+
+# -- the joiner ------------------------------------------------------------------------------------
+
+def join_run(addr: str, port: int, token: str, pnode_file: str | Path, timeout: float,
+             available: tuple[int | None, str] | None = None) -> dict[str, Any]:
+    """Ask machine 0 (its channel, `port` = --master-port - 1) to admit this machine: machine 0's answer
+    ({"admitted": True, "machine": m, "files": ...}); a JoinRefused with its reason, or with what this
+    machine can tell when no answer came within `timeout` seconds."""
+    pnode, text = read_pnode_file(pnode_file)
+    check_pnode_memory(pnode, str(pnode_file), available)
+    key = channel_key(token)
+    message = {"op": "join", "machine": -1, "pnode": text, "file": str(pnode_file)}
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while True:
+        try:
+            reply = ask(addr, port, key, message, REQUEST_TIMEOUT_S)
+            break
+        except ValueError as exc:  # an answer without the run's seal, or none: another secret
+            last = str(exc)
+        except OSError as exc:
+            last = f"cannot reach {addr}:{port}: {exc.strerror or exc}"
+        if time.monotonic() > deadline:
+            raise JoinRefused(f"no admission from machine 0 at {addr}:{port} within {timeout:g} s ({last}); is "
+                              f"VGRAPH_LAUNCH_TOKEN the run's secret, and does the run take joins (--nnodes "
+                              f"MIN:MAX)?")
+        time.sleep(0.5)
+    if not reply.get("admitted"):
+        raise JoinRefused(f"machine 0 refused PNode {pnode.id!r}: {reply.get('reason') or reply.get('error')}")
+    return {**reply, "pnode_object": pnode}
+
+
+def wait_for_job(request: Callable[..., dict], attempt: int, silence_s: float) -> dict[str, Any]:
+    """Machine 0's job for attempt `attempt` or a later one, or {"done": True}; polls twice a second for as
+    long as machine 0 answers (a run that keeps its plan keeps a joined machine waiting for the next
+    boundary), and gives up when it has not answered for `silence_s`."""
+    heard = time.monotonic()
+    while True:
+        try:
+            reply = request("job", attempt=attempt)
+            heard = time.monotonic()
+        except (OSError, ValueError):
+            reply = {"wait": True}
+        if "error" in reply:
+            raise JoinRefused(f"machine 0: {reply['error']}")
+        if not reply.get("wait"):
+            return reply
+        if time.monotonic() - heard > silence_s:
+            raise JoinRefused(f"machine 0 has not answered for {silence_s:g} s while this machine waited for "
+                              f"attempt {attempt}: the run is over or its link is lost")
+        time.sleep(0.5)
+
+
+def _fetch(request: Callable[..., dict], name: str, size: int, sha256: str, sink: Callable[[bytes], None]) -> None:
+    """`name` from machine 0, chunk by chunk into `sink`, checked against the size and SHA-256 it announced
+    (a JoinRefused otherwise, after which what `sink` got must be thrown away)."""
+    digest, got = hashlib.sha256(), 0
+    while got < size:
+        reply = request("fetch", timeout=FETCH_TIMEOUT_S, name=name, offset=got)
+        if "error" in reply:
+            raise JoinRefused(f"machine 0 would not send {name}: {reply['error']}")
+        chunk = base64.b64decode(str(reply.get("data", "")), validate=True)
+        if not chunk or got + len(chunk) > size:
+            raise JoinRefused(f"{name}: machine 0 sent {got + len(chunk):,} bytes of {size:,}")
+        sink(chunk)
+        digest.update(chunk)
+        got += len(chunk)
+    if digest.hexdigest() != sha256:
+        raise JoinRefused(f"{name}: the {size:,} bytes that arrived do not have the SHA-256 machine 0 announced")
+
+
+def _fetch_bytes(request: Callable[..., dict], name: str, size: int, sha256: str) -> bytes:
+    parts: list[bytes] = []
+    _fetch(request, name, size, sha256, parts.append)
+    return b"".join(parts)
+
+
+def _fetch_file(request: Callable[..., dict], name: str, size: int, sha256: str, folder: OutputDir) -> None:
+    """`name` into `folder`, streamed into a temporary beside it and renamed into place only when complete
+    and checked (a shard may be large: it is never held in memory whole); recorded in the folder's manifest."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            _fetch(request, name, size, sha256, f.write)
+
+    atomic_write_with(folder.check(name), write)
+    folder.wrote(name)
+
+
+@dataclass
+class Joined:
+    """What `follow` did: the attempts this machine ran workers in, and the bytes it received."""
+
+    machine: int
+    pnode: str
+    run_dir: Path
+    attempts: list[int] = field(default_factory=list)
+    received_bytes: int = 0
+
+
+def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path | None, *, join_timeout: float,
+           link_timeout: float, comm_timeout: float, emit: Callable[[str], None]) -> Joined:
+    """`vgraph launch --join ADDR:PORT --pnode FILE`: be admitted, receive the run's files into this machine's
+    run directory, then run this machine's workers in every attempt machine 0 places them in, until machine 0
+    says the run is done (`follow_attempts`)."""
+    from ..rendezvous import TOKEN_ENV, check_token
+    from .membership import Machines, MachineLost
+
+    token = check_token(os.environ.get(TOKEN_ENV) or None, 2)
+    channel = master_port - 1
+    if not 1 <= channel <= 65535:
+        raise JoinRefused(f"--join {addr}:{master_port}: the launchers' channel is that port - 1; give machine 0's "
+                          f"--master-port (2 to 65535)")
+    admitted = join_run(addr, channel, token, pnode_file, join_timeout)
+    machine, pid = int(admitted["machine"]), admitted["pnode_object"].id  # its own id names its directory
+    emit(f"launch --join: admitted as machine {machine} with PNode {pid}"
+         f"{' (queued behind a re-plan under way)' if admitted.get('queued') else ''}")
+    run_dir = Path(out) if out is not None else Path("runs") / f"join-{pid}"
+    corpus_dir = run_dir / LAUNCH_DIR / "corpus"
+    corpus_dir.mkdir(parents=True, exist_ok=True)
+    data = OutputDir(corpus_dir, command="launch --join", inputs=[pnode_file])
+    files = {str(k): v for k, v in dict(admitted.get("files") or {}).items()}
+    data.plan(files)
+    machines = Machines()
+    try:
+        machines.open(addr, channel, token, machine, machine + 1, link_timeout, comm_timeout)
+    except MachineLost as exc:
+        raise JoinRefused(str(exc)) from None
+    result = Joined(machine, pid, run_dir)
+    try:
+        for name, meta in files.items():
+            _fetch_file(machines.request, name, int(meta["size"]), str(meta["sha256"]), data)
+            result.received_bytes += int(meta["size"])
+        emit(f"launch --join: received the run's corpus and tokenizer ({human_bytes(result.received_bytes)}) "
+             f"into {corpus_dir}")
+        follow_attempts(machines, token, addr, master_port, run_dir, corpus_dir.absolute(),
+                        f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, comm_timeout + link_timeout, emit, result)
+        return result
+    finally:
+        machines.close()
+
+
+def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_dir: Path, data_dir: Path,
+                    tokenizer: str, attempt: int, silence_s: float, emit: Callable[[str], None],
+                    result: Joined) -> Joined:
+    """Run this machine's workers in attempt `attempt` and every later one machine 0 publishes, from its job
+    file with the paths made this machine's (`run_dir`, the corpus in `data_dir`, `tokenizer` relative to the
+    run directory), until machine 0 says the run is done.  A joined machine follows from its admission; a
+    machine the run started with (--nnodes MIN:MAX, MIN > 1) from its second attempt, since the fleet may have
+    grown by then and only machine 0 knows it.  A failed attempt is reported (membership.py) and machine 0's
+    decision read: an error ends here too."""
+    from ..job import Job
+    from .membership import MachineLost
+    from .supervisor import Supervisor
+
+    try:
+        while True:
+            reply = wait_for_job(machines.request, attempt, silence_s)
+            if reply.get("done"):
+                if reply.get("failure"):
+                    raise JoinRefused(f"machine 0 ended the run: {str(reply['failure'])[:2000]}")
+                return result
+            number, home = int(reply["attempt"]), {str(k): int(v) for k, v in dict(reply["home"]).items()}
+            raw = _fetch_bytes(machines.request, str(reply["file"]), int(reply["size"]), str(reply["sha256"]))
+            job_path = run_dir / LAUNCH_DIR / f"job-{number}.json"
+            atomic_write(job_path, raw)
+            job = Job.read(job_path)  # checked field by field, as every worker reads it
+            job.run_dir, job.data_dir, job.tokenizer, job.plugins = "..", str(data_dir), tokenizer, []
+            job.write(job_path)
+            local = [r for r, p in enumerate(job.ranks) if home.get(p) == result.machine]
+            machines.begin(number, set())
+            attempt = number + 1
+            if not local:
+                emit(f"launch: attempt {number} runs without this machine; waiting for the next")
+                continue
+            emit(f"launch: attempt {number}: {', '.join(job.ranks[r] for r in local)} of {len(job.ranks)} "
+                 f"worker(s)")
+            supervisor = Supervisor(emit, token)
+            try:
+                supervisor.start(job_path, local, job.ranks, len(job.ranks), addr, master_port + number,
+                                 job.train.threads or max(1, (os.cpu_count() or 1) // len(local)))
+                ok, codes, lost = supervisor.wait(trouble=machines.trouble)
+            except BaseException:
+                supervisor.stop()
+                raise
+            result.attempts.append(number)
+            if not ok:
+                described = ", ".join(f"{job.ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
+                plan = machines.settle({"lost": [job.ranks[r] for r in lost], "described": described, "error": ""},
+                                       lambda reports, missing: {}, wait_for_all=True)
+                if plan.get("error"):
+                    raise JoinRefused(f"machine 0 ended the run: {plan['error']}")
+    except MachineLost as exc:
+        raise JoinRefused(str(exc)) from None

@@ -1,0 +1,453 @@
+"""Machines join a running `vgraph launch` (--nnodes MIN:MAX, --join HOST:PORT --pnode FILE; elastic.py):
+a second launcher on loopback joins a 1-machine run, the re-plan decision takes it at a boundary, and the run
+trains like `vgraph train`; joins are refused with a reason (beyond MAX, a PNode id the run has, memory no
+plan can use, a file that lies about this machine's memory, the wrong secret); the options are checked."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import vgraph
+from tools.gen_networks import TransformerSpec, transformer
+from vgraph.backends.torch import TrainConfig, train
+from vgraph.backends.torch.distributed.launcher import elastic
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, free_port, launch
+from vgraph.backends.torch.training.batches import default_corpus_documents
+from vgraph.base import options
+from vgraph.base.diagnostics import VGraphError
+from vgraph.base.safeio import OutputDir
+from vgraph.cli.main import main
+from vgraph.run.files import FLEET_EVENTS_JSONL, RELEASE_FILE, WORKERS_JSON
+
+STEPS, BATCH, MICRO, LR, SEED = 8, 8, 2, 1e-3, 7
+TOKEN = "elastic-test-secret-0123"
+PNODE = "  - {{id: {id}, memory: {memory}, flops: 2M, bandwidth: 1GB/s, accelerator: cpu}}\n"
+
+
+def tiny():
+    return transformer(TransformerSpec("tiny-elastic", layers=2, vocab=64, seq_len=16, dim=32, heads=2, ffn=64,
+                                       head_up=64, precision=None))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("elastic")
+    vgraph.save(tiny(), d / "net.yml")
+    # Slow PNodes (2 MFLOP/s): the plan's predicted step is seconds, so a second machine's replica saves more
+    # over the steps left than the boundary costs, and the decision takes it (its numbers are logged).
+    (d / "one.yml").write_text("name: one\npnodes:\n" + PNODE.format(id="m0", memory="256MiB"))
+    (d / "j1.yml").write_text("name: j1\npnodes:\n" + PNODE.format(id="j1", memory="256MiB"))
+    (d / "corpus.txt").write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
+    return d
+
+
+def common(files: Path) -> dict:
+    return dict(network=str(files / "net.yml"), data=str(files / "corpus.txt"), steps=STEPS, batch=BATCH, lr=LR,
+                seed=SEED, val_every=4, checkpoint_every=2, threads=1, progress=False, micro_batches=MICRO)
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "launch" / FLEET_EVENTS_JSONL
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(predicate, what: str, alive, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert alive() and time.monotonic() < deadline, f"waited for {what}"
+        time.sleep(0.05)
+
+
+class Thread(threading.Thread):
+    """A thread that keeps its target's result or exception for the test's thread."""
+
+    def __init__(self, target) -> None:
+        super().__init__(daemon=True)
+        self.target, self.result, self.error = target, None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.target()
+        except BaseException as exc:  # re-raised in the test's thread
+            self.error = exc
+
+
+@pytest.fixture(scope="module")
+def reference(files, tmp_path_factory):
+    return train(TrainConfig(**{k: v for k, v in common(files).items() if k != "micro_batches"},
+                             out=tmp_path_factory.mktemp("ref") / "run"))
+
+
+def same_training(rows: list[dict], reference) -> None:
+    """Every step logged once, and the losses of `vgraph train` at the same global batch (rtol 1e-5, the
+    suite's bound for replicas and pipelines: tests/test_distributed_replicas.py)."""
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows], dtype=torch.float64),
+                               torch.tensor([r["loss"] for r in reference.history], dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+
+
+def test_a_machine_that_joins_a_running_run_takes_part_from_the_boundary(files, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = free_port()
+    run_dir = tmp_path / "run"
+    lines: list[str] = []
+    lead = Thread(lambda: launch(LaunchConfig(**common(files), out=run_dir, fleet=str(files / "one.yml"), nnodes=1,
+                                              max_nnodes=2, master_port=port, hold=("m0", 2), log=lines.append)))
+    lead.start()
+    wait_for(lambda: (run_dir / "launch" / "held-m0").exists(), "m0 held after step 2", lead.is_alive)
+    joiner = Thread(lambda: elastic.follow("127.0.0.1", port, files / "j1.yml", tmp_path / "joiner",
+                                           join_timeout=30, link_timeout=10, comm_timeout=120, emit=lines.append))
+    joiner.start()
+    wait_for(lambda: any(e["event"] == "replan" for e in events(run_dir)), "the join's decision", lead.is_alive)
+    (run_dir / "launch" / RELEASE_FILE).write_text("go\n")
+    lead.join(timeout=300)
+    joiner.join(timeout=60)
+    assert lead.error is None and joiner.error is None, (lead.error, joiner.error, lines[-20:])
+    result, joined = lead.result, joiner.result
+
+    rows = events(run_dir)
+    assert [(e["event"], e.get("outcome")) for e in rows][:1] == [("join", "admitted")]
+    decision = next(e for e in rows if e["event"] == "replan")
+    assert decision["pnode"] == "j1" and decision["step"] == 2 and decision["steps_left"] == STEPS - 2
+    assert decision["chosen"] == "new" and decision["new_step_s"] < decision["old_step_s"]
+    assert decision["bytes_moved"] > 0 and decision["gain_s"] > decision["move_s"] + decision["overhead_s"]
+    boundary = next(e for e in rows if e["event"] == "boundary")
+    assert boundary["pnodes"] == ["j1", "m0"] and 2 < boundary["step"] < STEPS
+
+    first, second = result.attempts
+    assert first["ok"] and first["ranks"] == ["m0"] and second["ok"] and sorted(second["ranks"]) == ["j1", "m0"]
+    assert result.restarts == 0 and joined.attempts == [1] and joined.machine == 1 and joined.pnode == "j1"
+    assert joined.received_bytes > 0 and (tmp_path / "joiner" / "launch" / "corpus" / "manifest.json").is_file()
+
+    same_training(result.history, reference)
+    assert any("j1" in (r.get("pnodes") or {}) for r in result.history[boundary["step"]:])
+
+
+@pytest.mark.slow
+def test_a_machine_the_run_started_with_follows_machine_0_after_a_join(files, reference, tmp_path, monkeypatch):
+    """--nnodes 2:3: machines 0 and 1 start the run, a third joins; machine 1's launcher cannot place the
+    grown fleet itself (only machine 0 admitted the joiner), so after the boundary it runs machine 0's job."""
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = free_port()
+    lines: list[str] = []
+    fleet = files / "two.yml"
+    fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
+                     + PNODE.format(id="m1", memory="256MiB"))
+
+    def machine(rank: int):
+        return lambda: launch(LaunchConfig(**common(files), out=tmp_path / f"node{rank}", fleet=str(fleet), nnodes=2,
+                                           max_nnodes=3, node_rank=rank, master_port=port, log=lines.append,
+                                           hold=("m0", 2) if rank == 0 else None))
+
+    lead, second = Thread(machine(0)), Thread(machine(1))
+    lead.start()
+    second.start()
+    run_dir = tmp_path / "node0"
+    wait_for(lambda: (run_dir / "launch" / "held-m0").exists(), "m0 held after step 2", lead.is_alive)
+    joiner = Thread(lambda: elastic.follow("127.0.0.1", port, files / "j1.yml", tmp_path / "joiner",
+                                           join_timeout=30, link_timeout=10, comm_timeout=120, emit=lines.append))
+    joiner.start()
+    wait_for(lambda: any(e["event"] == "replan" for e in events(run_dir)), "the join's decision", lead.is_alive)
+    (run_dir / "launch" / RELEASE_FILE).write_text("go\n")
+    for t in (lead, second, joiner):
+        t.join(timeout=300)
+    assert lead.error is None and second.error is None and joiner.error is None, (
+        lead.error, second.error, joiner.error, lines[-20:])
+    decision = next(e for e in events(run_dir) if e["event"] == "replan")
+    assert decision["chosen"] == "new" and decision["pnode"] == "j1", decision
+    first, after = lead.result.attempts
+    assert sorted(first["ranks"]) == ["m0", "m1"] and sorted(after["ranks"]) == ["j1", "m0", "m1"]
+    assert second.result.attempts[-1] == {"attempt": 1, "followed": True} and joiner.result.attempts == [1]
+    same_training(lead.result.history, reference)
+
+
+@pytest.mark.slow
+def test_a_join_that_does_not_pay_waits_for_the_next_restart(files, reference, tmp_path, monkeypatch):
+    """Held after step 7 of 8, one step is left: the second replica would save 1.6 s, less than the boundary
+    costs, so the plan is kept and j1 waits, admitted.  Then m0's worker is killed: the restart (from the
+    step-6 checkpoint) is a boundary too, and j1 takes part in it."""
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = free_port()
+    run_dir = tmp_path / "run"
+    lines: list[str] = []
+    lead = Thread(lambda: launch(LaunchConfig(**common(files), out=run_dir, fleet=str(files / "one.yml"), nnodes=1,
+                                              max_nnodes=2, master_port=port, hold=("m0", 7), log=lines.append)))
+    lead.start()
+    wait_for(lambda: (run_dir / "launch" / "held-m0").exists(), "m0 held after step 7", lead.is_alive)
+    joiner = Thread(lambda: elastic.follow("127.0.0.1", port, files / "j1.yml", tmp_path / "joiner",
+                                           join_timeout=30, link_timeout=10, comm_timeout=120, emit=lines.append))
+    joiner.start()
+    wait_for(lambda: any(e["event"] == "replan" for e in events(run_dir)), "the join's decision", lead.is_alive)
+    decision = next(e for e in events(run_dir) if e["event"] == "replan")
+    assert decision["chosen"] == "keep" and decision["steps_left"] == 1, decision
+    assert 0 < decision["gain_s"] < decision["move_s"] + decision["overhead_s"]
+    os.kill(json.loads((run_dir / "launch" / WORKERS_JSON).read_text())["pids"]["m0"], signal.SIGKILL)
+    lead.join(timeout=300)
+    joiner.join(timeout=60)
+    assert lead.error is None and joiner.error is None, (lead.error, joiner.error, lines[-20:])
+    first, second = lead.result.attempts
+    assert not first["ok"] and first["lost"] == ["m0"] and second["ok"] and sorted(second["ranks"]) == ["j1", "m0"]
+    assert lead.result.restarts == 1 and joiner.result.attempts == [1]
+    same_training(lead.result.history, reference)
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+
+def admission(files: Path, tmp_path: Path, **kw) -> elastic.Admission:
+    from vgraph.cost.fleet import load_fleet
+
+    (tmp_path / "launch").mkdir(parents=True, exist_ok=True)
+    return elastic.Admission(tmp_path, load_fleet(files / "one.yml"), tiny(), kw.pop("max_machines", 2), 1,
+                             step=lambda: 5, **kw)
+
+
+def join(adm: elastic.Admission, text: str, file: str = "me.yml") -> dict:
+    return adm.answer({"op": "join", "machine": -1, "pnode": text, "file": file})
+
+
+def pnode_text(pid: str, memory: str = "256MiB") -> str:
+    return "name: x\npnodes:\n" + PNODE.format(id=pid, memory=memory)
+
+
+def test_joins_beyond_max_or_with_a_taken_id_are_refused_with_a_reason(files, tmp_path):
+    adm = admission(files, tmp_path)
+    taken = join(adm, pnode_text("m0"))
+    assert taken["admitted"] is False and "'m0' is already in the run" in taken["reason"]
+    ok = join(adm, pnode_text("j1"))
+    assert ok["admitted"] and ok["machine"] == 1 and not ok["queued"]
+    assert "already in the run" in join(adm, pnode_text("j1"))["reason"]
+    beyond = join(adm, pnode_text("j2"))
+    assert not beyond["admitted"] and "has its 2 machines (--nnodes 1:2)" in beyond["reason"]
+    outcomes = [(e["pnode"], e["outcome"]) for e in events(tmp_path)]
+    assert ("j1", "admitted") in outcomes and ("j2", "refused") in outcomes
+
+
+def test_a_join_during_a_replan_is_queued_not_refused(files, tmp_path):
+    adm = admission(files, tmp_path, max_machines=3)
+    adm.replanning = True
+    reply = join(adm, pnode_text("j1"))
+    assert reply["admitted"] and reply["queued"] and adm.queued == [1]
+
+
+def test_a_pnode_whose_memory_holds_no_share_is_refused(files, tmp_path):
+    adm = admission(files, tmp_path)
+    group, need = elastic.smallest_share(tiny())
+    assert need > 1024  # the premise: the smallest share is more than the file's memory below
+    reply = join(adm, pnode_text("j1", memory="1KiB"))
+    assert not reply["admitted"] and "no plan can give it a share" in reply["reason"] and group in reply["reason"]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("name: x\npnodes:\n  - {id: j1, memory: -5, flops: 1G, bandwidth: 1GB/s}\n", "me.yml:3"),
+    ("name: x\npnodes: [\n", "me.yml"),
+    ("", "me.yml"),
+    ("name: x\npnodes:\n" + PNODE.format(id="a", memory="1GiB") + PNODE.format(id="b", memory="1GiB"), "lists 2"),
+])
+def test_a_pnode_file_the_fleet_reader_refuses_is_named_with_its_line(files, tmp_path, text, says):
+    reply = join(admission(files, tmp_path), text)
+    assert not reply["admitted"] and says in reply["reason"]
+
+
+@pytest.mark.parametrize("request_", [{"op": "join", "pnode": 5, "file": "x"}, {"op": "join", "pnode": "x" * 100_000,
+                                                                               "file": "x"},
+                                      {"op": "fetch", "machine": 9, "name": "manifest.json", "offset": 0},
+                                      {"op": "job", "machine": 9, "attempt": 0}, {"op": "fetch", "machine": "x"},
+                                      {"op": "what"}])
+def test_malformed_or_unadmitted_requests_get_an_error_not_a_crash(files, tmp_path, request_):
+    reply = admission(files, tmp_path).answer(request_)
+    assert reply.get("admitted") is False or "error" in reply
+
+
+def test_only_offered_files_are_served_and_in_chunks(files, tmp_path):
+    adm = admission(files, tmp_path)
+    big = tmp_path / "big.bin"
+    big.write_bytes(bytes(range(256)) * (3 * elastic.CHUNK_BYTES // 256 + 7))
+    adm.serve("big.bin", big)
+    machine = join(adm, pnode_text("j1"))["machine"]
+    request = lambda op, timeout=None, **kw: adm.answer({"op": op, "machine": machine, **kw})  # noqa: E731
+    meta = join(adm, pnode_text("j9"))  # beyond MAX: refused, and no file list
+    assert "files" not in meta
+    data = elastic._fetch_bytes(request, "big.bin", big.stat().st_size, adm.files["big.bin"][2])
+    assert data == big.read_bytes() and len(data) > 3 * elastic.CHUNK_BYTES
+    for name in ("../one.yml", "/etc/passwd", str(files / "one.yml")):
+        assert "no file" in request("fetch", name=name, offset=0)["error"]
+    with pytest.raises(elastic.JoinRefused, match="SHA-256"):
+        elastic._fetch_bytes(request, "big.bin", big.stat().st_size, "0" * 64)
+    out = tmp_path / "joined"
+    out.mkdir()
+    folder = OutputDir(out, command="launch --join")
+    elastic._fetch_file(request, "big.bin", big.stat().st_size, adm.files["big.bin"][2], folder)
+    assert (out / "big.bin").read_bytes() == big.read_bytes()
+    with pytest.raises(elastic.JoinRefused, match="SHA-256"):  # a damaged transfer leaves the file as it was
+        elastic._fetch_file(request, "big.bin", big.stat().st_size, "1" * 64, folder)
+    assert (out / "big.bin").read_bytes() == big.read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == [".vgraph-outputs.json", "big.bin"]  # no temporary left
+
+
+@pytest.mark.parametrize("make, says", [
+    (lambda d: d, "not a regular file|directory"),
+    (lambda d: d / "missing.yml", "missing.yml"),
+    (lambda d: (d / "empty.yml", (d / "empty.yml").write_text(""))[0], "empty.yml:1"),
+    (lambda d: (d / "bin.yml", (d / "bin.yml").write_bytes(b"name: \xff\xfe\n"))[0], "bin.yml"),
+    (lambda d: (d / "two.yml", (d / "two.yml").write_text("name: x\npnodes:\n" + PNODE.format(id="a", memory="1GiB")
+                                                          + PNODE.format(id="b", memory="1GiB")))[0], "lists 2"),
+    (lambda d: (d / "big.yml", (d / "big.yml").write_text("# pad\n" * 20_000 + "name: x\npnodes:\n"
+                                                          + PNODE.format(id="a", memory="1GiB")))[0], "big.yml"),
+    (lambda d: (d / "bad\x1bname.yml", (d / "bad\x1bname.yml").write_text("pnodes: 3\n"))[0], "name.yml"),
+])
+def test_a_pnode_file_the_joiner_cannot_read_is_named(tmp_path, make, says):
+    with pytest.raises(VGraphError, match=says):
+        elastic.read_pnode_file(make(tmp_path))
+
+
+@pytest.mark.parametrize("error", ["", "training diverged at step 4"])
+def test_a_joined_machine_hears_how_the_run_ended(files, tmp_path, error):
+    adm = admission(files, tmp_path)
+    machine = join(adm, pnode_text("j1"))["machine"]
+
+    class Channel:  # the joined machine's side of the channel, answered by machine 0's admission directly
+        def request(self, op, timeout=None, **kw):
+            return adm.answer({"op": op, "machine": machine, **kw})
+
+        def begin(self, attempt, machines):
+            pass
+
+    threading.Timer(0.3, adm.finish, kwargs={"error": error}).start()
+    joined = elastic.Joined(machine, "j1", tmp_path)
+    if error:
+        with pytest.raises(elastic.JoinRefused, match=f"machine 0 ended the run: {error}"):
+            elastic.follow_attempts(Channel(), TOKEN, "127.0.0.1", 1, tmp_path, tmp_path, "t.json", 0, 30, print,
+                                    joined)
+    else:
+        assert elastic.follow_attempts(Channel(), TOKEN, "127.0.0.1", 1, tmp_path, tmp_path, "t.json", 0, 30, print,
+                                       joined) is joined and joined.attempts == []
+    assert adm.told_done == {machine}
+
+
+def test_a_pnode_file_that_claims_memory_this_machine_lacks_refuses_to_join(files, tmp_path):
+    pnode, _ = elastic.read_pnode_file(files / "j1.yml")
+    with pytest.raises(elastic.JoinRefused, match=r"claims 256.00 MiB.*has 1.00 MiB available"):
+        elastic.check_pnode_memory(pnode, "j1.yml", (1 << 20, "MemAvailable in /proc/meminfo"))
+    elastic.check_pnode_memory(pnode, "j1.yml", (1 << 30, "MemAvailable"))  # enough: no complaint
+    elastic.check_pnode_memory(pnode, "j1.yml", (None, "unknown"))  # unknown: nothing to check against
+
+
+def test_a_join_with_the_wrong_secret_gets_a_clear_message_after_its_timeout(files, tmp_path, monkeypatch):
+    from vgraph.backends.torch.distributed.launcher.membership import Machines
+
+    port = free_port()
+    server = Machines()
+    server.open("127.0.0.1", port, TOKEN, 0, 2, 10.0, 10.0)
+    server.serve_extra(admission(files, tmp_path).answer)
+    try:
+        started = time.monotonic()
+        with pytest.raises(elastic.JoinRefused, match="no admission from machine 0.*VGRAPH_LAUNCH_TOKEN"):
+            elastic.join_run("127.0.0.1", port, "another-secret-456789", files / "j1.yml", 1.0,
+                             available=(1 << 40, "test"))
+        assert time.monotonic() - started >= 1.0
+        ok = elastic.join_run("127.0.0.1", port, TOKEN, files / "j1.yml", 5.0, available=(1 << 40, "test"))
+        assert ok["admitted"] and ok["machine"] == 1
+    finally:
+        server.close()
+
+
+def test_the_join_command_with_the_wrong_secret_or_a_lying_file_exits_2_with_a_message(files, tmp_path,
+                                                                                       monkeypatch, capsys):
+    from vgraph.backends.torch.distributed.launcher.membership import Machines
+
+    port = free_port()
+    server = Machines()
+    server.open("127.0.0.1", port - 1, TOKEN, 0, 2, 10.0, 10.0)  # machine 0's channel: --master-port - 1
+    server.serve_extra(admission(files, tmp_path).answer)
+    try:
+        monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", "not-the-run-secret-42")
+        assert main(["launch", "--join", f"127.0.0.1:{port}", "--pnode", str(files / "j1.yml"), "--join-timeout", "1",
+                     "--out", str(tmp_path / "j")]) == 2
+        assert "no admission from machine 0" in capsys.readouterr().err
+        monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+        liar = tmp_path / "liar.yml"
+        liar.write_text("name: x\npnodes:\n" + PNODE.format(id="liar", memory="1000TiB"))
+        assert main(["launch", "--join", f"127.0.0.1:{port}", "--pnode", str(liar), "--out", str(tmp_path / "j")]) == 2
+        assert "claims 1000.00 TiB" in capsys.readouterr().err
+        assert not (tmp_path / "j").exists()  # refused before anything was written
+    finally:
+        server.close()
+
+
+def test_a_join_to_nobody_says_so(files):
+    with pytest.raises(elastic.JoinRefused, match="cannot reach"):
+        elastic.join_run("127.0.0.1", free_port(), TOKEN, files / "j1.yml", 0.5, available=(1 << 40, "test"))
+
+
+# -- options ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, want", [("1", (1, 1)), ("2", (2, 2)), ("1:4", (1, 4)), ("3:3", (3, 3))])
+def test_nnodes_reads_n_or_min_max(text, want):
+    assert options.nnodes(text) == want
+
+
+@pytest.mark.parametrize("bad", ["0", "0:2", "2:1", "65537", "1:65537", "99999999999999999999", "nan", "inf",
+                                 "a:b", "1: 2", " 1:2", "1 :2", "1:2:3", "", ":", "1:", "-1", "1.5", "1:2\n"])
+def test_nnodes_refuses(bad):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        options.nnodes(bad)
+
+
+@pytest.mark.parametrize("text, want", [("10.0.0.1:29500", ("10.0.0.1", 29500)), ("[::1]:80", ("::1", 80)),
+                                        ("host-a.example:1", ("host-a.example", 1))])
+def test_host_port_reads(text, want):
+    assert options.host_port(text) == want
+
+
+@pytest.mark.parametrize("bad", ["host", "host:0", "host:70000", "a b:1", "[::1]", "::1:80", "host:port", ":80",
+                                 "host\x1b:80", "../x:80", ""])
+def test_host_port_refuses(bad):
+    import argparse
+
+    if bad == "../x:80":  # a name with dots and a slash is no host name
+        with pytest.raises(argparse.ArgumentTypeError):
+            options.host_port(bad)
+        return
+    with pytest.raises(argparse.ArgumentTypeError):
+        options.host_port(bad)
+
+
+@pytest.mark.parametrize("given, shown", [("1:4", "--nnodes 1:4"), ("3:3", "--nnodes 3"), ("2", "--nnodes 2")])
+def test_the_continue_command_keeps_the_machines_as_given(files, given, shown):
+    from vgraph.cli.common import command_line
+    from vgraph.cli.main import build_parser
+
+    args = build_parser("launch").parse_args(["launch", str(files / "net.yml"), "--fleet", str(files / "one.yml"),
+                                              "--nnodes", given, "--master-port", "29500"])
+    line = command_line(args, override={"out": "runs/x", "resume": True})
+    assert shown in line and "(" not in line
+
+
+def test_the_cli_refuses_bad_combinations_with_exit_2(files, tmp_path, capsys):
+    net, fleet = str(files / "net.yml"), str(files / "one.yml")
+
+    def status(argv: list[str]) -> int:
+        try:
+            return main(argv)
+        except SystemExit as exc:  # argparse's usage error
+            return int(exc.code)
+
+    assert status(["launch", net, "--fleet", fleet, "--nnodes", "2:1"]) == 2
+    assert status(["launch", "--join", "127.0.0.1:29500"]) == 2
+    assert status(["launch", net, "--join", "127.0.0.1:29500", "--pnode", str(files / "j1.yml")]) == 2
+    assert status(["launch", "--fleet", fleet]) == 2
+    err = capsys.readouterr().err
+    assert "MAX >= MIN" in err and "go together" in err and "gives no network" in err and "needs a network" in err
+    with pytest.raises(VGraphError, match="repartition"):
+        launch(LaunchConfig(**common(files), out=tmp_path / "r", fleet=fleet, nnodes=1, max_nnodes=2,
+                            on_failure="repartition"))
