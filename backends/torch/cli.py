@@ -12,141 +12,43 @@ A user's mistake is a VGraphError: its message is printed and the exit status is
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from vgraph.base import options
 from vgraph.base.diagnostics import Diagnostic, VGraphError, printable
-from vgraph.cli.common import command_line, remember_parser
+from vgraph.cli.common import remember_parser
 from vgraph.cli.main import add_plugin_option
 
+from .training.options import add_train_options, print_result, resume_command, train_settings
 
+__all__ = ["register_train", "register_generate", "register_eval", "generate", "generate_ids", "LogitsSource",
+           "print_result", "resume_command", "main"]
 
 # Every numeric option is checked as it is parsed (vgraph.base.options): a usage error, exit 2, nothing run.
-_positive_int, _non_negative_int, _bytes = options.positive_int, options.non_negative_int, options.byte_size
+_positive_int, _non_negative_int = options.positive_int, options.non_negative_int
 
 
 def register_train(subparsers: argparse._SubParsersAction) -> None:
-    """Add `train` to a `vgraph` subparser set."""
+    """Add `train` to a `vgraph` subparser set (its options: training/options.py, shared with `launch`)."""
     p = subparsers.add_parser(
         "train", help="train a network YAML on text with PyTorch (checkpoints, metrics, resume)",
         description="Train a network on a text corpus (default: the embedded standard-library "
                     "docstrings) with the production precision policy. The run directory gets the "
                     "network, tokenizer, metrics.jsonl/csv, loss_curve.png and checkpoints.")
-    p.add_argument("network", metavar="FILE", type=options.network_file,
-                   help="network YAML, or a shipped network's name (vgraph networks)")
-    p.add_argument("--data", metavar="PATH", type=options.path,
-                   help="a directory `vgraph data prepare` wrote (shards read a window at a time), or text/JSONL/"
-                        "Parquet files, a directory or a glob (prepared into the cache); default: the embedded corpus")
-    p.add_argument("--steps", type=_non_negative_int, default=1000, help="optimizer steps in all (default 1000)")
-    p.add_argument("--batch", type=_positive_int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--lr", type=options.positive_float, default=6e-4, help="learning rate of nodes without their own "
-                   "learning_rate (default 6e-4)")
-    p.add_argument("--warmup", type=_non_negative_int, default=0, help="linear warmup steps (default 0)")
-    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
-                   help="after warmup: constant, or cosine decay to 0.1*lr at the last step")
-    p.add_argument("--seed", type=options.seed, default=0, help="seed of initialisation, data order and dropout")
-    p.add_argument("--out", metavar="DIR", type=options.path, help="run directory (default runs/<network name>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest "
-                   "checkpoint (starts fresh if it has none yet)")
-    p.add_argument("--accept-network-change", action="store_true",
-                   help="with --resume: continue even though the network differs from the one the checkpoint "
-                        "was trained on (the change is recorded in run.json; network.yml follows)")
-    p.add_argument("--device", help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--passes", metavar="SPEC", help="pass pipeline to run first (default: the production "
-                   "pipeline; '' for none)")
-    p.add_argument("--no-fuse", action="store_true", help="run the pipeline without fusion passes")
-    p.add_argument("--val-every", type=_non_negative_int, default=200, metavar="N",
-                   help="validation loss every N steps and at the end; 0: never (default 200)")
-    p.add_argument("--val-batches", type=_positive_int, default=8, metavar="N",
-                   help="validation batches per evaluation (default 8)")
-    p.add_argument("--checkpoint-every", type=_non_negative_int, default=500, metavar="N",
-                   help="checkpoint every N steps, and always at the end; 0: only at the end")
-    p.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="N",
-                   help="newest checkpoints kept (default 3)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic kernels: a resumed run ends bitwise equal to an uninterrupted one")
-    p.add_argument("--threads", type=_positive_int, help="CPU threads for torch")
-    p.add_argument("--log-every", type=_positive_int, metavar="N",
-                   help="write the metrics rows (the losses read back and checked) every N steps (default: about "
-                        "once a second; every step has its row either way)")
-    p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM", help="clip the global gradient norm")
-    add_optimizer_options(p)
-    p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N",
-                   help="size cap of the embedded corpus")
-    p.add_argument("--memory-limit", type=_bytes, metavar="SIZE",
-                   help="refuse networks estimated above SIZE (e.g. 8G) instead of the device's free memory")
-    p.add_argument("--compile", action="store_true", help="torch.compile the training step's graph")
-    p.add_argument("--quiet", action="store_true", help="no progress bar or status lines")
-    add_tensorboard_option(p)
+    add_train_options(p, "train")
     add_plugin_option(p)
     p.set_defaults(func=run_train)
     remember_parser(p)
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .training.batches import DEFAULT_CORPUS_MAX_BYTES
     from .training.train import TrainConfig, train
 
-    config = TrainConfig(
-        network=args.network, data=args.data, steps=args.steps, batch=args.batch, lr=args.lr,
-        warmup=args.warmup, schedule=args.schedule, seed=args.seed, out=args.out, resume=args.resume,
-        accept_network_change=args.accept_network_change, device=args.device, passes=args.passes,
-        fuse=not args.no_fuse, val_every=args.val_every,
-        val_batches=args.val_batches, checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
-        log_every=args.log_every, grad_clip=args.grad_clip, weight_decay=args.weight_decay,
-        grad_accum=args.grad_accum,
-        corpus_bytes=args.corpus_bytes or DEFAULT_CORPUS_MAX_BYTES, memory_limit=args.memory_limit,
-        compile=args.compile, progress=not args.quiet, tensorboard=not args.no_tensorboard,
-        continue_command=resume_command(args))
-    result = train(config)
+    result = train(TrainConfig(**train_settings(args, "train")))
     skipped = f"{result.skipped_steps} steps skipped by the loss scaler" if result.skipped_steps else None
     print_result(result, skipped)
     return 0
-
-
-def resume_command(args: argparse.Namespace):
-    """The exact command that continues a stopped `train`/`launch` run: this one, with the run directory as
-    --out and --resume (a changed network, once accepted, is the checkpoint's: --accept-network-change is
-    not repeated)."""
-    if getattr(args, "command_parser", None) is None:
-        return None
-    return lambda run_dir: command_line(args, override={"out": str(run_dir), "resume": True},
-                                        drop={"accept_network_change", "emit_job"})
-
-
-def print_result(result, *extra: str | None) -> None:
-    """The one summary line of a finished run (`vgraph train`, `vgraph launch`)."""
-    parts = [f"step {result.step}"]
-    if result.loss is not None:
-        parts.append(f"loss {result.loss:.4f}")
-    if result.val_loss is not None:
-        parts.append(f"val loss {result.val_loss:.4f}")
-    parts += [e for e in extra if e]
-    print(f"{result.run_dir}: {', '.join(parts)}; checkpoint {result.checkpoint}")
-    print(f"report: vgraph report {shlex.quote(str(result.run_dir))} -o "
-          f"{shlex.quote(str(Path(result.run_dir) / 'report.html'))}")
-
-
-def add_optimizer_options(p: argparse.ArgumentParser) -> None:
-    """`--weight-decay` and `--grad-accum` (`vgraph train`, `vgraph launch`); both default to what a run did
-    before they existed, so runs stay comparable."""
-    p.add_argument("--weight-decay", type=options.non_negative_float, default=0.0, metavar="WD",
-                   help="decoupled weight decay (AdamW) of the matrices and embeddings of Adam nodes; a node's own "
-                        "weight_decay wins (default 0: Adam)")
-    p.add_argument("--grad-accum", type=_positive_int, default=1, metavar="K",
-                   help="gradient accumulation: K micro-batches of --batch per optimizer step, the step of a "
-                        "batch K x --batch (default 1)")
-
-
-def add_tensorboard_option(p: argparse.ArgumentParser) -> None:
-    """`--no-tensorboard` (`vgraph train`, `vgraph launch`): TensorBoard event files are written by default."""
-    p.add_argument("--no-tensorboard", action="store_true",
-                   help="write no TensorBoard event files into the run directory (default: written; watch with "
-                        "tensorboard --logdir runs)")
 
 
 def register_generate(subparsers: argparse._SubParsersAction) -> None:

@@ -31,7 +31,7 @@ import math
 import os
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union
 
@@ -42,6 +42,7 @@ from vgraph.run.compiled_graph import PLAN_CHOICES
 from vgraph.run.files import LAUNCH_DIR, RUN_JSON, STOP_FILE, RunReader  # re-exported: the run format's names
 
 from ..training.config import TrainConfig
+from ..training.options import config_problems, train_section
 from vgraph.run.step_plan import PIPELINES
 
 __all__ = ["Job", "JobError", "JOB_VERSION", "JOB_FILE", "LAUNCH_DIR", "STOP_FILE", "EXIT_USER_ERROR"]
@@ -156,8 +157,7 @@ class Job:
     # -- writing and reading ----------------------------------------------------------------------
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_WRITTEN}
-        data["train"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self.train).items()
-                         if k != "continue_command"}  # the launcher's own resume hint, a function
+        data["train"] = train_section(self.train)
         return json.dumps(data, indent=1, allow_nan=False) + "\n"
 
     def write(self, path: str | os.PathLike) -> Path:
@@ -195,20 +195,16 @@ class Job:
         if any(s < 1 for s in self.batch_shares) or sum(self.batch_shares) != self.train.batch:
             problems.append(f"batch_shares: {self.batch_shares} must be positive and add up to train.batch "
                             f"{self.train.batch}")
+        problems += [f"train.{name}: {why}" for name, why in config_problems(self.train)]  # the CLI's own checks
         for name, value, allowed in (("device", self.device, _DEVICES), ("backend", self.backend, _BACKENDS),
-                                     ("pipeline", self.pipeline, PIPELINES),
-                                     ("train.schedule", self.train.schedule, ("constant", "cosine"))):
+                                     ("pipeline", self.pipeline, PIPELINES)):
             if value not in allowed:
                 problems.append(f"{name}: {quote(value, 40)} is not one of {', '.join(allowed)}")
-        for name, value in (("micro_batches", self.micro_batches), ("bucket_bytes", self.bucket_bytes),
-                            ("train.batch", self.train.batch), ("train.val_batches", self.train.val_batches),
-                            ("train.keep_checkpoints", self.train.keep_checkpoints),
-                            ("train.threads", self.train.threads or 1), ("train.log_every", self.train.log_every or 1)):
+        for name, value in (("micro_batches", self.micro_batches), ("bucket_bytes", self.bucket_bytes)):
             if value < 1:
                 problems.append(f"{name}: must be at least 1, got {value}")
-        for name, value in (("comm_timeout", self.comm_timeout), ("train.lr", self.train.lr),
-                            ("train.initial_loss_scale", self.train.initial_loss_scale),
-                            ("train.grad_clip", self.train.grad_clip or 1.0)):
+        for name, value in (("comm_timeout", self.comm_timeout),
+                            ("train.initial_loss_scale", self.train.initial_loss_scale)):
             if not value > 0:
                 problems.append(f"{name}: must be greater than 0, got {value}")
         if not 0 <= self.train.min_lr_ratio <= 1:

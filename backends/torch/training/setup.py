@@ -43,6 +43,7 @@ from .run_checkpoints import clean_stale
 from .run_files import run_slug
 from .run_network import trained_network_yaml
 from .config import TrainConfig, TrainingError
+from .options import check_train_config
 from .corpus import PreparedData, prepare_data
 
 __all__ = ["phase", "NO_FUSE_PIPELINE", "device_target", "prepare_graph", "feed_roles", "vocab_and_seq", "resolve_device",
@@ -211,10 +212,7 @@ class RunSetup:
 def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
     """Check `cfg`, set the process up (threads, determinism), prepare the graph, open the run directory,
     check memory and prepare the data, refusing each before anything large is allocated."""
-    if cfg.steps < 0 or cfg.batch < 1:
-        raise TrainingError(f"--steps must be >= 0 and --batch >= 1 (got {cfg.steps}, {cfg.batch})")
-    if cfg.schedule not in ("constant", "cosine"):
-        raise TrainingError(f"--schedule must be constant or cosine, not {cfg.schedule!r}")
+    check_train_config(cfg)  # a library caller's values, held to the command line's checks
     device = resolve_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -91,7 +91,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from vgraph.base.diagnostics import VGraphError, quote
-from vgraph.base.safeio import OutputDir, check_output_dir, read_input, read_json
+from vgraph.base.safeio import OutputDir, atomic_write, check_output_dir, read_input, read_json
 from vgraph.cost.grad_compression import parse_grad_compress
 from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.placement.drift import DEFAULT_DRIFT_STEPS, fleet_file_text
@@ -106,7 +106,6 @@ from vgraph.run.files import (METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEAS
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, Pipeline, available_passes, run_pipeline
 
 from ...training import checkpoint as ckpt
-from ...training import batches as D
 from ..runtime.comm_choice import COMM_MODES, choose_comm
 from ..runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from ..job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
@@ -118,9 +117,10 @@ from ..rendezvous import TOKEN_ENV, check_master_addr, check_token, free_port, p
 from .supervisor import Supervisor
 from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
-from ...training.run_files import atomic_write_text, run_slug
 from ...training.config import TrainConfig, TrainingError
 from ...training.corpus import prepare_data
+from ...training.run_files import run_slug
+from ...training.options import add_train_options, check_train_config, print_result, train_settings
 from ...training.setup import (NO_FUSE_PIPELINE, device_target, load_network, open_run_dir, resolve_device,
                               vocab_and_seq)
 
@@ -257,10 +257,15 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
                      choices)
 
 
+_NOT_A_PLACEMENT = "expected {'assignment': {vnode: pnode}}"
+
+
 def read_placement_layout(path: str | Path) -> tuple[dict[str, str], tuple[list[list[str]], list[int]] | None]:
     """The assignment of a placement.json and, when it plans replicas, (replica_pnodes, batch_shares)."""
-    assignment = read_placement(path)
-    data = read_json(path, what="placement.json")
+    data = read_json(path, what="placement.json")  # a regular file of bounded size, JSON of bounded depth
+    assignment = data["assignment"] if isinstance(data, dict) and "assignment" in data else data
+    if not isinstance(assignment, dict) or not all(isinstance(v, str) for v in assignment.values()):
+        raise VGraphError(f"{path}: not a placement: {quote(_NOT_A_PLACEMENT, 200)}")
     rows, shares = (data.get("replica_pnodes"), data.get("batch_shares")) if isinstance(data, dict) else (None, None)
     if not rows or len(rows) < 2:
         return assignment, None
@@ -288,30 +293,21 @@ def _shrink(placement: Placement, fleet: Fleet, lost: list[str], described: str,
 
 def read_placement(path: str | Path) -> dict[str, str]:
     """The `assignment` of a placement.json (as `vgraph partition` and `vgraph launch` write)."""
-    try:
-        data = read_json(path, what="placement.json")  # a regular file of bounded size, JSON of bounded depth
-        assignment = data["assignment"] if isinstance(data, dict) and "assignment" in data else data
-        if not isinstance(assignment, dict) or not all(isinstance(v, str) for v in assignment.values()):
-            raise ValueError("expected {'assignment': {vnode: pnode}}")
-    except (ValueError, KeyError) as exc:
-        raise VGraphError(f"{path}: not a placement: {quote(str(exc), 200)}") from None
-    return assignment
+    return read_placement_layout(path)[0]
 
 
 # -- the launch -------------------------------------------------------------------------------------
 
-def _validate(cfg: LaunchConfig) -> None:
+def _validate(cfg: LaunchConfig) -> tuple[str, tuple[Any, Any]]:
+    """Refuse settings that cannot run, before anything is written or started; the values the attempts use
+    in place of the settings that need reading: the gradient compression's canonical text, and the given
+    placement as (assignment, replica layout), or (None, None) when the partition pass decides."""
     if cfg.fleet is None:
         raise VGraphError("vgraph launch needs a fleet: --fleet FLEET.yml (see networks/fleets/)")
-    if cfg.steps < 0 or cfg.batch < 1:
-        raise TrainingError(f"--steps must be >= 0 and --batch >= 1 (got {cfg.steps}, {cfg.batch})")
-    if cfg.schedule not in ("constant", "cosine"):
-        raise TrainingError(f"--schedule must be constant or cosine, not {cfg.schedule!r}")
     if cfg.comm not in COMM_MODES:
         raise VGraphError(f"comm must be one of {', '.join(COMM_MODES)}, not {cfg.comm!r}")
     if cfg.on_failure not in ON_FAILURE:
         raise VGraphError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {cfg.on_failure!r}")
-    check_master_addr(cfg.master_addr)  # never every interface (rendezvous.py)
     if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
         raise VGraphError(f"--node-rank must be in 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), got {cfg.node_rank}")
     if cfg.nnodes > 1 and cfg.on_failure == "repartition":
@@ -330,10 +326,6 @@ def _validate(cfg: LaunchConfig) -> None:
         raise VGraphError(f"--max-restarts must be >= 0, got {cfg.max_restarts}")
     if isinstance(cfg.bucket_bytes, bool) or not isinstance(cfg.bucket_bytes, int) or not 1 <= cfg.bucket_bytes <= 2**62:
         raise VGraphError(f"--bucket-size must be a whole number of bytes from 1 to 2**62, got {cfg.bucket_bytes!r}")
-    try:
-        parse_grad_compress(cfg.grad_compress)
-    except ValueError as exc:
-        raise VGraphError(f"--grad-compress: {exc}") from None
     if cfg.max_nnodes is not None and not (isinstance(cfg.max_nnodes, int) and cfg.nnodes <= cfg.max_nnodes):
         raise VGraphError(f"--nnodes MIN:MAX needs MAX >= MIN, got {cfg.nnodes}:{cfg.max_nnodes}")
     if _elastic(cfg) and cfg.on_failure == "repartition":
@@ -347,6 +339,14 @@ def _validate(cfg: LaunchConfig) -> None:
     if cfg.emit_job is not None and cfg.node_rank != 0:
         raise VGraphError("--emit-job writes the job once, on machine 0: drop --node-rank (torchrun and srun "
                           "start every machine's workers from that one job file)")
+    given = read_placement_layout(cfg.placement) if isinstance(cfg.placement, (str, Path)) else (cfg.placement, None)
+    check_train_config(cfg)  # a library caller's values, held to the command line's checks
+    try:
+        grad_compress = parse_grad_compress(cfg.grad_compress).text()
+    except ValueError as exc:
+        raise VGraphError(f"--grad-compress: {exc}") from None
+    check_master_addr(cfg.master_addr)  # never every interface (rendezvous.py)
+    return grad_compress, given
 
 
 def _elastic(cfg: LaunchConfig) -> bool:
@@ -373,7 +373,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
             if jobs is not None:
                 return _emit_job(run, jobs)
             try:
-                return _collect(run, _attempts(run, stop))
+                result = _attempts(run, stop)
+                return _collect(run, result)
             except BaseException as exc:
                 if run.admission is not None:  # the joined machines hear why, instead of waiting on silence
                     run.admission.finish(error=str(exc) or type(exc).__name__)
@@ -386,8 +387,9 @@ def launch(config: LaunchConfig) -> LaunchResult:
 
 @dataclass
 class _Run:
-    """What a launch prepares once, before any attempt: the checked settings, the network, the run
-    directory with its data files, and the pass pipeline around the partition."""
+    """What a launch prepares once, before any attempt: the checked settings, turned into the plain values
+    the attempts use (the config's files read, its device resolved), the network, the run directory with
+    its data files, and the pass pipeline around the partition."""
 
     cfg: LaunchConfig
     machines: Machines  # several machines: the launchers' channel (membership.py)
@@ -395,6 +397,8 @@ class _Run:
     say: Callable[[str], None]  # status lines (silent under --quiet)
     token: str
     fleet: Fleet
+    given: tuple[Any, Any]  # --placement read: (assignment, replica layout), or (None, None): the partition pass
+    device: Any  # torch.device of --device
     source: Graph
     yaml_text: str
     network_file: str
@@ -405,6 +409,7 @@ class _Run:
     partition: Pipeline
     after: Pipeline
     target: str
+    grad_compress: str  # the replicas' all-reduce, canonical text
     run_info: dict[str, Any]
     data_dir: str  # the prepared corpus (absolute)
     data_digest: str
@@ -419,8 +424,11 @@ class _Run:
 
 
 def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
-    """Check the settings, open the run directory (machine 0), tokenise the data once, write the run's files."""
-    _validate(cfg)
+    """Check the settings, open the run directory (machine 0), tokenise the data once, write the run's files.
+
+    Long because it is the launch's one walk through its settings, in the order the run needs them: each
+    setting read, checked and turned into the value the attempts use, so none of them goes back to it."""
+    grad_compress, given = _validate(cfg)
     emitting = cfg.emit_job is not None
     lock = threading.Lock()
 
@@ -446,54 +454,52 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
             except MachineLost as exc:
                 raise TrainingError(str(exc)) from None
     fleet = resolve_fleet(cfg.fleet)
-    device = resolve_device(cfg.device)
-    source, yaml_text = load_network(cfg.network)
-    network_file = str(cfg.network) if not isinstance(cfg.network, Graph) else f"<{source.name}>"
-    vocab, seq_len = vocab_and_seq(source)
     micro = cfg.micro_batches or min(cfg.batch, 2 * len(fleet))
     if not 1 <= micro <= cfg.batch:
         raise TrainingError(f"--micro-batches must be between 1 and --batch {cfg.batch}, got {micro}")
+    source, yaml_text = load_network(cfg.network)
+    network_file = str(cfg.network) if not isinstance(cfg.network, Graph) else f"<{source.name}>"
     run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
-    launch_dir = run_dir / LAUNCH_DIR
+    vocab, seq_len = vocab_and_seq(source)
+    device = resolve_device(cfg.device)
+    target = device_target(device)
     lead = cfg.node_rank == 0
     if lead:
         open_run_dir(run_dir, cfg.resume, command="vgraph launch")  # an existing run only with --resume; locked
+    launch_dir = run_dir / LAUNCH_DIR
     launch_dir.mkdir(parents=True, exist_ok=True)
     (launch_dir / STOP_FILE).unlink(missing_ok=True)
-    stop.on_request = lambda: atomic_write_text(launch_dir / STOP_FILE, "stop\n")
+    stop.on_request = lambda: atomic_write(launch_dir / STOP_FILE, "stop\n")
     if lead:
         for stale in [*launch_dir.glob(held_name("*")), *launch_dir.glob(error_name("*")), launch_dir / RELEASE_FILE]:
             stale.unlink(missing_ok=True)
-    target = device_target(device)
-    grad_compress = parse_grad_compress(cfg.grad_compress).text()
     options = {"batch": str(cfg.batch), "micro_batches": str(micro), "replicas": str(cfg.replicas),
                **({"grad_compress": grad_compress} if grad_compress != "none" else {})}
     before, partition, after = split_pipeline(cfg.passes, cfg.fuse, options)
-    run = _Run(cfg, machines, emit, emit if cfg.progress else (lambda line: None), token, fleet, source, yaml_text,
-               network_file, micro, run_dir, lead, before, partition, after, target, {}, "", "", "", bar=bar)
-    _write_data(run, vocab, seq_len, device)
+    run = _Run(cfg, machines, emit, emit if cfg.progress else (lambda line: None), token, fleet, given, device,
+               source, yaml_text, network_file, micro, run_dir, lead, before, partition, after, target, grad_compress,
+               {}, "", "", f"{LAUNCH_DIR}/tokenizer.json", bar=bar)
+    _write_data(run, vocab, seq_len)
     return run
 
 
-def _write_data(run: _Run, vocab: int, seq_len: int, device: Any) -> None:
-    """The corpus every worker reads (prepared and verified once: training_data.py), the tokenizer, and
+def _write_data(run: _Run, vocab: int, seq_len: int) -> None:
+    """The corpus every worker reads (prepared and verified once: corpus.py), its tokenizer, and
     network.yml + tokenizer.json as `vgraph train` writes them; run_info, run.json's content."""
     cfg = run.cfg
     data = prepare_data(cfg, vocab, seq_len, run.say)  # the corpus `vgraph train` would read
-    tokenizer = data.tokenizer
     run.data_dir, run.data_digest = str(data.dataset.corpus.root.absolute()), data.digest
-    run.tokenizer = f"{LAUNCH_DIR}/tokenizer.json"
-    atomic_write_text(run.run_dir / run.tokenizer, tokenizer.to_str())
+    tokenizer = data.tokenizer.to_str()
+    atomic_write(run.run_dir / run.tokenizer, tokenizer)
     run.run_info = {
         "network": run.source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
         "data": data.description, "data_digest": data.digest, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
-        "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "lr": cfg.lr, "steps": cfg.steps,
-        "warmup": cfg.warmup, "schedule": cfg.schedule,
-        "grad_compress": parse_grad_compress(cfg.grad_compress).text(),
+        "passes": cfg.passes, "fuse": cfg.fuse, "device": str(run.device), "lr": cfg.lr, "steps": cfg.steps,
+        "warmup": cfg.warmup, "schedule": cfg.schedule, "grad_compress": run.grad_compress,
     }
     if run.lead and (not (run.run_dir / NETWORK_YML).exists() or not cfg.resume):
-        atomic_write_text(run.run_dir / NETWORK_YML, run.yaml_text)
-        atomic_write_text(run.run_dir / TOKENIZER_JSON, tokenizer.to_str())
+        atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
+        atomic_write(run.run_dir / TOKENIZER_JSON, tokenizer)
 
 
 @dataclass
@@ -520,35 +526,33 @@ def _place_attempt(run: _Run, fleet: Fleet, number: int, given: Any, layout: Any
     cfg = run.cfg
     placement = place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
                       target=run.target, batch=cfg.batch, micro_batches=run.micro, assignment=given, replicas=layout,
-                      grad_compress=run.run_info["grad_compress"], pipeline=cfg.pipeline)
+                      grad_compress=run.grad_compress, pipeline=cfg.pipeline)
     changes = network_changes(placement.graph)  # passes that keep every weight aside: checkpoints stay true
     if changes:  # checkpoints carry the network as given: training another function would make them lie
         raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "
                             f"stores the network as given: write the changed network first (vgraph optimize "
                             f"{run.network_file} --passes '{cfg.passes}' -o NEW.yml) and launch NEW.yml")
+    compression = weight_keeping_changes(placement.graph)
+    distributions = plugin_distributions(run.source, placement.graph)
     ranks = placement.world
     local = _local_ranks(run, ranks, number)
     if not local:  # shrunk away: this machine's PNodes are all in dropped replicas
         run.emit(f"launch: no worker of this machine (node rank {cfg.node_rank}) is left in the run; it goes on "
                  f"without it")
         return None
-    device = resolve_device(cfg.device)
-    comm = choose_comm(device.type, len(local), torch.cuda.device_count() if device.type == "cuda" else 0,
-                       torch.distributed.is_nccl_available(), cfg.comm)
     gpus = sorted({p.accelerator for p in fleet if (p.accelerator or "").startswith("cuda") and p.id in ranks})
-    if number == 0 and device.type == "cpu" and gpus:  # the plan's figures are the GPUs', not this CPU's
+    if number == 0 and run.device.type == "cpu" and gpus:  # the plan's figures are the GPUs', not this CPU's
         run.say(f"launch: note: fleet {fleet.name!r} describes {', '.join(gpus)} PNodes and this run is on the CPU: "
                 f"the placement and its predicted step are for those GPUs (a CPU fleet: --fleet cpu2, or one "
                 f"measured with vgraph probe)")
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // max(1, len(local)))
-    info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}),
-                compression=weight_keeping_changes(placement.graph),
-                plugin_distributions=plugin_distributions(run.source, placement.graph),
+    info = dict(run.run_info, precision=dict(placement.graph.meta.get("precision") or {}), compression=compression,
+                plugin_distributions=distributions,
                 launch={"fleet": fleet.name, "pnodes": ranks, "micro_batches": run.micro, "attempt": number})
+    job, comm = _job(run, placement, info, number, local, threads, hold, fleet=fleet)
     if run.lead:
-        atomic_write_text(run.run_dir / RUN_JSON, json.dumps(info, indent=2, default=str) + "\n")
-        atomic_write_text(run.run_dir / PLACEMENT_JSON, json.dumps(placement.report, indent=2) + "\n")
-    job = _job(run, placement, comm, info, number, threads, hold, fleet=fleet)
+        atomic_write(run.run_dir / RUN_JSON, json.dumps(info, indent=2, default=str) + "\n")
+        atomic_write(run.run_dir / PLACEMENT_JSON, json.dumps(placement.report, indent=2) + "\n")
     job_path = job.write(run.launch_dir / f"job-{number}.json")
     return _Attempt(number, placement, job, job_path, local, threads, comm)
 
@@ -576,16 +580,16 @@ def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
     return [r for r, p in enumerate(ranks) if home.get(p, 0) == cfg.node_rank]
 
 
-def _job(run: _Run, placement: Placement, comm: Any, info: dict[str, Any], number: int, threads: int,
-         hold: tuple[str, int] | None, run_dir: str = "..", fleet: Fleet | None = None) -> Job:
-    """The job file's content (job.py); `run_dir` relative to the folder the job is written to; `fleet`: the
-    attempt's, for rank 0's measured figures (vgraph/placement/drift.py)."""
+def _job(run: _Run, placement: Placement, info: dict[str, Any], number: int, local: list[int], threads: int,
+         hold: tuple[str, int] | None, run_dir: str = "..", fleet: Fleet | None = None) -> tuple[Job, Any]:
+    """The job file's content (job.py), with the transport this machine's `local` workers use (comm_choice.py);
+    `run_dir` relative to the folder the job is written to; `fleet`: the attempt's, for rank 0's measured
+    figures (vgraph/placement/drift.py)."""
     cfg = run.cfg
+    comm = choose_comm(run.device.type, len(local), torch.cuda.device_count() if run.device.type == "cuda" else 0,
+                       torch.distributed.is_nccl_available(), cfg.comm)
     train = TrainConfig(**{f.name: getattr(cfg, f.name) for f in fields(TrainConfig)})
     train.network, train.threads = run.network_file, threads
-    for name in ("out", "data", "cache_dir"):
-        value = getattr(train, name)
-        setattr(train, name, None if value is None else str(value))
     ranks = placement.world
     return Job(
         run_dir=run_dir, network_yaml=run.yaml_text, network_file=run.network_file,
@@ -600,11 +604,11 @@ def _job(run: _Run, placement: Placement, comm: Any, info: dict[str, Any], numbe
         run_info=json.loads(json.dumps(info, default=str)), attempt=number, train=train,
         micro_batches=run.micro, pipeline=cfg.pipeline, comm_timeout=float(cfg.comm_timeout),
         bucket_bytes=cfg.bucket_bytes, plugins=loaded_files(),  # every worker loads the launcher's plugin files
-        grad_compress=run.run_info["grad_compress"], plan_choices=placement.choices,
+        grad_compress=run.grad_compress, plan_choices=placement.choices,
         hold={"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None,
         fleet_yaml=fleet_file_text(fleet) if fleet is not None else "",
         fleet_file=os.path.realpath(fleet.source) if fleet is not None and fleet.source else "",
-        drift_steps=cfg.drift_steps)
+        drift_steps=cfg.drift_steps), comm
 
 
 def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
@@ -612,26 +616,24 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
     cfg = run.cfg
     result = LaunchResult(run.run_dir, 0, None, None, None)
     fleet, hold, number = run.fleet, cfg.hold, 0
-    base_port = cfg.master_port or (29500 if cfg.nnodes > 1 or _elastic(cfg) else None)
     shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
     while True:
         if stop.requested:
             raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
                                    f"{_continue_with(cfg, run.run_dir)}")
         try:
-            attempt = _place_attempt(run, fleet, number, *_given_placement(cfg, number, shrunk), hold)
+            attempt = _place_attempt(run, fleet, number, *_given_placement(run, number, shrunk), hold)
         except _RankZeroJoined as exc:
             waiting = sorted(set(run.admission.home()) & set(fleet.ids))
             run.admission.event({"event": "placement", "attempt": number, "waiting": waiting,
                                  "reason": f"the plan puts rank 0 on joined PNode {exc}: machine 0 keeps it"})
             fleet = fleet.without(waiting)
-            attempt = _place_attempt(run, fleet, number, *_given_placement(cfg, number, shrunk), hold)
+            attempt = _place_attempt(run, fleet, number, *_given_placement(run, number, shrunk), hold)
         if attempt is None:
             return result
         if run.admission is not None:
             run.admission.publish(number, attempt.job_path, dict(run.home or {}), attempt.placement, fleet)
-        port = (base_port + number) if base_port else free_port(cfg.master_addr)
-        record = _supervise(run, attempt, port)
+        record = _supervise(run, attempt)
         result.attempts.append(record)
         result.placement = attempt.placement.report
         if record["ok"] and run.admission is not None and not stop.requested and _boundary(run):
@@ -641,7 +643,7 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
             if not record["ok"]:
                 _after_failure(run, attempt, record, result, fleet)  # its report; machine 0's error raised here
             followed = elastic.Joined(cfg.node_rank, "", run.run_dir)
-            elastic.follow_attempts(run.machines, run.token, cfg.master_addr, base_port, run.run_dir,
+            elastic.follow_attempts(run.machines, run.token, cfg.master_addr, _base_port(cfg), run.run_dir,
                                     Path(run.data_dir), run.tokenizer, number + 1,
                                     cfg.comm_timeout + cfg.link_timeout, run.emit, followed)
             result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
@@ -723,7 +725,7 @@ def _on_join(run: _Run, joined: Any) -> None:
         grown = admission.grown_fleet(fleet)
         new = place(run.source, grown, before=run.before, partition=run.partition, after=run.after,
                     target=run.target, batch=cfg.batch, micro_batches=run.micro,
-                    grad_compress=run.run_info["grad_compress"], pipeline=cfg.pipeline)
+                    grad_compress=run.grad_compress, pipeline=cfg.pipeline)
         if new.world[0] in admission.home():
             raise VGraphError(f"the planner's plan puts rank 0 on {new.world[0]}, and machine 0 keeps rank 0 (it "
                               f"holds the run) until the coordinator can move")
@@ -772,6 +774,12 @@ def _boundary(run: _Run) -> bool:
     return True
 
 
+def _base_port(cfg: LaunchConfig) -> int | None:
+    """The rendezvous port of attempt 0 (attempt n: + n): --master-port, 29500 across machines, else None (a
+    free port each attempt)."""
+    return cfg.master_port or (29500 if cfg.nnodes > 1 or _elastic(cfg) else None)
+
+
 def _continue_with(cfg: LaunchConfig, run_dir: Path) -> str:
     """The command that continues the run: the CLI's own as typed (cli.resume_command), else the gist."""
     if cfg.continue_command is not None:
@@ -779,9 +787,14 @@ def _continue_with(cfg: LaunchConfig, run_dir: Path) -> str:
     return f"vgraph launch {cfg.network} --fleet {cfg.fleet} --out {run_dir} --resume (and the same options)"
 
 
-def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
-    """Start this machine's workers of `attempt`, relay their output, wait for the outcome (its record)."""
+def _supervise(run: _Run, attempt: _Attempt) -> dict[str, Any]:
+    """Start this machine's workers of `attempt`, relay their output, wait for the outcome (its record).
+
+    The rendezvous port: --master-port (29500 across machines) moved up by the attempt's number, else a free
+    one."""
     cfg, placement = run.cfg, attempt.placement
+    base_port = _base_port(cfg)
+    port = (base_port + attempt.number) if base_port else free_port(cfg.master_addr)
     if run.lead:
         probe_port(cfg.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
     run.say(f"launch: {run.source.name} on {len(attempt.ranks)} worker(s) {', '.join(attempt.ranks)} of fleet "
@@ -795,7 +808,7 @@ def _supervise(run: _Run, attempt: _Attempt, port: int) -> dict[str, Any]:
     try:
         supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), cfg.master_addr, port,
                          attempt.threads)
-        atomic_write_text(run.launch_dir / WORKERS_JSON,
+        atomic_write(run.launch_dir / WORKERS_JSON,
                           json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
         ok, codes, lost = supervisor.wait(trouble=run.machines.trouble)
     except BaseException:
@@ -883,7 +896,7 @@ def _emit_job(run: _Run, folder: OutputDir) -> LaunchResult:
     a few restarts cost at most a few checkpoint intervals and a fault that recurs still ends the job after a
     handful of tries instead of looping."""
     cfg = run.cfg
-    attempt = _place_attempt(run, run.fleet, 0, *_given_placement(cfg, 0, None), cfg.hold)
+    attempt = _place_attempt(run, run.fleet, 0, *run.given, cfg.hold)
     folder.path.mkdir(parents=True, exist_ok=True)
     attempt.job.run_dir = os.path.relpath(run.run_dir.absolute(), folder.path.absolute())
     path = attempt.job.write(folder.check(JOB_FILE))
@@ -902,14 +915,11 @@ def _emit_job(run: _Run, folder: OutputDir) -> LaunchResult:
     return LaunchResult(run.run_dir, 0, None, None, None, placement=attempt.placement.report)
 
 
-def _given_placement(cfg: LaunchConfig, number: int, shrunk: Any) -> tuple[Any, Any]:
+def _given_placement(run: _Run, number: int, shrunk: Any) -> tuple[Any, Any]:
     """(assignment, replica layout) attempt `number` must use, or (None, None): the partition pass decides."""
     if shrunk is not None:
         return shrunk
-    given = cfg.placement if number == 0 or cfg.on_failure == "restart" else None
-    if isinstance(given, (str, Path)):
-        return read_placement_layout(given)
-    return given, None
+    return run.given if number == 0 or run.cfg.on_failure == "restart" else (None, None)
 
 
 def _user_errors(launch_dir: Path) -> str:
@@ -928,10 +938,10 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     from vgraph.cli.common import remember_parser
     from vgraph.cli.main import add_plugin_option
 
-    from ...cli import add_optimizer_options, add_tensorboard_option
-
     from vgraph.base import options
     from vgraph.base.options import non_negative_int as _non_negative_int, positive_int as _positive_int
+
+    default = {f.name: f.default for f in fields(LaunchConfig)}  # LaunchConfig's, but --replicas: auto
 
     p = subparsers.add_parser(
         "launch", help="train a network partitioned over a fleet, one torch.distributed worker per PNode",
@@ -945,7 +955,7 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                    help="fleet spec YAML (PNodes), or a shipped fleet's name (required, except with --join)")
     p.add_argument("--micro-batches", type=_positive_int, metavar="M",
                    help="micro-batches per step, pipelined over the PNodes (default min(batch, 2 x PNodes))")
-    p.add_argument("--pipeline", choices=PIPELINES, default="1f1b",
+    p.add_argument("--pipeline", choices=PIPELINES, default=default["pipeline"],
                    help="micro-batch schedule: 1f1b (default; at most min(M, PNodes) micro-batches of activations "
                         "per worker) or gpipe (all forwards, then all backwards)")
     p.add_argument("--placement", metavar="JSON", type=options.path, help="use this placement.json's assignment (VNode -> PNode, "
@@ -953,68 +963,41 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=options.replicas, default="auto", metavar="N|auto",
                    help="data-parallel replicas of the pipeline (default auto: the plan of least predicted step "
                         "time, see `vgraph partition`); each replica's stage groups all-reduce gradients")
-    p.add_argument("--on-failure", choices=ON_FAILURE, default="restart",
+    p.add_argument("--on-failure", choices=ON_FAILURE, default=default["on_failure"],
                    help="when a worker dies: restart all from the last checkpoint on the same placement "
                         "(default), re-partition onto the surviving PNodes, shrink (drop the replicas that "
                         "lost a worker; the others share the global batch), or stop")
-    p.add_argument("--max-restarts", type=_non_negative_int, default=3, metavar="N", help="default 3")
-    p.add_argument("--comm-timeout", type=options.positive_float, default=300.0, metavar="S",
+    p.add_argument("--max-restarts", type=_non_negative_int, default=default["max_restarts"], metavar="N",
+                   help=f"default {default['max_restarts']}")
+    p.add_argument("--comm-timeout", type=options.positive_float, default=default["comm_timeout"], metavar="S",
                    help="seconds a worker waits on a peer before failing (default 300)")
-    p.add_argument("--bucket-size", type=options.byte_size, default=DEFAULT_BUCKET_BYTES, metavar="SIZE",
+    p.add_argument("--bucket-size", type=options.byte_size, default=default["bucket_bytes"], metavar="SIZE",
                    help="gradient bucket of the replicas' all-reduce, e.g. 25M (default 25 MiB, as DDP): a bucket "
                         "is all-reduced as soon as its gradients are final in the last backward")
-    p.add_argument("--grad-compress", default="none", metavar="none|powersgd[:rank=R,start=N]",
+    p.add_argument("--grad-compress", default=default["grad_compress"], metavar="none|powersgd[:rank=R,start=N]",
                    help="the replicas' gradient all-reduce: none (default) or PowerSGD with error feedback "
                         "(torch's powerSGD_hook; rank R, default 4, after N plain steps, default 2); the planner "
                         "prices it")
-    p.add_argument("--link-timeout", type=options.positive_float, default=10.0, metavar="S",
+    p.add_argument("--link-timeout", type=options.positive_float, default=default["link_timeout"], metavar="S",
                    help="several machines: a machine silent for S seconds is lost (its link or itself); the "
                         "others stop their workers (default 10; see membership.py)")
     p.add_argument("--nnodes", type=options.nnodes, default=(1, 1), metavar="N|MIN:MAX",
                    help="machines taking part (default 1); MIN:MAX: start with MIN, admit joins up to MAX "
                         "(launch --join)")
-    p.add_argument("--node-rank", type=_non_negative_int, default=0, help="this machine's index (default 0)")
-    p.add_argument("--master-addr", default="127.0.0.1", metavar="HOST",
+    p.add_argument("--node-rank", type=_non_negative_int, default=default["node_rank"], help="this machine's index (default 0)")
+    p.add_argument("--master-addr", default=default["master_addr"], metavar="HOST",
                    help="address of machine 0 (default 127.0.0.1)")
     p.add_argument("--master-port", type=options.port, metavar="PORT",
                    help="rendezvous port on machine 0 (default: free port; 29500 with --nnodes > 1)")
-    p.add_argument("--data", metavar="PATH", type=options.path,
-                   help="a directory `vgraph data prepare` wrote, or text/JSONL/Parquet files, a directory or a glob "
-                        "(prepared into the cache); default: the embedded corpus")
-    p.add_argument("--steps", type=_non_negative_int, default=1000)
-    p.add_argument("--batch", type=_positive_int, default=8)
-    p.add_argument("--lr", type=options.positive_float, default=6e-4)
-    p.add_argument("--warmup", type=_non_negative_int, default=0)
-    p.add_argument("--schedule", choices=("constant", "cosine"), default="constant")
-    p.add_argument("--seed", type=options.seed, default=0)
-    p.add_argument("--out", metavar="DIR", type=options.path, help="run directory (default runs/<network name>)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--passes", metavar="SPEC", help="pass pipeline (the partition pass is inserted before "
-                   "the fusions unless the pipeline names it)")
-    p.add_argument("--no-fuse", action="store_true")
-    p.add_argument("--val-every", type=_non_negative_int, default=200, metavar="N")
-    p.add_argument("--val-batches", type=_positive_int, default=8, metavar="N")
-    p.add_argument("--checkpoint-every", type=_non_negative_int, default=500, metavar="N")
-    p.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="N")
-    p.add_argument("--deterministic", action="store_true")
-    p.add_argument("--threads", type=_positive_int, help="CPU threads per worker (default: cores / workers)")
-    p.add_argument("--log-every", type=_positive_int, metavar="N",
-                   help="gather the metrics rows on rank 0 every N steps (default: about once a second; every "
-                        "step has its row either way)")
-    p.add_argument("--grad-clip", type=options.positive_float, metavar="NORM")
-    add_optimizer_options(p)  # --weight-decay; --grad-accum K: the global batch K x --batch in >= K micro-batches
-    p.add_argument("--corpus-bytes", type=_positive_int, default=None, metavar="N")
-    p.add_argument("--quiet", action="store_true", help="no status lines (errors still show)")
+    add_train_options(p, "launch", network=False)  # the training options, as `vgraph train` has them
     p.add_argument("--emit-job", metavar="DIR", type=options.path,
                    help="prepare the run directory and write DIR/job.json, train nothing: start the workers with "
                         "torchrun or srun (docs/distributed.md; the command is printed)")
-    # Figures from the run itself (vgraph/placement/drift.py); a block of its own while options move (issue 40).
+    # Figures from the run itself (vgraph/placement/drift.py): launch only.
     p.add_argument("--drift-steps", type=_non_negative_int, default=DEFAULT_DRIFT_STEPS, metavar="K",
                    help="report a drift when a PNode's busy time stays more than 25%% off the plan's prediction for "
                         "K steps, and write the run's measured fleet (fleet.measured.yml); 0: never "
                         f"(default {DEFAULT_DRIFT_STEPS})")
-    add_tensorboard_option(p)  # rank 0 writes the event files
     add_plugin_option(p)  # the files travel to the workers in the job file
     # Joining a running run (elastic.py): the only options a volunteer machine gives, with its secret in
     # VGRAPH_LAUNCH_TOKEN; everything else comes from machine 0.
@@ -1032,32 +1015,24 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     from vgraph.placement.replica_report import step_prediction_gap
 
-    from ...cli import print_result, resume_command
-
     if args.join is not None or args.pnode is not None:
         return _run_join(args)
     if args.network is None or args.fleet is None:
         raise VGraphError("vgraph launch needs a network FILE and --fleet FLEET (or, to join a running run, "
                           "--join HOST:PORT --pnode PNODE.yml)")
+    train = train_settings(args, "launch")
+    # A pipeline's micro-batches are gradient accumulation: K x --batch samples a step, in at least K of them.
+    accum = train.pop("grad_accum")
+    train["batch"] *= accum
     config = LaunchConfig(
-        network=args.network, fleet=args.fleet, data=args.data, steps=args.steps, lr=args.lr,
-        # A pipeline's micro-batches are gradient accumulation: K x --batch samples a step, in at least K of them.
-        batch=args.batch * args.grad_accum, weight_decay=args.weight_decay,
-        warmup=args.warmup, schedule=args.schedule, seed=args.seed, out=args.out, resume=args.resume,
-        device=args.device, passes=args.passes, fuse=not args.no_fuse, val_every=args.val_every,
-        val_batches=args.val_batches, checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints, deterministic=args.deterministic, threads=args.threads,
-        log_every=args.log_every, grad_clip=args.grad_clip,
-        corpus_bytes=args.corpus_bytes or D.DEFAULT_CORPUS_MAX_BYTES, progress=not args.quiet,
-        micro_batches=(args.micro_batches if args.grad_accum == 1 else max(args.micro_batches or 1, args.grad_accum)),
+        **train, fleet=args.fleet,
+        micro_batches=(args.micro_batches if accum == 1 else max(args.micro_batches or 1, accum)),
         pipeline=args.pipeline, placement=args.placement, on_failure=args.on_failure, max_restarts=args.max_restarts,
         replicas=int(args.replicas) if args.replicas != "auto" else "auto",
         comm_timeout=args.comm_timeout, bucket_bytes=args.bucket_size, link_timeout=args.link_timeout,
         grad_compress=args.grad_compress, nnodes=args.nnodes[0], max_nnodes=args.nnodes[1], node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, tensorboard=not args.no_tensorboard,
-        emit_job=args.emit_job, drift_steps=args.drift_steps,
-        log=None if not args.emit_job else (lambda line: print(line, flush=True)),
-        continue_command=resume_command(args))
+        master_addr=args.master_addr, master_port=args.master_port, drift_steps=args.drift_steps,
+        emit_job=args.emit_job, log=None if not args.emit_job else (lambda line: print(line, flush=True)))
 
     result = launch(config)
     if not args.emit_job:
