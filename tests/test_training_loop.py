@@ -32,8 +32,17 @@ def test_count_cadence_validates_saves_and_flushes_where_asked() -> None:
     dues = {s: cadence.due(s, stop=False, since_flush_s=1e9) for s in range(1, 11)}
     assert [s for s, d in dues.items() if d.validate] == [3, 6, 9, 10]  # every 3 and at the end
     assert [s for s, d in dues.items() if d.save] == [4, 8, 10]  # every 4 and at the end
-    assert [s for s, d in dues.items() if d.flush] == [2, 3, 4, 6, 8, 9, 10]  # every 2, validations, saves
+    # the run's first step, every 2, validations, saves
+    assert [s for s, d in dues.items() if d.flush] == [1, 2, 3, 4, 6, 8, 9, 10]
     assert not any(d.clock or d.by_time for d in dues.values())  # counted: the clock plays no part
+
+
+def test_a_resumed_run_syncs_at_its_own_first_step() -> None:
+    """The first step a process runs says the run has started (and how fast), a resumed one too."""
+    cadence = Cadence(total=20, val_every=0, checkpoint_every=0, log_every=None, start=12)
+    assert cadence.due(13, stop=False, since_flush_s=0.0).flush
+    assert not cadence.due(14, stop=False, since_flush_s=0.0).flush
+    assert not cadence.due(1, stop=False, since_flush_s=0.0).flush  # not a first step for this run
 
 
 def test_zero_means_never_validate_and_save_only_at_the_end() -> None:
@@ -90,7 +99,7 @@ def corpus(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("flush_seconds, appends", [(1e9, 1), (0.0, 6)])
+@pytest.mark.parametrize("flush_seconds, appends", [(1e9, 2), (0.0, 6)])  # 1e9: the first step and the end
 def test_train_without_log_every_writes_rows_by_the_clock(tmp_path, corpus, monkeypatch, flush_seconds,
                                                          appends) -> None:
     """`vgraph train` on a CPU follows the loop's clock (before: every step on a CPU), and every step keeps
@@ -177,7 +186,7 @@ def test_the_loop_writes_every_row_once_and_saves_on_its_cadence() -> None:
     out = _Out(log)
     end = run_loop(_Steps(log), out, _Stop(True), _cfg(), start=0)
     writes = [e for e in log if e[0] == "write"]
-    assert [w[1] for w in writes] == [2, 3, 4, 6, 7] and [w[3] for w in writes] == [None, 0.5, None, 0.5, 0.5]
+    assert [w[1] for w in writes] == [1, 2, 3, 4, 6, 7] and [w[3] for w in writes] == [None, None, 0.5, None, 0.5, 0.5]
     assert [r["step"] for r in out.rows] == list(range(1, 8))  # each step once, in order
     assert all(r["m"] == r["step"] * 10 and r["tokens_per_s"] > 0 and r["lr"] == 1.0 for r in out.rows)
     assert [r.get("val_loss") for r in out.rows] == [None, None, 0.5, None, None, 0.5, 0.5]  # on its step's row

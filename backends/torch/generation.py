@@ -169,14 +169,14 @@ def sample_batch(logits: BatchLogits, prompts: Sequence[Sequence[int]], *, conte
     speeds.prefill_tokens += sum(len(r) for r in rows)
     speeds.prefill_s += time.perf_counter() - start
     slid = False
-    for step in range(max_new_tokens):
+    for new in range(max_new_tokens):
         going = []
         for k, i in enumerate(active):
             token = draw(last[k], temperature, top_k, generators[i])
             if token != eot:
                 rows[i].append(token)
                 going.append(k)
-        if step == max_new_tokens - 1 or not going:
+        if new == max_new_tokens - 1 or not going:
             break
         if len(going) < len(active):
             logits.keep(going)

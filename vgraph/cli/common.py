@@ -67,6 +67,8 @@ def command_line(args: argparse.Namespace, *, override: Mapping[str, Any] = (), 
         elif action.type is options.fleet_file:
             value = typed_name(value, "fleet") if isinstance(value, str) else value
         elif action.type is options.nnodes and isinstance(value, tuple):
+            if action.dest not in override and value == tuple(action.default or ()):
+                continue  # at its default, like any other option (compared before it becomes text)
             value = str(value[0]) if value[0] == value[1] else f"{value[0]}:{value[1]}"
         if not action.option_strings:
             tail += [str(v) for v in (value if isinstance(value, list) else [value]) if v is not None]

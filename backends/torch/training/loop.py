@@ -22,10 +22,12 @@ strategy's gradients it updates.
 
 **Sync points** are decided here only: a step validates every `val_every`
 steps and at the end, saves every `checkpoint_every` steps, at the end and on
-a stop request, and is a sync point then and every `--log-every` steps, or,
-without `--log-every` (`DEFAULT_LOG_EVERY`, train and launch alike, on every
-device), whenever the last sync point is `FLUSH_SECONDS` old.  Every step has
-its row either way; only when it is written changes.
+a stop request, and is a sync point then, at the run's first step (its line
+says the run has started and how fast: the time to a first step is what a user
+waits for), and every `--log-every` steps, or, without `--log-every`
+(`DEFAULT_LOG_EVERY`, train and launch alike, on every device), whenever the
+last sync point is `FLUSH_SECONDS` old.  Every step has its row either way;
+only when it is written changes.
 """
 from __future__ import annotations
 
@@ -90,8 +92,9 @@ class StepDone:
 class Cadence:
     """Validation, checkpoints and sync points of a run of `total` steps (the module docstring's rules)."""
 
-    def __init__(self, total: int, val_every: int, checkpoint_every: int, log_every: int | None) -> None:
-        self.total, self.val_every, self.checkpoint_every = total, val_every, checkpoint_every
+    def __init__(self, total: int, val_every: int, checkpoint_every: int, log_every: int | None,
+                 start: int = 0) -> None:
+        self.total, self.val_every, self.checkpoint_every, self.start = total, val_every, checkpoint_every, start
         self.log_every = DEFAULT_LOG_EVERY if log_every is None else log_every
 
     def due(self, step: int, *, stop: bool, since_flush_s: float) -> Due:
@@ -99,7 +102,8 @@ class Cadence:
         validate = self.val_every > 0 and (step % self.val_every == 0 or step == self.total)
         save = step == self.total or (self.checkpoint_every > 0 and step % self.checkpoint_every == 0)
         counted = not by_time and step % self.log_every == 0
-        return Due(validate=validate, save=save, flush=save or validate or counted, stop=stop,
+        first = step == self.start + 1  # every rank starts at the same step: they agree without a message
+        return Due(validate=validate, save=save, flush=save or validate or counted or first, stop=stop,
                    clock=by_time and since_flush_s >= FLUSH_SECONDS, by_time=by_time)
 
 
@@ -202,7 +206,7 @@ def run_loop(steps: StepStrategy, out: RunOutput, stop: StopSource, cfg: Any, st
 
     The one place a reader follows a step from its batch to its checkpoint: the stop handling (a request
     seen at any point saves the last finished step) needs all of it in view."""
-    cadence = Cadence(cfg.steps, cfg.val_every, cfg.checkpoint_every, cfg.log_every)
+    cadence = Cadence(cfg.steps, cfg.val_every, cfg.checkpoint_every, cfg.log_every, start)
     end = LoopEnd(start)
     rows: list[dict[str, Any]] = []  # the steps since the last sync point
     extras: list[tuple[int, dict[str, Any]]] = []  # this process's metrics entries for them
