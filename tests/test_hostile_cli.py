@@ -71,6 +71,7 @@ STRING_KINDS: dict[tuple[str | None, str], str] = {
     ("probe", "id"): "pnode-id", ("probe", "append"): "fleet-to-append", ("probe", "peer"): "endpoint",
     ("probe", "listen"): "endpoint", ("probe", "bandwidth"): "bandwidth",
     (None, "grad_compress"): "grad-compress",
+    ("generate", "prompts_file"): "input-file", ("launch", "pnode"): "input-file",
 }
 STRING_VALUES = {
     "input-file": INPUT_FILE, "plugin": [v for v in INPUT_FILE if v != "empty"],  # an empty plugin is valid
@@ -86,6 +87,8 @@ STRING_VALUES = {
                       "powersgd:start=1", "powersgd:rank=4,rank=4", "powersgd:bits=2", "powersgd:min_rate=inf",
                       "none:rank=4", "powersgd:rank=\x1b[2J", ""],
     "op-type": ["no-such-op", "x\x1b[2J", "two words", "", "../gelu", "a" * 201],
+    "nnodes": ["0", "-1", "2:1", "a:b", "1:2:3", "1 :2", "nan", "inf", "", "99999999999", "1:99999999999",
+               "x\x1b[2J"],
 }
 
 
@@ -149,6 +152,10 @@ def _kind(command: str, action: argparse.Action) -> str | None:
         return "target"
     if name == "op_type":
         return "op-type"
+    if name == "host_port":
+        return "endpoint"
+    if name == "nnodes":
+        return "nnodes"
     if action.type is not None and name not in ("path", "network_file", "fleet_file"):
         return name if name in NUMBERS else None  # a bare int/float is an unchecked number: unclassified
     return STRING_KINDS.get((command, action.dest)) or STRING_KINDS.get((None, action.dest))
