@@ -17,6 +17,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from vgraph import Graph, TensorType, VNode
+from vgraph.ir.kv_cache import foreign_kv_reader, kv_source
 
 from .builder import ModelBuilder
 from .kernels import Kernels
@@ -299,9 +300,7 @@ def _lower_kv_head(n: NodeLowering) -> list[str]:
 def _check_kv_source(graph: Graph, head: VNode) -> None:
     """In a KV-cache decoder a query head sees past positions only through a cached kv_head (through
     broadcasts); keys and values from anything else would cover this call's positions alone."""
-    source = graph.producer(head.id, 1)
-    while source is not None and source.type == "broadcast":
-        source = graph.producer(source.id, 0)
+    source = kv_source(graph, head)
     if source is None or source.type != "kv_head":
         what = "a network input" if source is None else f"{source.type} '{source.id}'"
         raise node_error(head, f"its keys and values come from {what}, not a kv_head, so a KV cache would not "
@@ -311,15 +310,11 @@ def _check_kv_source(graph: Graph, head: VNode) -> None:
 def _check_kv_readers(graph: Graph, node: VNode) -> None:
     """With a cache a kv_head's value spans past and new positions: a reader other than a query head
     (through broadcasts) would get the wrong number of positions, so the export names it."""
-    todo = [e.dst for e in graph.out_edges(node.id)]
-    while todo:
-        reader = graph.node(todo.pop())
-        if reader.type == "broadcast":
-            todo.extend(e.dst for e in graph.out_edges(reader.id))
-        elif not (reader.type == "attention_head" and reader.cfg["kv_input"]):
-            raise node_error(node, f"a kv_head's keys and values are read by {reader.type} '{reader.id}', not only "
-                               "by attention_heads with kv_input, so it cannot run on new positions alone for a "
-                               "KV cache")
+    reader = foreign_kv_reader(graph, node)
+    if reader is not None:
+        raise node_error(node, f"a kv_head's keys and values are read by {reader.type} '{reader.id}', not only "
+                           "by attention_heads with kv_input, so it cannot run on new positions alone for a "
+                           "KV cache")
 
 
 @register_lowering("attention", kv_cache=_causal_cache(lambda cfg: (cfg.get("num_kv_heads") or cfg["num_heads"],

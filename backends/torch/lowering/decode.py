@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from vgraph.base.diagnostics import Diagnostic
 from vgraph.ir.graph import Graph, VNode
+from vgraph.ir.kv_cache import foreign_kv_reader, kv_source
 
 from . import kernels as K
 
@@ -163,9 +164,7 @@ def undecodable(graph: Graph, order: list[VNode], traits) -> list[Diagnostic]:
 
 def _kv_source(graph: Graph, head: VNode) -> list[Diagnostic]:
     """A query head sees the past only through a caching kv_head (through broadcasts)."""
-    source = graph.producer(head.id, 1)
-    while source is not None and source.type == "broadcast":
-        source = graph.producer(source.id, 0)
+    source = kv_source(graph, head)
     if source is not None and source.type == "kv_head":
         return []
     what = "a network input" if source is None else f"{source.type} '{source.id}'"
@@ -174,13 +173,8 @@ def _kv_source(graph: Graph, head: VNode) -> list[Diagnostic]:
 
 
 def _kv_readers(graph: Graph, node: VNode) -> list[Diagnostic]:
-    todo = [e.dst for e in graph.out_edges(node.id)]
-    while todo:
-        reader = graph.node(todo.pop())
-        if reader.type == "broadcast":
-            todo.extend(e.dst for e in graph.out_edges(reader.id))
-        elif not (reader.type == "attention_head" and reader.cfg["kv_input"]):
-            return [Diagnostic(f"its keys and values are read by {reader.type} '{reader.id}', not only by "
-                               f"attention_heads with kv_input, so it cannot extend a key/value cache",
-                               node.loc, node.id)]
-    return []
+    reader = foreign_kv_reader(graph, node)
+    if reader is None:
+        return []
+    return [Diagnostic(f"its keys and values are read by {reader.type} '{reader.id}', not only by "
+                       f"attention_heads with kv_input, so it cannot extend a key/value cache", node.loc, node.id)]
