@@ -122,9 +122,11 @@ def test_the_printed_resume_command_resumes(tmp_path, capsys) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
     out = tmp_path / "run"
+    # A row every step, so the interrupt lands a few steps in on any machine: at the default cadence (a row
+    # a second) a fast machine trains all 100 steps before the second row is written, and the premise fails.
     with signal_after_rows(out / "metrics.jsonl", 2, signal.SIGINT):
         code = main(["train", str(TINY), "--data", str(corpus), "--out", str(out), "--steps", "100", "--batch", "2",
-                     "--val-every", "0", "--checkpoint-every", "0", "--quiet", "--threads", "1"])
+                     "--val-every", "0", "--checkpoint-every", "0", "--log-every", "1", "--quiet", "--threads", "1"])
     err = capsys.readouterr().err
     assert code == 130, err
     command = shlex.split(err.split("Continue with: ")[1].splitlines()[0])
