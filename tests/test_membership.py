@@ -83,7 +83,24 @@ def test_shrink_does_not_wait_for_a_silent_machine(pair) -> None:
     wait_for(lambda: m0.silent() == [1], "silence")
     plan = m0.settle({"lost": [], "described": "", "error": ""},
                      lambda r, m: decide(r, m, {"w0": 0, "w1": 1}, "shrink"), wait_for_all=False)
-    assert plan == {"lost": ["w1"], "described": "w1 (machine 1, unreachable)", "error": ""}
+    assert plan == {"lost": ["w1"], "described": "w1 (machine 1, unreachable)", "error": "", "gone": ["w1"]}
+
+
+def test_restart_waits_one_link_timeout_more_for_a_silent_machine_then_goes_on_without_it(pair) -> None:
+    """--on-failure restart: a vanished machine no longer holds the run for --comm-timeout (rejoin, 3 s here)
+    and ends it; after twice the link timeout of silence (1.2 s) it is gone and the run is re-planned without
+    it.  The premise: machine 0 saw it beat, and the rejoin timeout is longer than what the decision took."""
+    m0, m1, _ = pair
+    wait_for(lambda: 1 in m0._board.beats, "a first beat")
+    m1.close()
+    wait_for(lambda: m0.silent() == [1], "silence")
+    began = time.monotonic()
+    plan = m0.settle({"lost": [], "described": "", "error": ""},
+                     lambda r, m: decide(r, m, {"w0": 0, "w1": 1}, "restart"), wait_for_all=True)
+    took = time.monotonic() - began
+    assert plan["gone"] == ["w1"] and plan["error"] == ""
+    assert took < m0.rejoin_timeout, took  # not the old wait for every machine up to the rejoin timeout
+    assert m0.silent(2 * m0.link_timeout) == [1]  # gone only once silent for twice the link timeout
 
 
 def test_a_machine_that_cannot_reach_machine_0_gives_up(pair) -> None:
@@ -130,7 +147,11 @@ def test_decisions() -> None:
     # Machines that did not report lose all their PNodes, and only those count.
     plan = decide({0: {**ok, "lost": ["w0"]}}, [1], HOME, "shrink")
     assert plan["lost"] == ["w1", "w2"] and plan["error"] == "" and "w1 (machine 1, unreachable)" in plan["described"]
-    assert "did not come back" in decide({0: ok}, [1, 2], HOME, "restart")["error"]
+    # With restart too: the machines that vanished are gone, and the run is re-planned around them (a machine
+    # that merely reported is not: its workers restart where they were).
+    plan = decide({0: ok}, [1, 2], HOME, "restart")
+    assert plan["error"] == "" and plan["gone"] == plan["lost"] == ["w1", "w2", "w3"], plan
+    assert decide({0: ok, 1: {**ok, "lost": ["w1"]}}, [], HOME, "restart").get("gone") is None
     # Everybody reported: the PNodes whose workers died, wherever.
     plan = decide({0: {**ok, "lost": ["w0"], "described": "w0 (rank 0, exit -9)"},
                    2: {**ok, "lost": ["w3"], "described": "w3 (rank 3, exit -9)"}}, [], HOME, "shrink")

@@ -169,6 +169,9 @@ class _Out:
     def close(self):
         self.log.append(("close-out",))
 
+    def unwritten(self, rows):
+        self.log.append(("unwritten", [r["step"] for r in rows]))
+
 
 class _Stop:
     def __init__(self, late_requests: bool) -> None:
@@ -239,6 +242,26 @@ def test_a_failed_step_still_closes_the_logs() -> None:
     with pytest.raises(RuntimeError):
         run_loop(steps, _Out(log), _Stop(True), _cfg(), start=0)
     assert ("close",) in log and ("close-out",) in log and ("finish",) not in log
+
+
+def test_a_failure_hands_the_rows_since_the_last_sync_point_to_the_output() -> None:
+    """A launch's rank 0 writes them (rescue.py may resume after them): with log_every 2 and a failure in step
+    5's update, steps 3 and 4 were written at step 4, and nothing since; a failure in step 4 leaves step 3."""
+    for failing, pending in ((5, []), (4, [3])):
+        log: list = []
+        steps = _Steps(log)
+        update = steps.update
+
+        def failing_update(step, due, row, update=update, failing=failing):
+            if step == failing:
+                raise RuntimeError("peer lost")
+            return update(step, due, row)
+
+        steps.update = failing_update
+        with pytest.raises(RuntimeError):
+            run_loop(steps, _Out(log), _Stop(True), _cfg(val_every=0, checkpoint_every=0), start=0)
+        writes = [e[2] for e in log if e[0] == "write"]
+        assert ("unwritten", pending) in log and writes and writes[-1][-1] == (4 if failing == 5 else 2)
 
 
 # -- the update order and the rows' columns ------------------------------------------------------------------------

@@ -153,6 +153,10 @@ class RunOutput(Protocol):
     def close(self) -> None:
         """Close the logs and the progress display (also after a failure)."""
 
+    def unwritten(self, rows: list[dict[str, Any]]) -> None:
+        """The loop failed with `rows` (steps finished since the last sync point) not written yet: a launch's
+        rank 0 writes them, since a rescue (rescue.py) may resume after them; one process drops them."""
+
 
 class StopSource(Protocol):
     """A stop request: `requested` is polled once per step, after its forward/backward."""
@@ -247,6 +251,9 @@ def run_loop(steps: StepStrategy, out: RunOutput, stop: StopSource, cfg: Any, st
                 end.stopped = True
                 break
         out.finish()
+    except BaseException:
+        out.unwritten(rows)
+        raise
     finally:
         steps.close()
         out.close()

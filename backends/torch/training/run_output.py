@@ -50,6 +50,9 @@ class LocalOutput:
     def finish(self) -> None:
         self.log.plot(*self.curve)
 
+    def unwritten(self, rows: list[dict[str, Any]]) -> None:
+        pass  # one process resumes from its last checkpoint, whose rows are all written
+
     def close(self) -> None:
         self.bar.close()
         self.log.close()

@@ -69,7 +69,7 @@ from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, STOP_FILE
 from .membership import MAX_LINE, REQUEST_TIMEOUT_S, ask, channel_key
 
 __all__ = ["Admission", "JoinRefused", "Joined", "read_pnode_file", "check_pnode_memory", "smallest_share",
-           "join_run", "follow", "follow_attempts", "ask_stop", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]
+           "join_run", "follow", "follow_attempts", "ask_stop", "record_event", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]
 
 CHUNK_BYTES = 512 * 1024  # raw bytes a `fetch` answers: base64 makes it 683 KiB, inside the 1 MiB line
 FETCH_TIMEOUT_S = 60.0  # one chunk over a slow link: 512 KiB at 100 kB/s is 5 s, so 60 s is generous
@@ -164,11 +164,8 @@ class Admission:
 
     def event(self, row: dict[str, Any]) -> None:
         """One row of launch/fleet-events.jsonl (appended; the file is machine 0's, in the run it owns)."""
-        path = self.run_dir / LAUNCH_DIR / FLEET_EVENTS_JSONL
-        line = json.dumps({"time": round(time.time(), 3), **row}, allow_nan=False) + "\n"
         with self.lock:
-            with open(path, "a", encoding="utf-8") as f:
-                f.write(line)
+            record_event(self.run_dir, row)
 
     @property
     def pnodes(self) -> list[PNode]:
@@ -309,6 +306,13 @@ class Admission:
                 if set(self.joined) | set(range(1, self.static_machines)) <= self.told_done:
                     return
             time.sleep(0.05)
+
+
+def record_event(run_dir: Path, row: dict[str, Any]) -> None:
+    """Append one row to machine 0's launch/fleet-events.jsonl: joins, re-plans, boundaries, rescues."""
+    line = json.dumps({"time": round(time.time(), 3), **row}, allow_nan=False) + "\n"
+    with open(run_dir / LAUNCH_DIR / FLEET_EVENTS_JSONL, "a", encoding="utf-8") as f:
+        f.write(line)
 
 
 def ask_stop(run_dir: Path) -> None:
@@ -501,6 +505,10 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
                 raise
             result.attempts.append(number)
             if not ok:
+                from .shard_transfer import send_shards  # it imports this module's chunk size
+                from ...training.rescue import RESCUE_DIR
+
+                send_shards(machines.request, run_dir / LAUNCH_DIR / RESCUE_DIR, number, emit)
                 described = ", ".join(f"{job.ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
                 plan = machines.settle({"lost": [job.ranks[r] for r in lost], "described": described, "error": ""},
                                        lambda reports, missing: {}, wait_for_all=True)

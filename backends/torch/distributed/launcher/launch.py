@@ -115,6 +115,10 @@ from vgraph.run.step_plan import PIPELINES
 from ..runtime.progress import LaunchBar
 from ..rendezvous import TOKEN_ENV, check_master_addr, check_token, free_port, probe_port
 from .supervisor import Supervisor
+from .shard_transfer import ShardReceiver, send_shards
+from .elastic import record_event
+from ...training.rescue import RESCUE_DIR, assemble, clear_rescue, read_shards, run_identity, save_rescued
+from vgraph.run.step_plan import make_plan
 from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
 from ...training.config import TrainConfig, TrainingError
@@ -168,6 +172,7 @@ class LaunchResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     attempts: list[dict[str, Any]] = field(default_factory=list)  # per attempt: ranks, exit codes, outcome
     placement: dict[str, Any] = field(default_factory=dict)  # placement_report of the last attempt
+    steps_redone: int = 0  # machine 0: steps trained again after failures (0 when every rescue found its step)
 
 
 # -- the graph --------------------------------------------------------------------------------------
@@ -370,6 +375,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
             run = _prepare(config, stop, machines)
             if _elastic(config) and run.lead:
                 run.admission = _admission(run)
+            if run.lead and machines.active:
+                _serve_channel(run)
             if jobs is not None:
                 return _emit_job(run, jobs)
             try:
@@ -682,8 +689,22 @@ def _admission(run: _Run) -> elastic.Admission:
     for shard in (shard for split in SPLITS for shard in splits[split]["shards"]):
         for key in ("bin", "idx"):  # the manifest's SHA-256 of each: a large corpus is not read again here
             admission.serve(shard[key], corpus / shard[key], shard[f"{key}_sha256"])
-    run.machines.serve_extra(admission.answer)
     return admission
+
+
+def _serve_channel(run: _Run) -> None:
+    """Machine 0: what its channel answers besides heartbeats and decisions: the other machines' rescue shards
+    (shard_transfer.py) and, in a run that takes joins, the joiners' requests (elastic.py)."""
+    receiver = ShardReceiver(run.launch_dir / RESCUE_DIR)
+
+    def answer(request: dict) -> dict:
+        if str(request.get("op", "")).startswith("rescue-"):
+            return receiver.answer(request)
+        if run.admission is not None:
+            return run.admission.answer(request)
+        return {"error": "this run takes no joins (--nnodes MIN:MAX)"}
+
+    run.machines.serve_extra(answer)
 
 
 def _last_step(run: _Run) -> int:
@@ -834,6 +855,8 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
     lost_pnodes = [ranks[r] for r in lost]
     described = ", ".join(f"{ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
     if run.machines.active:  # every machine reports; machine 0 decides for all (membership.py)
+        if not run.lead:  # this machine's survivors' shards first: machine 0 decides once it has every report
+            send_shards(run.machines.request, run.launch_dir / RESCUE_DIR, attempt.number, run.emit)
         try:
             plan = run.machines.settle({"lost": lost_pnodes, "described": described, "error": errors},
                                        lambda reports, missing: decide(reports, missing, run.home, cfg.on_failure),
@@ -841,8 +864,13 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
         except MachineLost as exc:
             raise TrainingError(str(exc)) from None
         lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
+        gone = list(plan.get("gone") or [])
+    else:
+        gone = []
     if errors:
         raise TrainingError(errors)
+    if run.lead:  # before any refusal to restart: a later --resume starts from the rescued step too
+        _rescue(run, attempt, result, lost_pnodes)
     if cfg.on_failure == "stop" or result.restarts >= cfg.max_restarts:
         raise TrainingError(f"worker {described} failed; not restarting "
                             f"({'--on-failure stop' if cfg.on_failure == 'stop' else f'{result.restarts} restarts'})."
@@ -854,11 +882,48 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
         fleet = fleet.without(lost_pnodes)
     if cfg.on_failure == "shrink":
         shrunk = _shrink(attempt.placement, fleet, lost_pnodes, described, cfg.batch, run.micro)
+    if cfg.on_failure == "restart" and gone:  # machines that vanished: re-planned around (the partition pass)
+        fleet = fleet.without(gone)
+        run.given = (None, None)  # a given placement names the lost PNodes
     where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
     run.emit(f"launch: worker {described} failed; restarting from {where or 'the last checkpoint'}"
-             f"{' on ' + ', '.join(fleet.ids) if cfg.on_failure == 'repartition' else ''}"
+             f"{' on ' + ', '.join(fleet.ids) if cfg.on_failure == 'repartition' or gone else ''}"
              f"{f' with {len(shrunk[1][0])} replica(s), batch shares {shrunk[1][1]}' if shrunk else ''}")
     return fleet, shrunk
+
+
+def _rescue(run: _Run, attempt: _Attempt, result: LaunchResult, lost: list[str]) -> None:
+    """Machine 0 after a failed attempt: a checkpoint from the survivors' rescue shards when they hold every
+    VNode at one step later than the last checkpoint (training/rescue.py), else the last checkpoint; either
+    way the steps redone are said (the launcher's line, a fleet-events.jsonl row, the final summary)."""
+    cfg, job, folder = run.cfg, attempt.job, run.launch_dir / RESCUE_DIR
+    shards, refused = read_shards(folder, run=run_identity(job.network_yaml, job.run_info), attempt=attempt.number)
+    latest = ckpt.latest_checkpoint(run.run_dir)
+    floor = ckpt.load_checkpoint(latest).step if latest is not None else 0
+    plan = make_plan(attempt.placement.graph, attempt.placement.final, list(attempt.placement.ranks))
+    keys = set().union(*(plan.param_keys(r) for r in range(plan.world_size)))
+    found = assemble(shards, keys=keys, floor=floor, ceiling=cfg.steps, reached=_last_step(run), refused=refused)
+    for why in found.refused:
+        run.emit(f"launch: rescue shard refused: {why}")
+    if found.step is not None:
+        extra = {"layout": "unfused", "run": json.loads(json.dumps(job.run_info, default=str)),
+                 "network_yaml": job.network_yaml,
+                 "tokenizer_json": read_input(run.run_dir / run.tokenizer, what="tokenizer"),
+                 "launch": {"ranks": job.ranks, "assignment": job.final_assignment, "micro_batches": run.micro,
+                            "attempt": attempt.number}}
+        where = save_rescued(run.run_dir, found, extra, cfg.keep_checkpoints)
+        resume, source = found.step, "replicas"
+        said = f"the survivors hold every VNode at step {found.step} (ranks {found.ranks}): checkpoint {where}"
+    else:
+        resume, source = floor, "checkpoint"
+        said = f"no rescue ({found.why}); resuming from {latest or 'the start'}"
+    redone = max(0, found.reached - resume)
+    result.steps_redone += redone
+    run.emit(f"launch: {said}; {redone} step(s) redone")
+    record_event(run.run_dir, {"event": "rescue", "attempt": attempt.number, "lost": lost, "from": source,
+                               "resume_step": resume, "reached": found.reached, "steps_redone": redone,
+                               "why": found.why if found.step is None else "", "refused": found.refused})
+    clear_rescue(folder)
 
 
 def _collect(run: _Run, result: LaunchResult) -> LaunchResult:
@@ -1036,7 +1101,8 @@ def run_launch(args: argparse.Namespace) -> int:
 
     result = launch(config)
     if not args.emit_job:
-        print_result(result, f"{result.restarts} restart(s)" if result.restarts else None)
+        print_result(result, f"{result.restarts} restart(s)" if result.restarts else None,
+                     f"{result.steps_redone} step(s) redone" if result.restarts else None)
         gap = step_prediction_gap(result.placement or {}, result.history)
         if gap and not args.quiet:
             print(f"note: prediction off: {gap}", file=sys.stderr)

@@ -266,13 +266,13 @@ class Machines:
         with self._board.lock:  # the silence that counts starts now, not during the last decision
             self._board.beats = {m: (count, now) for m, (count, _) in self._board.beats.items()}
 
-    def silent(self) -> list[int]:
-        """Machine 0: the watched machines whose beats stopped for --link-timeout (a machine that never beat
-        yet is still starting: the workers' rendezvous waits for it)."""
-        now = time.monotonic()
+    def silent(self, for_s: float | None = None) -> list[int]:
+        """Machine 0: the watched machines whose beats stopped for --link-timeout (or `for_s`; a machine that
+        never beat yet is still starting: the workers' rendezvous waits for it)."""
+        now, limit = time.monotonic(), self.link_timeout if for_s is None else for_s
         with self._board.lock:
             return sorted(m for m in self._watched
-                          if m in self._board.beats and now - self._board.beats[m][1] > self.link_timeout)
+                          if m in self._board.beats and now - self._board.beats[m][1] > limit)
 
     def trouble(self) -> str | None:
         """Why this machine must stop its workers now, or None (polled while they run)."""
@@ -329,7 +329,10 @@ class Machines:
         while True:
             with board.lock:
                 got = {m for (a, m) in board.reports if a == attempt}
-            pending = self._watched - got - (set() if wait_for_all else set(self.silent()))
+            # A silent machine is waited for one --link-timeout more when all are (a link that comes back
+            # within it rejoins), then counted gone: the run is re-planned around it.
+            gone = set(self.silent(self.link_timeout * (2 if wait_for_all else 1)))
+            pending = self._watched - got - gone
             if not pending or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -354,18 +357,15 @@ def decide(reports: dict[int, dict], missing: list[int], home: dict[str, int], o
 
     A user-facing error anywhere stops the run with it.  Machines that did not report lost all their PNodes
     (`home`: PNode -> machine), and only those count then (the workers of the others failed because of
-    them); with `restart` a missing machine stops the run, since restarting needs every machine."""
+    them); they are `gone`: with `restart` the next attempt is re-planned on the PNodes left (its state
+    rescued from the survivors' shards, training/rescue.py), with `shrink` their replicas are dropped."""
     errors = [r.get("error") for _, r in sorted(reports.items()) if r.get("error")]
     if errors:
         return {"lost": [], "described": "", "error": errors[0]}
     if missing:
         lost = sorted(p for p, m in home.items() if m in missing)
         described = ", ".join(f"{p} (machine {home[p]}, unreachable)" for p in lost)
-        if on_failure == "restart":
-            return {"lost": lost, "described": described,
-                    "error": f"machine(s) {', '.join(map(str, missing))} did not come back within --comm-timeout "
-                             f"(--on-failure restart needs every machine); continue the run with --resume"}
-        return {"lost": lost, "described": described, "error": ""}
+        return {"lost": lost, "described": described, "error": "", "gone": lost}
     lost = sorted({p for r in reports.values() for p in r.get("lost", [])})
     described = "; ".join(r["described"] for _, r in sorted(reports.items()) if r.get("described"))
     return {"lost": lost, "described": described, "error": ""}

@@ -26,9 +26,10 @@ from vgraph.run.files import RUN_LOCK_ENV
 from ..runtime.progress import PROGRESS_ENV
 from ..rendezvous import TOKEN_ENV, gloo_environment
 
-__all__ = ["Supervisor", "TERMINATE_GRACE_S"]
+__all__ = ["Supervisor", "TERMINATE_GRACE_S", "RESCUE_GRACE_S"]
 
 TERMINATE_GRACE_S = 5.0
+RESCUE_GRACE_S = 5.0  # a survivor's shard is written in well under a second on the test networks
 
 
 def _die_with_parent() -> None:
@@ -174,6 +175,7 @@ class Supervisor:
             failed = [r for r, c in codes.items() if c not in (None, 0)]
             if failed:
                 first = {r: codes[r] for r in failed}
+                self._let_survivors_finish(poll_s)
                 self.stop()
                 final = {w.rank: w.process.exitcode for w in self.workers}
                 # Ranks killed by a signal before we stopped anyone are the lost ones; else the first to exit.
@@ -182,6 +184,14 @@ class Supervisor:
             if all(c == 0 for c in codes.values()):
                 self._join()
                 return True, {r: 0 for r in codes}, []
+            time.sleep(poll_s)
+
+    def _let_survivors_finish(self, poll_s: float) -> None:
+        """After a worker failed, the others see their peer lost (a closed connection fails their collective
+        at once), write their rescue shard (training/rescue.py) and exit by themselves: wait up to
+        RESCUE_GRACE_S for that before stopping those that did not (a SIGTERM would lose the shard)."""
+        deadline = time.monotonic() + RESCUE_GRACE_S
+        while time.monotonic() < deadline and any(w.process.exitcode is None for w in self.workers):
             time.sleep(poll_s)
 
     def stop(self) -> None:

@@ -54,6 +54,7 @@ class PipelineStep:
         self.tokens_per_step = self.cfg.batch * self.seq_len
         self._costs: dict[str, torch.Tensor] = {}
         self._found_inf, self._sumsq = False, 0.0
+        self.completed: int | None = None  # the last step whose update this rank applied (a rescue shard's step)
 
     def forward_backward(self, step: int, lr_factor: float) -> None:
         """This replica's samples through the rank's part of the schedule round; the replicas' gradient
@@ -85,6 +86,7 @@ class PipelineStep:
         self.loss_check.check(step, loss)
         self._found_inf, self._sumsq = bad_grads > 0, sumsq
         apply_update(self, self.cfg.grad_clip)
+        self.completed = step  # before the tied weights' sync: its replicas are not in a rescue shard
         self.stages.sync_tied_weights()
         self.pnode_figures.end_step(step, sent)
         row.update(loss=loss, boundary_bytes=int(step_bytes))

@@ -88,12 +88,14 @@ class GatheredCheckpoints:
         self.say = say
         self.powersgd = powersgd
 
-    def _local_state(self) -> dict[str, Any]:
-        """This rank's parameters and optimizer state, unfused layout, replicas left out (CPU copies)."""
+    def local_state(self, every_replica: bool = False) -> dict[str, Any]:
+        """This rank's parameters and optimizer state, unfused layout, replicas of tied weights left out (CPU
+        copies).  `every_replica`: a rescue shard (rescue.py) needs a replica's state too, when its replica 0
+        is the one lost."""
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, dict[str, Any]] = {}
         compression = self._local_compression()
-        if self.stages.replica:  # data-parallel replicas are identical: replica 0's share is the checkpoint
+        if self.stages.replica and not every_replica:  # replicas are identical: replica 0's share is the checkpoint
             return {"model": model, "optim": optim, "compression": compression}
         for task in self.stages.tasks:
             module = self.stages.modules[task.id]
@@ -118,7 +120,7 @@ class GatheredCheckpoints:
 
     def save(self, step: int) -> Path | None:
         """Gather every rank's share; rank 0 writes checkpoint `step` and prunes old ones (its path; None elsewhere)."""
-        parts = self.ctrl.gather(self._local_state())
+        parts = self.ctrl.gather(self.local_state())
         if self.ctrl.rank != 0:
             return None
         model: dict[str, torch.Tensor] = {}
@@ -261,6 +263,14 @@ class RankOutput:
     def finish(self) -> None:
         if self.log is not None:
             self.log.plot(*self.curve)
+
+    def unwritten(self, rows: list[dict[str, Any]]) -> None:
+        """Rank 0, the loop failed (a peer lost): the finished steps since the last sync point are written
+        with what rank 0 has of them (the loss every rank agreed on, lr, time, bytes; the other ranks' entries
+        were not gathered), since a rescue (rescue.py) may resume after them; a resume from an earlier step
+        cuts them off again (MetricsLog.restart)."""
+        if self.log is not None and rows:
+            self.log.append(rows)
 
     def close(self) -> None:
         if self.log is not None:

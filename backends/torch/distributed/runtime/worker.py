@@ -108,6 +108,7 @@ from ...training.batches import TokenShards
 from ...training.config import TrainingError
 from ...training.interrupt import StopRequest
 from ...training.loop import run_loop
+from ...training.rescue import RESCUE_DIR, run_identity, write_shard
 from ...training.setup import seed_everything, use_deterministic_kernels
 from ...training.step import LossCheck
 
@@ -236,6 +237,7 @@ class Worker:
         """Resume (when the run directory has a checkpoint), then the one training loop (training/loop.py) to
         `train.steps`: this rank's PipelineStep, rows and checkpoints gathered on rank 0 (RankOutput)."""
         start = self.checkpoints.resume()
+        self.steps.completed = start
         self.stages.sync_tied_weights()
         log = None
         if self.rank == 0:
@@ -267,6 +269,22 @@ class Worker:
             params = sum(p.numel() for p in self.stages.modules[task.id].parameters())
             self.say(f"task {task.id}: {len(task.graph)} VNodes, {params:,} parameters, "
                      f"{len(task.receives)} inputs, {len(task.sends)} outputs")
+
+    def rescue(self) -> Path | None:
+        """A peer is lost: write this rank's rescue shard (training/rescue.py), its VNodes' state at the last
+        step it completed, into its run directory, for the launcher to assemble; None when it has none yet
+        (lost during set-up) or was not started by `vgraph launch` (torchrun and srun resume from the last
+        checkpoint by themselves)."""
+        steps = getattr(self, "steps", None)
+        if self.place.launcher != "vgraph" or steps is None or steps.completed is None:
+            return None
+        state = self.checkpoints.local_state(every_replica=True)
+        return write_shard(self.run_dir / LAUNCH_DIR / RESCUE_DIR, run=run_identity(self.job.network_yaml,
+                                                                                   self.job.run_info),
+                           attempt=self.job.attempt, rank=self.rank, pnode=self.pnode, step=steps.completed,
+                           model=state["model"], optim=state["optim"],
+                           extra={"grad_scaler": self.scaler.state_dict(),
+                                  "compression": {"boundary": state["compression"]["boundary"]}})
 
     def _check_replicas(self) -> None:
         """Before a checkpoint: the replicas of this stage still hold the same weights and optimizer state."""
@@ -403,6 +421,21 @@ def claim_run(job: Job, place: WorkerPlace, env: Mapping[str, str]) -> RunLock |
     return lock
 
 
+def _write_rescue(worker: Worker | None) -> None:
+    """The lost peer's survivors each leave their shard (Worker.rescue); a shard that cannot be written is
+    said and skipped: the launcher then falls back to the last checkpoint."""
+    if worker is None:
+        return
+    try:
+        path = worker.rescue()
+    except Exception as exc:  # noqa: BLE001 - a full disk, a torn state: the checkpoint path still holds
+        print(f"rescue shard not written: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr, flush=True)
+        return
+    if path is not None:
+        print(f"rescue: left step {worker.steps.completed} of rank {worker.rank} in {path}", file=sys.stderr,
+              flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m vgraph.backends.torch.distributed.runtime.worker JOB.json` (see the module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -411,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     job: Job | None = None
     place: WorkerPlace | None = None
+    worker: Worker | None = None
     try:
         place = worker_place(os.environ)
         job = Job.read(args[0])
@@ -431,6 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if _peer_lost(exc):  # the launcher knows which worker died first; no traceback needed here
             print(f"stopped: lost a peer ({str(exc).splitlines()[0][:200]})", file=sys.stderr, flush=True)
+            _write_rescue(worker)
             return 1
         traceback.print_exc()
         sys.stderr.flush()
