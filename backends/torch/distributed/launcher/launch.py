@@ -885,6 +885,7 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
     if cfg.on_failure == "restart" and gone:  # machines that vanished: re-planned around (the partition pass)
         fleet = fleet.without(gone)
         run.given = (None, None)  # a given placement names the lost PNodes
+        run.partition = run.partition.with_options("partition", replicas="auto")  # as many as the rest holds
     where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
     run.emit(f"launch: worker {described} failed; restarting from {where or 'the last checkpoint'}"
              f"{' on ' + ', '.join(fleet.ids) if cfg.on_failure == 'repartition' or gone else ''}"
