@@ -164,23 +164,23 @@ def assemble(shards: list[Shard], *, keys: set[str], floor: int, ceiling: int, r
         else:
             usable.append(shard)
     reached = max([reached, *(s.step for s in usable)])
-    why = "no surviving worker left its state"
+    reasons: list[str] = []  # why each later step was not taken, latest first
     for candidate in sorted({s.step for s in usable}, reverse=True):
         at = sorted((s for s in usable if s.step == candidate), key=lambda s: s.rank)
         missing = keys - set().union(*(s.keys for s in at))
         if missing:
-            why = (f"at step {candidate} the survivors hold {len(keys) - len(missing)} of {len(keys)} parameters "
-                   f"(none holds {printable(sorted(missing)[0], 80)}: no replica of it survived)")
+            reasons.append(f"at step {candidate} the survivors hold {len(keys) - len(missing)} of {len(keys)} "
+                           f"parameters (none holds {printable(sorted(missing)[0], 80)}: no replica of it survived)")
             continue
         if candidate <= floor:
-            why = f"the survivors' step {candidate} is no later than the last checkpoint's ({floor})"
+            reasons.append(f"the survivors' step {candidate} is no later than the last checkpoint's ({floor})")
             break
         disagree = _disagreement(at)
         if disagree:
-            why = disagree
+            reasons.append(disagree)
             continue
         return _take(at, candidate, reached, keys, refused)
-    return Rescue(None, reached, why=why, refused=refused)
+    return Rescue(None, reached, why="; ".join(reasons) or "no surviving worker left its state", refused=refused)
 
 
 def _disagreement(at: list[Shard]) -> str:
