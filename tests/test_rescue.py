@@ -124,6 +124,7 @@ def test_a_machine_sends_its_shards_to_machine_0_over_the_sealed_channel(channel
     m1, received, _ = channel
     monkeypatch.setattr("vgraph.backends.torch.distributed.launcher.shard_transfer.CHUNK_BYTES", 100)  # chunks
     shard(tmp_path / "m1", 1, 5, STAGE_B)
+    assert (tmp_path / "m1" / "a0-r1" / ckpt.MODEL_FILE).stat().st_size > 100  # more than a chunk
     shard(tmp_path / "m1", 3, 5, attempt=1)  # another attempt's: stays here
     said: list[str] = []
     assert send_shards(m1.request, tmp_path / "m1", 0, said.append) == ["a0-r1"] and said == []

@@ -66,16 +66,14 @@ from vgraph.cost.host_memory import available_host_memory
 from vgraph.ir.graph import Graph
 from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, STOP_FILE
 
-from .membership import MAX_LINE, REQUEST_TIMEOUT_S, ask, channel_key
+from .membership import CHUNK_BYTES, FETCH_TIMEOUT_S, REQUEST_TIMEOUT_S, ask, channel_key
+from .shard_transfer import send_shards
+from ...training.rescue import RESCUE_DIR
 
 __all__ = ["Admission", "JoinRefused", "Joined", "read_pnode_file", "check_pnode_memory", "smallest_share",
            "join_run", "follow", "follow_attempts", "ask_stop", "record_event", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]
 
-CHUNK_BYTES = 512 * 1024  # raw bytes a `fetch` answers: base64 makes it 683 KiB, inside the 1 MiB line
-FETCH_TIMEOUT_S = 60.0  # one chunk over a slow link: 512 KiB at 100 kB/s is 5 s, so 60 s is generous
 MAX_PNODE_TEXT = 64 * 1024  # a PNode file: a few hundred bytes, its per-kind figures a few more
-if 4 * (CHUNK_BYTES + 2) // 3 + 4096 >= MAX_LINE:  # a chunk's answer must fit the channel's line
-    raise ImportError("elastic.CHUNK_BYTES is too large for membership.MAX_LINE")
 
 
 class JoinRefused(VGraphError):
@@ -505,9 +503,6 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
                 raise
             result.attempts.append(number)
             if not ok:
-                from .shard_transfer import send_shards  # it imports this module's chunk size
-                from ...training.rescue import RESCUE_DIR
-
                 send_shards(machines.request, run_dir / LAUNCH_DIR / RESCUE_DIR, number, emit)
                 described = ", ".join(f"{job.ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
                 plan = machines.settle({"lost": [job.ranks[r] for r in lost], "described": described, "error": ""},

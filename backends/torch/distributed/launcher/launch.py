@@ -24,8 +24,12 @@ supervises them:
 * one exits 3 (a user-facing error: diverged loss, incompatible resume, an
   input it cannot feed): the others are stopped and the error is raised;
 * one dies otherwise (killed, crashed, lost its peer): the others, typically
-  blocked in a receive from it, are terminated (SIGTERM, then SIGKILL), and
-  the run restarts from the last complete checkpoint, with the same
+  blocked in a receive from it, see their peer lost, write their rescue shard
+  (the state of the last step they completed: training/rescue.py) and exit,
+  or are terminated after 5 s (SIGTERM, then SIGKILL); machine 0 makes a
+  checkpoint of the shards when they hold every VNode at one step (`_rescue`;
+  the other machines send theirs over the launchers' channel:
+  shard_transfer.py), and the run restarts from the latest checkpoint, with the same
   placement (`--on-failure restart`) or re-partitioned onto the PNodes that
   survived (`--on-failure repartition`: the dead worker's PNode is dropped
   from the fleet).  Checkpoints are in the unfused global layout and the
@@ -53,7 +57,9 @@ use along the network.  Rank 0 (machine 0) writes metrics and checkpoints and
 hands each rank its share of a checkpoint on resume, so only machine 0 needs
 the run directory.  A failure restarts every machine's workers from the last
 checkpoint (each launcher restarts its own; the rendezvous port moves to
-P + attempt); `repartition` is single-machine only.  The launchers keep in
+P + attempt; a machine that vanished is re-planned around, its VNodes' state
+rescued from a surviving replica when one holds them); `repartition` is
+single-machine only.  The launchers keep in
 touch through machine 0 on port P - 1 (membership.py): a machine lost with its
 link is noticed within --link-timeout, and machine 0 decides for all what the
 next attempt is.  A PNode stays on the machine that ran it first (after a

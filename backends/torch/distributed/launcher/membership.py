@@ -20,10 +20,12 @@ How (`--nnodes N > 1` only):
   wait in gloo until --comm-timeout; SIGTERM, SIGKILL after 5 s) and the attempt ends;
 * when an attempt fails anywhere, machine 0 tells the others to stop theirs (in its answer to their next
   beat), every machine reports which of its PNodes lost their worker (killed, crashed) and any user-facing
-  error, and machine 0 decides (`decide`): with `restart` it waits up to --comm-timeout for every
-  machine (a machine whose link comes back rejoins, and every worker restarts from the last checkpoint);
-  with `shrink` it does not wait for machines already silent: their PNodes are lost, and every launcher
-  drops the replicas that hold one.  The others read the decision and act on it, so all agree.
+  error, and machine 0 decides (`decide`): with `restart` it waits for every machine, a silent one for
+  one --link-timeout more (a machine whose link comes back within it rejoins, and every worker restarts),
+  then counts it gone: the next attempt is re-planned on the PNodes left, from the survivors' rescue shards
+  (training/rescue.py) or the last checkpoint; with `shrink` it does not wait for machines already silent:
+  their PNodes are lost, and every launcher drops the replicas that hold one.  The others read the decision
+  and act on it, so all agree.
 
 Machine 0 holds the run directory and the rank-0 worker: if it is the one lost, the run stops (the other
 machines give up after --comm-timeout + --link-timeout without reaching it).
@@ -54,6 +56,10 @@ from ..rendezvous import RendezvousError, _family, check_bound, check_listen_add
 HEARTBEAT_S = 1.0
 REQUEST_TIMEOUT_S = 2.0
 MAX_LINE = 1 << 20  # a report names PNodes and carries an error text: far less
+CHUNK_BYTES = 512 * 1024  # raw bytes of a file in one line (elastic.py, shard_transfer.py): base64, 683 KiB
+FETCH_TIMEOUT_S = 60.0  # one chunk over a slow link: 512 KiB at 100 kB/s is 5 s, so 60 s is generous
+if 4 * (CHUNK_BYTES + 2) // 3 + 4096 >= MAX_LINE:  # a chunk's line must fit the channel's
+    raise ImportError("membership.CHUNK_BYTES is too large for membership.MAX_LINE")
 
 
 class MachineLost(Exception):
@@ -371,4 +377,5 @@ def decide(reports: dict[int, dict], missing: list[int], home: dict[str, int], o
     return {"lost": lost, "described": described, "error": ""}
 
 
-__all__ = ["Machines", "MachineLost", "decide", "ask", "channel_key", "HEARTBEAT_S", "REQUEST_TIMEOUT_S", "MAX_LINE"]
+__all__ = ["Machines", "MachineLost", "decide", "ask", "channel_key", "HEARTBEAT_S", "REQUEST_TIMEOUT_S", "MAX_LINE",
+           "CHUNK_BYTES", "FETCH_TIMEOUT_S"]

@@ -3,7 +3,7 @@
 Why: machine 0 assembles the checkpoint a rescue resumes from (training/rescue.py), and the survivors' shards
 lie in each machine's own run directory: there is no shared file system.  The channel (membership.py: every
 line sealed with an HMAC of the run's secret, one request per connection) already carries elastic.py's
-files in chunks of elastic.CHUNK_BYTES; this is the other direction, a machine pushing to machine 0:
+files in chunks of membership.CHUNK_BYTES; this is the other direction, a machine pushing to machine 0:
 
 * `rescue-put` {shard, file, offset, data}: one chunk (base64) of one of a shard's files, at `offset`, which
   must be where the file received so far ends (a chunk sent twice, after a lost answer, is taken once);
@@ -27,7 +27,7 @@ from typing import Any, Callable
 from vgraph.base.diagnostics import printable
 
 from ...training.rescue import SHARD_FILES, SHARD_NAME
-from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S
+from .membership import CHUNK_BYTES, FETCH_TIMEOUT_S
 
 __all__ = ["ShardReceiver", "send_shards"]
 
