@@ -70,6 +70,19 @@ def test_a_rank_lost_between_the_control_all_reduce_and_the_optimizer_step(tmp_p
     assert rescue(tmp_path / "whole", floor=3).step is None  # no later than the last checkpoint: no gain
 
 
+def test_a_step_rank_0_did_not_log_is_not_taken(tmp_path):
+    """Rank 0 (which writes the rows) still waited in step 4's all-reduce when the others completed it: step 4
+    is whole in the shards but has no row, so it is not taken (the log would miss it); step 3 is not whole."""
+    shard(tmp_path, 0, 3)
+    shard(tmp_path, 1, 4, STAGE_B)
+    shard(tmp_path, 2, 4)
+    assert rescue(tmp_path).step == 4  # the premise: without the log's bound, step 4 is whole
+    shards, _ = read_shards(tmp_path, run=RUN, attempt=0)
+    found = assemble(shards, keys=KEYS, floor=0, ceiling=100, logged=3, reached=3)
+    assert found.step is None and found.reached == 4 and found.why.startswith("step 4 has no row in the log")
+    assert assemble(shards, keys=KEYS, floor=0, ceiling=100, logged=4).step == 4
+
+
 def test_replicas_that_disagree_are_not_taken(tmp_path):
     shard(tmp_path, 0, 6)
     shard(tmp_path, 1, 6, STAGE_B)

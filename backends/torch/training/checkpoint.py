@@ -69,6 +69,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "checkpoint_step",
     "resolve_checkpoint",
     "capture_rng_state",
     "restore_rng_state",
@@ -221,6 +222,14 @@ def load_checkpoint(
         )
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
         raise CheckpointError(f"malformed checkpoint {path}: {quote(str(exc), 200)}") from None
+
+
+def checkpoint_step(directory: str | os.PathLike[str]) -> int:
+    """The step of a complete checkpoint, from its state.json alone (its tensors are not read)."""
+    try:
+        return _step(_read_json(Path(directory) / STATE_JSON_FILE).get("step"))
+    except ValueError as exc:
+        raise CheckpointError(f"malformed checkpoint {directory}: {quote(str(exc), 200)}") from None
 
 
 def _step(value: Any) -> int:

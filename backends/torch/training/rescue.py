@@ -148,11 +148,13 @@ class Rescue:
     refused: list[str] = field(default_factory=list)
 
 
-def assemble(shards: list[Shard], *, keys: set[str], floor: int, ceiling: int, reached: int = 0,
-             refused: list[str] | None = None) -> Rescue:
+def assemble(shards: list[Shard], *, keys: set[str], floor: int, ceiling: int, logged: int | None = None,
+             reached: int = 0, refused: list[str] | None = None) -> Rescue:
     """The latest step at which `shards` hold every key of `keys` (the network's parameter keys) and agree,
-    later than `floor` (the latest checkpoint) and no later than `ceiling` (the run's --steps); see the module
-    docstring.  A shard naming a key the network lacks, or a step past `ceiling`, is refused."""
+    later than `floor` (the latest checkpoint), no later than `ceiling` (the run's --steps) and, given
+    `logged` (the run's last logged step), no later than it: a step without its row (rank 0 had not finished
+    it) would be missing from the log after the resume.  See the module docstring.  A shard naming a key
+    the network lacks, or a step past `ceiling`, is refused."""
     refused = list(refused or [])
     usable: list[Shard] = []
     for shard in shards:
@@ -168,6 +170,9 @@ def assemble(shards: list[Shard], *, keys: set[str], floor: int, ceiling: int, r
     for candidate in sorted({s.step for s in usable}, reverse=True):
         at = sorted((s for s in usable if s.step == candidate), key=lambda s: s.rank)
         missing = keys - set().union(*(s.keys for s in at))
+        if logged is not None and candidate > logged:
+            reasons.append(f"step {candidate} has no row in the log (rank 0 had not finished it)")
+            continue
         if missing:
             reasons.append(f"at step {candidate} the survivors hold {len(keys) - len(missing)} of {len(keys)} "
                            f"parameters (none holds {printable(sorted(missing)[0], 80)}: no replica of it survived)")

@@ -906,10 +906,12 @@ def _rescue(run: _Run, attempt: _Attempt, result: LaunchResult, lost: list[str])
     cfg, job, folder = run.cfg, attempt.job, run.launch_dir / RESCUE_DIR
     shards, refused = read_shards(folder, run=run_identity(job.network_yaml, job.run_info), attempt=attempt.number)
     latest = ckpt.latest_checkpoint(run.run_dir)
-    floor = ckpt.load_checkpoint(latest).step if latest is not None else 0
+    floor = ckpt.checkpoint_step(latest) if latest is not None else 0
     plan = make_plan(attempt.placement.graph, attempt.placement.final, list(attempt.placement.ranks))
     keys = set().union(*(plan.param_keys(r) for r in range(plan.world_size)))
-    found = assemble(shards, keys=keys, floor=floor, ceiling=cfg.steps, reached=_last_step(run), refused=refused)
+    logged = _last_step(run)
+    found = assemble(shards, keys=keys, floor=floor, ceiling=cfg.steps, logged=logged, reached=logged,
+                     refused=refused)
     for why in found.refused:
         run.emit(f"launch: rescue shard refused: {why}")
     if found.step is not None:
@@ -918,7 +920,12 @@ def _rescue(run: _Run, attempt: _Attempt, result: LaunchResult, lost: list[str])
                  "tokenizer_json": read_input(run.run_dir / run.tokenizer, what="tokenizer"),
                  "launch": {"ranks": job.ranks, "assignment": job.final_assignment, "micro_batches": run.micro,
                             "attempt": attempt.number}}
-        where = save_rescued(run.run_dir, found, extra, cfg.keep_checkpoints)
+        try:
+            where = save_rescued(run.run_dir, found, extra, cfg.keep_checkpoints)
+        except OSError as exc:  # a full disk: the run still has its last checkpoint
+            found.why = f"its checkpoint could not be written: {exc.strerror or exc}"
+            found.step = None
+    if found.step is not None:
         resume, source = found.step, "replicas"
         said = f"the survivors hold every VNode at step {found.step} (ranks {found.ranks}): checkpoint {where}"
     else:
