@@ -141,6 +141,7 @@ def test_a_machine_sends_its_shards_to_machine_0_over_the_sealed_channel(channel
     shard(tmp_path / "m1", 3, 5, attempt=1)  # another attempt's: stays here
     said: list[str] = []
     assert send_shards(m1.request, tmp_path / "m1", 0, said.append) == ["a0-r1"] and said == []
+    assert sorted(p.name for p in (tmp_path / "m1").iterdir()) == ["a0-r1", "a1-r3"]
     shard(received, 0, 5)  # machine 0's own
     found = rescue(received)
     assert found.step == 5 and found.ranks == [0, 1]
@@ -160,6 +161,8 @@ def test_a_second_loss_during_the_rescue_leaves_no_shard(channel, tmp_path):
     found = rescue(received)
     assert found.step is None and found.refused == [] and "none holds b.weight" in found.why
     assert (received / ".in-a0-r1").is_dir() and not (received / "a0-r1").exists()
+    assert send_shards(m1.request, tmp_path / "m1", 1, lambda line: None) == []  # the next rescue's send
+    assert not (tmp_path / "m1" / "a0-r1").exists()  # ... removes the earlier attempt's shards
 
 
 def test_the_receiver_takes_no_path_and_no_torn_file(channel, tmp_path):

@@ -106,12 +106,16 @@ def _sha256(path: Path) -> str:
 def send_shards(request: Callable[..., dict], folder: Path, attempt: int, say: Callable[[str], None]) -> list[str]:
     """This machine's shards of `attempt` (in `folder`) to machine 0, chunk by chunk (`request`: the channel,
     Machines.request); the names that arrived whole.  A shard machine 0 refuses, or a link that fails, is
-    said and skipped: machine 0 then assembles from what it has, or falls back to the last checkpoint."""
+    said and skipped: machine 0 then assembles from what it has, or falls back to the last checkpoint.  The
+    shards stay here until the next rescue (a machine that takes machine 0's role reads its own); earlier
+    attempts' are removed."""
     sent: list[str] = []
     if not folder.is_dir():
         return sent
     for shard in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")):
         match = SHARD_NAME.fullmatch(shard.name)
+        if match is not None and int(match.group(1)) < attempt and not shard.is_symlink():
+            shutil.rmtree(shard, ignore_errors=True)  # an earlier rescue's, decided long since
         if match is None or int(match.group(1)) != attempt:
             continue
         try:
