@@ -1043,9 +1043,11 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
                    help="data-parallel replicas of the pipeline (default auto: the plan of least predicted step "
                         "time, see `vgraph partition`); each replica's stage groups all-reduce gradients")
     p.add_argument("--on-failure", choices=ON_FAILURE, default=default["on_failure"],
-                   help="when a worker dies: restart all from the last checkpoint on the same placement "
-                        "(default), re-partition onto the surviving PNodes, shrink (drop the replicas that "
-                        "lost a worker; the others share the global batch), or stop")
+                   help="when a worker dies: restart all on the same placement (default) from the survivors' "
+                        "state when a replica of every VNode survived, else from the last checkpoint (the steps "
+                        "redone are said; machines that vanished are re-planned around), re-partition onto the "
+                        "surviving PNodes, shrink (drop the replicas that lost a worker; the others share the "
+                        "global batch), or stop")
     p.add_argument("--max-restarts", type=_non_negative_int, default=default["max_restarts"], metavar="N",
                    help=f"default {default['max_restarts']}")
     p.add_argument("--comm-timeout", type=options.positive_float, default=default["comm_timeout"], metavar="S",
