@@ -70,6 +70,15 @@ def test_a_rank_lost_between_the_control_all_reduce_and_the_optimizer_step(tmp_p
     assert rescue(tmp_path / "whole", floor=3).step is None  # no later than the last checkpoint: no gain
 
 
+def test_a_run_with_per_rank_state_takes_no_rescue(tmp_path):
+    shard(tmp_path, 0, 5)
+    shard(tmp_path, 1, 5, STAGE_B)
+    shards, _ = read_shards(tmp_path, run=RUN, attempt=0)
+    assert assemble(shards, keys=KEYS, floor=0, ceiling=100).step == 5  # the premise: a whole step
+    found = assemble(shards, keys=KEYS, floor=0, ceiling=100, per_rank_state="error feedback")
+    assert found.step is None and found.why == "error feedback" and found.reached == 5
+
+
 def test_a_step_rank_0_did_not_log_is_not_taken(tmp_path):
     """Rank 0 (which writes the rows) still waited in step 4's all-reduce when the others completed it: step 4
     is whole in the shards but has no row, so it is not taken (the log would miss it); step 3 is not whole."""

@@ -149,12 +149,14 @@ class Rescue:
 
 
 def assemble(shards: list[Shard], *, keys: set[str], floor: int, ceiling: int, logged: int | None = None,
-             reached: int = 0, refused: list[str] | None = None) -> Rescue:
+             reached: int = 0, refused: list[str] | None = None, per_rank_state: str = "") -> Rescue:
     """The latest step at which `shards` hold every key of `keys` (the network's parameter keys) and agree,
     later than `floor` (the latest checkpoint), no later than `ceiling` (the run's --steps) and, given
     `logged` (the run's last logged step), no later than it: a step without its row (rank 0 had not finished
     it) would be missing from the log after the resume.  See the module docstring.  A shard naming a key
-    the network lacks, or a step past `ceiling`, is refused."""
+    the network lacks, or a step past `ceiling`, is refused.  `per_rank_state`: why the run holds state only
+    its own rank has (error-feedback buffers: a lost rank's are gone, and a rescue would not be the same
+    training); then no step is taken."""
     refused = list(refused or [])
     usable: list[Shard] = []
     for shard in shards:
@@ -166,6 +168,8 @@ def assemble(shards: list[Shard], *, keys: set[str], floor: int, ceiling: int, l
         else:
             usable.append(shard)
     reached = max([reached, *(s.step for s in usable)])
+    if per_rank_state:
+        return Rescue(None, reached, why=per_rank_state, refused=refused)
     reasons: list[str] = []  # why each later step was not taken, latest first
     for candidate in sorted({s.step for s in usable}, reverse=True):
         at = sorted((s for s in usable if s.step == candidate), key=lambda s: s.rank)

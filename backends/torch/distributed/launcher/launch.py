@@ -910,8 +910,10 @@ def _rescue(run: _Run, attempt: _Attempt, result: LaunchResult, lost: list[str])
     plan = make_plan(attempt.placement.graph, attempt.placement.final, list(attempt.placement.ranks))
     keys = set().union(*(plan.param_keys(r) for r in range(plan.world_size)))
     logged = _last_step(run)
+    compressing = job.grad_compress != "none" or attempt.placement.graph.nodes_of_type("compress")
     found = assemble(shards, keys=keys, floor=floor, ceiling=cfg.steps, logged=logged, reached=logged,
-                     refused=refused)
+                     refused=refused, per_rank_state="the run compresses with error feedback, whose buffers are "
+                                                     "each rank's own" if compressing else "")
     for why in found.refused:
         run.emit(f"launch: rescue shard refused: {why}")
     if found.step is not None:
