@@ -3,7 +3,8 @@ two machines, machine 1's whole process group (its launcher, forkserver and work
 holds after step 3.  With 2 replicas, machine 0's worker holds every VNode at step 3: the run is re-planned on
 machine 0 alone, resumes at step 3 from the survivor's shard, and 0 steps are redone; with a pipeline over the
 two machines, no survivor holds machine 1's VNodes: it resumes from the step-2 checkpoint and says 1 step was
-redone.  Both train like `vgraph train` at the same global batch (test_distributed_replicas.same_training:
+redone; with four machines the lost stage's state comes from machine 3's shard, sent over the launchers'
+channel.  All train like `vgraph train` at the same global batch (test_distributed_replicas.same_training:
 losses at rtol 1e-5, every step logged once, final weights and optimizer state within weights_util's bound).
 Tiny network, 6 steps: these run real worker processes."""
 from __future__ import annotations
@@ -22,8 +23,10 @@ import pytest
 from conftest import ROOT
 from test_distributed_replicas import common, files, reference, same_training  # noqa: F401 - fixtures
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, free_port, launch
+from vgraph.backends.torch.training import checkpoint as ckpt
 from vgraph.run.files import FLEET_EVENTS_JSONL
 
+pytestmark = pytest.mark.slow  # real launchers and workers: about a minute each on the 2-core VM under load
 TOKEN = "rescue-test-secret-0123"
 KILL_AT = 3  # machine 1's worker holds after this step; checkpoints are every 2 steps (common())
 RUNNER = ("import json, sys\n"
@@ -32,29 +35,33 @@ RUNNER = ("import json, sys\n"
           "launch(LaunchConfig(**c))\n")
 
 
-def kill_machine_1(files_dir: Path, tmp_path: Path, monkeypatch, replicas: int):
-    """Machine 0 in a thread, machine 1 a process group of its own; SIGKILL the group once machine 1's worker
-    holds after step KILL_AT (machine 0's worker then waits on it in step KILL_AT + 1).  Machine 0's result."""
+def kill_machine_1(files_dir: Path, tmp_path: Path, monkeypatch, replicas: int, fleet: str = "wide2.yml",
+                   victim: str = "w1", nnodes: int = 2, micro: int = 2):
+    """Machine 0 (and machines 2 .. nnodes - 1) in threads, machine 1 a process group of its own; SIGKILL the
+    group once machine 1's worker (`victim`) holds after step KILL_AT (the others then wait on it in step
+    KILL_AT + 1).  Machine 0's result."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
-    base = dict(**common(files_dir), fleet=str(files_dir / "wide2.yml"), micro_batches=2, replicas=replicas,
-                nnodes=2, master_port=free_port(), hold=("w1", KILL_AT), link_timeout=2.0, comm_timeout=60.0)
+    base = dict(**common(files_dir), fleet=str(files_dir / fleet), micro_batches=micro, replicas=replicas,
+                nnodes=nnodes, master_port=free_port(), hold=(victim, KILL_AT), link_timeout=2.0, comm_timeout=60.0)
     box: dict = {}
 
-    def machine_0() -> None:
+    def machine(rank: int) -> None:
         try:
-            box["result"] = launch(LaunchConfig(**base, node_rank=0, out=tmp_path / "node0"))
+            box[rank] = launch(LaunchConfig(**base, node_rank=rank, out=tmp_path / f"node{rank}"))
         except BaseException as exc:  # re-raised in the test's thread
             box["error"] = exc
 
-    thread = threading.Thread(target=machine_0, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=machine, args=(r,), daemon=True) for r in (0, *range(2, nnodes))]
+    for t in threads:
+        t.start()
+    thread = threads[0]
     with open(tmp_path / "machine1.log", "w") as log:
         other = subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps({**base, "node_rank": 1,
                                                                            "out": str(tmp_path / "node1")})],
                                  cwd=str(ROOT), env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        held = tmp_path / "node1" / "launch" / "held-w1"
+        held = tmp_path / "node1" / "launch" / f"held-{victim}"
         deadline = time.monotonic() + 180
         while not held.exists():
             assert other.poll() is None and thread.is_alive() and time.monotonic() < deadline, \
@@ -66,11 +73,12 @@ def kill_machine_1(files_dir: Path, tmp_path: Path, monkeypatch, replicas: int):
     finally:
         if other.poll() is None:
             os.killpg(other.pid, signal.SIGKILL)
-    thread.join(timeout=300)
-    assert not thread.is_alive(), "machine 0 did not finish"
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive(), "a machine did not finish"
     if "error" in box:
         raise box["error"]
-    return box["result"]
+    return box[0]
 
 
 def rescue_rows(run: Path) -> list[dict]:
@@ -117,4 +125,23 @@ def test_a_vanished_pipeline_stage_falls_back_to_the_checkpoint_and_says_the_ste
     assert row["from"] == "checkpoint" and row["resume_step"] == 2 and row["reached"] == KILL_AT
     assert row["steps_redone"] == KILL_AT - 2 == result.steps_redone and "no replica of it survived" in row["why"]
     assert resumed_after(result.history) == 2 and result.attempts[1]["ranks"] == ["w0"]
+    same_training(result.history, reference, run)
+
+
+def test_the_other_survivors_send_their_shards_to_machine_0(files, reference, tmp_path, monkeypatch):
+    """Four machines, one worker each: 2 stages x 2 replicas, world [w0, w2, w1, w3] (replica 0: w0, w2), so
+    machine 1 runs w2, replica 0's second stage.  When it is killed, the second stage survives only on machine
+    3 (w3): the rescue at step 3 needs machine 3's shard, which comes over the launchers' channel; the run goes
+    on as one pipeline on w0, w1, w3."""
+    result = kill_machine_1(files, tmp_path, monkeypatch, replicas=2, fleet="fleet4.yml", victim="w2", nnodes=4,
+                            micro=8)
+    run = tmp_path / "node0"
+    job = first_job(run)  # the premise: machine 1's w2 held the second stage, which machine 0 does not hold
+    assert job["ranks"] == ["w0", "w2", "w1", "w3"] and job["batch_shares"] == [4, 4]
+    assert set(job["final_assignment"].values()) == {"w0", "w2"}
+    (row,) = rescue_rows(run)
+    assert row["from"] == "replicas" and row["resume_step"] == KILL_AT and row["steps_redone"] == 0
+    checkpoint = ckpt.load_checkpoint(run / f"step-{KILL_AT:08d}")
+    assert 3 in checkpoint.extra["rescued_from"]  # machine 3's rank, sent over
+    assert result.attempts[1]["ranks"] == ["w0", "w1", "w3"] and result.steps_redone == 0
     same_training(result.history, reference, run)
