@@ -203,3 +203,25 @@ def test_a_link_that_fails_during_the_send_is_said_and_skipped(tmp_path):
 
     assert send_shards(lost, tmp_path, 0, said.append) == []
     assert len(said) == 1 and "a0-r1 not sent to machine 0: connection refused" in said[0]
+
+
+def test_rank_0_writes_the_rows_a_failure_left_unwritten(tmp_path):
+    """RankOutput.unwritten (the loop's failure path): rank 0 appends the steps it finished since its last sync
+    point, so a rescue after them leaves no step unlogged; the resumed attempt's restart cuts the log back to
+    the step it resumed from.  Other ranks (no log) write nothing."""
+    from vgraph.backends.torch.distributed.runtime.rank_zero import RankOutput
+    from vgraph.backends.torch.training.metrics_log import MetricsLog, read_rows
+
+    def output(log):
+        return RankOutput(None, None, log=log, progress=None, pnodes=[], curve=(tmp_path / "c.png", "n"),
+                          before_save=lambda: None, after_step=lambda step: None, say=lambda line: None)
+
+    log = MetricsLog(tmp_path, ["step", "loss", "lr", "elapsed_s", "tokens_per_s"])
+    log.restart(0)
+    log.append([{"step": 1, "loss": 2.0, "lr": 1e-3, "elapsed_s": 0.1, "tokens_per_s": 10.0}])
+    output(log).unwritten([{"step": s, "loss": 1.5, "lr": 1e-3, "elapsed_s": 0.1 * s} for s in (2, 3)])
+    output(None).unwritten([{"step": 4, "loss": 1.0, "lr": 1e-3, "elapsed_s": 0.4}])
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[-1].startswith("3,1.5,")
+    MetricsLog(tmp_path, log.columns).restart(2)  # the rescue took step 2: step 3 is trained again
+    assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1, 2]
