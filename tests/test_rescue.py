@@ -225,3 +225,15 @@ def test_rank_0_writes_the_rows_a_failure_left_unwritten(tmp_path):
     assert (tmp_path / "metrics.csv").read_text().splitlines()[-1].startswith("3,1.5,")
     MetricsLog(tmp_path, log.columns).restart(2)  # the rescue took step 2: step 3 is trained again
     assert [r["step"] for r in read_rows(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_the_final_summary_says_the_steps_redone(tmp_path, monkeypatch, capsys):
+    from conftest import TINY_FP32
+    from vgraph.backends.torch.distributed.launcher import launch as launch_module
+
+    def finished(config):
+        return launch_module.LaunchResult(Path(config.out), 6, 1.25, None, None, restarts=2, steps_redone=1)
+
+    monkeypatch.setattr(launch_module, "launch", finished)
+    assert launch_module.main(["launch", str(TINY_FP32), "--fleet", "cpu2", "--out", str(tmp_path / "run")]) == 0
+    assert "step 6, loss 1.2500, 2 restart(s), 1 step(s) redone;" in capsys.readouterr().out

@@ -169,6 +169,7 @@ class Supervisor:
             why = trouble() if trouble is not None else None
             if why:
                 self.emit(f"launch: {why}; stopping this machine's workers")
+                self._let_survivors_finish(poll_s)  # a failure elsewhere reaches them as a lost peer too
                 self.stop()
                 return False, {w.rank: w.process.exitcode for w in self.workers}, []
             codes = {w.rank: w.process.exitcode for w in self.workers}
@@ -187,9 +188,10 @@ class Supervisor:
             time.sleep(poll_s)
 
     def _let_survivors_finish(self, poll_s: float) -> None:
-        """After a worker failed, the others see their peer lost (a closed connection fails their collective
-        at once), write their rescue shard (training/rescue.py) and exit by themselves: wait up to
-        RESCUE_GRACE_S for that before stopping those that did not (a SIGTERM would lose the shard)."""
+        """After a worker failed (here or on another machine), the others see their peer lost (a closed
+        connection fails their collective at once), write their rescue shard (training/rescue.py) and exit by
+        themselves: wait up to RESCUE_GRACE_S for that before stopping those that did not (a SIGTERM would
+        lose the shard; a worker waiting on a link that went dark does not exit, and costs the wait)."""
         deadline = time.monotonic() + RESCUE_GRACE_S
         while time.monotonic() < deadline and any(w.process.exitcode is None for w in self.workers):
             time.sleep(poll_s)
