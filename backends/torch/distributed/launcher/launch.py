@@ -936,7 +936,8 @@ def _rescue(run: _Run, attempt: _Attempt, result: LaunchResult, lost: list[str])
     redone = max(0, found.reached - resume)
     result.steps_redone += redone
     run.emit(f"launch: {said}; {redone} step(s) redone")
-    record_event(run.run_dir, {"event": "rescue", "attempt": attempt.number, "lost": lost, "from": source,
+    record_event(run.run_dir, {"event": "rescue", "step": logged, "attempt": attempt.number, "lost": lost,
+                               "from": source,
                                "resume_step": resume, "reached": found.reached, "steps_redone": redone,
                                "why": found.why if found.step is None else "", "refused": found.refused})
     clear_rescue(folder)
