@@ -137,3 +137,92 @@ def test_machines_per_step_become_spans() -> None:
     spans = machine_spans(rows)
     assert [(s.first, s.last, s.machines) for s in spans] == [(1, 2, 1), (4, 5, 2)]
     assert spans[1].pnodes == ("j\\x1b", "m0")
+
+
+# -- the same history on the progress line and in TensorBoard --------------------------------------------
+
+def test_the_progress_line_shows_the_machines_and_the_latest_replan(capsys) -> None:
+    from vgraph.backends.torch.distributed.runtime.progress import LaunchBar, RankZeroProgress
+
+    history = fleet_history([DECISION, BOUNDARY, MOVED])
+    note = history.latest.brief()
+    said: list[str] = []
+    RankZeroProgress("lines", 8, 3, "t", said.append).report(
+        8, {"loss": 2.0, "tokens_per_s": 10.0, "lr": 1e-3, "machines": 2}, None, note)
+    assert said == ["step 8/8 loss 2.0000 tok/s 10 lr 1.00e-03 machines 2 (re-plan @3 join j1: 2.4->1.2 s/step, "
+                    "52 kB, moved in 4.2 s)"]
+    RankZeroProgress("events", 8, 3, "t", print).report(
+        4, {"loss": 2.0, "tokens_per_s": 10.0, "lr": 1e-3, "machines": 2}, None, note + "\x1b[2J")
+    event = capsys.readouterr().out.splitlines()[-1]
+    bar = LaunchBar(lambda line: None)
+    assert bar.take(event)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "machines=2 fleet=re-plan @3 join j1" in err and "\x1b" not in err  # a hostile note is escaped
+
+
+@pytest.mark.parametrize("machines", [None, 0, -1, True, 2.5, "2", 2**40])
+def test_a_machine_count_that_is_not_one_is_not_shown(machines) -> None:
+    from vgraph.backends.torch.distributed.runtime.progress import _fleet
+
+    assert "machines" not in _fleet({"machines": machines})
+
+
+def read_tensorboard(run_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_gets_machines_per_step_and_each_replan_at_its_boundary(tmp_path: Path) -> None:
+    from vgraph.backends.torch.training.tensorboard_log import TensorBoardLog
+
+    sink = TensorBoardLog(tmp_path, settings={"steps": 8})
+    sink.restart(3)  # the attempt after the boundary resumes from its checkpoint
+    sink.write([{"step": 4, "loss": 1.0, "machines": 2}, {"step": 5, "loss": 1.0, "machines": 2}])
+    hostile = {**DECISION, "pnode": "j\x1b<b>1"}
+    sink.replans(fleet_history([hostile, BOUNDARY]).replans)  # the move not measured yet
+    sink.replans(fleet_history([hostile, BOUNDARY, MOVED]).replans)  # now it is: only the seconds are new
+    sink.replans(fleet_history([{**DECISION, "step": 0}, {**BOUNDARY, "step": 1}]).replans)  # before this session
+    sink.close()
+    acc = read_tensorboard(tmp_path)
+    assert [(e.step, e.value) for e in acc.Scalars("fleet/machines")] == [(4, 2.0), (5, 2.0)]
+    for tag, value in (("fleet/replan_predicted_before_s", 2.4), ("fleet/replan_predicted_after_s", 1.2),
+                       ("fleet/replan_bytes_moved", 52_000), ("fleet/replan_seconds", 4.25)):
+        assert [(e.step, e.value) for e in acc.Scalars(tag)] == [(3, pytest.approx(value))], tag
+    (text,) = acc.Tensors("fleet/replan/text_summary")
+    shown = text.tensor_proto.string_val[0].decode()
+    assert text.step == 3 and "join" in shown and "the new plan saves" in shown
+    assert "\x1b" not in shown and "<b>" not in shown  # escaped for TensorBoard's Markdown
+
+
+def test_rank_zero_stamps_machines_and_rereads_the_events_only_when_they_change(tmp_path: Path, monkeypatch) -> None:
+    from vgraph.backends.torch.distributed.runtime import fleet_watch
+
+    reads: list[int] = []
+    real = fleet_watch.read_fleet
+    monkeypatch.setattr(fleet_watch, "read_fleet", lambda reader, steps: reads.append(steps) or real(reader, steps))
+
+    class Sink:
+        got: list = []
+
+        def replans(self, replans) -> None:
+            self.got.append([(r.boundary, r.seconds) for r in replans])
+
+    watch = fleet_watch.FleetWatch(tmp_path, 2, 8, Sink())
+    assert watch.note == "" and reads == []  # no events file: nothing read
+    write(tmp_path, DECISION, BOUNDARY)
+    rows = [{"step": 4}, {"step": 5}]
+    watch.rows(rows)
+    watch.rows([{"step": 6}])
+    assert [r["machines"] for r in rows] == [2, 2] and reads == [8]  # read once: the file did not change
+    write(tmp_path, DECISION, BOUNDARY, MOVED)
+    watch.rows([{"step": 7}])
+    assert reads == [8, 8] and Sink.got == [[(3, None)], [(3, 4.25)]]
+    assert watch.note.startswith("re-plan @3 join j1") and "moved in 4.2 s" in watch.note
+    older = fleet_watch.FleetWatch(tmp_path, None, 8)  # a job of an older vgraph: no machine count
+    unstamped = [{"step": 4}]
+    older.rows(unstamped)
+    assert unstamped == [{"step": 4}]

@@ -69,7 +69,8 @@ from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, STOP_FILE
 from .membership import MAX_LINE, REQUEST_TIMEOUT_S, ask, channel_key
 
 __all__ = ["Admission", "JoinRefused", "Joined", "read_pnode_file", "check_pnode_memory", "smallest_share",
-           "join_run", "follow", "follow_attempts", "ask_stop", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]
+           "join_run", "follow", "follow_attempts", "ask_stop", "stop_requested_at", "CHUNK_BYTES",
+           "FETCH_TIMEOUT_S"]
 
 CHUNK_BYTES = 512 * 1024  # raw bytes a `fetch` answers: base64 makes it 683 KiB, inside the 1 MiB line
 FETCH_TIMEOUT_S = 60.0  # one chunk over a slow link: 512 KiB at 100 kB/s is 5 s, so 60 s is generous
@@ -314,6 +315,15 @@ class Admission:
 def ask_stop(run_dir: Path) -> None:
     """Ask this machine's workers to stop after the current step with a checkpoint (a boundary)."""
     atomic_write(run_dir / LAUNCH_DIR / STOP_FILE, "boundary\n")
+
+
+def stop_requested_at(run_dir: Path) -> float | None:
+    """When the stop was asked for (the stop file's time, whoever wrote it), or None when there is none:
+    where a boundary's measured move starts (launch.py writes its `moved` row)."""
+    try:
+        return (run_dir / LAUNCH_DIR / STOP_FILE).stat().st_mtime
+    except OSError:
+        return None
 
 
 # -- the joiner ------------------------------------------------------------------------------------

@@ -84,6 +84,7 @@ import math
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -128,6 +129,7 @@ __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", 
            "register_launch", "main"]
 
 ON_FAILURE = ("restart", "repartition", "shrink", "stop")
+MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
 
 
 @dataclass
@@ -417,6 +419,7 @@ class _Run:
     home: dict[str, int] | None = None  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
     admission: "elastic.Admission | None" = None  # machine 0 of a run that takes joins (elastic.py)
     bar: LaunchBar | None = None  # rank 0's progress, drawn here (progress.py)
+    moving: tuple[int, float] | None = None  # a boundary's step and its stop request's time, until the move is measured
 
     @property
     def launch_dir(self) -> Path:
@@ -608,7 +611,8 @@ def _job(run: _Run, placement: Placement, info: dict[str, Any], number: int, loc
         hold={"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None,
         fleet_yaml=fleet_file_text(fleet) if fleet is not None else "",
         fleet_file=os.path.realpath(fleet.source) if fleet is not None and fleet.source else "",
-        drift_steps=cfg.drift_steps), comm
+        drift_steps=cfg.drift_steps,
+        machines={p: (run.home or {}).get(p, 0) for p in ranks}), comm
 
 
 def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
@@ -735,10 +739,12 @@ def _on_join(run: _Run, joined: Any) -> None:
         decision = decide(*views, sizes, grown, max(0, cfg.steps - step))
     except Exception as exc:  # in its own thread: whatever went wrong is said and recorded, the run goes on
         why = str(exc) if isinstance(exc, VGraphError) else f"{type(exc).__name__}: {exc}"
-        admission.event({"event": "replan", "pnode": pid, "step": step, "chosen": "keep", "reason": why})
+        admission.event({"event": "replan", "kind": "join", "pnode": pid, "step": step, "chosen": "keep",
+                         "reason": why})
         run.emit(f"launch: join {pid} at step {step}: admitted; no re-plan now: {why}")
         return
-    admission.event({"event": "replan", "pnode": pid, "machine": joined.machine, "step": step, **decision.to_json()})
+    admission.event({"event": "replan", "kind": "join", "pnode": pid, "machine": joined.machine, "step": step,
+                     **decision.to_json()})
     run.say(f"launch: join {pid} (machine {joined.machine}) at step {step}: admitted; {decision.describe()}")
     if decision.chosen == "new":
         with admission.lock:
@@ -763,12 +769,15 @@ def _boundary(run: _Run) -> bool:
     with admission.lock:
         asked, admission.replanning = admission.replanning, False
         queued, admission.queued = admission.queued, []
+    requested = elastic.stop_requested_at(run.run_dir)
     (run.launch_dir / STOP_FILE).unlink(missing_ok=True)
     step = _last_step(run)
     if not asked or step >= run.cfg.steps:
         return False
     run.home = {**(run.home or {}), **admission.home()}
-    admission.event({"event": "boundary", "step": step, "pnodes": sorted(run.home),
+    requested = requested if requested is not None else time.time()
+    run.moving = (step, requested)
+    admission.event({"event": "boundary", "step": step, "pnodes": sorted(run.home), "requested": round(requested, 3),
                      "queued": [admission.joined[m].pnode.id for m in queued]})
     run.say(f"launch: re-plan boundary after step {step}: the next attempt runs on {', '.join(sorted(run.home))}")
     return True
@@ -810,7 +819,8 @@ def _supervise(run: _Run, attempt: _Attempt) -> dict[str, Any]:
                          attempt.threads)
         atomic_write(run.launch_dir / WORKERS_JSON,
                           json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
-        ok, codes, lost = supervisor.wait(trouble=run.machines.trouble)
+        ok, codes, lost = supervisor.wait(trouble=_watch_move(run, attempt.number))
+        _move_measured(run, attempt.number)  # an attempt too short for the watch to see its first step
     except BaseException:
         supervisor.stop()
         raise
@@ -820,6 +830,36 @@ def _supervise(run: _Run, attempt: _Attempt) -> dict[str, Any]:
     ranks = attempt.ranks
     return {"attempt": attempt.number, "ranks": ranks, "exit_codes": {ranks[r]: c for r, c in codes.items()},
             "lost": [ranks[r] for r in lost], "ok": ok, "codes": codes, "lost_ranks": lost}
+
+
+def _watch_move(run: _Run, attempt: int) -> Callable[[], str | None]:
+    """The supervisor's `trouble` poll, which also measures a boundary's move (`_move_measured`) every
+    MOVE_POLL_S while one is pending: the seconds a re-plan took, from its stop request to this attempt's
+    first logged step (rank 0 logs a resumed attempt's first step at once: training/loop.py)."""
+    trouble, due = run.machines.trouble, [0.0]
+
+    def poll() -> str | None:
+        if run.moving is not None and time.monotonic() >= due[0]:
+            due[0] = time.monotonic() + MOVE_POLL_S
+            _move_measured(run, attempt)
+        return trouble()
+    return poll
+
+
+def _move_measured(run: _Run, attempt: int) -> None:
+    """When the attempt after a boundary has logged a step: its `moved` row (fleet-events.jsonl) and a line."""
+    if run.moving is None or run.admission is None:
+        return
+    step, requested = run.moving
+    first = _last_step(run)
+    if first <= step:
+        return
+    run.moving = None
+    seconds = max(0.0, time.time() - requested)
+    run.admission.event({"event": "moved", "step": step, "first_step": first, "attempt": attempt,
+                         "seconds": round(seconds, 3)})
+    run.say(f"launch: the re-plan at step {step} took {seconds:.1f} s, from the stop request to attempt {attempt}'s "
+            f"first step")
 
 
 def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result: LaunchResult, fleet: Fleet
