@@ -99,8 +99,10 @@ def test_a_machine_that_joins_a_running_run_takes_part_from_the_boundary(files, 
     port = free_port()
     run_dir = tmp_path / "run"
     lines: list[str] = []
-    lead = Thread(lambda: launch(LaunchConfig(**common(files), out=run_dir, fleet=str(files / "one.yml"), nnodes=1,
-                                              max_nnodes=2, master_port=port, hold=("m0", 2), log=lines.append)))
+    # progress=True: the launcher's lines and rank 0's progress lines (to a callback: VGRAPH_PROGRESS=lines)
+    lead = Thread(lambda: launch(LaunchConfig(**{**common(files), "progress": True}, out=run_dir,
+                                              fleet=str(files / "one.yml"), nnodes=1, max_nnodes=2, master_port=port,
+                                              hold=("m0", 2), log=lines.append)))
     lead.start()
     wait_for(lambda: (run_dir / "launch" / "held-m0").exists(), "m0 held after step 2", lead.is_alive)
     joiner = Thread(lambda: elastic.follow("127.0.0.1", port, files / "j1.yml", tmp_path / "joiner",
@@ -129,6 +131,34 @@ def test_a_machine_that_joins_a_running_run_takes_part_from_the_boundary(files, 
 
     same_training(result.history, reference)
     assert any("j1" in (r.get("pnodes") or {}) for r in result.history[boundary["step"]:])
+    watched_over_time(run_dir, result.history, boundary["step"], lines)
+
+
+def watched_over_time(run_dir: Path, history: list[dict], at: int, lines: list[str]) -> None:
+    """Issue 36 item 5 on the run above: the rows' machines change at the boundary, the re-plan's move is
+    measured, and the progress line, TensorBoard and the report show them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from vgraph.report.page import build_report, read_run
+    from vgraph.run.fleet_events import read_fleet
+    from vgraph.run.files import RunReader
+
+    assert [(r["step"], r["machines"]) for r in history] == [(s, 1 if s <= at else 2) for s in range(1, STEPS + 1)]
+    assert all(set(r["pnodes"]) == ({"m0"} if r["step"] <= at else {"j1", "m0"}) for r in history)
+    moved = next(e for e in events(run_dir) if e["event"] == "moved")
+    assert moved["step"] == at and moved["first_step"] == at + 1 and moved["seconds"] > 0
+    (replan,) = read_fleet(RunReader(run_dir), STEPS).replans
+    assert (replan.kind, replan.pnode, replan.boundary, replan.seconds) == ("join", "j1", at, moved["seconds"])
+    assert any(f"launch: the re-plan at step {at} took" in line for line in lines)
+    assert any("machines 2 (re-plan @" in line and "join j1" in line for line in lines), lines  # rank 0's lines
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    assert {e.step: e.value for e in acc.Scalars("fleet/machines")} == {s: (1 if s <= at else 2)
+                                                                      for s in range(1, STEPS + 1)}
+    assert [(e.step, e.value) for e in acc.Scalars("fleet/replan_seconds")] == [(at, pytest.approx(moved["seconds"]))]
+    assert [e.step for e in acc.Scalars("fleet/replan_bytes_moved")] == [at]
+    page = build_report(read_run(run_dir))
+    assert "<h2>Fleet over time</h2>" in page and f"{moved['seconds']:.4g}" in page
 
 
 @pytest.mark.slow

@@ -38,14 +38,15 @@ def test_a_decision_its_boundary_and_its_measured_move_are_one_replan(tmp_path: 
     assert (r.old_step_s, r.new_step_s, r.bytes_moved, r.seconds) == (2.4, 1.2, 52_000, 4.25)
     assert r.predicted_s == pytest.approx(3.01)
     assert history.counts == {"join admitted": 1, "replan": 1, "boundary": 1, "moved": 1}
-    assert r.brief() == "re-plan @3 join j1: 2.4->1.2 s/step, 52 kB, moved in 4.2 s"
+    assert r.brief() == "re-plan @3 join j1: 2.4->1.2 s/step, 50.8 KiB, moved in 4.2 s"
     assert history.latest is r
 
 
 def test_until_the_move_is_measured_the_seconds_are_unknown(tmp_path: Path) -> None:
     history = read_fleet(write(tmp_path, DECISION, BOUNDARY), 8)
     assert history.replans[0].boundary == 3 and history.replans[0].seconds is None
-    assert "moved" not in history.replans[0].brief()
+    assert history.replans[0].brief() == "re-plan @3 join j1: 2.4->1.2 s/step, 50.8 KiB"
+    assert read_fleet(write(tmp_path, DECISION), 8).replans[0].brief().startswith("re-plan asked @2 join j1")
 
 
 @pytest.mark.parametrize("kind", ["leave", "lost", "drift", "something-new"])
@@ -62,6 +63,7 @@ def test_a_kept_plan_is_a_decision_without_a_boundary(tmp_path: Path) -> None:
     history = read_fleet(write(tmp_path, DECISION, BOUNDARY, MOVED, keep), 8)
     assert [r.chosen for r in history.replans] == ["new", "keep"]
     assert history.replans[1].boundary is None and history.latest is history.replans[0]  # the latest change
+    assert history.replans[1].brief().startswith("kept plan @7 join j1")
 
 
 def test_a_missing_file_is_an_empty_history_without_a_note(tmp_path: Path) -> None:
@@ -114,6 +116,7 @@ def test_a_figure_that_is_not_a_finite_nonnegative_number_is_unknown(tmp_path: P
 def test_huge_numbers_are_kept_when_they_are_numbers(tmp_path: Path) -> None:
     (r,) = read_fleet(write(tmp_path, {**DECISION, "bytes_moved": 1.5e300}), 8).replans
     assert r.bytes_moved == 1.5e300 and math.isfinite(r.bytes_moved)
+    assert "1.36e+288 TiB" in r.brief() and len(r.brief()) < 80
 
 
 def test_control_characters_in_names_and_reasons_are_escaped(tmp_path: Path) -> None:
@@ -150,7 +153,7 @@ def test_the_progress_line_shows_the_machines_and_the_latest_replan(capsys) -> N
     RankZeroProgress("lines", 8, 3, "t", said.append).report(
         8, {"loss": 2.0, "tokens_per_s": 10.0, "lr": 1e-3, "machines": 2}, None, note)
     assert said == ["step 8/8 loss 2.0000 tok/s 10 lr 1.00e-03 machines 2 (re-plan @3 join j1: 2.4->1.2 s/step, "
-                    "52 kB, moved in 4.2 s)"]
+                    "50.8 KiB, moved in 4.2 s)"]
     RankZeroProgress("events", 8, 3, "t", print).report(
         4, {"loss": 2.0, "tokens_per_s": 10.0, "lr": 1e-3, "machines": 2}, None, note + "\x1b[2J")
     event = capsys.readouterr().out.splitlines()[-1]

@@ -67,7 +67,8 @@ class Replan:
     time: float | None = None
 
     def brief(self) -> str:
-        """One short line for the progress display: `re-plan @3 join j1: 2.10->1.05 s/step, 1.2 MB, 4.3 s`."""
+        """One short line for the progress display: `re-plan @3 join j1: 2.4->1.2 s/step, 50.8 KiB, moved in 4.2 s`
+        (`re-plan asked @2` before its boundary, `kept plan @7` for a decision that kept it)."""
         at = self.boundary if self.boundary is not None else self.step
         who = f" {self.pnode}" if self.pnode else ""
         parts = [f"{_seconds(self.old_step_s)}->{_seconds(self.new_step_s)} s/step"]
@@ -75,7 +76,7 @@ class Replan:
             parts.append(_bytes(self.bytes_moved))
         if self.seconds is not None:
             parts.append(f"moved in {self.seconds:.1f} s")
-        verb = "re-plan" if self.chosen == "new" else "kept plan"
+        verb = "kept plan" if self.chosen != "new" else "re-plan" if self.boundary is not None else "re-plan asked"
         return f"{verb} @{at} {self.kind}{who}: {', '.join(parts)}"
 
 
@@ -211,7 +212,8 @@ def _seconds(value: float | None) -> str:
 
 
 def _bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    """Binary units, as the launcher's lines and the report write bytes (3 digits: a huge count stays short)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n:.0f} B"
