@@ -318,8 +318,13 @@ def _fleet_section(rec: RunRecord) -> str:
         return ""
     e = html.escape
     replans = history.replans
-    machines = [(r["step"], r["machines"]) for r in rec.rows if isinstance(r.get("machines"), int)]
-    at = dict(machines)
+    counted = [(r["step"], r["machines"]) for r in rec.rows if isinstance(r.get("machines"), int)]
+    at = dict(counted)
+    machines: list[tuple[int, int]] = []  # drawn as steps: a change is a vertical jump at its first step
+    for step, n in counted:
+        if machines and machines[-1][1] != n:
+            machines.append((step, machines[-1][1]))
+        machines.append((step, n))
     marks = [(r.boundary if r.boundary is not None else r.step,
               at.get(r.boundary if r.boundary is not None else r.step, 0)) for r in replans if r.chosen == "new"]
     chart = line_chart("Machines per step", [Series("machines", machines, PALETTE[3]),
