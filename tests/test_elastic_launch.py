@@ -451,3 +451,67 @@ def test_the_cli_refuses_bad_combinations_with_exit_2(files, tmp_path, capsys):
     with pytest.raises(VGraphError, match="repartition"):
         launch(LaunchConfig(**common(files), out=tmp_path / "r", fleet=fleet, nnodes=1, max_nnodes=2,
                             on_failure="repartition"))
+
+
+# -- leaving ----------------------------------------------------------------------------------------
+
+def two_machine_run(files: Path, tmp_path: Path, port: int, lines: list, leaving: elastic.Leaving, hold_step: int):
+    """Machines 0 and 1 of a run that takes joins (--nnodes 2:3), m0's worker held after `hold_step`: the
+    plan's pipeline puts a stage on each machine, so machine 1 holds VNodes nobody else holds."""
+    fleet = files / "two.yml"
+    fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
+                     + PNODE.format(id="m1", memory="256MiB"))
+
+    def machine(rank: int):
+        return lambda: launch(LaunchConfig(**common(files), out=tmp_path / f"node{rank}", fleet=str(fleet), nnodes=2,
+                                           max_nnodes=3, node_rank=rank, master_port=port, log=lines.append,
+                                           hold=("m0", hold_step) if rank == 0 else None,
+                                           leaving=leaving if rank == 1 else None))
+    return Thread(machine(0)), Thread(machine(1))
+
+
+def test_a_machine_that_leaves_hands_off_at_a_boundary_and_exits_when_released(files, reference, tmp_path,
+                                                                                monkeypatch):
+    """SIGTERM on machine 1 (its Leaving, what the signal calls) while m0 is held after step 2: machine 0 takes
+    a boundary (the workers stop after step 3 with a checkpoint, which holds m1's stage), releases machine 1,
+    and trains steps 4..8 on m0 alone: every step once, losses and final weights as `vgraph train`.  A second
+    SIGTERM is said and ignored (one leave, one boundary)."""
+    from weights_util import assert_same_weights
+
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = free_port()
+    lines: list[str] = []
+    leaving = elastic.Leaving(lines.append)
+    lead, second = two_machine_run(files, tmp_path, port, lines, leaving, 2)
+    run_dir = tmp_path / "node0"
+    lead.start()
+    second.start()
+    wait_for(lambda: (run_dir / "launch" / "held-m0").exists(), "m0 held after step 2", lead.is_alive)
+    placed = json.loads((run_dir / "placement.json").read_text())
+    assert sorted(set(placed["assignment"].values())) == ["m0", "m1"]  # the premise: m1 holds VNodes of its own
+    leaving.ask("SIGTERM")
+    leaving.ask("SIGTERM")  # twice
+    wait_for(lambda: any(e["event"] == "replan" for e in events(run_dir)), "the leave's decision", lead.is_alive)
+    assert leaving.answered.wait(10) and not leaving.released  # it held VNodes: released only at the boundary
+    (run_dir / "launch" / RELEASE_FILE).write_text("go\n")
+    lead.join(timeout=300)
+    second.join(timeout=60)
+    assert lead.error is None and second.error is None, (lead.error, second.error, lines[-20:])
+
+    rows = events(run_dir)
+    assert [(e["event"], e.get("outcome")) for e in rows if e["event"] == "leave"] == [("leave", "boundary")]
+    decision = next(e for e in rows if e["event"] == "replan")
+    assert decision["trigger"] == "leave" and decision["pnodes"] == ["m1"] and decision["step"] == 2
+    assert decision["chosen"] == "new" and decision["reason"] == "the plan lost m1" and decision["old_step_s"] is None
+    assert decision["new_step_s"] > 0 and decision["below_min"] == 1  # documented: the run goes on below MIN
+    boundary = next(e for e in rows if e["event"] == "boundary")
+    assert boundary["pnodes"] == ["m0"] and boundary["released"] == [1] and boundary["step"] == 3
+    assert [e["machine"] for e in rows if e["event"] == "release"] == [1]
+    first, after = lead.result.attempts
+    assert sorted(first["ranks"]) == ["m0", "m1"] and after["ranks"] == ["m0"] and lead.result.restarts == 0
+    assert second.result.attempts[-1] == {"released": True}
+    assert sum("already leaving" in line for line in lines) == 1
+    same_training(lead.result.history, reference)
+    assert not any("m1" in (r.get("pnodes") or {}) for r in lead.result.history[3:])
+    last = f"step-{STEPS:08d}"
+    assert_same_weights(run_dir / last, reference.run_dir / last, steps=STEPS, lr=LR)
