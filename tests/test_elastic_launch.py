@@ -515,3 +515,50 @@ def test_a_machine_that_leaves_hands_off_at_a_boundary_and_exits_when_released(f
     assert not any("m1" in (r.get("pnodes") or {}) for r in lead.result.history[3:])
     last = f"step-{STEPS:08d}"
     assert_same_weights(run_dir / last, reference.run_dir / last, steps=STEPS, lr=LR)
+
+
+# -- drift ------------------------------------------------------------------------------------------
+
+def test_a_fleet_that_lies_is_replanned_from_the_measured_figures(files, reference, tmp_path, monkeypatch):
+    """w1 claims 20x w0's FLOP/s (both are this CPU): the first plan puts the network on w1.  Rank 0 measures
+    w1's busy time far above the plan's (drift after 2 steps off), machine 0 prices the planner's plan on the
+    measured fleet against the running plan priced on it too, and the re-plan moves the work off w1 at a
+    boundary; the run trains like `vgraph train`.  The boundary is priced at 0 s here (the tiny network's
+    steps are milliseconds, so no real gain pays the 3 s default; the test asserts the decision's own
+    numbers: gain above the move's price)."""
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    lie = files / "lie.yml"
+    lie.write_text("name: lie\npnodes:\n"
+                   "  - {id: w0, memory: 256MiB, flops: 1T, bandwidth: 1GB/s, accelerator: cpu}\n"
+                   "  - {id: w1, memory: 256MiB, flops: 20T, bandwidth: 1GB/s, accelerator: cpu}\n")
+    run_dir = tmp_path / "run"
+    lines: list[str] = []
+    lead = Thread(lambda: launch(LaunchConfig(**common(files), out=run_dir, fleet=str(lie), nnodes=1, max_nnodes=2,
+                                              master_port=free_port(), hold=("w1", 6), log=lines.append,
+                                              drift_steps=2, replan_overhead_s=0.0)))
+    lead.start()
+    wait_for(lambda: any(e["event"] == "replan" for e in events(run_dir)), "the drift's decision", lead.is_alive)
+    (run_dir / "launch" / RELEASE_FILE).write_text("go\n")
+    lead.join(timeout=300)
+    assert lead.error is None, (lead.error, lines[-20:])
+    result = lead.result
+    first, second = result.attempts
+    assert first["ranks"] == ["w1"]  # the premise: the lie drew the whole network onto w1
+    assert second["ranks"] == ["w0"] and result.restarts == 0  # the measured figures moved it away
+    decision = next(e for e in events(run_dir) if e["event"] == "replan")
+    assert decision["trigger"] == "drift" and decision["chosen"] == "new", decision
+    assert decision["reason"].startswith("drift: w1 measured") and "for 2 steps" in decision["reason"]
+    assert decision["drift"]["pnodes"]["w1"]["ratio"] > 1.25 and decision["new_step_s"] < decision["old_step_s"]
+    assert decision["gain_s"] > decision["move_s"] + decision["overhead_s"] and decision["bytes_moved"] > 0
+    drift_rows = [r for r in result.history if "drift" in r]
+    assert drift_rows and drift_rows[0]["step"] == decision["step"] <= 6
+    same_training(result.history, reference)
+    measured = (run_dir / "fleet.measured.yml").read_text()
+    assert "w1" in measured and lie.read_text().count("20T") == 1  # the input is never written over
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, 1e9, True, "3"])
+def test_the_replan_overhead_refuses_what_is_not_seconds(files, tmp_path, bad):
+    with pytest.raises(VGraphError, match="re-plan overhead"):
+        launch(LaunchConfig(**common(files), out=tmp_path / "r", fleet=str(files / "one.yml"), replan_overhead_s=bad))
+    assert not (tmp_path / "r").exists()
