@@ -767,7 +767,7 @@ def _replan(run: _Run, trigger: str, step: int, target_of: Callable[[Fleet], Fle
     try:
         placement, fleet = _running(admission, wait_s=cfg.comm_timeout if gone else 0.0)
         target = target_of(fleet)
-        decision, machines = _decision(run, placement, target, step, gone, measured is not None)
+        decision, machines, handed = _decision(run, placement, target, step, gone, measured is not None)
     except Exception as exc:  # in its own thread: whatever went wrong is said and recorded, the run goes on
         said = str(exc) if isinstance(exc, VGraphError) else f"{type(exc).__name__}: {exc}"
         admission.event({**row, "chosen": "new" if gone else "keep", "reason": said})
@@ -780,6 +780,8 @@ def _replan(run: _Run, trigger: str, step: int, target_of: Callable[[Fleet], Fle
         run.emit(f"launch: warning: after {label} the run has {machines} machine(s), fewer than --nnodes MIN "
                  f"{cfg.nnodes}; it goes on with them")
     row.update(decision.to_json())
+    if gone:  # what only the leaving machine held: its VNodes' state, through the boundary's checkpoint
+        row["checkpoint_bytes"] = handed
     if why:
         row["reason"] = f"{why}; {decision.reason}"
     admission.event(row)
@@ -805,9 +807,10 @@ def _running(admission: elastic.Admission, wait_s: float) -> tuple[Any, Fleet]:
 
 
 def _decision(run: _Run, placement: Placement, target: Fleet, step: int, gone: Sequence[str], reprice: bool
-              ) -> tuple[Any, int]:
-    """(replan.Replan, machines left on `target`): the planner's plan on `target` against `placement`
-    (`reprice`: the running plan's step priced on `target` as well, a drift's measured figures)."""
+              ) -> tuple[Any, int, float]:
+    """(replan.Replan, machines left on `target`, state bytes of the VNodes only `gone` held): the planner's
+    plan on `target` against `placement` (`reprice`: the running plan's step priced on `target` as well, a
+    drift's measured figures)."""
     from vgraph.placement.replan import PlanView, decide, state_bytes
 
     cfg, admission = run.cfg, run.admission
@@ -821,10 +824,11 @@ def _decision(run: _Run, placement: Placement, target: Fleet, step: int, gone: S
         old = _plan_on(run, target, placement.assignment, layout)
     views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
              for p in (old, new)]
-    decision = decide(*views, state_bytes(_before_partition(run)), target, max(0, cfg.steps - step), gone=gone,
-                      overhead_s=cfg.replan_overhead_s)
+    sizes = state_bytes(_before_partition(run))
+    decision = decide(*views, sizes, target, max(0, cfg.steps - step), gone=gone, overhead_s=cfg.replan_overhead_s)
     homes = {**(run.home or {}), **admission.home()}
-    return decision, len({homes.get(p, 0) for p in target.ids})
+    handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
+    return decision, len({homes.get(p, 0) for p in target.ids}), handed
 
 
 def _plan_on(run: _Run, fleet: Fleet, assignment: dict[str, str] | None = None, layout: Any = None) -> Placement:
@@ -1202,11 +1206,17 @@ def _run_join(args: argparse.Namespace) -> int:
     host, port = args.join
     check_master_addr(host)
     say = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    joined = elastic.follow(host, port, args.pnode, args.out, join_timeout=args.join_timeout,
-                            link_timeout=args.link_timeout, comm_timeout=args.comm_timeout,
-                            emit=lambda line: print(line, file=sys.stderr, flush=True))  # JoinRefused: exit 2
+    emit = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    leave = elastic.Leaving(emit)  # SIGTERM, or a first Ctrl-C: leave gracefully (docs/distributed.md)
+    restore = leave.install()
+    try:
+        joined = elastic.follow(host, port, args.pnode, args.out, join_timeout=args.join_timeout,
+                                link_timeout=args.link_timeout, comm_timeout=args.comm_timeout, emit=emit,
+                                leave=leave)  # JoinRefused: exit 2
+    finally:
+        restore()
     say(f"launch --join: done: machine {joined.machine} (PNode {joined.pnode}) ran in attempt(s) "
-        f"{', '.join(map(str, joined.attempts)) or 'none'}")
+        f"{', '.join(map(str, joined.attempts)) or 'none'}{'; released: it left the run' if joined.released else ''}")
     return 0
 
 
