@@ -562,3 +562,75 @@ def test_the_replan_overhead_refuses_what_is_not_seconds(files, tmp_path, bad):
     with pytest.raises(VGraphError, match="re-plan overhead"):
         launch(LaunchConfig(**common(files), out=tmp_path / "r", fleet=str(files / "one.yml"), replan_overhead_s=bad))
     assert not (tmp_path / "r").exists()
+
+
+def test_leaves_before_during_and_at_a_boundary_are_recorded_and_released(files, tmp_path):
+    """Machine 0's side of leaving, request by request: a machine the running attempt does not use is released
+    at once; one it uses starts one boundary (`on_leave`), a second leave at the same step or during that
+    boundary is queued behind it, a repeated leave is the same leave; the boundary releases them all, their
+    `job` answers say so, and their PNodes are not in the next fleet."""
+    from types import SimpleNamespace
+
+    asked: list[tuple[int, list[str], int]] = []
+
+    def on_leave(adm, machine, pnodes, step):
+        asked.append((machine, pnodes, step))
+        adm.replanning = True  # what _replan does when it asks for the boundary
+
+    adm = admission(files, tmp_path, max_machines=4, on_leave=on_leave)
+    machines = {pid: join(adm, pnode_text(pid))["machine"] for pid in ("j1", "j2", "j3")}
+    adm.current = (SimpleNamespace(world=["m0", "j1", "j2"]), adm.fleet)  # j3 admitted, waiting for a boundary
+
+    def leave(pid):
+        return adm.answer({"op": "leave", "machine": machines[pid]})
+
+    assert leave("j3") == {"leaving": True, "released": True, "step": 5}  # before its first attempt
+    assert leave("j1")["released"] is False
+    deadline = time.monotonic() + 5
+    while not asked and time.monotonic() < deadline:  # on_leave runs in its own thread
+        time.sleep(0.01)
+    assert asked == [(machines["j1"], ["j1"], 5)]
+    assert leave("j1")["again"] and leave("j2")["released"] is False  # twice; a second machine, same step
+    time.sleep(0.2)
+    assert len(asked) == 1  # one boundary for both
+    outcomes = [(e["pnodes"], e["outcome"]) for e in events(tmp_path) if e["event"] == "leave"]
+    assert outcomes == [(["j3"], "released"), (["j1"], "boundary"), (["j2"], "queued")]
+    assert "only a machine of the run" in adm.answer({"op": "leave", "machine": 0})["error"]
+    assert "only a machine of the run" in adm.answer({"op": "leave", "machine": 9})["error"]
+    assert adm.grown_fleet(adm.fleet).ids == ["m0"]  # the leavers' PNodes are not placed again
+    assert adm.answer({"op": "job", "machine": machines["j1"], "attempt": 1}) == {"wait": True}  # not yet
+    assert adm.release(6) == [machines["j1"], machines["j2"]]
+    for pid in ("j1", "j2", "j3"):
+        assert adm.answer({"op": "job", "machine": machines[pid], "attempt": 1})["released"] is True
+    assert [e["pnodes"] for e in events(tmp_path) if e["event"] == "release"] == [["j1"], ["j2"]]
+
+
+def test_sigterm_to_a_joined_machine_that_holds_nothing_yet_exits_0_when_released(files, tmp_path):
+    """The real signal on the real command: `vgraph launch --join` admitted to a run whose running attempt does
+    not use it (machine 0 here: its channel and admission); SIGTERM makes it leave, machine 0 releases it at
+    once, and it exits 0, having said so."""
+    import subprocess
+    import sys
+
+    from vgraph.backends.torch.distributed.launcher.membership import Machines
+
+    port = free_port()
+    server = Machines()
+    server.open("127.0.0.1", port - 1, TOKEN, 0, 2, 10.0, 10.0)
+    adm = admission(files, tmp_path)
+    server.serve_extra(adm.answer)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "vgraph.cli.main", "launch", "--join", f"127.0.0.1:{port}",
+                                 "--pnode", str(files / "j1.yml"), "--out", str(tmp_path / "j")],
+                                env={**os.environ, "VGRAPH_LAUNCH_TOKEN": TOKEN}, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: bool(adm.joined), "the admission", lambda: proc.poll() is None, 60)  # handler set
+            proc.send_signal(signal.SIGTERM)
+            err = proc.communicate(timeout=60)[1]
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err
+        assert "leaving the run" in err and "released this machine" in err and "Traceback" not in err, err
+        assert [(e["pnodes"], e["outcome"]) for e in events(tmp_path) if e["event"] == "leave"] == [(["j1"], "released")]
+    finally:
+        server.close()
