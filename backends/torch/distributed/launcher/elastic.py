@@ -125,13 +125,100 @@ class _Joined:
     step: int  # the run's last logged step when it was admitted
 
 
+@dataclass(kw_only=True)
+class _Departures:
+    """Machine 0's side of graceful leaves (`Leaving` is the leaver's): its own conversation on the channel
+    (`leave`, then the `job` answer that releases) with its own state, kept apart from the joins'.
+    `Admission` is one: `on_leave` runs in its own thread when a leave needs a boundary; `homes` says whose
+    PNodes a leaving machine takes along (PNode -> machine, the launcher's run.home)."""
+
+    on_leave: Callable[[Any, int, list[str], int], None] | None = None  # (admission, machine, its PNodes, step)
+    homes: Callable[[], dict[str, int]] | None = None
+    leaving: dict[int, int] = field(default_factory=dict)  # machine -> the step it said it leaves at
+    left: set[str] = field(default_factory=set)  # PNodes of machines that left (never placed again)
+    released: set[int] = field(default_factory=set)  # leaving machines told to go (their `job` answers so)
+
+    def departing(self) -> set[str]:
+        """The PNodes of the machines that left or said they leave."""
+        homes = self.homes() if self.homes is not None else self.home()
+        with self.lock:
+            leaving = set(self.leaving)
+            return set(self.left) | {p for p, m in homes.items() if m in leaving}
+
+    def home(self) -> dict[str, int]:
+        return {j.pnode.id: j.machine for j in self.joined.values()}
+
+    def publish(self, attempt: int, job_path: Path, home: dict[str, int], placement: Any, fleet: Fleet) -> None:
+        """Attempt `attempt`'s job, for the machines that follow machine 0 (the joined ones); its placement
+        and fleet are what the next join's decision starts from."""
+        name = f"job-{attempt}.json"
+        self.serve(name, job_path)
+        with self.lock:
+            self.current = (placement, fleet)
+            self.jobs[attempt] = {"attempt": attempt, "file": name, "home": dict(home)}
+
+    def finish(self, error: str = "") -> None:
+        """The run is over (with machine 0's `error` when it failed): followers stop waiting for jobs."""
+        with self.lock:
+            self.done, self.error = True, error
+
+    def _leave(self, request: dict) -> dict:
+        """Machine `machine` says it leaves (its launcher got SIGTERM).  Said again (a second signal, a retry
+        whose answer was lost): the same answer, nothing more.  A machine whose PNodes the running attempt
+        does not use (admitted and waiting, or not placed yet) is released at once; else `on_leave` takes a
+        boundary (or, when one is under way, the leave waits for it), and the machine is released when the
+        next attempt is placed without it (`release`)."""
+        machine = int(request["machine"])
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run (not machine 0) leaves it"}
+        step = self.step()
+        homes = self.homes() if self.homes is not None else self.home()
+        pnodes = sorted(p for p, m in homes.items() if m == machine)
+        if machine in self.joined and self.joined[machine].pnode.id not in pnodes:
+            pnodes.append(self.joined[machine].pnode.id)
+        with self.lock:
+            if machine in self.leaving or machine in self.released or self.done:
+                return {"leaving": True, "released": machine in self.released or self.done, "again": True}
+            self.leaving[machine] = step
+            placement = self.current[0] if self.current is not None else None
+            # Before the first attempt is placed, a machine the run started with is in it all the same.
+            if placement is not None:
+                running = set(placement.world)
+            else:
+                running = set(pnodes) if machine < self.static_machines else set()
+            queued = self.replanning
+            if not set(pnodes) & running:  # not in the running attempt: nothing of it to hand off
+                self.released.add(machine)
+                self.left.update(pnodes)
+                outcome = "released"
+            else:
+                outcome = "queued" if queued else "boundary"
+        self.event({"event": "leave", "machine": machine, "pnodes": pnodes, "step": step, "outcome": outcome})
+        if outcome == "boundary" and self.on_leave is not None:
+            threading.Thread(target=self.on_leave, args=(self, machine, pnodes, step), daemon=True).start()
+        return {"leaving": True, "released": outcome == "released", "step": step}
+
+    def release(self, step: int) -> list[int]:
+        """At a boundary, before the next attempt is placed: the leaving machines may go (their workers ended
+        with the boundary's checkpoint, which holds what they held); their PNodes are never placed again."""
+        homes = self.homes() if self.homes is not None else self.home()
+        with self.lock:
+            going = sorted(m for m in self.leaving if m not in self.released)
+            self.released.update(going)
+            self.left.update(p for p, m in homes.items() if m in going)
+            self.left.update(self.joined[m].pnode.id for m in going if m in self.joined)
+        for m in going:
+            self.event({"event": "release", "machine": m, "step": step,
+                        "pnodes": sorted(p for p, h in homes.items() if h == m)})
+        return going
+
+
 @dataclass
-class Admission:
+class Admission(_Departures):
     """Machine 0's side of an elastic run: admits joins, serves files and jobs, records events.
 
-    `on_join` runs in its own thread after an admission, `on_leave` after a machine said it leaves (the
-    re-plan decision: it may take seconds, longer than a request may wait); `step` reads the run's last
-    logged step; `home` (PNode -> machine, the launcher's) says whose PNodes a leaving machine takes along."""
+    `on_join` runs in its own thread after an admission (the re-plan decision: it may take seconds, longer
+    than a request may wait); `step` reads the run's last logged step.  Leaves: `_Departures`."""
 
     run_dir: Path
     fleet: Fleet
@@ -140,8 +227,6 @@ class Admission:
     static_machines: int  # the machines the run started with (--nnodes MIN)
     step: Callable[[], int]
     on_join: Callable[["Admission", _Joined], None] | None = None
-    on_leave: Callable[["Admission", int, list[str], int], None] | None = None  # (machine, its PNodes, step)
-    homes: Callable[[], dict[str, int]] | None = None  # PNode -> machine of every machine (the launcher's run.home)
     files: dict[str, tuple[Path, int, str]] = field(default_factory=dict)  # name -> (path, size, sha256)
     joined: dict[int, _Joined] = field(default_factory=dict)
     jobs: dict[int, dict[str, Any]] = field(default_factory=dict)  # attempt -> what followers need
@@ -150,9 +235,6 @@ class Admission:
     queued: list[int] = field(default_factory=list)  # machines admitted during a re-plan: placed at its boundary
     told_done: set[int] = field(default_factory=set)  # machines that read `done`
     current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
-    leaving: dict[int, int] = field(default_factory=dict)  # machine -> the step it said it leaves at
-    left: set[str] = field(default_factory=set)  # PNodes of machines that left (never placed again)
-    released: set[int] = field(default_factory=set)  # leaving machines told to go (their `job` answers so)
     next_fleet: Fleet | None = None  # the fleet a drift re-plan chose for the boundary's attempt
     error: str = ""  # why the run ended, when it failed
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -193,30 +275,6 @@ class Admission:
         if not extra:
             return fleet
         return Fleet.of(fleet.name, *fleet.pnodes, *extra, links=fleet.links, collectives=fleet.collectives)
-
-    def departing(self) -> set[str]:
-        """The PNodes of the machines that left or said they leave."""
-        homes = self.homes() if self.homes is not None else self.home()
-        with self.lock:
-            leaving = set(self.leaving)
-            return set(self.left) | {p for p, m in homes.items() if m in leaving}
-
-    def home(self) -> dict[str, int]:
-        return {j.pnode.id: j.machine for j in self.joined.values()}
-
-    def publish(self, attempt: int, job_path: Path, home: dict[str, int], placement: Any, fleet: Fleet) -> None:
-        """Attempt `attempt`'s job, for the machines that follow machine 0 (the joined ones); its placement
-        and fleet are what the next join's decision starts from."""
-        name = f"job-{attempt}.json"
-        self.serve(name, job_path)
-        with self.lock:
-            self.current = (placement, fleet)
-            self.jobs[attempt] = {"attempt": attempt, "file": name, "home": dict(home)}
-
-    def finish(self, error: str = "") -> None:
-        """The run is over (with machine 0's `error` when it failed): followers stop waiting for jobs."""
-        with self.lock:
-            self.done, self.error = True, error
 
     # -- requests -------------------------------------------------------------------------------
     def answer(self, request: dict) -> dict:
@@ -303,53 +361,6 @@ class Admission:
             f.seek(offset)
             data = f.read(CHUNK_BYTES)
         return {"data": base64.b64encode(data).decode("ascii"), "size": size, "sha256": digest}
-
-    def _leave(self, request: dict) -> dict:
-        """Machine `machine` says it leaves (its launcher got SIGTERM).  Said again (a second signal, a retry
-        whose answer was lost): the same answer, nothing more.  A machine whose PNodes the running attempt
-        does not use (admitted and waiting, or not placed yet) is released at once; else `on_leave` takes a
-        boundary (or, when one is under way, the leave waits for it), and the machine is released when the
-        next attempt is placed without it (`release`)."""
-        machine = int(request["machine"])
-        if machine not in self.joined and not 0 < machine < self.static_machines:
-            return {"error": "only a machine of the run (not machine 0) leaves it"}
-        step = self.step()
-        homes = self.homes() if self.homes is not None else self.home()
-        pnodes = sorted(p for p, m in homes.items() if m == machine)
-        if machine in self.joined and self.joined[machine].pnode.id not in pnodes:
-            pnodes.append(self.joined[machine].pnode.id)
-        with self.lock:
-            if machine in self.leaving or machine in self.released or self.done:
-                return {"leaving": True, "released": machine in self.released or self.done, "again": True}
-            self.leaving[machine] = step
-            placement = self.current[0] if self.current is not None else None
-            # Before the first attempt is placed, a machine the run started with is in it all the same.
-            running = set(placement.world) if placement is not None else set(pnodes) if machine < self.static_machines else set()
-            queued = self.replanning
-            if not set(pnodes) & running:  # not in the running attempt: nothing of it to hand off
-                self.released.add(machine)
-                self.left.update(pnodes)
-                outcome = "released"
-            else:
-                outcome = "queued" if queued else "boundary"
-        self.event({"event": "leave", "machine": machine, "pnodes": pnodes, "step": step, "outcome": outcome})
-        if outcome == "boundary" and self.on_leave is not None:
-            threading.Thread(target=self.on_leave, args=(self, machine, pnodes, step), daemon=True).start()
-        return {"leaving": True, "released": outcome == "released", "step": step}
-
-    def release(self, step: int) -> list[int]:
-        """At a boundary, before the next attempt is placed: the leaving machines may go (their workers ended
-        with the boundary's checkpoint, which holds what they held); their PNodes are never placed again."""
-        homes = self.homes() if self.homes is not None else self.home()
-        with self.lock:
-            going = sorted(m for m in self.leaving if m not in self.released)
-            self.released.update(going)
-            self.left.update(p for p, m in homes.items() if m in going)
-            self.left.update(self.joined[m].pnode.id for m in going if m in self.joined)
-        for m in going:
-            self.event({"event": "release", "machine": m, "step": step,
-                        "pnodes": sorted(p for p, h in homes.items() if h == m)})
-        return going
 
     def _job(self, request: dict) -> dict:
         machine, attempt = int(request["machine"]), int(request["attempt"])

@@ -103,8 +103,8 @@ from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
 from vgraph.run.compiled_graph import (PLAN_CHOICES, apply_assignment, network_changes, plugin_distributions,
                                        weight_keeping_changes)
-from vgraph.run.files import (MEASURED_FLEET, METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEASE_FILE, RUN_JSON, TOKENIZER_JSON,
-                              WORKERS_JSON, RunLock, error_name, held_name)
+from vgraph.run.files import (MEASURED_FLEET, METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEASE_FILE, RUN_JSON,
+                              TOKENIZER_JSON, WORKERS_JSON, RunLock, error_name, held_name)
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, Pipeline, available_passes, run_pipeline
 
 from ...training import checkpoint as ckpt
