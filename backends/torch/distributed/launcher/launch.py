@@ -869,10 +869,11 @@ def _watch_drift(run: _Run, start: int, ended: threading.Event) -> None:
         except VGraphError as exc:
             run.emit(f"launch: drift at step {seen}: no re-plan: {exc}")
             continue
-        pnodes = row["drift"].get("pnodes") or {}
+        pnodes = row["drift"].get("pnodes")
         why = "drift: " + ", ".join(
-            f"{pid} measured {p.get('measured_s', 0):.3g} s vs predicted {p.get('predicted_s', 0):.3g} s busy for "
-            f"{run.cfg.drift_steps} steps" for pid, p in sorted(pnodes.items()) if isinstance(p, dict))
+            f"{pid} measured {p['measured_s']:.3g} s vs predicted {p['predicted_s']:.3g} s busy for "
+            f"{run.cfg.drift_steps} steps" for pid, p in sorted((pnodes if isinstance(pnodes, dict) else {}).items())
+            if isinstance(p, dict) and all(isinstance(p.get(k), (int, float)) for k in ("measured_s", "predicted_s")))
         _replan(run, "drift", seen, lambda fleet: run.admission.grown_fleet(measured), {"drift": row["drift"]},
                 label="drift", measured=measured, why=why)
         with run.admission.lock:
