@@ -145,23 +145,6 @@ class _Departures:
             leaving = set(self.leaving)
             return set(self.left) | {p for p, m in homes.items() if m in leaving}
 
-    def home(self) -> dict[str, int]:
-        return {j.pnode.id: j.machine for j in self.joined.values()}
-
-    def publish(self, attempt: int, job_path: Path, home: dict[str, int], placement: Any, fleet: Fleet) -> None:
-        """Attempt `attempt`'s job, for the machines that follow machine 0 (the joined ones); its placement
-        and fleet are what the next join's decision starts from."""
-        name = f"job-{attempt}.json"
-        self.serve(name, job_path)
-        with self.lock:
-            self.current = (placement, fleet)
-            self.jobs[attempt] = {"attempt": attempt, "file": name, "home": dict(home)}
-
-    def finish(self, error: str = "") -> None:
-        """The run is over (with machine 0's `error` when it failed): followers stop waiting for jobs."""
-        with self.lock:
-            self.done, self.error = True, error
-
     def _leave(self, request: dict) -> dict:
         """Machine `machine` says it leaves (its launcher got SIGTERM).  Said again (a second signal, a retry
         whose answer was lost): the same answer, nothing more.  A machine whose PNodes the running attempt
@@ -275,6 +258,23 @@ class Admission(_Departures):
         if not extra:
             return fleet
         return Fleet.of(fleet.name, *fleet.pnodes, *extra, links=fleet.links, collectives=fleet.collectives)
+
+    def home(self) -> dict[str, int]:
+        return {j.pnode.id: j.machine for j in self.joined.values()}
+
+    def publish(self, attempt: int, job_path: Path, home: dict[str, int], placement: Any, fleet: Fleet) -> None:
+        """Attempt `attempt`'s job, for the machines that follow machine 0 (the joined ones); its placement
+        and fleet are what the next join's decision starts from."""
+        name = f"job-{attempt}.json"
+        self.serve(name, job_path)
+        with self.lock:
+            self.current = (placement, fleet)
+            self.jobs[attempt] = {"attempt": attempt, "file": name, "home": dict(home)}
+
+    def finish(self, error: str = "") -> None:
+        """The run is over (with machine 0's `error` when it failed): followers stop waiting for jobs."""
+        with self.lock:
+            self.done, self.error = True, error
 
     # -- requests -------------------------------------------------------------------------------
     def answer(self, request: dict) -> dict:
