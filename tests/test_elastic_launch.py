@@ -547,7 +547,9 @@ def test_a_fleet_that_lies_is_replanned_from_the_measured_figures(files, referen
     assert second["ranks"] == ["w0"] and result.restarts == 0  # the measured figures moved it away
     decision = next(e for e in events(run_dir) if e["event"] == "replan")
     assert decision["trigger"] == "drift" and decision["chosen"] == "new", decision
-    assert decision["reason"].startswith("drift: w1 measured") and "for 2 steps" in decision["reason"]
+    assert decision["reason"].startswith("drift: w1 measured") and "for 2 steps; the planner's plan predicts" in (
+        decision["reason"])
+    assert [e["trigger"] for e in events(run_dir) if e["event"] == "replan"] == ["drift"]
     assert decision["drift"]["pnodes"]["w1"]["ratio"] > 1.25 and decision["new_step_s"] < decision["old_step_s"]
     assert decision["gain_s"] > decision["move_s"] + decision["overhead_s"] and decision["bytes_moved"] > 0
     drift_rows = [r for r in result.history if "drift" in r]
@@ -635,3 +637,17 @@ def test_sigterm_to_a_joined_machine_that_holds_nothing_yet_exits_0_when_release
         assert leaves == [(["j1"], "released")]
     finally:
         server.close()
+
+
+def test_a_drift_watch_acts_only_on_the_running_attempts_own_rows(tmp_path):
+    """The loop guard: a drift row from before the attempt started (the step it resumed from, or earlier) is
+    not fresh evidence; one after it is, and a row being written is skipped."""
+    from types import SimpleNamespace
+
+    from vgraph.backends.torch.distributed.launcher.launch import _last_drift, _last_step
+
+    run = SimpleNamespace(run_dir=tmp_path)
+    rows = [{"step": 4, "loss": 1.0}, {"step": 5, "loss": 1.0, "drift": {"step": 5, "pnodes": {}}}, {"step": 6}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "lo')
+    assert _last_drift(run, 4)["step"] == 5 and _last_drift(run, 5) is None and _last_drift(run, 6) is None
+    assert _last_step(run) == 6

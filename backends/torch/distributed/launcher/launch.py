@@ -783,6 +783,7 @@ def _replan(run: _Run, trigger: str, step: int, target_of: Callable[[Fleet], Fle
     if gone:  # what only the leaving machine held: its VNodes' state, through the boundary's checkpoint
         row["checkpoint_bytes"] = handed
     if why:
+        why = f"{why}; the planner's plan predicts {decision.new_step:.3g} s a step"
         row["reason"] = f"{why}; {decision.reason}"
     admission.event(row)
     run.say(f"launch: {label} at step {step}: {why + '; ' if why else ''}{decision.describe()}")
