@@ -651,3 +651,21 @@ def test_a_drift_watch_acts_only_on_the_running_attempts_own_rows(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "lo')
     assert _last_drift(run, 4)["step"] == 5 and _last_drift(run, 5) is None and _last_drift(run, 6) is None
     assert _last_step(run) == 6
+
+
+def test_signals_on_a_leaving_machine_sigterm_twice_is_one_leave_a_second_ctrl_c_stops_now():
+    said: list[str] = []
+    leaving = elastic.Leaving(said.append)
+    restore = leaving.install()
+    try:
+        assert threading.current_thread() is threading.main_thread()  # the premise: handlers are installed
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # signals are handled between bytecodes of the main thread
+        assert leaving.asked.is_set() and len(said) == 2 and "already leaving" in said[1], said
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) != leaving._handle  # restored
