@@ -826,6 +826,7 @@ def _decision(run: _Run, placement: Placement, target: Fleet, step: int, gone: S
     views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
              for p in (old, new)]
     sizes = state_bytes(_before_partition(run))
+    gone = sorted(set(gone) | admission.departing())  # another leave at the same step: no sender either
     decision = decide(*views, sizes, target, max(0, cfg.steps - step), gone=gone, overhead_s=cfg.replan_overhead_s)
     homes = {**(run.home or {}), **admission.home()}
     handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
