@@ -1158,7 +1158,8 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     # VGRAPH_LAUNCH_TOKEN; everything else comes from machine 0.
     p.add_argument("--join", metavar="HOST:PORT", type=options.host_port,
                    help="join the run whose machine 0 has --master-addr HOST --master-port PORT and --nnodes "
-                        "MIN:MAX (the run's secret in VGRAPH_LAUNCH_TOKEN); needs --pnode")
+                        "MIN:MAX (the run's secret in VGRAPH_LAUNCH_TOKEN); needs --pnode. SIGTERM leaves the "
+                        "run gracefully (exit 0 once machine 0 releases this machine)")
     p.add_argument("--pnode", metavar="PNODE.yml", type=options.path,
                    help="with --join: this machine's figures (the file `vgraph probe -o` writes)")
     p.add_argument("--join-timeout", type=options.positive_float, default=60.0, metavar="S",
