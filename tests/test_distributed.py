@@ -117,6 +117,11 @@ def test_two_workers_with_a_split_tied_weight_train_like_one_process(files, refe
     # Bytes counted by the workers == the partition's prediction, every step.
     predicted = result.placement["cut_bytes_per_step"]
     assert {r["boundary_bytes"] for r in result.history} == {predicted}
+    # Two PNodes, one machine: every row says 1 (Job.machines), and no fleet section in the report.
+    assert [r["machines"] for r in result.history] == [1] * STEPS
+    from vgraph.report.page import build_report, read_run
+
+    assert "Fleet over time" not in build_report(read_run(tmp_path / "run"))
     # Per PNode too, on one basis: what each sent (w0: activations and the tied weight; w1: their gradients).
     sent = {p: info["bytes_sent_per_step"] for p, info in result.placement["pnodes"].items()}
     assert [{p: f["bytes_sent"] for p, f in r["pnodes"].items()} for r in result.history] == [sent] * STEPS
@@ -130,7 +135,7 @@ def test_two_workers_with_a_split_tied_weight_train_like_one_process(files, refe
     for name in ("network.yml", "tokenizer.json", "run.json", "metrics.jsonl", "metrics.csv", "loss_curve.png",
                  "placement.json", "latest", "step-00000020"):
         assert (run / name).exists(), name
-    assert any(line.startswith("[w0] step 20/20") for line in lines)
+    assert any(line.startswith("[w0] step 20/20") and "machines 1" in line for line in lines)
     assert any(line.startswith("[w1] task w1#") for line in lines)
     ckpt = load_checkpoint(run / "step-00000020")
     assert ckpt.extra["layout"] == "unfused" and "embedder.weight" in ckpt.model_state

@@ -157,6 +157,7 @@ def test_emit_job_prepares_the_run_and_trains_nothing(emitted: Path) -> None:
     job = Job.read(emitted / "jobs" / "job.json")
     assert job.run_path == run and job.path_of(job.tokenizer).is_file() and (job.data_path / "manifest.json").is_file()
     assert Job.read(emitted / "jobs" / "job.json") == job  # reads back equal
+    assert job.machines == {"w0": 0, "w1": 0}  # --nnodes 1: both workers on machine 0 (rank 0's rows say 1)
     moved = emitted / "moved"
     (moved / "jobs").mkdir(parents=True)
     (moved / "jobs" / "job.json").write_text((emitted / "jobs" / "job.json").read_text())
@@ -213,6 +214,10 @@ def _edit(emitted: Path, tmp_path: Path, change) -> Path:
     (lambda d: d["train"].update(schedule="linear"), "train.schedule"),
     (lambda d: d["run_info"].update(seq_len=0), "run_info.seq_len"),
     (lambda d: d.update(hold={"rank": 0}), "hold"),
+    (lambda d: d.update(machines={"w0": 0}), "machines: expected every PNode of ranks"),
+    (lambda d: d.update(machines={"w0": 0, "w1": -1}), "machines.w1: must be >= 0"),
+    (lambda d: d.update(machines={"w0": 0, "w1": "1"}), "machines.w1: expected an integer"),
+    (lambda d: d.update(machines=[0, 1]), "machines: expected an object"),
     (lambda d: d.update(train=[]), "train: expected an object"),
 ])
 def test_a_damaged_job_is_refused_naming_its_field(emitted: Path, tmp_path: Path, change, message: str) -> None:

@@ -407,3 +407,88 @@ def test_a_chart_draws_only_finite_points() -> None:
     assert svg.count("<polyline") == 1 and "t &lt;&amp;&gt;" in svg
     assert "no data yet" in line_chart("empty", [Series("a", [(1, math.nan)])])
     assert "<circle" in line_chart("one point", [Series("a", [(1, 3.0)])])
+
+
+# -- the fleet over time (launch runs whose machines change; vgraph/run/fleet_events.py) ---------------------
+
+FLEET_EVENTS = [
+    {"event": "join", "pnode": "j1", "machine": 1, "step": 2, "outcome": "admitted", "queued": False},
+    {"event": "replan", "kind": "join", "pnode": "j1", "step": 2, "chosen": "new", "reason": "saves 9.1 s",
+     "old_step_s": 2.4, "new_step_s": 1.2, "bytes_moved": 52_000, "move_s": 0.01, "overhead_s": 3.0},
+    {"event": "boundary", "step": 3, "pnodes": ["j1", "m0"], "requested": 10.5},
+    {"event": "moved", "step": 3, "first_step": 4, "seconds": 4.25},
+    {"event": "join", "pnode": "j2", "step": 5, "outcome": "refused", "reason": "the run has its 2 machines"},
+]
+
+
+def fleet_run(path: Path, events: list, machines=(1, 1, 1, 2, 2, 2)) -> Path:
+    metrics = rows(pnodes=("m0",))
+    for row, n in zip(metrics, machines):
+        row["machines"] = n
+        if n == 2:
+            row["pnodes"]["j1"] = dict(row["pnodes"]["m0"])
+    run = make_run(path, info=run_info(launch={"fleet": "one", "pnodes": ["m0"]}), metrics=metrics)
+    (run / "launch").mkdir(exist_ok=True)
+    (run / "launch" / "fleet-events.jsonl").write_text("".join((e if isinstance(e, str) else json.dumps(e)) + "\n"
+                                                               for e in events))
+    return run
+
+
+def fleet_section(page: str) -> str:
+    match = re.search(r'<section class="fleet">.*?</section>', page, re.S)
+    return match.group(0) if match else ""
+
+
+def test_the_fleet_over_time_shows_machines_per_step_and_each_replan(tmp_path: Path) -> None:
+    run = fleet_run(tmp_path / "run", FLEET_EVENTS)
+    page = build_report(read_run(run))
+    assert_inert(page)
+    section = fleet_section(page)
+    assert "<h2>Fleet over time</h2>" in section and "Machines per step" in section
+    spans = re.search(r'<table class="fleet-spans">.*?</table>', section, re.S).group(0)
+    cells = [c for r in re.findall(r"<tr>(.*?)</tr>", spans) if (c := re.findall(r"<td[^>]*>(.*?)</td>", r))]
+    assert cells == [["1", "3", "1", "m0"], ["4", "6", "2", "j1, m0"]]  # the machines change at the boundary
+    replans = re.search(r'<table class="fleet-replans">.*?</table>', section, re.S).group(0)
+    (row,) = [c for r in re.findall(r"<tr>(.*?)</tr>", replans) if (c := re.findall(r"<td[^>]*>(.*?)</td>", r))]
+    assert row == ["2", "3", "join", "j1", "new", "2.4", "1.2", "50.8 KiB", "3.01", "4.25", "j1, m0", "saves 9.1 s"]
+    assert "join admitted: 1" in section and "join refused: 1" in section
+    assert "machines" not in re.sub(r'<section class="fleet">.*?</section>', "", page).split("<h2>Training")[1] \
+        .split("</section>")[0]  # the count is the fleet's, not one of the network's metrics
+
+
+@pytest.mark.parametrize("machines, events, shown", [
+    ((None,) * 6, [], False),  # vgraph train: no machines, no events
+    ((1,) * 6, [], False),  # a launch on one machine that never changed
+    ((1,) * 6, FLEET_EVENTS[:1], True),  # one machine, but a join happened
+    ((2,) * 6, [], True),  # two machines from the start
+])
+def test_the_section_is_there_only_for_a_fleet_of_several_machines_or_with_events(tmp_path, machines, events,
+                                                                                    shown) -> None:
+    run = fleet_run(tmp_path / "run", events, machines)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
+                                               for r in metrics))
+    if not events:
+        (run / "launch" / "fleet-events.jsonl").unlink()
+    assert bool(fleet_section(build_report(read_run(run)))) is shown
+
+
+def test_hostile_fleet_events_are_notes_and_escaped_text(tmp_path: Path) -> None:
+    hostile = "j\x1b[2J<script>alert(1)</script>"
+    events = [
+        "{torn", json.dumps({"event": "boundary", "step": 10**40}), '{"event": "moved", "step": 3, "seconds": NaN}',
+        {"event": "replan", "kind": "le\u202eave", "pnode": hostile, "step": 2, "chosen": "new", "reason": hostile,
+         "old_step_s": "fast", "new_step_s": -1, "bytes_moved": 1e300},
+        {"event": "boundary", "step": 3, "pnodes": [hostile, ["x"], 7]},
+        {"event": "replan", "step": 99, "chosen": "new"},  # beyond the run's 6 steps
+    ]
+    run = fleet_run(tmp_path / "run", events)
+    rec = read_run(run)
+    page = build_report(rec)
+    assert_inert(page)
+    section = fleet_section(page)
+    assert "<script>" not in page and "&lt;script&gt;" in section and "\\x1b" in section and "\\u202e" in section
+    assert any("3 line(s) that are not fleet events" in n for n in rec.notes), rec.notes
+    row = re.findall(r"<td[^>]*>(.*?)</td>", re.search(r'<table class="fleet-replans">.*?</table>', section,
+                                                       re.S).group(0))
+    assert row[5:10] == ["-", "-", "9.09e+287 TiB", "-", "-"]  # not numbers: '-'; huge bytes shown as a number

@@ -260,13 +260,17 @@ JSON = st.recursive(st.none() | NUMBERS | st.text(max_size=6),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
                                                                                 max_size=4),
                     max_leaves=12)
-FIELDS = ["step", "loss", "val_loss", "tokens_per_s", "elapsed_s", "lr", "peak_memory_bytes", "boundary_bytes",
+FIELDS = ["step", "machines", "loss", "val_loss", "tokens_per_s", "elapsed_s", "lr", "peak_memory_bytes", "boundary_bytes",
           "pnodes", "loss_scale", "metric_x"]
 ROW = st.dictionaries(st.sampled_from(FIELDS), JSON | NUMBERS, max_size=6)
 RUN_KEYS = ["network", "passes", "fuse", "precision", "steps", "memory_estimate", "semantic_changes", "plugins",
             "launch", "device", "seed"]
 FILES = ["run.json", "metrics.jsonl", "placement.json", "latest", "network.yml", "launch/job-0.json",
-         "launch/job-7.json"]
+         "launch/job-7.json", "launch/fleet-events.jsonl"]
+EVENT_FIELDS = ["event", "kind", "step", "chosen", "pnode", "pnodes", "reason", "old_step_s", "new_step_s",
+                "bytes_moved", "move_s", "overhead_s", "seconds", "outcome"]
+EVENT = st.dictionaries(st.sampled_from(EVENT_FIELDS), st.one_of(
+    JSON, NUMBERS, st.sampled_from(["replan", "boundary", "moved", "join", "new", "keep", "j\x1b<b>"])), max_size=8)
 
 
 def _write_json(path: Path, value) -> None:
@@ -281,9 +285,10 @@ def _write_json(path: Path, value) -> None:
        job=st.one_of(JSON, st.dictionaries(st.sampled_from(["assignment", "pipeline_before", "pipeline_after",
                                                             "target", "ranks"]), JSON, max_size=5)),
        links=st.sets(st.sampled_from(FILES), max_size=3),
-       latest=st.text(max_size=30), network=st.sampled_from(["tiny", "", "garbage"]))
+       latest=st.text(max_size=30), network=st.sampled_from(["tiny", "", "garbage"]),
+       fleet=st.lists(st.one_of(EVENT, JSON, st.text(max_size=20)), max_size=8))
 def test_report_never_raises_never_reads_outside_never_leaks(tmp_path_factory, run_json, metrics, placement, job,
-                                                             links, latest, network) -> None:
+                                                             links, latest, network, fleet) -> None:
     base = tmp_path_factory.mktemp("hostile")
     elsewhere = base / "outside"
     elsewhere.mkdir()
@@ -296,6 +301,9 @@ def test_report_never_raises_never_reads_outside_never_leaks(tmp_path_factory, r
                                                for m in metrics), encoding="utf-8", errors="surrogatepass")
     _write_json(run / "placement.json", placement)
     _write_json(run / "launch" / "job-0.json", job)
+    (run / "launch" / "fleet-events.jsonl").write_text("".join((e if isinstance(e, str) else json.dumps(e)) + "\n"
+                                                               for e in fleet), encoding="utf-8",
+                                                       errors="surrogatepass")
     (run / "latest").write_text(latest, encoding="utf-8", errors="surrogatepass")
     (run / "network.yml").write_text({"tiny": TINY.read_text(), "": "", "garbage": "{[: x"}[network])
     for name in links:

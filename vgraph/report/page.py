@@ -35,6 +35,7 @@ from vgraph.base.numbers import is_number
 from vgraph.base.safeio import atomic_write, check_output
 from vgraph.report.charts import PALETTE, Series, format_number, line_chart
 from vgraph.run import files
+from vgraph.run.fleet_events import FleetHistory, machine_spans, read_fleet
 
 __all__ = ["RunRecord", "read_run", "build_report", "write_report"]
 
@@ -52,6 +53,7 @@ class RunRecord:
     rows: list[dict[str, Any]] = field(default_factory=list)
     placement: dict[str, Any] | None = None
     job: dict[str, Any] | None = None  # the latest launch/job-N.json (launch runs)
+    fleet: FleetHistory = field(default_factory=FleetHistory)  # launch/fleet-events.jsonl (fleet_events.py)
     network_yaml: str | None = None
     checkpoint: str | None = None
     inputs: list[Path] = field(default_factory=list)  # every file read (the output may be none of them)
@@ -82,6 +84,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
     rec.rows = reader.metrics()
     rec.placement = reader.placement()
     rec.job = reader.latest_job()
+    steps = rec.run.get("steps")
+    rec.fleet = read_fleet(reader, steps if isinstance(steps, int) else None)
     rec.network_yaml = reader.text(files.NETWORK_YML, "network file")
     rec.checkpoint = reader.latest_checkpoint_name()
     # The run's own files are never replaced by a report, read or not (a previous report may be).
@@ -106,6 +110,9 @@ def build_report(rec: RunRecord, *, drawing: str | None = None) -> str:
                  + _metric_table(rows) + "</section>")
     if any(isinstance(r.get("pnodes"), dict) for r in rows) or rec.placement:
         parts.append(_pnode_section(rec))
+    fleet = _fleet_section(rec)
+    if fleet:
+        parts.append(fleet)
     parts.append("<section><h2>Network</h2>" + _network_caption(rec)
                  + (f'<div class="drawing">{drawing}</div>' if drawing else "") + "</section>")
     parts.append(_memory_section(rec))
@@ -190,7 +197,7 @@ def _training_charts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 _OWN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "elapsed_s", "val_loss", "loss_scale", "boundary_bytes",
-               "peak_memory_bytes", "tensor_peak_bytes", "peak_rss_bytes", "pnodes"}
+               "peak_memory_bytes", "tensor_peak_bytes", "peak_rss_bytes", "pnodes", "machines"}
 
 
 def _metric_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -296,6 +303,63 @@ def _pnode_section(rec: RunRecord) -> str:
     warning = f'<p class="warning">Prediction off: {html.escape(gap)}</p>' if gap else ""
     return ('<section><h2>PNodes</h2>' + warning + '<div class="charts">' + "".join(charts) + "</div><table>"
             + head + "".join(body) + f'</table><p class="caption">{html.escape(caption)}</p></section>')
+
+
+MAX_SPANS_SHOWN = 100  # a fleet that changed more often is shown by its latest changes (the chart has all)
+MAX_REPLANS_SHOWN = 100
+
+
+def _fleet_section(rec: RunRecord) -> str:
+    """"Fleet over time": machines per step (chart and spans) and the re-plans, when the run had more than one
+    machine or any fleet event; "" otherwise (a `vgraph train` run, a launch on one fixed machine)."""
+    spans = machine_spans(rec.rows)
+    history = rec.fleet
+    if not history.rows and all(s.machines <= 1 for s in spans):
+        return ""
+    e = html.escape
+    replans = history.replans
+    counted = [(r["step"], r["machines"]) for r in rec.rows if isinstance(r.get("machines"), int)]
+    at = dict(counted)
+    machines: list[tuple[int, int]] = []  # drawn as steps: a change is a vertical jump at its first step
+    for step, n in counted:
+        if machines and machines[-1][1] != n:
+            machines.append((step, machines[-1][1]))
+        machines.append((step, n))
+    marks = [(r.boundary if r.boundary is not None else r.step,
+              at.get(r.boundary if r.boundary is not None else r.step, 0)) for r in replans if r.chosen == "new"]
+    chart = line_chart("Machines per step", [Series("machines", machines, PALETTE[3]),
+                                             Series("re-plans", marks, PALETTE[1], markers=True)],
+                       y_label="machines", css_class="chart fleet-machines") if machines else ""
+    shown = spans[-MAX_SPANS_SHOWN:]
+    span_rows = "".join(f'<tr><td class="num">{s.first}</td><td class="num">{s.last}</td>'
+                        f'<td class="num">{s.machines}</td><td>{e(", ".join(s.pnodes))}</td></tr>' for s in shown)
+    spans_table = ("<table class=\"fleet-spans\"><tr><th>from step</th><th>to step</th><th>machines</th>"
+                   "<th>PNodes</th></tr>" + span_rows + "</table>") if shown else ""
+    head = ("<tr><th>step</th><th>boundary</th><th>kind</th><th>PNode</th><th>chosen</th>"
+            "<th>predicted s/step before</th><th>after</th><th>bytes moved</th><th>predicted move s</th>"
+            "<th>measured move s</th><th>fleet after</th><th>why</th></tr>")
+    body = "".join(_replan_row(r) for r in replans[-MAX_REPLANS_SHOWN:])
+    table = f'<table class="fleet-replans">{head}{body}</table>' if replans else ""
+    counts = ", ".join(f"{e(k)}: {n:,}" for k, n in sorted(history.counts.items())[:40])
+    cut = [f"the latest {MAX_SPANS_SHOWN} of {len(spans):,} spans" if len(spans) > MAX_SPANS_SHOWN else "",
+           f"the latest {MAX_REPLANS_SHOWN} of {len(replans):,} decisions" if len(replans) > MAX_REPLANS_SHOWN else ""]
+    caption = ("Machines: the machines whose workers trained each logged step (metrics.jsonl's <code>machines</code>; "
+               "the PNodes are the step's measured ones). Re-plans: each decision of launch/fleet-events.jsonl, the "
+               "predicted step before and after it, the bytes of state it moves and the seconds predicted for the "
+               "move and boundary; measured: from the stop request to the next attempt's first step."
+               + (f" Events: {counts}." if counts else "")
+               + "".join(f" Shown: {c}." for c in cut if c))
+    return ('<section class="fleet"><h2>Fleet over time</h2><div class="charts">' + chart + "</div>" + spans_table
+            + table + f'<p class="caption">{caption}</p></section>')
+
+
+def _replan_row(r: Any) -> str:
+    cells = [str(r.step), "-" if r.boundary is None else str(r.boundary), r.kind, r.pnode or "-", r.chosen,
+             _num(r.old_step_s), _num(r.new_step_s), _bytes(r.bytes_moved), _num(r.predicted_s), _num(r.seconds),
+             ", ".join(r.pnodes) or "-", r.reason or "-"]
+    text = {2, 3, 4, 10, 11}
+    return "<tr>" + "".join(("<td>" if i in text else '<td class="num">') + html.escape(printable(c, 400)) + "</td>"
+                            for i, c in enumerate(cells)) + "</tr>"
 
 
 def _pnode_row(pnode: str, pred: Mapping[str, Any], own: Sequence[Mapping[str, Any]], cuda: bool) -> str:

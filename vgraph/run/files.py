@@ -21,6 +21,7 @@ here so that nothing else writes over them):
     RUN/step-NNNNNNNN/      a checkpoint: model.safetensors, optimizer.*, state.*
     RUN/launch/job-N.json   launch runs: what attempt N's workers were told
     RUN/launch/workers.json, error-<rank>.txt, stop, held-<pnode>, release   the launcher and its workers
+    RUN/launch/fleet-events.jsonl  elastic runs: joins, re-plans, boundaries, measured moves (fleet_events.py)
     RUN/.vgraph-lock        the writer's advisory lock (pid, host)
     RUN/events.out.tfevents.*   TensorBoard
 """
@@ -65,7 +66,7 @@ STATE_JSON = "state.json"
 LAUNCH_DIR = "launch"  # launch runs: job files, worker errors, the stop request
 STOP_FILE = "stop"  # in LAUNCH_DIR: the launcher asks every worker to stop after this step, with a checkpoint
 WORKERS_JSON = "workers.json"  # in LAUNCH_DIR: which process runs which rank, for an outside supervisor
-FLEET_EVENTS_JSONL = "fleet-events.jsonl"  # in LAUNCH_DIR: joins admitted or refused, each re-plan decision
+FLEET_EVENTS_JSONL = "fleet-events.jsonl"  # in LAUNCH_DIR: joins, re-plan decisions, boundaries, moves (fleet_events.py)
 RELEASE_FILE = "release"  # in LAUNCH_DIR: lets workers held at a step (--hold, for tests) go on
 JOB_FILE = re.compile(r"job-(\d+)\.json")  # in LAUNCH_DIR
 MAX_METRICS_BYTES = 512 * 2**20

@@ -101,6 +101,7 @@ class Job:
     fleet_yaml: str = ""  # the attempt's fleet as a fleet file (placement/drift.py: rank 0 rescales it to the run's figures)
     fleet_file: str = ""  # the real path of the fleet file given ("": built in code), never written over
     drift_steps: int = 0  # consecutive steps off the plan by more than 25% before rank 0 reports a drift (0: never)
+    machines: dict[str, int] = field(default_factory=dict)  # PNode -> the machine running it ({}: a job of an older vgraph)
     version: int = JOB_VERSION
     path: Path | None = field(default=None, compare=False)  # the file it was read from (not written)
     located: Path | None = field(default=None, compare=False)  # the run directory `locate_run` found (not written)
@@ -226,6 +227,8 @@ class Job:
             problems.append(f"plan_choices: only {', '.join(PLAN_CHOICES)}")
         if self.hold is not None and set(self.hold) != {"rank", "step"}:
             problems.append("hold: expected {\"rank\": R, \"step\": S}")
+        if self.machines and set(self.machines) != set(self.ranks):
+            problems.append("machines: expected every PNode of ranks, each with its machine's number")
         seq_len = self.run_info.get("seq_len")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= MAX_INT:
             problems.append(f"run_info.seq_len: expected a positive integer, got {quote(json.dumps(seq_len), 40)}")

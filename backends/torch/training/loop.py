@@ -49,8 +49,8 @@ __all__ = ["DEFAULT_LOG_EVERY", "FLUSH_SECONDS", "ROW_COLUMNS", "Cadence", "Due"
 DEFAULT_LOG_EVERY: int | None = None
 FLUSH_SECONDS = 1.0
 
-# The metrics table's own columns, in order; a strategy adds its own (launch: boundary_bytes), then the
-# network's `metrics:` entries follow.
+# The metrics table's own columns, in order; a strategy adds its own (launch: boundary_bytes, machines: the
+# machines that trained the step, runtime/fleet_watch.py), then the network's `metrics:` entries follow.
 ROW_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "elapsed_s", "val_loss", "loss_scale")
 
 

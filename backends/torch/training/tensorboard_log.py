@@ -10,6 +10,10 @@ and for rank 0 of `vgraph launch` alike:
     train/tensor_peak_bytes, train/peak_rss_bytes (peak_memory.py),
     metrics/<name> (the network's `metrics:` entries),
     pnode/<id>/step_time_s, pnode/<id>/idle_s, pnode/<id>/bytes_sent (launch),
+    fleet/machines (launch: the machines that trained each step),
+    fleet/replan_predicted_before_s, fleet/replan_predicted_after_s, fleet/replan_bytes_moved,
+    fleet/replan_seconds (launch: each re-plan at its boundary's step; the seconds measured) and the
+    text fleet/replan (what asked for it, why),
 
 plus the run's settings as text and the network drawing (vgraph's renderer
 through Graphviz, as PNG) as an image.
@@ -42,8 +46,12 @@ __all__ = ["TensorBoardLog", "SCALAR_TAGS", "pnode_tag", "metric_tag"]
 # metrics.jsonl field -> TensorBoard tag (the loop's own fields; anything else numeric is a `metrics:` entry)
 SCALAR_TAGS = {"loss": "train/loss", "val_loss": "val/loss", "lr": "train/lr", "tokens_per_s": "train/tokens_per_s",
                "loss_scale": "train/loss_scale", "boundary_bytes": "train/bytes_sent",
-               "tensor_peak_bytes": "train/tensor_peak_bytes", "peak_rss_bytes": "train/peak_rss_bytes"}
+               "tensor_peak_bytes": "train/tensor_peak_bytes", "peak_rss_bytes": "train/peak_rss_bytes",
+               "machines": "fleet/machines"}
 NOT_SCALARS = {"step", "elapsed_s", "pnodes"}
+# A re-plan's figures (vgraph/run/fleet_events.Replan) -> TensorBoard tag, at the step of its boundary
+REPLAN_TAGS = {"old_step_s": "fleet/replan_predicted_before_s", "new_step_s": "fleet/replan_predicted_after_s",
+               "bytes_moved": "fleet/replan_bytes_moved", "seconds": "fleet/replan_seconds"}
 PNODE_FIGURES = {"step_s": "step_time_s", "idle_s": "idle_s", "bytes_sent": "bytes_sent"}
 FLUSH_SECONDS = 5  # a live run shows up within seconds
 _TAG_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
@@ -81,6 +89,7 @@ class TensorBoardLog:
         self.start_step = 0
         self._writer: Any = None
         self._pnodes: set[str] = set()
+        self._replans: set[tuple[Any, ...]] = set()  # (boundary, kind, pnode, figure) written this session
 
     # -- the sink interface -------------------------------------------------------------------
     def restart(self, upto_step: int) -> None:
@@ -116,6 +125,28 @@ class TensorBoardLog:
                         writer.add_scalar(pnode_tag(pnode, key), number, step)
         if new_pnodes:
             writer.add_custom_scalars(self._layout())
+
+    def replans(self, replans: Iterable[Any]) -> None:
+        """The run's re-plans (fleet_events.Replan) at their boundary's step, each figure once per session.
+
+        Only those past their boundary and not before this session's start: the session before a boundary
+        cannot know it, and one resumed later (purge_step: start + 1) still holds the earlier ones."""
+        for r in replans:
+            if r.chosen != "new" or r.boundary is None or r.boundary < self.start_step:
+                continue
+            key = (r.boundary, r.kind, r.pnode)
+            fresh = [(name, tag) for name, tag in REPLAN_TAGS.items()
+                     if (*key, name) not in self._replans and _number(getattr(r, name)) is not None]
+            if (*key, "text") not in self._replans:
+                fresh.append(("text", "fleet/replan"))
+            writer = self._open() if fresh else None
+            for name, tag in fresh:
+                self._replans.add((*key, name))
+                if name == "text":
+                    text = _cell(f"step {r.boundary}: {r.kind} {r.pnode}".strip() + f": {r.reason}")
+                    writer.add_text(tag, text, r.boundary)
+                else:
+                    writer.add_scalar(tag, float(getattr(r, name)), r.boundary)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -70,8 +70,9 @@ from .membership import CHUNK_BYTES, FETCH_TIMEOUT_S, REQUEST_TIMEOUT_S, ask, ch
 from .shard_transfer import send_shards
 from ...training.rescue import RESCUE_DIR
 
-__all__ = ["Admission", "JoinRefused", "Joined", "read_pnode_file", "check_pnode_memory", "smallest_share",
-           "join_run", "follow", "follow_attempts", "ask_stop", "record_event", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]
+__all__ = ["Admission", "JoinRefused", "Joined", "Leaving", "read_pnode_file", "check_pnode_memory", "smallest_share",
+           "join_run", "follow", "follow_attempts", "ask_stop", "stop_requested_at", "record_event", "CHUNK_BYTES",
+           "FETCH_TIMEOUT_S"]
 
 MAX_PNODE_TEXT = 64 * 1024  # a PNode file: a few hundred bytes, its per-kind figures a few more
 
@@ -123,12 +124,83 @@ class _Joined:
     step: int  # the run's last logged step when it was admitted
 
 
+@dataclass(kw_only=True)
+class _Departures:
+    """Machine 0's side of graceful leaves (`Leaving` is the leaver's): its own conversation on the channel
+    (`leave`, then the `job` answer that releases) with its own state, kept apart from the joins'.
+    `Admission` is one: `on_leave` runs in its own thread when a leave needs a boundary; `homes` says whose
+    PNodes a leaving machine takes along (PNode -> machine, the launcher's run.home)."""
+
+    on_leave: Callable[[Any, int, list[str], int], None] | None = None  # (admission, machine, its PNodes, step)
+    homes: Callable[[], dict[str, int]] | None = None
+    leaving: dict[int, int] = field(default_factory=dict)  # machine -> the step it said it leaves at
+    left: set[str] = field(default_factory=set)  # PNodes of machines that left (never placed again)
+    released: set[int] = field(default_factory=set)  # leaving machines told to go (their `job` answers so)
+
+    def departing(self) -> set[str]:
+        """The PNodes of the machines that left or said they leave."""
+        homes = self.homes() if self.homes is not None else self.home()
+        with self.lock:
+            leaving = set(self.leaving)
+            return set(self.left) | {p for p, m in homes.items() if m in leaving}
+
+    def _leave(self, request: dict) -> dict:
+        """Machine `machine` says it leaves (its launcher got SIGTERM).  Said again (a second signal, a retry
+        whose answer was lost): the same answer, nothing more.  A machine whose PNodes the running attempt
+        does not use (admitted and waiting, or not placed yet) is released at once; else `on_leave` takes a
+        boundary (or, when one is under way, the leave waits for it), and the machine is released when the
+        next attempt is placed without it (`release`)."""
+        machine = int(request["machine"])
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run (not machine 0) leaves it"}
+        step = self.step()
+        homes = self.homes() if self.homes is not None else self.home()
+        pnodes = sorted(p for p, m in homes.items() if m == machine)
+        if machine in self.joined and self.joined[machine].pnode.id not in pnodes:
+            pnodes.append(self.joined[machine].pnode.id)
+        with self.lock:
+            if machine in self.leaving or machine in self.released or self.done:
+                return {"leaving": True, "released": machine in self.released or self.done, "again": True}
+            self.leaving[machine] = step
+            placement = self.current[0] if self.current is not None else None
+            # Before the first attempt is placed, a machine the run started with is in it all the same.
+            if placement is not None:
+                running = set(placement.world)
+            else:
+                running = set(pnodes) if machine < self.static_machines else set()
+            queued = self.replanning
+            if not set(pnodes) & running:  # not in the running attempt: nothing of it to hand off
+                self.released.add(machine)
+                self.left.update(pnodes)
+                outcome = "released"
+            else:
+                outcome = "queued" if queued else "boundary"
+        self.event({"event": "leave", "machine": machine, "pnodes": pnodes, "step": step, "outcome": outcome})
+        if outcome == "boundary" and self.on_leave is not None:
+            threading.Thread(target=self.on_leave, args=(self, machine, pnodes, step), daemon=True).start()
+        return {"leaving": True, "released": outcome == "released", "step": step}
+
+    def release(self, step: int) -> list[int]:
+        """At a boundary, before the next attempt is placed: the leaving machines may go (their workers ended
+        with the boundary's checkpoint, which holds what they held); their PNodes are never placed again."""
+        homes = self.homes() if self.homes is not None else self.home()
+        with self.lock:
+            going = sorted(m for m in self.leaving if m not in self.released)
+            self.released.update(going)
+            self.left.update(p for p, m in homes.items() if m in going)
+            self.left.update(self.joined[m].pnode.id for m in going if m in self.joined)
+        for m in going:
+            self.event({"event": "release", "machine": m, "step": step,
+                        "pnodes": sorted(p for p, h in homes.items() if h == m)})
+        return going
+
+
 @dataclass
-class Admission:
+class Admission(_Departures):
     """Machine 0's side of an elastic run: admits joins, serves files and jobs, records events.
 
     `on_join` runs in its own thread after an admission (the re-plan decision: it may take seconds, longer
-    than a request may wait); `step` reads the run's last logged step."""
+    than a request may wait); `step` reads the run's last logged step.  Leaves: `_Departures`."""
 
     run_dir: Path
     fleet: Fleet
@@ -145,6 +217,7 @@ class Admission:
     queued: list[int] = field(default_factory=list)  # machines admitted during a re-plan: placed at its boundary
     told_done: set[int] = field(default_factory=set)  # machines that read `done`
     current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
+    next_fleet: Fleet | None = None  # the fleet a drift re-plan chose for the boundary's attempt
     error: str = ""  # why the run ended, when it failed
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -171,9 +244,13 @@ class Admission:
         return [j.pnode for j in sorted(self.joined.values(), key=lambda j: j.machine)]
 
     def grown_fleet(self, fleet: Fleet) -> Fleet:
-        """`fleet` with every admitted PNode it lacks (the regions and links kept)."""
+        """`fleet` with every admitted PNode it lacks and without the PNodes of machines that left or are
+        leaving (the regions and links kept)."""
+        gone = self.departing()
         have = set(fleet.ids)
-        extra = [p for p in self.pnodes if p.id not in have]
+        extra = [p for p in self.pnodes if p.id not in have and p.id not in gone]
+        if gone & have:
+            fleet = fleet.without(gone)
         if not extra:
             return fleet
         return Fleet.of(fleet.name, *fleet.pnodes, *extra, links=fleet.links, collectives=fleet.collectives)
@@ -205,6 +282,8 @@ class Admission:
                 return self._fetch(request)
             if op == "job":
                 return self._job(request)
+            if op == "leave":
+                return self._leave(request)
         except (TypeError, ValueError, KeyError) as exc:
             return {"error": f"malformed {op} request: {quote(str(exc), 120)}"}
         return {"error": f"unknown request {quote(str(op), 40)}"}
@@ -284,6 +363,9 @@ class Admission:
         if machine not in self.joined and not 0 < machine < self.static_machines:
             return {"error": "only a machine of the run reads its jobs"}
         with self.lock:
+            if machine in self.released:
+                self.told_done.add(machine)
+                return {"done": True, "released": True, "failure": ""}
             later = sorted(a for a in self.jobs if a >= attempt)
             if later:
                 job = self.jobs[later[0]]
@@ -301,7 +383,7 @@ class Admission:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
-                if set(self.joined) | set(range(1, self.static_machines)) <= self.told_done:
+                if set(self.joined) | set(range(1, self.static_machines)) <= self.told_done | self.released:
                     return
             time.sleep(0.05)
 
@@ -313,9 +395,99 @@ def record_event(run_dir: Path, row: dict[str, Any]) -> None:
         f.write(line)
 
 
+class Leaving:
+    """This machine's graceful leave (a machine k != 0 of a run that takes joins): SIGTERM, or a first Ctrl-C,
+    on its launcher tells machine 0 it leaves (`leave` on the channel, sealed like every line, resent until
+    machine 0 answers); this machine's workers go on until machine 0's boundary stops them with a checkpoint,
+    and the launcher exits 0 when machine 0 releases it (its `job` answer), not before: the checkpoint must
+    hold what only its workers held.
+
+    A repeated SIGTERM is said and ignored: process managers send it again, and stopping the workers now
+    would lose the step the boundary saves (SIGKILL still stops at once; then the machine is a lost one).
+    A second Ctrl-C is a person who wants out now: KeyboardInterrupt, as everywhere else."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self.asked = threading.Event()
+        self.answered = threading.Event()
+        self.released = False  # machine 0 released it when it said it leaves (it held nothing running)
+        self._channel: Any = None
+        self._lock = threading.Lock()
+        self._sender: threading.Thread | None = None
+        self._closed = threading.Event()
+
+    def install(self) -> Callable[[], None]:
+        """Handle SIGTERM and SIGINT as a leave from now on (main thread only); returns what restores them."""
+        import signal
+
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def restore() -> None:
+            self._closed.set()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return restore
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        import signal
+
+        if self.asked.is_set() and signum == signal.SIGINT:
+            self.emit("launch: second interrupt: stopping now, without handing anything off")
+            raise KeyboardInterrupt
+        self.ask(signal.Signals(signum).name)
+
+    def ask(self, why: str = "asked") -> None:
+        """Leave the run (what a signal does; tests call it directly)."""
+        if self.asked.is_set():
+            self.emit(f"launch: {why}: this machine is already leaving; it exits when machine 0 releases it "
+                      f"(SIGKILL stops it at once)")
+            return
+        self.asked.set()
+        self.emit(f"launch: {why}: leaving the run: machine 0 takes a boundary (the workers stop after this step "
+                  f"with a checkpoint) and releases this machine")
+        self._start()
+
+    def attach(self, channel: Any) -> None:
+        """The channel to machine 0 is open (membership.Machines): a leave asked before now is sent."""
+        self._channel = channel
+        self._start()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self.asked.is_set() and self._channel is not None and self._sender is None:
+                self._sender = threading.Thread(target=self._send, daemon=True)
+                self._sender.start()
+
+    def _send(self) -> None:
+        while not self._closed.is_set():
+            try:
+                reply = self._channel.request("leave")
+            except (OSError, ValueError):
+                reply = {}
+            if reply.get("leaving"):
+                self.released = bool(reply.get("released"))
+                self.answered.set()
+                return
+            self._closed.wait(0.5)  # machine 0 not reachable yet, or not taking requests yet: again
+
+    def close(self) -> None:
+        self._closed.set()
+
+
 def ask_stop(run_dir: Path) -> None:
     """Ask this machine's workers to stop after the current step with a checkpoint (a boundary)."""
     atomic_write(run_dir / LAUNCH_DIR / STOP_FILE, "boundary\n")
+
+
+def stop_requested_at(run_dir: Path) -> float | None:
+    """When the stop was asked for (the stop file's time, whoever wrote it), or None when there is none:
+    where a boundary's measured move starts (launch.py writes its `moved` row)."""
+    try:
+        return (run_dir / LAUNCH_DIR / STOP_FILE).stat().st_mtime
+    except OSError:
+        return None
 
 
 # -- the joiner ------------------------------------------------------------------------------------
@@ -414,10 +586,12 @@ class Joined:
     run_dir: Path
     attempts: list[int] = field(default_factory=list)
     received_bytes: int = 0
+    released: bool = False  # it left the run (Leaving) and machine 0 released it
 
 
 def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path | None, *, join_timeout: float,
-           link_timeout: float, comm_timeout: float, emit: Callable[[str], None]) -> Joined:
+           link_timeout: float, comm_timeout: float, emit: Callable[[str], None],
+           leave: Leaving | None = None) -> Joined:
     """`vgraph launch --join ADDR:PORT --pnode FILE`: be admitted, receive the run's files into this machine's
     run directory, then run this machine's workers in every attempt machine 0 places them in, until machine 0
     says the run is done (`follow_attempts`)."""
@@ -445,6 +619,8 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
     except MachineLost as exc:
         raise JoinRefused(str(exc)) from None
     result = Joined(machine, pid, run_dir)
+    if leave is not None:
+        leave.attach(machines)
     try:
         for name, meta in files.items():
             _fetch_file(machines.request, name, int(meta["size"]), str(meta["sha256"]), data)
@@ -452,21 +628,24 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
         emit(f"launch --join: received the run's corpus and tokenizer ({human_bytes(result.received_bytes)}) "
              f"into {corpus_dir}")
         follow_attempts(machines, token, addr, master_port, run_dir, corpus_dir.absolute(),
-                        f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, comm_timeout + link_timeout, emit, result)
+                        f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, comm_timeout + link_timeout, emit, result, leave)
         return result
     finally:
+        if leave is not None:
+            leave.close()
         machines.close()
 
 
 def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_dir: Path, data_dir: Path,
                     tokenizer: str, attempt: int, silence_s: float, emit: Callable[[str], None],
-                    result: Joined) -> Joined:
+                    result: Joined, leave: Leaving | None = None) -> Joined:
     """Run this machine's workers in attempt `attempt` and every later one machine 0 publishes, from its job
     file with the paths made this machine's (`run_dir`, the corpus in `data_dir`, `tokenizer` relative to the
     run directory), until machine 0 says the run is done.  A joined machine follows from its admission; a
     machine the run started with (--nnodes MIN:MAX, MIN > 1) from its second attempt, since the fleet may have
     grown by then and only machine 0 knows it.  A failed attempt is reported (membership.py) and machine 0's
-    decision read: an error ends here too."""
+    decision read: an error ends here too.  A machine that leaves (`leave`) ends here when machine 0 releases
+    it."""
     from ..job import Job
     from .membership import MachineLost
     from .supervisor import Supervisor
@@ -477,6 +656,9 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
             if reply.get("done"):
                 if reply.get("failure"):
                     raise JoinRefused(f"machine 0 ended the run: {str(reply['failure'])[:2000]}")
+                result.released = bool(reply.get("released"))
+                if result.released:
+                    emit(f"launch: machine 0 released this machine (machine {result.machine}): it has left the run")
                 return result
             number, home = int(reply["attempt"]), {str(k): int(v) for k, v in dict(reply["home"]).items()}
             raw = _fetch_bytes(machines.request, str(reply["file"]), int(reply["size"]), str(reply["sha256"]))

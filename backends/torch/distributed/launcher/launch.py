@@ -90,6 +90,7 @@ import math
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -103,12 +104,13 @@ from vgraph.cost.fleet import Fleet, resolve_fleet
 from vgraph.placement.drift import DEFAULT_DRIFT_STEPS, fleet_file_text
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
+from vgraph.placement.replan import DEFAULT_REPLAN_OVERHEAD_S
 from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
 from vgraph.run.compiled_graph import (PLAN_CHOICES, apply_assignment, network_changes, plugin_distributions,
                                        weight_keeping_changes)
-from vgraph.run.files import (METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEASE_FILE, RUN_JSON, TOKENIZER_JSON,
-                              WORKERS_JSON, RunLock, error_name, held_name)
+from vgraph.run.files import (MEASURED_FLEET, METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEASE_FILE, RUN_JSON,
+                              TOKENIZER_JSON, WORKERS_JSON, RunLock, error_name, held_name)
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, Pipeline, available_passes, run_pipeline
 
 from ...training import checkpoint as ckpt
@@ -138,6 +140,7 @@ __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", 
            "register_launch", "main"]
 
 ON_FAILURE = ("restart", "repartition", "shrink", "stop")
+MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
 
 
 @dataclass
@@ -165,6 +168,8 @@ class LaunchConfig(TrainConfig):
     log: Callable[[str], None] | None = None  # where status and worker lines go (default stderr)
     emit_job: str | Path | None = None  # write the run directory and DIR/job.json, train nothing (torchrun, srun)
     drift_steps: int = DEFAULT_DRIFT_STEPS  # steps off the plan by > 25% before a drift is reported (0: never; drift.py)
+    replan_overhead_s: float = DEFAULT_REPLAN_OVERHEAD_S  # what a boundary costs besides the move (replan.py)
+    leaving: Any = None  # machine k != 0 of a run that takes joins: the elastic.Leaving to leave by (SIGTERM's)
 
 
 @dataclass
@@ -347,6 +352,10 @@ def _validate(cfg: LaunchConfig) -> tuple[str, tuple[Any, Any]]:
     if (isinstance(cfg.drift_steps, bool) or not isinstance(cfg.drift_steps, int)
             or not 0 <= cfg.drift_steps <= 1_000_000):
         raise VGraphError(f"--drift-steps must be a whole number from 0 to 1000000, got {cfg.drift_steps!r}")
+    if (isinstance(cfg.replan_overhead_s, bool) or not isinstance(cfg.replan_overhead_s, (int, float))
+            or not (math.isfinite(cfg.replan_overhead_s) and 0 <= cfg.replan_overhead_s <= 86400)):
+        raise VGraphError(f"the re-plan overhead must be a number of seconds from 0 to 86400, got "
+                          f"{cfg.replan_overhead_s!r}")
     if cfg.emit_job is not None and cfg.node_rank != 0:
         raise VGraphError("--emit-job writes the job once, on machine 0: drop --node-rank (torchrun and srun "
                           "start every machine's workers from that one job file)")
@@ -373,12 +382,19 @@ def launch(config: LaunchConfig) -> LaunchResult:
     a second one stops everything at once.  With `emit_job`, only writes the run directory and the job.
     """
     stop = StopRequest(lambda line: print(line, file=sys.stderr, flush=True))
-    restore = stop.install()
+    leave = config.leaving
+    if leave is None and _elastic(config) and config.node_rank != 0 and config.emit_job is None:
+        leave = elastic.Leaving(lambda line: print(line, file=sys.stderr, flush=True))
+    # Machine k != 0 of a run that takes joins: SIGTERM is a graceful leave (elastic.Leaving), not a stop.
+    restore = leave.install() if leave is not None and config.leaving is None else stop.install()
     machines = Machines()  # several machines: opened by _prepare (membership.py)
     try:
         with RunLock.held():  # machine 0's lock of the run directory (taken in _prepare), held until here
             jobs = _job_folder(config) if config.emit_job is not None else None  # refused before any work
             run = _prepare(config, stop, machines)
+            if leave is not None:
+                run.leave = leave
+                leave.attach(machines)
             if _elastic(config) and run.lead:
                 run.admission = _admission(run)
             if run.lead and machines.active:
@@ -394,6 +410,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
                     run.admission.wait_told(min(config.link_timeout, 5.0))
                 raise
     finally:
+        if leave is not None:
+            leave.close()
         machines.close()
         restore()
 
@@ -429,7 +447,9 @@ class _Run:
     tokenizer: str  # relative to run_dir
     home: dict[str, int] | None = None  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
     admission: "elastic.Admission | None" = None  # machine 0 of a run that takes joins (elastic.py)
+    leave: "elastic.Leaving | None" = None  # machine k != 0 of a run that takes joins: its graceful leave
     bar: LaunchBar | None = None  # rank 0's progress, drawn here (progress.py)
+    moving: tuple[int, float] | None = None  # a boundary's step and its stop request's time, until the move is measured
 
     @property
     def launch_dir(self) -> Path:
@@ -621,27 +641,29 @@ def _job(run: _Run, placement: Placement, info: dict[str, Any], number: int, loc
         hold={"rank": ranks.index(hold[0]), "step": int(hold[1])} if hold and hold[0] in ranks else None,
         fleet_yaml=fleet_file_text(fleet) if fleet is not None else "",
         fleet_file=os.path.realpath(fleet.source) if fleet is not None and fleet.source else "",
-        drift_steps=cfg.drift_steps), comm
+        drift_steps=cfg.drift_steps,
+        machines={p: (run.home or {}).get(p, 0) for p in ranks}), comm
 
 
 def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
     """Attempt after attempt until the workers finish, fail for good, or a stop is asked for."""
     cfg = run.cfg
     result = LaunchResult(run.run_dir, 0, None, None, None)
-    fleet, hold, number = run.fleet, cfg.hold, 0
+    fleet, hold, number, replanned = run.fleet, cfg.hold, 0, False
     shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
     while True:
         if stop.requested:
             raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
                                    f"{_continue_with(cfg, run.run_dir)}")
+        given = _given_placement(run, number, shrunk, replanned)
         try:
-            attempt = _place_attempt(run, fleet, number, *_given_placement(run, number, shrunk), hold)
+            attempt = _place_attempt(run, fleet, number, *given, hold)
         except _RankZeroJoined as exc:
             waiting = sorted(set(run.admission.home()) & set(fleet.ids))
             run.admission.event({"event": "placement", "attempt": number, "waiting": waiting,
                                  "reason": f"the plan puts rank 0 on joined PNode {exc}: machine 0 keeps it"})
             fleet = fleet.without(waiting)
-            attempt = _place_attempt(run, fleet, number, *_given_placement(run, number, shrunk), hold)
+            attempt = _place_attempt(run, fleet, number, *given, hold)
         if attempt is None:
             return result
         if run.admission is not None:
@@ -650,7 +672,10 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
         result.attempts.append(record)
         result.placement = attempt.placement.report
         if record["ok"] and run.admission is not None and not stop.requested and _boundary(run):
-            fleet, shrunk, number, hold = run.admission.grown_fleet(fleet), None, number + 1, None
+            with run.admission.lock:  # a drift re-plan's measured fleet, once
+                measured, run.admission.next_fleet = run.admission.next_fleet, None
+            fleet = run.admission.grown_fleet(measured or fleet)
+            shrunk, number, hold, replanned = None, number + 1, None, True  # the planner places it from now on
             continue
         if _elastic(cfg) and not run.lead and not stop.requested:  # only machine 0 knows the grown fleet
             if not record["ok"]:
@@ -658,8 +683,10 @@ def _attempts(run: _Run, stop: StopRequest) -> LaunchResult:
             followed = elastic.Joined(cfg.node_rank, "", run.run_dir)
             elastic.follow_attempts(run.machines, run.token, cfg.master_addr, _base_port(cfg), run.run_dir,
                                     Path(run.data_dir), run.tokenizer, number + 1,
-                                    cfg.comm_timeout + cfg.link_timeout, run.emit, followed)
+                                    cfg.comm_timeout + cfg.link_timeout, run.emit, followed, run.leave)
             result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
+            if followed.released:
+                result.attempts.append({"released": True})
             return result
         if stop.requested:
             where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
@@ -687,7 +714,9 @@ def _admission(run: _Run) -> elastic.Admission:
 
     cfg = run.cfg
     admission = elastic.Admission(run.run_dir, run.fleet, run.source, cfg.max_nnodes or cfg.nnodes, cfg.nnodes,
-                                  step=lambda: _last_step(run), on_join=lambda adm, joined: _on_join(run, joined))
+                                  step=lambda: _last_step(run), on_join=lambda adm, joined: _on_join(run, joined),
+                                  on_leave=lambda adm, machine, pnodes, step: _on_leave(run, machine, pnodes, step),
+                                  homes=lambda: {**(run.home or {}), **admission.home()})
     corpus = Path(run.data_dir)
     splits = open_prepared(corpus, verify="size").manifest["splits"]  # checked: names inside the directory
     for name in (MANIFEST, TOKENIZER_FILE):
@@ -714,8 +743,14 @@ def _serve_channel(run: _Run) -> None:
 
 
 def _last_step(run: _Run) -> int:
-    """The run's last logged step (rank 0 writes metrics.jsonl about once a second): its last complete line,
-    read from the file's tail, since a join must not wait for a read of a long run's whole log."""
+    """The run's last logged step (rank 0 writes metrics.jsonl about once a second)."""
+    rows = _tail_rows(run)
+    return max(0, rows[-1]["step"]) if rows else 0
+
+
+def _tail_rows(run: _Run) -> list[dict[str, Any]]:
+    """The complete rows in the last 64 KiB of metrics.jsonl, in order: a join or a drift watch must not
+    wait for a read of a long run's whole log."""
     from vgraph.base.jsonio import loads
 
     path = run.run_dir / METRICS_JSONL
@@ -724,55 +759,166 @@ def _last_step(run: _Run) -> int:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
             tail = f.read()
     except OSError:
-        return 0
-    for line in reversed(tail.split(b"\n")[1:] if len(tail) == 65536 else tail.split(b"\n")):
+        return []
+    rows = []
+    for line in tail.split(b"\n")[1:] if len(tail) == 65536 else tail.split(b"\n"):
         try:
             row = loads(line, str(path)) if line.strip() else None
         except VGraphError:
             continue  # a line being written
         if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
-            return max(0, row["step"])
-    return 0
+            rows.append(row)
+    return rows
 
 
 def _on_join(run: _Run, joined: Any) -> None:
-    """A machine was admitted (its own thread): price the planner's plan on the grown fleet against the
-    running one (vgraph/placement/replan.py); when it pays, ask the workers for a boundary: they stop after
-    the current step with a checkpoint and the next attempt runs on the grown fleet (`_boundary`)."""
+    """A machine was admitted (its own thread): re-plan onto the grown fleet when it pays (`_replan`)."""
+    _replan(run, "join", joined.step, run.admission.grown_fleet,
+            {"pnode": joined.pnode.id, "machine": joined.machine}, label=f"join {joined.pnode.id}")
+
+
+def _on_leave(run: _Run, machine: int, pnodes: list[str], step: int) -> None:
+    """Machine `machine` said it leaves (its own thread): the running plan cannot go on without its PNodes,
+    so the boundary is taken whatever the price; the decision's figures say what the next plan predicts."""
+    _replan(run, "leave", step, run.admission.grown_fleet, {"pnodes": pnodes, "machine": machine},
+            label=f"leave {', '.join(pnodes)} (machine {machine})", gone=pnodes)
+
+
+def _replan(run: _Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet], fields_: dict[str, Any], *,
+            label: str, gone: Sequence[str] = (), measured: Fleet | None = None, why: str = "") -> None:
+    """The one re-plan decision of a join, a leave and a drift (vgraph/placement/replan.py): the planner's plan
+    on `target_of(the running attempt's fleet)` priced against the running plan over the steps left; when it
+    pays (a leave: always, the running plan loses `gone`), ask the workers for a boundary: they stop after the
+    current step with a checkpoint and the next attempt runs on that fleet (`_boundary`).  A drift prices the
+    running plan on the `measured` fleet too, so both steps come from the same figures.  Every decision is a
+    `replan` row of fleet-events.jsonl and one line."""
+    cfg, admission = run.cfg, run.admission
+    row: dict[str, Any] = {"event": "replan", "kind": trigger, "step": step, **fields_}
+    try:
+        placement, fleet = _running(admission, wait_s=cfg.comm_timeout if gone else 0.0)
+        target = target_of(fleet)
+        decision, machines, handed = _decision(run, placement, target, step, gone, measured is not None)
+    except Exception as exc:  # in its own thread: whatever went wrong is said and recorded, the run goes on
+        said = str(exc) if isinstance(exc, VGraphError) else f"{type(exc).__name__}: {exc}"
+        admission.event({**row, "chosen": "new" if gone else "keep", "reason": said})
+        run.emit(f"launch: {label} at step {step}: {'boundary all the same' if gone else 'no re-plan now'}: {said}")
+        if gone:
+            _ask_boundary(run)
+        return
+    if gone and machines < cfg.nnodes:  # documented: the run goes on below MIN (docs/distributed.md)
+        row["below_min"] = machines
+        run.emit(f"launch: warning: after {label} the run has {machines} machine(s), fewer than --nnodes MIN "
+                 f"{cfg.nnodes}; it goes on with them")
+    row.update(decision.to_json())
+    if gone:  # what only the leaving machine held: its VNodes' state, through the boundary's checkpoint
+        row["checkpoint_bytes"] = handed
+    if why:
+        why = f"{why}; the planner's plan predicts {decision.new_step:.3g} s a step"
+        row["reason"] = f"{why}; {decision.reason}"
+    admission.event(row)
+    run.say(f"launch: {label} at step {step}: {why + '; ' if why else ''}{decision.describe()}")
+    if decision.chosen == "new":
+        if measured is not None:
+            with admission.lock:
+                admission.next_fleet = measured
+        _ask_boundary(run)
+
+
+def _running(admission: elastic.Admission, wait_s: float) -> tuple[Any, Fleet]:
+    """The running attempt's (placement, fleet); a leave before the first attempt is placed waits for it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with admission.lock:
+            current = admission.current
+        if current is not None:
+            return current
+        if time.monotonic() >= deadline:
+            raise VGraphError("no attempt is running yet: the change takes effect at the first boundary")
+        time.sleep(0.1)
+
+
+def _decision(run: _Run, placement: Placement, target: Fleet, step: int, gone: Sequence[str], reprice: bool
+              ) -> tuple[Any, int, float]:
+    """(replan.Replan, machines left on `target`, state bytes of the VNodes only `gone` held): the planner's
+    plan on `target` against `placement` (`reprice`: the running plan's step priced on `target` as well, a
+    drift's measured figures)."""
     from vgraph.placement.replan import PlanView, decide, state_bytes
 
     cfg, admission = run.cfg, run.admission
-    pid, step = joined.pnode.id, joined.step
-    try:
-        with admission.lock:
-            current = admission.current
-        if current is None:
-            raise VGraphError("no attempt is running yet: it takes part from the first boundary")
-        placement, fleet = current
-        grown = admission.grown_fleet(fleet)
-        new = place(run.source, grown, before=run.before, partition=run.partition, after=run.after,
-                    target=run.target, batch=cfg.batch, micro_batches=run.micro,
-                    grad_compress=run.grad_compress, pipeline=cfg.pipeline)
-        if new.world[0] in admission.home():
-            raise VGraphError(f"the planner's plan puts rank 0 on {new.world[0]}, and machine 0 keeps rank 0 (it "
-                              f"holds the run) until the coordinator can move")
-        sizes = state_bytes(_before_partition(run))
-        views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
-                 for p in (placement, new)]
-        decision = decide(*views, sizes, grown, max(0, cfg.steps - step))
-    except Exception as exc:  # in its own thread: whatever went wrong is said and recorded, the run goes on
-        why = str(exc) if isinstance(exc, VGraphError) else f"{type(exc).__name__}: {exc}"
-        admission.event({"event": "replan", "pnode": pid, "step": step, "chosen": "keep", "reason": why})
-        run.emit(f"launch: join {pid} at step {step}: admitted; no re-plan now: {why}")
-        return
-    admission.event({"event": "replan", "pnode": pid, "machine": joined.machine, "step": step, **decision.to_json()})
-    run.say(f"launch: join {pid} (machine {joined.machine}) at step {step}: admitted; {decision.describe()}")
-    if decision.chosen == "new":
-        with admission.lock:
-            if admission.done:
+    new = _plan_on(run, target)
+    if new.world[0] in admission.home():
+        raise VGraphError(f"the planner's plan puts rank 0 on {new.world[0]}, and machine 0 keeps rank 0 (it "
+                          f"holds the run) until the coordinator can move")
+    old = placement
+    if reprice:
+        layout = (placement.rows, placement.shares) if len(placement.rows) > 1 else None
+        old = _plan_on(run, target, placement.assignment, layout)
+    views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
+             for p in (old, new)]
+    sizes = state_bytes(_before_partition(run))
+    gone = sorted(set(gone) | admission.departing())  # another leave at the same step: no sender either
+    decision = decide(*views, sizes, target, max(0, cfg.steps - step), gone=gone, overhead_s=cfg.replan_overhead_s)
+    homes = {**(run.home or {}), **admission.home()}
+    handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
+    return decision, len({homes.get(p, 0) for p in target.ids}), handed
+
+
+def _plan_on(run: _Run, fleet: Fleet, assignment: dict[str, str] | None = None, layout: Any = None) -> Placement:
+    cfg = run.cfg
+    return place(run.source, fleet, before=run.before, partition=run.partition, after=run.after, target=run.target,
+                 batch=cfg.batch, micro_batches=run.micro, assignment=assignment, replicas=layout,
+                 grad_compress=run.grad_compress, pipeline=cfg.pipeline)
+
+
+def _ask_boundary(run: _Run) -> None:
+    """Ask this run's workers to stop after the current step with a checkpoint (once, while none is under way)."""
+    admission = run.admission
+    with admission.lock:
+        if admission.done:
+            return
+        admission.replanning = True
+    elastic.ask_stop(run.run_dir)
+
+
+def _watch_drift(run: _Run, start: int, ended: threading.Event) -> None:
+    """Machine 0, while an attempt runs (its own thread): a drift rank 0 reported in this attempt's rows (a
+    metrics row with `drift`, at a step after `start`) is a re-plan decision on the measured fleet
+    (fleet.measured.yml) through `_replan`.  Fresh evidence only: the rows of this attempt, whose rank 0 watches
+    its own plan's prediction from its own warm-up (so a re-plan's next one needs K steps measured under the
+    new plan), and once a drift re-plan is chosen this watch ends."""
+    from dataclasses import replace
+
+    from vgraph.cost.fleet import load_fleet
+
+    seen = start
+    while not ended.wait(0.5):
+        row = _last_drift(run, seen)
+        if row is None:
+            continue
+        seen = row["step"]
+        try:  # the file rank 0 wrote with the row; not the fleet's own file: a boundary's fleet is this one
+            measured = replace(load_fleet(run.run_dir / MEASURED_FLEET), source=None)
+        except VGraphError as exc:
+            run.emit(f"launch: drift at step {seen}: no re-plan: {exc}")
+            continue
+        pnodes = row["drift"].get("pnodes")
+        why = "drift: " + ", ".join(
+            f"{pid} measured {p['measured_s']:.3g} s vs predicted {p['predicted_s']:.3g} s busy for "
+            f"{run.cfg.drift_steps} steps" for pid, p in sorted((pnodes if isinstance(pnodes, dict) else {}).items())
+            if isinstance(p, dict) and all(isinstance(p.get(k), (int, float)) for k in ("measured_s", "predicted_s")))
+        _replan(run, "drift", seen, lambda fleet: run.admission.grown_fleet(measured), {"drift": row["drift"]},
+                label="drift", measured=measured, why=why)
+        with run.admission.lock:
+            if run.admission.next_fleet is not None:
                 return
-            admission.replanning = True
-        elastic.ask_stop(run.run_dir)
+
+
+def _last_drift(run: _Run, after: int) -> dict[str, Any] | None:
+    """The last metrics row with a drift report at a step after `after`, or None (read from the log's tail)."""
+    for row in reversed(_tail_rows(run)):
+        if isinstance(row.get("drift"), dict) and row["step"] > after:
+            return row
+    return None
 
 
 def _before_partition(run: _Run) -> Graph:
@@ -784,20 +930,29 @@ def _before_partition(run: _Run) -> Graph:
 
 
 def _boundary(run: _Run) -> bool:
-    """Machine 0, every worker done: was it a re-plan boundary (`_on_join`) with steps left?  Then the
-    admitted machines get their PNodes' homes and the next attempt is placed on the grown fleet."""
+    """Machine 0, every worker done: was it a re-plan boundary (`_replan`: a join, a leave, a drift) with steps
+    left?  Then the admitted machines get their PNodes' homes, the leaving ones are released (the boundary's
+    checkpoint holds what they held), and the next attempt is placed on the fleet without them."""
     admission = run.admission
     with admission.lock:
         asked, admission.replanning = admission.replanning, False
         queued, admission.queued = admission.queued, []
+    requested = elastic.stop_requested_at(run.run_dir)
     (run.launch_dir / STOP_FILE).unlink(missing_ok=True)
     step = _last_step(run)
     if not asked or step >= run.cfg.steps:
+        admission.release(step)  # the run is over: a leaving machine goes (its `job` answer says released)
         return False
     run.home = {**(run.home or {}), **admission.home()}
-    admission.event({"event": "boundary", "step": step, "pnodes": sorted(run.home),
+    requested = requested if requested is not None else time.time()
+    run.moving = (step, requested)
+    released = admission.release(step)  # their workers ended with this boundary's checkpoint
+    pnodes = sorted(set(run.home) - admission.departing())
+    admission.event({"event": "boundary", "step": step, "pnodes": pnodes, "released": released,
+                     "requested": round(requested, 3),
                      "queued": [admission.joined[m].pnode.id for m in queued]})
-    run.say(f"launch: re-plan boundary after step {step}: the next attempt runs on {', '.join(sorted(run.home))}")
+    run.say(f"launch: re-plan boundary after step {step}: the next attempt runs on {', '.join(pnodes)}"
+            f"{f'; machine(s) {released} released' if released else ''}")
     return True
 
 
@@ -832,21 +987,56 @@ def _supervise(run: _Run, attempt: _Attempt) -> dict[str, Any]:
     lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
     supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
                             lock_key=lock.key if lock is not None else "")
+    ended = threading.Event()
+    if run.admission is not None and cfg.drift_steps:  # a drift is a re-plan decision (`_watch_drift`)
+        threading.Thread(target=_watch_drift, args=(run, _last_step(run), ended), daemon=True).start()
     try:
         supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), cfg.master_addr, port,
                          attempt.threads)
         atomic_write(run.launch_dir / WORKERS_JSON,
                           json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
-        ok, codes, lost = supervisor.wait(trouble=run.machines.trouble)
+        ok, codes, lost = supervisor.wait(trouble=_watch_move(run, attempt.number))
+        _move_measured(run, attempt.number)  # an attempt too short for the watch to see its first step
     except BaseException:
         supervisor.stop()
         raise
     finally:
+        ended.set()
         if run.bar is not None:
             run.bar.close()  # the attempt's bar ends; a restart draws its own from the resumed step
     ranks = attempt.ranks
     return {"attempt": attempt.number, "ranks": ranks, "exit_codes": {ranks[r]: c for r, c in codes.items()},
             "lost": [ranks[r] for r in lost], "ok": ok, "codes": codes, "lost_ranks": lost}
+
+
+def _watch_move(run: _Run, attempt: int) -> Callable[[], str | None]:
+    """The supervisor's `trouble` poll, which also measures a boundary's move (`_move_measured`) every
+    MOVE_POLL_S while one is pending: the seconds a re-plan took, from its stop request to this attempt's
+    first logged step (rank 0 logs a resumed attempt's first step at once: training/loop.py)."""
+    trouble, due = run.machines.trouble, [0.0]
+
+    def poll() -> str | None:
+        if run.moving is not None and time.monotonic() >= due[0]:
+            due[0] = time.monotonic() + MOVE_POLL_S
+            _move_measured(run, attempt)
+        return trouble()
+    return poll
+
+
+def _move_measured(run: _Run, attempt: int) -> None:
+    """When the attempt after a boundary has logged a step: its `moved` row (fleet-events.jsonl) and a line."""
+    if run.moving is None or run.admission is None:
+        return
+    step, requested = run.moving
+    first = _last_step(run)
+    if first <= step:
+        return
+    run.moving = None
+    seconds = max(0.0, time.time() - requested)
+    run.admission.event({"event": "moved", "step": step, "first_step": first, "attempt": attempt,
+                         "seconds": round(seconds, 3)})
+    run.say(f"launch: the re-plan at step {step} took {seconds:.1f} s, from the stop request to attempt {attempt}'s "
+            f"first step")
 
 
 def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result: LaunchResult, fleet: Fleet
@@ -997,10 +1187,13 @@ def _emit_job(run: _Run, folder: OutputDir) -> LaunchResult:
     return LaunchResult(run.run_dir, 0, None, None, None, placement=attempt.placement.report)
 
 
-def _given_placement(run: _Run, number: int, shrunk: Any) -> tuple[Any, Any]:
-    """(assignment, replica layout) attempt `number` must use, or (None, None): the partition pass decides."""
+def _given_placement(run: _Run, number: int, shrunk: Any, replanned: bool = False) -> tuple[Any, Any]:
+    """(assignment, replica layout) attempt `number` must use, or (None, None): the partition pass decides
+    (always after a re-plan boundary: the fleet is no longer the one a given placement was for)."""
     if shrunk is not None:
         return shrunk
+    if replanned:
+        return None, None
     return run.given if number == 0 or run.cfg.on_failure == "restart" else (None, None)
 
 
@@ -1087,7 +1280,8 @@ def register_launch(subparsers: argparse._SubParsersAction) -> None:
     # VGRAPH_LAUNCH_TOKEN; everything else comes from machine 0.
     p.add_argument("--join", metavar="HOST:PORT", type=options.host_port,
                    help="join the run whose machine 0 has --master-addr HOST --master-port PORT and --nnodes "
-                        "MIN:MAX (the run's secret in VGRAPH_LAUNCH_TOKEN); needs --pnode")
+                        "MIN:MAX (the run's secret in VGRAPH_LAUNCH_TOKEN); needs --pnode. SIGTERM leaves the "
+                        "run gracefully (exit 0 once machine 0 releases this machine)")
     p.add_argument("--pnode", metavar="PNODE.yml", type=options.path,
                    help="with --join: this machine's figures (the file `vgraph probe -o` writes)")
     p.add_argument("--join-timeout", type=options.positive_float, default=60.0, metavar="S",
@@ -1139,11 +1333,17 @@ def _run_join(args: argparse.Namespace) -> int:
     host, port = args.join
     check_master_addr(host)
     say = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
-    joined = elastic.follow(host, port, args.pnode, args.out, join_timeout=args.join_timeout,
-                            link_timeout=args.link_timeout, comm_timeout=args.comm_timeout,
-                            emit=lambda line: print(line, file=sys.stderr, flush=True))  # JoinRefused: exit 2
+    emit = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    leave = elastic.Leaving(emit)  # SIGTERM, or a first Ctrl-C: leave gracefully (docs/distributed.md)
+    restore = leave.install()
+    try:
+        joined = elastic.follow(host, port, args.pnode, args.out, join_timeout=args.join_timeout,
+                                link_timeout=args.link_timeout, comm_timeout=args.comm_timeout, emit=emit,
+                                leave=leave)  # JoinRefused: exit 2
+    finally:
+        restore()
     say(f"launch --join: done: machine {joined.machine} (PNode {joined.pnode}) ran in attempt(s) "
-        f"{', '.join(map(str, joined.attempts)) or 'none'}")
+        f"{', '.join(map(str, joined.attempts)) or 'none'}{'; released: it left the run' if joined.released else ''}")
     return 0
 
 

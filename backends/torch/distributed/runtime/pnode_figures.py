@@ -109,7 +109,7 @@ class RunDrift:
     PNode.  When a drift episode starts, its row gets `"drift": {step, pnodes: {pnode: {measured_s,
     predicted_s, ratio}}}`, the fleet rescaled to the window's measured busy times is written to the run
     directory (fleet.measured.yml, atomically, never over the fleet file given), and one line says it.
-    The re-plan from it is the launcher's to decide (`measured_fleet` is the seam)."""
+    The re-plan from it is the launcher's to decide (launch.py's `_watch_drift` reads the row and the file)."""
 
     def __init__(self, watch: DriftWatch, fleet: Fleet, out: Path, fleet_file: str, relaunch: str,
                  say: Callable[[str], None]) -> None:
@@ -154,7 +154,7 @@ class RunDrift:
         except VGraphError as exc:
             return f"the measured fleet was not written: {exc}{skipped}"
         return (f"measured figures written to {path}{skipped}; to plan on them: {self.relaunch} --fleet {path} "
-                f"(this run keeps its plan)")
+                f"(a run that takes joins, --nnodes MIN:MAX, re-plans on them itself when that pays)")
 
 
 def run_drift(job: Job, run_dir: Path, say: Callable[[str], None]) -> RunDrift | None:

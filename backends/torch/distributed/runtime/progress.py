@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from vgraph.base.diagnostics import VGraphError
+from vgraph.base.diagnostics import VGraphError, printable
 from vgraph.base.jsonio import loads
 
 from ...training.metrics_log import progress_bar
@@ -36,6 +36,7 @@ __all__ = ["PROGRESS_ENV", "EVENT_PREFIX", "RankZeroProgress", "LaunchBar", "pro
 PROGRESS_ENV = "VGRAPH_PROGRESS"
 EVENT_PREFIX = "@@vgraph-progress@@ "  # printable (a line that is no event is shown as it is) and no worker line starts so
 MODES = ("events", "bar", "lines")
+MAX_NOTE = 120  # the latest re-plan on the progress line: one short clause
 
 
 def progress_mode(env: Mapping[str, str], launcher: str) -> str:
@@ -50,6 +51,19 @@ def _postfix(event: Mapping[str, Any]) -> dict[str, str]:
     out = {"loss": f"{event['loss']:.4f}", "tok_s": f"{event['tok_s']:,.0f}", "lr": f"{event['lr']:.2e}"}
     if event.get("val") is not None:
         out["val"] = f"{event['val']:.4f}"
+    out.update(_fleet(event))
+    return out
+
+
+def _fleet(event: Mapping[str, Any]) -> dict[str, str]:
+    """The machines of the step and the latest re-plan (fleet_watch.py), when the run says them."""
+    out = {}
+    machines = event.get("machines")
+    if isinstance(machines, int) and not isinstance(machines, bool) and 0 < machines < 2**31:
+        out["machines"] = str(machines)
+    note = event.get("fleet")
+    if isinstance(note, str) and note:
+        out["fleet"] = printable(note, MAX_NOTE)
     return out
 
 
@@ -63,9 +77,11 @@ class RankZeroProgress:
         if mode == "events":  # the launcher starts its bar (and its clock) now, before the first step
             print(EVENT_PREFIX + json.dumps({"step": start, "steps": total, "start": start, "name": name}), flush=True)
 
-    def report(self, step: int, row: Mapping[str, Any], val_loss: float | None) -> None:
+    def report(self, step: int, row: Mapping[str, Any], val_loss: float | None, fleet: str = "") -> None:
+        """`fleet`: the latest re-plan, briefly (fleet_watch.FleetWatch.note); the row's `machines` is shown."""
         event = {"step": step, "steps": self.total, "start": self.start, "name": self.name,
-                 "loss": row["loss"], "tok_s": row["tokens_per_s"], "lr": row["lr"], "val": val_loss}
+                 "loss": row["loss"], "tok_s": row["tokens_per_s"], "lr": row["lr"], "val": val_loss,
+                 "machines": row.get("machines"), "fleet": fleet}
         if self.mode == "events":
             safe = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in event.items()}
             print(EVENT_PREFIX + json.dumps(safe), flush=True)
@@ -77,7 +93,8 @@ class RankZeroProgress:
             if now - self._last_print >= 2.0 or step == self.total or val_loss is not None:
                 self._last_print = now
                 self.say(f"step {step}/{self.total} loss {row['loss']:.4f} tok/s {row['tokens_per_s']:,.0f} "
-                         f"lr {row['lr']:.2e}" + (f" val {val_loss:.4f}" if val_loss is not None else ""))
+                         f"lr {row['lr']:.2e}" + (f" val {val_loss:.4f}" if val_loss is not None else "")
+                         + "".join(f" {k} {v}" if k == "machines" else f" ({v})" for k, v in _fleet(event).items()))
 
     def write(self, line: str) -> None:
         """A status line that must not break the bar."""
@@ -121,6 +138,7 @@ class LaunchBar:
             if "loss" in event:  # a step's figures (the first event only starts the bar)
                 figures = {k: float(event[k]) if event[k] is not None else math.nan for k in ("loss", "tok_s", "lr")}
                 figures["val"] = event.get("val")
+                figures.update({k: event.get(k) for k in ("machines", "fleet")})
         except (VGraphError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
             return False  # not an event after all: an ordinary line
         with self.lock:

@@ -31,6 +31,7 @@ from vgraph.run import layout
 from vgraph.run.files import PLACEMENT_JSON
 
 from .comm import ControlGroup
+from .fleet_watch import FleetWatch
 from .powersgd import PowerSGD
 from ..job import Job
 from .loss_scaler import SharedLossScaler
@@ -223,8 +224,10 @@ class RankOutput:
     def __init__(self, ctrl: ControlGroup, checkpoints: GatheredCheckpoints, *, log: MetricsLog | None,
                  progress: RankZeroProgress | None, pnodes: list[str], curve: tuple[Path, str],
                  before_save: Callable[[], None], after_step: Callable[[int], None],
-                 say: Callable[[str], None], drift: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
+                 say: Callable[[str], None], drift: Callable[[list[dict[str, Any]]], None] | None = None,
+                 fleet: FleetWatch | None = None) -> None:
         self.ctrl, self.checkpoints, self.log, self.progress = ctrl, checkpoints, log, progress
+        self.fleet = fleet  # rank 0: the machines on every row, the re-plans (fleet_watch.py)
         self.drift = drift  # rank 0: the rows' figures against the plan (pnode_figures.RunDrift)
         self.pnodes, self.curve, self.say = pnodes, curve, say
         self.before_save, self.after_step = before_save, after_step
@@ -243,9 +246,11 @@ class RankOutput:
         attach(rows, [figures for _, figures in gathered], self.pnodes)
         if self.drift is not None:
             self.drift(rows)
+        if self.fleet is not None:
+            self.fleet.rows(rows)
         self.log.append(rows)
         if self.progress is not None:
-            self.progress.report(step, rows[-1], val_loss)
+            self.progress.report(step, rows[-1], val_loss, self.fleet.note if self.fleet is not None else "")
 
     def save(self, step: int) -> Path | None:
         self.before_save()  # the replicas still agree (replica_groups.py)
@@ -293,6 +298,6 @@ def open_log(job: Job, graph: Graph, start: int, metric_names: list[str], say: C
                         batch_shares=list(job.batch_shares))
         tensorboard = TensorBoardLog(run_dir, settings=settings, graph=graph,
                                      placement=placement if isinstance(placement, dict) else None, say=say)
-    log = MetricsLog(run_dir, row_columns(metric_names, extra=("boundary_bytes",)), sink=tensorboard)
+    log = MetricsLog(run_dir, row_columns(metric_names, extra=("boundary_bytes", "machines")), sink=tensorboard)
     log.restart(start)
     return log

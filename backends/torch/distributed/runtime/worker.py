@@ -89,6 +89,7 @@ from vgraph.yamlio import loads
 
 from .comm import ControlGroup, Transport
 from .comm_choice import worker_device
+from .fleet_watch import FleetWatch, machine_count
 from .grad_sync import GradientSync
 from .launchers import WorkerPlace, worker_place
 from .loss_scaler import SharedLossScaler
@@ -247,10 +248,12 @@ class Worker:
                                                  start, "launch", lambda line: print(line, flush=True))
         self._announce(start)
         drift = run_drift(self.job, self.run_dir, self.say) if log is not None else None  # rank 0 (drift.py)
+        fleet = (FleetWatch(self.run_dir, machine_count(self.job), self.cfg.steps, log.sink)
+                 if log is not None else None)
         out = RankOutput(self.ctrl, self.checkpoints, log=log, progress=self.progress, pnodes=list(self.job.ranks),
                          curve=(self.run_dir / LOSS_CURVE_PNG, self.graph.name), before_save=self._check_replicas,
                          after_step=lambda step: hold(self.job, self.rank, self.pnode, step), say=self.say,
-                         drift=drift.rows if drift is not None else None)
+                         drift=drift.rows if drift is not None else None, fleet=fleet)
         dist.barrier(group=self.ctrl.group)  # rank 0's set-up (log files, TensorBoard's drawing) is not step 1's idle
         end = run_loop(self.steps, out, LaunchStop(self.run_dir / LAUNCH_DIR / STOP_FILE, self._signalled),
                        self.cfg, start)
