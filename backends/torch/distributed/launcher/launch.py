@@ -79,11 +79,13 @@ shrink, or give up; across machines, machine 0 decides: membership.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -101,16 +103,16 @@ from vgraph.placement.replica_report import rebalanced_shares
 from vgraph.plugins import loaded_files
 from vgraph.run.compiled_graph import (PLAN_CHOICES, apply_assignment, network_changes, plugin_distributions,
                                        weight_keeping_changes)
-from vgraph.run.files import (METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEASE_FILE, RUN_JSON, TOKENIZER_JSON,
-                              WORKERS_JSON, RunLock, error_name, held_name)
+from vgraph.run.files import (FLEET_EVENTS_JSONL, METRICS_JSONL, NETWORK_YML, PLACEMENT_JSON, RELEASE_FILE, RUN_JSON,
+                              TOKENIZER_JSON, WORKERS_JSON, RunLock, error_name, held_name)
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, Pipeline, available_passes, run_pipeline
 
 from ...training import checkpoint as ckpt
 from ..runtime.comm_choice import COMM_MODES, choose_comm
 from ..runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from ..job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
-from .membership import MachineLost, Machines, decide
-from . import elastic
+from .membership import REQUEST_TIMEOUT_S, MachineLost, Machines, decide
+from . import elastic, succession
 from vgraph.run.step_plan import PIPELINES
 from ..runtime.progress import LaunchBar
 from ..rendezvous import TOKEN_ENV, check_master_addr, check_token, free_port, probe_port
@@ -417,6 +419,8 @@ class _Run:
     home: dict[str, int] | None = None  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
     admission: "elastic.Admission | None" = None  # machine 0 of a run that takes joins (elastic.py)
     bar: LaunchBar | None = None  # rank 0's progress, drawn here (progress.py)
+    mirror: "succession.Mirror | None" = None  # a machine next in line: the coordinator's history (succession.py)
+    rescued: Callable[[], list[Path]] = lambda: []  # other consistent states a successor may resume from
 
     @property
     def launch_dir(self) -> Path:
@@ -448,6 +452,8 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
         if cfg.master_port and cfg.node_rank == 0:
             probe_port(cfg.master_addr, cfg.master_port)
         if cfg.nnodes > 1 or _elastic(cfg):  # the launchers' channel: heartbeats, decisions, joins
+            if cfg.node_rank == 0 and _succeeds(cfg):
+                _refuse_superseded(cfg, token)
             try:
                 machines.open(cfg.master_addr, (cfg.master_port or 29500) - 1, token, cfg.node_rank, cfg.nnodes,
                               cfg.link_timeout, cfg.comm_timeout)
@@ -480,7 +486,39 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
                source, yaml_text, network_file, micro, run_dir, lead, before, partition, after, target, grad_compress,
                {}, "", "", f"{LAUNCH_DIR}/tokenizer.json", bar=bar)
     _write_data(run, vocab, seq_len)
+    if _succeeds(cfg) and not emitting:
+        _mirror(run)
     return run
+
+
+def _succeeds(cfg: LaunchConfig) -> bool:
+    """A run whose coordinator role can move when machine 0 is lost (succession.py): several machines, a fixed
+    set of them, and `shrink` (a lost machine costs its replicas, so another replica can carry on)."""
+    return cfg.nnodes > 1 and cfg.on_failure == "shrink" and not _elastic(cfg)
+
+
+def _refuse_superseded(cfg: LaunchConfig, token: str) -> None:
+    """Machine 0 started again on a run another machine took over: refused, never a second run beside it."""
+    from .membership import channel_key
+
+    run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(load_network(cfg.network)[0].name)
+    why = succession.superseded(run_dir, channel_key(token))
+    if why is not None:
+        raise VGraphError(f"{run_dir}: {why}")
+
+
+def _mirror(run: _Run) -> None:
+    """The coordinator serves the run's history and records where the machines are; the machines next in
+    line (succession.MIRRORS of them) pull it into RUN/launch/mirror/."""
+    machines = run.machines
+    if run.lead:
+        machines.serve_mirror(succession.MirrorSource(run.run_dir).answer)
+        port = machines.port
+        machines._board.on_addrs = lambda addrs: succession.record_machines(run.run_dir, port, addrs)
+        succession.record_machines(run.run_dir, port, {0: machines.own_addr})
+    elif run.cfg.node_rank <= succession.MIRRORS:
+        run.mirror = succession.Mirror(machines.request, run.launch_dir / succession.MIRROR_DIR, run.say,
+                                       active=lambda: machines.coordinator != machines.node_rank).start()
 
 
 def _write_data(run: _Run, vocab: int, seq_len: int) -> None:
@@ -573,7 +611,7 @@ def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
     home = run.home
     if run.admission is not None and ranks[0] in run.admission.home():
         raise _RankZeroJoined(ranks[0])
-    if run.machines.active and home.get(ranks[0], 0) != 0:
+    if run.machines.active and home.get(ranks[0], 0) != run.machines.coordinator:
         raise TrainingError("the replica of machine 0 was dropped: machine 0 holds the run and its rank 0, so the "
                             "run stops here; continue it with --resume")
     run.machines.begin(number, {home.get(p, 0) for p in ranks})
@@ -834,12 +872,13 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
     lost_pnodes = [ranks[r] for r in lost]
     described = ", ".join(f"{ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
     if run.machines.active:  # every machine reports; machine 0 decides for all (membership.py)
+        report = {"lost": lost_pnodes, "described": described, "error": errors}
         try:
-            plan = run.machines.settle({"lost": lost_pnodes, "described": described, "error": errors},
+            plan = run.machines.settle(report,
                                        lambda reports, missing: decide(reports, missing, run.home, cfg.on_failure),
                                        wait_for_all=cfg.on_failure == "restart")
         except MachineLost as exc:
-            raise TrainingError(str(exc)) from None
+            plan = _succeed(run, report, exc)  # the coordinator is lost: a survivor takes its role, or the run stops
         lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
     if errors:
         raise TrainingError(errors)
@@ -859,6 +898,70 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
              f"{' on ' + ', '.join(fleet.ids) if cfg.on_failure == 'repartition' else ''}"
              f"{f' with {len(shrunk[1][0])} replica(s), batch shares {shrunk[1][1]}' if shrunk else ''}")
     return fleet, shrunk
+
+
+def _succeed(run: _Run, report: dict[str, Any], lost: MachineLost) -> dict[str, Any]:
+    """This machine lost the coordinator (succession.py): the lowest surviving machine takes its role, the
+    others follow it; the decision for the next attempt, with the lost coordinator's PNodes lost (shrink
+    drops its replicas).  A coordinator followed and lost in turn is elected around the same way.  The run
+    stops (TrainingError) when the coordinator role cannot move: another --on-failure, or nobody left."""
+    cfg, machines = run.cfg, run.machines
+    if not _succeeds(cfg) or run.lead:
+        raise TrainingError(str(lost)) from None
+    home = run.home or {}
+    survivors = set(home.values()) | {cfg.node_rank}
+    window = 2 * (cfg.link_timeout + REQUEST_TIMEOUT_S)  # a lower-ranked survivor noticed the loss by then
+    gone: set[str] = set()
+    dead: set[int] = set()
+    while True:
+        old = machines.coordinator
+        survivors.discard(old)
+        gone.update(p for p, m in home.items() if m == old)
+        # Only the lost machines' PNodes count (as membership.decide rules for a missing machine): the workers
+        # here failed because of them.
+        report = {**report, "lost": sorted(gone), "described": f"{', '.join(sorted(gone))} (machine(s) "
+                                                              f"{', '.join(map(str, sorted(dead | {old})))} lost)"}
+        dead.add(old)
+        run.emit(f"launch: machine {old} (the coordinator) is lost: {lost}; electing a successor among machine(s) "
+                 f"{', '.join(map(str, sorted(survivors)))}")
+        try:
+            plan = succession.succeed(machines, old, survivors, report,
+                                      lambda reports, missing: decide(reports, missing, home, "shrink"), window)
+            break
+        except MachineLost as again:
+            lost = again
+    run.cfg = dataclasses.replace(cfg, master_addr=machines.addr)  # the workers' rendezvous: the coordinator's
+    if machines.coordinator == cfg.node_rank:
+        _become_coordinator(run, old, plan)
+    else:
+        run.emit(f"launch: machine {machines.coordinator} ({machines.addr}) is the coordinator now; this machine "
+                 f"follows it")
+    return plan
+
+
+def _become_coordinator(run: _Run, old: int, plan: dict[str, Any]) -> None:
+    """This machine took the coordinator role: its run directory becomes the run's (locked, the newest state
+    installed, network.yml and tokenizer.json written) and it serves the history to the next in line."""
+    if run.mirror is not None:
+        run.mirror.stop()
+    # This launcher's own --out (a follower's: its launch/ folder and mirror); open_run_dir would refuse it
+    # as not yet a run, and it becomes one here, under the lock.
+    lock = RunLock.acquire(run.run_dir, "vgraph launch (the coordinator, after succession)")
+    if lock.note:
+        run.emit(lock.note)
+    installed = succession.install(run.run_dir, run.rescued(), run.emit)
+    run.lead = True
+    atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
+    atomic_write(run.run_dir / TOKENIZER_JSON, read_input(run.run_dir / run.tokenizer, what="tokenizer"))
+    _mirror(run)
+    row = {"event": "succession", "coordinator": run.cfg.node_rank, "lost": old, "address": run.machines.addr,
+           "resume_step": installed.step, "steps_redone": installed.redone, "state": installed.source,
+           "pnodes_lost": plan.get("lost", [])}
+    line = json.dumps({"time": round(time.time(), 3), **row}) + "\n"
+    with open(run.launch_dir / FLEET_EVENTS_JSONL, "a", encoding="utf-8") as f:
+        f.write(line)
+    run.emit(f"launch: machine {run.cfg.node_rank} is the coordinator now (machine {old} lost): the run goes on in "
+             f"{run.run_dir} from step {installed.step} ({installed.source}; {installed.redone} step(s) redone)")
 
 
 def _collect(run: _Run, result: LaunchResult) -> LaunchResult:
