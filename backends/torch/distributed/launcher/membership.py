@@ -217,7 +217,47 @@ class _Server(socketserver.ThreadingTCPServer):
             raise
 
 
-class Machines:
+class _Succession:
+    """The part of a machine's channel that lets the coordinator role move (succession.py): where the others
+    are, taking the role over, following another coordinator.  Mixed into `Machines`, whose state it uses."""
+
+    addrs: dict[int, str]
+    coordinator: int
+
+    def take_over(self, lost: int, survivors: set[int]) -> None:
+        """This machine becomes the coordinator (succession.py): it serves the channel on its own address and
+        the same port, watching `survivors` (they report the failed attempt here).  RendezvousError when it
+        cannot listen there."""
+        self.coordinator = self.node_rank
+        with self._board.lock:
+            self._board.addrs = {m: a for m, a in self.addrs.items() if m != lost}
+            self._board.beats = {}
+        self._serve(self.own_addr, "the launchers' channel, taken over from the lost coordinator")
+        self.addr = self.own_addr
+        self._watched = set(survivors) - {self.node_rank}
+
+    def step_down(self, to: int) -> None:
+        """Stop serving and follow machine `to`, a coordinator of lower rank (succession.py's tie rule)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self.follow(to)
+
+    def follow(self, to: int) -> None:
+        """Beat and report to machine `to`, the new coordinator, at its address and the same port."""
+        self.coordinator, self.addr = to, self.addrs[to]
+        self._last_reply = time.monotonic()
+
+    def _learn(self, table: Any) -> None:
+        """The machines' addresses from the coordinator's answer (where to look for a successor)."""
+        if isinstance(table, dict):
+            learnt = {int(m): a for m, a in table.items() if str(m).isdigit() and isinstance(a, str)}
+            learnt.setdefault(self.coordinator, self.addr)
+            self.addrs = learnt
+
+
+class Machines(_Succession):
     """This launcher's link to the run's other machines (inactive on one machine); see the module docstring."""
 
     def __init__(self) -> None:
@@ -275,31 +315,6 @@ class Machines:
             self._board.addrs[self.node_rank] = addr
         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
 
-    def take_over(self, lost: int, survivors: set[int]) -> None:
-        """This machine becomes the coordinator (succession.py): it serves the channel on its own address and
-        the same port, watching `survivors` (they report the failed attempt here).  RendezvousError when it
-        cannot listen there."""
-        self.coordinator = self.node_rank
-        with self._board.lock:
-            self._board.addrs = {m: a for m, a in self.addrs.items() if m != lost}
-            self._board.beats = {}
-        self._serve(self.own_addr, "the launchers' channel, taken over from the lost coordinator")
-        self.addr = self.own_addr
-        self._watched = set(survivors) - {self.node_rank}
-
-    def step_down(self, to: int) -> None:
-        """Stop serving and follow machine `to`, a coordinator of lower rank (succession.py's tie rule)."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        self.follow(to)
-
-    def follow(self, to: int) -> None:
-        """Beat and report to machine `to`, the new coordinator, at its address and the same port."""
-        self.coordinator, self.addr = to, self.addrs[to]
-        self._last_reply = time.monotonic()
-
     def close(self) -> None:
         self._stop.set()
         if self._server is not None:
@@ -339,13 +354,6 @@ class Machines:
             self._learn(reply.get("machines"))
             if reply.get("abort"):
                 self._abort_seen = attempt
-
-    def _learn(self, table: Any) -> None:
-        """The machines' addresses from the coordinator's answer (where to look for a successor)."""
-        if isinstance(table, dict):
-            learnt = {int(m): a for m, a in table.items() if str(m).isdigit() and isinstance(a, str)}
-            learnt.setdefault(self.coordinator, self.addr)
-            self.addrs = learnt
 
     # -- an attempt ---------------------------------------------------------------------------
     def begin(self, attempt: int, machines: set[int]) -> None:
