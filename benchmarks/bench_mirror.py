@@ -5,7 +5,8 @@
 For each run directory (one with a checkpoint and metrics.jsonl, e.g. from `vgraph train --steps 1
 --checkpoint-every 1`), machine 0 serves it on the launchers' channel on loopback (membership.Machines, sealed
 lines) and machine 1 pulls it once (succession.Mirror: the rows, then the latest checkpoint in 512 KiB
-chunks): the bytes, the seconds the pull took here (the channel's own cost: HMAC, base64, SHA-256, no link),
+chunks): the bytes, the seconds the pull took here and the CPU seconds of both sides together (the channel's own
+cost: HMAC, base64, SHA-256, no link),
 and what the same bytes take over a 100 Mbit/s and a 1 Gbit/s link.  Those decide the cadence: rows every
 second are a few hundred bytes; a checkpoint's pull must fit inside the checkpoint interval.
 """
@@ -31,15 +32,15 @@ def measure(run_dir: Path, scratch: Path) -> dict:
     try:
         mirror = Mirror(one.request, scratch)
         scratch.mkdir(parents=True, exist_ok=True)
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         mirror.pull()
-        seconds = time.perf_counter() - began
+        seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
     finally:
         one.close()
         zero.close()
     rows = (scratch / "metrics.jsonl").stat().st_size
     checkpoint = sum(f["bytes"] for f in mirror.figures)
-    return {"rows_bytes": rows, "checkpoint_bytes": checkpoint, "seconds": seconds}
+    return {"rows_bytes": rows, "checkpoint_bytes": checkpoint, "seconds": seconds, "cpu": cpu}
 
 
 def main(argv: list[str]) -> int:
@@ -53,7 +54,8 @@ def main(argv: list[str]) -> int:
             got = measure(Path(arg), Path(tmp) / "mirror")
         total = got["rows_bytes"] + got["checkpoint_bytes"]
         print(f"{arg}: checkpoint {got['checkpoint_bytes']:,} bytes, rows {got['rows_bytes']:,} bytes; pulled in "
-              f"{got['seconds']:.2f} s on loopback; {total * 8 / 100e6:.2f} s at 100 Mbit/s, "
+              f"{got['seconds']:.2f} s on loopback (CPU {got['cpu']:.2f} s, both sides); "
+              f"{total * 8 / 100e6:.2f} s at 100 Mbit/s, "
               f"{total * 8 / 1e9:.3f} s at 1 Gbit/s")
     return 0
 
