@@ -57,6 +57,7 @@ def mirrored_steps(folder: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.slow  # real workers on two launchers, and the rejoin timeout (--comm-timeout + --link-timeout) waited out
 def test_machine_0_is_sigkilled_and_the_run_completes_on_the_survivor(files, reference, tmp_path, monkeypatch):
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
     port = free_port()
@@ -308,3 +309,26 @@ def test_install_takes_the_newest_state_it_is_given(tmp_path):
     assert any("step-00000009" in line for line in said)
     got = succession.install(run, [], said.append)  # the mirrored one alone
     assert (got.step, got.redone, got.source) == (4, 2, "mirrored checkpoint")
+
+
+def test_install_with_nothing_mirrored_starts_from_the_beginning(tmp_path):
+    """Machine 0 lost before its first checkpoint: no state, so step 0, and no row kept (all are redone)."""
+    mirror = tmp_path / "launch" / "mirror"
+    mirror.mkdir(parents=True)
+    (mirror / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    got = succession.install(tmp_path)
+    assert (got.step, got.redone, got.source) == (0, 1, "none: from the start")
+    assert (tmp_path / "metrics.jsonl").read_text() == "" and not (tmp_path / "latest").exists()
+
+
+@pytest.mark.parametrize("addr", [None, 7, "", "x" * 256, "10.0.0.1\n", "\x00", ["10.0.0.1"]])
+def test_a_beat_with_a_bad_address_is_not_recorded(addr):
+    """The address table is only what machines said of themselves, as printable short text."""
+    from vgraph.backends.torch.distributed.launcher.membership import _Board
+
+    board, told = _Board(), []
+    board.on_addrs = told.append
+    reply = board.answer({"op": "beat", "machine": 1, "attempt": 0, "addr": addr})
+    assert board.addrs == {} and told == [] and reply["machines"] == {}
+    board.answer({"op": "beat", "machine": 1, "attempt": 0, "addr": "10.0.0.2"})
+    assert board.addrs == {1: "10.0.0.2"} and told == [{1: "10.0.0.2"}]
