@@ -6,7 +6,6 @@ Around it, on the channel alone: the mirror, a tie between two would-be successo
 its succession, a machine 0 that comes back, and hostile mirror requests."""
 from __future__ import annotations
 
-import base64
 import json
 import os
 import signal
@@ -22,7 +21,6 @@ from vgraph.backends.torch.distributed.launcher import succession
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main
 from vgraph.backends.torch.distributed.launcher.membership import Machines, channel_key, decide
 from vgraph.backends.torch.distributed.rendezvous import free_port
-from vgraph.base.diagnostics import VGraphError
 
 from test_distributed_replicas import STEPS, common, files, reference, same_training  # noqa: F401 (fixtures)
 

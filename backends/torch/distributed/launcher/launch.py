@@ -516,8 +516,7 @@ def _mirror(run: _Run) -> None:
     if run.lead:
         machines.serve_mirror(succession.MirrorSource(run.run_dir).answer)
         port = machines.port
-        machines._board.on_addrs = lambda addrs: succession.record_machines(run.run_dir, port, addrs)
-        succession.record_machines(run.run_dir, port, {0: machines.own_addr})
+        machines.on_addresses(lambda addrs: succession.record_machines(run.run_dir, port, addrs))
     elif run.cfg.node_rank <= succession.MIRRORS:
         run.mirror = succession.Mirror(machines.request, run.launch_dir / succession.MIRROR_DIR, run.say,
                                        active=lambda: machines.coordinator != machines.node_rank).start()
@@ -614,8 +613,9 @@ def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
     if run.admission is not None and ranks[0] in run.admission.home():
         raise _RankZeroJoined(ranks[0])
     if run.machines.active and home.get(ranks[0], 0) != run.machines.coordinator:
-        raise TrainingError("the replica of machine 0 was dropped: machine 0 holds the run and its rank 0, so the "
-                            "run stops here; continue it with --resume")
+        who = run.machines.coordinator
+        raise TrainingError(f"the replica of machine {who} was dropped: machine {who}, the coordinator, holds the run "
+                            f"and its rank 0, so the run stops here; continue it with --resume")
     run.machines.begin(number, {home.get(p, 0) for p in ranks})
     return [r for r, p in enumerate(ranks) if home.get(p, 0) == cfg.node_rank]
 

@@ -236,6 +236,14 @@ class _Succession:
         self.addr = self.own_addr
         self._watched = set(survivors) - {self.node_rank}
 
+    def on_addresses(self, record: Callable[[dict[int, str]], None]) -> None:
+        """The coordinator: `record` the machines' addresses now and whenever a beat changes them."""
+        board = self._board
+        with board.lock:
+            board.addrs[self.node_rank] = self.own_addr
+            board.on_addrs, table = record, dict(board.addrs)
+        record(table)
+
     def step_down(self, to: int) -> None:
         """Stop serving and follow machine `to`, a coordinator of lower rank (succession.py's tie rule)."""
         if self._server is not None:
