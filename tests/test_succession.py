@@ -21,6 +21,7 @@ from vgraph.backends.torch.distributed.launcher import succession
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main
 from vgraph.backends.torch.distributed.launcher.membership import Machines, channel_key, decide
 from vgraph.backends.torch.distributed.rendezvous import free_port
+from vgraph.base.diagnostics import VGraphError
 
 from test_distributed_replicas import STEPS, common, files, reference, same_training  # noqa: F401 (fixtures)
 
@@ -330,3 +331,29 @@ def test_a_beat_with_a_bad_address_is_not_recorded(addr):
     assert board.addrs == {} and told == [] and reply["machines"] == {}
     board.answer({"op": "beat", "machine": 1, "attempt": 0, "addr": "10.0.0.2"})
     assert board.addrs == {1: "10.0.0.2"} and told == [{1: "10.0.0.2"}]
+
+
+def test_a_checkpoint_that_arrives_damaged_is_thrown_away(tmp_path):
+    """A chunk that does not match the announced SHA-256 (a fetch cut off, a file replaced under it): nothing
+    half-written stays, the checkpoint held before is kept, and the next round fetches it again."""
+    run = tmp_path / "run"
+    (run / "step-00000002").mkdir(parents=True)
+    (run / "step-00000002" / "state.json").write_text('{"step": 2}')
+    (run / "latest").write_text("step-00000002\n")
+    source = succession.MirrorSource(run)
+    calls = {"n": 0}
+
+    def request(op, timeout=None, **kw):
+        reply = source.answer({"op": op, **kw})
+        if op == "mirror-fetch" and calls["n"] == 0:
+            calls["n"] += 1
+            reply = {**reply, "data": "AAAA"}  # three zero bytes instead of the file
+        return reply
+
+    mirror = succession.Mirror(request, tmp_path / "mirror")
+    mirror.folder.mkdir()
+    with pytest.raises(VGraphError, match="bytes of|SHA-256"):
+        mirror.pull()
+    assert sorted(p.name for p in mirror.folder.iterdir()) == ["metrics.jsonl"]  # no .incoming-*, no latest
+    mirror.pull()
+    assert (mirror.folder / "latest").read_text().strip() == "step-00000002"

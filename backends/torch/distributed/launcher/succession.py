@@ -176,8 +176,10 @@ class Mirror:
                 continue
             try:
                 self.pull()
-            except (OSError, ValueError, VGraphError):
-                continue  # the coordinator is busy or gone: the channel's own clocks decide what that means
+            except (OSError, ValueError, TypeError, KeyError, VGraphError):
+                # The coordinator is busy or gone (the channel's own clocks decide what that means), or its answer
+                # was not what this version reads: the mirror keeps what it holds and asks again.
+                continue
 
     def pull(self) -> None:
         """One round: the new rows, then the latest checkpoint when it is not the one held."""
