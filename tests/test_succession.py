@@ -294,6 +294,10 @@ def test_a_mirror_refuses_names_that_leave_its_folder(tmp_path):
     answers["mirror"]["checkpoint"]["name"] = "../step-1"
     with pytest.raises(ValueError, match="names a checkpoint"):
         mirror.pull()
+    answers["mirror"]["offset"] = 10**9  # rows from an offset never asked for: no hole of zeros in the mirror
+    with pytest.raises(ValueError, match="from offset 1000000000"):
+        mirror.pull()
+    assert (tmp_path / "mirror" / "metrics.jsonl").stat().st_size == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mirror"] and not (tmp_path / "mirror" / "latest").exists()
 
 

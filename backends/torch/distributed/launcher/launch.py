@@ -519,7 +519,8 @@ def _mirror(run: _Run) -> None:
         machines.on_addresses(lambda addrs: succession.record_machines(run.run_dir, port, addrs))
     elif run.cfg.node_rank <= succession.MIRRORS:
         run.mirror = succession.Mirror(machines.request, run.launch_dir / succession.MIRROR_DIR, run.say,
-                                       active=lambda: machines.coordinator != machines.node_rank).start()
+                                       active=lambda: machines.coordinator != machines.node_rank,
+                                       over=lambda: not machines.active).start()
 
 
 def _write_data(run: _Run, vocab: int, seq_len: int) -> None:

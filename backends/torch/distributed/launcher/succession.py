@@ -149,6 +149,7 @@ class Mirror:
     say: Callable[[str], None] = lambda line: None
     every: float = MIRROR_EVERY_S
     active: Callable[[], bool] = lambda: True  # False while this machine is itself the coordinator
+    over: Callable[[], bool] = lambda: False  # True once this machine's channel is closed: the thread ends
     offset: int = 0
     checkpoint: str | None = None
     figures: list[dict[str, Any]] = field(default_factory=list)  # per mirrored checkpoint: bytes, seconds
@@ -171,7 +172,7 @@ class Mirror:
             self._thread.join(timeout=2 * FETCH_TIMEOUT_S)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every):
+        while not self._stop.wait(self.every) and not self.over():
             if not self.active():
                 continue
             try:
@@ -194,6 +195,8 @@ class Mirror:
         if "error" in reply:
             return
         start, data = int(reply["offset"]), base64.b64decode(str(reply["rows"]), validate=True)
+        if start not in (0, self.offset):  # the coordinator answers from the offset asked, or from the start
+            raise ValueError(f"the coordinator answered rows from offset {start}, not {self.offset} or 0")
         with open(rows, "r+b" if rows.exists() else "wb") as f:
             f.truncate(start)
             f.seek(start)
