@@ -204,7 +204,8 @@ def test_elect_takes_the_lowest_rank_that_serves():
     assert succession.elect(1, [1, 2], lambda k: pytest.fail("nobody below 1 is asked")) == 1
 
 
-def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("on_failure", ["shrink", "restart"])  # whatever it is started with now
+def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path, monkeypatch, capsys, on_failure):
     """The run goes on at machine 1: machine 0 started again with the same command (and --resume) asks the
     machines it recorded who coordinates, and refuses to start a second run beside it (exit 2, a message)."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
@@ -219,7 +220,7 @@ def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path
         assert succession.superseded(run, channel_key("another-secret-entirely")) is None  # no answer: no claim
         assert launch_main(["launch", str(files / "net.yml"), "--fleet", str(files / "wide2.yml"), "--data",
                             str(files / "corpus.txt"), "--steps", "2", "--nnodes", "2", "--node-rank", "0",
-                            "--master-port", str(port), "--on-failure", "shrink", "--out", str(run), "--resume"]) == 2
+                            "--master-port", str(port), "--on-failure", on_failure, "--out", str(run), "--resume"]) == 2
         assert "took over this run as its coordinator" in capsys.readouterr().err
     finally:
         successor.close()

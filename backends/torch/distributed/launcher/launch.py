@@ -454,7 +454,7 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
         if cfg.master_port and cfg.node_rank == 0:
             probe_port(cfg.master_addr, cfg.master_port)
         if cfg.nnodes > 1 or _elastic(cfg):  # the launchers' channel: heartbeats, decisions, joins
-            if cfg.node_rank == 0 and _succeeds(cfg):
+            if cfg.node_rank == 0:  # whatever its options now: a run another machine took over stays there
                 _refuse_superseded(cfg, token)
             try:
                 machines.open(cfg.master_addr, (cfg.master_port or 29500) - 1, token, cfg.node_rank, cfg.nnodes,
