@@ -377,3 +377,42 @@ def test_a_checkpoint_that_arrives_damaged_is_thrown_away(tmp_path):
     assert sorted(p.name for p in mirror.folder.iterdir()) == ["metrics.jsonl"]  # no .incoming-*, no latest
     mirror.pull()
     assert (mirror.folder / "latest").read_text().strip() == "step-00000002"
+
+
+def test_the_machines_record_keeps_machines_not_heard_again(tmp_path):
+    """A machine 0 started again records itself before the others beat: the machine that took its run over
+    stays in the record (so it is still asked); a record for another port is replaced."""
+    (tmp_path / "launch").mkdir()
+    succession.record_machines(tmp_path, 5000, {0: "10.0.0.1", 1: "10.0.0.2"})
+    succession.record_machines(tmp_path, 5000, {0: "10.0.0.9"})
+    assert json.loads((tmp_path / "launch" / "machines.json").read_text())["machines"] == \
+        {"0": "10.0.0.9", "1": "10.0.0.2"}
+    succession.record_machines(tmp_path, 6000, {0: "10.0.0.1"})
+    assert json.loads((tmp_path / "launch" / "machines.json").read_text()) == {"port": 6000,
+                                                                               "machines": {"0": "10.0.0.1"}}
+
+
+def test_a_coordinator_going_on_without_machines_stops_if_one_took_the_run_over(tmp_path):
+    """Machine 0 started again within the rejoin timeout heard the others before they took its run over; when
+    it is about to go on without them, it asks, and stops instead of training a second copy.  The coordinator
+    that asks itself (a successor going on without machine 2) is no objection."""
+    from types import SimpleNamespace
+
+    from vgraph.backends.torch.distributed.launcher.launch import _fence
+    from vgraph.backends.torch.training.config import TrainingError
+
+    port = free_port()
+    (tmp_path / "launch").mkdir()
+    succession.record_machines(tmp_path, port, {0: "127.0.0.1", 1: "127.0.0.2"})
+    cfg = LaunchConfig("net.yml", nnodes=3, on_failure="shrink", node_rank=0)
+    run = SimpleNamespace(run_dir=tmp_path, token=TOKEN, cfg=cfg)
+    _fence(run)  # nobody answers: the lost machines are gone
+    successor = machine(1, port, "127.0.0.2", {0: "127.0.0.1", 1: "127.0.0.2"})
+    successor.take_over(0, {1, 2})
+    try:
+        with pytest.raises(TrainingError, match=r"machine 1 \(127.0.0.2\) took over this run"):
+            _fence(run)
+        for other in (dict(on_failure="shrink", node_rank=1), dict(on_failure="restart")):
+            _fence(SimpleNamespace(run_dir=tmp_path, token=TOKEN, cfg=LaunchConfig("net.yml", nnodes=3, **other)))
+    finally:
+        successor.close()

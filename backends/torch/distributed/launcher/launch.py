@@ -509,6 +509,16 @@ def _refuse_superseded(cfg: LaunchConfig, token: str) -> None:
         raise VGraphError(f"{run_dir}: {why}")
 
 
+def _fence(run: _Run) -> None:
+    """The coordinator, about to go on without machines it lost: stop if one of them coordinates the run now (a
+    machine 0 started again within the rejoin timeout heard the others before they took the run over)."""
+    from .membership import channel_key
+
+    why = succession.superseded(run.run_dir, channel_key(run.token), run.cfg.node_rank) if _succeeds(run.cfg) else None
+    if why is not None:
+        raise TrainingError(why)
+
+
 def _mirror(run: _Run) -> None:
     """The coordinator serves the run's history and records where the machines are; the machines next in
     line (succession.MIRRORS of them) pull it into RUN/launch/mirror/."""
@@ -882,6 +892,8 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
                                        wait_for_all=cfg.on_failure == "restart")
         except MachineLost as exc:
             plan = _succeed(run, report, exc)  # the coordinator is lost: a survivor takes its role, or the run stops
+        if run.lead and plan["lost"]:
+            _fence(run)  # before going on without machines: none of them took this run over meanwhile
         lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
     if errors:
         raise TrainingError(errors)

@@ -481,4 +481,5 @@ def decide(reports: dict[int, dict], missing: list[int], home: dict[str, int], o
     return {"lost": lost, "described": described, "error": ""}
 
 
-__all__ = ["Machines", "MachineLost", "SteppedDown", "own_address", "decide", "ask", "channel_key", "HEARTBEAT_S", "REQUEST_TIMEOUT_S", "MAX_LINE"]
+__all__ = ["Machines", "MachineLost", "SteppedDown", "own_address", "decide", "ask", "channel_key", "HEARTBEAT_S",
+           "REQUEST_TIMEOUT_S", "MAX_LINE"]

@@ -57,7 +57,8 @@ from ...training import checkpoint as ckpt
 from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, _fetch
 from .membership import REQUEST_TIMEOUT_S, ask
 
-__all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "install", "newest_state", "superseded", "record_machines",
+__all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "install", "newest_state", "superseded",
+           "record_machines",
            "MIRROR_DIR", "MACHINES_JSON", "MIRRORS", "MIRROR_EVERY_S", "Installed"]
 
 MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
@@ -387,16 +388,8 @@ def install(run_dir: Path, rescued: Iterable[Path] = (), say: Callable[[str], No
     return Installed(step, max(0, last - step), source)
 
 
-def record_machines(run_dir: Path, port: int, addrs: dict[int, str]) -> None:
-    """The coordinator: where the machines are (launch/machines.json), for a machine 0 that comes back."""
-    atomic_write(run_dir / LAUNCH_DIR / MACHINES_JSON,
-                 json.dumps({"port": port, "machines": {str(m): a for m, a in sorted(addrs.items())}}) + "\n")
-
-
-def superseded(run_dir: Path, key: str, timeout: float = 1.0) -> str | None:
-    """Machine 0 starting on a run it coordinated before: why it must not (another machine coordinates the
-    run now: its rank and address), or None.  It asks every machine recorded in launch/machines.json who
-    serves the channel; silence is no objection (the run is over, or those machines are gone)."""
+def _recorded(run_dir: Path) -> tuple[int, dict[int, str]] | None:
+    """(port, machine -> address) of launch/machines.json, or None when there is none or it is damaged."""
     from vgraph.base.safeio import read_json
 
     path = run_dir / LAUNCH_DIR / MACHINES_JSON
@@ -404,18 +397,38 @@ def superseded(run_dir: Path, key: str, timeout: float = 1.0) -> str | None:
         return None
     try:
         data = read_json(path, what="launch/machines.json")
-        port, addrs = int(data["port"]), {int(m): str(a) for m, a in dict(data["machines"]).items()}
+        return int(data["port"]), {int(m): str(a) for m, a in dict(data["machines"]).items()}
     except (VGraphError, KeyError, TypeError, ValueError):
         return None  # not ours to judge: a damaged record names no coordinator
+
+
+def record_machines(run_dir: Path, port: int, addrs: dict[int, str]) -> None:
+    """The coordinator: where the machines are (launch/machines.json), for a machine 0 that comes back.  Merged
+    with what the file held for the same port: a machine 0 started again has not heard every machine yet, and
+    the one that took its run over must still be asked (`superseded`)."""
+    before = _recorded(run_dir)
+    table = {**(before[1] if before is not None and before[0] == port else {}), **addrs}
+    atomic_write(run_dir / LAUNCH_DIR / MACHINES_JSON,
+                 json.dumps({"port": port, "machines": {str(m): a for m, a in sorted(table.items())}}) + "\n")
+
+
+def superseded(run_dir: Path, key: str, me: int = 0, timeout: float = 1.0) -> str | None:
+    """Machine `me` starting on, or going on with, a run it coordinated: why it must not (another machine
+    coordinates the run now: its rank and address), or None.  It asks every machine recorded in
+    launch/machines.json who serves the channel; silence is no objection (the run is over, or those machines
+    are gone)."""
+    recorded = _recorded(run_dir)
+    if recorded is None:
+        return None
+    port, addrs = recorded
     for addr in dict.fromkeys(addrs.values()):
         try:
-            reply = ask(addr, port, key, {"op": "coordinator", "machine": 0}, timeout)
+            reply = ask(addr, port, key, {"op": "coordinator", "machine": me}, timeout)
         except (OSError, ValueError):
             continue
         who = reply.get("coordinator")
-        if isinstance(who, int) and who != 0:
-            return (f"machine {who} ({addr}) took over this run as its coordinator after machine 0 was lost, and "
-                    f"it goes on there: starting machine 0 again would split it in two. Its metrics and "
-                    f"checkpoints are in machine {who}'s run directory; stop that run first to continue here "
-                    f"with --resume")
+        if isinstance(who, int) and who != me:
+            return (f"machine {who} ({addr}) took over this run as its coordinator after machine {me} was lost, "
+                    f"and it goes on there: going on here would split it in two. Its metrics and checkpoints "
+                    f"are in machine {who}'s run directory; stop that run first to continue here with --resume")
     return None
