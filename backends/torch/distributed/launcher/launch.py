@@ -62,7 +62,9 @@ rescued from a surviving replica when one holds them); `repartition` is
 single-machine only.  The launchers keep in
 touch through machine 0 on port P - 1 (membership.py): a machine lost with its
 link is noticed within --link-timeout, and machine 0 decides for all what the
-next attempt is.  A PNode stays on the machine that ran it first (after a
+next attempt is.  With `shrink`, machine 0 itself may be lost: the lowest
+surviving machine becomes the coordinator from the history it mirrored
+(`_succeed`, succession.py).  A PNode stays on the machine that ran it first (after a
 shrink, the survivors keep theirs).  The worker is a plain
 torchrun-style program, so
 `torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.distributed.runtime.worker JOB.json`
@@ -85,6 +87,7 @@ shrink, or give up; across machines, machine 0 decides: membership.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -117,8 +120,8 @@ from ...training import checkpoint as ckpt
 from ..runtime.comm_choice import COMM_MODES, choose_comm
 from ..runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from ..job import EXIT_USER_ERROR, JOB_FILE, LAUNCH_DIR, STOP_FILE, Job
-from .membership import MachineLost, Machines, decide
-from . import elastic
+from .membership import REQUEST_TIMEOUT_S, MachineLost, Machines, decide
+from . import elastic, succession
 from vgraph.run.step_plan import PIPELINES
 from ..runtime.progress import LaunchBar
 from ..rendezvous import TOKEN_ENV, check_master_addr, check_token, free_port, probe_port
@@ -450,6 +453,8 @@ class _Run:
     leave: "elastic.Leaving | None" = None  # machine k != 0 of a run that takes joins: its graceful leave
     bar: LaunchBar | None = None  # rank 0's progress, drawn here (progress.py)
     moving: tuple[int, float] | None = None  # a boundary's step and its stop request's time, until the move is measured
+    mirror: "succession.Mirror | None" = None  # a machine next in line: the coordinator's history (succession.py)
+    rescued: Callable[[], list[Path]] = lambda: []  # other consistent states a successor may resume from
 
     @property
     def launch_dir(self) -> Path:
@@ -481,6 +486,8 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
         if cfg.master_port and cfg.node_rank == 0:
             probe_port(cfg.master_addr, cfg.master_port)
         if cfg.nnodes > 1 or _elastic(cfg):  # the launchers' channel: heartbeats, decisions, joins
+            if cfg.node_rank == 0:  # whatever its options now: a run another machine took over stays there
+                _refuse_superseded(cfg, token)
             try:
                 machines.open(cfg.master_addr, (cfg.master_port or 29500) - 1, token, cfg.node_rank, cfg.nnodes,
                               cfg.link_timeout, cfg.comm_timeout)
@@ -513,7 +520,49 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
                source, yaml_text, network_file, micro, run_dir, lead, before, partition, after, target, grad_compress,
                {}, "", "", f"{LAUNCH_DIR}/tokenizer.json", bar=bar)
     _write_data(run, vocab, seq_len)
+    if _succeeds(cfg) and not emitting:
+        _mirror(run)
     return run
+
+
+def _succeeds(cfg: LaunchConfig) -> bool:
+    """A run whose coordinator role can move when machine 0 is lost (succession.py): several machines, a fixed
+    set of them, and `shrink` (a lost machine costs its replicas, so another replica can carry on)."""
+    return cfg.nnodes > 1 and cfg.on_failure == "shrink" and not _elastic(cfg)
+
+
+def _refuse_superseded(cfg: LaunchConfig, token: str) -> None:
+    """Machine 0 started again on a run another machine took over: refused, never a second run beside it."""
+    from .membership import channel_key
+
+    run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(load_network(cfg.network)[0].name)
+    why = succession.superseded(run_dir, channel_key(token))
+    if why is not None:
+        raise VGraphError(f"{run_dir}: {why}")
+
+
+def _fence(run: _Run) -> None:
+    """The coordinator, about to go on without machines it lost: stop if one of them coordinates the run now (a
+    machine 0 started again within the rejoin timeout heard the others before they took the run over)."""
+    from .membership import channel_key
+
+    why = succession.superseded(run.run_dir, channel_key(run.token), run.cfg.node_rank) if _succeeds(run.cfg) else None
+    if why is not None:
+        raise TrainingError(why)
+
+
+def _mirror(run: _Run) -> None:
+    """The coordinator serves the run's history and records where the machines are; the machines next in
+    line (succession.MIRRORS of them) pull it into RUN/launch/mirror/."""
+    machines = run.machines
+    if run.lead:
+        machines.serve_mirror(succession.MirrorSource(run.run_dir).answer)
+        port = machines.port
+        machines.on_addresses(lambda addrs: succession.record_machines(run.run_dir, port, addrs))
+    elif run.cfg.node_rank <= succession.MIRRORS:
+        run.mirror = succession.Mirror(machines.request, run.launch_dir / succession.MIRROR_DIR, run.say,
+                                       active=lambda: machines.coordinator != machines.node_rank,
+                                       over=lambda: not machines.active).start()
 
 
 def _write_data(run: _Run, vocab: int, seq_len: int) -> None:
@@ -606,9 +655,10 @@ def _local_ranks(run: _Run, ranks: list[str], number: int) -> list[int]:
     home = run.home
     if run.admission is not None and ranks[0] in run.admission.home():
         raise _RankZeroJoined(ranks[0])
-    if run.machines.active and home.get(ranks[0], 0) != 0:
-        raise TrainingError("the replica of machine 0 was dropped: machine 0 holds the run and its rank 0, so the "
-                            "run stops here; continue it with --resume")
+    if run.machines.active and home.get(ranks[0], 0) != run.machines.coordinator:
+        who = run.machines.coordinator
+        raise TrainingError(f"the replica of machine {who} was dropped: machine {who}, the coordinator, holds the run "
+                            f"and its rank 0, so the run stops here; continue it with --resume")
     run.machines.begin(number, {home.get(p, 0) for p in ranks})
     return [r for r, p in enumerate(ranks) if home.get(p, 0) == cfg.node_rank]
 
@@ -1053,12 +1103,15 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
     if run.machines.active:  # every machine reports; machine 0 decides for all (membership.py)
         if not run.lead:  # this machine's survivors' shards first: machine 0 decides once it has every report
             send_shards(run.machines.request, run.launch_dir / RESCUE_DIR, attempt.number, run.emit)
+        report = {"lost": lost_pnodes, "described": described, "error": errors}
         try:
-            plan = run.machines.settle({"lost": lost_pnodes, "described": described, "error": errors},
+            plan = run.machines.settle(report,
                                        lambda reports, missing: decide(reports, missing, run.home, cfg.on_failure),
                                        wait_for_all=cfg.on_failure == "restart")
         except MachineLost as exc:
-            raise TrainingError(str(exc)) from None
+            plan = _succeed(run, report, exc)  # the coordinator is lost: a survivor takes its role, or the run stops
+        if run.lead and plan["lost"]:
+            _fence(run)  # before going on without machines: none of them took this run over meanwhile
         lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
         gone = list(plan.get("gone") or [])
     else:
@@ -1131,6 +1184,69 @@ def _rescue(run: _Run, attempt: _Attempt, result: LaunchResult, lost: list[str])
                                "resume_step": resume, "reached": found.reached, "steps_redone": redone,
                                "why": found.why if found.step is None else "", "refused": found.refused})
     clear_rescue(folder)
+
+
+def _succeed(run: _Run, report: dict[str, Any], lost: MachineLost) -> dict[str, Any]:
+    """This machine lost the coordinator (succession.py): the lowest surviving machine takes its role, the
+    others follow it; the decision for the next attempt, with the lost coordinator's PNodes lost (shrink
+    drops its replicas).  A coordinator followed and lost in turn is elected around the same way.  The run
+    stops (TrainingError) when the coordinator role cannot move: another --on-failure, or nobody left."""
+    cfg, machines = run.cfg, run.machines
+    if not _succeeds(cfg) or run.lead:
+        raise TrainingError(str(lost)) from None
+    home = run.home or {}
+    survivors = set(home.values()) | {cfg.node_rank}
+    window = 2 * (cfg.link_timeout + REQUEST_TIMEOUT_S)  # a lower-ranked survivor noticed the loss by then
+    gone: set[str] = set()
+    dead: set[int] = set()
+    while True:
+        old = machines.coordinator
+        survivors.discard(old)
+        gone.update(p for p, m in home.items() if m == old)
+        # Only the lost machines' PNodes count (as membership.decide rules for a missing machine): the workers
+        # here failed because of them.
+        report = {**report, "lost": sorted(gone), "described": f"{', '.join(sorted(gone))} (machine(s) "
+                                                              f"{', '.join(map(str, sorted(dead | {old})))} lost)"}
+        dead.add(old)
+        run.emit(f"launch: machine {old} (the coordinator) is lost: {lost}; electing a successor among machine(s) "
+                 f"{', '.join(map(str, sorted(survivors)))}")
+        try:
+            plan = succession.succeed(machines, old, survivors, report,
+                                      lambda reports, missing: decide(reports, missing, home, "shrink"), window)
+            break
+        except MachineLost as again:
+            lost = again
+    run.cfg = dataclasses.replace(cfg, master_addr=machines.addr)  # the workers' rendezvous: the coordinator's
+    if machines.coordinator == cfg.node_rank:
+        _become_coordinator(run, old, plan)
+    else:
+        run.emit(f"launch: machine {machines.coordinator} ({machines.addr}) is the coordinator now; this machine "
+                 f"follows it")
+    return plan
+
+
+def _become_coordinator(run: _Run, old: int, plan: dict[str, Any]) -> None:
+    """This machine took the coordinator role: its run directory becomes the run's (locked, the newest state
+    installed, network.yml and tokenizer.json written) and it serves the history to the next in line."""
+    if run.mirror is not None:
+        run.mirror.stop()
+    # This launcher's own --out (a follower's: its launch/ folder and mirror); open_run_dir would refuse it
+    # as not yet a run, and it becomes one here, under the lock.
+    lock = RunLock.acquire(run.run_dir, "vgraph launch (the coordinator, after succession)")
+    if lock.note:
+        run.emit(lock.note)
+    installed = succession.install(run.run_dir, run.rescued(), run.emit)
+    run.lead = True
+    atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
+    atomic_write(run.run_dir / TOKENIZER_JSON, read_input(run.run_dir / run.tokenizer, what="tokenizer"))
+    _mirror(run)
+    row = {"event": "succession", "step": installed.step, "coordinator": run.cfg.node_rank, "lost": old,
+           "address": run.machines.addr,
+           "resume_step": installed.step, "steps_redone": installed.redone, "state": installed.source,
+           "pnodes_lost": plan.get("lost", [])}
+    record_event(run.run_dir, row)
+    run.emit(f"launch: machine {run.cfg.node_rank} is the coordinator now (machine {old} lost): the run goes on in "
+             f"{run.run_dir} from step {installed.step} ({installed.source}; {installed.redone} step(s) redone)")
 
 
 def _collect(run: _Run, result: LaunchResult) -> LaunchResult:

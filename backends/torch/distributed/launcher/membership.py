@@ -27,8 +27,12 @@ How (`--nnodes N > 1` only):
   their PNodes are lost, and every launcher drops the replicas that hold one.  The others read the decision
   and act on it, so all agree.
 
-Machine 0 holds the run directory and the rank-0 worker: if it is the one lost, the run stops (the other
-machines give up after --comm-timeout + --link-timeout without reaching it).
+Machine 0 is the first *coordinator*: it holds the run directory and the rank-0 worker.  Every beat's answer
+carries the machines' addresses (each follower says its own), so every machine knows where the others are;
+with `--on-failure shrink` the coordinator role can move when machine 0 is lost (succession.py: the lowest
+surviving machine takes over, serving this channel on its own address and the same port); otherwise the
+other machines give up after --comm-timeout + --link-timeout without reaching it.  "Machine 0" below means
+the coordinator of the moment.
 
 Why plain sockets and not torch's TCPStore, which the workers' rendezvous uses: a TCPStore client call on
 a link that goes dark blocks until the link returns, whatever its timeout (measured on the netlab
@@ -64,6 +68,21 @@ if 4 * (CHUNK_BYTES + 2) // 3 + 4096 >= MAX_LINE:  # a chunk's line must fit the
 
 class MachineLost(Exception):
     """This machine cannot reach machine 0 any more (the run goes on there without it, or stops)."""
+
+
+class SteppedDown(Exception):
+    """A successor found a coordinator of lower rank serving too: it follows that one (`args[0]`)."""
+
+
+def own_address(addr: str, port: int) -> str:
+    """The address this machine reaches (addr, port) from: the one the others can reach it at (a connected
+    UDP socket sends nothing; the kernel picks the route's source address)."""
+    try:
+        with socket.socket(_family(addr), socket.SOCK_DGRAM) as s:
+            s.connect((addr, port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return addr
 
 
 def _digest(token: str) -> str:
@@ -119,9 +138,19 @@ class _Board:
     taken: dict[int, set[int]] = field(default_factory=dict)  # attempt -> machines that read its plan
     lock: threading.Lock = field(default_factory=threading.Lock)
     extra: Callable[[dict], dict] | None = None  # the requests of an elastic run: joins, files, jobs (elastic.py)
+    mirror: Callable[[dict], dict] | None = None  # the run's history for the machines next in line (succession.py)
+    coordinator: int = 0  # the machine serving this board: 0, or a successor (succession.py)
+    addrs: dict[int, str] = field(default_factory=dict)  # machine -> the address it said it has (its beats)
+    on_addrs: Callable[[dict[int, str]], None] | None = None  # told when `addrs` changes (succession.py records it)
 
     def answer(self, request: dict) -> dict:
         op, machine, attempt = request.get("op"), int(request.get("machine", -1)), int(request.get("attempt", -1))
+        if op == "coordinator":  # who serves here: a returning machine 0 or a rival successor asks (succession.py)
+            return {"coordinator": self.coordinator}
+        if op in ("mirror", "mirror-fetch") and self.mirror is not None:
+            with self.lock:
+                self.beats[machine] = (self.beats.get(machine, (0, 0.0))[0] + 1, time.monotonic())
+            return self.mirror(request)
         if op not in ("beat", "report", "plan") and self.extra is not None:
             if machine >= 0:
                 with self.lock:
@@ -132,7 +161,19 @@ class _Board:
             count, _ = self.beats.get(machine, (0, 0.0))
             self.beats[machine] = (count + 1, time.monotonic())  # any request is a sign of life
             if op == "beat":
-                return {"abort": attempt in self.aborted}
+                addr = request.get("addr")
+                changed = (isinstance(addr, str) and 0 < len(addr) <= 255 and addr.isprintable() and machine >= 0
+                           and self.addrs.get(machine) != addr)
+                if changed:
+                    self.addrs[machine] = addr
+                reply = {"abort": attempt in self.aborted, "coordinator": self.coordinator,
+                         "machines": {str(m): a for m, a in self.addrs.items()}}
+                table = dict(self.addrs)
+        if op == "beat":
+            if changed and self.on_addrs is not None:
+                self.on_addrs(table)
+            return reply
+        with self.lock:
             if op == "report":
                 self.reports[(attempt, machine)] = dict(request.get("report") or {})
                 return {"ok": True}
@@ -182,7 +223,55 @@ class _Server(socketserver.ThreadingTCPServer):
             raise
 
 
-class Machines:
+class _Succession:
+    """The part of a machine's channel that lets the coordinator role move (succession.py): where the others
+    are, taking the role over, following another coordinator.  Mixed into `Machines`, whose state it uses."""
+
+    addrs: dict[int, str]
+    coordinator: int
+
+    def take_over(self, lost: int, survivors: set[int]) -> None:
+        """This machine becomes the coordinator (succession.py): it serves the channel on its own address and
+        the same port, watching `survivors` (they report the failed attempt here).  RendezvousError when it
+        cannot listen there."""
+        self.coordinator = self.node_rank
+        with self._board.lock:
+            self._board.addrs = {m: a for m, a in self.addrs.items() if m != lost}
+            self._board.beats = {}
+        self._serve(self.own_addr, "the launchers' channel, taken over from the lost coordinator")
+        self.addr = self.own_addr
+        self._watched = set(survivors) - {self.node_rank}
+
+    def on_addresses(self, record: Callable[[dict[int, str]], None]) -> None:
+        """The coordinator: `record` the machines' addresses now and whenever a beat changes them."""
+        board = self._board
+        with board.lock:
+            board.addrs[self.node_rank] = self.own_addr
+            board.on_addrs, table = record, dict(board.addrs)
+        record(table)
+
+    def step_down(self, to: int) -> None:
+        """Stop serving and follow machine `to`, a coordinator of lower rank (succession.py's tie rule)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self.follow(to)
+
+    def follow(self, to: int) -> None:
+        """Beat and report to machine `to`, the new coordinator, at its address and the same port."""
+        self.coordinator, self.addr = to, self.addrs[to]
+        self._last_reply = time.monotonic()
+
+    def _learn(self, table: Any) -> None:
+        """The machines' addresses from the coordinator's answer (where to look for a successor)."""
+        if isinstance(table, dict):
+            learnt = {int(m): a for m, a in table.items() if str(m).isdigit() and isinstance(a, str)}
+            learnt.setdefault(self.coordinator, self.addr)
+            self.addrs = learnt
+
+
+class Machines(_Succession):
     """This launcher's link to the run's other machines (inactive on one machine); see the module docstring."""
 
     def __init__(self) -> None:
@@ -195,6 +284,10 @@ class Machines:
         self._watched: set[int] = set()
         self._last_reply = time.monotonic()
         self._abort_seen = -1
+        self.coordinator = 0  # the machine that serves the channel: 0 until a successor takes over (succession.py)
+        self.own_addr = ""  # the address the others reach this machine at (told in every beat)
+        self.addrs: dict[int, str] = {}  # machine -> address, from the coordinator's answers
+        self.superior: Callable[[], int | None] | None = None  # a successor's check for a lower-ranked rival
 
     # -- set-up -------------------------------------------------------------------------------
     def open(self, addr: str, port: int, token: str, node_rank: int, nnodes: int, link_timeout: float,
@@ -203,22 +296,18 @@ class Machines:
         start), then beat in a thread."""
         self.addr, self.port, self.key = addr, port, _digest(token)
         self.node_rank, self.nnodes = node_rank, nnodes
+        self.own_addr = addr if node_rank == 0 else own_address(addr, port)
         self.link_timeout, self.rejoin_timeout = link_timeout, rejoin_timeout
         if not 1 <= port <= 65535:
             raise RendezvousError(f"the launchers' channel uses --master-port - 1 = {port}: choose a --master-port "
                                   f"between 2 and 65535")
         if node_rank == 0:
-            try:
-                self._server = _Server(addr, port, self.key, self._board)
-            except OSError as exc:
-                raise RendezvousError(f"cannot listen on {addr}:{port} (--master-port - 1, the launchers' "
-                                      f"channel): {exc.strerror or exc}") from None
-            threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+            self._serve(addr, "--master-port - 1, the launchers' channel")
         else:
             deadline = time.monotonic() + rejoin_timeout
             while True:
                 try:
-                    self._request("beat", attempt=-1)
+                    self._learn(self._request("beat", attempt=-1, addr=self.own_addr).get("machines"))
                     break
                 except (OSError, ValueError):
                     if time.monotonic() > deadline:
@@ -230,6 +319,16 @@ class Machines:
             threading.Thread(target=self._beat, args=(min(HEARTBEAT_S, link_timeout / 4),), daemon=True).start()
         self.active = True
 
+    def _serve(self, addr: str, what: str) -> None:
+        try:
+            self._server = _Server(addr, self.port, self.key, self._board)
+        except OSError as exc:
+            raise RendezvousError(f"cannot listen on {addr}:{self.port} ({what}): {exc.strerror or exc}") from None
+        with self._board.lock:
+            self._board.coordinator = self.coordinator
+            self._board.addrs[self.node_rank] = addr
+        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True).start()
+
     def close(self) -> None:
         self._stop.set()
         if self._server is not None:
@@ -237,6 +336,10 @@ class Machines:
             self._server.server_close()
             self._server = None
         self.active = False
+
+    def serve_mirror(self, handler: Callable[[dict], dict]) -> None:
+        """The coordinator: answer the mirror requests of the machines next in line with `handler` (succession.py)."""
+        self._board.mirror = handler
 
     def serve_extra(self, handler: Callable[[dict], dict]) -> None:
         """Machine 0: answer the requests this module does not know with `handler` (elastic.py's joins)."""
@@ -254,12 +357,15 @@ class Machines:
 
     def _beat(self, every: float) -> None:
         while not self._stop.wait(every):
+            if self.node_rank == self.coordinator:  # taken over: this machine is beaten, it does not beat
+                continue
             attempt = self._attempt
             try:
-                reply = self._request("beat", attempt=attempt)
+                reply = self._request("beat", attempt=attempt, addr=self.own_addr)
             except (OSError, ValueError):
                 continue
             self._last_reply = time.monotonic()
+            self._learn(reply.get("machines"))
             if reply.get("abort"):
                 self._abort_seen = attempt
 
@@ -267,7 +373,7 @@ class Machines:
     def begin(self, attempt: int, machines: set[int]) -> None:
         """Attempt `attempt` starts with workers on `machines` (machine 0 watches those that beat)."""
         self._attempt = attempt
-        self._watched = set(machines) - {0}
+        self._watched = set(machines) - {self.coordinator}
         now = time.monotonic()
         with self._board.lock:  # the silence that counts starts now, not during the last decision
             self._board.beats = {m: (count, now) for m, (count, _) in self._board.beats.items()}
@@ -284,7 +390,7 @@ class Machines:
         """Why this machine must stop its workers now, or None (polled while they run)."""
         if not self.active:
             return None
-        if self.node_rank == 0:
+        if self.node_rank == self.coordinator:
             silent = self.silent()
             if silent:
                 return (f"machine(s) {', '.join(map(str, silent))} silent for {self.link_timeout:g} s "
@@ -293,9 +399,9 @@ class Machines:
                 told = sorted(m for (a, m) in self._board.reports if a == self._attempt)
             return f"machine(s) {', '.join(map(str, told))} reported a failure" if told else None
         if self._abort_seen == self._attempt:
-            return f"machine 0 stopped attempt {self._attempt}"
+            return f"machine {self.coordinator} stopped attempt {self._attempt}"
         if time.monotonic() - self._last_reply > self.link_timeout:
-            return f"no answer from machine 0 for {self.link_timeout:g} s (--link-timeout): link lost?"
+            return f"no answer from machine {self.coordinator} for {self.link_timeout:g} s (--link-timeout): link lost?"
         return None
 
     def settle(self, report: dict, decide: Callable[[dict[int, dict], list[int]], dict], wait_for_all: bool) -> dict:
@@ -305,7 +411,7 @@ class Machines:
         machine; else only for those not silent, up to --link-timeout), calls `decide(reports, missing)` and
         publishes the result; the others wait for it up to rejoin + link timeout, else MachineLost."""
         attempt = self._attempt
-        if self.node_rank == 0:
+        if self.node_rank == self.coordinator:
             return self._decide(attempt, report, decide, wait_for_all)
         deadline = time.monotonic() + self.rejoin_timeout + self.link_timeout
         delivered = False
@@ -321,7 +427,8 @@ class Machines:
                 self._last_reply = time.monotonic()
                 return plan
             time.sleep(0.2)
-        raise MachineLost(f"machine {self.node_rank} lost contact with machine 0 ({self.addr}:{self.port}) and "
+        raise MachineLost(f"machine {self.node_rank} lost contact with machine {self.coordinator} "
+                          f"({self.addr}:{self.port}) and "
                           f"did not regain it within {self.rejoin_timeout + self.link_timeout:g} s; this machine's "
                           f"workers are stopped")
 
@@ -330,9 +437,12 @@ class Machines:
         board = self._board
         with board.lock:
             board.aborted.add(attempt)
-            board.reports[(attempt, 0)] = report
+            board.reports[(attempt, self.node_rank)] = report
         deadline = time.monotonic() + (self.rejoin_timeout if wait_for_all else self.link_timeout)
         while True:
+            rival = self.superior() if self.superior is not None else None
+            if rival is not None:  # a successor of lower rank serves too: it wins the tie (succession.py)
+                raise SteppedDown(rival)
             with board.lock:
                 got = {m for (a, m) in board.reports if a == attempt}
             # A silent machine is waited for one --link-timeout more when all are (a link that comes back
@@ -350,7 +460,7 @@ class Machines:
         until = time.monotonic() + 5.0  # let the machines that reported read it before anything exits
         while time.monotonic() < until:
             with board.lock:
-                if set(reports) - {0} <= board.taken.get(attempt + 1, set()):
+                if set(reports) - {self.node_rank} <= board.taken.get(attempt + 1, set()):
                     break
             time.sleep(0.05)
         return plan
@@ -377,5 +487,5 @@ def decide(reports: dict[int, dict], missing: list[int], home: dict[str, int], o
     return {"lost": lost, "described": described, "error": ""}
 
 
-__all__ = ["Machines", "MachineLost", "decide", "ask", "channel_key", "HEARTBEAT_S", "REQUEST_TIMEOUT_S", "MAX_LINE",
-           "CHUNK_BYTES", "FETCH_TIMEOUT_S"]
+__all__ = ["Machines", "MachineLost", "SteppedDown", "own_address", "decide", "ask", "channel_key", "HEARTBEAT_S",
+           "REQUEST_TIMEOUT_S", "MAX_LINE", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]

@@ -1,0 +1,418 @@
+"""No single holder (backends/torch/distributed/launcher/succession.py, issue 36 item 3): machine 0 of a
+3-machine run on loopback, each machine holding a replica of the whole network, is SIGKILLed with its whole
+process group after a step; machine 1 becomes the coordinator, machine 2 follows it, and the run completes
+there: every step logged once in machine 1's metrics.jsonl, the same losses and final weights as `vgraph
+train` at the same global batch.
+Around it, on the channel alone: the mirror, a tie between two would-be successors, a successor lost during
+its succession, a machine 0 that comes back, and hostile mirror requests."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vgraph.backends.torch.distributed.launcher import succession
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main
+from vgraph.backends.torch.distributed.launcher.membership import Machines, channel_key, decide
+from vgraph.backends.torch.distributed.rendezvous import free_port
+from vgraph.base.diagnostics import VGraphError
+
+from test_distributed_replicas import STEPS, common, files, reference, same_training  # noqa: F401 (fixtures)
+
+TOKEN = "succession-test-secret"
+MACHINE_0 = """
+import json, sys
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
+settings = json.loads(sys.argv[1])
+settings["hold"] = tuple(settings["hold"])
+launch(LaunchConfig(**settings))
+"""
+
+
+def wait_for(condition, what: str, alive=lambda: True, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert alive() and time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def mirrored_steps(folder: Path) -> list[int]:
+    try:
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    steps = []
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except ValueError:
+            pass  # the last line may be cut off mid-row
+    return steps
+
+
+@pytest.mark.slow  # real workers on 2-3 launchers, and the rejoin timeout (--comm-timeout + --link-timeout) waited out
+@pytest.mark.parametrize("count", [3])  # 2 machines pass too (the successor has nobody to wait for); CI time
+def test_machine_0_is_sigkilled_and_the_run_completes_on_the_survivors(files, reference, tmp_path, monkeypatch,
+                                                                       count):
+    """Each machine holds a replica of the whole network; machine 0 (launcher and workers) is SIGKILLed after
+    step 5, its checkpoint of step 4 mirrored.  Machine 1 becomes the coordinator (with 3 machines, machine 2
+    follows it) and the run completes there like `vgraph train`: steps 5 and 6 trained again, logged once."""
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = free_port()
+    fleet = tmp_path / "wide.yml"  # each PNode holds the network: one replica per machine
+    fleet.write_text("name: wide\npnodes:\n" + "".join(
+        f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(count)))
+    held = 5  # checkpoints every 2 steps: machine 0 has logged step 5 and saved step 4 when it is killed
+    machines = dict(fleet=str(fleet), micro_batches=2, replicas=count, nnodes=count, master_port=port,
+                    on_failure="shrink", link_timeout=2.0, comm_timeout=20.0, hold=("w0", held))  # all flush alike
+    zero = subprocess.Popen(
+        [sys.executable, "-c", MACHINE_0, json.dumps({**common(files), **machines, "node_rank": 0,
+                                                       "out": str(tmp_path / "node0")})],
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    box: dict = {}
+
+    def survivor(rank: int) -> None:
+        try:
+            box[rank] = launch(LaunchConfig(**common(files), **machines, node_rank=rank, out=tmp_path / f"node{rank}"))
+        except BaseException as exc:  # re-raised in the test's thread
+            box[rank] = exc
+
+    threads = [threading.Thread(target=survivor, args=(rank,)) for rank in range(1, count)]
+    for thread in threads:
+        thread.start()
+    try:
+        mirror = tmp_path / "node1" / "launch" / "mirror"
+        wait_for(lambda: (tmp_path / "node0" / "launch" / "held-w0").exists() and held in mirrored_steps(mirror)
+                 and (mirror / "latest").is_file() and (mirror / "latest").read_text().strip() == "step-00000004",
+                 "machine 0 to hold after step 5 and machine 1 to mirror it",
+                 lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}"))
+        placed = json.loads((tmp_path / "node0" / "placement.json").read_text())
+        assert placed["replica_pnodes"] == [[f"w{i}"] for i in range(count)]  # the premise: machine 0 holds one
+        os.killpg(zero.pid, signal.SIGKILL)  # the launcher and its workers: the whole machine
+        assert zero.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if zero.poll() is None:
+            os.killpg(zero.pid, signal.SIGKILL)
+            zero.wait()
+        for thread in threads:
+            thread.join(timeout=240)
+    failed = {r: b for r, b in box.items() if isinstance(b, BaseException)}
+    assert not any(t.is_alive() for t in threads) and not failed, (failed, zero.stdout.read().decode()[-3000:])
+    result = box[1]
+    run = tmp_path / "node1"
+    same_training(result.history, reference, run)  # steps 1..6 once each, losses and final weights
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, STEPS + 1))
+    events = [json.loads(line) for line in (run / "launch" / "fleet-events.jsonl").read_text().splitlines()]
+    (moved,) = [e for e in events if e["event"] == "succession"]
+    assert moved["coordinator"] == 1 and moved["lost"] == 0 and moved["resume_step"] == 4
+    assert moved["steps_redone"] == 1 and moved["pnodes_lost"] == ["w0"] and moved["state"] == "mirrored checkpoint"
+    survivors = [f"w{i}" for i in range(1, count)]
+    assert result.attempts[-1]["ok"] and sorted(result.attempts[-1]["ranks"]) == survivors
+    if count == 3:  # machine 2 followed machine 1 into the last attempt, and wrote no run of its own
+        assert box[2].attempts[-1]["ok"] and sorted(box[2].attempts[-1]["ranks"]) == survivors
+        assert not (tmp_path / "node2" / "metrics.jsonl").exists()
+
+
+def machine(rank: int, port: int, addr: str, coordinator_addrs: dict[int, str]) -> Machines:
+    """A follower's channel state, as its beats left it: the machines' addresses known, machine 0 gone."""
+    m = Machines()
+    m.addr, m.port, m.key, m.node_rank, m.nnodes = coordinator_addrs[0], port, channel_key(TOKEN), rank, 3
+    m.link_timeout, m.rejoin_timeout, m.own_addr, m.addrs = 0.5, 4.0, addr, dict(coordinator_addrs)
+    m.active = True
+    m.begin(0, {0, 1, 2})
+    return m
+
+
+HOME = {"w0": 0, "w1": 1, "w2": 2}
+
+
+def lost_report(gone: list[str]) -> dict:
+    return {"lost": gone, "described": "", "error": ""}
+
+
+def test_two_survivors_that_both_take_over_settle_on_the_lower_rank():
+    """Machines 1 and 2 both think they are next (2 did not hear 1 in time) and both serve, on their own
+    addresses: 2 finds 1 serving while it collects reports, steps down and follows; both take 1's decision."""
+    port = free_port()
+    addrs = {0: "127.0.0.1", 1: "127.0.0.2", 2: "127.0.0.3"}
+    m1, m2 = machine(1, port, addrs[1], addrs), machine(2, port, addrs[2], addrs)
+    plans: dict = {}
+    try:
+        m2.take_over(0, {1, 2})  # 2 first: it did not hear 1 in time
+        assert m2.coordinator == 2
+        m2.superior = succession._rival(m2, {1, 2}, every=0.2)
+        threads = [threading.Thread(target=lambda: plans.update({2: _settle_or_step_down(m2)})),
+                   threading.Thread(target=lambda: plans.update({1: succession.succeed(
+                       m1, 0, {1, 2}, lost_report(["w0"]),
+                       lambda reports, missing: decide(reports, missing, HOME, "shrink"), window=0.0)}))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        m1.close()
+        m2.close()
+    assert m1.coordinator == 1 and m2.coordinator == 1 and m2.addr == addrs[1]  # one coordinator, the lower rank
+    assert plans[1] == plans[2] == {"lost": ["w0"], "described": "", "error": ""}
+
+
+def _settle_or_step_down(m: Machines) -> dict:
+    from vgraph.backends.torch.distributed.launcher.membership import SteppedDown
+
+    try:
+        return m.settle(lost_report(["w0"]), lambda r, missing: decide(r, missing, HOME, "shrink"), wait_for_all=True)
+    except SteppedDown as down:
+        m.step_down(int(down.args[0]))
+        return m.settle(lost_report(["w0"]), lambda r, missing: {}, wait_for_all=True)
+
+
+def test_a_successor_lost_during_its_succession_is_elected_around():
+    """Machine 1, next in line, never comes up as coordinator (it died too): machine 2 waits its window for it,
+    takes over, and decides with machine 1 missing: machine 0's and machine 1's PNodes are both lost."""
+    port = free_port()
+    addrs = {0: "127.0.0.1", 1: "127.0.0.2", 2: "127.0.0.3"}
+    m2 = machine(2, port, addrs[2], addrs)
+    m2.rejoin_timeout = 0.5  # machine 1's report is awaited this long
+    began = time.monotonic()
+    try:
+        plan = succession.succeed(m2, 0, {1, 2}, lost_report(["w0"]),
+                                  lambda reports, missing: decide(reports, missing, HOME, "shrink"), window=1.0)
+    finally:
+        m2.close()
+    assert time.monotonic() - began >= 1.0  # it did wait for machine 1 first
+    assert m2.coordinator == 2
+    assert plan["lost"] == ["w0", "w1"] and plan["error"] == ""
+
+
+def test_elect_takes_the_lowest_rank_that_serves():
+    asked: list[int] = []
+
+    def serving(k: int) -> bool:
+        asked.append(k)
+        return k == 3
+
+    assert succession.elect(4, [1, 3, 4, 5], serving) == 3 and asked == [1, 3]
+    assert succession.elect(2, [1, 2, 3], lambda k: False) == 2
+    assert succession.elect(1, [1, 2], lambda k: pytest.fail("nobody below 1 is asked")) == 1
+
+
+@pytest.mark.parametrize("on_failure", ["shrink", "restart"])  # whatever it is started with now
+def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path, monkeypatch, capsys, on_failure):
+    """The run goes on at machine 1: machine 0 started again with the same command (and --resume) asks the
+    machines it recorded who coordinates, and refuses to start a second run beside it (exit 2, a message)."""
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = free_port()
+    run = tmp_path / "node0"
+    (run / "launch").mkdir(parents=True)
+    succession.record_machines(run, port - 1, {0: "127.0.0.1", 1: "127.0.0.1"})
+    successor = machine(1, port - 1, "127.0.0.1", {0: "127.0.0.1", 1: "127.0.0.1"})
+    successor.take_over(0, {1})
+    try:
+        assert "machine 1 (127.0.0.1) took over this run" in succession.superseded(run, channel_key(TOKEN))
+        assert succession.superseded(run, channel_key("another-secret-entirely")) is None  # no answer: no claim
+        assert launch_main(["launch", str(files / "net.yml"), "--fleet", str(files / "wide2.yml"), "--data",
+                            str(files / "corpus.txt"), "--steps", "2", "--nnodes", "2", "--node-rank", "0",
+                            "--master-port", str(port), "--on-failure", on_failure, "--out", str(run), "--resume"]) == 2
+        assert "took over this run as its coordinator" in capsys.readouterr().err
+    finally:
+        successor.close()
+    assert not (run / "metrics.jsonl").exists() and not (run / "run.json").exists()  # nothing written
+
+
+@pytest.mark.parametrize("text", ["", "not json", "[]", '{"port": "x"}', '{"port": 1, "machines": 5}'])
+def test_a_damaged_machines_record_claims_nothing(tmp_path, text):
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "machines.json").write_text(text)
+    assert succession.superseded(tmp_path, channel_key(TOKEN)) is None
+
+
+def test_the_mirror_follows_rows_and_checkpoints_and_starts_over_on_a_rewrite(tmp_path):
+    """Rows arrive from the offset held; a metrics.jsonl cut back by a restart is noticed by its tail and
+    mirrored again from 0; a new checkpoint is fetched whole, checked, and replaces the older one."""
+    run = tmp_path / "run"
+    (run / "step-00000002").mkdir(parents=True)
+    (run / "step-00000002" / "state.json").write_text('{"step": 2}')
+    (run / "step-00000002" / "model.safetensors").write_bytes(os.urandom(700_000))  # two chunks
+    (run / "latest").write_text("step-00000002\n")
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 4)]
+    (run / "metrics.jsonl").write_text("".join(rows))
+    source = succession.MirrorSource(run)
+    mirror = succession.Mirror(lambda op, timeout=None, **kw: source.answer({"op": op, **kw}), tmp_path / "mirror")
+    mirror.folder.mkdir()
+    mirror.pull()
+    assert mirrored_steps(mirror.folder) == [1, 2, 3]
+    assert (mirror.folder / "step-00000002" / "model.safetensors").read_bytes() == \
+        (run / "step-00000002" / "model.safetensors").read_bytes()
+    assert (mirror.folder / "latest").read_text().strip() == "step-00000002"
+    assert mirror.figures[0]["bytes"] == 700_000 + len('{"step": 2}')
+    (run / "metrics.jsonl").write_text(rows[0] + json.dumps({"step": 2, "loss": 9.0}) + "\n" + rows[2])  # rewritten
+    (run / "step-00000004").mkdir()
+    (run / "step-00000004" / "state.json").write_text('{"step": 4}')
+    (run / "latest").write_text("step-00000004\n")
+    mirror.pull()
+    assert [json.loads(r)["loss"] for r in (mirror.folder / "metrics.jsonl").read_text().splitlines()] == \
+        [1.0, 9.0, 1.0 / 3]  # the rewrite, not the old rows with the new appended
+    assert (mirror.folder / "latest").read_text().strip() == "step-00000004"
+    assert not (mirror.folder / "step-00000002").exists()
+
+
+@pytest.mark.parametrize("request_", [
+    {"op": "mirror-fetch", "checkpoint": "step-00000002", "name": "../../secret", "offset": 0},
+    {"op": "mirror-fetch", "checkpoint": "../", "name": "state.json", "offset": 0},
+    {"op": "mirror-fetch", "checkpoint": "step-00000002", "name": "state.json", "offset": -1},
+    {"op": "mirror-fetch", "checkpoint": "step-00000002", "name": "state.json", "offset": 10**12},
+    {"op": "mirror-fetch", "checkpoint": "step-00000002", "name": "state.json"},
+    {"op": "mirror", "offset": "many"},
+    {"op": "mirror", "offset": 0, "tail": "not base64!"},
+])
+def test_hostile_mirror_requests_get_an_error_never_a_file_outside(tmp_path, request_):
+    run = tmp_path / "run"
+    (run / "step-00000002").mkdir(parents=True)
+    (run / "step-00000002" / "state.json").write_text('{"step": 2}')
+    (run / "latest").write_text("step-00000002\n")
+    (tmp_path / "secret").write_text("do not send")
+    source = succession.MirrorSource(run)
+    source.answer({"op": "mirror", "offset": 0})  # lists the checkpoint, as a first round does
+    reply = source.answer(request_)
+    assert "error" in reply and "data" not in reply and "rows" not in reply
+
+
+def test_a_mirror_refuses_names_that_leave_its_folder(tmp_path):
+    answers = {"mirror": {"offset": 0, "rows": "", "size": 0,
+                          "checkpoint": {"name": "step-1", "files": {"../escape": {"size": 1, "sha256": "0" * 64}}}}}
+    mirror = succession.Mirror(lambda op, timeout=None, **kw: answers[op], tmp_path / "mirror")
+    mirror.folder.mkdir()
+    with pytest.raises(ValueError, match="checkpoint file"):
+        mirror.pull()
+    answers["mirror"]["checkpoint"]["name"] = "../step-1"
+    with pytest.raises(ValueError, match="names a checkpoint"):
+        mirror.pull()
+    answers["mirror"]["offset"] = 10**9  # rows from an offset never asked for: no hole of zeros in the mirror
+    with pytest.raises(ValueError, match="from offset 1000000000"):
+        mirror.pull()
+    assert (tmp_path / "mirror" / "metrics.jsonl").stat().st_size == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mirror"] and not (tmp_path / "mirror" / "latest").exists()
+
+
+def test_install_takes_the_newest_state_it_is_given(tmp_path):
+    """The mirrored checkpoint or a rescue (surviving replicas' state), whichever has the higher step; the
+    mirrored rows up to it; one that does not load is skipped and said."""
+    from vgraph.backends.torch.training.checkpoint import capture_rng_state, save_checkpoint
+    import torch
+
+    run = tmp_path / "run"
+    mirror = run / "launch" / "mirror"
+    mirror.mkdir(parents=True)
+    weights = {"w.weight": torch.ones(2)}
+    save_checkpoint(mirror / "step-00000004", step=4, model_state=weights, optimizer_states={},
+                    rng_state=capture_rng_state())
+    (mirror / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)) + '{"st')
+    rescue = tmp_path / "rescue" / "step-00000005"
+    save_checkpoint(rescue, step=5, model_state=weights, optimizer_states={},
+                    rng_state=capture_rng_state())
+    broken = tmp_path / "broken" / "step-00000009"
+    broken.mkdir(parents=True)
+    said: list[str] = []
+    got = succession.install(run, [broken, rescue], said.append)
+    assert (got.step, got.redone) == (5, 1) and "rescued" in got.source
+    assert (run / "latest").read_text().strip() == "step-00000005" and (run / "step-00000005" / "state.json").is_file()
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
+    assert any("step-00000009" in line for line in said)
+    got = succession.install(run, [], said.append)  # the mirrored one alone
+    assert (got.step, got.redone, got.source) == (4, 2, "mirrored checkpoint")
+
+
+def test_install_with_nothing_mirrored_starts_from_the_beginning(tmp_path):
+    """Machine 0 lost before its first checkpoint: no state, so step 0, and no row kept (all are redone)."""
+    mirror = tmp_path / "launch" / "mirror"
+    mirror.mkdir(parents=True)
+    (mirror / "metrics.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    got = succession.install(tmp_path)
+    assert (got.step, got.redone, got.source) == (0, 1, "none: from the start")
+    assert (tmp_path / "metrics.jsonl").read_text() == "" and not (tmp_path / "latest").exists()
+
+
+@pytest.mark.parametrize("addr", [None, 7, "", "x" * 256, "10.0.0.1\n", "\x00", ["10.0.0.1"]])
+def test_a_beat_with_a_bad_address_is_not_recorded(addr):
+    """The address table is only what machines said of themselves, as printable short text."""
+    from vgraph.backends.torch.distributed.launcher.membership import _Board
+
+    board, told = _Board(), []
+    board.on_addrs = told.append
+    reply = board.answer({"op": "beat", "machine": 1, "attempt": 0, "addr": addr})
+    assert board.addrs == {} and told == [] and reply["machines"] == {}
+    board.answer({"op": "beat", "machine": 1, "attempt": 0, "addr": "10.0.0.2"})
+    assert board.addrs == {1: "10.0.0.2"} and told == [{1: "10.0.0.2"}]
+
+
+def test_a_checkpoint_that_arrives_damaged_is_thrown_away(tmp_path):
+    """A chunk that does not match the announced SHA-256 (a fetch cut off, a file replaced under it): nothing
+    half-written stays, the checkpoint held before is kept, and the next round fetches it again."""
+    run = tmp_path / "run"
+    (run / "step-00000002").mkdir(parents=True)
+    (run / "step-00000002" / "state.json").write_text('{"step": 2}')
+    (run / "latest").write_text("step-00000002\n")
+    source = succession.MirrorSource(run)
+    calls = {"n": 0}
+
+    def request(op, timeout=None, **kw):
+        reply = source.answer({"op": op, **kw})
+        if op == "mirror-fetch" and calls["n"] == 0:
+            calls["n"] += 1
+            reply = {**reply, "data": "AAAA"}  # three zero bytes instead of the file
+        return reply
+
+    mirror = succession.Mirror(request, tmp_path / "mirror")
+    mirror.folder.mkdir()
+    with pytest.raises(VGraphError, match="bytes of|SHA-256"):
+        mirror.pull()
+    assert sorted(p.name for p in mirror.folder.iterdir()) == ["metrics.jsonl"]  # no .incoming-*, no latest
+    mirror.pull()
+    assert (mirror.folder / "latest").read_text().strip() == "step-00000002"
+
+
+def test_the_machines_record_keeps_machines_not_heard_again(tmp_path):
+    """A machine 0 started again records itself before the others beat: the machine that took its run over
+    stays in the record (so it is still asked); a record for another port is replaced."""
+    (tmp_path / "launch").mkdir()
+    succession.record_machines(tmp_path, 5000, {0: "10.0.0.1", 1: "10.0.0.2"})
+    succession.record_machines(tmp_path, 5000, {0: "10.0.0.9"})
+    assert json.loads((tmp_path / "launch" / "machines.json").read_text())["machines"] == \
+        {"0": "10.0.0.9", "1": "10.0.0.2"}
+    succession.record_machines(tmp_path, 6000, {0: "10.0.0.1"})
+    assert json.loads((tmp_path / "launch" / "machines.json").read_text()) == {"port": 6000,
+                                                                               "machines": {"0": "10.0.0.1"}}
+
+
+def test_a_coordinator_going_on_without_machines_stops_if_one_took_the_run_over(tmp_path):
+    """Machine 0 started again within the rejoin timeout heard the others before they took its run over; when
+    it is about to go on without them, it asks, and stops instead of training a second copy.  The coordinator
+    that asks itself (a successor going on without machine 2) is no objection."""
+    from types import SimpleNamespace
+
+    from vgraph.backends.torch.distributed.launcher.launch import _fence
+    from vgraph.backends.torch.training.config import TrainingError
+
+    port = free_port()
+    (tmp_path / "launch").mkdir()
+    succession.record_machines(tmp_path, port, {0: "127.0.0.1", 1: "127.0.0.2"})
+    cfg = LaunchConfig("net.yml", nnodes=3, on_failure="shrink", node_rank=0)
+    run = SimpleNamespace(run_dir=tmp_path, token=TOKEN, cfg=cfg)
+    _fence(run)  # nobody answers: the lost machines are gone
+    successor = machine(1, port, "127.0.0.2", {0: "127.0.0.1", 1: "127.0.0.2"})
+    successor.take_over(0, {1, 2})
+    try:
+        with pytest.raises(TrainingError, match=r"machine 1 \(127.0.0.2\) took over this run"):
+            _fence(run)
+        for other in (dict(on_failure="shrink", node_rank=1), dict(on_failure="restart")):
+            _fence(SimpleNamespace(run_dir=tmp_path, token=TOKEN, cfg=LaunchConfig("net.yml", nnodes=3, **other)))
+    finally:
+        successor.close()
