@@ -1,0 +1,516 @@
+"""Churn: machines join, leave and die while a run trains, three ways (issue 36's acceptance).
+
+    .venv/bin/python benchmarks/bench_churn.py                  # the testbed run (root; ~15-25 min on 2 cores)
+    .venv/bin/python benchmarks/bench_churn.py --smoke          # the suite's setting: loopback, one join
+    .venv/bin/python benchmarks/bench_churn.py --modes elastic --workdir DIR   # one way, its logs kept in DIR
+
+The schedule (steps are machine 0's, read from its metrics.jsonl as it trains): 2 hosts at the start, host 2
+joins at step 60, host 3 at 120, host 2 leaves gracefully at 180 (SIGTERM to its `vgraph launch`), host 3
+is SIGKILLed at 240 (its whole process group: launcher, forkserver, workers), 300 steps.  The hosts are the
+namespaces of tools/netlab.py with links and CPU shares as in bench_testbed.py (0.35 of a core each, 1 Gbit/s;
+its `tb-small` network), each host's PNode file from `vgraph probe -o` run inside that host.  The leave and
+the kill fall on the joined hosts, so the static plan's hosts 0 and 1 never change.
+
+The three ways, run one after the other on the same testbed:
+
+* **elastic**: `vgraph launch --nnodes 2:4` on hosts 0 and 1; a joiner runs `vgraph launch --join
+  HOST:PORT --pnode FILE` and nothing else; the leave and the kill are signals, as a volunteer's machine gets
+  them.  What the run does with them is vgraph's (`--on-failure`, default `shrink`: today's nearest to
+  "re-plan around the lost machine"; `restart` stops a run whose machine does not come back);
+* **restart-all**: what torchrun's elastic agent does.  At every membership change every launcher is killed
+  (the agent stops the worker group; work since the last checkpoint is lost) and the run starts again on
+  the new set of hosts with `--resume` from the last periodic checkpoint, re-planned for that set.  The
+  change is acted on the moment machine 0 logs the trigger step: no heartbeat timeout is charged, which
+  favours restart-all over torchrun;
+* **static**: the plan on the 2 starting hosts for all 300 steps, joins ignored.
+
+All three checkpoint every `--checkpoint-every` steps (default 10: a torchrun user's choice by Young's rule,
+interval = sqrt(2 x checkpoint cost x time between failures): membership changes every 60 steps here and a
+checkpoint of tb-small costs about a step, so sqrt(2 x 1 x 60) = 11 steps; fewer checkpoints redo more
+steps at each change, more cost a checkpoint each) and log every step's row (`--log-every 1`), so the
+triggers are exact and every redone step is seen.
+
+Measured per way: wall (first launcher started to machine 0's exit), goodput (steps / wall), steps redone
+(rows of machine 0's metrics.jsonl that were logged again after a restart dropped them), and for each plan the
+run took (placement.json changed): the predicted step (its `step_seconds`) against the measured one (median of
+the per-step `elapsed_s` differences of that plan's steps, its first `WARM` steps and its last left out).  The
+last line: `goodput vs restart-all: X; vs static: Y; steps redone: Z; re-plan predicted/measured: W` (X, Y:
+elastic's goodput over the other way's; Z elastic's steps redone; W the elastic plan after a re-plan whose
+predicted/measured is farthest from 1).  Issue 36's goals: X >= 1.3, Y >= 1.2, Z = 0, W within 0.75-1.25.
+
+--smoke runs on loopback (no root): the tiny network, 1 machine then a join as soon as machine 0 has placed its
+first plan (a joiner takes ~10 s to start: later, the 8 steps are over), 8 steps, the elastic way
+only (each `vgraph launch` imports torch twice, launcher and forkserver, ~3 CPU-s each: three ways would cost
+the suite ~40 CPU-s), PNode figures written slow so that the join pays for its boundary.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_testbed import CPU, TOKEN, network_file  # noqa: E402
+from tools.netlab import NetlabError, Testbed, check_available  # noqa: E402
+
+VGRAPH = str(Path(sys.executable).with_name("vgraph"))
+MODES = ("elastic", "restart-all", "static")
+WARM = 3  # steps after a plan starts left out of its measured step (the first step's compile, the re-plan's
+# first batches); the plan's last step too (its checkpoint at the end)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    hosts: int  # hosts in the testbed
+    start: int  # hosts 0 .. start-1 start the run
+    steps: int
+    events: tuple[tuple[int, str, int], ...]  # (step, "join" | "leave" | "kill", host)
+
+
+FULL = Schedule(4, 2, 300, ((60, "join", 2), (120, "join", 3), (180, "leave", 2), (240, "kill", 3)))
+SMOKE = Schedule(2, 1, 8, ((0, "join", 1),))  # as soon as machine 0 placed its first plan
+
+
+# -- hosts: namespaces of the testbed, or processes on loopback --------------------------------------------
+
+class Loopback:
+    """Every host is this machine (--smoke): its launchers talk over 127.0.0.1, no root needed."""
+
+    def __init__(self, hosts: int) -> None:
+        self.ips = ["127.0.0.1"] * hosts
+        self.procs: list[subprocess.Popen] = []
+        self.port = _free_span(40)
+
+    def popen(self, i: int, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=str(log.parent),
+                                start_new_session=True)  # its own process group: the SIGKILL takes all of it
+        self.procs.append(proc)
+        return proc
+
+    def kill_host(self, i: int, proc: subprocess.Popen) -> None:
+        _killpg(proc)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            _killpg(proc)
+
+
+class Namespaces:
+    """Host i is namespace i of a netlab Testbed, in its CPU quota behind its link."""
+
+    def __init__(self, tb: Testbed) -> None:
+        self.tb, self.ips, self.port = tb, tb.ips, 29500
+
+    def popen(self, i: int, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        return self.tb.popen(i, argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=str(log.parent),
+                             start_new_session=True)
+
+    def kill_host(self, i: int, proc: subprocess.Popen) -> None:
+        """The whole host dies: its launcher's process group, then whatever else runs in its cgroup."""
+        _killpg(proc)
+        procs = self.tb.hosts[i].cgroup / "cgroup.procs"
+        for pid in procs.read_text().split() if procs.exists() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+    def close(self) -> None:
+        pass  # the Testbed stops everything it started when it closes
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+
+
+def _free_span(width: int) -> int:
+    """A loopback port p with p-1 .. p+width free now (the channel is on p-1, attempt n's rendezvous on p+n)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base < 1025 or base + width > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base - 1, base + width):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no span of free loopback ports")
+
+
+# -- watching machine 0's run directory -------------------------------------------------------------------
+
+@dataclass
+class Plan:
+    """One plan the run took: from the step after `start` (its first row's step - 1) on."""
+    predicted: float
+    start: int | None = None
+    pnodes: list[str] = field(default_factory=list)
+    measured: float | None = None
+
+
+@dataclass
+class Watch:
+    """What machine 0's run directory said while it trained, polled: the highest step logged, the rows logged
+    again after a restart dropped them, and every placement.json the run wrote (one per plan)."""
+    run_dir: Path
+    top: int = 0
+    redone: int = 0
+    rows: dict[int, str] = field(default_factory=dict)  # step -> its row's text as last seen
+    plans: list[Plan] = field(default_factory=list)
+    _placement: str = ""
+
+    def poll(self) -> int:
+        placement = _read(self.run_dir / "placement.json")
+        if placement and placement != self._placement:
+            try:
+                self.plans.append(Plan(float(json.loads(placement)["step_seconds"])))
+                self._placement = placement
+            except (ValueError, KeyError, TypeError):
+                pass  # being written: read again at the next poll
+        text = _read(self.run_dir / "metrics.jsonl")
+        for line in text.split("\n")[:-1]:  # the last piece may be a line being written
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if self.rows.get(step) == line:
+                continue
+            if step in self.rows or step <= self.top:
+                self.redone += 1  # logged before, dropped by a restart's resume, logged again
+            if self.plans and self.plans[-1].start is None:
+                self.plans[-1].start = step - 1
+            self.rows[step] = line
+            self.top = max(self.top, step)
+        return self.top
+
+    def measure(self) -> None:
+        """Each plan's measured step and PNodes, from the run's final metrics.jsonl (a step's row is the one
+        of the plan that ran it last)."""
+        final = {}
+        for line in _read(self.run_dir / "metrics.jsonl").splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                row = json.loads(line)
+                final[row["step"]] = row
+        plans = [p for p in self.plans if p.start is not None]
+        for plan, after in zip(plans, [*plans[1:], None]):
+            end = after.start if after is not None else max(final, default=0)
+            steps = [s for s in range(plan.start + 1 + WARM, end) if s in final and s - 1 in final]
+            gaps = [final[s]["elapsed_s"] - final[s - 1]["elapsed_s"] for s in steps]
+            plan.measured = statistics.median(gaps) if gaps and all(g > 0 for g in gaps) else None
+            plan.pnodes = sorted(final.get(plan.start + 1, {}).get("pnodes") or {})
+        self.plans = plans
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+# -- the three ways ---------------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    mode: str
+    wall: float = 0.0
+    steps: int = 0
+    redone: int = 0
+    plans: list[Plan] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def goodput(self) -> float | None:
+        return self.steps / self.wall if self.wall > 0 and not self.error else None
+
+
+class Driver:
+    """Starts launchers on hosts, watches machine 0 and fires the schedule's events by step."""
+
+    def __init__(self, hosts, schedule: Schedule, files: dict[str, Path], work: Path, args: argparse.Namespace
+                 ) -> None:
+        self.hosts, self.schedule, self.files, self.work, self.args = hosts, schedule, files, work, args
+        self.env = dict(os.environ, VGRAPH_LAUNCH_TOKEN=TOKEN, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.env.pop("GLOO_SOCKET_IFNAME", None)  # the launcher finds the interface towards machine 0 itself
+
+    def common(self, steps: int) -> list[str]:
+        a = self.args
+        return ["--data", str(self.files["corpus"]), "--steps", str(steps), "--batch", str(a.batch),
+                "--micro-batches", str(a.micro_batches), "--threads", "1", "--val-every", "0", "--checkpoint-every",
+                str(a.checkpoint_every), "--log-every", "1", "--no-tensorboard", "--quiet", "--seed", "0",
+                "--link-timeout", str(a.link_timeout)]
+
+    def launcher(self, where: Path, host: int, rank: int, nnodes: str, fleet: Path, port: int, *extra: str
+                 ) -> subprocess.Popen:
+        argv = [VGRAPH, "launch", str(self.files["network"]), "--fleet", str(fleet), *self.common(self.schedule.steps),
+                "--nnodes", nnodes, "--node-rank", str(rank), "--master-addr", self.hosts.ips[0], "--master-port",
+                str(port), "--out", str(where / f"node{host}"), *extra]
+        return self.hosts.popen(host, argv, self.env, where / f"host{host}.log")
+
+    def joiner(self, where: Path, host: int, port: int) -> subprocess.Popen:
+        argv = [VGRAPH, "launch", "--join", f"{self.hosts.ips[0]}:{port}", "--pnode", str(self.files[f"h{host}"]),
+                "--out", str(where / f"node{host}"), "--quiet"]
+        return self.hosts.popen(host, argv, self.env, where / f"host{host}.log")
+
+    def fleet(self, hosts: list[int], where: Path) -> Path:
+        from vgraph.cost.fleet import fleet_text, load_fleet
+
+        path = where / f"fleet-{'-'.join(map(str, hosts))}.yml"
+        path.write_text(fleet_text(path.stem, [load_fleet(self.files[f"h{h}"]).pnodes[0] for h in hosts],
+                                   "the hosts' own PNode files"))
+        return path
+
+    def run(self, mode: str, port: int) -> Outcome:
+        where = self.work / mode
+        shutil.rmtree(where, ignore_errors=True)
+        where.mkdir(parents=True)
+        watch, out = Watch(where / "node0"), Outcome(mode)
+        started = time.monotonic()
+        try:
+            getattr(self, mode.replace("-", "_"))(where, port, watch, started)
+            out.wall = time.monotonic() - started
+        except RuntimeError as exc:
+            out.error = str(exc)
+        watch.poll()
+        watch.measure()
+        out.steps, out.redone, out.plans = watch.top, watch.redone, watch.plans
+        if not out.error and out.steps != self.schedule.steps:
+            out.error = f"machine 0 logged {out.steps} of {self.schedule.steps} steps"
+        if out.error:
+            print(f"{mode}: {out.error}; machine 0's log ends:\n{_read(where / 'host0.log')[-3000:]}", file=sys.stderr)
+        return out
+
+    def wait(self, lead: subprocess.Popen, watch: Watch, started: float, on_step=None) -> None:
+        """Until machine 0's launcher exits (RuntimeError when it fails or runs past --timeout), calling
+        `on_step(step)` as the steps it logged grow."""
+        while lead.poll() is None:
+            if time.monotonic() - started > self.args.timeout:
+                raise RuntimeError(f"still running after --timeout {self.args.timeout:g} s")
+            step = watch.poll()
+            if on_step is not None:
+                on_step(step)
+            time.sleep(0.05)
+        if lead.returncode != 0:
+            raise RuntimeError(f"machine 0's launcher exited {lead.returncode}")
+
+    def static(self, where: Path, port: int, watch: Watch, started: float) -> None:
+        first = list(range(self.schedule.start))
+        fleet, n = self.fleet(first, where), str(len(first))
+        procs = [self.launcher(where, h, h, n, fleet, port) for h in first]
+        self.wait(procs[0], watch, started)
+        _settle(procs[1:], self.hosts)
+
+    def elastic(self, where: Path, port: int, watch: Watch, started: float) -> None:
+        s = self.schedule
+        first = list(range(s.start))
+        fleet, nnodes = self.fleet(first, where), f"{s.start}:{s.hosts}"
+        procs = {h: self.launcher(where, h, h, nnodes, fleet, port, "--on-failure", self.args.on_failure)
+                 for h in first}
+        pending = list(s.events)
+
+        def on_step(step: int) -> None:
+            while pending and watch.plans and step >= pending[0][0]:  # step 0: the first plan's workers start
+                _, what, host = pending.pop(0)
+                if what == "join":
+                    procs[host] = self.joiner(where, host, port)
+                elif what == "leave":
+                    procs[host].send_signal(signal.SIGTERM)  # the launcher: a volunteer's machine shutting down
+                else:
+                    self.hosts.kill_host(host, procs[host])
+                print(f"  elastic: {what} host {host} at step {step}", file=sys.stderr, flush=True)
+
+        self.wait(procs[0], watch, started, on_step)
+        _settle([p for h, p in procs.items() if h], self.hosts)
+
+    def restart_all(self, where: Path, port: int, watch: Watch, started: float) -> None:
+        """Segment after segment: the hosts of the moment, `--resume`; every change kills them all."""
+        s = self.schedule
+        members = list(range(s.start))
+        for k, until in enumerate([*(e[0] for e in s.events), None]):
+            fleet, base = self.fleet(members, where), port + 20 * k
+            procs = [self.launcher(where, h, rank, str(len(members)), fleet, base, "--resume")
+                     for rank, h in enumerate(members)]
+            if until is None:
+                self.wait(procs[0], watch, started)
+                _settle(procs[1:], self.hosts)
+                return
+            while watch.poll() < until:
+                if procs[0].poll() is not None:
+                    raise RuntimeError(f"machine 0's launcher exited {procs[0].returncode} before step {until}")
+                if time.monotonic() - started > self.args.timeout:
+                    raise RuntimeError(f"still running after --timeout {self.args.timeout:g} s")
+                time.sleep(0.05)
+            for h, proc in zip(members, procs):  # the agent stops the whole worker group
+                self.hosts.kill_host(h, proc)
+            _, what, host = s.events[k]
+            members = sorted({*members, host}) if what == "join" else [h for h in members if h != host]
+            print(f"  restart-all: {what} host {host} at step {watch.top}: all restart on hosts {members}",
+                  file=sys.stderr, flush=True)
+
+
+def _settle(procs: list[subprocess.Popen], hosts) -> None:
+    """The other launchers, after machine 0's: each gets a minute to finish, then its process group is killed."""
+    deadline = time.monotonic() + 60
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        _killpg(proc)
+
+
+# -- PNode files -------------------------------------------------------------------------------------------
+
+def probe_hosts(hosts: Namespaces, files: dict[str, Path], work: Path, rate: str, args: argparse.Namespace) -> None:
+    """Each host's PNode file from `vgraph probe -o` inside its quota, one host at a time (the figures of a host
+    probed while the others spin are not its own: bench_testbed.py), its link stated at the testbed's rate."""
+    for i in range(len(hosts.ips)):
+        files[f"h{i}"] = work / f"h{i}.yml"
+        done = hosts.tb.run(i, [VGRAPH, "probe", str(files["network"]), "--id", f"h{i}", "--bandwidth", rate,
+                                "--threads", "1", "--no-precisions", "--batch", str(args.batch), "-o",
+                                str(files[f"h{i}"])], timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"probe of host {i} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
+def written_pnodes(files: dict[str, Path], work: Path, hosts: int) -> None:
+    """--smoke: PNodes of 2 MFLOP/s, so that a plan's predicted step is seconds and a join pays for its
+    boundary at once (tests/test_elastic_launch.py's figures); the figures are not the point there."""
+    for i in range(hosts):
+        files[f"h{i}"] = work / f"h{i}.yml"
+        files[f"h{i}"].write_text(f"name: h{i}\npnodes:\n  - {{id: h{i}, memory: 256MiB, flops: 2M, bandwidth: 1GB/s, "
+                                  f"accelerator: cpu}}\n")
+
+
+# -- the report ------------------------------------------------------------------------------------------
+
+def _f(x: float | None, fmt: str) -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def table(outcomes: list[Outcome]) -> str:
+    out = ["| way | wall s | steps/s | steps redone | plans: from step, PNodes, predicted / measured s (ratio) |",
+           "|---|---:|---:|---:|---|"]
+    for o in outcomes:
+        plans = "; ".join(f"{p.start}: {','.join(p.pnodes) or '?'} {p.predicted:.4f} / {_f(p.measured, '.4f')}"
+                          f" ({_f(p.measured and p.predicted / p.measured, '.2f')})" for p in o.plans)
+        failed = f" (failed: {o.error})" if o.error else ""
+        out.append(f"| {o.mode}{failed} | {o.wall:.1f} | {_f(o.goodput, '.3f')} | {o.redone} | {plans or '-'} |")
+    return "\n".join(out)
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    """The last line.  W: of the elastic run's plans after its first (each one a re-plan), the ratio of
+    predicted to measured step farthest from 1."""
+    by = {o.mode: o for o in outcomes}
+    el = by.get("elastic")
+    mine = el.goodput if el else None
+
+    def vs(mode: str) -> str:
+        other = by[mode].goodput if mode in by else None
+        return "n/a" if mine is None or not other else f"{mine / other:.2f}"
+
+    ratios = [p.predicted / p.measured for p in (el.plans[1:] if el else []) if p.measured]
+    import math
+    worst = max(ratios, key=lambda r: abs(math.log(r))) if ratios else None
+    redone = "n/a" if el is None else str(el.redone)
+    return (f"goodput vs restart-all: {vs('restart-all')}; vs static: {vs('static')}; steps redone: {redone}; "
+            f"re-plan predicted/measured: {_f(worst, '.2f')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="loopback, the tiny network, one join, 8 steps, elastic only")
+    ap.add_argument("--modes", default=None, help=f"ways to run, comma-separated (default: {','.join(MODES)}; "
+                    "--smoke: elastic)")
+    ap.add_argument("--network", default="tb-small", help="tb-small (default), tb-medium or tiny")
+    ap.add_argument("--rate", default="1Gbit/s", help="every host's link each way")
+    ap.add_argument("--cpu", type=float, default=CPU, help=f"cores per host (default {CPU}, as bench_testbed.py)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="every way's periodic checkpoint (default 10: "
+                    "see the docstring)")
+    ap.add_argument("--on-failure", default="shrink", choices=("restart", "shrink"),
+                    help="the elastic run's --on-failure (default shrink)")
+    ap.add_argument("--link-timeout", type=float, default=5.0, help="launch's --link-timeout (default 5 s)")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one way may take before it is stopped")
+    ap.add_argument("--workdir", help="keep the runs and their logs here (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    modes = (args.modes or ("elastic" if args.smoke else ",".join(MODES))).split(",")
+    if not modes or any(m not in MODES for m in modes):
+        print(f"bench_churn: --modes takes {', '.join(MODES)} separated by commas, got {args.modes!r}", file=sys.stderr)
+        return 2
+    for name, low in (("batch", 1), ("micro_batches", 1), ("checkpoint_every", 1)):
+        if getattr(args, name) < low:
+            print(f"bench_churn: --{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}",
+                  file=sys.stderr)
+            return 2
+    if not (args.timeout > 0 and args.link_timeout > 0):  # also NaN
+        print("bench_churn: --timeout and --link-timeout must be positive numbers of seconds", file=sys.stderr)
+        return 2
+    if args.workdir and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
+        print(f"bench_churn: --workdir {args.workdir!r} is not a directory", file=sys.stderr)
+        return 2
+    schedule = SMOKE if args.smoke else FULL
+    if not args.smoke:
+        try:
+            check_available()
+        except NetlabError as exc:
+            print(f"bench_churn: {exc}", file=sys.stderr)
+            return 2
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    print(f"load before: {os.getloadavg()[0]:.2f}; {schedule.hosts} hosts"
+          f"{' on loopback' if args.smoke else f' of {args.cpu:g} core(s) at {args.rate}'}; {schedule.steps} steps; "
+          f"events {', '.join(f'{w} host {h} at {s}' for s, w, h in schedule.events)}; ways {', '.join(modes)}",
+          flush=True)
+    with (contextlib.nullcontext(args.workdir) if args.workdir else
+          tempfile.TemporaryDirectory(prefix="bench-churn-")) as tmp:
+        work = Path(tmp).resolve()
+        from vgraph.backends.torch.training.batches import default_corpus_documents
+
+        files = {"network": network_file("tiny" if args.smoke else args.network, work), "corpus": work / "corpus.txt"}
+        files["corpus"].write_text("\n\n".join(default_corpus_documents(max_bytes=20_000 if args.smoke else 200_000)),
+                                   encoding="utf-8")
+        with (contextlib.nullcontext() if args.smoke else Testbed(schedule.hosts, rate=args.rate, cpu=args.cpu)) as tb:
+            hosts = Loopback(schedule.hosts) if args.smoke else Namespaces(tb)
+            try:
+                if args.smoke:
+                    written_pnodes(files, work, schedule.hosts)
+                else:
+                    probe_hosts(hosts, files, work, args.rate, args)
+                driver = Driver(hosts, schedule, files, work, args)
+                outcomes = []
+                for k, mode in enumerate(modes):
+                    outcomes.append(driver.run(mode, hosts.port + 200 * k))
+                    print(f"  {mode}: {outcomes[-1].wall:.1f} s, {outcomes[-1].steps} steps, "
+                          f"{outcomes[-1].redone} redone", file=sys.stderr, flush=True)
+            finally:
+                hosts.close()
+    print(table(outcomes))
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+    print(summary(outcomes))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
