@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -430,7 +431,6 @@ def summary(outcomes: list[Outcome]) -> str:
         return "n/a" if mine is None or not other else f"{mine / other:.2f}"
 
     ratios = [p.predicted / p.measured for p in (el.plans[1:] if el else []) if p.measured]
-    import math
     worst = max(ratios, key=lambda r: abs(math.log(r))) if ratios else None
     redone = "n/a" if el is None else str(el.redone)
     return (f"goodput vs restart-all: {vs('restart-all')}; vs static: {vs('static')}; steps redone: {redone}; "
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one way may take before it is stopped")
     ap.add_argument("--workdir", help="keep the runs and their logs here (default: a temporary directory)")
     args = ap.parse_args(argv)
-    modes = (args.modes or ("elastic" if args.smoke else ",".join(MODES))).split(",")
+    modes = (("elastic" if args.smoke else ",".join(MODES)) if args.modes is None else args.modes).split(",")
     if not modes or any(m not in MODES for m in modes):
         print(f"bench_churn: --modes takes {', '.join(MODES)} separated by commas, got {args.modes!r}", file=sys.stderr)
         return 2
@@ -464,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_churn: --{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}",
                   file=sys.stderr)
             return 2
-    if not (args.timeout > 0 and args.link_timeout > 0):  # also NaN
-        print("bench_churn: --timeout and --link-timeout must be positive numbers of seconds", file=sys.stderr)
+    if not all(math.isfinite(t) and t > 0 for t in (args.timeout, args.link_timeout, args.cpu)):
+        print("bench_churn: --timeout, --link-timeout and --cpu must be finite positive numbers", file=sys.stderr)
         return 2
     if args.workdir and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
         print(f"bench_churn: --workdir {args.workdir!r} is not a directory", file=sys.stderr)
