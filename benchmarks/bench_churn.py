@@ -70,6 +70,7 @@ from tools.netlab import NetlabError, Testbed, check_available  # noqa: E402
 
 VGRAPH = str(Path(sys.executable).with_name("vgraph"))
 MODES = ("elastic", "restart-all", "static")
+HOST_MEMORY = 2 << 30  # each host's memory in its PNode file (probe_hosts): tb-small's plans need tens of MiB
 WARM = 3  # steps after a plan starts left out of its measured step (the first step's compile, the re-plan's
 # first batches); the plan's last step too (its checkpoint at the end)
 
@@ -383,7 +384,15 @@ def _settle(procs: list[subprocess.Popen], hosts) -> None:
 
 def probe_hosts(hosts: Namespaces, files: dict[str, Path], work: Path, rate: str, args: argparse.Namespace) -> None:
     """Each host's PNode file from `vgraph probe -o` inside its quota, one host at a time (the figures of a host
-    probed while the others spin are not its own: bench_testbed.py), its link stated at the testbed's rate."""
+    probed while the others spin are not its own: bench_testbed.py), its link stated at the testbed's rate.
+
+    The memory a probe records is the machine's MemAvailable, shared by the 4 hosts and by whatever else runs:
+    a joiner whose file claims more than is available when it joins is refused (a file that lies), and on this
+    shared machine it dropped by a GiB within minutes.  So each host states HOST_MEMORY, its share."""
+    import dataclasses
+
+    from vgraph.cost.fleet import fleet_text, load_fleet
+
     for i in range(len(hosts.ips)):
         files[f"h{i}"] = work / f"h{i}.yml"
         done = hosts.tb.run(i, [VGRAPH, "probe", str(files["network"]), "--id", f"h{i}", "--bandwidth", rate,
@@ -391,6 +400,9 @@ def probe_hosts(hosts: Namespaces, files: dict[str, Path], work: Path, rate: str
                                 str(files[f"h{i}"])], timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"probe of host {i} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        pnode = load_fleet(files[f"h{i}"]).pnodes[0]
+        files[f"h{i}"].write_text(fleet_text(f"h{i}", [dataclasses.replace(pnode, memory=HOST_MEMORY)],
+                                             f"vgraph probe -o inside host {i}, its memory its share"))
 
 
 def written_pnodes(files: dict[str, Path], work: Path, hosts: int) -> None:
@@ -437,6 +449,20 @@ def summary(outcomes: list[Outcome]) -> str:
             f"re-plan predicted/measured: {_f(worst, '.2f')}")
 
 
+def refusal(args: argparse.Namespace, modes: list[str]) -> str | None:
+    """Why these settings cannot run (before any testbed or launcher), or None."""
+    if not modes or any(m not in MODES for m in modes):
+        return f"--modes takes {', '.join(MODES)} separated by commas, got {args.modes!r}"
+    for name in ("batch", "micro_batches", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+    if not all(math.isfinite(t) and t > 0 for t in (args.timeout, args.link_timeout, args.cpu)):
+        return "--timeout, --link-timeout and --cpu must be finite positive numbers"
+    if args.workdir and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
+        return f"--workdir {args.workdir!r} is not a directory"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="loopback, the tiny network, one join, 8 steps, elastic only")
@@ -456,19 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="keep the runs and their logs here (default: a temporary directory)")
     args = ap.parse_args(argv)
     modes = (("elastic" if args.smoke else ",".join(MODES)) if args.modes is None else args.modes).split(",")
-    if not modes or any(m not in MODES for m in modes):
-        print(f"bench_churn: --modes takes {', '.join(MODES)} separated by commas, got {args.modes!r}", file=sys.stderr)
-        return 2
-    for name, low in (("batch", 1), ("micro_batches", 1), ("checkpoint_every", 1)):
-        if getattr(args, name) < low:
-            print(f"bench_churn: --{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}",
-                  file=sys.stderr)
-            return 2
-    if not all(math.isfinite(t) and t > 0 for t in (args.timeout, args.link_timeout, args.cpu)):
-        print("bench_churn: --timeout, --link-timeout and --cpu must be finite positive numbers", file=sys.stderr)
-        return 2
-    if args.workdir and Path(args.workdir).exists() and not Path(args.workdir).is_dir():
-        print(f"bench_churn: --workdir {args.workdir!r} is not a directory", file=sys.stderr)
+    refused = refusal(args, modes)
+    if refused:
+        print(f"bench_churn: {refused}", file=sys.stderr)
         return 2
     schedule = SMOKE if args.smoke else FULL
     if not args.smoke:
