@@ -164,9 +164,9 @@ def _free_span(width: int) -> int:
 
 @dataclass
 class Plan:
-    """One plan the run took: from the step after `start` (its first row's step - 1) on."""
-    predicted: float
-    start: int | None = None
+    """One attempt of the run, from the step after `start` on: the plan it ran and what it measured."""
+    predicted: float | None
+    start: int
     pnodes: list[str] = field(default_factory=list)
     measured: float | None = None
 
@@ -174,22 +174,21 @@ class Plan:
 @dataclass
 class Watch:
     """What machine 0's run directory said while it trained, polled: the highest step logged, the rows logged
-    again after a restart dropped them, and every placement.json the run wrote (one per plan)."""
+    again after a restart dropped them, and the plan (placement.json's `step_seconds`) current when each row
+    was first seen: a launch writes placement.json before its workers start."""
     run_dir: Path
     top: int = 0
     redone: int = 0
     rows: dict[int, str] = field(default_factory=dict)  # step -> its row's text as last seen
+    priced: dict[int, float | None] = field(default_factory=dict)  # step -> the plan's step_seconds then
     plans: list[Plan] = field(default_factory=list)
-    _placement: str = ""
+    _current: float | None = None
+    placed: bool = False  # a placement.json seen: the first plan's workers are starting
 
     def poll(self) -> int:
-        placement = _read(self.run_dir / "placement.json")
-        if placement and placement != self._placement:
-            try:
-                self.plans.append(Plan(float(json.loads(placement)["step_seconds"])))
-                self._placement = placement
-            except (ValueError, KeyError, TypeError):
-                pass  # being written: read again at the next poll
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # being written: read again at the next poll
+            self._current = float(json.loads(_read(self.run_dir / "placement.json"))["step_seconds"])
+            self.placed = True
         text = _read(self.run_dir / "metrics.jsonl")
         for line in text.split("\n")[:-1]:  # the last piece may be a line being written
             try:
@@ -200,28 +199,30 @@ class Watch:
                 continue
             if step in self.rows or step <= self.top:
                 self.redone += 1  # logged before, dropped by a restart's resume, logged again
-            if self.plans and self.plans[-1].start is None:
-                self.plans[-1].start = step - 1
-            self.rows[step] = line
+            self.rows[step], self.priced[step] = line, self._current
             self.top = max(self.top, step)
         return self.top
 
     def measure(self) -> None:
-        """Each plan's measured step and PNodes, from the run's final metrics.jsonl (a step's row is the one
-        of the plan that ran it last)."""
-        final = {}
+        """The run's attempts, from its final metrics.jsonl (a step's row is the one of the attempt that ran it
+        last): a new attempt's workers start their clock again (`elapsed_s` falls) or run on other PNodes.
+        Each one's measured step: the median of its rows' `elapsed_s` differences, its first WARM and its
+        last (the end's checkpoint) left out."""
+        final = []
         for line in _read(self.run_dir / "metrics.jsonl").splitlines():
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 row = json.loads(line)
-                final[row["step"]] = row
-        plans = [p for p in self.plans if p.start is not None]
-        for plan, after in zip(plans, [*plans[1:], None]):
-            end = after.start if after is not None else max(final, default=0)
-            steps = [s for s in range(plan.start + 1 + WARM, end) if s in final and s - 1 in final]
-            gaps = [final[s]["elapsed_s"] - final[s - 1]["elapsed_s"] for s in steps]
-            plan.measured = statistics.median(gaps) if gaps and all(g > 0 for g in gaps) else None
-            plan.pnodes = sorted(final.get(plan.start + 1, {}).get("pnodes") or {})
-        self.plans = plans
+                final.append((row["step"], float(row["elapsed_s"]), sorted(row.get("pnodes") or {})))
+        attempts: list[list[tuple[int, float, list[str]]]] = []
+        for row in final:
+            if not attempts or row[1] < attempts[-1][-1][1] or row[2] != attempts[-1][-1][2]:
+                attempts.append([])
+            attempts[-1].append(row)
+        self.plans = []
+        for rows in attempts:
+            gaps = [b[1] - a[1] for a, b in zip(rows[WARM:-1], rows[WARM + 1:-1])]
+            self.plans.append(Plan(self.priced.get(rows[0][0]), rows[0][0] - 1, rows[0][2],
+                                   statistics.median(gaps) if gaps else None))
 
 
 def _read(path: Path) -> str:
@@ -332,7 +333,7 @@ class Driver:
         pending = list(s.events)
 
         def on_step(step: int) -> None:
-            while pending and watch.plans and step >= pending[0][0]:  # step 0: the first plan's workers start
+            while pending and watch.placed and step >= pending[0][0]:  # step 0: the first plan's workers start
                 _, what, host = pending.pop(0)
                 if what == "join":
                     procs[host] = self.joiner(where, host, port)
@@ -424,8 +425,8 @@ def table(outcomes: list[Outcome]) -> str:
     out = ["| way | wall s | steps/s | steps redone | plans: from step, PNodes, predicted / measured s (ratio) |",
            "|---|---:|---:|---:|---|"]
     for o in outcomes:
-        plans = "; ".join(f"{p.start}: {','.join(p.pnodes) or '?'} {p.predicted:.4f} / {_f(p.measured, '.4f')}"
-                          f" ({_f(p.measured and p.predicted / p.measured, '.2f')})" for p in o.plans)
+        plans = "; ".join(f"{p.start}: {','.join(p.pnodes) or '?'} {_f(p.predicted, '.4f')} / {_f(p.measured, '.4f')}"
+                          f" ({_f(p.measured and p.predicted and p.predicted / p.measured, '.2f')})" for p in o.plans)
         failed = f" (failed: {o.error})" if o.error else ""
         out.append(f"| {o.mode}{failed} | {o.wall:.1f} | {_f(o.goodput, '.3f')} | {o.redone} | {plans or '-'} |")
     return "\n".join(out)
@@ -442,7 +443,7 @@ def summary(outcomes: list[Outcome]) -> str:
         other = by[mode].goodput if mode in by else None
         return "n/a" if mine is None or not other else f"{mine / other:.2f}"
 
-    ratios = [p.predicted / p.measured for p in (el.plans[1:] if el else []) if p.measured]
+    ratios = [p.predicted / p.measured for p in (el.plans[1:] if el else []) if p.measured and p.predicted]
     worst = max(ratios, key=lambda r: abs(math.log(r))) if ratios else None
     redone = "n/a" if el is None else str(el.redone)
     return (f"goodput vs restart-all: {vs('restart-all')}; vs static: {vs('static')}; steps redone: {redone}; "

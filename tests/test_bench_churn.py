@@ -38,7 +38,7 @@ def test_rows_a_restart_logs_again_are_steps_redone_and_each_plan_is_priced_on_i
     run = tmp_path / "node0"
     run.mkdir()
     watch = bench.Watch(run)
-    assert watch.poll() == 0 and watch.plans == []  # nothing written yet
+    assert watch.poll() == 0 and not watch.placed  # nothing written yet
     (run / "placement.json").write_text(json.dumps({"step_seconds": 0.2}))
     (run / "metrics.jsonl").write_text(rows(range(1, 13), 0.0, 0.1, "a") + '{"step": 13, "lo')  # 13: being written
     assert watch.poll() == 12 and watch.redone == 0
@@ -56,6 +56,20 @@ def test_rows_a_restart_logs_again_are_steps_redone_and_each_plan_is_priced_on_i
     # Each plan's own steps, WARM after its start left out: the 0.1 s steps of the first, 0.04 s of the second
     # (the gap across the restart, from step 10 to 11, belongs to neither).
     assert first.measured == pytest.approx(0.1) and second.measured == pytest.approx(0.04)
+
+
+def test_an_attempt_on_the_same_pnodes_is_told_by_its_clock_starting_again(bench, tmp_path):
+    """A restart on the same machines (restart-all's, or a failed attempt's): the new workers' `elapsed_s`
+    starts again, and that is where the second attempt begins."""
+    run = tmp_path / "node0"
+    run.mkdir()
+    (run / "placement.json").write_text(json.dumps({"step_seconds": 0.3}))
+    (run / "metrics.jsonl").write_text(rows(range(1, 9), 0.0, 0.1, "a") + rows(range(9, 17), 0.0, 0.2, "a"))
+    watch = bench.Watch(run)
+    assert watch.poll() == 16 and watch.placed and watch.redone == 0
+    watch.measure()
+    assert [(p.start, p.predicted, p.pnodes) for p in watch.plans] == [(0, 0.3, ["h0"]), (8, 0.3, ["h0"])]
+    assert [p.measured for p in watch.plans] == [pytest.approx(0.1), pytest.approx(0.2)]
 
 
 def outcome(bench, mode, wall, redone=0, plans=(), error=""):
