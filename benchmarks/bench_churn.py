@@ -415,6 +415,16 @@ def written_pnodes(files: dict[str, Path], work: Path, hosts: int) -> None:
                                   f"accelerator: cpu}}\n")
 
 
+def corpus_text(smoke: bool) -> str:
+    """The training text: the embedded corpus (as bench_testbed.py), or for --smoke this checkout's
+    docs/distributed.md, so that the driver itself does not import torch (~4 CPU-s) for 8 steps' text."""
+    if smoke:
+        return (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
+    from vgraph.backends.torch.training.batches import default_corpus_documents
+
+    return "\n\n".join(default_corpus_documents(max_bytes=200_000))
+
+
 # -- the report ------------------------------------------------------------------------------------------
 
 def _f(x: float | None, fmt: str) -> str:
@@ -503,11 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     with (contextlib.nullcontext(args.workdir) if args.workdir else
           tempfile.TemporaryDirectory(prefix="bench-churn-")) as tmp:
         work = Path(tmp).resolve()
-        from vgraph.backends.torch.training.batches import default_corpus_documents
-
         files = {"network": network_file("tiny" if args.smoke else args.network, work), "corpus": work / "corpus.txt"}
-        files["corpus"].write_text("\n\n".join(default_corpus_documents(max_bytes=20_000 if args.smoke else 200_000)),
-                                   encoding="utf-8")
+        files["corpus"].write_text(corpus_text(args.smoke), encoding="utf-8")
         with (contextlib.nullcontext() if args.smoke else Testbed(schedule.hosts, rate=args.rate, cpu=args.cpu)) as tb:
             hosts = Loopback(schedule.hosts) if args.smoke else Namespaces(tb)
             try:
