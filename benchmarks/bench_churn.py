@@ -295,9 +295,9 @@ class Driver:
         started = time.monotonic()
         try:
             getattr(self, mode.replace("-", "_"))(where, port, watch, started)
-            out.wall = time.monotonic() - started
         except RuntimeError as exc:
             out.error = str(exc)
+        out.wall = time.monotonic() - started  # a failed way's too: how long it ran before it failed
         watch.poll()
         watch.measure()
         out.steps, out.redone, out.plans = watch.top, watch.redone, watch.plans
