@@ -182,7 +182,8 @@ class Watch:
     run_dir: Path
     top: int = 0
     redone: int = 0
-    rows: dict[int, str] = field(default_factory=dict)  # step -> its row's text as last seen
+    rows: dict[int, tuple] = field(default_factory=dict)  # step -> its row's (loss, elapsed_s) as last seen
+    redone_steps: list[int] = field(default_factory=list)
     priced: dict[int, float | None] = field(default_factory=dict)  # step -> the plan's step_seconds then
     plans: list[Plan] = field(default_factory=list)
     _current: float | None = None
@@ -195,14 +196,16 @@ class Watch:
         text = _read(self.run_dir / "metrics.jsonl")
         for line in text.split("\n")[:-1]:  # the last piece may be a line being written
             try:
-                step = json.loads(line)["step"]
+                row = json.loads(line)
+                step, key = row["step"], (row["loss"], row["elapsed_s"])  # a step run again differs in both
             except (ValueError, KeyError, TypeError):
                 continue
-            if self.rows.get(step) == line:
+            if self.rows.get(step) == key:
                 continue
             if step in self.rows or step <= self.top:
                 self.redone += 1  # logged before, dropped by a restart's resume, logged again
-            self.rows[step], self.priced[step] = line, self._current
+                self.redone_steps.append(step)
+            self.rows[step], self.priced[step] = key, self._current
             self.top = max(self.top, step)
         return self.top
 
@@ -245,6 +248,7 @@ class Outcome:
     redone: int = 0
     plans: list[Plan] = field(default_factory=list)
     error: str = ""
+    redone_steps: list[int] = field(default_factory=list)
 
     @property
     def goodput(self) -> float | None:
@@ -300,7 +304,7 @@ class Driver:
         out.wall = time.monotonic() - started  # a failed way's too: how long it ran before it failed
         watch.poll()
         watch.measure()
-        out.steps, out.redone, out.plans = watch.top, watch.redone, watch.plans
+        out.steps, out.redone, out.plans, out.redone_steps = watch.top, watch.redone, watch.plans, watch.redone_steps
         if not out.error and out.steps != self.schedule.steps:
             out.error = f"machine 0 logged {out.steps} of {self.schedule.steps} steps"
         if out.error:
@@ -435,14 +439,26 @@ def _f(x: float | None, fmt: str) -> str:
 
 
 def table(outcomes: list[Outcome]) -> str:
-    out = ["| way | wall s | steps/s | steps redone | plans: from step, PNodes, predicted / measured s (ratio) |",
+    out = ["| way | wall s | steps/s | steps redone (which) | plans: from step, PNodes, predicted / measured s (ratio) |",
            "|---|---:|---:|---:|---|"]
     for o in outcomes:
         plans = "; ".join(f"{p.start}: {','.join(p.pnodes) or '?'} {_f(p.predicted, '.4f')} / {_f(p.measured, '.4f')}"
                           f" ({_f(p.measured and p.predicted and p.predicted / p.measured, '.2f')})" for p in o.plans)
         failed = f" (failed: {o.error})" if o.error else ""
-        out.append(f"| {o.mode}{failed} | {o.wall:.1f} | {_f(o.goodput, '.3f')} | {o.redone} | {plans or '-'} |")
+        out.append(f"| {o.mode}{failed} | {o.wall:.1f} | {_f(o.goodput, '.3f')} | {o.redone}{spans(o.redone_steps)} "
+                   f"| {plans or '-'} |")
     return "\n".join(out)
+
+
+def spans(steps: list[int]) -> str:
+    """' (51-60, 111-118)': the steps redone as runs, in the order they were logged again; '' for none."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return f" ({', '.join(f'{a}-{b}' if a != b else str(a) for a, b in runs)})" if runs else ""
 
 
 def summary(outcomes: list[Outcome]) -> str:

@@ -49,6 +49,10 @@ def test_rows_a_restart_logs_again_are_steps_redone_and_each_plan_is_priced_on_i
     (run / "metrics.jsonl").write_text(rows(range(1, 11), 0.0, 0.1, "a") + rows(range(11, 21), 5.0, 0.04, "b"))
     assert watch.poll() == 20 and watch.redone == 2  # steps 11 and 12, once each
     assert watch.poll() == 20 and watch.redone == 2  # polling again counts nothing new
+    (run / "metrics.jsonl").write_text((rows(range(1, 11), 0.0, 0.1, "a") + rows(range(11, 21), 5.0, 0.04, "b"))
+                                       .replace('"tag"', '"more": 1, "tag"'))
+    assert watch.poll() == 20 and watch.redone == 2  # a row written again with more fields is no step run again
+    assert bench.spans(watch.redone_steps) == " (11-12)" and bench.spans([3, 5, 6, 7, 2]) == " (3, 5-7, 2)"
     watch.measure()
     first, second = watch.plans
     assert (first.start, first.predicted, first.pnodes) == (0, 0.2, ["h0"])
