@@ -95,14 +95,15 @@ SMOKE = Schedule(2, 1, 8, ((0, "join", 1),))  # as soon as machine 0 placed its 
 class Loopback:
     """Every host is this machine (--smoke): its launchers talk over 127.0.0.1, no root needed."""
 
-    def __init__(self, hosts: int) -> None:
+    def __init__(self, hosts: int, ports: int) -> None:
         self.ips = ["127.0.0.1"] * hosts
         self.procs: list[subprocess.Popen] = []
-        self.port = _free_span(40)
+        self.port = _free_span(ports)
 
     def popen(self, i: int, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=str(log.parent),
-                                start_new_session=True)  # its own process group: the SIGKILL takes all of it
+        with log.open("w") as out:
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(log.parent),
+                                    start_new_session=True)  # its own process group: the SIGKILL takes all of it
         self.procs.append(proc)
         return proc
 
@@ -121,8 +122,9 @@ class Namespaces:
         self.tb, self.ips, self.port = tb, tb.ips, 29500
 
     def popen(self, i: int, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-        return self.tb.popen(i, argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=str(log.parent),
-                             start_new_session=True)
+        with log.open("w") as out:
+            return self.tb.popen(i, argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(log.parent),
+                                 start_new_session=True)
 
     def kill_host(self, i: int, proc: subprocess.Popen) -> None:
         """The whole host dies: its launcher's process group, then whatever else runs in its cgroup."""
@@ -535,7 +537,9 @@ def main(argv: list[str] | None = None) -> int:
         files = {"network": network_file("tiny" if args.smoke else args.network, work), "corpus": work / "corpus.txt"}
         files["corpus"].write_text(corpus_text(args.smoke), encoding="utf-8")
         with (contextlib.nullcontext() if args.smoke else Testbed(schedule.hosts, rate=args.rate, cpu=args.cpu)) as tb:
-            hosts = Loopback(schedule.hosts) if args.smoke else Namespaces(tb)
+            # each way's ports: restart-all's launches take 20 each (the channel below, attempts above)
+            spacing = 20 * (len(schedule.events) + 2)
+            hosts = Loopback(schedule.hosts, spacing * len(modes)) if args.smoke else Namespaces(tb)
             try:
                 if args.smoke:
                     written_pnodes(files, work, schedule.hosts)
@@ -544,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
                 driver = Driver(hosts, schedule, files, work, args)
                 outcomes = []
                 for k, mode in enumerate(modes):
-                    outcomes.append(driver.run(mode, hosts.port + 200 * k))
+                    outcomes.append(driver.run(mode, hosts.port + spacing * k))
                     print(f"  {mode}: {outcomes[-1].wall:.1f} s, {outcomes[-1].steps} steps, "
                           f"{outcomes[-1].redone} redone", file=sys.stderr, flush=True)
             finally:
