@@ -53,6 +53,8 @@ SMOKE: dict[str, list[str] | None] = {
                         "--", "benchmarks/bench_passes.py", "--sizes", "200", "--repeat", "1"],
     "bench_testbed.py": ["--smoke", "--plot", "{tmp}/testbed.png", "--workdir", "{tmp}/bench-testbed"],
     "bench_hop_latency.py": ["--smoke"],
+    # loopback, the tiny network: one machine, one joins as soon as the first plan is placed, 8 steps, elastic only
+    "bench_churn.py": ["--smoke", "--workdir", "{tmp}/bench-churn"],
     # the tiny network, 2 processes, 3 steps of each way, equal hosts only (--smoke); --data as above
     "bench_vs_torch.py": ["--smoke", "--data", "{root}/docs/plugins.md"],
 }

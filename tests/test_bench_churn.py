@@ -1,0 +1,126 @@
+"""benchmarks/bench_churn.py's bookkeeping, without launching anything (its smoke run, one join on loopback, is in
+test_benchmarks_smoke.py): the rows a restart makes machine 0 log again are counted as steps redone, every
+plan the run took is priced against its own steps, the last line says what the issue asks in its words; and
+settings it cannot run with are refused before any testbed or launcher."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/bench_churn.py as a module (a script, not a package member)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_churn", ROOT / "benchmarks" / "bench_churn.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_churn"] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["bench_churn"]
+    return module
+
+
+def rows(steps, start_s: float, step_s: float, tag: str) -> str:
+    return "".join(json.dumps({"step": s, "loss": 1.0, "elapsed_s": start_s + (s - steps[0] + 1) * step_s,
+                               "tag": tag, "pnodes": {"h0": {}, "h1": {}} if tag == "b" else {"h0": {}}}) + "\n"
+                   for s in steps)
+
+
+def test_rows_a_restart_logs_again_are_steps_redone_and_each_plan_is_priced_on_its_own_steps(bench, tmp_path):
+    run = tmp_path / "node0"
+    run.mkdir()
+    watch = bench.Watch(run)
+    assert watch.poll() == 0 and not watch.placed  # nothing written yet
+    (run / "placement.json").write_text(json.dumps({"step_seconds": 0.2}))
+    (run / "metrics.jsonl").write_text(rows(range(1, 13), 0.0, 0.1, "a") + '{"step": 13, "lo')  # 13: being written
+    assert watch.poll() == 12 and watch.redone == 0
+    # A restart: resumed from the step-10 checkpoint on a new plan; rows 11 and 12 dropped, then logged again.
+    (run / "placement.json").write_text(json.dumps({"step_seconds": 0.05}))
+    (run / "metrics.jsonl").write_text(rows(range(1, 11), 0.0, 0.1, "a"))
+    assert watch.poll() == 12 and watch.redone == 0  # dropped rows are not yet work done twice
+    (run / "metrics.jsonl").write_text(rows(range(1, 11), 0.0, 0.1, "a") + rows(range(11, 21), 5.0, 0.04, "b"))
+    assert watch.poll() == 20 and watch.redone == 2  # steps 11 and 12, once each
+    assert watch.poll() == 20 and watch.redone == 2  # polling again counts nothing new
+    (run / "metrics.jsonl").write_text((rows(range(1, 11), 0.0, 0.1, "a") + rows(range(11, 21), 5.0, 0.04, "b"))
+                                       .replace('"tag"', '"more": 1, "tag"'))
+    assert watch.poll() == 20 and watch.redone == 2  # a row written again with more fields is no step run again
+    assert bench.spans(watch.redone_steps) == " (11-12)" and bench.spans([3, 5, 6, 7, 2]) == " (3, 5-7, 2)"
+    watch.measure()
+    first, second = watch.plans
+    assert (first.start, first.predicted, first.pnodes) == (0, 0.2, ["h0"])
+    assert (second.start, second.predicted, second.pnodes) == (10, 0.05, ["h0", "h1"])
+    # Each plan's own steps, WARM after its start left out: the 0.1 s steps of the first, 0.04 s of the second
+    # (the gap across the restart, from step 10 to 11, belongs to neither).
+    assert first.measured == pytest.approx(0.1) and second.measured == pytest.approx(0.04)
+
+
+def test_an_attempt_on_the_same_pnodes_is_told_by_its_clock_starting_again(bench, tmp_path):
+    """A restart on the same machines (restart-all's, or a failed attempt's): the new workers' `elapsed_s`
+    starts again, and that is where the second attempt begins."""
+    run = tmp_path / "node0"
+    run.mkdir()
+    (run / "placement.json").write_text(json.dumps({"step_seconds": 0.3}))
+    (run / "metrics.jsonl").write_text(rows(range(1, 9), 0.0, 0.1, "a") + rows(range(9, 17), 0.0, 0.2, "a"))
+    watch = bench.Watch(run)
+    assert watch.poll() == 16 and watch.placed and watch.redone == 0
+    watch.measure()
+    assert [(p.start, p.predicted, p.pnodes) for p in watch.plans] == [(0, 0.3, ["h0"]), (8, 0.3, ["h0"])]
+    assert [p.measured for p in watch.plans] == [pytest.approx(0.1), pytest.approx(0.2)]
+
+
+def outcome(bench, mode, wall, redone=0, plans=(), error=""):
+    return bench.Outcome(mode, wall=wall, steps=300, redone=redone, error=error,
+                         plans=[bench.Plan(p, 0, [], m) for p, m in plans])
+
+
+def test_the_last_line_compares_the_elastic_goodput_and_takes_the_worst_re_plan(bench):
+    outcomes = [outcome(bench, "elastic", 100.0, 0, [(0.5, 1.0), (0.09, 0.1), (0.12, 0.1), (0.2, None)]),
+                outcome(bench, "restart-all", 150.0, 24), outcome(bench, "static", 130.0)]
+    # The first plan is no re-plan (0.5 against 1.0 is left out); of 0.90 and 1.20, 1.20 is farther from 1.
+    assert bench.summary(outcomes) == ("goodput vs restart-all: 1.50; vs static: 1.30; steps redone: 0; "
+                                       "re-plan predicted/measured: 1.20")
+    table = bench.table(outcomes)
+    assert "| restart-all | 150.0 | 2.000 | 24 | - |" in table and "0: ? 0.2000 / n/a (n/a)" in table
+
+
+def test_a_failed_way_has_no_goodput_and_says_why(bench):
+    outcomes = [outcome(bench, "elastic", 100.0, 0, error="machine 0's launcher exited 1"),
+                outcome(bench, "static", 130.0)]
+    assert bench.summary(outcomes) == ("goodput vs restart-all: n/a; vs static: n/a; steps redone: 0; "
+                                       "re-plan predicted/measured: n/a")
+    assert "| elastic (failed: machine 0's launcher exited 1) | 100.0 | n/a |" in bench.table(outcomes)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--modes", "elastic,torchrun"], "--modes takes elastic, restart-all, static"),
+    (["--modes", ""], "--modes takes"),
+    (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1, got 0"),
+    (["--batch", "-1"], "--batch must be at least 1"),
+    (["--timeout", "nan"], "--timeout, --link-timeout and --cpu must be finite positive numbers"),
+    (["--timeout", "inf"], "must be finite positive numbers"),
+    (["--link-timeout=-1"], "must be finite positive numbers"),
+    (["--cpu", "0"], "must be finite positive numbers"),
+    (["--on-failure", "repartition"], "invalid choice: 'repartition'"),
+])
+def test_settings_it_cannot_run_with_are_refused_before_anything_starts(argv, message, tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_churn.py"), *argv, "--workdir",
+                        str(tmp_path / "w")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_file_for_its_workdir_is_refused_and_left_alone(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_churn.py"), "--workdir", str(taken)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "is not a directory" in r.stderr and "Traceback" not in r.stderr
+    assert taken.read_text() == "not a directory"
