@@ -569,7 +569,8 @@ def test_the_channel_checks_the_seal_before_it_parses(monkeypatch) -> None:
         answer = send(hmac.new(key.encode(), body, hashlib.sha256).hexdigest().encode() + b" " + body + b"\n")
         seal, _, reply = answer.rstrip(b"\n").partition(b" ")
         assert hmac.compare_digest(seal, hmac.new(key.encode(), reply, hashlib.sha256).hexdigest().encode())
-        assert json.loads(reply) == {"abort": False}
+        # the coordinator answers with its table of machines (succession.py: who would take over)
+        assert json.loads(reply) == {"abort": False, "coordinator": 0, "machines": {"0": "127.0.0.1"}}
         assert b"secret" not in body and key.encode() not in body  # the secret never travels
     finally:
         m0.close()
