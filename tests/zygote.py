@@ -44,66 +44,136 @@ PRELOAD = ("numpy", "yaml", "torch", "torch._dynamo", "onnx")
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "LD_", "ORT_",
                    "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE")
 
-_ZYGOTES: dict[tuple, subprocess.Popen] = {}
+_ZYGOTES: dict[tuple, "_Zygote"] = {}
 
 
 def _key(env: dict[str, str]) -> tuple:
     return tuple(sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)))
 
 
-def _zygote(env: dict[str, str]) -> subprocess.Popen:
-    key = _key(env)
-    proc = _ZYGOTES.get(key)
-    if proc is None or proc.poll() is not None:
+class _Zygote:
+    """The test process's end of one zygote: requests in, the children's pids and exit statuses out."""
+
+    def __init__(self, env: dict[str, str]) -> None:
         zenv = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-        proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                env=zenv, cwd="/", text=True, bufsize=1)
-        ready = proc.stdout.readline()
+        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=zenv, cwd="/", text=True, bufsize=1)
+        self.exits: dict[int, int] = {}
+        ready = self.proc.stdout.readline()
         if json.loads(ready or "null") != "ready":
-            raise RuntimeError(f"the zygote did not start (said {ready!r}, exit {proc.poll()})")
-        _ZYGOTES[key] = proc
-    return proc
+            raise RuntimeError(f"the zygote did not start (said {ready!r}, exit {self.proc.poll()})")
+
+    def _next(self, deadline: float | None) -> dict | None:
+        """The zygote's next message, or None at the deadline."""
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if select.select([self.proc.stdout], [], [], left)[0]:
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the zygote exited ({self.proc.poll()}) with commands of it running")
+                message = json.loads(line)
+                if "exited" in message:
+                    self.exits[message["exited"]] = message["returncode"]
+                return message
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def start(self, request: dict) -> int:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            message = self._next(None)
+            if "started" in message:
+                return message["started"]
+
+    def wait(self, pid: int, deadline: float | None) -> int | None:
+        while pid not in self.exits:
+            if self._next(deadline) is None:
+                return None
+        return self.exits[pid]
 
 
-def _read(proc: subprocess.Popen, deadline: float | None) -> dict | None:
-    """The zygote's next answer, or None at the deadline."""
-    while True:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if select.select([proc.stdout], [], [], left)[0]:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the zygote exited ({proc.poll()}) while running a command")
-            return json.loads(line)
-        if deadline is not None and time.monotonic() >= deadline:
-            return None
+def _zygote(env: dict[str, str]) -> _Zygote:
+    key = _key(env)
+    zygote = _ZYGOTES.get(key)
+    if zygote is None or zygote.proc.poll() is not None:
+        zygote = _ZYGOTES[key] = _Zygote(env)
+    return zygote
+
+
+class Child:
+    """What subprocess.Popen gives a test, for a command running in a child of the zygote: its pid, poll, wait,
+    signals, and (for the streams it was not given files for) communicate."""
+
+    def __init__(self, argv: list, cwd: str | Path | None, env: dict[str, str] | None,
+                 stdout: str | Path | None, stderr: str | Path | None) -> None:
+        self.args = [sys.executable, *[str(a) for a in argv]]
+        env = dict(os.environ if env is None else env)
+        self._zygote = _zygote(env)
+        stem = Path(os.environ.get("TMPDIR", "/tmp")) / f"zygote-{os.getpid()}-{time.monotonic_ns()}"
+        self._own = [p for p, given in ((Path(f"{stem}.out"), stdout), (Path(f"{stem}.err"), stderr)) if given is None]
+        self.stdout_path = Path(stdout) if stdout is not None else Path(f"{stem}.out")
+        self.stderr_path = self.stdout_path if stderr == STDOUT else Path(stderr) if stderr else Path(f"{stem}.err")
+        self.pid = self._zygote.start({"argv": self.args[1:], "cwd": str(Path(cwd or os.getcwd()).resolve()),
+                                       "env": env, "stdout": str(self.stdout_path), "stderr": str(self.stderr_path)})
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.wait(self.pid, time.monotonic())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._zygote.wait(self.pid, None if timeout is None else time.monotonic() + timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """(stdout, stderr) as text once the command has ended; its own files are removed."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            exc.output, exc.stderr = _text(self.stdout_path), _text(self.stderr_path)
+            raise
+        texts = _text(self.stdout_path), _text(self.stderr_path)
+        for path in self._own:
+            path.unlink(missing_ok=True)
+        return texts
+
+
+STDOUT = "stdout"  #: stderr=STDOUT: both streams to stdout's file, as subprocess.STDOUT
+
+
+def popen(argv: list, *, cwd: str | Path | None = None, env: dict[str, str] | None = None,
+          stdout: str | Path | None = None, stderr: str | Path | None = None) -> Child:
+    """`python ARGV...` (a script path, or "-m", MODULE) started in a child of the zygote, as subprocess.Popen
+    starts it; stdout and stderr go to the files named (stderr=STDOUT: stdout's), or to files of its own that
+    communicate() reads."""
+    return Child(argv, cwd, env, stdout, stderr)
 
 
 def run_python(argv: list, *, cwd: str | Path | None = None, env: dict[str, str] | None = None,
                timeout: float | None = None) -> subprocess.CompletedProcess:
-    """`python ARGV...` (a script path, or "-m", MODULE) in a child of the zygote, answered as
-    subprocess.run(capture_output=True, text=True) answers; on `timeout` the child is killed and
-    subprocess.TimeoutExpired raised, as subprocess.run does."""
-    argv = [str(a) for a in argv]
-    env = dict(os.environ if env is None else env)
-    proc = _zygote(env)
-    out_dir = Path(os.environ.get("TMPDIR", "/tmp"))
-    stem = out_dir / f"zygote-{os.getpid()}-{time.monotonic_ns()}"
-    out, err = Path(f"{stem}.out"), Path(f"{stem}.err")
-    request = {"argv": argv, "cwd": str(Path(cwd or os.getcwd()).resolve()), "env": env, "stdout": str(out),
-               "stderr": str(err)}
-    proc.stdin.write(json.dumps(request) + "\n")
-    proc.stdin.flush()
+    """`python ARGV...` in a child of the zygote, answered as subprocess.run(capture_output=True, text=True)
+    answers; on `timeout` the child is killed and subprocess.TimeoutExpired raised, as subprocess.run does."""
+    child = popen(argv, cwd=cwd, env=env)
     try:
-        pid = _read(proc, None)["pid"]
-        done = _read(proc, None if timeout is None else time.monotonic() + timeout)
-        if done is None:
-            os.kill(pid, signal.SIGKILL)
-            _read(proc, None)
-            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, _text(out), _text(err))
-        return subprocess.CompletedProcess([sys.executable, *argv], done["returncode"], _text(out), _text(err))
-    finally:
-        out.unlink(missing_ok=True)
-        err.unlink(missing_ok=True)
+        out, err = child.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        out, err = child.communicate()
+        raise subprocess.TimeoutExpired(child.args, timeout, out, err) from None
+    return subprocess.CompletedProcess(child.args, child.returncode, out, err)
 
 
 def _text(path: Path) -> str:
@@ -117,13 +187,13 @@ def _text(path: Path) -> str:
 
 @atexit.register
 def _close() -> None:
-    for proc in _ZYGOTES.values():
-        if proc.poll() is None:
-            proc.stdin.close()
+    for zygote in _ZYGOTES.values():
+        if zygote.proc.poll() is None:
+            zygote.proc.stdin.close()
             try:
-                proc.wait(timeout=10)
+                zygote.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                zygote.proc.kill()
 
 
 # -- the zygote itself ---------------------------------------------------------------------------------------
@@ -138,8 +208,11 @@ def _become_the_command(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT),
-                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT)):
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        if fd == 2 and path == request["stdout"]:
+            os.dup2(1, 2)  # stderr=STDOUT: one file, one offset
+            continue
         opened = os.open(path, flags, 0o600)
         os.dup2(opened, fd)
         os.close(opened)
@@ -207,23 +280,35 @@ def _finalise_and_exit(code: int) -> None:
 
 
 def _serve() -> None:
-    """One request a line on stdin: fork, say the child's pid, wait for it, say its exit status."""
+    """One request a line on stdin: fork, say the child's pid; say each child's exit status when it ends
+    (several may run at once).  Nothing here may catch a forked child's way out: it leaves by os._exit."""
+    import gc
     import importlib
 
     for name in PRELOAD:
         importlib.import_module(name)
-    import gc
     gc.freeze()
     print(json.dumps("ready"), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _become_the_command(request)  # leaves by SystemExit or the command's exception, never back here
-        print(json.dumps({"pid": pid}), flush=True)
-        _, status, usage = os.wait4(pid, 0)
-        print(json.dumps({"returncode": os.waitstatus_to_exitcode(status),
-                          "cpu_s": usage.ru_utime + usage.ru_stime}), flush=True)
+    pending, children = b"", set()
+    while True:
+        if b"\n" not in pending and select.select([0], [], [], 0.05 if children else None)[0]:
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                break  # the test process has gone: its commands run on, orphaned, as Popen's would
+            pending += chunk
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            print(json.dumps({"exited": pid, "returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+        if b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            pid = os.fork()
+            if pid == 0:
+                _become_the_command(json.loads(line))  # leaves by os._exit, never back here
+            children.add(pid)
+            print(json.dumps({"started": pid}), flush=True)
 
 
 if __name__ == "__main__":
