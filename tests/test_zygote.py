@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from zygote import run_python
+from zygote import popen, run_python
 
 SCRIPT = '''
 import atexit, json, os, sys, threading, time
@@ -70,3 +71,13 @@ def test_a_command_past_its_timeout_is_killed_and_said(tmp_path: Path) -> None:
     pid = int(caught.value.output.split()[0])
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # killed and reaped by the zygote
+
+
+def test_children_that_end_together_are_each_seen_to_end(tmp_path: Path) -> None:
+    """Their exits reach the test in one read of the zygote's pipe; a reader that buffered the later ones where
+    select() cannot see them waited out its timeout (the probe's two ranks, ending on one collective)."""
+    script = tmp_path / "at.py"
+    script.write_text("import sys, time\ntime.sleep(max(0.0, float(sys.argv[1]) - time.time()))\n")
+    at = time.time() + 1.5
+    children = [popen([script, str(at)], cwd=tmp_path) for _ in range(6)]
+    assert [child.wait(timeout=30) for child in reversed(children)] == [0] * 6

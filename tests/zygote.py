@@ -1,7 +1,8 @@
 """Fresh Python processes for the suite's commands, forked from one that has already imported torch.
 
-    from zygote import run_python
+    from zygote import STDOUT, popen, run_python
     done = run_python([script, *args], cwd=..., env=..., timeout=600)   # as subprocess.run(capture_output=True)
+    proc = popen(["-m", module, *args], env=..., stdout=log, stderr=STDOUT)   # as subprocess.Popen; several at once
 
 Why: the suite is CPU-bound, and most of its CPU is Python starting the same third-party libraries again
 (`import torch` ~2.5 CPU-s on the CI machine kind, `torch._dynamo`, which every first `Adam.step` imports, ~3
@@ -59,24 +60,31 @@ class _Zygote:
         self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=zenv, cwd="/", text=True, bufsize=1)
         self.exits: dict[int, int] = {}
-        ready = self.proc.stdout.readline()
-        if json.loads(ready or "null") != "ready":
+        self.pending = b""
+        try:
+            ready = self._next(None)
+        except RuntimeError:
+            ready = None
+        if ready != "ready":
             raise RuntimeError(f"the zygote did not start (said {ready!r}, exit {self.proc.poll()})")
 
     def _next(self, deadline: float | None) -> dict | None:
-        """The zygote's next message, or None at the deadline."""
-        while True:
+        """The zygote's next message, or None at the deadline.  Read from the pipe's descriptor into a buffer of
+        our own: a buffered reader takes several messages at once, and select() then waits on an empty pipe
+        while the next message sits read (two children ending together timed out so)."""
+        while b"\n" not in self.pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if select.select([self.proc.stdout], [], [], left)[0]:
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(f"the zygote exited ({self.proc.poll()}) with commands of it running")
-                message = json.loads(line)
-                if "exited" in message:
-                    self.exits[message["exited"]] = message["returncode"]
-                return message
-            if deadline is not None and time.monotonic() >= deadline:
+            if not select.select([self.proc.stdout], [], [], left)[0]:
                 return None
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise RuntimeError(f"the zygote exited ({self.proc.poll()}) with commands of it running")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        message = json.loads(line)
+        if isinstance(message, dict) and "exited" in message:
+            self.exits[message["exited"]] = message["returncode"]
+        return message
 
     def start(self, request: dict) -> int:
         self.proc.stdin.write(json.dumps(request) + "\n")
@@ -208,8 +216,9 @@ def _become_the_command(request: dict) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+    write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], write),
+                            (2, request["stderr"], write)):
         if fd == 2 and path == request["stdout"]:
             os.dup2(1, 2)  # stderr=STDOUT: one file, one offset
             continue
