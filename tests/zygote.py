@@ -84,6 +84,8 @@ class _Zygote:
         message = json.loads(line)
         if isinstance(message, dict) and "exited" in message:
             self.exits[message["exited"]] = message["returncode"]
+        if isinstance(message, dict) and "started" in message:
+            self.exits.pop(message["started"], None)  # a reused pid: the earlier child's end is not this one's
         return message
 
     def start(self, request: dict) -> int:
