@@ -81,3 +81,4 @@ def test_children_that_end_together_are_each_seen_to_end(tmp_path: Path) -> None
     at = time.time() + 1.5
     children = [popen([script, str(at)], cwd=tmp_path) for _ in range(6)]
     assert [child.wait(timeout=30) for child in reversed(children)] == [0] * 6
+    assert all(child.communicate() == ("", "") for child in children)

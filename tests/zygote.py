@@ -32,9 +32,11 @@ import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,7 +122,7 @@ class Child:
         self.args = [sys.executable, *[str(a) for a in argv]]
         env = dict(os.environ if env is None else env)
         self._zygote = _zygote(env)
-        stem = Path(os.environ.get("TMPDIR", "/tmp")) / f"zygote-{os.getpid()}-{time.monotonic_ns()}"
+        stem = _scratch() / f"{time.monotonic_ns()}"
         self._own = [p for p, given in ((Path(f"{stem}.out"), stdout), (Path(f"{stem}.err"), stderr)) if given is None]
         self.stdout_path = Path(stdout) if stdout is not None else Path(f"{stem}.out")
         self.stderr_path = self.stdout_path if stderr == STDOUT else Path(stderr) if stderr else Path(f"{stem}.err")
@@ -195,8 +197,20 @@ def _text(path: Path) -> str:
         return ""
 
 
+_SCRATCH: list[Path] = []
+
+
+def _scratch() -> Path:
+    """This test process's folder for the streams of commands given no files (removed at its exit)."""
+    if not _SCRATCH:
+        _SCRATCH.append(Path(tempfile.mkdtemp(prefix=f"zygote-{os.getpid()}-")))
+    return _SCRATCH[0]
+
+
 @atexit.register
 def _close() -> None:
+    for folder in _SCRATCH:
+        shutil.rmtree(folder, ignore_errors=True)
     for zygote in _ZYGOTES.values():
         if zygote.proc.poll() is None:
             zygote.proc.stdin.close()
