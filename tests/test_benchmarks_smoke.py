@@ -4,7 +4,9 @@ Benchmarks are not run by CI for their numbers (those go into BENCHMARKS.md, mea
 machine), but a benchmark that no longer runs is found out only when someone needs it.  Here each
 script in benchmarks/ (and gpu_check.sh, on the CPU) runs once with the settings below, in a fresh
 process, writing nothing into the checkout, and must exit 0 and print a table.  A new benchmark script
-must add its smallest setting here: the test fails for a script it does not know.
+must add its smallest setting here: the test fails for a script it does not know.  The fresh process is forked
+from a zygote that imported torch once (tests/zygote.py): a script, its vgraph modules and its registries load
+in it as in a new interpreter, without paying torch's import (~5 CPU-s with torch._dynamo) once a script.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from zygote import run_python
 
 BENCH = ROOT / "benchmarks"
 TINY_FP32 = str(ROOT / "tests" / "fixtures" / "tiny_1l_fp32.yml")  # the scripts run in a scratch directory
@@ -93,8 +96,7 @@ def test_benchmark_runs_on_its_smallest_setting(script: str, tmp_path: Path) -> 
         pytest.skip(f"{script} needs root (the testbed); CI runs as root, so there it runs")
     given = {"{tmp}": str(tmp_path), "{root}": str(ROOT), "{cache}": os.environ["VGRAPH_CACHE_DIR"]}
     args = [re.sub(r"\{(tmp|root|cache)\}", lambda m: given[m.group(0)], a) for a in SMOKE[script]]
-    r = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=tmp_path, env=_env(),
-                       capture_output=True, text=True, timeout=600)
+    r = run_python([BENCH / script, *args], cwd=tmp_path, env=_env(), timeout=600)
     assert r.returncode == 0, f"{script} {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}"
     assert TABLE.search(r.stdout), f"{script} printed no table:\n{r.stdout[-3000:]}"
     assert re.search(r"\d", r.stdout)
@@ -117,8 +119,7 @@ def test_bench_testbed_refuses_a_file_for_its_workdir(tmp_path: Path) -> None:
     """--workdir keeps the probed fleets and placements: a file there is refused before any testbed is built."""
     taken = tmp_path / "taken"
     taken.write_text("not a directory")
-    r = subprocess.run([sys.executable, str(BENCH / "bench_testbed.py"), "--workdir", str(taken)], cwd=tmp_path,
-                       env=_env(), capture_output=True, text=True, timeout=120)
+    r = run_python([BENCH / "bench_testbed.py", "--workdir", taken], cwd=tmp_path, env=_env(), timeout=120)
     assert r.returncode == 2 and "is not a directory" in r.stderr and "Traceback" not in r.stderr
     assert taken.read_text() == "not a directory"
 
@@ -134,7 +135,6 @@ def test_bench_testbed_refuses_a_file_for_its_workdir(tmp_path: Path) -> None:
 ])
 def test_bench_vs_torch_refuses_settings_that_compare_nothing(args: list[str], message: str, tmp_path: Path) -> None:
     """Refused before anything runs: exit 2, the option named, no traceback."""
-    r = subprocess.run([sys.executable, str(BENCH / "bench_vs_torch.py"), *args], cwd=tmp_path, env=_env(),
-                       capture_output=True, text=True, timeout=120)
+    r = run_python([BENCH / "bench_vs_torch.py", *args], cwd=tmp_path, env=_env(), timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []

@@ -30,6 +30,7 @@ from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.distributed.rendezvous import TOKEN_ENV, free_port
 from weights_util import assert_same_weights
+from zygote import STDOUT, popen, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -111,16 +112,13 @@ def test_two_processes_with_slurm_variables_train_like_vgraph_train(files: Path,
     for rank in (0, 1):
         env = _env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242",
                    SLURM_JOB_NODELIST="localhost,node[02-03]", MASTER_PORT=str(port), **{TOKEN_ENV: SECRET})
-        out = (tmp_path / f"rank{rank}.log").open("w")
-        procs.append((subprocess.Popen([sys.executable, "-m", WORKER, str(job)], stdout=out,
-                                       stderr=subprocess.STDOUT, env=env), out))
-    for proc, out in procs:
+        procs.append(popen(["-m", WORKER, job], stdout=tmp_path / f"rank{rank}.log", stderr=STDOUT, env=env))
+    for proc in procs:  # forks of the zygote (tests/zygote.py): the workers' own processes, torch imported once
         try:
             assert proc.wait(timeout=240) == 0, (tmp_path / "rank0.log").read_text()
         finally:
             if proc.poll() is None:
                 proc.kill()
-            out.close()
     got = rows(tmp_path / "run")
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     shown = (tmp_path / "rank0.log").read_text()  # captured, so the bar prints lines, as `vgraph train`'s does
@@ -140,8 +138,7 @@ def test_srun_without_a_real_shared_secret_is_refused(files: Path, tmp_path: Pat
     job = emit(files, tmp_path / "run")
     env = _env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_ID="1",
                SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(free_port()), **({TOKEN_ENV: token} if token else {}))
-    done = subprocess.run([sys.executable, "-m", WORKER, str(job)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = run_python(["-m", WORKER, job], env=env, timeout=120)  # a fork of the zygote: torch imported once
     assert done.returncode == 3 and TOKEN_ENV in done.stderr and "Traceback" not in done.stderr
 
 

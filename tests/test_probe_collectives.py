@@ -17,6 +17,7 @@ from vgraph.backends.torch.distributed.rendezvous import free_port
 from vgraph.cli.main import main
 from vgraph.cost.collectives import collectives_of
 from vgraph.cost.fleet import loads_fleet
+from zygote import STDOUT, popen
 
 TOKEN = "probe-collectives-test-0123456789"
 VGRAPH = str(Path(sys.executable).with_name("vgraph"))
@@ -27,10 +28,11 @@ FLEET = "# measured\nname: lab\npnodes:\n  - {id: a, memory: 1GiB, flops: 1T, ba
 def _probe_all(world: int, fleet: str, rounds: int = 3) -> list[subprocess.CompletedProcess]:
     port = free_port()
     env = dict(os.environ, VGRAPH_LAUNCH_TOKEN=TOKEN, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([VGRAPH, "probe", "--collectives", "--nnodes",
-                               str(world), "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port",
-                               str(port), "--rounds", str(rounds), *(["--append", fleet] if i == 0 else [])],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the installed script in forks of the zygote (tests/zygote.py): a process each, torch imported once
+    procs = [popen([VGRAPH, "probe", "--collectives", "--nnodes",
+                    str(world), "--node-rank", str(i), "--master-addr", "127.0.0.1", "--master-port",
+                    str(port), "--rounds", str(rounds), *(["--append", fleet] if i == 0 else [])],
+                   env=env, stderr=STDOUT)
              for i in range(world)]
     out = []
     for p in procs:

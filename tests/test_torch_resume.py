@@ -5,7 +5,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 
 from conftest import ROOT, TINY
 from vgraph.backends.torch.training.batches import default_corpus_documents
+from zygote import popen, run_python
 
 STEPS = 40
 
@@ -85,7 +85,9 @@ def _env() -> dict[str, str]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    """`python CMD...` to its end, in a fork of the zygote (tests/zygote.py: torch imported once; a SIGKILL is the
+    child's own, said as -9), as the reference beside it and the run killed from outside (`popen`)."""
+    return run_python(cmd, env=_env(), timeout=120)
 
 
 def _latest_step(run_dir: Path) -> int:
@@ -110,18 +112,16 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_sigkill_anywhere_then_resume_is_bitwise_identical(setup) -> None:
     base, corpus, killer = setup
-    python = sys.executable
     reference, interrupted = base / "reference", base / "interrupted"
 
     # The uninterrupted reference runs alongside the interrupted chain.
-    ref_proc = subprocess.Popen([python, "-m", "vgraph.backends.torch.cli", *_args(corpus, reference)],
-                                env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ref_proc = popen(["-m", "vgraph.backends.torch.cli", *_args(corpus, reference)], env=_env())
 
     resume = [*_args(corpus, interrupted), "--resume"]
     kills = [("after-checkpoint", 2), ("mid-step", 5), ("mid-write", 2)]
     steps_at_kill = []
     for i, (mode, n) in enumerate(kills):
-        proc = _run([python, str(killer), mode, str(n), *(resume if i else _args(corpus, interrupted))])
+        proc = _run([killer, mode, str(n), *(resume if i else _args(corpus, interrupted))])
         assert proc.returncode == -signal.SIGKILL, (mode, proc.returncode, proc.stderr)
         steps_at_kill.append(_latest_step(interrupted))
         if mode == "mid-write":  # a torn checkpoint directory is left behind; `latest` still names a whole one
@@ -132,8 +132,7 @@ def test_sigkill_anywhere_then_resume_is_bitwise_identical(setup) -> None:
     assert steps_at_kill == sorted(steps_at_kill) and steps_at_kill[-1] < STEPS
 
     # And one kill from outside at whatever moment the process has reached.
-    proc = subprocess.Popen([python, "-m", "vgraph.backends.torch.cli", *resume], env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = popen(["-m", "vgraph.backends.torch.cli", *resume], env=_env())
     start_step = _latest_step(interrupted)
     deadline = time.monotonic() + 60
     while proc.poll() is None and _latest_step(interrupted) == start_step and time.monotonic() < deadline:
@@ -141,8 +140,9 @@ def test_sigkill_anywhere_then_resume_is_bitwise_identical(setup) -> None:
     time.sleep(0.013)  # then a little further: into the next steps, or wherever the process is
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+    proc.communicate()
 
-    finished = _run([python, "-m", "vgraph.backends.torch.cli", *resume])
+    finished = _run(["-m", "vgraph.backends.torch.cli", *resume])
     assert finished.returncode == 0, finished.stderr
     _, ref_err = ref_proc.communicate(timeout=120)
     assert ref_proc.returncode == 0, ref_err
