@@ -62,9 +62,9 @@ rescued from a surviving replica when one holds them); `repartition` is
 single-machine only.  The launchers keep in
 touch through machine 0 on port P - 1 (membership.py): a machine lost with its
 link is noticed within --link-timeout, and machine 0 decides for all what the
-next attempt is.  With `shrink`, machine 0 itself may be lost: the lowest
-surviving machine becomes the coordinator from the history it mirrored
-(`_succeed`, succession.py).  A PNode stays on the machine that ran it first (after a
+next attempt is.  With `shrink` or `restart`, machine 0 itself may be lost: the
+lowest surviving machine becomes the coordinator from the history it mirrored
+and the survivors' rescue shards (`_succeed`, succession.py).  A PNode stays on the machine that ran it first (after a
 shrink, the survivors keep theirs).  The worker is a plain
 torchrun-style program, so
 `torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.distributed.runtime.worker JOB.json`

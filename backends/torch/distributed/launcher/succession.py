@@ -1,5 +1,5 @@
 """No single holder: the run survives the loss of machine 0 (the coordinator) when another replica holds
-every VNode (`--on-failure shrink`, `--nnodes N`).
+every VNode (`--on-failure shrink` or `restart`, `--nnodes N`).
 
 Why: machine 0's launcher serves the launchers' channel, and its rank 0 writes metrics.jsonl and the
 checkpoints into ITS run directory.  Everything else a successor needs it already has: the job's settings
@@ -19,8 +19,8 @@ is the run's history, so it is mirrored, and the coordinator role moves:
   survivors of lower rank, in rank order, for up to ELECT_WINDOW (who serves the channel there?).  The first
   that answers as coordinator is followed: reports and beats go to its address, same port.  When none of
   them answers, this machine takes over: it serves the channel on its own address (membership.take_over),
-  collects the survivors' reports, decides the next attempt (the lost coordinator's PNodes lost: shrink drops
-  its replicas), and only then installs the newest state into its own run directory (`install`) and writes
+  collects the survivors' reports, decides the next attempt (the lost coordinator's PNodes lost and `gone`:
+  shrink drops its replicas, restart re-plans on the rest), and only then installs the newest state into its own run directory (`install`) and writes
   the run from there on (its rank 0, its metrics.jsonl, its checkpoints).  Ties go by rank: a successor that
   finds a lower-ranked one serving while it collects reports steps down and follows it.
 * **Where things are.** Metrics and checkpoints continue in the new coordinator's run directory (its
@@ -33,8 +33,11 @@ is the run's history, so it is mirrored, and the coordinator role moves:
   (`superseded`: a VGraphError naming the coordinator, exit 2), so the run is never split in two.
 
 The newest state wins (`newest_state`): the mirrored checkpoint, or any other consistent checkpoint handed to
-`install` (a rescue written by surviving replicas at their last completed step, issue 36 item 2), whichever
-has the higher step; a checkpoint that does not load is skipped and said.
+`install`, whichever has the higher step; a checkpoint that does not load is skipped and said.  The other
+candidate is the survivors' rescue shards (`rescued_state`, training/rescue.py's assembly): each follower
+sends its own to the coordinator it follows before its report (`succeed`'s `send`), so the successor holds
+every survivor's shards once it has every report, and a replica that survived gives the step the workers
+reached: 0 steps redone, provided that step's row was mirrored (the log must hold every step once).
 """
 from __future__ import annotations
 
