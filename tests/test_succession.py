@@ -213,7 +213,8 @@ def _shard(folder: Path, *, attempt: int, rank: int, step: int, weights: dict, r
 def test_a_followers_shards_reach_the_successor_before_it_decides(tmp_path):
     """Machine 2 follows machine 1 (the successor) and sends its rescue shard there before its report, so
     machine 1 holds every survivor's shard when it decides; an answer to shards is served from the moment
-    machine 1 serves the channel.  The shard a lost machine 0 would send (machine < 1) is refused."""
+    machine 1 serves the channel.  The shard a lost machine 0 would send (machine < 1) is refused.  Machine 1
+    then dies while it assembles: machine 2, elected around it, still holds its own shard and resumes from it."""
     import torch
 
     from vgraph.backends.torch.distributed.launcher.shard_transfer import ShardReceiver, send_shards
@@ -221,7 +222,7 @@ def test_a_followers_shards_reach_the_successor_before_it_decides(tmp_path):
     port = free_port()
     addrs = {0: "127.0.0.1", 1: "127.0.0.2", 2: "127.0.0.3"}
     m1, m2 = machine(1, port, addrs[1], addrs), machine(2, port, addrs[2], addrs)
-    inbox, outbox = tmp_path / "m1" / "rescue", tmp_path / "m2" / "rescue"
+    inbox, outbox = tmp_path / "m1" / "rescue", _mirrored_run(tmp_path, rows=6, name="m2") / "launch" / "rescue"
     _shard(outbox, attempt=0, rank=2, step=5, weights={"w.weight": torch.ones(3)})
     receiver = ShardReceiver(inbox)
     at_decision: list[list[str]] = []
@@ -251,14 +252,25 @@ def test_a_followers_shards_reach_the_successor_before_it_decides(tmp_path):
     assert plans[1] == plans[2] and plans[1]["gone"] == ["w0"]  # restart re-plans without machine 0's PNodes
     assert receiver.answer({"op": "rescue-put", "machine": 0, "shard": "a0-r0", "file": "model.safetensors",
                             "offset": 0, "data": ""}).get("error")
+    m2 = machine(2, port, addrs[2], addrs)  # machine 1 died during its assembly: machine 2 elected around it
+    m2.follow(1)
+    try:
+        plan = succession.succeed(m2, 1, {2}, lost_report(["w0", "w1"]),
+                                  lambda reports, missing: decide(reports, missing, HOME, "restart"), window=0.0)
+    finally:
+        m2.close()
+    assert m2.coordinator == 2 and plan["gone"] == ["w0", "w1"]
+    got = succession.rescued_state(outbox.parent.parent, run="run-a", attempt=0, keys={"w.weight"}, ceiling=10,
+                                   extra={}, keep=3, say=said.append)
+    assert [p.name for p in got] == ["step-00000005"]  # its own shard, kept after sending it
 
 
-def _mirrored_run(tmp_path: Path, rows: int) -> Path:
+def _mirrored_run(tmp_path: Path, rows: int, name: str = "run") -> Path:
     import torch
 
     from vgraph.backends.torch.training.checkpoint import capture_rng_state, save_checkpoint
 
-    run = tmp_path / "run"
+    run = tmp_path / name
     mirror = run / "launch" / "mirror"
     save_checkpoint(mirror / "step-00000004", step=4, model_state={"w.weight": torch.zeros(3)},
                     optimizer_states={}, rng_state=capture_rng_state())
