@@ -309,6 +309,7 @@ def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
     chosen = elect(me, survivors, lambda k: serving(machines, k, window))
     if chosen != me:
         return follow(chosen)
+    serve()  # before the channel is up: a follower that finds it serving may send its shards at once
     try:
         machines.take_over(lost, set(survivors))
     except VGraphError:  # the address is taken: a survivor of lower rank serves there after all?
@@ -316,7 +317,6 @@ def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
         if chosen == me:
             raise
         return follow(chosen)
-    serve()
 
     def decide_without_lost(reports: dict[int, dict], missing: list[int]) -> dict:
         plan = decide(reports, missing)  # a survivor that did not report loses its PNodes, and only those count
