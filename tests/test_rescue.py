@@ -202,7 +202,7 @@ def test_a_link_that_fails_during_the_send_is_said_and_skipped(tmp_path):
         raise OSError("connection refused")
 
     assert send_shards(lost, tmp_path, 0, said.append) == []
-    assert len(said) == 1 and "a0-r1 not sent to machine 0: connection refused" in said[0]
+    assert len(said) == 1 and "a0-r1 not sent to the coordinator: connection refused" in said[0]
 
 
 def test_rank_0_writes_the_rows_a_failure_left_unwritten(tmp_path):

@@ -62,9 +62,9 @@ rescued from a surviving replica when one holds them); `repartition` is
 single-machine only.  The launchers keep in
 touch through machine 0 on port P - 1 (membership.py): a machine lost with its
 link is noticed within --link-timeout, and machine 0 decides for all what the
-next attempt is.  With `shrink`, machine 0 itself may be lost: the lowest
-surviving machine becomes the coordinator from the history it mirrored
-(`_succeed`, succession.py).  A PNode stays on the machine that ran it first (after a
+next attempt is.  With `shrink` or `restart`, machine 0 itself may be lost: the
+lowest surviving machine becomes the coordinator from the history it mirrored
+and the survivors' rescue shards (`_succeed`, succession.py).  A PNode stays on the machine that ran it first (after a
 shrink, the survivors keep theirs).  The worker is a plain
 torchrun-style program, so
 `torchrun --nnodes N --nproc-per-node k ... -m vgraph.backends.torch.distributed.runtime.worker JOB.json`
@@ -527,8 +527,9 @@ def _prepare(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> _Run:
 
 def _succeeds(cfg: LaunchConfig) -> bool:
     """A run whose coordinator role can move when machine 0 is lost (succession.py): several machines, a fixed
-    set of them, and `shrink` (a lost machine costs its replicas, so another replica can carry on)."""
-    return cfg.nnodes > 1 and cfg.on_failure == "shrink" and not _elastic(cfg)
+    set of them, and `shrink` (a lost machine costs its replicas, so another replica can carry on) or `restart`
+    (the next attempt is re-planned on the machines left, as for any machine that vanished)."""
+    return cfg.nnodes > 1 and cfg.on_failure in ("shrink", "restart") and not _elastic(cfg)
 
 
 def _refuse_superseded(cfg: LaunchConfig, token: str) -> None:
@@ -1103,13 +1104,15 @@ def _after_failure(run: _Run, attempt: _Attempt, record: dict[str, Any], result:
     if run.machines.active:  # every machine reports; machine 0 decides for all (membership.py)
         if not run.lead:  # this machine's survivors' shards first: machine 0 decides once it has every report
             send_shards(run.machines.request, run.launch_dir / RESCUE_DIR, attempt.number, run.emit)
+            run.rescued = lambda: succession.rescued_state(run.run_dir, **_rescue_inputs(run, attempt),
+                                                           keep=cfg.keep_checkpoints, say=run.emit)  # a successor's
         report = {"lost": lost_pnodes, "described": described, "error": errors}
         try:
             plan = run.machines.settle(report,
                                        lambda reports, missing: decide(reports, missing, run.home, cfg.on_failure),
                                        wait_for_all=cfg.on_failure == "restart")
         except MachineLost as exc:
-            plan = _succeed(run, report, exc)  # the coordinator is lost: a survivor takes its role, or the run stops
+            plan = _succeed(run, report, exc, attempt.number)  # the coordinator is lost: a survivor takes its role, or the run stops
         if run.lead and plan["lost"]:
             _fence(run)  # before going on without machines: none of them took this run over meanwhile
         lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
@@ -1146,27 +1149,18 @@ def _rescue(run: _Run, attempt: _Attempt, result: LaunchResult, lost: list[str])
     """Machine 0 after a failed attempt: a checkpoint from the survivors' rescue shards when they hold every
     VNode at one step later than the last checkpoint (training/rescue.py), else the last checkpoint; either
     way the steps redone are said (the launcher's line, a fleet-events.jsonl row, the final summary)."""
-    cfg, job, folder = run.cfg, attempt.job, run.launch_dir / RESCUE_DIR
-    shards, refused = read_shards(folder, run=run_identity(job.network_yaml, job.run_info), attempt=attempt.number)
+    cfg, folder, inputs = run.cfg, run.launch_dir / RESCUE_DIR, _rescue_inputs(run, attempt)
+    shards, refused = read_shards(folder, run=inputs["run"], attempt=attempt.number)
     latest = ckpt.latest_checkpoint(run.run_dir)
     floor = ckpt.checkpoint_step(latest) if latest is not None else 0
-    plan = make_plan(attempt.placement.graph, attempt.placement.final, list(attempt.placement.ranks))
-    keys = set().union(*(plan.param_keys(r) for r in range(plan.world_size)))
     logged = _last_step(run)
-    compressing = job.grad_compress != "none" or attempt.placement.graph.nodes_of_type("compress")
-    found = assemble(shards, keys=keys, floor=floor, ceiling=cfg.steps, logged=logged, reached=logged,
-                     refused=refused, per_rank_state="the run compresses with error feedback, whose buffers are "
-                                                     "each rank's own" if compressing else "")
+    found = assemble(shards, keys=inputs["keys"], floor=floor, ceiling=cfg.steps, logged=logged, reached=logged,
+                     refused=refused, per_rank_state=inputs["per_rank_state"])
     for why in found.refused:
         run.emit(f"launch: rescue shard refused: {why}")
     if found.step is not None:
-        extra = {"layout": "unfused", "run": json.loads(json.dumps(job.run_info, default=str)),
-                 "network_yaml": job.network_yaml,
-                 "tokenizer_json": read_input(run.run_dir / run.tokenizer, what="tokenizer"),
-                 "launch": {"ranks": job.ranks, "assignment": job.final_assignment, "micro_batches": run.micro,
-                            "attempt": attempt.number}}
         try:
-            where = save_rescued(run.run_dir, found, extra, cfg.keep_checkpoints)
+            where = save_rescued(run.run_dir, found, inputs["extra"], cfg.keep_checkpoints)
         except OSError as exc:  # a full disk: the run still has its last checkpoint
             found.why = f"its checkpoint could not be written: {exc.strerror or exc}"
             found.step = None
@@ -1186,11 +1180,30 @@ def _rescue(run: _Run, attempt: _Attempt, result: LaunchResult, lost: list[str])
     clear_rescue(folder)
 
 
-def _succeed(run: _Run, report: dict[str, Any], lost: MachineLost) -> dict[str, Any]:
+def _rescue_inputs(run: _Run, attempt: _Attempt) -> dict[str, Any]:
+    """What a rescue of `attempt` is assembled against (training/rescue.py): the run's identity, the network's
+    parameter keys, whether state is each rank's own, and what its checkpoint carries besides the shards'."""
+    job, graph = attempt.job, attempt.placement.graph
+    plan = make_plan(graph, attempt.placement.final, list(attempt.placement.ranks))
+    compressing = job.grad_compress != "none" or graph.nodes_of_type("compress")
+    return {"run": run_identity(job.network_yaml, job.run_info), "attempt": attempt.number, "ceiling": run.cfg.steps,
+            "keys": set().union(*(plan.param_keys(r) for r in range(plan.world_size))),
+            "per_rank_state": "the run compresses with error feedback, whose buffers are each rank's own"
+                              if compressing else "",
+            "extra": {"layout": "unfused", "run": json.loads(json.dumps(job.run_info, default=str)),
+                      "network_yaml": job.network_yaml,
+                      "tokenizer_json": read_input(run.run_dir / run.tokenizer, what="tokenizer"),
+                      "launch": {"ranks": job.ranks, "assignment": job.final_assignment, "micro_batches": run.micro,
+                                 "attempt": attempt.number}}}
+
+
+def _succeed(run: _Run, report: dict[str, Any], lost: MachineLost, attempt: int) -> dict[str, Any]:
     """This machine lost the coordinator (succession.py): the lowest surviving machine takes its role, the
     others follow it; the decision for the next attempt, with the lost coordinator's PNodes lost (shrink
-    drops its replicas).  A coordinator followed and lost in turn is elected around the same way.  The run
-    stops (TrainingError) when the coordinator role cannot move: another --on-failure, or nobody left."""
+    drops its replicas, restart re-plans on the rest).  The followers send their rescue shards of `attempt`
+    to it (the successor resumes from the newest consistent state: `_Run.rescued`).  A coordinator followed
+    and lost in turn is elected around the same way.  The run stops (TrainingError) when the coordinator role
+    cannot move: another --on-failure, or nobody left."""
     cfg, machines = run.cfg, run.machines
     if not _succeeds(cfg) or run.lead:
         raise TrainingError(str(lost)) from None
@@ -1211,8 +1224,10 @@ def _succeed(run: _Run, report: dict[str, Any], lost: MachineLost) -> dict[str, 
         run.emit(f"launch: machine {old} (the coordinator) is lost: {lost}; electing a successor among machine(s) "
                  f"{', '.join(map(str, sorted(survivors)))}")
         try:
-            plan = succession.succeed(machines, old, survivors, report,
-                                      lambda reports, missing: decide(reports, missing, home, "shrink"), window)
+            plan = succession.succeed(
+                machines, old, survivors, report, lambda reports, missing: decide(reports, missing, home, cfg.on_failure),
+                window, send=lambda: send_shards(machines.request, run.launch_dir / RESCUE_DIR, attempt, run.emit),
+                serve=lambda: _serve_channel(run))
             break
         except MachineLost as again:
             lost = again

@@ -104,7 +104,8 @@ def _sha256(path: Path) -> str:
 
 
 def send_shards(request: Callable[..., dict], folder: Path, attempt: int, say: Callable[[str], None]) -> list[str]:
-    """This machine's shards of `attempt` (in `folder`) to machine 0, chunk by chunk (`request`: the channel,
+    """This machine's shards of `attempt` (in `folder`) to the coordinator (machine 0, or the machine that took
+    its role: succession.py), chunk by chunk (`request`: the channel,
     Machines.request); the names that arrived whole.  A shard machine 0 refuses, or a link that fails, is
     said and skipped: machine 0 then assembles from what it has, or falls back to the last checkpoint.  The
     shards stay here until the next rescue (a machine that takes machine 0's role reads its own); earlier
@@ -122,10 +123,10 @@ def send_shards(request: Callable[..., dict], folder: Path, attempt: int, say: C
             files = {name: _send_file(request, shard.name, shard / name) for name in SHARD_FILES}
             reply = request("rescue-done", timeout=FETCH_TIMEOUT_S, shard=shard.name, files=files)
         except (OSError, ValueError, _Refused) as exc:
-            say(f"launch: rescue shard {shard.name} not sent to machine 0: {exc}")
+            say(f"launch: rescue shard {shard.name} not sent to the coordinator: {exc}")
             continue
         if "error" in reply:
-            say(f"launch: machine 0 refused rescue shard {shard.name}: {reply['error']}")
+            say(f"launch: the coordinator refused rescue shard {shard.name}: {reply['error']}")
             continue
         sent.append(shard.name)
     return sent

@@ -1,5 +1,5 @@
 """No single holder: the run survives the loss of machine 0 (the coordinator) when another replica holds
-every VNode (`--on-failure shrink`, `--nnodes N`).
+every VNode (`--on-failure shrink` or `restart`, `--nnodes N`).
 
 Why: machine 0's launcher serves the launchers' channel, and its rank 0 writes metrics.jsonl and the
 checkpoints into ITS run directory.  Everything else a successor needs it already has: the job's settings
@@ -19,8 +19,8 @@ is the run's history, so it is mirrored, and the coordinator role moves:
   survivors of lower rank, in rank order, for up to ELECT_WINDOW (who serves the channel there?).  The first
   that answers as coordinator is followed: reports and beats go to its address, same port.  When none of
   them answers, this machine takes over: it serves the channel on its own address (membership.take_over),
-  collects the survivors' reports, decides the next attempt (the lost coordinator's PNodes lost: shrink drops
-  its replicas), and only then installs the newest state into its own run directory (`install`) and writes
+  collects the survivors' reports, decides the next attempt (the lost coordinator's PNodes lost and `gone`:
+  shrink drops its replicas, restart re-plans on the rest), and only then installs the newest state into its own run directory (`install`) and writes
   the run from there on (its rank 0, its metrics.jsonl, its checkpoints).  Ties go by rank: a successor that
   finds a lower-ranked one serving while it collects reports steps down and follows it.
 * **Where things are.** Metrics and checkpoints continue in the new coordinator's run directory (its
@@ -33,8 +33,11 @@ is the run's history, so it is mirrored, and the coordinator role moves:
   (`superseded`: a VGraphError naming the coordinator, exit 2), so the run is never split in two.
 
 The newest state wins (`newest_state`): the mirrored checkpoint, or any other consistent checkpoint handed to
-`install` (a rescue written by surviving replicas at their last completed step, issue 36 item 2), whichever
-has the higher step; a checkpoint that does not load is skipped and said.
+`install`, whichever has the higher step; a checkpoint that does not load is skipped and said.  The other
+candidate is the survivors' rescue shards (`rescued_state`, training/rescue.py's assembly): each follower
+sends its own to the coordinator it follows before its report (`succeed`'s `send`), so the successor holds
+every survivor's shards once it has every report, and a replica that survived gives the step the workers
+reached: 0 steps redone, provided that step's row was mirrored (the log must hold every step once).
 """
 from __future__ import annotations
 
@@ -54,11 +57,12 @@ from vgraph.base.safeio import atomic_write
 from vgraph.run.files import CHECKPOINT_PREFIX, LATEST, LAUNCH_DIR, METRICS_JSONL
 
 from ...training import checkpoint as ckpt
+from ...training.rescue import RESCUE_DIR, assemble, read_shards, save_rescued
 from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, _fetch
 from .membership import REQUEST_TIMEOUT_S, ask
 
 __all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "install", "newest_state", "superseded",
-           "record_machines",
+           "record_machines", "rescued_state",
            "MIRROR_DIR", "MACHINES_JSON", "MIRRORS", "MIRROR_EVERY_S", "Installed"]
 
 MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
@@ -283,21 +287,29 @@ def _rival(machines: Any, survivors: set[int], every: float = 1.0) -> Callable[[
 
 
 def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
-            decide: Callable[[dict[int, dict], list[int]], dict], window: float) -> dict:
+            decide: Callable[[dict[int, dict], list[int]], dict], window: float,
+            send: Callable[[], Any] = lambda: None, serve: Callable[[], Any] = lambda: None) -> dict:
     """After this machine lost coordinator `lost`: elect the new one among `survivors` (this machine
     included), follow it or take over, and return the decision for the next attempt (membership.settle's).
     `machines.coordinator` says who won.  A rival of lower rank wins a tie; MachineLost when the coordinator
-    followed is lost in turn (the caller elects again without it)."""
+    followed is lost in turn (the caller elects again without it).
+
+    `send`: a follower's rescue shards to the coordinator it follows, before its report (shard_transfer.py),
+    so the successor has every survivor's shards once it has every report; `serve`: the successor answers
+    them (and whatever else machine 0's channel answered) from the moment it serves the channel.  The lost
+    coordinator's PNodes are `gone` in the decision (vanished machines: `restart` re-plans without them)."""
     from .membership import SteppedDown
 
     def follow(k: int) -> dict:
         machines.follow(k)
+        send()
         return machines.settle(report, lambda reports, missing: {}, wait_for_all=True)
 
     me = machines.node_rank
     chosen = elect(me, survivors, lambda k: serving(machines, k, window))
     if chosen != me:
         return follow(chosen)
+    serve()  # before the channel is up: a follower that finds it serving may send its shards at once
     try:
         machines.take_over(lost, set(survivors))
     except VGraphError:  # the address is taken: a survivor of lower rank serves there after all?
@@ -305,17 +317,20 @@ def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
         if chosen == me:
             raise
         return follow(chosen)
+
     def decide_without_lost(reports: dict[int, dict], missing: list[int]) -> dict:
         plan = decide(reports, missing)  # a survivor that did not report loses its PNodes, and only those count
         if plan.get("error"):
             return plan
-        return {**plan, "lost": sorted(set(plan["lost"]) | set(report["lost"]))}  # ... and the lost coordinators'
+        return {**plan, "lost": sorted(set(plan["lost"]) | set(report["lost"])),  # ... and the lost coordinators'
+                "gone": sorted(set(plan.get("gone") or []) | set(report["lost"]))}
 
     machines.superior = _rival(machines, set(survivors))
     try:
         return machines.settle(report, decide_without_lost, wait_for_all=True)
     except SteppedDown as down:
         machines.step_down(int(down.args[0]))
+        send()
         return machines.settle(report, lambda reports, missing: {}, wait_for_all=True)
     finally:
         machines.superior = None
@@ -341,6 +356,38 @@ def newest_state(candidates: Iterable[Path], say: Callable[[str], None]) -> tupl
         if best is None or step > best[1]:
             best = (path, step)
     return best
+
+
+def rescued_state(run_dir: Path, *, run: str, attempt: int, keys: set[str], ceiling: int, extra: dict[str, Any],
+                  keep: int, per_rank_state: str = "", say: Callable[[str], None] = lambda line: None) -> list[Path]:
+    """The successor's candidate from the survivors' rescue shards of `attempt` (its own, and those the others
+    sent it: RUN/launch/rescue/): a checkpoint in `run_dir` at the latest step they hold every VNode of
+    (`keys`) later than the mirrored checkpoint, and no later than the last mirrored row (a step without its
+    row would be missing from the log, as rescue.assemble rules for machine 0's log); [] when there is none,
+    the reason said.  Shards of another run or attempt (the old coordinator's, an earlier one's) and
+    damaged ones are refused by read_shards/assemble and said."""
+    mirror = run_dir / LAUNCH_DIR / MIRROR_DIR
+    mirrored = ckpt.latest_checkpoint(mirror) if (mirror / LATEST).exists() else None
+    try:
+        floor = ckpt.checkpoint_step(mirrored) if mirrored is not None else 0
+    except (ckpt.CheckpointError, OSError):
+        floor = 0  # damaged: install says so and skips it; the shards then compete with nothing
+    logged = max((r["step"] for r in _rows(mirror / METRICS_JSONL)), default=0)
+    shards, refused = read_shards(run_dir / LAUNCH_DIR / RESCUE_DIR, run=run, attempt=attempt)
+    found = assemble(shards, keys=keys, floor=floor, ceiling=ceiling, logged=logged, reached=logged, refused=refused,
+                     per_rank_state=per_rank_state)
+    for why in found.refused:
+        say(f"launch: rescue shard refused: {why}")
+    if found.step is None:
+        say(f"launch: the survivors' shards give no newer state than the mirrored checkpoint: {found.why}")
+        return []
+    say(f"launch: the survivors hold every VNode at step {found.step} (the shards of ranks {found.ranks}; the "
+        f"mirrored checkpoint is step {floor})")
+    try:
+        return [save_rescued(run_dir, found, extra, keep)]
+    except OSError as exc:  # a full disk: the mirrored checkpoint is still there
+        say(f"launch: the survivors' state at step {found.step} could not be written: {exc.strerror or exc}")
+        return []
 
 
 def _rows(path: Path) -> list[dict]:
