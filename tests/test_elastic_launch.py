@@ -674,7 +674,7 @@ def test_a_drift_watch_acts_only_on_the_running_attempts_own_rows(tmp_path):
     not fresh evidence; one after it is, and a row being written is skipped."""
     from types import SimpleNamespace
 
-    from vgraph.backends.torch.distributed.launcher.launch import _last_drift, _last_step
+    from vgraph.backends.torch.distributed.launcher.boundaries import last_drift as _last_drift, last_step as _last_step
 
     run = SimpleNamespace(run_dir=tmp_path)
     rows = [{"step": 4, "loss": 1.0}, {"step": 5, "loss": 1.0, "drift": {"step": 5, "pnodes": {}}}, {"step": 6}]
