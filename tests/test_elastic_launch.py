@@ -607,7 +607,7 @@ def test_leaves_before_during_and_at_a_boundary_are_recorded_and_released(files,
 
     def on_leave(adm, machine, pnodes, step):
         asked.append((machine, pnodes, step))
-        adm.replanning = True  # what _replan does when it asks for the boundary
+        adm.replanning = True  # what boundaries.replan does when it asks for the boundary
 
     adm = admission(files, tmp_path, max_machines=4, on_leave=on_leave)
     machines = {pid: join(adm, pnode_text(pid))["machine"] for pid in ("j1", "j2", "j3")}

@@ -78,7 +78,7 @@ def run_attempts(run: Run, stop: StopRequest) -> LaunchResult:
             continue
         if run.elastic and not run.lead and not stop.requested:  # only machine 0 knows the grown fleet
             if not record["ok"]:
-                after_failure(run, attempt, record, result, fleet)  # its report; machine 0's error raised here
+                after_failure(run, attempt, record, result.restarts, fleet)  # its report; machine 0's error here
             followed = elastic.Joined(run.node_rank, "", run.run_dir)
             elastic.follow_attempts(run.machines, run.token, run.master_addr, run.base_port, run.run_dir,
                                     Path(run.data_dir), run.tokenizer, number + 1,
@@ -100,8 +100,8 @@ def run_attempts(run: Run, stop: StopRequest) -> LaunchResult:
         if run.admission is not None:  # a restart is a boundary too: the admitted machines take part
             fleet = run.admission.grown_fleet(fleet)
             run.home = {**(run.home or {}), **run.admission.home()}
-        fleet, shrunk = after_failure(run, attempt, record, result, fleet)
-        result.restarts += 1
+        fleet, shrunk, redone = after_failure(run, attempt, record, result.restarts, fleet)
+        result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
         number += 1
         hold = None
 

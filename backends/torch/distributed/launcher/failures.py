@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vgraph.base.safeio import atomic_write, read_input
 from vgraph.cost.fleet import Fleet
@@ -29,9 +29,6 @@ from .inputs import Run
 from .membership import REQUEST_TIMEOUT_S, MachineLost, decide
 from .placing import shrink
 from .shard_transfer import send_shards
-
-if TYPE_CHECKING:  # the loop's result, which a failure adds its steps redone to
-    from .attempts import LaunchResult
 
 __all__ = ["after_failure", "fence", "mirror"]
 
@@ -60,9 +57,10 @@ def mirror(run: Run) -> None:
                                        over=lambda: not machines.active).start()
 
 
-def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchResult, fleet: Fleet
-                   ) -> tuple[Fleet, Any]:
-    """A failed attempt: raise when it must not restart; else the fleet (and shrunk plan) of the next one."""
+def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], restarts: int, fleet: Fleet
+                  ) -> tuple[Fleet, Any, int]:
+    """A failed attempt (after `restarts` restarts): raise when it must not restart; else the fleet (and shrunk
+    plan) of the next one, and the steps it will train again (machine 0's rescue)."""
     codes, lost = record.pop("codes"), record.pop("lost_ranks")
     errors = _user_errors(run.launch_dir)
     if not errors and any(c == EXIT_USER_ERROR for c in codes.values()):
@@ -88,11 +86,12 @@ def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], result: La
         gone = []
     if errors:
         raise TrainingError(errors)
+    redone = 0
     if run.lead:  # before any refusal to restart: a later --resume starts from the rescued step too
-        _rescue(run, attempt, result, lost_pnodes)
-    if run.on_failure == "stop" or result.restarts >= run.max_restarts:
+        redone = _rescue(run, attempt, lost_pnodes)
+    if run.on_failure == "stop" or restarts >= run.max_restarts:
         raise TrainingError(f"worker {described} failed; not restarting "
-                            f"({'--on-failure stop' if run.on_failure == 'stop' else f'{result.restarts} restarts'})."
+                            f"({'--on-failure stop' if run.on_failure == 'stop' else f'{restarts} restarts'})."
                             f" Continue the run with --resume.")
     shrunk = None
     if run.on_failure == "repartition":
@@ -109,7 +108,7 @@ def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], result: La
     run.emit(f"launch: worker {described} failed; restarting from {where or 'the last checkpoint'}"
              f"{' on ' + ', '.join(fleet.ids) if run.on_failure == 'repartition' or gone else ''}"
              f"{f' with {len(shrunk[1][0])} replica(s), batch shares {shrunk[1][1]}' if shrunk else ''}")
-    return fleet, shrunk
+    return fleet, shrunk, redone
 
 
 def _user_errors(launch_dir: Path) -> str:
@@ -118,7 +117,7 @@ def _user_errors(launch_dir: Path) -> str:
     return "\n".join(dict.fromkeys(t for t in texts if t))
 
 
-def _rescue(run: Run, attempt: Attempt, result: LaunchResult, lost: list[str]) -> None:
+def _rescue(run: Run, attempt: Attempt, lost: list[str]) -> int:
     """Machine 0 after a failed attempt: a checkpoint from the survivors' rescue shards when they hold every
     VNode at one step later than the last checkpoint (training/rescue.py), else the last checkpoint; either
     way the steps redone are said (the launcher's line, a fleet-events.jsonl row, the final summary)."""
@@ -153,13 +152,13 @@ def _rescue(run: Run, attempt: Attempt, result: LaunchResult, lost: list[str]) -
         resume, source = floor, "checkpoint"
         said = f"no rescue ({found.why}); resuming from {latest or 'the start'}"
     redone = max(0, found.reached - resume)
-    result.steps_redone += redone
     run.emit(f"launch: {said}; {redone} step(s) redone")
     record_event(run.run_dir, {"event": "rescue", "step": logged, "attempt": attempt.number, "lost": lost,
                                "from": source,
                                "resume_step": resume, "reached": found.reached, "steps_redone": redone,
                                "why": found.why if found.step is None else "", "refused": found.refused})
     clear_rescue(folder)
+    return redone
 
 
 def _succeed(run: Run, report: dict[str, Any], lost: MachineLost) -> dict[str, Any]:
