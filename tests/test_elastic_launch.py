@@ -607,7 +607,7 @@ def test_leaves_before_during_and_at_a_boundary_are_recorded_and_released(files,
 
     def on_leave(adm, machine, pnodes, step):
         asked.append((machine, pnodes, step))
-        adm.replanning = True  # what _replan does when it asks for the boundary
+        adm.replanning = True  # what boundaries.replan does when it asks for the boundary
 
     adm = admission(files, tmp_path, max_machines=4, on_leave=on_leave)
     machines = {pid: join(adm, pnode_text(pid))["machine"] for pid in ("j1", "j2", "j3")}
@@ -674,7 +674,7 @@ def test_a_drift_watch_acts_only_on_the_running_attempts_own_rows(tmp_path):
     not fresh evidence; one after it is, and a row being written is skipped."""
     from types import SimpleNamespace
 
-    from vgraph.backends.torch.distributed.launcher.launch import _last_drift, _last_step
+    from vgraph.backends.torch.distributed.launcher.boundaries import last_drift as _last_drift, last_step as _last_step
 
     run = SimpleNamespace(run_dir=tmp_path)
     rows = [{"step": 4, "loss": 1.0}, {"step": 5, "loss": 1.0, "drift": {"step": 5, "pnodes": {}}}, {"step": 6}]

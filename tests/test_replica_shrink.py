@@ -1,4 +1,4 @@
-"""`--on-failure shrink` from three replicas to two (launch.py's `_shrink`, replica_report.rebalanced_shares):
+"""`--on-failure shrink` from three replicas to two (placing.py's `shrink`, replica_report.rebalanced_shares):
 the survivors keep their PNodes, share the whole batch again, and get the least step by brute force over
 every split (test_replica_shares.py's oracle), with tie sync and link latency making the fixed seconds of
 the replicas differ.  Issue 27, bug 7: survivors keeping their old shares leave samples unassigned."""
@@ -73,7 +73,7 @@ def test_three_replicas_are_planned_by_speed(three_replicas):
 @pytest.mark.parametrize("lost, survivors", [("mid1", ["fast", "slow"]), ("fast0", ["mid", "slow"]),
                                              ("slow0", ["fast", "mid"])])
 def test_shrink_from_three_replicas_to_two_shares_the_whole_batch_by_speed(three_replicas, lost, survivors):
-    """`--on-failure shrink` (launch.py's `_shrink`): the survivors keep their PNodes and share the whole batch
+    """`--on-failure shrink` (placing.py's `shrink`): the survivors keep their PNodes and share the whole batch
     again, the least step by brute force (keeping their old shares would leave samples unassigned)."""
     placement, fleet, source, (before, partition, after) = three_replicas
     assignment, (rows, shares) = _shrink(placement, fleet, [lost], f"{lost} (rank 3, exit -9)", BATCH, MICRO)

@@ -1,4 +1,4 @@
-"""A machine that vanishes mid-run (training/rescue.py, launch.py's `_rescue`): two launchers on loopback as
+"""A machine that vanishes mid-run (training/rescue.py, failures.py's `_rescue`): two launchers on loopback as
 two machines, machine 1's whole process group (its launcher, forkserver and workers) SIGKILLed while its worker
 holds after step 3.  With 2 replicas, machine 0's worker holds every VNode at step 3: the run is re-planned on
 machine 0 alone, resumes at step 3 from the survivor's shard, and 0 steps are redone; with a pipeline over the

@@ -533,14 +533,16 @@ def test_a_coordinator_going_on_without_machines_stops_if_one_took_the_run_over(
     that asks itself (a successor going on without machine 2) is no objection."""
     from types import SimpleNamespace
 
-    from vgraph.backends.torch.distributed.launcher.launch import _fence
+    from vgraph.backends.torch.distributed.launcher.failures import fence as _fence
+    from vgraph.backends.torch.distributed.launcher.inputs import succeeds
     from vgraph.backends.torch.training.config import TrainingError
 
     port = free_port()
     (tmp_path / "launch").mkdir()
     succession.record_machines(tmp_path, port, {0: "127.0.0.1", 1: "127.0.0.2"})
     cfg = LaunchConfig("net.yml", nnodes=3, on_failure="shrink", node_rank=0)
-    run = SimpleNamespace(run_dir=tmp_path, token=TOKEN, cfg=cfg)
+    run = SimpleNamespace(run_dir=tmp_path, token=TOKEN, succeeds=succeeds(cfg), node_rank=0)  # inputs.Run's fields
+    assert run.succeeds  # the premise: a run whose coordinator role can move
     _fence(run)  # nobody answers: the lost machines are gone
     successor = machine(1, port, "127.0.0.2", {0: "127.0.0.1", 1: "127.0.0.2"})
     successor.take_over(0, {1, 2})
@@ -548,9 +550,10 @@ def test_a_coordinator_going_on_without_machines_stops_if_one_took_the_run_over(
         with pytest.raises(TrainingError, match=r"machine 1 \(127.0.0.2\) took over this run"):
             _fence(run)
         for other in (dict(on_failure="shrink", node_rank=1), dict(on_failure="stop")):
-            _fence(SimpleNamespace(run_dir=tmp_path, token=TOKEN, cfg=LaunchConfig("net.yml", nnodes=3, **other)))
+            cfg = LaunchConfig("net.yml", nnodes=3, **other)
+            _fence(SimpleNamespace(run_dir=tmp_path, token=TOKEN, succeeds=succeeds(cfg), node_rank=cfg.node_rank))
         with pytest.raises(TrainingError, match=r"machine 1 \(127.0.0.2\) took over"):  # restart runs move it too
-            _fence(SimpleNamespace(run_dir=tmp_path, token=TOKEN,
-                                   cfg=LaunchConfig("net.yml", nnodes=3, on_failure="restart")))
+            cfg = LaunchConfig("net.yml", nnodes=3, on_failure="restart")
+            _fence(SimpleNamespace(run_dir=tmp_path, token=TOKEN, succeeds=succeeds(cfg), node_rank=cfg.node_rank))
     finally:
         successor.close()

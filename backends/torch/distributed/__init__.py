@@ -33,8 +33,12 @@ The pieces, each in its own module:
 * rank_zero.py - metrics entries and checkpoint shares gathered on rank 0
               (scattered back on resume);
 * loss_scaler.py - fp16 loss scaling decided alike on every rank;
-* launch.py - the launcher and the `launch` command: partition, data, job
-              file, forkserver-started workers, failure detection and restarts.
+* launcher/ - the `launch` command (launch.py): its inputs resolved once
+              (inputs.py), the placement (placing.py), each attempt's job file
+              (emission.py), the attempts with their forkserver-started
+              workers (attempts.py), failure detection, rescue and restarts
+              (failures.py), joins and re-plan boundaries (joins.py,
+              boundaries.py).
 
 Dropout keyed by (seed, step, VNode, sample) lives one level up
 (`vgraph.backends.torch.lowering.dropout`): `vgraph train` uses it too.

@@ -25,7 +25,7 @@ parameter key the network has; shards of other steps are not used, and two shard
 must agree exactly (replicas are identical at a step) or that step is not used.  A step no later than the
 run's latest checkpoint gains nothing and is not used either.
 
-Who reads this: launch.py (machine 0's decision after a failed attempt); the coordinator move (issue 36,
+Who reads this: launcher/failures.py (machine 0's decision after a failed attempt); the coordinator move (issue 36,
 item 3) reads the same shards on the survivor that takes machine 0's role.
 """
 from __future__ import annotations

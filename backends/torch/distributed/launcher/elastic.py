@@ -483,7 +483,7 @@ def ask_stop(run_dir: Path) -> None:
 
 def stop_requested_at(run_dir: Path) -> float | None:
     """When the stop was asked for (the stop file's time, whoever wrote it), or None when there is none:
-    where a boundary's measured move starts (launch.py writes its `moved` row)."""
+    where a boundary's measured move starts (boundaries.py writes its `moved` row)."""
     try:
         return (run_dir / LAUNCH_DIR / STOP_FILE).stat().st_mtime
     except OSError:

@@ -1,8 +1,8 @@
 """The worker processes `vgraph launch` starts on its machine: forked fast, their output relayed, their fate watched.
 
-Why a module of its own: launch.py decides *what* runs (placement, job,
-restarts); this is *how* the local workers run: forked from a forkserver that
-imported torch once (a worker, and a restart, starts in milliseconds instead
+Why a module of its own: the launcher decides *what* runs (placement, job,
+restarts: emission.py, attempts.py, failures.py); this is *how* the local
+workers run: forked from a forkserver that imported torch once (a worker, and a restart, starts in milliseconds instead
 of seconds), with the torchrun environment, their stdout and stderr relayed
 line by line prefixed with their PNode, killed with the launcher (Linux
 PR_SET_PDEATHSIG), and watched until all succeed or the first one fails

@@ -109,7 +109,7 @@ class RunDrift:
     PNode.  When a drift episode starts, its row gets `"drift": {step, pnodes: {pnode: {measured_s,
     predicted_s, ratio}}}`, the fleet rescaled to the window's measured busy times is written to the run
     directory (fleet.measured.yml, atomically, never over the fleet file given), and one line says it.
-    The re-plan from it is the launcher's to decide (launch.py's `_watch_drift` reads the row and the file)."""
+    The re-plan from it is the launcher's to decide (launcher/boundaries.py's `watch_drift` reads the row and the file)."""
 
     def __init__(self, watch: DriftWatch, fleet: Fleet, out: Path, fleet_file: str, relaunch: str,
                  say: Callable[[str], None]) -> None:

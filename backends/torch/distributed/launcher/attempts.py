@@ -1,0 +1,166 @@
+"""The launch's attempt loop: attempt after attempt (placed and written by emission.py, this machine's
+workers supervised by supervisor.py) until the workers finish, fail for good, or a stop is asked for; after a
+re-plan boundary (boundaries.py) the next attempt on the new fleet; after a failure, what failures.py decides
+(restart, re-partition or shrink, or give up); at the end, the run's rows and last checkpoint as the
+`LaunchResult`.
+
+Every step takes the launch's resolved inputs and the state the attempts change as they go (inputs.`Run`).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vgraph.base.safeio import atomic_write
+from vgraph.run.files import METRICS_JSONL, WORKERS_JSON, RunLock
+
+from ...training import checkpoint as ckpt
+from ...training.interrupt import StopRequest
+from ...training.metrics_log import read_rows
+from ..rendezvous import free_port, probe_port
+from . import elastic
+from .boundaries import boundary, last_step, move_measured, watch_drift, watch_move
+from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
+from .failures import after_failure
+from .inputs import Run
+from .supervisor import Supervisor
+
+__all__ = ["LaunchResult", "run_attempts", "collect", "micro_per_replica"]
+
+
+@dataclass
+class LaunchResult:
+    run_dir: Path
+    step: int
+    loss: float | None
+    val_loss: float | None
+    checkpoint: Path | None
+    restarts: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # per attempt: ranks, exit codes, outcome
+    placement: dict[str, Any] = field(default_factory=dict)  # placement_report of the last attempt
+    steps_redone: int = 0  # machine 0: steps trained again after failures (0 when every rescue found its step)
+
+
+def run_attempts(run: Run, stop: StopRequest) -> LaunchResult:
+    """Attempt after attempt until the workers finish, fail for good, or a stop is asked for."""
+    result = LaunchResult(run.run_dir, 0, None, None, None)
+    fleet, hold, number, replanned = run.fleet, run.hold, 0, False
+    shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
+    while True:
+        if stop.requested:
+            raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
+                                   f"{run.continue_with}")
+        given = given_placement(run, number, shrunk, replanned)
+        try:
+            attempt = place_attempt(run, fleet, number, *given, hold)
+        except RankZeroJoined as exc:
+            waiting = sorted(set(run.admission.home()) & set(fleet.ids))
+            run.admission.event({"event": "placement", "attempt": number, "waiting": waiting,
+                                 "reason": f"the plan puts rank 0 on joined PNode {exc}: machine 0 keeps it"})
+            fleet = fleet.without(waiting)
+            attempt = place_attempt(run, fleet, number, *given, hold)
+        if attempt is None:
+            return result
+        if run.admission is not None:
+            run.admission.publish(number, attempt.job_path, dict(run.home or {}), attempt.placement, fleet)
+        record = supervise(run, attempt)
+        result.attempts.append(record)
+        result.placement = attempt.placement.report
+        if record["ok"] and run.admission is not None and not stop.requested and boundary(run):
+            with run.admission.lock:  # a drift re-plan's measured fleet, once
+                measured, run.admission.next_fleet = run.admission.next_fleet, None
+            fleet = run.admission.grown_fleet(measured or fleet)
+            shrunk, number, hold, replanned = None, number + 1, None, True  # the planner places it from now on
+            continue
+        if run.elastic and not run.lead and not stop.requested:  # only machine 0 knows the grown fleet
+            if not record["ok"]:
+                after_failure(run, attempt, record, result.restarts, fleet)  # its report; machine 0's error here
+            followed = elastic.Joined(run.node_rank, "", run.run_dir)
+            elastic.follow_attempts(run.machines, run.token, run.master_addr, run.base_port, run.run_dir,
+                                    Path(run.data_dir), run.tokenizer, number + 1,
+                                    run.comm_timeout + run.link_timeout, run.emit, followed, run.leave)
+            result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
+            if followed.released:
+                result.attempts.append({"released": True})
+            return result
+        if stop.requested:
+            where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
+            raise stop.interrupted(f"{run.run_dir}: stopped as asked{'' if record['ok'] else ' (a worker failed on the way)'}; "
+                                   f"checkpoint {where or 'on machine 0'}. Continue with: "
+                                   f"{run.continue_with}")
+        if record["ok"]:
+            if run.admission is not None:
+                run.admission.finish()
+                run.admission.wait_told(run.link_timeout)
+            return result
+        if run.admission is not None:  # a restart is a boundary too: the admitted machines take part
+            fleet = run.admission.grown_fleet(fleet)
+            run.home = {**(run.home or {}), **run.admission.home()}
+        fleet, shrunk, redone = after_failure(run, attempt, record, result.restarts, fleet)
+        result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
+        number += 1
+        hold = None
+
+
+def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
+    """Start this machine's workers of `attempt`, relay their output, wait for the outcome (its record).
+
+    The rendezvous port: --master-port (29500 across machines) moved up by the attempt's number, else a free
+    one."""
+    placement = attempt.placement
+    base_port = run.base_port
+    port = (base_port + attempt.number) if base_port else free_port(run.master_addr)
+    if run.lead:
+        probe_port(run.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
+    run.say(f"launch: {run.source.name} on {len(attempt.ranks)} worker(s) {', '.join(attempt.ranks)} of fleet "
+            f"{run.fleet.name!r} ({len(placement.rows)} replica(s), batch shares {placement.shares}; "
+            f"{attempt.comm.describe()}, {micro_per_replica(run.micro, placement.shares)} {run.pipeline}, predicted "
+            f"traffic {placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt "
+            f"{attempt.number}")
+    lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
+    supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
+                            lock_key=lock.key if lock is not None else "")
+    ended = threading.Event()
+    if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision (`watch_drift`)
+        threading.Thread(target=watch_drift, args=(run, last_step(run), ended), daemon=True).start()
+    try:
+        supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), run.master_addr, port,
+                         attempt.threads)
+        atomic_write(run.launch_dir / WORKERS_JSON,
+                          json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
+        ok, codes, lost = supervisor.wait(trouble=watch_move(run, attempt.number))
+        move_measured(run, attempt.number)  # an attempt too short for the watch to see its first step
+    except BaseException:
+        supervisor.stop()
+        raise
+    finally:
+        ended.set()
+        if run.bar is not None:
+            run.bar.close()  # the attempt's bar ends; a restart draws its own from the resumed step
+    ranks = attempt.ranks
+    return {"attempt": attempt.number, "ranks": ranks, "exit_codes": {ranks[r]: c for r, c in codes.items()},
+            "lost": [ranks[r] for r in lost], "ok": ok, "codes": codes, "lost_ranks": lost}
+
+
+def collect(run: Run, result: LaunchResult) -> LaunchResult:
+    """Machine 0: the run's rows (metrics.jsonl) and last checkpoint into the result."""
+    if run.lead:
+        rows = read_rows(run.run_dir / METRICS_JSONL)
+        result.history = rows
+        if rows:
+            result.step = rows[-1]["step"]
+            result.loss = rows[-1]["loss"]
+        result.val_loss = next((r["val_loss"] for r in reversed(rows) if "val_loss" in r), None)
+        result.checkpoint = ckpt.latest_checkpoint(run.run_dir)
+    return result
+
+
+def micro_per_replica(micro: int, shares: list[int]) -> str:
+    """What each replica pipelines: --micro-batches caps it, a replica's batch share bounds it (as the worker)."""
+    counts = sorted({min(micro, share) for share in shares} or {micro})
+    text = " or ".join(str(c) for c in counts)  # unequal shares can leave a small replica fewer
+    return f"{text} micro-batch{'es' if counts != [1] else ''}" + (" per replica" if len(shares) > 1 else "")

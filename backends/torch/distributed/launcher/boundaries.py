@@ -1,0 +1,251 @@
+"""Machine 0's re-plan boundaries: the one re-plan decision of a join, a leave and a drift (`replan`, priced by
+vgraph/placement/replan.py), the workers asked to stop after the current step with a checkpoint, the boundary
+taken when every worker is done (`boundary`: the admitted machines' homes, the leaving ones released), and the
+move measured from the stop request to the next attempt's first logged step (`moved`, fleet-events.jsonl).
+
+Apart from the attempt loop because it runs beside it: the decisions come on the admission's and the drift
+watch's threads, and what they leave for the loop is the boundary (elastic.Admission's fields).  The run's
+logged steps are read here from metrics.jsonl's tail (`last_step`), without reading a long run's whole log.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.fleet import Fleet
+from vgraph.run.files import MEASURED_FLEET, METRICS_JSONL
+
+from ..job import STOP_FILE
+from . import elastic
+from .inputs import Run
+from .placing import Placement, before_partition, place
+
+__all__ = ["MOVE_POLL_S", "last_step", "last_drift", "replan", "watch_drift", "boundary", "watch_move",
+           "move_measured"]
+
+MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
+
+
+def last_step(run: Run) -> int:
+    """The run's last logged step (rank 0 writes metrics.jsonl about once a second)."""
+    rows = _tail_rows(run)
+    return max(0, rows[-1]["step"]) if rows else 0
+
+
+def _tail_rows(run: Run) -> list[dict[str, Any]]:
+    """The complete rows in the last 64 KiB of metrics.jsonl, in order: a join or a drift watch must not
+    wait for a read of a long run's whole log."""
+    from vgraph.base.jsonio import loads
+
+    path = run.run_dir / METRICS_JSONL
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
+            tail = f.read()
+    except OSError:
+        return []
+    rows = []
+    for line in tail.split(b"\n")[1:] if len(tail) == 65536 else tail.split(b"\n"):
+        try:
+            row = loads(line, str(path)) if line.strip() else None
+        except VGraphError:
+            continue  # a line being written
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
+            rows.append(row)
+    return rows
+
+
+def replan(run: Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet], fields_: dict[str, Any], *,
+            label: str, gone: Sequence[str] = (), measured: Fleet | None = None, why: str = "") -> None:
+    """The one re-plan decision of a join, a leave and a drift (vgraph/placement/replan.py): the planner's plan
+    on `target_of(the running attempt's fleet)` priced against the running plan over the steps left; when it
+    pays (a leave: always, the running plan loses `gone`), ask the workers for a boundary: they stop after the
+    current step with a checkpoint and the next attempt runs on that fleet (`boundary`).  A drift prices the
+    running plan on the `measured` fleet too, so both steps come from the same figures.  Every decision is a
+    `replan` row of fleet-events.jsonl and one line."""
+    admission = run.admission
+    row: dict[str, Any] = {"event": "replan", "kind": trigger, "step": step, **fields_}
+    try:
+        placement, fleet = _running(admission, wait_s=run.comm_timeout if gone else 0.0)
+        target = target_of(fleet)
+        decision, machines, handed = _decision(run, placement, target, step, gone, measured is not None)
+    except Exception as exc:  # in its own thread: whatever went wrong is said and recorded, the run goes on
+        said = str(exc) if isinstance(exc, VGraphError) else f"{type(exc).__name__}: {exc}"
+        admission.event({**row, "chosen": "new" if gone else "keep", "reason": said})
+        run.emit(f"launch: {label} at step {step}: {'boundary all the same' if gone else 'no re-plan now'}: {said}")
+        if gone:
+            _ask_boundary(run)
+        return
+    if gone and machines < run.nnodes:  # documented: the run goes on below MIN (docs/distributed.md)
+        row["below_min"] = machines
+        run.emit(f"launch: warning: after {label} the run has {machines} machine(s), fewer than --nnodes MIN "
+                 f"{run.nnodes}; it goes on with them")
+    row.update(decision.to_json())
+    if gone:  # what only the leaving machine held: its VNodes' state, through the boundary's checkpoint
+        row["checkpoint_bytes"] = handed
+    if why:
+        why = f"{why}; the planner's plan predicts {decision.new_step:.3g} s a step"
+        row["reason"] = f"{why}; {decision.reason}"
+    admission.event(row)
+    run.say(f"launch: {label} at step {step}: {why + '; ' if why else ''}{decision.describe()}")
+    if decision.chosen == "new":
+        if measured is not None:
+            with admission.lock:
+                admission.next_fleet = measured
+        _ask_boundary(run)
+
+
+def _running(admission: elastic.Admission, wait_s: float) -> tuple[Any, Fleet]:
+    """The running attempt's (placement, fleet); a leave before the first attempt is placed waits for it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with admission.lock:
+            current = admission.current
+        if current is not None:
+            return current
+        if time.monotonic() >= deadline:
+            raise VGraphError("no attempt is running yet: the change takes effect at the first boundary")
+        time.sleep(0.1)
+
+
+def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Sequence[str], reprice: bool
+              ) -> tuple[Any, int, float]:
+    """(replan.Replan, machines left on `target`, state bytes of the VNodes only `gone` held): the planner's
+    plan on `target` against `placement` (`reprice`: the running plan's step priced on `target` as well, a
+    drift's measured figures)."""
+    from vgraph.placement.replan import PlanView, decide, state_bytes
+
+    admission = run.admission
+    new = _plan_on(run, target)
+    if new.world[0] in admission.home():
+        raise VGraphError(f"the planner's plan puts rank 0 on {new.world[0]}, and machine 0 keeps rank 0 (it "
+                          f"holds the run) until the coordinator can move")
+    old = placement
+    if reprice:
+        layout = (placement.rows, placement.shares) if len(placement.rows) > 1 else None
+        old = _plan_on(run, target, placement.assignment, layout)
+    views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
+             for p in (old, new)]
+    sizes = state_bytes(before_partition(run.source, run.before, run.target))
+    gone = sorted(set(gone) | admission.departing())  # another leave at the same step: no sender either
+    decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=run.replan_overhead_s)
+    homes = {**(run.home or {}), **admission.home()}
+    handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
+    return decision, len({homes.get(p, 0) for p in target.ids}), handed
+
+
+def _plan_on(run: Run, fleet: Fleet, assignment: dict[str, str] | None = None, layout: Any = None) -> Placement:
+    return place(run.source, fleet, before=run.before, partition=run.partition, after=run.after, target=run.target,
+                 batch=run.batch, micro_batches=run.micro, assignment=assignment, replicas=layout,
+                 grad_compress=run.grad_compress, pipeline=run.pipeline)
+
+
+def _ask_boundary(run: Run) -> None:
+    """Ask this run's workers to stop after the current step with a checkpoint (once, while none is under way)."""
+    admission = run.admission
+    with admission.lock:
+        if admission.done:
+            return
+        admission.replanning = True
+    elastic.ask_stop(run.run_dir)
+
+
+def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
+    """Machine 0, while an attempt runs (its own thread): a drift rank 0 reported in this attempt's rows (a
+    metrics row with `drift`, at a step after `start`) is a re-plan decision on the measured fleet
+    (fleet.measured.yml) through `replan`.  Fresh evidence only: the rows of this attempt, whose rank 0 watches
+    its own plan's prediction from its own warm-up (so a re-plan's next one needs K steps measured under the
+    new plan), and once a drift re-plan is chosen this watch ends."""
+    from dataclasses import replace
+
+    from vgraph.cost.fleet import load_fleet
+
+    seen = start
+    while not ended.wait(0.5):
+        row = last_drift(run, seen)
+        if row is None:
+            continue
+        seen = row["step"]
+        try:  # the file rank 0 wrote with the row; not the fleet's own file: a boundary's fleet is this one
+            measured = replace(load_fleet(run.run_dir / MEASURED_FLEET), source=None)
+        except VGraphError as exc:
+            run.emit(f"launch: drift at step {seen}: no re-plan: {exc}")
+            continue
+        pnodes = row["drift"].get("pnodes")
+        why = "drift: " + ", ".join(
+            f"{pid} measured {p['measured_s']:.3g} s vs predicted {p['predicted_s']:.3g} s busy for "
+            f"{run.drift_steps} steps" for pid, p in sorted((pnodes if isinstance(pnodes, dict) else {}).items())
+            if isinstance(p, dict) and all(isinstance(p.get(k), (int, float)) for k in ("measured_s", "predicted_s")))
+        replan(run, "drift", seen, lambda fleet: run.admission.grown_fleet(measured), {"drift": row["drift"]},
+                label="drift", measured=measured, why=why)
+        with run.admission.lock:
+            if run.admission.next_fleet is not None:
+                return
+
+
+def last_drift(run: Run, after: int) -> dict[str, Any] | None:
+    """The last metrics row with a drift report at a step after `after`, or None (read from the log's tail)."""
+    for row in reversed(_tail_rows(run)):
+        if isinstance(row.get("drift"), dict) and row["step"] > after:
+            return row
+    return None
+
+
+def boundary(run: Run) -> bool:
+    """Machine 0, every worker done: was it a re-plan boundary (`replan`: a join, a leave, a drift) with steps
+    left?  Then the admitted machines get their PNodes' homes, the leaving ones are released (the boundary's
+    checkpoint holds what they held), and the next attempt is placed on the fleet without them."""
+    admission = run.admission
+    with admission.lock:
+        asked, admission.replanning = admission.replanning, False
+        queued, admission.queued = admission.queued, []
+    requested = elastic.stop_requested_at(run.run_dir)
+    (run.launch_dir / STOP_FILE).unlink(missing_ok=True)
+    step = last_step(run)
+    if not asked or step >= run.steps:
+        admission.release(step)  # the run is over: a leaving machine goes (its `job` answer says released)
+        return False
+    run.home = {**(run.home or {}), **admission.home()}
+    requested = requested if requested is not None else time.time()
+    run.moving = (step, requested)
+    released = admission.release(step)  # their workers ended with this boundary's checkpoint
+    pnodes = sorted(set(run.home) - admission.departing())
+    admission.event({"event": "boundary", "step": step, "pnodes": pnodes, "released": released,
+                     "requested": round(requested, 3),
+                     "queued": [admission.joined[m].pnode.id for m in queued]})
+    run.say(f"launch: re-plan boundary after step {step}: the next attempt runs on {', '.join(pnodes)}"
+            f"{f'; machine(s) {released} released' if released else ''}")
+    return True
+
+
+def watch_move(run: Run, attempt: int) -> Callable[[], str | None]:
+    """The supervisor's `trouble` poll, which also measures a boundary's move (`move_measured`) every
+    MOVE_POLL_S while one is pending: the seconds a re-plan took, from its stop request to this attempt's
+    first logged step (rank 0 logs a resumed attempt's first step at once: training/loop.py)."""
+    trouble, due = run.machines.trouble, [0.0]
+
+    def poll() -> str | None:
+        if run.moving is not None and time.monotonic() >= due[0]:
+            due[0] = time.monotonic() + MOVE_POLL_S
+            move_measured(run, attempt)
+        return trouble()
+    return poll
+
+
+def move_measured(run: Run, attempt: int) -> None:
+    """When the attempt after a boundary has logged a step: its `moved` row (fleet-events.jsonl) and a line."""
+    if run.moving is None or run.admission is None:
+        return
+    step, requested = run.moving
+    first = last_step(run)
+    if first <= step:
+        return
+    run.moving = None
+    seconds = max(0.0, time.time() - requested)
+    run.admission.event({"event": "moved", "step": step, "first_step": first, "attempt": attempt,
+                         "seconds": round(seconds, 3)})
+    run.say(f"launch: the re-plan at step {step} took {seconds:.1f} s, from the stop request to attempt {attempt}'s "
+            f"first step")

@@ -1,0 +1,132 @@
+"""Where a launch's VNodes run: the pass pipeline cut around the partition pass, the placed graph every
+worker builds (`Placement`), and the plan after a shrink.
+
+Apart from the attempt loop because it is the one piece of the launcher that is plain graph work: tests,
+benchmarks and `--emit-job` use it without starting anything, and it takes values (a graph, a fleet, the
+pipelines), never the launch's settings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.fleet import Fleet
+from vgraph.ir.graph import Graph
+from vgraph.placement.export import assignment_of, placement_report
+from vgraph.placement.replica_report import rebalanced_shares
+from vgraph.run.compiled_graph import PLAN_CHOICES, apply_assignment
+from vgraph.transform.pipeline import DEFAULT_PIPELINE, Pipeline, available_passes, run_pipeline
+
+from ...training.config import TrainingError
+from ...training.setup import NO_FUSE_PIPELINE
+
+__all__ = ["Placement", "split_pipeline", "place", "shrink", "before_partition"]
+
+
+def split_pipeline(passes: str | None, fuse: bool, options: dict[str, str]) -> tuple[Pipeline, Pipeline, Pipeline]:
+    """(passes before the partition, the partition pass, passes after it) for a `vgraph train` pipeline.
+
+    The partition goes right after dead-nodes/precision (it prices effective
+    precisions) and before any fusion (fusion then respects the placement);
+    a pipeline that names `partition` itself keeps its place and options,
+    with the run's batch and micro-batches.
+    """
+    if passes is not None and not fuse:
+        raise VGraphError(f"give either --passes or --no-fuse, not both (--no-fuse means the pipeline "
+                          f"'{NO_FUSE_PIPELINE}')")
+    options = {**options, "replicas": options.get("replicas", "1")}  # one pipeline unless the run asks for more
+    pipeline = Pipeline.parse(passes) if passes is not None else (DEFAULT_PIPELINE if fuse else NO_FUSE_PIPELINE)
+    if "partition" not in pipeline:  # after the last of dead-nodes/precision, else first
+        pipeline = pipeline.insert("partition", after=("dead-nodes", "precision"), before=pipeline.names)
+    before, partition, after = pipeline.with_options("partition", **options).split("partition")
+    return before, Pipeline((partition,)), after
+
+
+@dataclass
+class Placement:
+    graph: Graph  # placed and optimised, as every worker builds it
+    assignment: dict[str, str]  # VNode -> PNode right after the partition pass (pre-fusion ids)
+    final: dict[str, str]  # VNode -> PNode of `graph`
+    ranks: list[str]  # rank -> PNode, in order of use along the network (replica 0: the plan's ranks)
+    report: dict[str, Any]  # placement_report (placement.json)
+    rows: list[list[str]] = field(default_factory=list)  # per replica, its PNodes in stage order
+    shares: list[int] = field(default_factory=list)  # per replica, its samples of the global batch
+    choices: dict[str, Any] = field(default_factory=dict)  # the partition's choices the passes after it read
+
+    @property
+    def world(self) -> list[str]:
+        """World rank -> PNode: replica r's workers are ranks r*P .. r*P+P-1, in the plan's rank order."""
+        stage = {p: s for s, p in enumerate(self.rows[0])}
+        return [row[stage[p]] for row in self.rows for p in self.ranks]
+
+
+def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str | Pipeline, after: str | Pipeline,
+          target: str, batch: int,
+          micro_batches: int, assignment: dict[str, str] | None = None,
+          replicas: tuple[list[list[str]], list[int]] | None = None, grad_compress: str = "none",
+          pipeline: str = "1f1b") -> Placement:
+    """Partition `source` onto `fleet` (or take `assignment`) and build the placed graph the workers build.
+
+    A given `assignment` names the VNodes as the partition pass would see them
+    (after the passes before it, i.e. before any fusion); `replicas` (rows of
+    PNodes per replica, batch shares) goes with it when the run has replicas.
+    """
+    graph = source.copy()
+    if before:
+        run_pipeline(graph, before, target=target)
+    if assignment is None:
+        if "partition" not in available_passes():
+            raise VGraphError("the 'partition' pass is not installed: reinstall vgraph (pip install -e .) so "
+                              "its entry point is registered")
+        run_pipeline(graph, partition, target=target, data={"fleet": fleet})
+        assignment = {n.id: n.meta["pnode"] for n in graph.nodes}
+        planned = graph.meta.get("placement") or {}
+        if planned.get("replicas", 1) > 1:
+            replicas = (planned["replica_pnodes"], planned["batch_shares"])
+        choices = {k: planned[k] for k in PLAN_CHOICES if k in planned}
+    else:
+        missing = [n.id for n in graph.nodes if n.id not in assignment]
+        unknown = sorted(set(assignment.values()) - set(fleet.ids))
+        problems = []
+        if missing:
+            problems.append(f"does not place VNode(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unknown:
+            problems.append(f"names PNode(s) {', '.join(unknown)} that fleet {fleet.name!r} does not have")
+        if problems:
+            raise VGraphError(f"the given placement {'; '.join(problems)}")
+        assignment = {n.id: assignment[n.id] for n in graph.nodes}
+        choices = {}
+    placed = apply_assignment(source, before, assignment, after, target, choices)
+    final = assignment_of(placed)
+    ranks = list(dict.fromkeys(final[n.id] for n in placed.topo_order()))
+    placed.meta["placement"] = {"batch": batch, "micro_batches": micro_batches, "grad_compress": grad_compress,
+                                "pipeline": pipeline, **choices}  # the schedule the step is priced as
+    if replicas is not None:
+        placed.meta["placement"].update(replica_pnodes=replicas[0], batch_shares=replicas[1])
+    report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches)
+    return Placement(placed, assignment, final, ranks, report, report["replica_pnodes"], report["batch_shares"],
+                     choices)
+
+
+def shrink(placement: Placement, fleet: Fleet, lost: list[str], described: str, batch: int, micro: int
+            ) -> tuple[dict[str, str], tuple[list[list[str]], list[int]]]:
+    """The plan without the replicas that lost a worker: the survivors keep their PNodes, replica 0's
+    assignment moves to the first survivor, and the global batch is shared out again by speed."""
+    rows = [row for row in placement.rows if not set(row) & set(lost)]
+    if not rows:
+        raise TrainingError(f"worker {described} failed and no complete replica is left (--on-failure shrink "
+                            f"drops the replicas that lost a worker)")
+    stage = {p: s for s, p in enumerate(placement.rows[0])}
+    assignment = {v: rows[0][stage[p]] for v, p in placement.assignment.items()}
+    final = {v: rows[0][stage[p]] for v, p in placement.final.items()}
+    shares = rebalanced_shares(placement.graph, fleet, final, rows, batch, micro)
+    return assignment, (rows, shares)
+
+
+def before_partition(source: Graph, before: Pipeline, target: str) -> Graph:
+    """The network as the partition pass sees it (after the passes before it): the VNodes plans assign."""
+    graph = source.copy()
+    if before:
+        run_pipeline(graph, before, target=target)
+    return graph
