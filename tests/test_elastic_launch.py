@@ -699,3 +699,19 @@ def test_signals_on_a_leaving_machine_sigterm_twice_is_one_leave_a_second_ctrl_c
     finally:
         restore()
     assert signal.getsignal(signal.SIGTERM) != leaving._handle  # restored
+
+
+def test_a_plan_that_moves_rank_0_off_the_coordinator_is_refused_at_the_decision() -> None:
+    """bench_churn's run 4 (2026-12-07): a join's plan put rank 0 on h1, a machine the run STARTED with (not a
+    joined one); the decision took it and the run stopped at the boundary ("the replica of machine 0 was
+    dropped").  Any machine but the coordinator's is refused, before a boundary is asked for."""
+    from vgraph.backends.torch.distributed.launcher.boundaries import rank_zero_elsewhere
+
+    homes = {"h0": 0, "h1": 1, "j2": 2}  # h0, h1 started the run; j2 joined
+    assert rank_zero_elsewhere("h0", homes, 0) is None
+    assert rank_zero_elsewhere("fresh", homes, 0) is None  # no home yet: it runs on machine 0
+    for pnode, machine in (("h1", 1), ("j2", 2)):
+        why = rank_zero_elsewhere(pnode, homes, 0)
+        assert why is not None and f"rank 0 on {pnode} (machine {machine})" in why and "machine 0" in why
+    assert rank_zero_elsewhere("h1", homes, 1) is None  # after a succession, machine 1 coordinates
+    assert "machine 0" in rank_zero_elsewhere("h0", homes, 1)

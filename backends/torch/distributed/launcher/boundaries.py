@@ -23,8 +23,8 @@ from . import elastic
 from .inputs import Run
 from .placing import Placement, before_partition, place
 
-__all__ = ["MOVE_POLL_S", "last_step", "last_drift", "replan", "watch_drift", "boundary", "watch_move",
-           "move_measured"]
+__all__ = ["MOVE_POLL_S", "last_step", "last_drift", "rank_zero_elsewhere", "replan", "watch_drift", "boundary",
+           "watch_move", "move_measured"]
 
 MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
 
@@ -120,9 +120,9 @@ def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Se
 
     admission = run.admission
     new = _plan_on(run, target)
-    if new.world[0] in admission.home():
-        raise VGraphError(f"the planner's plan puts rank 0 on {new.world[0]}, and machine 0 keeps rank 0 (it "
-                          f"holds the run) until the coordinator can move")
+    refusal = rank_zero_elsewhere(new.world[0], {**(run.home or {}), **admission.home()}, run.machines.coordinator)
+    if refusal is not None:
+        raise VGraphError(refusal)
     old = placement
     if reprice:
         layout = (placement.rows, placement.shares) if len(placement.rows) > 1 else None
@@ -135,6 +135,19 @@ def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Se
     homes = {**(run.home or {}), **admission.home()}
     handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
     return decision, len({homes.get(p, 0) for p in target.ids}), handed
+
+
+def rank_zero_elsewhere(pnode: str, homes: dict[str, int], coordinator: int) -> str | None:
+    """Why a plan whose rank 0 is `pnode` cannot run now, or None: the coordinator's machine holds the run (its
+    metrics, checkpoints and rank 0: emission._local_ranks stops a run whose rank 0 lands elsewhere), so a plan
+    putting rank 0 on any other machine, a joined one or one the run started with, is refused at the decision
+    rather than stopping the run at its boundary.  A PNode with no home yet runs on machine 0, as
+    emission._local_ranks places it."""
+    machine = homes.get(pnode, 0)
+    if machine == coordinator:
+        return None
+    return (f"the planner's plan puts rank 0 on {pnode} (machine {machine}), and the coordinator, machine "
+            f"{coordinator}, keeps rank 0 (it holds the run)")
 
 
 def _plan_on(run: Run, fleet: Fleet, assignment: dict[str, str] | None = None, layout: Any = None) -> Placement:
