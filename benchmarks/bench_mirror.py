@@ -1,6 +1,7 @@
 """What mirroring the run's history to the machine next in line costs (launcher/succession.py).
 
     python benchmarks/bench_mirror.py RUN_DIR [RUN_DIR ...]
+    python benchmarks/bench_mirror.py --smoke WORKDIR   # trains the tiny test network 2 steps there, then pulls it
 
 For each run directory (one with a checkpoint and metrics.jsonl, e.g. from `vgraph train --steps 1
 --checkpoint-every 1`), machine 0 serves it on the launchers' channel on loopback (membership.Machines, sealed
@@ -43,20 +44,63 @@ def measure(run_dir: Path, scratch: Path) -> dict:
     return {"rows_bytes": rows, "checkpoint_bytes": checkpoint, "seconds": seconds, "cpu": cpu}
 
 
+def smoke_run(workdir: Path) -> Path:
+    """A run directory to pull: the tiny test network trained 2 steps, a checkpoint each step (the suite's
+    smoke; the corpus is this checkout's docs/distributed.md, so nothing is downloaded)."""
+    from vgraph.backends.torch.cli import main as vgraph_main
+
+    root = Path(__file__).resolve().parent.parent
+    run = workdir / "run"
+    code = vgraph_main(["train", str(root / "tests" / "fixtures" / "tiny_2l.yml"), "--data",
+                        str(root / "docs" / "distributed.md"), "--out", str(run), "--steps", "2", "--batch", "2",
+                        "--checkpoint-every", "1", "--val-every", "0", "--threads", "1", "--quiet"])
+    if code != 0:
+        raise SystemExit(f"bench_mirror: the smoke's training run failed (exit {code})")
+    return run
+
+
+def _problem(run_dir: Path) -> str | None:
+    """Why `run_dir` cannot be pulled, or None: the mirror needs a run's metrics.jsonl and a checkpoint."""
+    if not run_dir.is_dir():
+        return "not a directory"
+    if not (run_dir / "metrics.jsonl").is_file():
+        return "no metrics.jsonl in it (a run directory of vgraph train or launch, with a checkpoint)"
+    return None
+
+
 def main(argv: list[str]) -> int:
     import tempfile
 
-    if not argv:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 2
+        return 0 if argv else 2
+    if argv[0] == "--smoke":
+        if len(argv) != 2:
+            print("bench_mirror: --smoke takes one WORKDIR", file=sys.stderr)
+            return 2
+        workdir = Path(argv[1])
+        if workdir.exists() and not workdir.is_dir():
+            print(f"bench_mirror: {workdir}: not a directory", file=sys.stderr)
+            return 2
+        argv = [str(smoke_run(workdir))]
+    for arg in argv:
+        why = _problem(Path(arg))
+        if why is not None:
+            print(f"bench_mirror: {arg}: {why}", file=sys.stderr)
+            return 2
+    print("| run | checkpoint | rows | pull on loopback | CPU, both sides | at 100 Mbit/s | at 1 Gbit/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    pulled = True
     for arg in argv:
         with tempfile.TemporaryDirectory() as tmp:
             got = measure(Path(arg), Path(tmp) / "mirror")
         total = got["rows_bytes"] + got["checkpoint_bytes"]
-        print(f"{arg}: checkpoint {got['checkpoint_bytes']:,} bytes, rows {got['rows_bytes']:,} bytes; pulled in "
-              f"{got['seconds']:.2f} s on loopback (CPU {got['cpu']:.2f} s, both sides); "
-              f"{total * 8 / 100e6:.2f} s at 100 Mbit/s, "
-              f"{total * 8 / 1e9:.3f} s at 1 Gbit/s")
+        print(f"| {arg} | {got['checkpoint_bytes']:,} B | {got['rows_bytes']:,} B | {got['seconds']:.2f} s | "
+              f"{got['cpu']:.2f} s | {total * 8 / 100e6:.2f} s | {total * 8 / 1e9:.3f} s |")
+        pulled = pulled and got["checkpoint_bytes"] > 0
+    if not pulled:
+        print("bench_mirror: a run's checkpoint was not pulled", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -58,6 +58,7 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_hop_latency.py": ["--smoke"],
     # loopback, the tiny network: one machine, one joins as soon as the first plan is placed, 8 steps, elastic only
     "bench_churn.py": ["--smoke", "--workdir", "{tmp}/bench-churn"],
+    "bench_mirror.py": ["--smoke", "{tmp}/bench-mirror"],
     # the tiny network, 2 processes, 3 steps of each way, equal hosts only (--smoke); --data as above
     "bench_vs_torch.py": ["--smoke", "--data", "{root}/docs/plugins.md"],
 }

@@ -85,6 +85,9 @@ class _PerTest:
         self.out, self.rows, self.count = out, {}, 0
         self.base = CPUACCT / GROUP
         self.base.mkdir(exist_ok=True)
+        for group in self.base.iterdir():  # a killed run's groups: their pytest process is gone
+            if group.is_dir() and not Path(f"/proc/{group.name.split('-')[0]}").exists():
+                _release(group)
 
     def _record(self, item, group: Path, start: float) -> None:
         _move_here_and_below(CPUACCT)
@@ -111,10 +114,25 @@ class _PerTest:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         path = self.out.with_name(f"{self.out.name}.{worker}.json")
         atomic_write(path, json.dumps(self.rows, indent=0) + "\n", make_parents=False, durable=False)
+        for group in self.base.glob(f"{os.getpid()}-*"):  # a test's process that outlived it (tests/zygote.py's
+            _release(group)                                 # forkserver lives to the session's end)
         try:
             self.base.rmdir()  # the last worker to finish leaves no group behind
         except OSError:
             pass  # another worker's groups are still in it
+
+
+def _release(group: Path) -> None:
+    """Remove `group`, its processes moved back to the root group first (a cgroup with tasks cannot go)."""
+    try:
+        for pid in (group / "tasks").read_text().split():
+            try:
+                (CPUACCT / "tasks").write_text(pid)
+            except OSError:
+                pass  # it exited meanwhile
+        group.rmdir()
+    except OSError:
+        pass  # gone already, or a process was forked into it meanwhile: left for the next run's sweep
 
 
 # -- the summary ---------------------------------------------------------------------------------------------
