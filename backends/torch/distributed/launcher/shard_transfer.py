@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vgraph.base.diagnostics import printable
+from vgraph.data.shards import sha256_file
 
 from ...training.rescue import SHARD_FILES, SHARD_NAME
 from .membership import CHUNK_BYTES, FETCH_TIMEOUT_S
@@ -84,7 +85,7 @@ class ShardReceiver:
         for name, meta in files.items():
             path = incoming / name
             size, digest = (meta.get("size"), meta.get("sha256")) if isinstance(meta, dict) else (None, None)
-            if not path.is_file() or path.stat().st_size != size or _sha256(path) != digest:
+            if not path.is_file() or path.stat().st_size != size or sha256_file(path) != digest:
                 return {"error": f"{name} did not arrive whole (size or SHA-256 differs)"}
         for name in SHARD_FILES:
             with open(incoming / name, "rb") as f:
@@ -94,13 +95,6 @@ class ShardReceiver:
         os.rename(incoming, target)
         return {"ok": True}
 
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def send_shards(request: Callable[..., dict], folder: Path, attempt: int, say: Callable[[str], None]) -> list[str]:

@@ -42,7 +42,6 @@ reached: 0 steps redone, provided that step's row was mirrored (the log must hol
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import shutil
@@ -54,6 +53,7 @@ from typing import Any, Callable, Iterable
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import atomic_write
+from vgraph.data.shards import sha256_file
 from vgraph.run.files import CHECKPOINT_PREFIX, LATEST, LAUNCH_DIR, METRICS_JSONL
 
 from ...training import checkpoint as ckpt
@@ -71,13 +71,6 @@ MIRRORS = 2  # the successor, and the next in line should the successor die duri
 MIRROR_EVERY_S = 1.0  # rows: metrics.jsonl is written about once a second (metrics_log.py); see docs
 TAIL_BYTES = 64  # the last bytes a mirror holds, sent with its offset: a rewritten metrics.jsonl is noticed
 
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class MirrorSource:
@@ -125,7 +118,8 @@ class MirrorSource:
             return None
         with self._lock:
             if self._listed is None or self._listed[0] != latest.name:
-                files = {p.name: (p.stat().st_size, _digest(p)) for p in sorted(latest.iterdir()) if p.is_file()}
+                files = {p.name: (p.stat().st_size, sha256_file(p)) for p in sorted(latest.iterdir())
+                         if p.is_file()}
                 self._listed = (latest.name, files)
             name, files = self._listed
         return {"name": name, "files": {n: {"size": s, "sha256": d} for n, (s, d) in files.items()}}
