@@ -168,16 +168,7 @@ def test_a_machine_the_run_started_with_follows_machine_0_after_a_join(files, re
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
     port = free_port()
     lines: list[str] = []
-    fleet = files / "two.yml"
-    fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
-                     + PNODE.format(id="m1", memory="256MiB"))
-
-    def machine(rank: int):
-        return lambda: launch(LaunchConfig(**common(files), out=tmp_path / f"node{rank}", fleet=str(fleet), nnodes=2,
-                                           max_nnodes=3, node_rank=rank, master_port=port, log=lines.append,
-                                           hold=("m0", 2) if rank == 0 else None))
-
-    lead, second = Thread(machine(0)), Thread(machine(1))
+    lead, second = two_machine_run(files, tmp_path, port, lines, None, 2)
     lead.start()
     second.start()
     run_dir = tmp_path / "node0"
@@ -485,9 +476,11 @@ def test_the_cli_refuses_bad_combinations_with_exit_2(files, tmp_path, capsys):
 
 # -- leaving ----------------------------------------------------------------------------------------
 
-def two_machine_run(files: Path, tmp_path: Path, port: int, lines: list, leaving: elastic.Leaving, hold_step: int):
-    """Machines 0 and 1 of a run that takes joins (--nnodes 2:3), m0's worker held after `hold_step`: the
-    plan's pipeline puts a stage on each machine, so machine 1 holds VNodes nobody else holds."""
+def two_machine_run(files: Path, tmp_path: Path, port: int, lines: list, leaving: elastic.Leaving | None,
+                    hold_step: int):
+    """Machines 0 and 1 of a run that takes joins (--nnodes 2:3), m0's worker held after `hold_step` (machine 1
+    leaving by `leaving`, if given): the plan's pipeline puts a stage on each machine, so machine 1 holds VNodes
+    nobody else holds."""
     fleet = files / "two.yml"
     fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
                      + PNODE.format(id="m1", memory="256MiB"))

@@ -127,7 +127,7 @@ def send_shards(request: Callable[..., dict], folder: Path, attempt: int, say: C
 
 
 class _Refused(Exception):
-    pass
+    """The coordinator answered a chunk with an error: this shard is skipped, the others still go."""
 
 
 def _send_file(request: Callable[..., dict], shard: str, path: Path) -> dict[str, Any]:

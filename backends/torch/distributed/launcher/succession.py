@@ -260,7 +260,7 @@ def serving(machines: Any, k: int, window: float) -> bool:
                 if reply.get("coordinator") == k:
                     return True
             except (OSError, ValueError):
-                pass
+                pass  # not serving yet (or gone): asked again until the window closes
         if time.monotonic() > deadline:
             return False
         time.sleep(0.25)
