@@ -15,14 +15,14 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any, Callable
 
-from vgraph.backends.torch.distributed.rendezvous import free_port
+from ports import launch_port
 
 
 def run_ranks(target: Callable[..., None], world: int, *args: Any, timeout: float = 120) -> dict[int, Any]:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     out = ctx.Queue()
-    port = free_port()
+    port = launch_port()
     procs = [ctx.Process(target=target, args=(rank, port, *args, out)) for rank in range(world)]
     for p in procs:
         p.start()

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ports import launch_port
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
 from vgraph.backends.torch.training.checkpoint import load_checkpoint
 from vgraph.backends.torch.training.batches import default_corpus_documents
-from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, free_port, launch, main as launch_main
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.remat import RECOMPUTE, candidates, closed
@@ -145,7 +146,7 @@ def test_a_lost_worker_costs_its_replica_not_the_run(files, reference, tmp_path)
 
 def test_two_launchers_on_one_host_run_the_replicas_together(files, reference, tmp_path, monkeypatch):
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", "replicas-test-secret")  # several machines share a secret
-    port = free_port()
+    port = launch_port()
     results: dict = {}
 
     def node(rank: int) -> None:

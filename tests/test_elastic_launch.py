@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from ports import launch_port
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
 from vgraph.backends.torch.distributed.launcher import elastic
-from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, free_port, launch
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.base import options
 from vgraph.base.diagnostics import VGraphError
@@ -96,7 +97,7 @@ def same_training(rows: list[dict], reference) -> None:
 
 def test_a_machine_that_joins_a_running_run_takes_part_from_the_boundary(files, reference, tmp_path, monkeypatch):
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
-    port = free_port()
+    port = launch_port()
     run_dir = tmp_path / "run"
     lines: list[str] = []
     # progress=True: the launcher's lines and rank 0's progress lines (to a callback: VGRAPH_PROGRESS=lines)
@@ -166,7 +167,7 @@ def test_a_machine_the_run_started_with_follows_machine_0_after_a_join(files, re
     """--nnodes 2:3: machines 0 and 1 start the run, a third joins; machine 1's launcher cannot place the
     grown fleet itself (only machine 0 admitted the joiner), so after the boundary it runs machine 0's job."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
-    port = free_port()
+    port = launch_port()
     lines: list[str] = []
     lead, second = two_machine_run(files, tmp_path, port, lines, None, 2)
     lead.start()
@@ -196,7 +197,7 @@ def test_a_join_that_does_not_pay_waits_for_the_next_restart(files, reference, t
     costs, so the plan is kept and j1 waits, admitted.  Then m0's worker is killed: the restart (from the
     step-6 checkpoint) is a boundary too, and j1 takes part in it."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
-    port = free_port()
+    port = launch_port()
     run_dir = tmp_path / "run"
     lines: list[str] = []
     lead = Thread(lambda: launch(LaunchConfig(**common(files), out=run_dir, fleet=str(files / "one.yml"), nnodes=1,
@@ -364,7 +365,7 @@ def test_a_pnode_file_that_claims_memory_this_machine_lacks_refuses_to_join(file
 def test_a_join_with_the_wrong_secret_gets_a_clear_message_after_its_timeout(files, tmp_path, monkeypatch):
     from vgraph.backends.torch.distributed.launcher.membership import Machines
 
-    port = free_port()
+    port = launch_port()
     server = Machines()
     server.open("127.0.0.1", port, TOKEN, 0, 2, 10.0, 10.0)
     server.serve_extra(admission(files, tmp_path).answer)
@@ -384,7 +385,7 @@ def test_the_join_command_with_the_wrong_secret_or_a_lying_file_exits_2_with_a_m
                                                                                        monkeypatch, capsys):
     from vgraph.backends.torch.distributed.launcher.membership import Machines
 
-    port = free_port()
+    port = launch_port()
     server = Machines()
     server.open("127.0.0.1", port - 1, TOKEN, 0, 2, 10.0, 10.0)  # machine 0's channel: --master-port - 1
     server.serve_extra(admission(files, tmp_path).answer)
@@ -405,7 +406,7 @@ def test_the_join_command_with_the_wrong_secret_or_a_lying_file_exits_2_with_a_m
 
 def test_a_join_to_nobody_says_so(files):
     with pytest.raises(elastic.JoinRefused, match="cannot reach"):
-        elastic.join_run("127.0.0.1", free_port(), TOKEN, files / "j1.yml", 0.5, available=(1 << 40, "test"))
+        elastic.join_run("127.0.0.1", launch_port(), TOKEN, files / "j1.yml", 0.5, available=(1 << 40, "test"))
 
 
 # -- options ----------------------------------------------------------------------------------------
@@ -502,7 +503,7 @@ def test_a_machine_that_leaves_hands_off_at_a_boundary_and_exits_when_released(f
     from weights_util import assert_same_weights
 
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
-    port = free_port()
+    port = launch_port()
     lines: list[str] = []
     leaving = elastic.Leaving(lines.append)
     lead, second = two_machine_run(files, tmp_path, port, lines, leaving, 2)
@@ -557,7 +558,7 @@ def test_a_fleet_that_lies_is_replanned_from_the_measured_figures(files, referen
     run_dir = tmp_path / "run"
     lines: list[str] = []
     lead = Thread(lambda: launch(LaunchConfig(**common(files), out=run_dir, fleet=str(lie), nnodes=1, max_nnodes=2,
-                                              master_port=free_port(), hold=("w1", 6), log=lines.append,
+                                              master_port=launch_port(), hold=("w1", 6), log=lines.append,
                                               drift_steps=2, replan_overhead_s=0.0)))
     lead.start()
     wait_for(lambda: any(e["event"] == "replan" for e in events(run_dir)), "the drift's decision", lead.is_alive)
@@ -639,7 +640,7 @@ def test_sigterm_to_a_joined_machine_that_holds_nothing_yet_exits_0_when_release
 
     from vgraph.backends.torch.distributed.launcher.membership import Machines
 
-    port = free_port()
+    port = launch_port()
     server = Machines()
     server.open("127.0.0.1", port - 1, TOKEN, 0, 2, 10.0, 10.0)
     adm = admission(files, tmp_path)

@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from conftest import TINY
 from hardening_util import signal_after_rows
+from ports import launch_port
 from vgraph.backends.torch.distributed.launcher.launch import main as launch_main
-from vgraph.backends.torch.distributed.rendezvous import (TOKEN_ENV, RendezvousError, check_token, free_port,
+from vgraph.backends.torch.distributed.rendezvous import (TOKEN_ENV, RendezvousError, check_token,
                                                           probe_port, rendezvous_store)
 from vgraph.backends.torch.training.batches import default_corpus_documents
 
@@ -37,7 +38,7 @@ def _listening_addresses(port: int) -> set[str]:
 
 
 def test_the_store_listens_on_the_master_address_only_and_hides_keys_without_the_token() -> None:
-    port = free_port("127.0.0.1")
+    port = launch_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), TOKEN_ENV: "s3cret-token-of-the-run"}
     server = rendezvous_store(0, 2, timedelta(seconds=5), env)
     server.set("rank0", "hello")

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from ports import launch_port
 import vgraph
 from conftest import TINY
 from hardening_util import small_corpus
@@ -39,7 +40,7 @@ from vgraph.backends.torch.distributed.runtime.comm_choice import worker_device
 from vgraph.backends.torch.distributed.job import Job, JobError
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.distributed.rendezvous import (TOKEN_ENV, RendezvousError, check_bound, check_listen_addr,
-                                                          check_master_addr, free_port, rendezvous_store)
+                                                          check_master_addr, rendezvous_store)
 from vgraph.backends.torch.distributed.runtime.worker import main as worker_main
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cli.main import build_parser, main
@@ -86,7 +87,7 @@ def test_hand_started_workers_never_bind_every_interface(addr: str) -> None:
     """Rank 0 of workers started by hand or srun serves the store on MASTER_ADDR: never a wildcard."""
     from datetime import timedelta
 
-    env = {"MASTER_ADDR": addr, "MASTER_PORT": str(free_port()), TOKEN_ENV: TOKEN}
+    env = {"MASTER_ADDR": addr, "MASTER_PORT": str(launch_port()), TOKEN_ENV: TOKEN}
     with pytest.raises(RendezvousError, match="every interface"):
         rendezvous_store(0, 1, timedelta(seconds=5), env)
 
@@ -106,7 +107,7 @@ def test_probe_serve_listens_on_loopback_by_default(monkeypatch) -> None:
 def _serving(once: bool, monkeypatch) -> tuple[threading.Thread, int, list]:
     monkeypatch.setattr(probe_cli, "BURST_IDLE_S", 0.01)
     monkeypatch.setattr(probe_cli, "CONNECT_PATIENCE_S", 0.5)
-    port = free_port()
+    port = launch_port()
     ready, failures = threading.Event(), []
 
     def run() -> None:
@@ -157,12 +158,12 @@ def test_a_port_scan_does_not_use_up_serve_once(monkeypatch) -> None:
 
 def test_probe_serve_and_peer_need_the_secret(monkeypatch, capsys) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    assert main(["probe", "--serve", "--once", "--listen", f"127.0.0.1:{free_port()}"]) == 2
+    assert main(["probe", "--serve", "--once", "--listen", f"127.0.0.1:{launch_port()}"]) == 2
     assert TOKEN_ENV in capsys.readouterr().err
     assert main(["probe", str(TINY), "--peer", "127.0.0.1:9", "--quick"]) == 2
     assert TOKEN_ENV in capsys.readouterr().err
     monkeypatch.setenv(TOKEN_ENV, "a" * 20)  # no secret (one letter repeated)
-    assert main(["probe", "--serve", "--listen", f"127.0.0.1:{free_port()}"]) == 2
+    assert main(["probe", "--serve", "--listen", f"127.0.0.1:{launch_port()}"]) == 2
     assert "no spaces" in capsys.readouterr().err
 
 
@@ -221,7 +222,7 @@ def _worker_env(monkeypatch, world: int = 2) -> None:
     for name in ("SLURM_PROCID", "TORCHELASTIC_RUN_ID", "VGRAPH_RUN_LOCK_KEY"):
         monkeypatch.delenv(name, raising=False)
     for name, value in {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(free_port()), TOKEN_ENV: TOKEN}.items():
+                        "MASTER_PORT": str(launch_port()), TOKEN_ENV: TOKEN}.items():
         monkeypatch.setenv(name, value)
 
 

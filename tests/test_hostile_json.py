@@ -538,12 +538,12 @@ def test_a_probe_peer_claiming_a_huge_rate_never_sizes_an_allocation(monkeypatch
 def test_the_channel_checks_the_seal_before_it_parses(monkeypatch) -> None:
     from vgraph.backends.torch.distributed.launcher import membership
     from vgraph.backends.torch.distributed.launcher.membership import Machines, _digest
-    from vgraph.backends.torch.distributed.rendezvous import free_port
+    from ports import launch_port
 
     parsed: list[bytes] = []
     real = membership.loads
     monkeypatch.setattr(membership, "loads", lambda body, where: parsed.append(body) or real(body, where))
-    port = free_port()
+    port = launch_port()
     m0 = Machines()
     m0.open("127.0.0.1", port, "secret", 0, 2, link_timeout=5.0, rejoin_timeout=1.0)
     try:

@@ -22,13 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from ports import launch_port
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
 from vgraph.backends.torch.training.checkpoint import load_checkpoint
 from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
-from vgraph.backends.torch.distributed.rendezvous import TOKEN_ENV, free_port
+from vgraph.backends.torch.distributed.rendezvous import TOKEN_ENV
 from weights_util import assert_same_weights
 from zygote import STDOUT, popen, run_python
 
@@ -77,7 +78,7 @@ def test_torchrun_restarts_a_killed_worker_set_from_the_last_checkpoint(files: P
                                     micro_batches=MICRO, replicas=2))
     job = emit(files, tmp_path / "run", hold=("w1", 3))
     cmd = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "1", "--monitor-interval", "0.1",
+           "--rdzv-endpoint", f"127.0.0.1:{launch_port()}", "--max-restarts", "1", "--monitor-interval", "0.1",
            "-m", WORKER, str(job)]
     log = (tmp_path / "torchrun.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(**{TOKEN_ENV: SECRET}))
@@ -107,7 +108,7 @@ def test_torchrun_restarts_a_killed_worker_set_from_the_last_checkpoint(files: P
 def test_two_processes_with_slurm_variables_train_like_vgraph_train(files: Path, tmp_path: Path) -> None:
     ref = train(TrainConfig(**common(files), out=tmp_path / "ref"))
     job = emit(files, tmp_path / "run", progress=True)  # rank 0 draws its own bar (progress.py)
-    port = free_port()
+    port = launch_port()
     procs = []
     for rank in (0, 1):
         env = _env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_JOB_ID="4242",
@@ -137,7 +138,7 @@ def test_two_processes_with_slurm_variables_train_like_vgraph_train(files: Path,
 def test_srun_without_a_real_shared_secret_is_refused(files: Path, tmp_path: Path, token: str | None) -> None:
     job = emit(files, tmp_path / "run")
     env = _env(SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_LOCALID="0", SLURM_JOB_ID="1",
-               SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(free_port()), **({TOKEN_ENV: token} if token else {}))
+               SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(launch_port()), **({TOKEN_ENV: token} if token else {}))
     done = run_python(["-m", WORKER, job], env=env, timeout=120)  # a fork of the zygote: torch imported once
     assert done.returncode == 3 and TOKEN_ENV in done.stderr and "Traceback" not in done.stderr
 
@@ -153,7 +154,7 @@ def test_torchrun_sigterm_makes_rank_0_save_a_checkpoint(files: Path, tmp_path: 
     printed = "\n".join(lines)
     assert "torchrun --nnodes 1 --nproc-per-node 2 --max-restarts 3 " in printed and "resumes from the latest" in printed
     cmd = [str(BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--max-restarts", "3", "--monitor-interval", "0.1",
+           "--rdzv-endpoint", f"127.0.0.1:{launch_port()}", "--max-restarts", "3", "--monitor-interval", "0.1",
            "-m", WORKER, str(tmp_path / "run-job" / "job.json")]
     log = (tmp_path / "torchrun.log").open("w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(**{TOKEN_ENV: SECRET}))

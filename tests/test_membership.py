@@ -13,8 +13,9 @@ import time
 
 import pytest
 
+from ports import launch_port
 from vgraph.backends.torch.distributed.launcher.membership import MachineLost, Machines, decide
-from vgraph.backends.torch.distributed.rendezvous import RendezvousError, free_port, interface_towards
+from vgraph.backends.torch.distributed.rendezvous import RendezvousError, interface_towards
 
 TOKEN = "membership-test-secret"
 HOME = {"w0": 0, "w1": 1, "w2": 1, "w3": 2}
@@ -30,7 +31,7 @@ def wait_for(condition, what: str, timeout: float = 30.0) -> None:
 @pytest.fixture()
 def pair():
     """Machine 0 and machine 1 of a 2-machine run on loopback (link timeout 0.6 s, rejoin timeout 3 s)."""
-    port = free_port()
+    port = launch_port()
     m0, m1 = Machines(), Machines()
     m0.open("127.0.0.1", port, TOKEN, 0, 2, link_timeout=0.6, rejoin_timeout=3.0)
     m1.open("127.0.0.1", port, TOKEN, 1, 2, link_timeout=0.6, rejoin_timeout=3.0)
@@ -113,7 +114,7 @@ def test_a_machine_that_cannot_reach_machine_0_gives_up(pair) -> None:
         m1.settle({"lost": [], "described": "", "error": ""}, decide, wait_for_all=True)
     late = Machines()
     with pytest.raises(MachineLost, match="same VGRAPH_LAUNCH_TOKEN"):
-        late.open("127.0.0.1", free_port(), TOKEN, 1, 2, link_timeout=1.0, rejoin_timeout=0.5)
+        late.open("127.0.0.1", launch_port(), TOKEN, 1, 2, link_timeout=1.0, rejoin_timeout=0.5)
 
 
 def test_requests_without_the_secret_or_malformed_get_no_answer(pair) -> None:

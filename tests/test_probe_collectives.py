@@ -12,8 +12,8 @@ import pytest
 
 from conftest import TINY_FP32
 
+from ports import launch_port
 from vgraph.backends.torch.probe import collectives as PC
-from vgraph.backends.torch.distributed.rendezvous import free_port
 from vgraph.cli.main import main
 from vgraph.cost.collectives import collectives_of
 from vgraph.cost.fleet import loads_fleet
@@ -26,7 +26,7 @@ FLEET = "# measured\nname: lab\npnodes:\n  - {id: a, memory: 1GiB, flops: 1T, ba
 
 
 def _probe_all(world: int, fleet: str, rounds: int = 3) -> list[subprocess.CompletedProcess]:
-    port = free_port()
+    port = launch_port()
     env = dict(os.environ, VGRAPH_LAUNCH_TOKEN=TOKEN, OMP_NUM_THREADS="1")
     # the installed script in forks of the zygote (tests/zygote.py): a process each, torch imported once
     procs = [popen([VGRAPH, "probe", "--collectives", "--nnodes",
@@ -175,7 +175,7 @@ def test_mistakes_are_refused_before_any_rendezvous(argv, env, message, tmp_path
 def test_a_host_that_finds_nobody_is_a_diagnostic_not_a_traceback(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(PC, "RENDEZVOUS_S", 0.5)
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
-    port = free_port()  # nobody serves the rendezvous there
+    port = launch_port()  # nobody serves the rendezvous there
     assert main(["probe", "--collectives", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
                  "--master-port", str(port)]) == 2
     err = capsys.readouterr().err

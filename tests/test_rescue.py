@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ports import launch_port
 from vgraph.backends.torch.distributed.launcher.membership import Machines
 from vgraph.backends.torch.distributed.launcher.shard_transfer import ShardReceiver, send_shards
-from vgraph.backends.torch.distributed.rendezvous import free_port
 from vgraph.backends.torch.training import checkpoint as ckpt
 from vgraph.backends.torch.training.rescue import (SHARD_FILES, assemble, read_shards, run_identity, save_rescued,
                                                    write_shard)
@@ -131,7 +131,7 @@ def test_hostile_shards_are_refused_with_a_reason(tmp_path):
 @pytest.fixture()
 def channel(tmp_path):
     """Machine 0 (serving a ShardReceiver into tmp_path/m0) and machine 1 of a run on loopback."""
-    port = free_port()
+    port = launch_port()
     m0, m1 = Machines(), Machines()
     m0.open("127.0.0.1", port, TOKEN, 0, 2, link_timeout=5.0, rejoin_timeout=5.0)
     receiver = ShardReceiver(tmp_path / "m0")

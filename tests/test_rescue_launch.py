@@ -22,7 +22,8 @@ import pytest
 
 from conftest import ROOT
 from test_distributed_replicas import common, files, reference, same_training  # noqa: F401 - fixtures
-from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, free_port, launch
+from ports import launch_port
+from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.training import checkpoint as ckpt
 from vgraph.run.files import FLEET_EVENTS_JSONL
 
@@ -42,7 +43,7 @@ def kill_machine_1(files_dir: Path, tmp_path: Path, monkeypatch, replicas: int, 
     KILL_AT + 1).  Machine 0's result."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
     base = dict(**common(files_dir), fleet=str(files_dir / fleet), micro_batches=micro, replicas=replicas,
-                nnodes=nnodes, master_port=free_port(), hold=(victim, KILL_AT), link_timeout=2.0, comm_timeout=60.0)
+                nnodes=nnodes, master_port=launch_port(), hold=(victim, KILL_AT), link_timeout=2.0, comm_timeout=60.0)
     box: dict = {}
 
     def machine(rank: int) -> None:

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from ports import launch_port
 from vgraph.backends.torch.distributed.launcher import succession
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main
 from vgraph.backends.torch.distributed.launcher.membership import Machines, channel_key, decide
-from vgraph.backends.torch.distributed.rendezvous import free_port
 from vgraph.base.diagnostics import VGraphError
 
 from test_distributed_replicas import STEPS, common, files, reference, same_training  # noqa: F401 (fixtures)
@@ -69,7 +69,7 @@ def test_machine_0_is_sigkilled_and_the_run_completes_on_the_survivors(files, re
     step 5 (newer than the mirrored checkpoint: no step redone), and the run completes there like `vgraph
     train`: step 6 trained once, every step logged once."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
-    port = free_port()
+    port = launch_port()
     fleet = tmp_path / "wide.yml"  # each PNode holds the network: one replica per machine
     fleet.write_text("name: wide\npnodes:\n" + "".join(
         f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(count)))
@@ -152,7 +152,7 @@ def lost_report(gone: list[str]) -> dict:
 def test_two_survivors_that_both_take_over_settle_on_the_lower_rank():
     """Machines 1 and 2 both think they are next (2 did not hear 1 in time) and both serve, on their own
     addresses: 2 finds 1 serving while it collects reports, steps down and follows; both take 1's decision."""
-    port = free_port()
+    port = launch_port()
     addrs = {0: "127.0.0.1", 1: "127.0.0.2", 2: "127.0.0.3"}
     m1, m2 = machine(1, port, addrs[1], addrs), machine(2, port, addrs[2], addrs)
     plans: dict = {}
@@ -188,7 +188,7 @@ def _settle_or_step_down(m: Machines) -> dict:
 def test_a_successor_lost_during_its_succession_is_elected_around():
     """Machine 1, next in line, never comes up as coordinator (it died too): machine 2 waits its window for it,
     takes over, and decides with machine 1 missing: machine 0's and machine 1's PNodes are both lost."""
-    port = free_port()
+    port = launch_port()
     addrs = {0: "127.0.0.1", 1: "127.0.0.2", 2: "127.0.0.3"}
     m2 = machine(2, port, addrs[2], addrs)
     m2.rejoin_timeout = 0.5  # machine 1's report is awaited this long
@@ -219,7 +219,7 @@ def test_a_followers_shards_reach_the_successor_before_it_decides(tmp_path):
 
     from vgraph.backends.torch.distributed.launcher.shard_transfer import ShardReceiver, send_shards
 
-    port = free_port()
+    port = launch_port()
     addrs = {0: "127.0.0.1", 1: "127.0.0.2", 2: "127.0.0.3"}
     m1, m2 = machine(1, port, addrs[1], addrs), machine(2, port, addrs[2], addrs)
     inbox, outbox = tmp_path / "m1" / "rescue", _mirrored_run(tmp_path, rows=6, name="m2") / "launch" / "rescue"
@@ -344,7 +344,7 @@ def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path
     """The run goes on at machine 1: machine 0 started again with the same command (and --resume) asks the
     machines it recorded who coordinates, and refuses to start a second run beside it (exit 2, a message)."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
-    port = free_port()
+    port = launch_port()
     run = tmp_path / "node0"
     (run / "launch").mkdir(parents=True)
     succession.record_machines(run, port - 1, {0: "127.0.0.1", 1: "127.0.0.1"})
@@ -537,7 +537,7 @@ def test_a_coordinator_going_on_without_machines_stops_if_one_took_the_run_over(
     from vgraph.backends.torch.distributed.launcher.inputs import succeeds
     from vgraph.backends.torch.training.config import TrainingError
 
-    port = free_port()
+    port = launch_port()
     (tmp_path / "launch").mkdir()
     succession.record_machines(tmp_path, port, {0: "127.0.0.1", 1: "127.0.0.2"})
     cfg = LaunchConfig("net.yml", nnodes=3, on_failure="shrink", node_rank=0)
