@@ -21,7 +21,8 @@ from vgraph.run.files import MEASURED_FLEET, METRICS_JSONL
 from ..job import STOP_FILE
 from . import elastic
 from .inputs import Run
-from .placing import Placement, before_partition, place
+from .emission import plan
+from .placing import Placement, before_partition
 
 __all__ = ["MOVE_POLL_S", "last_step", "last_drift", "rank_zero_elsewhere", "replan", "watch_drift", "boundary",
            "watch_move", "move_measured"]
@@ -119,41 +120,35 @@ def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Se
     from vgraph.placement.replan import PlanView, decide, state_bytes
 
     admission = run.admission
-    new = _plan_on(run, target)
-    refusal = rank_zero_elsewhere(new.world[0], {**(run.home or {}), **admission.home()}, run.machines.coordinator)
+    homes = {**(run.home or {}), **admission.home()}  # what run.home is after the boundary
+    new = plan(run, target, homes=homes)
+    refusal = rank_zero_elsewhere(new.world[0], homes, run.machines.coordinator)
     if refusal is not None:
         raise VGraphError(refusal)
     old = placement
     if reprice:
         layout = (placement.rows, placement.shares) if len(placement.rows) > 1 else None
-        old = _plan_on(run, target, placement.assignment, layout)
+        old = plan(run, target, placement.assignment, layout)
     views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
              for p in (old, new)]
     sizes = state_bytes(before_partition(run.source, run.before, run.target))
     gone = sorted(set(gone) | admission.departing())  # another leave at the same step: no sender either
     decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=run.replan_overhead_s)
-    homes = {**(run.home or {}), **admission.home()}
     handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
     return decision, len({homes.get(p, 0) for p in target.ids}), handed
 
 
 def rank_zero_elsewhere(pnode: str, homes: dict[str, int], coordinator: int) -> str | None:
     """Why a plan whose rank 0 is `pnode` cannot run now, or None: the coordinator's machine holds the run (its
-    metrics, checkpoints and rank 0: emission._local_ranks stops a run whose rank 0 lands elsewhere), so a plan
-    putting rank 0 on any other machine, a joined one or one the run started with, is refused at the decision
-    rather than stopping the run at its boundary.  A PNode with no home yet runs on machine 0, as
-    emission._local_ranks places it."""
+    metrics, checkpoints and rank 0: emission._local_ranks stops a run whose rank 0 lands elsewhere).  The plan
+    (emission.plan) already moves rank 0 onto a PNode of the coordinator's machine when one can hold rank 0's
+    stage; a plan still putting it elsewhere is refused at the decision rather than stopping the run at its
+    boundary.  A PNode with no home yet runs on machine 0, as emission._local_ranks places it."""
     machine = homes.get(pnode, 0)
     if machine == coordinator:
         return None
     return (f"the planner's plan puts rank 0 on {pnode} (machine {machine}), and the coordinator, machine "
             f"{coordinator}, keeps rank 0 (it holds the run)")
-
-
-def _plan_on(run: Run, fleet: Fleet, assignment: dict[str, str] | None = None, layout: Any = None) -> Placement:
-    return place(run.source, fleet, before=run.before, partition=run.partition, after=run.after, target=run.target,
-                 batch=run.batch, micro_batches=run.micro, assignment=assignment, replicas=layout,
-                 grad_compress=run.grad_compress, pipeline=run.pipeline)
 
 
 def _ask_boundary(run: Run) -> None:

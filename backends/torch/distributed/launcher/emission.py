@@ -30,9 +30,9 @@ from ..job import JOB_FILE, Job
 from ..rendezvous import TOKEN_ENV
 from ..runtime.comm_choice import choose_comm
 from .inputs import Run
-from .placing import Placement, place
+from .placing import Placement, led_by, place
 
-__all__ = ["Attempt", "RankZeroJoined", "given_placement", "place_attempt", "emit_job"]
+__all__ = ["Attempt", "RankZeroJoined", "given_placement", "plan", "place_attempt", "emit_job"]
 
 
 @dataclass
@@ -66,9 +66,7 @@ def place_attempt(run: Run, fleet: Fleet, number: int, given: Any, layout: Any, 
                   ) -> Attempt | None:
     """Place the network for attempt `number`, write run.json, placement.json and the attempt's job file.
     None when no worker of this machine is left in the run (across machines, after a shrink)."""
-    placement = place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
-                      target=run.target, batch=run.batch, micro_batches=run.micro, assignment=given, replicas=layout,
-                      grad_compress=run.grad_compress, pipeline=run.pipeline)
+    placement = plan(run, fleet, given, layout, run.home)
     changes = network_changes(placement.graph)  # passes that keep every weight aside: checkpoints stay true
     if changes:  # checkpoints carry the network as given: training another function would make them lie
         raise TrainingError(f"{', '.join(changes)} changes what the network computes, and vgraph launch "
@@ -97,6 +95,30 @@ def place_attempt(run: Run, fleet: Fleet, number: int, given: Any, layout: Any, 
         atomic_write(run.run_dir / PLACEMENT_JSON, json.dumps(placement.report, indent=2) + "\n")
     job_path = job.write(run.launch_dir / f"job-{number}.json")
     return Attempt(number, placement, job, job_path, local, threads, comm)
+
+
+def plan(run: Run, fleet: Fleet, given: dict[str, str] | None = None, layout: Any = None,
+         homes: dict[str, int] | None = None) -> Placement:
+    """The placement on `fleet`: the partition pass's plan, or `given` with its replica `layout`; across
+    machines, once `homes` (PNode -> machine) are known, with world rank 0 on a PNode of the coordinator's
+    machine (`placing.led_by`), priced as it will run.  The attempt and the re-plan decision place through
+    here, so the plan a decision priced is the plan the next attempt runs."""
+    def placed(assignment: dict[str, str] | None, replicas: Any, choices: dict[str, Any] | None = None) -> Placement:
+        return place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
+                     target=run.target, batch=run.batch, micro_batches=run.micro, assignment=assignment,
+                     replicas=replicas, grad_compress=run.grad_compress, pipeline=run.pipeline, choices=choices)
+
+    placement = placed(given, layout)
+    if homes is None or not run.machines.active:
+        return placement
+    leads = {p for p in fleet.ids if homes.get(p, 0) == run.machines.coordinator}
+    led = led_by(placement, fleet, leads) if leads else None
+    if led is None:
+        return placement
+    moved = placed(*led, placement.choices)
+    if not all(info.get("fits", True) for info in moved.report["pnodes"].values()):
+        return placement  # the coordinator's PNode cannot hold rank 0's stage: refused where rank 0 is checked
+    return moved
 
 
 class RankZeroJoined(Exception):

@@ -21,7 +21,7 @@ from vgraph.transform.pipeline import DEFAULT_PIPELINE, Pipeline, available_pass
 from ...training.config import TrainingError
 from ...training.setup import NO_FUSE_PIPELINE
 
-__all__ = ["Placement", "split_pipeline", "place", "shrink", "before_partition"]
+__all__ = ["Placement", "split_pipeline", "place", "led_by", "shrink", "before_partition"]
 
 
 def split_pipeline(passes: str | None, fuse: bool, options: dict[str, str]) -> tuple[Pipeline, Pipeline, Pipeline]:
@@ -65,12 +65,13 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
           target: str, batch: int,
           micro_batches: int, assignment: dict[str, str] | None = None,
           replicas: tuple[list[list[str]], list[int]] | None = None, grad_compress: str = "none",
-          pipeline: str = "1f1b") -> Placement:
+          pipeline: str = "1f1b", choices: dict[str, Any] | None = None) -> Placement:
     """Partition `source` onto `fleet` (or take `assignment`) and build the placed graph the workers build.
 
     A given `assignment` names the VNodes as the partition pass would see them
     (after the passes before it, i.e. before any fusion); `replicas` (rows of
-    PNodes per replica, batch shares) goes with it when the run has replicas.
+    PNodes per replica, batch shares) goes with it when the run has replicas,
+    and `choices` the partition's choices it was made with (a re-placed plan).
     """
     graph = source.copy()
     if before:
@@ -96,7 +97,7 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
         if problems:
             raise VGraphError(f"the given placement {'; '.join(problems)}")
         assignment = {n.id: assignment[n.id] for n in graph.nodes}
-        choices = {}
+        choices = dict(choices or {})
     placed = apply_assignment(source, before, assignment, after, target, choices)
     final = assignment_of(placed)
     ranks = list(dict.fromkeys(final[n.id] for n in placed.topo_order()))
@@ -107,6 +108,37 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
     report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches)
     return Placement(placed, assignment, final, ranks, report, report["replica_pnodes"], report["batch_shares"],
                      choices)
+
+
+def led_by(placement: Placement, fleet: Fleet, leads: set[str]
+           ) -> tuple[dict[str, str], tuple[list[list[str]], list[int]] | None] | None:
+    """The plan as (assignment, replica layout) with world rank 0 on one of `leads`, or None when it is there.
+
+    Why: rank 0 serves the attempt's store on the master's address and writes the run (metrics, checkpoints)
+    where the coordinator keeps it, so across machines it must run on a PNode of the coordinator's machine,
+    and the partition pass prices plans, not machines.  The same plan with the replicas in another order costs
+    the same, so a replica whose rank-0 stage is a lead goes first; else the lead PNode takes rank 0's place
+    and rank 0's PNode the lead's (unused: dropped), the shares dealt again by speed.  The caller places the
+    result, which prices it as it will run (a swap between PNodes of unequal figures changes the step)."""
+    stage = {p: s for s, p in enumerate(placement.rows[0])}
+    first = stage[placement.ranks[0]]  # world rank 0 is replica 0's PNode at this stage
+    rows, shares = placement.rows, placement.shares
+    if rows[0][first] in leads:
+        return None
+    ahead = next((r for r, row in enumerate(rows) if row[first] in leads), None)
+    if ahead is not None:
+        order = [ahead] + [r for r in range(len(rows)) if r != ahead]
+        rows, shares = [rows[r] for r in order], [shares[r] for r in order]
+    else:
+        lead = min(p for p in leads if p in fleet.ids)
+        swap = {rows[0][first]: lead, lead: rows[0][first]}
+        rows = [[swap.get(p, p) for p in row] for row in rows]
+        if len(rows) > 1:
+            final = {v: rows[0][stage[p]] for v, p in placement.final.items()}
+            shares = rebalanced_shares(placement.graph, fleet, final, rows, placement.report["batch"],
+                                       placement.report["micro_batches"])
+    assignment = {v: rows[0][stage[p]] for v, p in placement.assignment.items()}
+    return assignment, ((rows, shares) if len(rows) > 1 else None)
 
 
 def shrink(placement: Placement, fleet: Fleet, lost: list[str], described: str, batch: int, micro: int
