@@ -19,7 +19,7 @@ for net in "${NETS[@]}"; do
   "$VG" optimize "$net" -o "$ROOT/runs/optimized_$(basename "$net")"
 done
 
-echo "== train the 6-layer network on the embedded corpus (CPU float32, batch 8 x 128 tokens, ~4-6 min on 2 cores)"
+echo "== train the 6-layer network on the embedded corpus (CPU float32, batch 8 x 128 tokens, ~4-6.5 min on 2 cores)"
 RUN="$ROOT/runs/main_train_6l"
 rm -rf "$RUN"
 # On a machine whose cores other processes share, OpenMP's default spin-waiting stalls
