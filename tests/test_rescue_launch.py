@@ -37,10 +37,11 @@ RUNNER = ("import json, sys\n"
 
 
 def kill_machine_1(files_dir: Path, tmp_path: Path, monkeypatch, replicas: int, fleet: str = "wide2.yml",
-                   victim: str = "w1", nnodes: int = 2, micro: int = 2):
+                   victim: str = "w1", nnodes: int = 2, micro: int = 2, sig: int = signal.SIGKILL):
     """Machine 0 (and machines 2 .. nnodes - 1) in threads, machine 1 a process group of its own; SIGKILL the
     group once machine 1's worker (`victim`) holds after step KILL_AT (the others then wait on it in step
-    KILL_AT + 1).  Machine 0's result."""
+    KILL_AT + 1).  Machine 0's result.  `sig` SIGSTOP: machine 1 goes dark instead, its connections open (a
+    lost link, a frozen host), until the others have finished; then it is killed."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
     base = dict(**common(files_dir), fleet=str(files_dir / fleet), micro_batches=micro, replicas=replicas,
                 nnodes=nnodes, master_port=launch_port(), hold=(victim, KILL_AT), link_timeout=2.0, comm_timeout=60.0)
@@ -69,14 +70,17 @@ def kill_machine_1(files_dir: Path, tmp_path: Path, monkeypatch, replicas: int, 
                 (box.get("error"), (tmp_path / "machine1.log").read_text())
             time.sleep(0.05)
         time.sleep(0.3)  # machine 0's worker moves on into the next step and waits on machine 1's
-        os.killpg(other.pid, signal.SIGKILL)
-        assert other.wait(timeout=30) == -signal.SIGKILL
+        os.killpg(other.pid, sig)
+        if sig == signal.SIGKILL:
+            assert other.wait(timeout=30) == -signal.SIGKILL
+        for t in threads:
+            t.join(timeout=300)
+            assert not t.is_alive(), "a machine did not finish"
+        assert sig == signal.SIGKILL or other.poll() is None  # the premise: dark all along, nothing closed
     finally:
         if other.poll() is None:
             os.killpg(other.pid, signal.SIGKILL)
-    for t in threads:
-        t.join(timeout=300)
-        assert not t.is_alive(), "a machine did not finish"
+            other.wait(timeout=30)
     if "error" in box:
         raise box["error"]
     return box[0]
@@ -111,6 +115,23 @@ def test_a_vanished_machine_is_rescued_from_the_surviving_replica(files, referen
     (row,) = rescue_rows(run)
     assert row["from"] == "replicas" and row["resume_step"] == KILL_AT and row["steps_redone"] == 0
     assert row["lost"] == ["w1"] and row["refused"] == []
+    assert result.steps_redone == 0 and resumed_after(result.history) == KILL_AT
+    same_training(result.history, reference, run)
+
+
+def test_a_machine_that_goes_dark_is_rescued_from_the_surviving_replica(files, reference, tmp_path, monkeypatch):
+    """Machine 1 frozen (SIGSTOP: its sockets stay open, as when a host loses its link): machine 0's worker
+    waits in its collective, where no error will come before --comm-timeout.  Machine 0's launcher hears no
+    heartbeat for --link-timeout and asks its worker for its rescue shard (supervisor.ask_rescue; the
+    worker's rescue watch writes it while the main thread waits): 0 steps redone, where the run used to stop
+    the waiting worker and fall back to the step-2 checkpoint (1 step redone)."""
+    result = kill_machine_1(files, tmp_path, monkeypatch, replicas=2, sig=signal.SIGSTOP)
+    run = tmp_path / "node0"
+    assert first_job(run)["ranks"] == ["w0", "w1"]  # the premise: machine 1's replica holds every VNode too
+    first, second = result.attempts
+    assert not first["ok"] and second["ok"] and second["ranks"] == ["w0"]
+    (row,) = rescue_rows(run)
+    assert row["from"] == "replicas" and row["resume_step"] == KILL_AT and row["steps_redone"] == 0
     assert result.steps_redone == 0 and resumed_after(result.history) == KILL_AT
     same_training(result.history, reference, run)
 

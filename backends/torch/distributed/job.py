@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -45,11 +46,15 @@ from ..training.config import TrainConfig
 from ..training.options import config_problems, train_section
 from vgraph.run.step_plan import PIPELINES
 
-__all__ = ["Job", "JobError", "JOB_VERSION", "JOB_FILE", "LAUNCH_DIR", "STOP_FILE", "EXIT_USER_ERROR"]
+__all__ = ["Job", "JobError", "JOB_VERSION", "JOB_FILE", "LAUNCH_DIR", "STOP_FILE", "EXIT_USER_ERROR", "RESCUE_SIGNAL"]
 
 JOB_VERSION = 1
 JOB_FILE = "job.json"  # what --emit-job DIR writes (launch's own attempts: LAUNCH_DIR/job-<attempt>.json)
 EXIT_USER_ERROR = 3  # a worker's exit status for a user-facing error: the launcher does not restart
+# `vgraph launch` asks its workers for their rescue shards with this signal when a machine went dark (its
+# link lost, no connection closed, so the workers wait in a collective): the workers it starts block it in
+# every thread, and one thread of theirs waits for it (worker.watch_rescue_requests).
+RESCUE_SIGNAL = signal.SIGUSR1
 MAX_INT = 2**62
 _BACKENDS = ("gloo", "nccl")
 _DEVICES = ("cpu", "cuda")

@@ -10,6 +10,7 @@ PR_SET_PDEATHSIG), and watched until all succeed or the first one fails
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from vgraph.run.files import RUN_LOCK_ENV
 
+from ..job import RESCUE_SIGNAL
 from ..runtime.progress import PROGRESS_ENV
 from ..rendezvous import TOKEN_ENV, gloo_environment
 
@@ -54,6 +56,9 @@ def _worker_process(job_path: str, env: dict[str, str], output: Any, umask: int)
     umask of now: a fork inherits the forkserver's, which is the umask of
     whenever the forkserver started (an earlier launch of the same process).
     """
+    # Before any thread exists: every thread of the worker inherits the block, and only its rescue watch
+    # takes the signal (runtime/worker.watch_rescue_requests; `ask_rescue`).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {RESCUE_SIGNAL})
     os.umask(umask)
     os.dup2(output.fileno(), 1)
     os.dup2(output.fileno(), 2)
@@ -169,6 +174,7 @@ class Supervisor:
             why = trouble() if trouble is not None else None
             if why:
                 self.emit(f"launch: {why}; stopping this machine's workers")
+                self.ask_rescue()  # a machine that went dark closed nothing: they may wait in a collective
                 self._let_survivors_finish(poll_s)  # a failure elsewhere reaches them as a lost peer too
                 self.stop()
                 return False, {w.rank: w.process.exitcode for w in self.workers}, []
@@ -186,6 +192,16 @@ class Supervisor:
                 self._join()
                 return True, {r: 0 for r in codes}, []
             time.sleep(poll_s)
+
+    def ask_rescue(self) -> None:
+        """Ask every live worker for its rescue shard (training/rescue.py) and its exit: a worker waiting on a
+        machine that went dark without closing its connections waits in gloo until --comm-timeout, and would
+        otherwise be stopped with the state of its last completed step unsaved (runtime/worker.py's rescue
+        watch writes it; a worker that already wrote one after a lost peer writes nothing more)."""
+        for w in self.workers:
+            if w.process.exitcode is None and w.process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.process.pid, RESCUE_SIGNAL)
 
     def _let_survivors_finish(self, poll_s: float) -> None:
         """After a worker failed (here or on another machine), the others see their peer lost (a closed

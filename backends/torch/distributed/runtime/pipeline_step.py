@@ -15,6 +15,7 @@ their owners to their replicas (tie_sync.py).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -55,6 +56,10 @@ class PipelineStep:
         self._costs: dict[str, torch.Tensor] = {}
         self._found_inf, self._sumsq = False, 0.0
         self.completed: int | None = None  # the last step whose update this rank applied (a rescue shard's step)
+        # Held while the update changes the state: a rescue shard written from another thread (the launcher's
+        # request while this rank waits on a peer that went dark: worker.RescueWatch) takes it, so it never
+        # reads a half-applied step; nothing inside it waits on a peer.
+        self.state_lock = threading.Lock()
 
     def forward_backward(self, step: int, lr_factor: float) -> None:
         """This replica's samples through the rank's part of the schedule round; the replicas' gradient
@@ -85,8 +90,9 @@ class PipelineStep:
         agreed = replace(due, stop=stopping > 0, flush=flush or stopping > 0 or clock > 0)
         self.loss_check.check(step, loss)
         self._found_inf, self._sumsq = bad_grads > 0, sumsq
-        apply_update(self, self.cfg.grad_clip)
-        self.completed = step  # before the tied weights' sync: its replicas are not in a rescue shard
+        with self.state_lock:
+            apply_update(self, self.cfg.grad_clip)
+            self.completed = step  # before the tied weights' sync: its replicas are not in a rescue shard
         self.stages.sync_tied_weights()
         self.pnode_figures.end_step(step, sent)
         row.update(loss=loss, boundary_bytes=int(step_bytes))

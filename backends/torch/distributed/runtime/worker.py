@@ -67,6 +67,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -101,7 +102,7 @@ from .rank_zero import GatheredCheckpoints, RankOutput, open_log
 from .replica_groups import ReplicaLayoutError, check_replicas_agree, check_same_layout, stage_groups
 from .stage_runner import StageRunner
 from .tie_sync import tie_groups
-from ..job import EXIT_USER_ERROR, LAUNCH_DIR, STOP_FILE, Job
+from ..job import EXIT_USER_ERROR, LAUNCH_DIR, RESCUE_SIGNAL, STOP_FILE, Job
 from ..rendezvous import gloo_environment, process_group_store
 from ...lowering.lower import compute_dtype
 from ...training import checkpoint as ckpt
@@ -142,6 +143,8 @@ class Worker:
         self.progress: RankZeroProgress | None = None  # rank 0's bar, events or lines (progress.py)
         self._signalled: StopRequest | None = None  # a signal this worker got itself (torchrun, srun)
         self._stopped_early = False
+        self._rescue_lock = threading.Lock()  # one shard: the launcher's request and a lost peer may both ask
+        self._rescued: tuple[Path | None, int | None] | None = None  # (shard, its step) once written
 
     def say(self, msg: str) -> None:
         if not self.log_enabled:
@@ -273,21 +276,15 @@ class Worker:
             self.say(f"task {task.id}: {len(task.graph)} VNodes, {params:,} parameters, "
                      f"{len(task.receives)} inputs, {len(task.sends)} outputs")
 
-    def rescue(self) -> Path | None:
-        """A peer is lost: write this rank's rescue shard (training/rescue.py), its VNodes' state at the last
-        step it completed, into its run directory, for the launcher to assemble; None when it has none yet
-        (lost during set-up) or was not started by `vgraph launch` (torchrun and srun resume from the last
-        checkpoint by themselves)."""
-        steps = getattr(self, "steps", None)
-        if self.place.launcher != "vgraph" or steps is None or steps.completed is None:
-            return None
-        state = self.checkpoints.local_state(every_replica=True)
-        return write_shard(self.run_dir / LAUNCH_DIR / RESCUE_DIR, run=run_identity(self.job.network_yaml,
-                                                                                   self.job.run_info),
-                           attempt=self.job.attempt, rank=self.rank, pnode=self.pnode, step=steps.completed,
-                           model=state["model"], optim=state["optim"],
-                           extra={"grad_scaler": self.scaler.state_dict(),
-                                  "compression": {"boundary": state["compression"]["boundary"]}})
+    def rescued(self) -> tuple[Path | None, int | None]:
+        """(this rank's rescue shard, its step) when a peer is lost (training/rescue.py), written once whoever
+        asks first: the main thread after a collective failed, or the rescue watch while the main thread waits
+        on a peer that went dark (`watch_rescue_requests`).  (None, None) when it has none yet (lost during
+        set-up) or was not started by `vgraph launch` (torchrun and srun resume from the last checkpoint)."""
+        with self._rescue_lock:
+            if self._rescued is None:
+                self._rescued = _rescue_shard(self)
+            return self._rescued
 
     def _check_replicas(self) -> None:
         """Before a checkpoint: the replicas of this stage still hold the same weights and optimizer state."""
@@ -424,19 +421,60 @@ def claim_run(job: Job, place: WorkerPlace, env: Mapping[str, str]) -> RunLock |
     return lock
 
 
+def _rescue_shard(worker: Worker) -> tuple[Path | None, int | None]:
+    """Write `worker`'s VNodes' state at the last step it completed, into its run directory for the launcher
+    to assemble; read under the step's state lock, so never between an update's first and last tensor."""
+    steps = getattr(worker, "steps", None)
+    if worker.place.launcher != "vgraph" or steps is None:
+        return None, None
+    with steps.state_lock:
+        step = steps.completed
+        if step is None:
+            return None, None
+        state = worker.checkpoints.local_state(every_replica=True)
+        path = write_shard(worker.run_dir / LAUNCH_DIR / RESCUE_DIR,
+                           run=run_identity(worker.job.network_yaml, worker.job.run_info), attempt=worker.job.attempt,
+                           rank=worker.rank, pnode=worker.pnode, step=step, model=state["model"], optim=state["optim"],
+                           extra={"grad_scaler": worker.scaler.state_dict(),
+                                  "compression": {"boundary": state["compression"]["boundary"]}})
+    return path, step
+
+
 def _write_rescue(worker: Worker | None) -> None:
     """The lost peer's survivors each leave their shard (Worker.rescue); a shard that cannot be written is
     said and skipped: the launcher then falls back to the last checkpoint."""
     if worker is None:
         return
     try:
-        path = worker.rescue()
+        path, step = worker.rescued()
     except Exception as exc:  # noqa: BLE001 - a full disk, a torn state: the checkpoint path still holds
         print(f"rescue shard not written: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr, flush=True)
         return
     if path is not None:
-        print(f"rescue: left step {worker.steps.completed} of rank {worker.rank} in {path}", file=sys.stderr,
-              flush=True)
+        print(f"rescue: left step {step} of rank {worker.rank} in {path}", file=sys.stderr, flush=True)
+
+
+def watch_rescue_requests(worker: Worker) -> bool:
+    """When `vgraph launch` started this worker (RESCUE_SIGNAL blocked in every thread, supervisor.py): a
+    thread that waits for the signal, writes this rank's rescue shard and ends the process.
+
+    Why a thread: the launcher asks when a machine went dark without closing its connections (a lost link,
+    a frozen host), and then this worker's main thread waits inside a gloo collective until --comm-timeout,
+    with the GIL released; a signal handler would only run after that wait, by which time the launcher has
+    stopped the worker and the state of the last completed step is lost.  Exiting with os._exit is the one
+    way out of the wait; the launcher treats the exit as this attempt's end, as it would a lost peer's."""
+    if RESCUE_SIGNAL not in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        return False  # torchrun, srun, a hand-started worker: they resume from the last checkpoint
+
+    def wait() -> None:
+        signal.sigwait({RESCUE_SIGNAL})
+        print("rescue: the launcher asked for this rank's shard (a machine went dark)", file=sys.stderr, flush=True)
+        _write_rescue(worker)
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Thread(target=wait, name="vgraph-rescue-watch", daemon=True).start()
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -455,6 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             claim_run(job, place, os.environ)
             load_plugins(job.plugins)  # what the launcher loaded: installed op types, --plugin files
             worker = Worker(job, place)
+            watch_rescue_requests(worker)
             with worker.stop_request():
                 worker.setup()
                 worker.run()
