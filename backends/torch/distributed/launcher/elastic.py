@@ -603,6 +603,9 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
     if not 1 <= channel <= 65535:
         raise JoinRefused(f"--join {addr}:{master_port}: the launchers' channel is that port - 1; give machine 0's "
                           f"--master-port (2 to 65535)")
+    from .supervisor import warm
+
+    warm()  # the workers' imports while machine 0 admits this machine and its files come
     admitted = join_run(addr, channel, token, pnode_file, join_timeout)
     machine, pid = int(admitted["machine"]), admitted["pnode_object"].id  # its own id names its directory
     emit(f"launch --join: admitted as machine {machine} with PNode {pid}"

@@ -108,6 +108,7 @@ from .inputs import (ON_FAILURE, LaunchConfig, is_elastic, job_folder, read_plac
                      read_placement_layout, resolve_inputs)
 from .joins import open_admission, serve_channel
 from .membership import Machines
+from .supervisor import warm
 from .placing import Placement, place, shrink as _shrink, split_pipeline  # noqa: F401 (the package API)
 
 __all__ = ["LaunchConfig", "LaunchResult", "launch", "split_pipeline", "place", "read_placement",
@@ -131,6 +132,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
     try:
         with RunLock.held():  # machine 0's lock of the run directory (taken in resolve_inputs), held until here
             jobs = job_folder(config) if config.emit_job is not None else None  # refused before any work
+            if jobs is None:
+                warm()  # the workers' imports beside the placement (supervisor.warm)
             run = resolve_inputs(config, stop, machines)
             if run.succeeds and jobs is None:
                 mirror(run)  # the machines next in line keep the coordinator's history (succession.py)

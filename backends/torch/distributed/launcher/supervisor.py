@@ -28,7 +28,7 @@ from ..job import RESCUE_SIGNAL
 from ..runtime.progress import PROGRESS_ENV
 from ..rendezvous import TOKEN_ENV, gloo_environment
 
-__all__ = ["Supervisor", "TERMINATE_GRACE_S", "RESCUE_GRACE_S"]
+__all__ = ["Supervisor", "TERMINATE_GRACE_S", "RESCUE_GRACE_S", "warm"]
 
 TERMINATE_GRACE_S = 5.0
 RESCUE_GRACE_S = 5.0  # a survivor's shard is written in well under a second on the test networks
@@ -89,6 +89,23 @@ def _context() -> Any:
     # torch._dynamo: the first optimizer built imports it (1-2 s), once here instead of in every worker.
     ctx.set_forkserver_preload(["vgraph.backends.torch.distributed.launcher.launch", "torch._dynamo"])
     return ctx
+
+
+def warm() -> None:
+    """Start the forkserver the workers fork from now: it imports vgraph, torch and torch._dynamo in its own
+    process while this launcher places the plan, waits for its admission, its files or a boundary.
+
+    Why: started at the first attempt instead, those imports are on the path of the first step, and a
+    machine that joins runs its first attempt right after a boundary that every machine waits for: at 0.35 of
+    a core the imports took seconds of bench_churn's 20 s move (2026-12-07).  Spawning the server does not
+    wait for its imports (multiprocessing.forkserver.ensure_running); the first worker's fork does."""
+    ctx = _context()
+    if ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    with _main_module_hidden():  # the server would import the launcher's main script otherwise
+        forkserver.ensure_running()
 
 
 @contextmanager
