@@ -24,8 +24,8 @@ from .inputs import Run
 from .emission import plan
 from .placing import Placement, before_partition
 
-__all__ = ["MOVE_POLL_S", "last_step", "last_drift", "rank_zero_elsewhere", "replan", "watch_drift", "boundary",
-           "watch_move", "move_measured"]
+__all__ = ["MOVE_POLL_S", "last_step", "last_drift", "overhead_s", "rank_zero_elsewhere", "replan", "watch_drift",
+           "boundary", "watch_move", "move_measured"]
 
 MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
 
@@ -133,9 +133,19 @@ def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Se
              for p in (old, new)]
     sizes = state_bytes(before_partition(run.source, run.before, run.target))
     gone = sorted(set(gone) | admission.departing())  # another leave at the same step: no sender either
-    decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=run.replan_overhead_s)
+    decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=overhead_s(run))
     handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
     return decision, len({homes.get(p, 0) for p in target.ids}), handed
+
+
+def overhead_s(run: Run) -> float:
+    """What a boundary costs besides moving state, for the next decision: this run's last boundary as measured
+    (its `moved` row: stop request to the next attempt's first step), else the launch's setting
+    (replan.DEFAULT_REPLAN_OVERHEAD_S, measured on a loopback run).  Why the run's own figure: a boundary
+    costs what this fleet's slowest machine takes to stop, place and start again, 2-3 s on loopback and 20 s at
+    0.35 of a core (bench_churn, 2026-12-07); a decision priced with the loopback figure takes changes that do
+    not pay."""
+    return run.moved_s if run.moved_s is not None else run.replan_overhead_s
 
 
 def rank_zero_elsewhere(pnode: str, homes: dict[str, int], coordinator: int) -> str | None:
@@ -253,6 +263,7 @@ def move_measured(run: Run, attempt: int) -> None:
         return
     run.moving = None
     seconds = max(0.0, time.time() - requested)
+    run.moved_s = seconds
     run.admission.event({"event": "moved", "step": step, "first_step": first, "attempt": attempt,
                          "seconds": round(seconds, 3)})
     run.say(f"launch: the re-plan at step {step} took {seconds:.1f} s, from the stop request to attempt {attempt}'s "

@@ -210,6 +210,7 @@ class Run:
     admission: "elastic.Admission | None" = None  # machine 0 of a run that takes joins (elastic.py)
     leave: "elastic.Leaving | None" = None  # machine k != 0 of a run that takes joins: its graceful leave
     moving: tuple[int, float] | None = None  # a boundary's step and its stop request's time, until the move is measured
+    moved_s: float | None = None  # the last boundary's measured seconds: the next decisions' overhead (boundaries.py)
     mirror: "succession.Mirror | None" = None  # a machine next in line: the coordinator's history (succession.py)
     rescued: Callable[[], list[Path]] = lambda: []  # other consistent states a successor may resume from
 

@@ -1,0 +1,32 @@
+"""A re-plan decision prices the boundary at what this run's last boundary measured (boundaries.overhead_s):
+the `moved` row's seconds, from the stop request to the next attempt's first logged step; before any boundary,
+the launch's setting (replan.DEFAULT_REPLAN_OVERHEAD_S)."""
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from vgraph.backends.torch.distributed.launcher.boundaries import move_measured, overhead_s
+from vgraph.placement.replan import DEFAULT_REPLAN_OVERHEAD_S
+from vgraph.run.files import METRICS_JSONL
+
+
+def test_the_next_decision_prices_the_boundary_this_run_measured(tmp_path) -> None:
+    rows: list[dict] = []
+    said: list[str] = []
+    run = SimpleNamespace(run_dir=tmp_path, moving=None, moved_s=None, replan_overhead_s=DEFAULT_REPLAN_OVERHEAD_S,
+                          admission=SimpleNamespace(event=rows.append), say=said.append)
+    assert overhead_s(run) == DEFAULT_REPLAN_OVERHEAD_S  # no boundary yet
+    (tmp_path / METRICS_JSONL).write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    run.moving = (3, time.time() - 20.0)  # a boundary after step 3, asked 20 s ago
+    move_measured(run, 1)
+    assert run.moving is not None and run.moved_s is None and not rows  # step 4 not logged yet: not measured
+    with open(tmp_path / METRICS_JSONL, "a") as f:
+        f.write(json.dumps({"step": 4, "loss": 1.0}) + "\n")
+    move_measured(run, 1)
+    (row,) = rows
+    assert row["event"] == "moved" and row["first_step"] == 4 and 20.0 <= row["seconds"] < 60.0
+    assert run.moving is None and overhead_s(run) == run.moved_s == pytest.approx(row["seconds"], abs=5e-4)  # rounded
