@@ -64,14 +64,15 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
     pipeline priced as the workers run it under `pipeline` (1f1b or gpipe: vgraph/cost/schedule.py)."""
     assign = report["assignment"]
     rows, shares = replica_layout(graph, assign, cm.batch)
-    unknown = sorted({p for row in rows for p in row} - set(fleet.ids))
+    pnode_of = {p.id: p for p in fleet}
+    unknown = sorted({p for row in rows for p in row} - set(pnode_of))
     if unknown:
         raise VGraphError(f"the placement's replicas use PNode(s) {', '.join(unknown)} that fleet "
                           f"{fleet.name!r} does not have")
     stage_of_pnode = {p: s for s, p in enumerate(rows[0])}
     stage_of = {v: stage_of_pnode[p] for v, p in assign.items()}
     loads = stage_loads(cm, stage_of, len(rows[0]))
-    cost = step_cost(loads, [[fleet.pnode(p) for p in row] for row in rows], shares, cm.micro_batches, fleet,
+    cost = step_cost(loads, [[pnode_of[p] for p in row] for row in rows], shares, cm.micro_batches, fleet,
                      pipeline)
     R = len(rows)
     out = dict(report)
@@ -99,7 +100,7 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
     sent_by_stage = [sent.get(pid, (0, 0)) for pid in rows[0]]
     for r, row in enumerate(rows):
         for s, pid in enumerate(row):
-            p = fleet.pnode(pid)
+            p = pnode_of[pid]
             compute = computed[r, s]
             seconds = float(cost.stage_seconds[r, s])
             pnodes[pid] = {
