@@ -141,7 +141,7 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
         "endpoints": endpoints,
     }
     return with_replicas(report, graph, fleet, cm,  # replicas, step_seconds, ... (replica_report.py)
-                         pipeline=str(placed.get("pipeline") or "1f1b"))
+                         pipeline=str(placed.get("pipeline") or "1f1b"), sent=sent)
 
 
 # -- splitting ------------------------------------------------------------------------------------
