@@ -82,8 +82,7 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
                      cm: CostModel | None = None) -> dict:
     """placement.json's content for the graph's current assignment (same objective as the pass)."""
     fleet = resolve_fleet(fleet)
-    assign = assignment_of(graph)  # refused before the costs are computed
-    pnode_of = {p.id: p for p in fleet}
+    assign, pnode_of = assignment_of(graph), {p.id: p for p in fleet}  # unknown PNodes refused before pricing
     unknown = sorted(set(assign.values()) - set(pnode_of))
     if unknown:
         raise VGraphError(f"the placement uses PNode(s) {', '.join(map(repr, unknown))} that fleet "
