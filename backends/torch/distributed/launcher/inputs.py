@@ -246,13 +246,13 @@ def resolve_inputs(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> 
                           cfg.link_timeout, cfg.comm_timeout)
         except MachineLost as exc:
             raise TrainingError(str(exc)) from None
-    if lead:
-        open_run_dir(run_dir, cfg.resume, command="vgraph launch")  # an existing run only with --resume; locked
-    vocab, seq_len = vocab_and_seq(source)
     fleet = resolve_fleet(cfg.fleet)
     micro = cfg.micro_batches or min(cfg.batch, 2 * len(fleet))
     if not 1 <= micro <= cfg.batch:
         raise TrainingError(f"--micro-batches must be between 1 and --batch {cfg.batch}, got {micro}")
+    if lead:
+        open_run_dir(run_dir, cfg.resume, command="vgraph launch")  # an existing run only with --resume; locked
+    vocab, seq_len = vocab_and_seq(source)
     network_file = str(cfg.network) if not isinstance(cfg.network, Graph) else f"<{source.name}>"
     launch_dir = run_dir / LAUNCH_DIR
     launch_dir.mkdir(parents=True, exist_ok=True)
