@@ -51,6 +51,9 @@ def test_two_stages_two_replicas_by_hand():
     assert cost.allreduce_stage_seconds.tolist() == pytest.approx([100 / 50, 300 / 50])
     assert cost.step_seconds == pytest.approx(5.59 + 6.0)
     assert cost.bottleneck_seconds == pytest.approx(4.54)
+    # each rank's own compute, as priced (the replica report reads it): b x FLOPs / FLOP/s, no communication
+    assert cost.compute_seconds.ravel().tolist() == pytest.approx([6 * 1e9 / 4e9, 6 * 3e9 / 4e9,
+                                                                  2 * 1e9 / 2e9, 2 * 3e9 / 2e9])
     # On a slow link the traffic is the stage's work: 6 samples x 5 B each way at 1 B/s
     crawl = [PNode(f"c{i}", GIB, 4e9, 1.0) for i in range(2)]
     slowed = step_cost(two_stages(), [crawl], [6], micro_batches=2)

@@ -290,15 +290,25 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
     if batch < 1 or micro_batches < 1:
         raise ValueError("batch and micro_batches must be >= 1")
     grad_compress = parse_grad_compress(grad_compress)
+    # What the loop reads of the graph, resolved into tables first (the remat regions, the input and
+    # output edges, the endpoints, each shared weight's publisher and dtype), so that the loop below asks
+    # the graph nothing: one pass over the IR, then one over the tables.
+    marks = marked_ids(graph)
+    layout = remat_layout(graph, marks) if marks else None
     inputs_of = graph.input_index()
     vnodes = {nid: graph.node(nid) for nid in graph.node_ids()}
     endpoint_slots = {(ep.node, ep.slot) for ep in graph.iter_endpoints()}
+    publishers = graph.publishers()
+    published = {alias: (pub, ((pub.meta.get("precision") or {}).get("param") or graph.param_dtype(pub)))
+                 for alias, pub in publishers.items()}
+    used_slots: dict[str, set[int]] = {}
+    for e in graph.edges:
+        used_slots.setdefault(e.src, set()).add(e.src_slot)
     cols: dict[str, list] = {f: [] for f in NodeCost._fields}
     ecols: dict[str, list] = {f: [] for f in ("src", "src_slot", "dst", "dst_slot", "bytes_per_sample",
                                               "gradient", "back_bytes_per_sample")}
     ties: list[TieCost] = []
     trained_shapes: list[tuple[tuple[int, ...], ...]] = []  # per VNode, its trained parameters' shapes
-    publishers = graph.publishers()
     attrs = graph.attrs
     net_param = DTYPE_OF_PRECISION[attrs.get("param_precision") or attrs.get("precision") or "float32"]
     ops: dict[str, OpDef] = {}
@@ -338,7 +348,7 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
             activation = t.numel * dtype_bytes[effective_dtype(t.dtype, act)]
         elif n.type != "broadcast":  # several outputs: only those read are computed and kept
             nid = n.id
-            used = {e.src_slot for e in graph.out_edges(nid)}
+            used = used_slots.get(nid, ())
             for slot, t in enumerate(outs):
                 if slot in used or (nid, slot) in endpoint_slots:
                     activation += t.numel * dtype_bytes[effective_dtype(t.dtype, act)]
@@ -384,19 +394,14 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
             e_back(back)
         if op.tied_params is not None:
             for alias, shape in op.tied(cfg).values():
-                pub = publishers.get(alias)
+                pub, pub_dtype = published.get(alias, (None, None))
                 if pub is not None and pub.id != n.id:
-                    pprec = pub.meta.get("precision")
-                    pub_dtype = (pprec.get("param") if pprec else None) or graph.param_dtype(pub)
                     ties.append(TieCost(alias, pub.id, n.id, prod(shape) * dtype_bytes[pub_dtype]))
     cols["trained_shapes"] = trained_shapes
     ecols["codec_flops"] = [0] * len(ecols["src"])
     cols["recompute_bytes"] = [0] * len(cols["id"])
     cols["recompute_flops"] = [0] * len(cols["id"])
-    layout = None
-    marks = marked_ids(graph)
-    if marks:  # remat: recomputed outputs are not kept; region members run their forward again
-        layout = remat_layout(graph, marks)
+    if layout is not None:  # remat: recomputed outputs are not kept; region members run their forward again
         act, again, flops = cols["activation_bytes"], cols["recompute_flops"], cols["flops"]
         for nid in layout.reexecuted:
             k = index[nid]

@@ -294,6 +294,7 @@ class StepCost:
     allreduce_bytes: np.ndarray  # [S] bytes per step sent by each stage group
     control_seconds: float = 0.0  # the step's control collectives over all ranks (the fleet's measured table)
     update_seconds: float = 0.0  # the slowest rank's batch draw and optimizer step (the PNodes' `update`)
+    compute_seconds: np.ndarray | None = None  # [R, S] each rank's own compute per step (no communication)
 
     @property
     def fits(self) -> bool:
@@ -480,11 +481,14 @@ def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Se
         raise ValueError(f"a plan needs R >= 1 rows of {loads.stages} PNodes and R batch shares")
     b = np.asarray(shares, dtype=float)
     link, sync, _ = _link_terms(loads, fa, idx)
-    work = np.maximum(compute_seconds(loads, fa, idx, shares, micro_batches), b[:, None] * link)
+    compute = compute_seconds(loads, fa, idx, shares, micro_batches)
+    work = np.maximum(compute, b[:, None] * link)
+    reduce = allreduce_seconds(loads, fa, idx)
+    update = float(update_seconds(loads, fa, idx).max())
+    resident = resident_array(np.asarray(shares), micro_batches, S).astype(float)
+    # The stages' own terms above; the pipeline's schedule (tasks.py, makespan.py) last, when not given.
     replica = (pipeline_seconds(loads, fa, idx, shares, micro_batches, pipeline) if replica_seconds is None
                else np.asarray(replica_seconds, dtype=float))
-    reduce = allreduce_seconds(loads, fa, idx)
-    resident = resident_array(np.asarray(shares), micro_batches, S).astype(float)
     memory = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
     if R > 1 and loads.reduce_flops is not None:  # compressing gradients: what each member keeps for it
         memory = memory + loads.reduce_memory[None, :]
@@ -493,9 +497,9 @@ def step_cost_of(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares: Se
     pipeline = float(replica.max())
     all_reduce = float(reduce.max()) if S else 0.0
     control, _ = fa.collectives.at(R * S)
-    update = float(update_seconds(loads, fa, idx).max())
     return StepCost(pipeline + all_reduce + control + update, pipeline, all_reduce, float((work + sync).max()),
-                    replica, work + sync, reduce, memory, fa.memory[idx], p2p_bytes, allreduce_bytes, control, update)
+                    replica, work + sync, reduce, memory, fa.memory[idx], p2p_bytes, allreduce_bytes, control, update,
+                    compute)
 
 
 def update_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray) -> np.ndarray:

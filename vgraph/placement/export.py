@@ -82,15 +82,15 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
                      cm: CostModel | None = None) -> dict:
     """placement.json's content for the graph's current assignment (same objective as the pass)."""
     fleet = resolve_fleet(fleet)
+    assign, pnode_of = assignment_of(graph), {p.id: p for p in fleet}  # unknown PNodes refused before pricing
+    unknown = sorted(set(assign.values()) - set(pnode_of))
+    if unknown:
+        raise VGraphError(f"the placement uses PNode(s) {', '.join(map(repr, unknown))} that fleet "
+                          f"{fleet.name!r} does not have ({', '.join(fleet.ids)})")
     placed = graph.meta.get("placement") or {}
     batch = batch or placed.get("batch") or DEFAULT_BATCH
     micro_batches = micro_batches or placed.get("micro_batches") or 1
     cm = cm or cost_model(graph, batch=batch, micro_batches=micro_batches, grad_compress=placed.get("grad_compress"))
-    assign = assignment_of(graph)
-    unknown = sorted(set(assign.values()) - set(fleet.ids))
-    if unknown:
-        raise VGraphError(f"the placement uses PNode(s) {', '.join(map(repr, unknown))} that fleet "
-                          f"{fleet.name!r} does not have ({', '.join(fleet.ids)})")
     resident = cm.resident_samples(len(fleet))
     per = {p.id: {"vnodes": [], "memory_bytes": 0, "flops_per_step": 0, "boundary_bytes_per_step": 0,
                   "compute_seconds": 0.0} for p in fleet}
@@ -100,7 +100,7 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
         slot["vnodes"].append(n.id)
         slot["memory_bytes"] += c.memory_bytes(resident)
         slot["flops_per_step"] += c.step_flops(cm.batch)
-        p = fleet.pnode(assign[n.id])  # by op kind when the PNode carries a probe's figures (op_kinds.py)
+        p = pnode_of[assign[n.id]]  # by op kind when the PNode carries a probe's figures (op_kinds.py)
         slot["compute_seconds"] += vnode_seconds(c.type, c.flops, c.step_flops(cm.batch), cm.micro_batches, p.flops,
                                                  p.efficiency)
     cuts: list[CutEdge] = []
@@ -140,7 +140,7 @@ def placement_report(graph: Graph, fleet: Fleet | str, *, batch: int | None = No
         "endpoints": endpoints,
     }
     return with_replicas(report, graph, fleet, cm,  # replicas, step_seconds, ... (replica_report.py)
-                         pipeline=str(placed.get("pipeline") or "1f1b"))
+                         pipeline=str(placed.get("pipeline") or "1f1b"), sent=sent)
 
 
 # -- splitting ------------------------------------------------------------------------------------

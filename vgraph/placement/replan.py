@@ -156,6 +156,7 @@ def price_move(old: PlanView, new: PlanView, sizes: Mapping[str, float], fleet: 
     A VNode that only PNodes in `gone` held comes from the last checkpoint (named in `from_checkpoint`; its
     bytes are not priced here: the restart path reads the checkpoint whatever moves)."""
     lost = set(gone)
+    pnode_of = {p.id: p for p in fleet}  # looked up per transfer: a table, not a scan of the fleet
     transfers: list[tuple[str, str, str, float]] = []
     from_checkpoint: list[str] = []
     out_s: dict[str, float] = {}
@@ -170,10 +171,10 @@ def price_move(old: PlanView, new: PlanView, sizes: Mapping[str, float], fleet: 
             from_checkpoint.append(v)
             continue
         for q in arriving:
-            dst = fleet.pnode(q)
+            dst = pnode_of[q]
 
             def seconds(p: str) -> float:
-                bandwidth, latency = fleet.link(fleet.pnode(p), dst)
+                bandwidth, latency = fleet.link(pnode_of[p], dst)
                 return size / bandwidth + latency
 
             src = min(have, key=seconds)  # the fastest holder (ties: the first by id)

@@ -33,7 +33,7 @@ import numpy as np
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import CostModel
 from vgraph.cost.fleet import Fleet
-from vgraph.cost.stepcost import FleetArrays, compute_seconds, replica_assignment, stage_loads, step_cost
+from vgraph.cost.stepcost import FleetArrays, replica_assignment, stage_loads, step_cost
 from vgraph.ir.graph import Graph
 
 __all__ = ["with_replicas", "replica_layout", "format_plan", "rebalanced_shares", "step_prediction_gap",
@@ -58,20 +58,22 @@ def replica_layout(graph: Graph, assignment: dict[str, str], batch: int) -> tupl
     return rows, [int(x) for x in shares]
 
 
-def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostModel, pipeline: str = "1f1b"
-                  ) -> dict[str, Any]:
+def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostModel, pipeline: str = "1f1b",
+                  sent: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
     """`report` (a placement report of replica 0 at the global batch) with the replica fields added; the
-    pipeline priced as the workers run it under `pipeline` (1f1b or gpipe: vgraph/cost/schedule.py)."""
+    pipeline priced as the workers run it under `pipeline` (1f1b or gpipe: vgraph/cost/schedule.py).
+    `sent`: `cm.bytes_sent` of the report's assignment, when the caller has it already."""
     assign = report["assignment"]
     rows, shares = replica_layout(graph, assign, cm.batch)
-    unknown = sorted({p for row in rows for p in row} - set(fleet.ids))
+    pnode_of = {p.id: p for p in fleet}
+    unknown = sorted({p for row in rows for p in row} - set(pnode_of))
     if unknown:
         raise VGraphError(f"the placement's replicas use PNode(s) {', '.join(unknown)} that fleet "
                           f"{fleet.name!r} does not have")
     stage_of_pnode = {p: s for s, p in enumerate(rows[0])}
     stage_of = {v: stage_of_pnode[p] for v, p in assign.items()}
     loads = stage_loads(cm, stage_of, len(rows[0]))
-    cost = step_cost(loads, [[fleet.pnode(p) for p in row] for row in rows], shares, cm.micro_batches, fleet,
+    cost = step_cost(loads, [[pnode_of[p] for p in row] for row in rows], shares, cm.micro_batches, fleet,
                      pipeline)
     R = len(rows)
     out = dict(report)
@@ -92,14 +94,12 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
         return out
     pnodes = {pid: dict(info) for pid, info in report["pnodes"].items()}
     flops = loads.flops
-    fa = FleetArrays(fleet)
-    computed = compute_seconds(loads, fa, np.array([[fa.index[p] for p in row] for row in rows]), shares,
-                               cm.micro_batches)
-    sent = cm.bytes_sent(assign)  # by replica 0's PNodes, i.e. by stage
+    computed = cost.compute_seconds  # as the step was priced
+    sent = sent if sent is not None else cm.bytes_sent(assign)  # by replica 0's PNodes, i.e. by stage
     sent_by_stage = [sent.get(pid, (0, 0)) for pid in rows[0]]
     for r, row in enumerate(rows):
         for s, pid in enumerate(row):
-            p = fleet.pnode(pid)
+            p = pnode_of[pid]
             compute = computed[r, s]
             seconds = float(cost.stage_seconds[r, s])
             pnodes[pid] = {

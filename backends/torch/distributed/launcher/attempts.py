@@ -121,18 +121,21 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
             f"{attempt.comm.describe()}, {micro_per_replica(run.micro, placement.shares)} {run.pipeline}, predicted "
             f"traffic {placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt "
             f"{attempt.number}")
-    lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
-    supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
-                            lock_key=lock.key if lock is not None else "")
+    # The boundaries' watches first (a boundary's move measured while the workers run, a drift decided from
+    # the step they start at), then the workers: each module asked once, in the order the attempt needs it.
     ended = threading.Event()
     if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision (`watch_drift`)
         threading.Thread(target=watch_drift, args=(run, last_step(run), ended), daemon=True).start()
+    trouble = watch_move(run, attempt.number)
+    lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
+    supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
+                            lock_key=lock.key if lock is not None else "")
     try:
         supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), run.master_addr, port,
                          attempt.threads)
         atomic_write(run.launch_dir / WORKERS_JSON,
-                          json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
-        ok, codes, lost = supervisor.wait(trouble=watch_move(run, attempt.number))
+                     json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
+        ok, codes, lost = supervisor.wait(trouble=trouble)
         move_measured(run, attempt.number)  # an attempt too short for the watch to see its first step
     except BaseException:
         supervisor.stop()

@@ -224,35 +224,37 @@ def resolve_inputs(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> 
 
     Long because it is the launch's one walk through its settings, in the order the run needs them: each
     setting read, checked and turned into the value the attempts use, so none of them goes back to it."""
-    grad_compress, given = _check(cfg)
     emitting = cfg.emit_job is not None
     emit, bar = _outputs(cfg.log, cfg.progress and not emitting)
+    grad_compress, given = _check(cfg)
     token = os.environ.get(TOKEN_ENV) or ""
+    channel = not emitting and (cfg.nnodes > 1 or is_elastic(cfg))  # the launchers' channel: heartbeats, decisions, joins
     if not emitting:  # torchrun has its own rendezvous; srun workers check the token themselves
         token = check_token(token or None, cfg.max_nnodes or cfg.nnodes)  # before anything is written or started
         if cfg.master_port and cfg.node_rank == 0:
             probe_port(cfg.master_addr, cfg.master_port)
-        if cfg.nnodes > 1 or is_elastic(cfg):  # the launchers' channel: heartbeats, decisions, joins
-            if cfg.node_rank == 0:  # whatever its options now: a run another machine took over stays there
-                _refuse_superseded(cfg, token)
-            try:
-                machines.open(cfg.master_addr, (cfg.master_port or 29500) - 1, token, cfg.node_rank, cfg.nnodes,
-                              cfg.link_timeout, cfg.comm_timeout)
-            except MachineLost as exc:
-                raise TrainingError(str(exc)) from None
+    # The network once: its name names the run directory, its vocabulary and sequence the data.
+    source, yaml_text = load_network(cfg.network)
+    device = resolve_device(cfg.device)
+    target = device_target(device)
+    run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
+    lead = cfg.node_rank == 0
+    if channel:
+        if lead:  # whatever its options now: a run another machine took over stays there
+            _refuse_superseded(run_dir, token)
+        try:
+            machines.open(cfg.master_addr, (cfg.master_port or 29500) - 1, token, cfg.node_rank, cfg.nnodes,
+                          cfg.link_timeout, cfg.comm_timeout)
+        except MachineLost as exc:
+            raise TrainingError(str(exc)) from None
     fleet = resolve_fleet(cfg.fleet)
     micro = cfg.micro_batches or min(cfg.batch, 2 * len(fleet))
     if not 1 <= micro <= cfg.batch:
         raise TrainingError(f"--micro-batches must be between 1 and --batch {cfg.batch}, got {micro}")
-    source, yaml_text = load_network(cfg.network)
-    network_file = str(cfg.network) if not isinstance(cfg.network, Graph) else f"<{source.name}>"
-    run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
-    vocab, seq_len = vocab_and_seq(source)
-    device = resolve_device(cfg.device)
-    target = device_target(device)
-    lead = cfg.node_rank == 0
     if lead:
         open_run_dir(run_dir, cfg.resume, command="vgraph launch")  # an existing run only with --resume; locked
+    vocab, seq_len = vocab_and_seq(source)
+    network_file = str(cfg.network) if not isinstance(cfg.network, Graph) else f"<{source.name}>"
     launch_dir = run_dir / LAUNCH_DIR
     launch_dir.mkdir(parents=True, exist_ok=True)
     (launch_dir / STOP_FILE).unlink(missing_ok=True)
@@ -311,11 +313,10 @@ def _continue_with(cfg: LaunchConfig, run_dir: Path) -> str:
     return f"vgraph launch {cfg.network} --fleet {cfg.fleet} --out {run_dir} --resume (and the same options)"
 
 
-def _refuse_superseded(cfg: LaunchConfig, token: str) -> None:
+def _refuse_superseded(run_dir: Path, token: str) -> None:
     """Machine 0 started again on a run another machine took over: refused, never a second run beside it."""
     from .membership import channel_key
 
-    run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(load_network(cfg.network)[0].name)
     why = succession.superseded(run_dir, channel_key(token))
     if why is not None:
         raise VGraphError(f"{run_dir}: {why}")
