@@ -45,7 +45,7 @@ def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_j
     fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
                      + PNODE.format(id="m1", memory="256MiB"))
     settings = dict(common(files), fleet=str(fleet), nnodes=2, max_nnodes=3, master_port=port, replicas=2,
-                    on_failure="restart", link_timeout=2.0, comm_timeout=10.0)
+                    on_failure="restart", link_timeout=2.0, comm_timeout=20.0)
     zero = subprocess.Popen(
         [sys.executable, "-c", MACHINE_0, json.dumps({**settings, "node_rank": 0, "hold": ["m0", 2],
                                                       "out": str(tmp_path / "node0")})],
