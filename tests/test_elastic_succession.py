@@ -90,6 +90,75 @@ def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_j
     assert not (tmp_path / "joiner" / "metrics.jsonl").exists()  # the run's rows are machine 1's alone
 
 
+@pytest.mark.slow  # three launchers and the rejoin timeout waited out
+def test_machine_0_killed_after_a_boundary_the_follower_takes_over_with_the_grown_fleet(
+        files, reference, tmp_path, monkeypatch):
+    """The same run, j1's join taken at a boundary (m0 released after step 2: the workers stop after step 3 with
+    a checkpoint) and attempt 1 placed by machine 0 on m0, m1 and j1.  Machine 0 is SIGKILLed once machine 1
+    runs attempt 1 from machine 0's job and mirrored the boundary's checkpoint: machine 1 was following jobs,
+    so it takes over from there (the job's fleet holds j1's figures), j1 follows it, and the run completes on
+    m1 and j1: every step once, the losses of `vgraph train`, the steps redone those rows machine 0 logged
+    past the state installed."""
+    monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
+    port = launch_port()
+    fleet = files / "two-wide.yml"
+    fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
+                     + PNODE.format(id="m1", memory="256MiB"))
+    # replicas auto: the planner may take a third replica at the join (a fixed --replicas 2 keeps the plan)
+    settings = dict(common(files), fleet=str(fleet), nnodes=2, max_nnodes=3, master_port=port, replicas="auto",
+                    on_failure="shrink", link_timeout=2.0, comm_timeout=20.0)
+    zero = subprocess.Popen(
+        [sys.executable, "-c", MACHINE_0, json.dumps({**settings, "node_rank": 0, "hold": ["m0", 2],
+                                                      "out": str(tmp_path / "node0")})],
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: list[str] = []
+    one = Thread(lambda: launch(LaunchConfig(**settings, node_rank=1, out=tmp_path / "node1", log=lines.append)))
+    one.start()
+    joiner = None
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    try:
+        alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}")
+        wait_for(lambda: (node0 / "launch" / "held-m0").exists(), "m0 held after step 2", alive)
+        joiner = Thread(lambda: elastic.follow("127.0.0.1", port, files / "j1.yml", tmp_path / "joiner",
+                                               join_timeout=60, link_timeout=2, comm_timeout=120, emit=lines.append))
+        joiner.start()
+        wait_for(lambda: any(e.get("chosen") == "new" for e in events(node0)), "the join's decision", alive)
+        (node0 / "launch" / "release").write_text("go\n")
+        mirror = node1 / "launch" / "mirror"
+        wait_for(lambda: (node1 / "launch" / "job-1.json").is_file() and (mirror / "latest").is_file()
+                 and (mirror / "latest").read_text().strip() == "step-00000003"
+                 and any(line.startswith("launch: attempt 1: j1") for line in lines),
+                 "machines 1 and 2 to run attempt 1 and machine 1 to mirror the boundary's checkpoint", alive)
+        placed = json.loads((node0 / "placement.json").read_text())
+        rows = placed["replica_pnodes"]  # the premise: each machine holds a whole replica
+        assert sorted(rows) == [["j1"], ["m0"], ["m1"]] and rows[0] == ["m0"], rows
+        os.killpg(zero.pid, signal.SIGKILL)
+        assert zero.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if zero.poll() is None:
+            os.killpg(zero.pid, signal.SIGKILL)
+            zero.wait()
+        one.join(timeout=240)
+        if joiner is not None:
+            joiner.join(timeout=60)
+    assert one.error is None and joiner.error is None, (one.error, joiner.error, lines[-30:])
+    boundary = next(e for e in events(node0) if e["event"] == "boundary")
+    assert boundary["step"] == 3 and boundary["pnodes"] == ["j1", "m0", "m1"], boundary  # the premise
+    result, joined = one.result, joiner.result
+    same_training(result.history, reference)
+    assert [json.loads(line)["step"] for line in (node1 / "metrics.jsonl").read_text().splitlines()] == list(range(1, 9))
+    (moved,) = [e for e in events(node1) if e["event"] == "succession"]
+    assert moved["coordinator"] == 1 and moved["lost"] == 0 and moved["resume_step"] >= 3, moved
+    assert moved["pnodes_lost"] == ["m0"]  # j1 reported to machine 1: only machine 0's PNode is lost
+    mirrored = [json.loads(line)["step"] for line in (node1 / "launch" / "mirror" / "metrics.jsonl").read_text()
+                .splitlines() if line.endswith("}")]  # the rows machine 1 held of machine 0's log
+    assert moved["steps_redone"] == max(mirrored) - moved["resume_step"] and result.steps_redone >= moved["steps_redone"]
+    assert {"attempt": 1, "followed": True} in result.attempts, result.attempts  # it ran machine 0's job first
+    last = result.attempts[-1]
+    assert last["ok"] and last["ranks"][0] == "m1" and sorted(last["ranks"]) == ["j1", "m1"], result.attempts
+    assert joined.attempts[0] == 1 and joined.attempts[-1] == last["attempt"], joined.attempts
+
+
 def test_the_admission_record_round_trips_to_a_successor(files, tmp_path):
     """What machine 0 admitted, released and is releasing, read back by a successor's admission: the joined
     PNode's figures (not only its id), its machine number (the next joiner is numbered after it), the leaves."""

@@ -685,14 +685,14 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
 
 
 def _successor_of(machines: Any, successors: list[int], run_dir: Path, emit: Callable[[str], None]
-                  ) -> Callable[[Exception, int, dict], dict]:
+                  ) -> Callable[[Exception, int, dict | None], dict]:
     """A joined machine's answer to the coordinator's loss: follow the machine that takes its role (one the
     run started with: a joined machine lacks the run's command and never takes it), sending it this machine's
     rescue shards of the attempt first (succession.follow_successor)."""
     from .membership import REQUEST_TIMEOUT_S as REQUEST_S
     from .succession import follow_successor
 
-    def lost(why: Exception, attempt: int, report: dict) -> dict:
+    def lost(why: Exception, attempt: int, report: dict | None) -> dict:
         emit(f"launch: machine {machines.coordinator} (the coordinator) is lost: {why}; looking for the machine "
              f"that takes its role among {', '.join(map(str, successors)) or 'none'}")
         return follow_successor(machines, successors, report, 2 * (machines.link_timeout + REQUEST_S),
@@ -704,7 +704,7 @@ def _successor_of(machines: Any, successors: list[int], run_dir: Path, emit: Cal
 def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_dir: Path, data_dir: Path,
                     tokenizer: str, attempt: int, silence_s: float, emit: Callable[[str], None],
                     result: Joined, leave: Leaving | None = None,
-                    lost: Callable[[Exception, int, dict], dict] | None = None) -> Joined:
+                    lost: Callable[[Exception, int, dict | None], dict] | None = None) -> Joined:
     """Run this machine's workers in attempt `attempt` and every later one machine 0 publishes, from its job
     file with the paths made this machine's (`run_dir`, the corpus in `data_dir`, `tokenizer` relative to the
     run directory), until machine 0 says the run is done.  A joined machine follows from its admission; a
@@ -712,13 +712,12 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
     grown by then and only machine 0 knows it.  A failed attempt is reported (membership.py) and machine 0's
     decision read: an error ends here too.  A machine that leaves (`leave`) ends here when machine 0 releases
     it.  When the coordinator is lost (no decision within the rejoin timeout, or silent while this machine
-    waits for a job), `lost(why, attempt, report)` finds the coordinator that takes its role (succession.py)
-    and returns that one's decision; without it, or when it finds none, the run ends here with the reason."""
+    waits for a job: no report), `lost(why, attempt, report)` finds the coordinator that takes its role
+    (succession.py) and returns that one's decision; without it, or when it finds none, the run ends here with the reason."""
     from ..job import Job
     from .membership import MachineLost
     from .supervisor import Supervisor
 
-    idle = {"lost": [], "described": "", "error": ""}  # the report of a machine whose attempt ended well
     try:
         while True:
             try:
@@ -726,7 +725,7 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
             except CoordinatorSilent as exc:  # lost between attempts (during a boundary, say)
                 if lost is None:
                     raise
-                lost(exc, attempt - 1, idle)  # the next attempt is the successor's, read as any job
+                lost(exc, attempt - 1, None)  # nothing to report: the next attempt is the successor's job
                 continue
             if reply.get("done"):
                 if reply.get("failure"):

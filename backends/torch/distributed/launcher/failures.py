@@ -252,7 +252,7 @@ def take_admission(run: Run) -> None:
     run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
 
 
-def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, Any]) -> dict[str, Any]:
+def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, Any] | None) -> dict[str, Any]:
     """A machine an elastic run started with lost the coordinator while it ran (or waited for) the coordinator's
     job `number` (elastic.follow_attempts' `lost`): elected as `_succeed` elects.  Following another machine:
     that one's decision.  Taking the role: elastic.TookOver with the next attempt's fleet: the job's fleet
@@ -260,6 +260,7 @@ def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, An
     admitted machines that waited, re-planned by the partition pass (as `restart` re-plans around a machine
     that vanished, whichever of shrink or restart the run has: the job's replicas are not this machine's to
     shrink)."""
+    report = report or {"lost": [], "described": "", "error": ""}  # waiting for a job: nothing of its own lost
     job_path = run.launch_dir / f"job-{number}.json"
     job = Job.read(job_path)
     fleet = loads_fleet(job.fleet_yaml, f"{job_path} (its fleet)")

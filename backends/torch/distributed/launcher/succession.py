@@ -344,12 +344,13 @@ def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
         machines.superior = None
 
 
-def follow_successor(machines: Any, successors: list[int], report: dict, window: float,
+def follow_successor(machines: Any, successors: list[int], report: dict | None, window: float,
                      send: Callable[[], Any] = lambda: None, say: Callable[[str], None] = lambda line: None) -> dict:
     """A machine that may not take the coordinator's role (one that joined an elastic run: it lacks the run's
     command), after it lost the coordinator: follow the lowest of `successors` above the lost one that serves
     the channel within `window` s each (they are elected by rank among themselves: `succeed`), send it this
-    machine's shards (`send`), report, and return its decision.  MachineLost when none serves: the run
+    machine's shards (`send`), report, and return its decision; without a `report` (the machine was waiting
+    for a job, not running one), only follow: {}.  MachineLost when none serves: the run
     cannot go on without a coordinator, and this machine says so instead of waiting on silence."""
     from .membership import MachineLost
 
@@ -358,6 +359,8 @@ def follow_successor(machines: Any, successors: list[int], report: dict, window:
         if serving(machines, k, window):
             machines.follow(k)
             say(f"launch: machine {k} ({machines.addr}) is the coordinator now; this machine follows it")
+            if report is None:
+                return {}
             send()
             return machines.settle(report, lambda reports, missing: {}, wait_for_all=True)
     raise MachineLost(f"machine {lost}, the coordinator, is lost and no machine that may take its role "
