@@ -207,3 +207,53 @@ def test_a_joined_machine_never_takes_the_role_and_says_when_nobody_does():
     with pytest.raises(MachineLost, match=r"\(1, 2\) serves"):
         succession.follow_successor(m, [2, 1], {"lost": []}, 0.1)  # nobody listens on the port
     assert m.coordinator == 0  # it followed nobody
+
+
+def test_a_join_that_arrives_while_the_successor_takes_over_waits_and_is_admitted(files, tmp_path, monkeypatch):
+    """The successor serves the channel before it has decided; until its admission is open a join is told to
+    wait (joins.serve_channel), and the joiner asks again instead of taking that for a refusal."""
+    from types import SimpleNamespace
+
+    from vgraph.backends.torch.distributed.launcher.joins import serve_channel
+
+    port = launch_port()
+    successor = Machines()
+    successor.open("127.0.0.1", port - 1, TOKEN, 0, 2, 2.0, 5.0)
+    run = SimpleNamespace(launch_dir=tmp_path / "launch", admission=None, elastic=True, machines=successor)
+    serve_channel(run)
+    admitting = admission(files, tmp_path, max_machines=3)
+    served, answers = successor._board.extra, []
+
+    def answer(request: dict) -> dict:  # the admission opens once a join has been told to wait
+        reply = served(request)
+        answers.append(reply)
+        if "wait" in reply:
+            run.admission = admitting
+        return reply
+
+    successor.serve_extra(answer)
+    (tmp_path / "j1.yml").write_text(pnode_text("j1"))
+    try:
+        reply = elastic.join_run("127.0.0.1", port - 1, TOKEN, tmp_path / "j1.yml", 30, available=(None, ""))
+    finally:
+        successor.close()
+    assert answers[0] == {"wait": "the coordinator is being taken over"}  # the premise: it was told to wait
+    assert reply["admitted"] and reply["machine"] == 1 and len(answers) == 2
+    assert [e["event"] for e in events(tmp_path)] == ["join"]  # one admission, nothing refused on the way
+
+
+def test_a_join_told_to_wait_for_longer_than_its_timeout_says_why(files, tmp_path):
+    from types import SimpleNamespace
+
+    from vgraph.backends.torch.distributed.launcher.joins import serve_channel
+
+    port = launch_port()
+    successor = Machines()
+    successor.open("127.0.0.1", port - 1, TOKEN, 0, 2, 2.0, 5.0)
+    serve_channel(SimpleNamespace(launch_dir=tmp_path, admission=None, elastic=True, machines=successor))
+    (tmp_path / "j1.yml").write_text(pnode_text("j1"))
+    try:
+        with pytest.raises(elastic.JoinRefused, match="within 1 s .the coordinator is being taken over"):
+            elastic.join_run("127.0.0.1", port - 1, TOKEN, tmp_path / "j1.yml", 1, available=(None, ""))
+    finally:
+        successor.close()
