@@ -117,7 +117,8 @@ def _follow(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchRe
         elastic.follow_attempts(run.machines, run.token, run.master_addr, run.base_port, run.run_dir,
                                 Path(run.data_dir), run.tokenizer, attempt.number + 1,
                                 run.comm_timeout + run.link_timeout, run.emit, followed, run.leave,
-                                (lambda why, n, report: succeed_followed(run, why, n, report)) if run.succeeds else None)
+                                (lambda why, n, report: succeed_followed(run, why, n, report))
+                                if run.succeeds else None)
     except elastic.TookOver as took:
         result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
         result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + took.args[2]

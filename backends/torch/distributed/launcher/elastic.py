@@ -205,8 +205,47 @@ class _Departures:
         return going
 
 
+class _Handover:
+    """What a successor takes over of an `Admission` when machine 0 is lost (succession.py mirrors `record`;
+    the successor's admission `restore`s it).  Kept apart from the joins and the leaves: only a succession
+    reads it."""
+
+    def record(self) -> dict[str, Any]:
+        """What a successor needs to admit as this admission does (succession.py mirrors it): every admitted
+        machine with its PNode's figures (a fleet file of one) and the step it was admitted at, the machines
+        that left, were released or are leaving."""
+        from vgraph.placement.drift import fleet_file_text
+
+        with self.lock:
+            return {"joined": {str(m): {"pnode": fleet_file_text(Fleet.of(j.pnode.id, j.pnode)), "step": j.step}
+                               for m, j in self.joined.items()},
+                    "left": sorted(self.left), "released": sorted(self.released),
+                    "leaving": {str(m): s for m, s in self.leaving.items()}}
+
+    def restore(self, record: Any, say: Callable[[str], None]) -> None:
+        """A successor's admission: take over the admitted machines, leaves and releases of the lost
+        coordinator's `record`; a malformed entry is said and left out (the machine it names is then refused
+        when it asks for a job, and ends with that message, instead of the run stopping here)."""
+        if not isinstance(record, dict):
+            return
+        joined = record.get("joined") if isinstance(record.get("joined"), dict) else {}
+        for key, entry in joined.items():
+            try:
+                machine = int(key)
+                fleet = loads_fleet(str(entry["pnode"]), f"<the admission record of machine {machine}>")
+                if len(fleet) != 1 or machine < self.static_machines or machine >= self.max_machines:
+                    raise ValueError(f"machine {machine}: not one joined PNode")
+                self.joined[machine] = _Joined(machine, fleet.pnodes[0], int(entry["step"]))
+            except (KeyError, TypeError, ValueError, FleetError) as exc:
+                say(f"launch: the admission record's machine {quote(str(key), 20)} is left out: {quote(str(exc), 200)}")
+        self.left.update(str(p) for p in record.get("left") or [] if isinstance(p, str))
+        self.released.update(int(m) for m in record.get("released") or [] if isinstance(m, int))
+        leaving = record.get("leaving") if isinstance(record.get("leaving"), dict) else {}
+        self.leaving.update({int(m): int(s) for m, s in leaving.items() if str(m).isdigit() and isinstance(s, int)})
+
+
 @dataclass
-class Admission(_Departures):
+class Admission(_Departures, _Handover):
     """Machine 0's side of an elastic run: admits joins, serves files and jobs, records events.
 
     `on_join` runs in its own thread after an admission (the re-plan decision: it may take seconds, longer
@@ -269,39 +308,6 @@ class Admission(_Departures):
 
     def home(self) -> dict[str, int]:
         return {j.pnode.id: j.machine for j in self.joined.values()}
-
-    def record(self) -> dict[str, Any]:
-        """What a successor needs to admit as this admission does (succession.py mirrors it): every admitted
-        machine with its PNode's figures (a fleet file of one) and the step it was admitted at, the machines
-        that left or were released, and the jobs' attempts so far."""
-        from vgraph.placement.drift import fleet_file_text
-
-        with self.lock:
-            return {"joined": {str(m): {"pnode": fleet_file_text(Fleet.of(j.pnode.id, j.pnode)), "step": j.step}
-                               for m, j in self.joined.items()},
-                    "left": sorted(self.left), "released": sorted(self.released),
-                    "leaving": {str(m): s for m, s in self.leaving.items()}}
-
-    def restore(self, record: Any, say: Callable[[str], None]) -> None:
-        """A successor's admission: take over the admitted machines, leaves and releases of the lost
-        coordinator's `record`; a malformed entry is said and left out (the machine it names is then refused
-        when it asks for a job, and ends with that message, instead of the run stopping here)."""
-        if not isinstance(record, dict):
-            return
-        joined = record.get("joined") if isinstance(record.get("joined"), dict) else {}
-        for key, entry in joined.items():
-            try:
-                machine = int(key)
-                fleet = loads_fleet(str(entry["pnode"]), f"<the admission record of machine {machine}>")
-                if len(fleet) != 1 or machine < self.static_machines or machine >= self.max_machines:
-                    raise ValueError(f"machine {machine}: not one joined PNode")
-                self.joined[machine] = _Joined(machine, fleet.pnodes[0], int(entry["step"]))
-            except (KeyError, TypeError, ValueError, FleetError) as exc:
-                say(f"launch: the admission record's machine {quote(str(key), 20)} is left out: {quote(str(exc), 200)}")
-        self.left.update(str(p) for p in record.get("left") or [] if isinstance(p, str))
-        self.released.update(int(m) for m in record.get("released") or [] if isinstance(m, int))
-        leaving = record.get("leaving") if isinstance(record.get("leaving"), dict) else {}
-        self.leaving.update({int(m): int(s) for m, s in leaving.items() if str(m).isdigit() and isinstance(s, int)})
 
     def publish(self, attempt: int, job_path: Path, home: dict[str, int], placement: Any, fleet: Fleet) -> None:
         """Attempt `attempt`'s job, for the machines that follow machine 0 (the joined ones); its placement
@@ -369,7 +375,8 @@ class Admission(_Departures):
         if self.on_join is not None and not queued:
             threading.Thread(target=self.on_join, args=(self, joined), daemon=True).start()
         return {"admitted": True, "machine": machine, "pnode": pnode.id, "queued": queued,
-                "successors": list(self.successors), "files": {n: {"size": s, "sha256": d} for n, (_, s, d) in self.files.items()
+                "successors": list(self.successors),
+                "files": {n: {"size": s, "sha256": d} for n, (_, s, d) in self.files.items()
                           if not n.startswith("job-")}}
 
     def _refusal(self, pnode: PNode, need: int, group: str, fits: str) -> str | None:
@@ -428,7 +435,8 @@ class Admission(_Departures):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
-                if (set(self.joined) | set(range(self.me + 1, self.static_machines))) - {self.me} <= self.told_done | self.released:
+                others = (set(self.joined) | set(range(self.me + 1, self.static_machines))) - {self.me}
+                if others <= self.told_done | self.released:
                     return
             time.sleep(0.05)
 
@@ -689,8 +697,7 @@ def _successor_of(machines: Any, successors: list[int], run_dir: Path, emit: Cal
     """A joined machine's answer to the coordinator's loss: follow the machine that takes its role (one the
     run started with: a joined machine lacks the run's command and never takes it), sending it this machine's
     rescue shards of the attempt first (succession.follow_successor)."""
-    from .membership import REQUEST_TIMEOUT_S as REQUEST_S
-    from .succession import follow_successor
+    from .membership import REQUEST_TIMEOUT_S as REQUEST_S, follow_successor
 
     def lost(why: Exception, attempt: int, report: dict | None) -> dict:
         emit(f"launch: machine {machines.coordinator} (the coordinator) is lost: {why}; looking for the machine "
@@ -713,7 +720,8 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
     decision read: an error ends here too.  A machine that leaves (`leave`) ends here when machine 0 releases
     it.  When the coordinator is lost (no decision within the rejoin timeout, or silent while this machine
     waits for a job: no report), `lost(why, attempt, report)` finds the coordinator that takes its role
-    (succession.py) and returns that one's decision; without it, or when it finds none, the run ends here with the reason."""
+    (succession.py) and returns that one's decision; without it, or when it finds none, the run ends here with
+    the reason."""
     from ..job import Job
     from .membership import MachineLost
     from .supervisor import Supervisor

@@ -66,11 +66,13 @@ from vgraph.run.files import CHECKPOINT_PREFIX, LATEST, LAUNCH_DIR, METRICS_JSON
 from ...training import checkpoint as ckpt
 from ...training.rescue import RESCUE_DIR, assemble, read_shards, save_rescued
 from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, _fetch
-from .membership import REQUEST_TIMEOUT_S, ask
+from .membership import REQUEST_TIMEOUT_S, ask, follow_successor, serving  # noqa: F401 (this module's API too)
 
-__all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "follow_successor", "install", "newest_state", "superseded",
+__all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "follow_successor", "install", "newest_state",
+           "superseded",
            "record_machines", "rescued_state",
-           "MIRROR_DIR", "MACHINES_JSON", "ADMISSION_JSON", "mirrored_admission", "MIRRORS", "MIRROR_EVERY_S", "Installed"]
+           "MIRROR_DIR", "MACHINES_JSON", "ADMISSION_JSON", "mirrored_admission", "MIRRORS", "MIRROR_EVERY_S",
+           "Installed"]
 
 MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
 MACHINES_JSON = "machines.json"  # in the coordinator's RUN/launch/: the machines' addresses and the channel port
@@ -262,24 +264,6 @@ def elect(me: int, survivors: Iterable[int], serving: Callable[[int], bool]) -> 
     return me
 
 
-def serving(machines: Any, k: int, window: float) -> bool:
-    """Whether machine `k` answers as the coordinator on its address (the channel's port) within `window` s."""
-    deadline = time.monotonic() + window
-    while True:
-        addr = machines.addrs.get(k)
-        if addr:
-            try:
-                reply = ask(addr, machines.port, machines.key, {"op": "coordinator", "machine": machines.node_rank},
-                            min(1.0, REQUEST_TIMEOUT_S))
-                if reply.get("coordinator") == k:
-                    return True
-            except (OSError, ValueError):
-                pass  # not serving yet (or gone): asked again until the window closes
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.25)
-
-
 def _rival(machines: Any, survivors: set[int], every: float = 1.0) -> Callable[[], int | None]:
     """A successor's check while it collects reports, at most once per `every` s: a survivor of lower rank
     serving as coordinator too (two machines thought themselves next), or None."""
@@ -342,30 +326,6 @@ def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
         return machines.settle(report, lambda reports, missing: {}, wait_for_all=True)
     finally:
         machines.superior = None
-
-
-def follow_successor(machines: Any, successors: list[int], report: dict | None, window: float,
-                     send: Callable[[], Any] = lambda: None, say: Callable[[str], None] = lambda line: None) -> dict:
-    """A machine that may not take the coordinator's role (one that joined an elastic run: it lacks the run's
-    command), after it lost the coordinator: follow the lowest of `successors` above the lost one that serves
-    the channel within `window` s each (they are elected by rank among themselves: `succeed`), send it this
-    machine's shards (`send`), report, and return its decision; without a `report` (the machine was waiting
-    for a job, not running one), only follow: {}.  MachineLost when none serves: the run
-    cannot go on without a coordinator, and this machine says so instead of waiting on silence."""
-    from .membership import MachineLost
-
-    lost = machines.coordinator
-    for k in sorted(k for k in set(successors) if k > lost and k != machines.node_rank):
-        if serving(machines, k, window):
-            machines.follow(k)
-            say(f"launch: machine {k} ({machines.addr}) is the coordinator now; this machine follows it")
-            if report is None:
-                return {}
-            send()
-            return machines.settle(report, lambda reports, missing: {}, wait_for_all=True)
-    raise MachineLost(f"machine {lost}, the coordinator, is lost and no machine that may take its role "
-                      f"({', '.join(map(str, sorted(successors))) or 'none: the run started with one machine'}) serves the "
-                      f"launchers' channel: the run cannot go on (its run directory is machine {lost}'s)")
 
 
 @dataclass
