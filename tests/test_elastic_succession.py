@@ -169,13 +169,16 @@ def test_the_admission_record_round_trips_to_a_successor(files, tmp_path):
     assert join(zero, pnode_text("j2"))["machine"] == 2
     zero.released.add(2)
     zero.left.add("j2")
+    zero.leaving[1] = 4  # j1 said it leaves; no boundary released it yet
     record = json.loads(json.dumps(zero.record()))  # what the mirror carries: JSON
     (tmp_path / "next").mkdir()
     successor = admission(files, tmp_path / "next", max_machines=4)
     successor.restore(record, lambda line: None)
     assert {m: (j.pnode.id, j.pnode.memory) for m, j in successor.joined.items()} == {
         1: ("j1", 200 * 2**20), 2: ("j2", 256 * 2**20)}
-    assert successor.released == {2} and successor.left == {"j2"}
+    assert successor.released == {1, 2} and successor.left == {"j2"} and successor.leaving == {1: 4}
+    assert successor.departing() == {"j1", "j2"}  # neither is placed again
+    assert successor.answer({"op": "job", "machine": 1, "attempt": 3})["released"] is True  # j1 exits 0
     assert join(successor, pnode_text("j3"))["machine"] == 3
     assert join(successor, pnode_text("j1"))["admitted"] is False  # its id is taken: the record said so
 

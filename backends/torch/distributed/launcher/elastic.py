@@ -224,7 +224,7 @@ class _Handover:
 
     def restore(self, record: Any, say: Callable[[str], None]) -> None:
         """A successor's admission: take over the admitted machines, leaves and releases of the lost
-        coordinator's `record`; a malformed entry is said and left out (the machine it names is then refused
+        coordinator's `record` (a machine that was leaving is released); a malformed entry is said and left out (the machine it names is then refused
         when it asks for a job, and ends with that message, instead of the run stopping here)."""
         if not isinstance(record, dict):
             return
@@ -242,6 +242,9 @@ class _Handover:
         self.released.update(int(m) for m in record.get("released") or [] if isinstance(m, int))
         leaving = record.get("leaving") if isinstance(record.get("leaving"), dict) else {}
         self.leaving.update({int(m): int(s) for m, s in leaving.items() if str(m).isdigit() and isinstance(s, int)})
+        # A machine that was leaving goes now: its workers stopped with the lost coordinator's attempt, and the
+        # successor's next one is placed without it (`departing`), so no boundary of its own is owed to it.
+        self.released.update(self.leaving)
 
 
 @dataclass
