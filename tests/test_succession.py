@@ -339,8 +339,10 @@ def test_elect_takes_the_lowest_rank_that_serves():
     assert succession.elect(1, [1, 2], lambda k: pytest.fail("nobody below 1 is asked")) == 1
 
 
-@pytest.mark.parametrize("on_failure", ["shrink", "restart"])  # whatever it is started with now
-def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path, monkeypatch, capsys, on_failure):
+# whatever it is started with now; an elastic run (--nnodes MIN:MAX) alike
+@pytest.mark.parametrize("on_failure,nnodes", [("shrink", "2"), ("restart", "2"), ("restart", "2:3")])
+def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path, monkeypatch, capsys, on_failure,
+                                                                 nnodes):
     """The run goes on at machine 1: machine 0 started again with the same command (and --resume) asks the
     machines it recorded who coordinates, and refuses to start a second run beside it (exit 2, a message)."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
@@ -354,7 +356,7 @@ def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path
         assert "machine 1 (127.0.0.1) took over this run" in succession.superseded(run, channel_key(TOKEN))
         assert succession.superseded(run, channel_key("another-secret-entirely")) is None  # no answer: no claim
         assert launch_main(["launch", str(files / "net.yml"), "--fleet", str(files / "wide2.yml"), "--data",
-                            str(files / "corpus.txt"), "--steps", "2", "--nnodes", "2", "--node-rank", "0",
+                            str(files / "corpus.txt"), "--steps", "2", "--nnodes", nnodes, "--node-rank", "0",
                             "--master-port", str(port), "--on-failure", on_failure, "--out", str(run), "--resume"]) == 2
         assert "took over this run as its coordinator" in capsys.readouterr().err
     finally:

@@ -24,7 +24,7 @@ from ..rendezvous import free_port, probe_port
 from . import elastic
 from .boundaries import boundary, last_step, move_measured, watch_drift, watch_move
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
-from .failures import after_failure
+from .failures import after_failure, succeed_followed, take_admission
 from .inputs import Run
 from .supervisor import Supervisor
 
@@ -77,16 +77,11 @@ def run_attempts(run: Run, stop: StopRequest) -> LaunchResult:
             shrunk, number, hold, replanned = None, number + 1, None, True  # the planner places it from now on
             continue
         if run.elastic and not run.lead and not stop.requested:  # only machine 0 knows the grown fleet
-            if not record["ok"]:
-                after_failure(run, attempt, record, result.restarts, fleet)  # its report; machine 0's error here
-            followed = elastic.Joined(run.node_rank, "", run.run_dir)
-            elastic.follow_attempts(run.machines, run.token, run.master_addr, run.base_port, run.run_dir,
-                                    Path(run.data_dir), run.tokenizer, number + 1,
-                                    run.comm_timeout + run.link_timeout, run.emit, followed, run.leave)
-            result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
-            if followed.released:
-                result.attempts.append({"released": True})
-            return result
+            taken = _follow(run, attempt, record, result, fleet)
+            if taken is None:
+                return result
+            fleet, number, shrunk, hold, replanned = taken[0], taken[1], taken[2], None, taken[2] is None
+            continue
         if stop.requested:
             where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
             raise stop.interrupted(f"{run.run_dir}: stopped as asked{'' if record['ok'] else ' (a worker failed on the way)'}; "
@@ -104,6 +99,34 @@ def run_attempts(run: Run, stop: StopRequest) -> LaunchResult:
         result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
         number += 1
         hold = None
+
+
+def _follow(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchResult, fleet: Any
+            ) -> tuple[Any, int, Any] | None:
+    """A machine an elastic run started with, after its first attempt: report a failure, then run the
+    coordinator's jobs (elastic.follow_attempts) until the run ends (None), or until this machine takes the
+    coordinator's role (succession.py): then (fleet, number, shrunk plan) of its first attempt as coordinator."""
+    if not record["ok"]:
+        fleet, shrunk, redone = after_failure(run, attempt, record, result.restarts, fleet)  # its report
+        if run.lead:  # it took the role: the admission too, and the loop goes on here as the coordinator
+            take_admission(run)
+            result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
+            return run.admission.grown_fleet(fleet), attempt.number + 1, shrunk
+    followed = elastic.Joined(run.node_rank, "", run.run_dir)
+    try:
+        elastic.follow_attempts(run.machines, run.token, run.master_addr, run.base_port, run.run_dir,
+                                Path(run.data_dir), run.tokenizer, attempt.number + 1,
+                                run.comm_timeout + run.link_timeout, run.emit, followed, run.leave,
+                                (lambda why, n, report: succeed_followed(run, why, n, report))
+                                if run.succeeds else None)
+    except elastic.TookOver as took:
+        result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
+        result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + took.args[2]
+        return took.args[1], took.args[0] + 1, None
+    result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
+    if followed.released:
+        result.attempts.append({"released": True})
+    return None
 
 
 def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:

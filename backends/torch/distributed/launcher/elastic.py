@@ -70,7 +70,7 @@ from .membership import CHUNK_BYTES, FETCH_TIMEOUT_S, REQUEST_TIMEOUT_S, ask, ch
 from .shard_transfer import send_shards
 from ...training.rescue import RESCUE_DIR
 
-__all__ = ["Admission", "JoinRefused", "Joined", "Leaving", "read_pnode_file", "check_pnode_memory", "smallest_share",
+__all__ = ["Admission", "JoinRefused", "CoordinatorSilent", "TookOver", "Joined", "Leaving", "read_pnode_file", "check_pnode_memory", "smallest_share",
            "join_run", "follow", "follow_attempts", "ask_stop", "stop_requested_at", "record_event", "CHUNK_BYTES",
            "FETCH_TIMEOUT_S"]
 
@@ -79,6 +79,16 @@ MAX_PNODE_TEXT = 64 * 1024  # a PNode file: a few hundred bytes, its per-kind fi
 
 class JoinRefused(VGraphError):
     """Machine 0 refused this machine (its reason), or this machine refuses to join (its own check)."""
+
+
+class CoordinatorSilent(JoinRefused):
+    """The coordinator has not answered for the silence allowed while this machine waited for a job: lost
+    (a follower's `lost` hook elects a successor: succession.py), or the run is over."""
+
+
+class TookOver(Exception):
+    """This machine took the coordinator's role while it followed jobs (failures.succeed_followed): the attempt
+    loop goes on as the coordinator, from attempt `args[0]` + 1 on fleet `args[1]`."""
 
 
 # -- the joiner's own checks --------------------------------------------------------------------------
@@ -195,8 +205,50 @@ class _Departures:
         return going
 
 
+class _Handover:
+    """What a successor takes over of an `Admission` when machine 0 is lost (succession.py mirrors `record`;
+    the successor's admission `restore`s it).  Kept apart from the joins and the leaves: only a succession
+    reads it."""
+
+    def record(self) -> dict[str, Any]:
+        """What a successor needs to admit as this admission does (succession.py mirrors it): every admitted
+        machine with its PNode's figures (a fleet file of one) and the step it was admitted at, the machines
+        that left, were released or are leaving."""
+        from vgraph.placement.drift import fleet_file_text
+
+        with self.lock:
+            return {"joined": {str(m): {"pnode": fleet_file_text(Fleet.of(j.pnode.id, j.pnode)), "step": j.step}
+                               for m, j in self.joined.items()},
+                    "left": sorted(self.left), "released": sorted(self.released),
+                    "leaving": {str(m): s for m, s in self.leaving.items()}}
+
+    def restore(self, record: Any, say: Callable[[str], None]) -> None:
+        """A successor's admission: take over the admitted machines, leaves and releases of the lost
+        coordinator's `record` (a machine that was leaving is released); a malformed entry is said and left out (the machine it names is then refused
+        when it asks for a job, and ends with that message, instead of the run stopping here)."""
+        if not isinstance(record, dict):
+            return
+        joined = record.get("joined") if isinstance(record.get("joined"), dict) else {}
+        for key, entry in joined.items():
+            try:
+                machine = int(key)
+                fleet = loads_fleet(str(entry["pnode"]), f"<the admission record of machine {machine}>")
+                if len(fleet) != 1 or machine < self.static_machines or machine >= self.max_machines:
+                    raise ValueError(f"machine {machine}: not one joined PNode")
+                self.joined[machine] = _Joined(machine, fleet.pnodes[0], int(entry["step"]))
+            except (KeyError, TypeError, ValueError, FleetError) as exc:
+                say(f"launch: the admission record's machine {quote(str(key), 20)} is left out: {quote(str(exc), 200)}")
+        self.left.update(str(p) for p in record.get("left") or [] if isinstance(p, str))
+        self.released.update(int(m) for m in record.get("released") or [] if isinstance(m, int))
+        leaving = record.get("leaving") if isinstance(record.get("leaving"), dict) else {}
+        self.leaving.update({int(m): int(s) for m, s in leaving.items() if str(m).isdigit() and isinstance(s, int)})
+        # A machine that was leaving goes now: its workers stopped with the lost coordinator's attempt, and the
+        # successor's next one is placed without it (`departing`), so no boundary of its own is owed to it.
+        self.released.update(self.leaving)
+
+
 @dataclass
-class Admission(_Departures):
+class Admission(_Departures, _Handover):
     """Machine 0's side of an elastic run: admits joins, serves files and jobs, records events.
 
     `on_join` runs in its own thread after an admission (the re-plan decision: it may take seconds, longer
@@ -219,6 +271,8 @@ class Admission(_Departures):
     current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
     next_fleet: Fleet | None = None  # the fleet a drift re-plan chose for the boundary's attempt
     error: str = ""  # why the run ended, when it failed
+    successors: list[int] = field(default_factory=list)  # machines that may take the coordinator's role, in order
+    me: int = 0  # the machine serving this admission: 0, or the successor that took machine 0's role
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
@@ -324,6 +378,7 @@ class Admission(_Departures):
         if self.on_join is not None and not queued:
             threading.Thread(target=self.on_join, args=(self, joined), daemon=True).start()
         return {"admitted": True, "machine": machine, "pnode": pnode.id, "queued": queued,
+                "successors": list(self.successors),
                 "files": {n: {"size": s, "sha256": d} for n, (_, s, d) in self.files.items()
                           if not n.startswith("job-")}}
 
@@ -383,7 +438,8 @@ class Admission(_Departures):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
-                if set(self.joined) | set(range(1, self.static_machines)) <= self.told_done | self.released:
+                others = (set(self.joined) | set(range(self.me + 1, self.static_machines))) - {self.me}
+                if others <= self.told_done | self.released:
                     return
             time.sleep(0.05)
 
@@ -506,7 +562,9 @@ def join_run(addr: str, port: int, token: str, pnode_file: str | Path, timeout: 
     while True:
         try:
             reply = ask(addr, port, key, message, REQUEST_TIMEOUT_S)
-            break
+            if not reply.get("wait"):
+                break
+            last = str(reply["wait"])  # a successor taking the run over: its admission opens in a moment
         except ValueError as exc:  # an answer without the run's seal, or none: another secret
             last = str(exc)
         except OSError as exc:
@@ -537,7 +595,7 @@ def wait_for_job(request: Callable[..., dict], attempt: int, silence_s: float) -
         if not reply.get("wait"):
             return reply
         if time.monotonic() - heard > silence_s:
-            raise JoinRefused(f"machine 0 has not answered for {silence_s:g} s while this machine waited for "
+            raise CoordinatorSilent(f"machine 0 has not answered for {silence_s:g} s while this machine waited for "
                               f"attempt {attempt}: the run is over or its link is lost")
         time.sleep(0.5)
 
@@ -631,7 +689,8 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
         emit(f"launch --join: received the run's corpus and tokenizer ({human_bytes(result.received_bytes)}) "
              f"into {corpus_dir}")
         follow_attempts(machines, token, addr, master_port, run_dir, corpus_dir.absolute(),
-                        f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, comm_timeout + link_timeout, emit, result, leave)
+                        f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, comm_timeout + link_timeout, emit, result, leave,
+                        _successor_of(machines, [int(k) for k in admitted.get("successors") or []], run_dir, emit))
         return result
     finally:
         if leave is not None:
@@ -639,23 +698,49 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
         machines.close()
 
 
+def _successor_of(machines: Any, successors: list[int], run_dir: Path, emit: Callable[[str], None]
+                  ) -> Callable[[Exception, int, dict | None], dict]:
+    """A joined machine's answer to the coordinator's loss: follow the machine that takes its role (one the
+    run started with: a joined machine lacks the run's command and never takes it), sending it this machine's
+    rescue shards of the attempt first (succession.follow_successor)."""
+    from .membership import REQUEST_TIMEOUT_S as REQUEST_S, follow_successor
+
+    def lost(why: Exception, attempt: int, report: dict | None) -> dict:
+        emit(f"launch: machine {machines.coordinator} (the coordinator) is lost: {why}; looking for the machine "
+             f"that takes its role among {', '.join(map(str, successors)) or 'none'}")
+        return follow_successor(machines, successors, report, 2 * (machines.link_timeout + REQUEST_S),
+                                lambda: send_shards(machines.request, run_dir / LAUNCH_DIR / RESCUE_DIR, attempt, emit),
+                                emit)
+    return lost
+
+
 def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_dir: Path, data_dir: Path,
                     tokenizer: str, attempt: int, silence_s: float, emit: Callable[[str], None],
-                    result: Joined, leave: Leaving | None = None) -> Joined:
+                    result: Joined, leave: Leaving | None = None,
+                    lost: Callable[[Exception, int, dict | None], dict] | None = None) -> Joined:
     """Run this machine's workers in attempt `attempt` and every later one machine 0 publishes, from its job
     file with the paths made this machine's (`run_dir`, the corpus in `data_dir`, `tokenizer` relative to the
     run directory), until machine 0 says the run is done.  A joined machine follows from its admission; a
     machine the run started with (--nnodes MIN:MAX, MIN > 1) from its second attempt, since the fleet may have
     grown by then and only machine 0 knows it.  A failed attempt is reported (membership.py) and machine 0's
     decision read: an error ends here too.  A machine that leaves (`leave`) ends here when machine 0 releases
-    it."""
+    it.  When the coordinator is lost (no decision within the rejoin timeout, or silent while this machine
+    waits for a job: no report), `lost(why, attempt, report)` finds the coordinator that takes its role
+    (succession.py) and returns that one's decision; without it, or when it finds none, the run ends here with
+    the reason."""
     from ..job import Job
     from .membership import MachineLost
     from .supervisor import Supervisor
 
     try:
         while True:
-            reply = wait_for_job(machines.request, attempt, silence_s)
+            try:
+                reply = wait_for_job(machines.request, attempt, silence_s)
+            except CoordinatorSilent as exc:  # lost between attempts (during a boundary, say)
+                if lost is None:
+                    raise
+                lost(exc, attempt - 1, None)  # nothing to report: the next attempt is the successor's job
+                continue
             if reply.get("done"):
                 if reply.get("failure"):
                     raise JoinRefused(f"machine 0 ended the run: {str(reply['failure'])[:2000]}")
@@ -680,18 +765,23 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
                  f"worker(s)")
             supervisor = Supervisor(emit, token)
             try:
-                supervisor.start(job_path, local, job.ranks, len(job.ranks), addr, master_port + number,
+                supervisor.start(job_path, local, job.ranks, len(job.ranks), machines.addr, master_port + number,
                                  job.train.threads or max(1, (os.cpu_count() or 1) // len(local)))
-                ok, codes, lost = supervisor.wait(trouble=machines.trouble)
+                ok, codes, failed = supervisor.wait(trouble=machines.trouble)
             except BaseException:
                 supervisor.stop()
                 raise
             result.attempts.append(number)
             if not ok:
                 send_shards(machines.request, run_dir / LAUNCH_DIR / RESCUE_DIR, number, emit)
-                described = ", ".join(f"{job.ranks[r]} (rank {r}, exit {codes[r]})" for r in lost)
-                plan = machines.settle({"lost": [job.ranks[r] for r in lost], "described": described, "error": ""},
-                                       lambda reports, missing: {}, wait_for_all=True)
+                described = ", ".join(f"{job.ranks[r]} (rank {r}, exit {codes[r]})" for r in failed)
+                report = {"lost": [job.ranks[r] for r in failed], "described": described, "error": ""}
+                try:
+                    plan = machines.settle(report, lambda reports, missing: {}, wait_for_all=True)
+                except MachineLost as exc:
+                    if lost is None:
+                        raise
+                    plan = lost(exc, number, report)
                 if plan.get("error"):
                     raise JoinRefused(f"machine 0 ended the run: {plan['error']}")
     except MachineLost as exc:

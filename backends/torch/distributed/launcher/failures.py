@@ -13,25 +13,25 @@ from pathlib import Path
 from typing import Any
 
 from vgraph.base.safeio import atomic_write, read_input
-from vgraph.cost.fleet import Fleet
+from vgraph.cost.fleet import Fleet, loads_fleet
 from vgraph.run.files import NETWORK_YML, TOKENIZER_JSON, RunLock, error_name
 from vgraph.run.step_plan import make_plan
 
 from ...training import checkpoint as ckpt
 from ...training.config import TrainingError
 from ...training.rescue import RESCUE_DIR, assemble, clear_rescue, read_shards, run_identity, save_rescued
-from ..job import EXIT_USER_ERROR
+from ..job import EXIT_USER_ERROR, Job
 from . import succession
 from .boundaries import last_step
-from .elastic import record_event
+from .elastic import TookOver, record_event
 from .emission import Attempt
 from .inputs import Run
-from .joins import serve_channel
+from .joins import open_admission, serve_channel
 from .membership import REQUEST_TIMEOUT_S, MachineLost, decide
-from .placing import shrink
+from .placing import place, shrink
 from .shard_transfer import send_shards
 
-__all__ = ["after_failure", "fence", "mirror"]
+__all__ = ["after_failure", "fence", "mirror", "succeed_followed", "take_admission"]
 
 
 def fence(run: Run) -> None:
@@ -49,7 +49,8 @@ def mirror(run: Run) -> None:
     line (succession.MIRRORS of them) pull it into RUN/launch/mirror/."""
     machines = run.machines
     if run.lead:
-        machines.serve_mirror(succession.MirrorSource(run.run_dir).answer)
+        machines.serve_mirror(succession.MirrorSource(
+            run.run_dir, lambda: run.admission.record() if run.admission is not None else None).answer)
         port = machines.port
         machines.on_addresses(lambda addrs: succession.record_machines(run.run_dir, port, addrs))
     elif run.node_rank <= succession.MIRRORS:
@@ -209,14 +210,14 @@ def _succeed(run: Run, report: dict[str, Any], lost: MachineLost, attempt: int) 
             lost = again
     run.master_addr = machines.addr  # the workers' rendezvous: the coordinator's
     if machines.coordinator == run.node_rank:
-        _become_coordinator(run, old, plan)
+        plan = {**plan, "redone": _become_coordinator(run, old, plan).redone}
     else:
         run.emit(f"launch: machine {machines.coordinator} ({machines.addr}) is the coordinator now; this machine "
                  f"follows it")
     return plan
 
 
-def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> None:
+def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> succession.Installed:
     """This machine took the coordinator role: its run directory becomes the run's (locked, the newest state
     installed, network.yml and tokenizer.json written) and it serves the history to the next in line."""
     if run.mirror is not None:
@@ -238,3 +239,54 @@ def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> None:
     record_event(run.run_dir, row)
     run.emit(f"launch: machine {run.node_rank} is the coordinator now (machine {old} lost): the run goes on in "
              f"{run.run_dir} from step {installed.step} ({installed.source}; {installed.redone} step(s) redone)")
+    return installed
+
+
+def take_admission(run: Run) -> None:
+    """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
+    machine; the channel's address moved with the role), with the machines it had admitted, released or was
+    releasing, from the record this machine mirrored (succession.mirrored_admission)."""
+    run.admission = open_admission(run)
+    run.admission.me = run.node_rank
+    run.admission.restore(succession.mirrored_admission(run.run_dir), run.emit)
+    run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
+
+
+def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, Any] | None) -> dict[str, Any]:
+    """A machine an elastic run started with lost the coordinator while it ran (or waited for) the coordinator's
+    job `number` (elastic.follow_attempts' `lost`): elected as `_succeed` elects.  Following another machine:
+    that one's decision.  Taking the role: elastic.TookOver with the next attempt's fleet: the job's fleet
+    (the grown one: every joined PNode's figures travel in it) without the lost machines' PNodes, with the
+    admitted machines that waited, re-planned by the partition pass (as `restart` re-plans around a machine
+    that vanished, whichever of shrink or restart the run has: the job's replicas are not this machine's to
+    shrink)."""
+    report = report or {"lost": [], "described": "", "error": ""}  # waiting for a job: nothing of its own lost
+    job_path = run.launch_dir / f"job-{number}.json"
+    job = Job.read(job_path)
+    fleet = loads_fleet(job.fleet_yaml, f"{job_path} (its fleet)")
+    run.home = {**(run.home or {}), **job.machines}
+    followed = _followed(run, job, job_path, fleet)
+    run.rescued = lambda: succession.rescued_state(run.run_dir, **_rescue_inputs(run, followed),
+                                                   keep=run.keep_checkpoints, say=run.emit)
+    plan = _succeed(run, report, why if isinstance(why, MachineLost) else MachineLost(str(why)), number)
+    if not run.lead:
+        return plan
+    if plan.get("error"):
+        raise TrainingError(plan["error"])
+    take_admission(run)
+    run.given = (None, None)
+    run.partition = run.partition.with_options("partition", replicas="auto")
+    raise TookOver(number, run.admission.grown_fleet(fleet.without(list(plan.get("gone") or plan["lost"]))),
+                   int(plan.get("redone", 0)))
+
+
+def _followed(run: Run, job: Job, job_path: Path, fleet: Fleet) -> Attempt:
+    """The attempt a follower ran from the coordinator's job, placed again as the job says (its assignment,
+    replicas and choices): what a rescue of it is assembled against (`_rescue_inputs`)."""
+    size = len(job.plan_ranks)
+    layout = ([job.ranks[i:i + size] for i in range(0, len(job.ranks), size)], list(job.batch_shares))
+    placement = place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
+                      target=run.target, batch=run.batch, micro_batches=run.micro, assignment=job.assignment,
+                      replicas=layout, grad_compress=run.grad_compress, pipeline=run.pipeline,
+                      choices=job.plan_choices)
+    return Attempt(job.attempt, placement, job, job_path, [], job.train.threads or 1, None)

@@ -141,10 +141,11 @@ def is_elastic(cfg: LaunchConfig) -> bool:
 
 
 def succeeds(cfg: LaunchConfig) -> bool:
-    """A run whose coordinator role can move when machine 0 is lost (succession.py): several machines, a fixed
-    set of them, and `shrink` (a lost machine costs its replicas, so another replica can carry on) or `restart`
-    (the next attempt is re-planned on the machines left, as for any machine that vanished)."""
-    return cfg.nnodes > 1 and cfg.on_failure in ("shrink", "restart") and not is_elastic(cfg)
+    """A run whose coordinator role can move when machine 0 is lost (succession.py): several machines started
+    with the run's command (--nnodes N, or an elastic run's MIN > 1: a machine that joined lacks the command
+    and never takes the role), and `shrink` (a lost machine costs its replicas, so another replica can carry
+    on) or `restart` (the next attempt is re-planned on the machines left, as for any machine that vanished)."""
+    return cfg.nnodes > 1 and cfg.on_failure in ("shrink", "restart")
 
 
 @dataclass

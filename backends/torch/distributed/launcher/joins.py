@@ -24,7 +24,8 @@ def open_admission(run: Run) -> elastic.Admission:
     admission = elastic.Admission(run.run_dir, run.fleet, run.source, run.max_nnodes, run.nnodes,
                                   step=lambda: last_step(run), on_join=lambda adm, joined: _on_join(run, joined),
                                   on_leave=lambda adm, machine, pnodes, step: _on_leave(run, machine, pnodes, step),
-                                  homes=lambda: {**(run.home or {}), **admission.home()})
+                                  homes=lambda: {**(run.home or {}), **admission.home()},
+                                  successors=list(range(run.node_rank + 1, run.nnodes)) if run.succeeds else [])
     corpus = Path(run.data_dir)
     splits = open_prepared(corpus, verify="size").manifest["splits"]  # checked: names inside the directory
     for name in (MANIFEST, TOKENIZER_FILE):
@@ -45,6 +46,8 @@ def serve_channel(run: Run) -> None:
             return receiver.answer(request)
         if run.admission is not None:
             return run.admission.answer(request)
+        if run.elastic:  # a successor taking the run over: its admission opens once it decided (failures.py)
+            return {"wait": "the coordinator is being taken over"}
         return {"error": "this run takes no joins (--nnodes MIN:MAX)"}
 
     run.machines.serve_extra(answer)

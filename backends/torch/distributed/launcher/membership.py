@@ -466,6 +466,46 @@ class Machines(_Succession):
         return plan
 
 
+def serving(machines: Any, k: int, window: float) -> bool:
+    """Whether machine `k` answers as the coordinator on its address (the channel's port) within `window` s."""
+    deadline = time.monotonic() + window
+    while True:
+        addr = machines.addrs.get(k)
+        if addr:
+            try:
+                reply = ask(addr, machines.port, machines.key, {"op": "coordinator", "machine": machines.node_rank},
+                            min(1.0, REQUEST_TIMEOUT_S))
+                if reply.get("coordinator") == k:
+                    return True
+            except (OSError, ValueError):
+                pass  # not serving yet (or gone): asked again until the window closes
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+
+
+def follow_successor(machines: Any, successors: list[int], report: dict | None, window: float,
+                     send: Callable[[], Any] = lambda: None, say: Callable[[str], None] = lambda line: None) -> dict:
+    """A machine that may not take the coordinator's role (one that joined an elastic run: it lacks the run's
+    command), after it lost the coordinator: follow the lowest of `successors` above the lost one that serves
+    the channel within `window` s each (they elect among themselves by rank: succession.succeed), send it this
+    machine's shards (`send`), report, and return its decision; without a `report` (the machine was waiting
+    for a job, not running one), only follow: {}.  MachineLost when none serves: the run cannot go on without
+    a coordinator, and this machine says so instead of waiting on silence."""
+    lost = machines.coordinator
+    for k in sorted(k for k in set(successors) if k > lost and k != machines.node_rank):
+        if serving(machines, k, window):
+            machines.follow(k)
+            say(f"launch: machine {k} ({machines.addr}) is the coordinator now; this machine follows it")
+            if report is None:
+                return {}
+            send()
+            return machines.settle(report, lambda reports, missing: {}, wait_for_all=True)
+    named = ", ".join(map(str, sorted(successors))) or "none: the run started with one machine"
+    raise MachineLost(f"machine {lost}, the coordinator, is lost and no machine that may take its role ({named}) "
+                      f"serves the launchers' channel: the run cannot go on (its run directory is machine {lost}'s)")
+
+
 def decide(reports: dict[int, dict], missing: list[int], home: dict[str, int], on_failure: str) -> dict:
     """Machine 0's decision after a failed attempt, from every machine's report ({"lost": PNodes whose
     worker died there, "described": how, "error": a user-facing error or ""}) and the machines that did not
@@ -487,5 +527,6 @@ def decide(reports: dict[int, dict], missing: list[int], home: dict[str, int], o
     return {"lost": lost, "described": described, "error": ""}
 
 
-__all__ = ["Machines", "MachineLost", "SteppedDown", "own_address", "decide", "ask", "channel_key", "HEARTBEAT_S",
+__all__ = ["Machines", "MachineLost", "SteppedDown", "own_address", "decide", "ask", "channel_key", "serving",
+           "follow_successor", "HEARTBEAT_S",
            "REQUEST_TIMEOUT_S", "MAX_LINE", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]

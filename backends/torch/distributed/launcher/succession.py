@@ -1,5 +1,5 @@
 """No single holder: the run survives the loss of machine 0 (the coordinator) when another replica holds
-every VNode (`--on-failure shrink` or `restart`, `--nnodes N`).
+every VNode (`--on-failure shrink` or `restart`, `--nnodes N`, or `--nnodes MIN:MAX` with MIN > 1).
 
 Why: machine 0's launcher serves the launchers' channel, and its rank 0 writes metrics.jsonl and the
 checkpoints into ITS run directory.  Everything else a successor needs it already has: the job's settings
@@ -32,6 +32,13 @@ is the run's history, so it is mirrored, and the coordinator role moves:
   `launch/machines.json` who coordinates; when one answers with another machine, it refuses to start
   (`superseded`: a VGraphError naming the coordinator, exit 2), so the run is never split in two.
 
+An elastic run (`--nnodes MIN:MAX`) carries more: the machines that joined.  The coordinator's admission
+(elastic.Admission.record: each admitted machine's PNode figures, the machines that left) travels with the
+rows (`admission.json` in the mirror), so the successor admits as machine 0 did and knows the machines still
+waiting for a boundary; the fleet of the attempt that was running is in its job.  Only a machine the run
+started with takes the role (it has the run's command); a machine that joined follows the one that does
+(`follow_successor`), and a later joiner asks the successor.
+
 The newest state wins (`newest_state`): the mirrored checkpoint, or any other consistent checkpoint handed to
 `install`, whichever has the higher step; a checkpoint that does not load is skipped and said.  The other
 candidate is the survivors' rescue shards (`rescued_state`, training/rescue.py's assembly): each follower
@@ -59,16 +66,19 @@ from vgraph.run.files import CHECKPOINT_PREFIX, LATEST, LAUNCH_DIR, METRICS_JSON
 from ...training import checkpoint as ckpt
 from ...training.rescue import RESCUE_DIR, assemble, read_shards, save_rescued
 from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, _fetch
-from .membership import REQUEST_TIMEOUT_S, ask
+from .membership import REQUEST_TIMEOUT_S, ask, follow_successor, serving  # noqa: F401 (this module's API too)
 
-__all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "install", "newest_state", "superseded",
+__all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "follow_successor", "install", "newest_state",
+           "superseded",
            "record_machines", "rescued_state",
-           "MIRROR_DIR", "MACHINES_JSON", "MIRRORS", "MIRROR_EVERY_S", "Installed"]
+           "MIRROR_DIR", "MACHINES_JSON", "ADMISSION_JSON", "mirrored_admission", "MIRRORS", "MIRROR_EVERY_S",
+           "Installed"]
 
 MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
 MACHINES_JSON = "machines.json"  # in the coordinator's RUN/launch/: the machines' addresses and the channel port
 MIRRORS = 2  # the successor, and the next in line should the successor die during its succession
 MIRROR_EVERY_S = 1.0  # rows: metrics.jsonl is written about once a second (metrics_log.py); see docs
+ADMISSION_JSON = "admission.json"  # in the mirror: an elastic run's admitted machines (elastic.Admission.record)
 TAIL_BYTES = 64  # the last bytes a mirror holds, sent with its offset: a rewritten metrics.jsonl is noticed
 
 
@@ -78,8 +88,9 @@ class MirrorSource:
     `mirror-fetch` (a chunk of one of that checkpoint's files, named by the list it sent: never a path the
     request makes up)."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, admission: Callable[[], dict | None] = lambda: None) -> None:
         self.run_dir = run_dir
+        self.admission = admission  # an elastic run's admitted machines (elastic.Admission.record), or None
         self._listed: tuple[str, dict[str, tuple[int, str]]] | None = None  # (checkpoint, file -> (size, sha))
         self._lock = threading.Lock()
 
@@ -110,7 +121,7 @@ class MirrorSource:
         except FileNotFoundError:
             offset, data, size = 0, b"", 0
         return {"offset": offset, "rows": base64.b64encode(data).decode("ascii"), "size": size,
-                "checkpoint": self._latest()}
+                "checkpoint": self._latest(), "admission": self.admission()}
 
     def _latest(self) -> dict | None:
         latest = ckpt.latest_checkpoint(self.run_dir)
@@ -151,6 +162,7 @@ class Mirror:
     over: Callable[[], bool] = lambda: False  # True once this machine's channel is closed: the thread ends
     offset: int = 0
     checkpoint: str | None = None
+    admission: dict | None = None  # the last admission record written (elastic runs)
     figures: list[dict[str, Any]] = field(default_factory=list)  # per mirrored checkpoint: bytes, seconds
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -201,6 +213,10 @@ class Mirror:
             f.seek(start)
             f.write(data)
         self.offset = start + len(data)
+        admitted = reply.get("admission")
+        if isinstance(admitted, dict) and admitted != self.admission:  # an elastic run's machines, as they change
+            atomic_write(self.folder / ADMISSION_JSON, json.dumps(admitted) + "\n")
+            self.admission = admitted
         latest = reply.get("checkpoint")
         if isinstance(latest, dict) and latest.get("name") != self.checkpoint:
             self._fetch_checkpoint(str(latest["name"]), dict(latest["files"]))
@@ -246,24 +262,6 @@ def elect(me: int, survivors: Iterable[int], serving: Callable[[int], bool]) -> 
         if serving(k):
             return k
     return me
-
-
-def serving(machines: Any, k: int, window: float) -> bool:
-    """Whether machine `k` answers as the coordinator on its address (the channel's port) within `window` s."""
-    deadline = time.monotonic() + window
-    while True:
-        addr = machines.addrs.get(k)
-        if addr:
-            try:
-                reply = ask(addr, machines.port, machines.key, {"op": "coordinator", "machine": machines.node_rank},
-                            min(1.0, REQUEST_TIMEOUT_S))
-                if reply.get("coordinator") == k:
-                    return True
-            except (OSError, ValueError):
-                pass  # not serving yet (or gone): asked again until the window closes
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.25)
 
 
 def _rival(machines: Any, survivors: set[int], every: float = 1.0) -> Callable[[], int | None]:
@@ -427,6 +425,21 @@ def install(run_dir: Path, rescued: Iterable[Path] = (), say: Callable[[str], No
     atomic_write(run_dir / METRICS_JSONL, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
     source = "mirrored checkpoint" if path == mirrored else f"rescued state {path}"
     return Installed(step, max(0, last - step), source)
+
+
+def mirrored_admission(run_dir: Path) -> dict | None:
+    """The admission record this machine mirrored (an elastic run's admitted machines), or None when there is
+    none or it does not read (then only the machines of the last job are known: elastic.Admission.restore)."""
+    from vgraph.base.safeio import read_json
+
+    path = run_dir / LAUNCH_DIR / MIRROR_DIR / ADMISSION_JSON
+    if not path.is_file():
+        return None
+    try:
+        record = read_json(path, what="the mirrored admission record")
+    except VGraphError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def _recorded(run_dir: Path) -> tuple[int, dict[int, str]] | None:
