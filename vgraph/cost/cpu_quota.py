@@ -28,7 +28,7 @@ Status: `vgraph probe --cpu-burst` writes the figure only when asked.  It is not
 quiet testbed run, and it is not all of the AMD miss: on a fleet probed at load 12 (tb-small, 0.35-core
 hosts, the figure set to a quiet 0.35-core host's speedup 2.86 and a 1.3 ms bucket: 2 ms of quota a
 5.7 ms period at 0.65 drain) it prices pipeline x2 13% lower, less than the 24-31% the AMD run asks for,
-and pipeline x4 18% and 2x2 replicas 12% lower, where the Intel runs measured both within 6-9% of the
+and pipeline x4 18% and 2x2 replicas 12% lower, where the Intel runs measured both within 5-9% of the
 price without it.  The testbed's four hosts share two cores, so their bursts compete, which a per-host
 figure cannot see.
 """
