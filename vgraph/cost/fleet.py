@@ -451,7 +451,8 @@ def _efficiency(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: 
     return Efficiency(tuple(out))
 
 
-_MEASURED = {"efficiency": _efficiency, "burst": _burst, "update": _update, "cpu_burst": _cpu_burst}  # PNode keys a probe measures
+# PNode keys a probe measures
+_MEASURED = {"efficiency": _efficiency, "burst": _burst, "update": _update, "cpu_burst": _cpu_burst}
 
 
 # -- writing ---------------------------------------------------------------------------

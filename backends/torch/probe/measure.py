@@ -484,5 +484,5 @@ def probe(graph: Graph, device: torch.device, micro_batch: int, *, per_precision
 
 
 __all__ = ["ProbeResult", "probe", "peak_flops", "vnode_times", "program_line", "fit_line",
-           "update_costs", "cpu_burst", "calibrate", "precision_rates", "supported_precisions", "accelerator_of", "training_nodes",
-           "timed", "timed_in_turn", "quick_timings"]
+           "update_costs", "cpu_burst", "calibrate", "precision_rates", "supported_precisions", "accelerator_of",
+           "training_nodes", "timed", "timed_in_turn", "quick_timings"]
