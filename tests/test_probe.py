@@ -131,6 +131,39 @@ def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, cap
     assert step(shown) > step(capsys.readouterr().out) if slower else step(shown) == step(capsys.readouterr().out)
 
 
+def test_the_cpu_burst_is_the_speed_after_idling_and_the_saving_of_a_long_run(monkeypatch) -> None:
+    """A GEMM takes 1 ms continuously (the quota's rate); right after idling one takes 0.4 ms (speedup 2.5),
+    and a run of 30 (30 ms at the rate) takes 25 ms: the 5 ms saved are bucket x speedup, so 2 ms.  A CPU as
+    fast after idling as continuously (no quota) has no burst."""
+    from vgraph.cost.cpu_quota import CpuBurst
+
+    ms = 1e-3
+    monkeypatch.setattr(P, "timed_in_turn", lambda fns, device, repeats=None, least=None: [ms])
+    monkeypatch.setattr(P.time, "sleep", lambda s: None)
+
+    def clock(first: float, run: float):
+        ticks = iter([t for _ in range(3) for t in (0.0, first, 0.0, run)])
+        return lambda: next(ticks)
+
+    monkeypatch.setattr(P.time, "perf_counter", clock(0.4 * ms, 25 * ms))
+    assert P.cpu_burst(repeats=3) == CpuBurst(pytest.approx(2.5), pytest.approx(2 * ms))
+    monkeypatch.setattr(P.time, "perf_counter", clock(1.0 * ms, 30 * ms))
+    assert P.cpu_burst(repeats=3) is None
+
+
+def test_the_cpu_burst_is_written_only_when_asked(quick, tmp_path, capsys, monkeypatch) -> None:
+    from vgraph.cost.cpu_quota import CpuBurst
+
+    asked = []
+    monkeypatch.setattr(P, "cpu_burst", lambda repeats=None: asked.append(1) or CpuBurst(2.5, 2e-3))
+    args = ["probe", str(TINY_FP32), "--bandwidth", "1Gbit/s", "--threads", "1", "--no-precisions"]
+    assert main([*args, "--id", "plain", "-o", str(tmp_path / "plain.yml")]) == 0
+    assert not asked and load_fleet(tmp_path / "plain.yml").pnodes[0].cpu_burst is None
+    assert main([*args, "--id", "quota", "--cpu-burst", "-o", str(tmp_path / "quota.yml")]) == 0
+    assert asked and load_fleet(tmp_path / "quota.yml").pnodes[0].cpu_burst == CpuBurst(2.5, pytest.approx(2e-3))
+    assert "right after idling the CPU computes 2.5x as fast for 2 ms" in capsys.readouterr().err
+
+
 def test_quick_times_once_briefly_and_leaves_the_settings_as_they_were(tmp_path, monkeypatch) -> None:
     """--quick (tests, smoke runs): every timing one short repetition; the entry is still whole, and the
     module's settings are back afterwards (a later probe in this process measures properly)."""
@@ -250,7 +283,9 @@ def test_appending_adds_to_a_fleet_and_refuses_a_taken_id(quick, tmp_path, capsy
     (["NET", "--bandwidth", "1Gbit/s", "--append", "NET"], "refusing to overwrite an input"),
     (["NET", "--bandwidth", "1Gbit/s", "--append", "NOTFLEET"], "notfleet.yml:1: fleet:"),
     (["NET", "--serve"], "--serve takes no network"),
-    (["--serve", "--quick"], "--serve takes no network, output, --peer or --quick"),
+    (["--serve", "--quick"], "--serve takes no network, output, --peer, --quick or --cpu-burst"),
+    (["--serve", "--cpu-burst"], "--serve takes no network, output, --peer, --quick or --cpu-burst"),
+    (["--collectives", "--cpu-burst", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h"], "--cpu-burst"),
     (["--collectives", "--quick", "--nnodes", "2", "--node-rank", "0", "--master-addr", "h"], "--quick"),
     (["--serve", "--listen", "nowhere"], "--listen: expected HOST:PORT"),
     (["NET", "--peer", "h:70000"], "--peer: expected HOST:PORT"),

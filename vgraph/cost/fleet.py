@@ -9,10 +9,11 @@
         accelerator: cuda-sm75 # optional: cpu | cuda-smXY
         burst: 16KiB           # optional: bytes its link passes at once after idling (vgraph/cost/makespan.py)
         update: {fixed: 1.4ms, per_param: 0.6ns}  # optional: a rank's work a step beyond its program (update.py)
+        cpu_burst: {speedup: 2.7, bucket: 0.75ms}  # optional: a CPU quota's speed after idling (cpu_quota.py)
 
 Optional beside `pnodes`: `regions` and `links` (vgraph/cost/fleet_links.py) and `collectives`, the
 measured table of a step's small collectives among the hosts (vgraph/cost/collectives.py).  `vgraph
-probe` writes `efficiency` (vgraph/cost/op_kinds.py), `burst`, `update` and the table.
+probe` writes `efficiency` (vgraph/cost/op_kinds.py), `burst`, `update`, `cpu_burst` and the table.
 
 Units (case matters only for bits versus bytes):
 
@@ -46,6 +47,7 @@ from vgraph.base.safeio import read_input
 from vgraph.cost.collectives import NO_COLLECTIVES, Collectives, read_collectives
 from vgraph.cost.fleet_links import NO_LINKS, Links, read_links
 from vgraph.cost.op_kinds import Efficiency, parse_kind
+from vgraph.cost.cpu_quota import CpuBurst, parse_cpu_burst
 from vgraph.cost.update import Update, parse_update
 from vgraph.ops.schema import suggest
 from vgraph.yamlio.yaml_reader import compose as _compose  # the network loader's safe YAML composer
@@ -53,7 +55,8 @@ from vgraph.yamlio.yaml_reader import YamlReader as _YamlReader, line_of as _lin
 
 FLEET_KEYS = ("name", "pnodes", "regions", "links", "collectives")
 MAX_FLEET_BYTES = 16 * 2**20  # a fleet of 100k PNodes is ~10 MB
-PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator", "region", "efficiency", "burst", "update")
+PNODE_KEYS = ("id", "memory", "flops", "bandwidth", "accelerator", "region", "efficiency", "burst", "update",
+              "cpu_burst")
 _ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # fullmatch: also a file name, DIR/<id>.yml
 _ACCELERATOR = re.compile(r"^(cpu|cuda-sm\d\d+)$")
 _NUMBER = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
@@ -94,6 +97,7 @@ class PNode:
     efficiency: Efficiency | None = None  # per op kind, measured by `vgraph probe` (vgraph/cost/op_kinds.py)
     burst: int = 0  # bytes its link passes at once after idling (a token bucket's depth; `vgraph probe`)
     update: Update | None = None  # a rank's seconds a step beyond its program (vgraph/cost/update.py)
+    cpu_burst: CpuBurst | None = None  # a CPU quota's speed after idling (vgraph/cost/cpu_quota.py)
 
     def __str__(self) -> str:
         acc = f", {self.accelerator}" if self.accelerator else ""
@@ -410,6 +414,11 @@ def _update(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str)
     return _scalar_fields(reader, build, ynode, pid, "'update'", "update", "update", parse_update)
 
 
+def _cpu_burst(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str) -> CpuBurst | None:
+    """`cpu_burst: {speedup: X, bucket: T}` (vgraph/cost/cpu_quota.py); None when reported."""
+    return _scalar_fields(reader, build, ynode, pid, "'cpu_burst'", "cpu_burst", "cpu_burst", parse_cpu_burst)
+
+
 def _scalar_fields(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: str, label: str, prefix: str,
                    what: str, parse):
     """`parse` of the mapping `ynode` of scalars (`label` names it, `prefix` its keys, `what` the mistake in
@@ -442,7 +451,8 @@ def _efficiency(reader: _YamlReader, build: _FleetBuild, ynode: yaml.Node, pid: 
     return Efficiency(tuple(out))
 
 
-_MEASURED = {"efficiency": _efficiency, "burst": _burst, "update": _update}  # PNode keys a probe measures
+# PNode keys a probe measures
+_MEASURED = {"efficiency": _efficiency, "burst": _burst, "update": _update, "cpu_burst": _cpu_burst}
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -460,6 +470,8 @@ def pnode_flow(p: PNode) -> str:
         parts.append(f"efficiency: {p.efficiency.flow()}")
     if p.update is not None:
         parts.append(f"update: {p.update.flow()}")
+    if p.cpu_burst is not None:
+        parts.append(f"cpu_burst: {p.cpu_burst.flow()}")
     return "{" + ", ".join(parts) + "}"
 
 

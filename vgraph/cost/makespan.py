@@ -21,7 +21,10 @@ every op's duration:
   16 KiB bucket, and charging each bytes / rate predicted its pipelines 1.41x and 1.73x slower than they
   ran, while tb-medium's 64 KiB ones, back to back, pay the rate;
 - a tied pair's sync (`tie_grad`) starts when both its ranks and their links are free and takes its
-  duration on all four.
+  duration on all four;
+- a rank on a CPU quota (`PNode.cpu_burst`, vgraph/cost/cpu_quota.py) computes from a token bucket, the
+  CPU twin of the link's: empty when the round starts, refilled at the quota's rate, an op runs at the
+  CPU's own speed while tokens last (a pipeline stage refills while it waits for its neighbour).
 
 With fixed op orders and fixed message orders on each uplink, every start time is a longest path in a
 DAG, so one pass over the ops in a dependency-respecting order computes it (no event queue).  The pass
@@ -39,6 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
+from vgraph.cost.cpu_quota import burst_seconds
 from vgraph.cost.schedule import ScheduledTask, TiedPair, schedule
 
 __all__ = ["TaskEdge", "Durations", "Program", "compile_program", "makespan"]
@@ -64,6 +68,8 @@ class Durations:
     latency: np.ndarray  # [n, E] added to every message of edge e, either way
     tie: np.ndarray  # [n, P] tied pair p's sync, on both its ranks
     bucket: np.ndarray | None = None  # [n, ranks] seconds of its link's bandwidth a rank's burst holds (None: 0)
+    cpu_speedup: np.ndarray | None = None  # [n, ranks] a CPU quota's speed after idling (cpu_quota.py; None: 1)
+    cpu_bucket: np.ndarray | None = None  # [n, ranks] seconds of work at that speed its quota passes (None: 0)
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,10 @@ def makespan(program: Program, d: Durations) -> np.ndarray:
     bucket = d.bucket if bursts else np.zeros((n, program.ranks))
     tokens = [bucket[:, r].copy() for r in range(program.ranks)]  # full: the links idled before the round
     arrive: list[np.ndarray | None] = [None] * program.messages
+    quota = d.cpu_bucket is not None and bool(np.any(d.cpu_bucket > 0))
+    if quota:  # a CPU quota's bucket (cpu_quota.py): empty at the start (the previous step's update drained it)
+        cpu_tokens = [np.zeros(n) for _ in range(program.ranks)]
+        cpu_at = [np.zeros(n) for _ in range(program.ranks)]  # when each rank's tokens were last counted
     for step in program.steps:
         if step[0] < 0:  # a tied pair's sync: both ranks and their links, from when the later one is free
             _, a, b, p = step
@@ -161,7 +171,13 @@ def makespan(program: Program, d: Durations) -> np.ndarray:
         start = free[rank]
         for k in needs:
             start = np.maximum(start, arrive[k])
-        end = start + (d.backward if back else d.forward)[:, t, m]
+        seconds = (d.backward if back else d.forward)[:, t, m]
+        if quota:  # refilled at the quota's rate since last counted (ties included: the CPU idles in them)
+            speed = d.cpu_speedup[:, rank]
+            held = np.minimum(d.cpu_bucket[:, rank], cpu_tokens[rank] + (start - cpu_at[rank]) / speed)
+            seconds, cpu_tokens[rank] = burst_seconds(seconds, held, speed)
+            cpu_at[rank] = start + seconds
+        end = start + seconds
         free[rank] = end
         for k, e, grad, remote in sent:
             if not remote:

@@ -342,6 +342,9 @@ class FleetArrays:
                     self.overhead[k, j] = p.efficiency.overhead(kind)
         self.by_kind = any(p.efficiency is not None for p in self.pnodes)
         self.burst = np.array([p.burst for p in self.pnodes], dtype=float)
+        # A CPU quota's burst (vgraph/cost/cpu_quota.py): speed after idling over the figures' rate, bucket seconds.
+        self.cpu_speedup = np.array([p.cpu_burst.speedup if p.cpu_burst else 1.0 for p in self.pnodes], dtype=float)
+        self.cpu_bucket = np.array([p.cpu_burst.bucket if p.cpu_burst else 0.0 for p in self.pnodes], dtype=float)
         self.collectives = fleet.collectives
         # A rank's work a step beyond its program (vgraph/cost/update.py): fixed seconds, seconds a parameter.
         self.update_fixed = np.array([p.update.fixed if p.update else 0.0 for p in self.pnodes], dtype=float)
@@ -453,6 +456,7 @@ def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares
     bw_back, _ = fa.link(idx[:, dst], idx[:, src])
     act, grad = tasks.act / bw, tasks.grad / bw_back  # [R, E] seconds per sample
     bucket = fa.burst[idx] / fa.bandwidth[idx]  # [R, S] seconds of its own rate a rank's burst holds
+    cpu = (fa.cpu_speedup[idx], fa.cpu_bucket[idx]) if np.any(fa.cpu_bucket[idx] > 0) else None  # [R, S] each
     ties, pairs = TaskLoads.tied_pairs(loads.sync)
     tie = np.zeros((len(idx), len(pairs)))
     for p, (a, c) in enumerate(pairs):
@@ -467,7 +471,8 @@ def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares
         compute = sizes[:, None, :] * per_sample[r][:, :, None] + overhead[r][:, :, None]  # [n, T, m]
         forward = compute * tasks.forward[None, :, None]
         durations = Durations(forward, compute - forward, sizes[:, None, :] * act[r][:, :, None],
-                              sizes[:, None, :] * grad[r][:, :, None], latency[r], tie[r], bucket[r])
+                              sizes[:, None, :] * grad[r][:, :, None], latency[r], tie[r], bucket[r],
+                              *((cpu[0][r], cpu[1][r]) if cpu is not None else ()))
         out[pick] = makespan(compile_program(tasks.scheduled, tasks.edges, S, m, pipeline, ties), durations)
     return out
 

@@ -94,6 +94,11 @@ def register_probe(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true",
                    help="one short repetition of every timing: checks that the probe runs here (a test, a "
                         "benchmark's smoke run); its figures are noise, not a fleet entry to plan with")
+    p.add_argument("--cpu-burst", action="store_true",
+                   help="also time how much faster the CPU computes right after idling (a CPU quota's burst: "
+                        "vgraph/cost/cpu_quota.py) and write `cpu_burst`; the step cost then prices a pipeline "
+                        "stage's waits as refilling its quota.  Opt-in: not yet checked on a quiet testbed, and on "
+                        "a busy machine a process that slept is scheduled first, which times as a burst too")
     p.add_argument("--serve", action="store_true", help="be the peer of another machine's --peer")
     p.add_argument("--listen", metavar="ADDR:PORT", default=f"127.0.0.1:{DEFAULT_PORT}",
                    help=f"with --serve: where to listen (default 127.0.0.1:{DEFAULT_PORT}: this machine only; "
@@ -130,8 +135,10 @@ def _checked(args: argparse.Namespace) -> dict:
         raise VGraphError("--nnodes, --node-rank and --master-addr go with --collectives")
     listen = host_port(args.listen, "--listen")
     if args.serve:
-        if any(x is not None for x in (args.network, args.output, args.append, args.peer)) or args.quick:
-            raise VGraphError("--serve takes no network, output, --peer or --quick: it is the other end of a --peer")
+        if any(x is not None for x in (args.network, args.output, args.append, args.peer)) or args.quick \
+                or args.cpu_burst:
+            raise VGraphError("--serve takes no network, output, --peer, --quick or --cpu-burst: it is the other end "
+                              "of a --peer")
         return {"listen": (listen_address(listen[0]), listen[1]), "token": probe_token()}
     if not args.network:
         raise VGraphError("vgraph probe needs a network FILE (or --serve)")
@@ -176,9 +183,10 @@ def _checked_collectives(args: argparse.Namespace) -> dict:
     from ..distributed.rendezvous import TOKEN_ENV, check_master_addr, check_token
     from .collectives import MAX_ROUNDS
 
-    if args.serve or args.quick or any(x is not None for x in (args.network, args.output, args.peer, args.bandwidth,
-                                                               args.id)):
-        raise VGraphError("--collectives takes no network, -o, --id, --peer, --bandwidth, --quick or --serve: it "
+    if args.serve or args.quick or args.cpu_burst or any(x is not None for x in (args.network, args.output, args.peer,
+                                                                                  args.bandwidth, args.id)):
+        raise VGraphError("--collectives takes no network, -o, --id, --peer, --bandwidth, --quick, --cpu-burst or "
+                          "--serve: it "
                           "measures the hosts together, not this machine (--rounds sets its length)")
     if args.nnodes is None or args.node_rank is None or args.master_addr is None:
         raise VGraphError("--collectives needs --nnodes N, --node-rank I and --master-addr HOST (host 0's address), "
@@ -219,11 +227,12 @@ def run_probe(args: argparse.Namespace) -> int:
                         else measure_link(*checked["peer"], seconds=args.seconds, token=checked["token"]))
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     with quick_timings() if args.quick else contextlib.nullcontext():
-        result = probe(graph, device, args.batch, per_precision=not args.no_precisions, say=say)
+        result = probe(graph, device, args.batch, per_precision=not args.no_precisions, say=say,
+                       cpu_quota=args.cpu_burst)
     if result.memory is None:
         raise VGraphError(f"the memory of {device} cannot be read here ({result.memory_source})")
     pnode = PNode(checked["id"], result.memory, result.peak, bandwidth, result.accelerator,
-                  efficiency=result.efficiency, burst=burst, update=result.update)
+                  efficiency=result.efficiency, burst=burst, update=result.update, cpu_burst=result.cpu_burst)
     _report(result, pnode, graph.name, say)
     comment = (f"vgraph probe of network {graph.name!r} on {time.strftime('%Y-%m-%d %H:%M')}: {result.precision}, "
                f"peak {result.peak / 1e9:.3g} GFLOP/s (a large GEMM), link "
@@ -249,6 +258,9 @@ def _report(result, pnode: PNode, network: str, say) -> None:
     if result.update is not None:
         say(f"probe:   a step's batch draw and optimizer update: {result.update.fixed * 1e3:.3g} ms + "
             f"{result.update.per_param * 1e9:.3g} ns a parameter")
+    if result.cpu_burst is not None:
+        say(f"probe:   right after idling the CPU computes {result.cpu_burst.speedup:.3g}x as fast for "
+            f"{result.cpu_burst.bucket * 1e3:.3g} ms (a CPU quota's burst)")
     for precision, rates in result.rates.items():
         say(f"probe:   {network} at {precision}: " + ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s" for k, v in rates.items()))
 

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from vgraph.cost.costmodel import cost_model
+from vgraph.cost.cpu_quota import CpuBurst
 from vgraph.cost.op_kinds import KINDS, Efficiency, KindCost, op_kind
 from vgraph.cost.update import Update
 from vgraph.ir.graph import Graph
@@ -77,6 +78,7 @@ class ProbeResult:
     accelerator: str = "cpu"
     whole: tuple[float, float] = (0.0, 0.0)  # the training program's seconds per micro-batch: fixed, per sample
     update: Update | None = None  # the rank's own work each step beyond the program
+    cpu_burst: CpuBurst | None = None  # a CPU quota's speed after idling (None: no quota seen)
 
 
 @contextmanager
@@ -348,6 +350,46 @@ def _batch_draw(graph: Graph, where: Path, batch: int) -> Callable[[int], Any]:
     return lambda step: shards.batch(step, batch)
 
 
+# -- a CPU quota's burst ------------------------------------------------------------------------------
+
+BURST_IDLE_S = 0.12  # idle before a timed burst: longer than the kernel's default CFS period (100 ms)
+BURST_LONG_S = 0.03  # a run after idling long enough to spend any quota's burst (netlab: 2 ms a period)
+BURST_MIN_SPEEDUP = 1.15  # below this the CPU computes as fast after idling as continuously: no quota seen
+
+
+def cpu_burst(repeats: int | None = None) -> CpuBurst | None:
+    """A CPU quota's burst (vgraph/cost/cpu_quota.py), timed with a small GEMM: continuously (the rate every
+    other figure is taken at), one call right after idling (the CPU's own speed: `speedup`), and a run of
+    BURST_LONG_S after idling, whose saving over the continuous rate is bucket x speedup (the bucket drains at
+    1 - 1/speedup a second and saves 1/speedup - 1 seconds a second while it lasts).  Medians of `repeats`
+    (default REPEATS) idles each; None where the first call after idling is not BURST_MIN_SPEEDUP faster.
+
+    Why measured and not read from the cgroup: inside a network namespace host (tools/netlab.py) /sys is the
+    namespace's and the quota's files are not there, and a container's limit may be set where it cannot read."""
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+
+    def call() -> None:
+        torch.mm(a, b)
+
+    one = timed_in_turn([call], torch.device("cpu"), least=3 * BURST_LONG_S)[0]  # the quota's average rate
+    n = max(2, round(BURST_LONG_S / max(one, 1e-9)))
+    firsts, saved = [], []
+    for _ in range(repeats or REPEATS):
+        time.sleep(BURST_IDLE_S)
+        start = time.perf_counter()
+        call()
+        firsts.append(time.perf_counter() - start)
+        time.sleep(BURST_IDLE_S)
+        start = time.perf_counter()
+        for _ in range(n):
+            call()
+        saved.append(n * one - (time.perf_counter() - start))
+    speedup = one / max(statistics.median(firsts), 1e-12)
+    if not speedup >= BURST_MIN_SPEEDUP:
+        return None
+    return CpuBurst(min(speedup, 1000.0), max(0.0, statistics.median(saved)) / speedup)
+
+
 # -- from timings to the fleet entry's figures ------------------------------------------------------
 
 def _line(t1: float, t2: float, m1: int, m2: int) -> tuple[float, float]:
@@ -410,8 +452,9 @@ def precision_rates(graph: Graph, module: VGraphModule, device: torch.device, m:
 
 
 def probe(graph: Graph, device: torch.device, micro_batch: int, *, per_precision: bool = True,
-          say: Callable[[str], None] = lambda line: None) -> ProbeResult:
-    """Measure this machine for `graph` (prepared: the pipeline it trains with) on `device`."""
+          say: Callable[[str], None] = lambda line: None, cpu_quota: bool = False) -> ProbeResult:
+    """Measure this machine for `graph` (prepared: the pipeline it trains with) on `device`; `cpu_quota`: also
+    a CPU quota's burst (`cpu_burst`, on a CPU)."""
     from ..training.memory import available_memory
 
     dtype = compute_dtype(graph)
@@ -431,11 +474,15 @@ def probe(graph: Graph, device: torch.device, micro_batch: int, *, per_precision
     say(f"probe: a step's batch draw and optimizer update at a batch of {max(1, micro_batch)} ...")
     update = update_costs(graph, module, device, amp, max(1, micro_batch))
     rates = precision_rates(graph, module, device, sizes[1]) if per_precision else {}
+    burst = None
+    if cpu_quota and device.type == "cpu":
+        say("probe: the CPU's speed right after idling (a CPU quota's burst) ...")
+        burst = cpu_burst()
     memory, source = available_memory(device)
     return ProbeResult(peak, str(dtype).replace("torch.", ""), efficiency, rates, memory, source,
-                       accelerator_of(device), whole, update)
+                       accelerator_of(device), whole, update, burst)
 
 
 __all__ = ["ProbeResult", "probe", "peak_flops", "vnode_times", "program_line", "fit_line",
-           "update_costs", "calibrate", "precision_rates", "supported_precisions", "accelerator_of", "training_nodes",
-           "timed", "timed_in_turn", "quick_timings"]
+           "update_costs", "cpu_burst", "calibrate", "precision_rates", "supported_precisions", "accelerator_of",
+           "training_nodes", "timed", "timed_in_turn", "quick_timings"]

@@ -76,6 +76,7 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
     graph = source.copy()
     if before:
         run_pipeline(graph, before, target=target)
+    planned_here = assignment is None
     if assignment is None:
         if "partition" not in available_passes():
             raise VGraphError("the 'partition' pass is not installed: reinstall vgraph (pip install -e .) so "
@@ -100,6 +101,17 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
         choices = dict(choices or {})
     placed = apply_assignment(source, before, assignment, after, target, choices)
     final = assignment_of(placed)
+    if planned_here and replicas is not None:
+        # The partition pass balanced the shares on the graph before the fusions, counting per-VNode overheads
+        # (probed on the fused program's VNodes) on every VNode the fusions merge: a block's attention heads,
+        # their broadcast and stack, where the workers run one fused attention.  A slow host pays them at its
+        # own rate, so it got too few samples (issue 42: [5, 3] chosen where the step cost of the graph that
+        # runs priced [4, 4] 1.8% lower).  The layout stays; the shares are balanced on the graph that runs.
+        try:
+            shares = rebalanced_shares(placed, fleet, final, replicas[0], batch, micro_batches)
+        except VGraphError:  # the placed graph's memory count cannot hold the batch in these rows (a fleet sized
+            shares = replicas[1]  # to the pass's count, which fits: tests/test_distributed_replicas.py): as before
+        replicas = (replicas[0], shares)
     ranks = list(dict.fromkeys(final[n.id] for n in placed.topo_order()))
     placed.meta["placement"] = {"batch": batch, "micro_batches": micro_batches, "grad_compress": grad_compress,
                                 "pipeline": pipeline, **choices}  # the schedule the step is priced as
