@@ -52,3 +52,31 @@ def test_partition_and_onnx_come_from_their_entry_points() -> None:
 
     assert find_plugin("vgraph.decoders", "onnx").load() is Decoder  # what `generate --backend onnx` uses
     assert find_plugin("vgraph.decoders", "no-such-backend") is None
+
+
+def test_discovery_reads_the_metadata_of_vgraph_distributions_only(tmp_path, monkeypatch) -> None:
+    """Every process that loads plugins (each launch worker, each command) scans every installed distribution:
+    parsing each one's METADATA (an email message, README included), and vgraph's once per entry point, cost
+    0.33 CPU-s a process.  Only a distribution whose entry points name a vgraph group is parsed, once, and the
+    plugin still carries its distribution's name and version."""
+    from importlib import metadata
+
+    from vgraph import plugins
+
+    def dist(name: str, entry_points: str) -> None:
+        info = tmp_path / f"{name}-1.2.3.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.2.3\n\nREADME\n")
+        (info / "entry_points.txt").write_text(entry_points)
+
+    dist("ours", "[vgraph.passes]\nfirst = ours.mod:First\nsecond = ours.mod:Second\n[console_scripts]\nx = ours:x\n")
+    dist("theirs", "[console_scripts]\ny = theirs:y\n")
+    dist("plain", "")
+    read = []
+    real = metadata.PathDistribution.metadata
+    monkeypatch.setattr(metadata.PathDistribution, "metadata",
+                        property(lambda self: read.append(self._path.name) or real.fget(self)))
+    found = plugins._entry_points.__wrapped__((str(tmp_path),))
+    assert sorted(found) == ["vgraph.passes"]
+    assert [(p.name, p.origin) for p in found["vgraph.passes"]] == [("first", "ours 1.2.3"), ("second", "ours 1.2.3")]
+    assert read == ["ours-1.2.3.dist-info"]  # premise: three distributions on the path, one of them ours

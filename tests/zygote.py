@@ -42,10 +42,15 @@ from pathlib import Path
 
 #: What the zygote imports (third-party only: nothing whose registries or entry points the commands load).  Not
 #: onnxruntime: its thread pool, started at import, is not fork-safe (a forked child hung in its exit handlers).
-PRELOAD = ("numpy", "yaml", "torch", "torch._dynamo", "onnx")
-#: Variables the preloaded libraries read at their import: a command whose values differ gets another zygote.
+#: matplotlib's figure and Agg canvas and TensorBoard's writer: every training command draws its loss curve and
+#: logs to TensorBoard (~1.1 CPU-s of imports a child), as the launch's forkserver preloads them for its workers.
+PRELOAD = ("numpy", "yaml", "torch", "torch._dynamo", "onnx", "matplotlib.figure", "matplotlib.backends.backend_agg",
+           "torch.utils.tensorboard")
+#: Variables the preloaded libraries read at their import: a command whose values differ gets another zygote
+#: (matplotlib reads its configuration directory, MPLCONFIGDIR or under HOME and XDG_*, at import).
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH", "PYTORCH", "CUDA", "LD_", "ORT_",
-                   "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE")
+                   "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONOPTIMIZE",
+                   "MPL", "HOME", "XDG_")
 
 _ZYGOTES: dict[tuple, "_Zygote"] = {}
 
