@@ -30,3 +30,16 @@ def test_the_next_decision_prices_the_boundary_this_run_measured(tmp_path) -> No
     (row,) = rows
     assert row["event"] == "moved" and row["first_step"] == 4 and 20.0 <= row["seconds"] < 60.0
     assert run.moving is None and overhead_s(run) == run.moved_s == pytest.approx(row["seconds"], abs=5e-4)  # rounded
+
+
+def test_a_drift_the_last_decision_priced_is_not_decided_again() -> None:
+    """placement/drift.new_evidence: a report is decided on only when a PNode's measured busy time left the
+    drift band (25% either way) around the figure the last decision priced, or a PNode is new to it."""
+    from vgraph.placement.drift import DRIFT_TOLERANCE, new_evidence
+
+    decided = {"h0": 0.146, "h1": 0.06}
+    assert new_evidence({"h0": 0.146}, None) and new_evidence({"h0": 0.146}, {})  # nothing decided yet
+    assert not new_evidence({"h0": 0.146 * 1.2, "h1": 0.06 / 1.2}, decided)  # inside the band: the same
+    assert not new_evidence({"h0": 0.146 * DRIFT_TOLERANCE}, decided)  # its edge still is
+    assert new_evidence({"h0": 0.146 * 1.3}, decided) and new_evidence({"h1": 0.06 / 1.3}, decided)
+    assert new_evidence({"h2": 0.05}, decided)  # a PNode the decision did not see

@@ -38,7 +38,7 @@ from vgraph.cost.fleet import Fleet, PNode, fleet_text
 from vgraph.cost.op_kinds import Efficiency, KindCost
 from vgraph.cost.update import Update
 
-__all__ = ["DRIFT_TOLERANCE", "DEFAULT_DRIFT_STEPS", "DEFAULT_WARMUP", "DEFAULT_WINDOW", "MAX_FACTOR",
+__all__ = ["new_evidence", "DRIFT_TOLERANCE", "DEFAULT_DRIFT_STEPS", "DEFAULT_WARMUP", "DEFAULT_WINDOW", "MAX_FACTOR",
            "MeasuredFleet", "measured_fleet", "fleet_file_text", "predicted_busy", "busy_seconds",
            "Drift", "DriftWatch"]
 
@@ -88,6 +88,22 @@ def _factor_problem(p: PNode, c: float) -> str | None:
     if p.update is not None and p.update.per_param * c > 1e-3:
         return "its update's per_param would exceed a millisecond per parameter"
     return None
+
+
+def new_evidence(measured: Mapping[str, float], decided: Mapping[str, float] | None,
+                 tolerance: float = DRIFT_TOLERANCE) -> bool:
+    """Whether a drift report's measured busy times (PNode -> seconds) say anything the last drift decision
+    (`decided`, the figures it priced) did not: a PNode it did not see, or one whose time moved out of the
+    drift band around the one it priced.
+
+    Why: rank 0 reports a drift every K steps for as long as the plan's prediction is off, and a decision that
+    kept the plan priced those same figures already; deciding again costs the coordinator's CPU (the planner,
+    three placements) and says the same.  On bench_churn's 0.35-core hosts (2026-12-07) twenty such decisions
+    in one run, each about 0.5 CPU-s, took their time from rank 0's worker on the same host."""
+    if not decided:
+        return True
+    return any(pid not in decided or not (decided[pid] / tolerance <= t <= decided[pid] * tolerance)
+               for pid, t in measured.items())
 
 
 def measured_fleet(fleet: Fleet, predicted: Mapping[str, float], measured: Mapping[str, float]) -> MeasuredFleet:

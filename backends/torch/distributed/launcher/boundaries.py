@@ -176,12 +176,14 @@ def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
     metrics row with `drift`, at a step after `start`) is a re-plan decision on the measured fleet
     (fleet.measured.yml) through `replan`.  Fresh evidence only: the rows of this attempt, whose rank 0 watches
     its own plan's prediction from its own warm-up (so a re-plan's next one needs K steps measured under the
-    new plan), and once a drift re-plan is chosen this watch ends."""
+    new plan), and once a drift re-plan is chosen this watch ends.  A report whose figures the last decision
+    already priced (within the drift band: placement/drift.new_evidence) is not decided again."""
     from dataclasses import replace
 
     from vgraph.cost.fleet import load_fleet
+    from vgraph.placement.drift import new_evidence
 
-    seen = start
+    seen, decided = start, None
     while not ended.wait(0.5):
         row = last_drift(run, seen)
         if row is None:
@@ -193,6 +195,11 @@ def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
             run.emit(f"launch: drift at step {seen}: no re-plan: {exc}")
             continue
         pnodes = row["drift"].get("pnodes")
+        figures = {pid: float(p["measured_s"]) for pid, p in (pnodes if isinstance(pnodes, dict) else {}).items()
+                   if isinstance(p, dict) and isinstance(p.get("measured_s"), (int, float))}
+        if not new_evidence(figures, decided):
+            continue
+        decided = figures
         why = "drift: " + ", ".join(
             f"{pid} measured {p['measured_s']:.3g} s vs predicted {p['predicted_s']:.3g} s busy for "
             f"{run.drift_steps} steps" for pid, p in sorted((pnodes if isinstance(pnodes, dict) else {}).items())
