@@ -25,7 +25,7 @@ def light():  # the same server with a light preload: torch's imports would cost
 supervisor._context = light
 supervisor.warm()
 warmed = forkserver._forkserver._forkserver_pid
-supervisor.warm()  # again: the same server
+supervisor.warm(wait=True)  # again, waiting for it: the same server
 again = forkserver._forkserver._forkserver_pid
 alive = os.waitpid(warmed, os.WNOHANG)[0] == 0
 ctx = supervisor._context()

@@ -663,7 +663,8 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
                           f"--master-port (2 to 65535)")
     from .supervisor import warm
 
-    warm()  # the workers' imports while machine 0 admits this machine and its files come
+    emit("launch --join: readying this machine's worker processes (their imports) before asking to join")
+    warm(wait=True)  # the workers' imports before the admission: a boundary must not wait for them (warm)
     admitted = join_run(addr, channel, token, pnode_file, join_timeout)
     machine, pid = int(admitted["machine"]), admitted["pnode_object"].id  # its own id names its directory
     emit(f"launch --join: admitted as machine {machine} with PNode {pid}"

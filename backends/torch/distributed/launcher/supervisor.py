@@ -94,14 +94,16 @@ def _context() -> Any:
     return ctx
 
 
-def warm() -> None:
+def warm(wait: bool = False) -> None:
     """Start the forkserver the workers fork from now: it imports vgraph, torch and torch._dynamo in its own
-    process while this launcher places the plan, waits for its admission, its files or a boundary.
+    process while this launcher places the plan or receives its files.  `wait`: return only once it has
+    (a process forked from it and ended), which is what a joiner does before it asks to be admitted.
 
     Why: started at the first attempt instead, those imports are on the path of the first step, and a
-    machine that joins runs its first attempt right after a boundary that every machine waits for: at 0.35 of
-    a core the imports took seconds of bench_churn's 20 s move (2026-12-07).  Spawning the server does not
-    wait for its imports (multiprocessing.forkserver.ensure_running); the first worker's fork does."""
+    machine that joins runs its first attempt right after a boundary that every machine waits for: in
+    bench_churn (0.35 of a core a host, 2026-12-07) the first join's boundary took 20-23 s where a leave's,
+    every server warm, took 3.9 s; the fleet trains on while the newcomer imports.  Spawning the server does
+    not wait for its imports (multiprocessing.forkserver.ensure_running); the first fork does."""
     ctx = _context()
     if ctx.get_start_method() != "forkserver":
         return
@@ -109,6 +111,11 @@ def warm() -> None:
 
     with _main_module_hidden():  # the server would import the launcher's main script otherwise
         forkserver.ensure_running()
+        if wait:
+            ready = ctx.Process(target=os.getpid, name="vgraph-forkserver-ready", daemon=True)
+            ready.start()
+    if wait:
+        ready.join()
 
 
 @contextmanager
