@@ -150,7 +150,11 @@ def test_machine_0_killed_after_a_boundary_the_follower_takes_over_with_the_grow
         list(range(1, 9))
     (moved,) = [e for e in events(node1) if e["event"] == "succession"]
     assert moved["coordinator"] == 1 and moved["lost"] == 0 and moved["resume_step"] >= 3, moved
-    assert moved["pnodes_lost"] == ["m0"]  # j1 reported to machine 1: only machine 0's PNode is lost
+    # Machine 0's PNode is lost; j1 too for this attempt when its report reached machine 1 after the decision
+    # (its worker still in attempt 1's rendezvous at the kill, or its launcher slower to find the successor:
+    # about half the runs on this VM, 2026-12-07).  Either way j1 follows machine 1 and is placed again: the
+    # last attempt's ranks below (docs/distributed.md, "Machine 0 is lost in an elastic run").
+    assert moved["pnodes_lost"] in (["m0"], ["j1", "m0"]), moved
     mirrored = [json.loads(line)["step"] for line in (node1 / "launch" / "mirror" / "metrics.jsonl").read_text()
                 .splitlines() if line.endswith("}")]  # the rows machine 1 held of machine 0's log
     assert moved["steps_redone"] == max(mirrored) - moved["resume_step"]
