@@ -30,6 +30,24 @@ launch(LaunchConfig(**settings))
 """
 
 
+def machines_0_and_1(files: Path, tmp_path: Path, port: int, **options):
+    """A `--nnodes 2:3` run on m0 and m1: machine 0 a process of its own session (to be SIGKILLed), held after
+    step 2; machine 1 a launch in a thread (its Thread, and the list its lines go to)."""
+    fleet = files / "two-wide.yml"
+    fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
+                     + PNODE.format(id="m1", memory="256MiB"))
+    settings = dict(common(files), fleet=str(fleet), nnodes=2, max_nnodes=3, master_port=port, link_timeout=2.0,
+                    comm_timeout=20.0, **options)
+    zero = subprocess.Popen(
+        [sys.executable, "-c", MACHINE_0, json.dumps({**settings, "node_rank": 0, "hold": ["m0", 2],
+                                                      "out": str(tmp_path / "node0")})],
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines: list[str] = []
+    one = Thread(lambda: launch(LaunchConfig(**settings, node_rank=1, out=tmp_path / "node1", log=lines.append)))
+    one.start()
+    return zero, one, lines
+
+
 @pytest.mark.slow  # three launchers and the rejoin timeout (--comm-timeout + --link-timeout) waited out
 def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_joined_machine(
         files, reference, tmp_path, monkeypatch):
@@ -41,18 +59,7 @@ def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_j
     m1 and j1, rank 0 on itself; j1 runs it from machine 1's job.  Every step once, losses as `vgraph train`."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
     port = launch_port()
-    fleet = files / "two-wide.yml"
-    fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
-                     + PNODE.format(id="m1", memory="256MiB"))
-    settings = dict(common(files), fleet=str(fleet), nnodes=2, max_nnodes=3, master_port=port, replicas=2,
-                    on_failure="restart", link_timeout=2.0, comm_timeout=20.0)
-    zero = subprocess.Popen(
-        [sys.executable, "-c", MACHINE_0, json.dumps({**settings, "node_rank": 0, "hold": ["m0", 2],
-                                                      "out": str(tmp_path / "node0")})],
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    one = Thread(lambda: launch(LaunchConfig(**settings, node_rank=1, out=tmp_path / "node1", log=lines.append)))
-    one.start()
+    zero, one, lines = machines_0_and_1(files, tmp_path, port, replicas=2, on_failure="restart")
     joiner = None
     try:
         alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}")
@@ -101,19 +108,8 @@ def test_machine_0_killed_after_a_boundary_the_follower_takes_over_with_the_grow
     past the state installed."""
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
     port = launch_port()
-    fleet = files / "two-wide.yml"
-    fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
-                     + PNODE.format(id="m1", memory="256MiB"))
     # replicas auto: the planner may take a third replica at the join (a fixed --replicas 2 keeps the plan)
-    settings = dict(common(files), fleet=str(fleet), nnodes=2, max_nnodes=3, master_port=port, replicas="auto",
-                    on_failure="shrink", link_timeout=2.0, comm_timeout=20.0)
-    zero = subprocess.Popen(
-        [sys.executable, "-c", MACHINE_0, json.dumps({**settings, "node_rank": 0, "hold": ["m0", 2],
-                                                      "out": str(tmp_path / "node0")})],
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    one = Thread(lambda: launch(LaunchConfig(**settings, node_rank=1, out=tmp_path / "node1", log=lines.append)))
-    one.start()
+    zero, one, lines = machines_0_and_1(files, tmp_path, port, replicas="auto", on_failure="shrink")
     joiner = None
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     try:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vgraph.cost.op_kinds import format_seconds, parse_seconds
+from vgraph.cost.op_kinds import check_both_keys, format_seconds, parse_seconds
 
 CPU_BURST_KEYS = ("speedup", "bucket")
 MAX_SPEEDUP = 1000.0  # a quota of a thousandth of a core: the kernel's least quota is 1 ms a period
@@ -60,12 +60,7 @@ class CpuBurst:
 
 def parse_cpu_burst(fields: dict[str, str]) -> CpuBurst:
     """`{speedup: X, bucket: T}` as read from YAML text (both required); ValueError naming what is wrong."""
-    unknown = sorted(set(fields) - set(CPU_BURST_KEYS))
-    if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} (keys: {', '.join(CPU_BURST_KEYS)})")
-    missing = [k for k in CPU_BURST_KEYS if k not in fields]
-    if missing:
-        raise ValueError(f"missing {missing[0]!r} (give both: {{speedup: 2.7, bucket: 0.75ms}})")
+    check_both_keys(fields, CPU_BURST_KEYS, "{speedup: 2.7, bucket: 0.75ms}")
     try:
         speedup = float(fields["speedup"])
     except ValueError:

@@ -105,6 +105,17 @@ def format_seconds(value: float) -> str:
     return f"{value * 1e6:.4g}us"
 
 
+def check_both_keys(fields: dict[str, str], keys: tuple[str, str], example: str) -> None:
+    """A fleet entry's two-key flow mapping (`update`, `cpu_burst`) has exactly `keys`; ValueError naming the
+    first unknown or missing one, with `example` as the spelling to copy."""
+    unknown = sorted(set(fields) - set(keys))
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} (keys: {', '.join(keys)})")
+    missing = [k for k in keys if k not in fields]
+    if missing:
+        raise ValueError(f"missing {missing[0]!r} (give both: {example})")
+
+
 def parse_kind(kind: str, fields: dict[str, str]) -> KindCost:
     """A kind's {of_peak, overhead} as read from YAML text; ValueError naming what is wrong."""
     if kind not in KINDS:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vgraph.cost.op_kinds import format_seconds, parse_seconds
+from vgraph.cost.op_kinds import check_both_keys, format_seconds, parse_seconds
 
 UPDATE_KEYS = ("fixed", "per_param")
 
@@ -39,12 +39,7 @@ class Update:
 
 def parse_update(fields: dict[str, str]) -> Update:
     """`{fixed: T, per_param: T}` as read from YAML text (both required); ValueError naming what is wrong."""
-    unknown = sorted(set(fields) - set(UPDATE_KEYS))
-    if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} (keys: {', '.join(UPDATE_KEYS)})")
-    missing = [k for k in UPDATE_KEYS if k not in fields]
-    if missing:
-        raise ValueError(f"missing {missing[0]!r} (give both: {{fixed: 1.4ms, per_param: 0.6ns}})")
+    check_both_keys(fields, UPDATE_KEYS, "{fixed: 1.4ms, per_param: 0.6ns}")
     values = []
     for key in UPDATE_KEYS:
         try:
