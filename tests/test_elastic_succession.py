@@ -48,6 +48,16 @@ def machines_0_and_1(files: Path, tmp_path: Path, port: int, **options):
     return zero, one, lines
 
 
+def wind_down(zero, one, joiner) -> None:
+    """Machine 0 killed if it still runs (a failed wait), machine 1 and the joiner waited for."""
+    if zero.poll() is None:
+        os.killpg(zero.pid, signal.SIGKILL)
+        zero.wait()
+    one.join(timeout=240)
+    if joiner is not None:
+        joiner.join(timeout=60)
+
+
 @pytest.mark.slow  # three launchers and the rejoin timeout (--comm-timeout + --link-timeout) waited out
 def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_joined_machine(
         files, reference, tmp_path, monkeypatch):
@@ -75,12 +85,7 @@ def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_j
         os.killpg(zero.pid, signal.SIGKILL)  # the launcher and its workers: the whole machine
         assert zero.wait(timeout=30) == -signal.SIGKILL
     finally:
-        if zero.poll() is None:
-            os.killpg(zero.pid, signal.SIGKILL)
-            zero.wait()
-        one.join(timeout=240)
-        if joiner is not None:
-            joiner.join(timeout=60)
+        wind_down(zero, one, joiner)
     assert one.error is None and joiner.error is None, (one.error, joiner.error, lines[-30:])
     result, joined = one.result, joiner.result
     run = tmp_path / "node1"
@@ -131,12 +136,7 @@ def test_machine_0_killed_after_a_boundary_the_follower_takes_over_with_the_grow
         os.killpg(zero.pid, signal.SIGKILL)
         assert zero.wait(timeout=30) == -signal.SIGKILL
     finally:
-        if zero.poll() is None:
-            os.killpg(zero.pid, signal.SIGKILL)
-            zero.wait()
-        one.join(timeout=240)
-        if joiner is not None:
-            joiner.join(timeout=60)
+        wind_down(zero, one, joiner)
     assert one.error is None and joiner.error is None, (one.error, joiner.error, lines[-30:])
     boundary = next(e for e in events(node0) if e["event"] == "boundary")
     assert boundary["step"] == 3 and boundary["pnodes"] == ["j1", "m0", "m1"], boundary  # the premise
