@@ -98,8 +98,9 @@ def place_attempt(run: Run, fleet: Fleet, number: int, given: Any, layout: Any, 
 
 
 def plan(run: Run, fleet: Fleet, given: dict[str, str] | None = None, layout: Any = None,
-         homes: dict[str, int] | None = None) -> Placement:
-    """The placement on `fleet`: the partition pass's plan, or `given` with its replica `layout`; across
+         homes: dict[str, int] | None = None, choices: dict[str, Any] | None = None) -> Placement:
+    """The placement on `fleet`: the partition pass's plan, or `given` with its replica `layout` (and the
+    partition's `choices` it was made with, a job's placed again); across
     machines, once `homes` (PNode -> machine) are known, with world rank 0 on a PNode of the coordinator's
     machine (`placing.led_by`), priced as it will run.  The attempt and the re-plan decision place through
     here, so the plan a decision priced is the plan the next attempt runs."""
@@ -108,7 +109,7 @@ def plan(run: Run, fleet: Fleet, given: dict[str, str] | None = None, layout: An
                      target=run.target, batch=run.batch, micro_batches=run.micro, assignment=assignment,
                      replicas=replicas, grad_compress=run.grad_compress, pipeline=run.pipeline, choices=choices)
 
-    placement = placed(given, layout)
+    placement = placed(given, layout, choices)
     if homes is None or not run.machines.active:
         return placement
     leads = {p for p in fleet.ids if homes.get(p, 0) == run.machines.coordinator}

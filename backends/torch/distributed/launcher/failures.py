@@ -24,11 +24,11 @@ from ..job import EXIT_USER_ERROR, Job
 from . import succession
 from .boundaries import last_step
 from .elastic import TookOver, record_event
-from .emission import Attempt
+from .emission import Attempt, plan as placed_as_planned
 from .inputs import Run
 from .joins import open_admission, serve_channel
 from .membership import REQUEST_TIMEOUT_S, MachineLost, decide
-from .placing import place, shrink
+from .placing import shrink
 from .shard_transfer import send_shards
 
 __all__ = ["after_failure", "fence", "mirror", "succeed_followed", "take_admission"]
@@ -285,8 +285,5 @@ def _followed(run: Run, job: Job, job_path: Path, fleet: Fleet) -> Attempt:
     replicas and choices): what a rescue of it is assembled against (`_rescue_inputs`)."""
     size = len(job.plan_ranks)
     layout = ([job.ranks[i:i + size] for i in range(0, len(job.ranks), size)], list(job.batch_shares))
-    placement = place(run.source, fleet, before=run.before, partition=run.partition, after=run.after,
-                      target=run.target, batch=run.batch, micro_batches=run.micro, assignment=job.assignment,
-                      replicas=layout, grad_compress=run.grad_compress, pipeline=run.pipeline,
-                      choices=job.plan_choices)
+    placement = placed_as_planned(run, fleet, job.assignment, layout, choices=job.plan_choices)
     return Attempt(job.attempt, placement, job, job_path, [], job.train.threads or 1, None)
