@@ -8,7 +8,8 @@ import pytest
 from conftest import TINY
 from vgraph import VGraphError, load
 from vgraph.cost.fleet import loads_fleet
-from vgraph.placement.drift import (DriftWatch, busy_seconds, fleet_file_text, measured_fleet, predicted_busy)
+from vgraph.placement.drift import (DriftWatch, busy_seconds, fleet_file_text, measured_fleet, predicted_busy,
+                                    relative_spread)
 from vgraph.placement.export import placement_report
 from vgraph.transform.pipeline import run_pipeline
 
@@ -108,6 +109,21 @@ def test_the_measured_figure_is_the_episodes_median() -> None:
     assert watch.busy_medians()["p"] == pytest.approx(0.15)
     feed(watch, [1.0] * 3)
     assert not watch.drifting and watch.measured()["p"] == pytest.approx(0.1)
+
+
+def test_the_report_carries_the_spread_of_its_episode() -> None:
+    """relative_spread: half the interquartile range over the median (inclusive quartiles): 1, 2, 3, 4, 5 ->
+    quartiles 2 and 4, median 3: 1/3.  A steady episode reports 0, an unsteady one its spread; one spike
+    among many steady steps does not widen it (quartiles)."""
+    assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1 / 3)
+    assert relative_spread([]) == relative_spread([2.0]) == 0.0 and relative_spread([0.0, 0.0]) == 0.0
+    assert relative_spread([1.0] * 9 + [50.0]) == 0.0
+    steady = feed(DriftWatch({"p": 0.1}, steps=2, warmup=0, window=1), [0.3] * 4)
+    (drift,) = steady.values()
+    assert drift.spread == {"p": 0.0} and drift.to_json()["pnodes"]["p"]["spread"] == 0.0
+    unsteady = feed(DriftWatch({"p": 0.1}, steps=3, warmup=0, window=1), [0.2, 0.4, 0.3, 0.5])
+    (drift,) = unsteady.values()  # the episode so far: 0.2 0.4 0.3 -> quartiles 0.25, 0.35, median 0.3
+    assert drift.spread["p"] == pytest.approx(0.05 / 0.3)
 
 
 def test_warmup_steps_are_ignored_and_zero_disables() -> None:

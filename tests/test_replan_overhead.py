@@ -43,3 +43,17 @@ def test_a_drift_the_last_decision_priced_is_not_decided_again() -> None:
     assert not new_evidence({"h0": 0.146 * DRIFT_TOLERANCE}, decided)  # its edge still is
     assert new_evidence({"h0": 0.146 * 1.3}, decided) and new_evidence({"h1": 0.06 / 1.3}, decided)
     assert new_evidence({"h2": 0.05}, decided)  # a PNode the decision did not see
+
+
+def test_a_drift_decision_prices_the_widest_spread_rank_0_reported() -> None:
+    """boundaries._spread: the widest of the drifting PNodes' spreads (placement/drift.relative_spread) from the
+    row rank 0 wrote; a spread that is missing, not a number, NaN, infinite, negative or above 10 counts as 0
+    (the figures priced as exact, as before spreads were reported) instead of stopping the decision."""
+    from vgraph.backends.torch.distributed.launcher.boundaries import _spread
+
+    assert _spread({"h0": {"measured_s": 0.1, "spread": 0.12}, "h1": {"measured_s": 0.2, "spread": 0.3}}) == 0.3
+    assert _spread({"h0": {"measured_s": 0.1}}) == 0.0 and _spread({}) == 0.0
+    for bad in (float("nan"), float("inf"), -0.1, 11.0, "0.2", True, None, [0.2]):
+        assert _spread({"h0": {"spread": bad}, "h1": {"spread": 0.05}}) == 0.05, bad
+    for junk in (None, [], "x", {"h0": 3}, {"h0": None}):
+        assert _spread(junk) == 0.0

@@ -9,6 +9,7 @@ logged steps are read here from metrics.jsonl's tail (`last_step`), without read
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -60,19 +61,21 @@ def _tail_rows(run: Run) -> list[dict[str, Any]]:
 
 
 def replan(run: Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet], fields_: dict[str, Any], *,
-            label: str, gone: Sequence[str] = (), measured: Fleet | None = None, why: str = "") -> None:
+            label: str, gone: Sequence[str] = (), measured: Fleet | None = None, why: str = "",
+            uncertainty: float = 0.0) -> None:
     """The one re-plan decision of a join, a leave and a drift (vgraph/placement/replan.py): the planner's plan
     on `target_of(the running attempt's fleet)` priced against the running plan over the steps left; when it
     pays (a leave: always, the running plan loses `gone`), ask the workers for a boundary: they stop after the
     current step with a checkpoint and the next attempt runs on that fleet (`boundary`).  A drift prices the
     running plan on the `measured` fleet too, so both steps come from the same figures.  Every decision is a
-    `replan` row of fleet-events.jsonl and one line."""
+    `replan` row of fleet-events.jsonl and one line.  `uncertainty`: a drift's spread (`_spread`), priced as
+    the margin a gain must clear besides the change's cost."""
     admission = run.admission
     row: dict[str, Any] = {"event": "replan", "kind": trigger, "step": step, **fields_}
     try:
         placement, fleet = _running(admission, wait_s=run.comm_timeout if gone else 0.0)
         target = target_of(fleet)
-        decision, machines, handed = _decision(run, placement, target, step, gone, measured is not None)
+        decision, machines, handed = _decision(run, placement, target, step, gone, measured is not None, uncertainty)
     except Exception as exc:  # in its own thread: whatever went wrong is said and recorded, the run goes on
         said = str(exc) if isinstance(exc, VGraphError) else f"{type(exc).__name__}: {exc}"
         admission.event({**row, "chosen": "new" if gone else "keep", "reason": said})
@@ -112,8 +115,8 @@ def _running(admission: elastic.Admission, wait_s: float) -> tuple[Any, Fleet]:
         time.sleep(0.1)
 
 
-def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Sequence[str], reprice: bool
-              ) -> tuple[Any, int, float]:
+def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Sequence[str], reprice: bool,
+              uncertainty: float = 0.0) -> tuple[Any, int, float]:
     """(replan.Replan, machines left on `target`, state bytes of the VNodes only `gone` held): the planner's
     plan on `target` against `placement` (`reprice`: the running plan's step priced on `target` as well, a
     drift's measured figures)."""
@@ -133,7 +136,8 @@ def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Se
              for p in (old, new)]
     sizes = state_bytes(before_partition(run.source, run.before, run.target))
     gone = sorted(set(gone) | admission.departing())  # another leave at the same step: no sender either
-    decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=overhead_s(run))
+    decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=overhead_s(run),
+                      uncertainty=uncertainty)
     handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
     return decision, len({homes.get(p, 0) for p in target.ids}), handed
 
@@ -205,10 +209,19 @@ def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
             f"{run.drift_steps} steps" for pid, p in sorted((pnodes if isinstance(pnodes, dict) else {}).items())
             if isinstance(p, dict) and all(isinstance(p.get(k), (int, float)) for k in ("measured_s", "predicted_s")))
         replan(run, "drift", seen, lambda fleet: run.admission.grown_fleet(measured), {"drift": row["drift"]},
-                label="drift", measured=measured, why=why)
+                label="drift", measured=measured, why=why, uncertainty=_spread(pnodes))
         with run.admission.lock:
             if run.admission.next_fleet is not None:
                 return
+
+
+def _spread(pnodes: Any) -> float:
+    """The uncertainty a drift's decision prices (replan.decide): the widest relative spread of the drifting
+    PNodes' busy times (placement/drift.relative_spread), from rank 0's row; a figure that is missing or not a
+    finite number from 0 to 10 counts as 0 (the decision then prices the figures as exact, as before)."""
+    spreads = [p.get("spread") for p in (pnodes.values() if isinstance(pnodes, dict) else ()) if isinstance(p, dict)]
+    return max([float(x) for x in spreads if isinstance(x, (int, float)) and not isinstance(x, bool)
+                and math.isfinite(x) and 0 <= x <= 10] or [0.0])
 
 
 def last_drift(run: Run, after: int) -> dict[str, Any] | None:
