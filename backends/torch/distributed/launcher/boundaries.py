@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -25,7 +26,7 @@ from .inputs import Run
 from .emission import plan
 from .placing import Placement, before_partition
 
-__all__ = ["MOVE_POLL_S", "last_step", "last_drift", "overhead_s", "rank_zero_elsewhere", "replan", "watch_drift",
+__all__ = ["MOVE_POLL_S", "last_step", "trained_after_request", "last_drift", "overhead_s", "rank_zero_elsewhere", "replan", "watch_drift",
            "boundary", "watch_move", "move_measured"]
 
 MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
@@ -144,7 +145,8 @@ def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Se
 
 def overhead_s(run: Run) -> float:
     """What a boundary costs besides moving state, for the next decision: this run's last boundary as measured
-    (its `moved` row: stop request to the next attempt's first step), else the launch's setting
+    (its `moved` row's `lost_s`: stop request to the next attempt's first step, less the steps trained in
+    between: `trained_after_request`), else the launch's setting
     (replan.DEFAULT_REPLAN_OVERHEAD_S, measured on a loopback run).  Why the run's own figure: a boundary
     costs what this fleet's slowest machine takes to stop, place and start again, 2-3 s on loopback and 20 s at
     0.35 of a core (bench_churn, 2026-12-07); a decision priced with the loopback figure takes changes that do
@@ -172,6 +174,7 @@ def _ask_boundary(run: Run) -> None:
         if admission.done:
             return
         admission.replanning = True
+    run.asked_step = last_step(run)
     elastic.ask_stop(run.run_dir)
 
 
@@ -248,7 +251,8 @@ def boundary(run: Run) -> bool:
         return False
     run.home = {**(run.home or {}), **admission.home()}
     requested = requested if requested is not None else time.time()
-    run.moving = (step, requested)
+    asked, run.asked_step = run.asked_step, None
+    run.moving = (step, requested, trained_after_request(_tail_rows(run), asked, step))
     released = admission.release(step)  # their workers ended with this boundary's checkpoint
     pnodes = sorted(set(run.home) - admission.departing())
     admission.event({"event": "boundary", "step": step, "pnodes": pnodes, "released": released,
@@ -257,6 +261,23 @@ def boundary(run: Run) -> bool:
     run.say(f"launch: re-plan boundary after step {step}: the next attempt runs on {', '.join(pnodes)}"
             f"{f'; machine(s) {released} released' if released else ''}")
     return True
+
+
+def trained_after_request(rows: Sequence[dict[str, Any]], asked: int | None, boundary: int) -> float:
+    """Seconds of a boundary's wall that were training, not the boundary's cost: the steps logged after the
+    stop request (`asked`: the last logged step then) up to the boundary, and the next attempt's first step,
+    each at the old attempt's median step (its rows' `elapsed_s` differences, a restart's reset left out).
+
+    Why: the workers finish the step they are in and agree on the stop at a sync point, so steps go on after
+    the request; bench_churn run 7's first drift boundary came 7 steps (1.7 s) after it, and its 5.6 s from
+    request to first step priced the next decisions' boundary a quarter too dear.  0 when the rows or the
+    request's step are unknown (the whole wall is priced, as before)."""
+    if asked is None or boundary < asked:
+        return 0.0
+    kept = [r for r in rows if r["step"] <= boundary and isinstance(r.get("elapsed_s"), (int, float))]
+    gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(kept[-11:], kept[-10:]) if b["step"] == a["step"] + 1]
+    gaps = [g for g in gaps if math.isfinite(g) and g > 0]
+    return (boundary - asked + 1) * statistics.median(gaps) if gaps else 0.0
 
 
 def watch_move(run: Run, attempt: int) -> Callable[[], str | None]:
@@ -277,14 +298,14 @@ def move_measured(run: Run, attempt: int) -> None:
     """When the attempt after a boundary has logged a step: its `moved` row (fleet-events.jsonl) and a line."""
     if run.moving is None or run.admission is None:
         return
-    step, requested = run.moving
+    step, requested, training = run.moving
     first = last_step(run)
     if first <= step:
         return
     run.moving = None
     seconds = max(0.0, time.time() - requested)
-    run.moved_s = seconds
+    run.moved_s = max(0.0, seconds - training)
     run.admission.event({"event": "moved", "step": step, "first_step": first, "attempt": attempt,
-                         "seconds": round(seconds, 3)})
+                         "seconds": round(seconds, 3), "lost_s": round(run.moved_s, 3)})
     run.say(f"launch: the re-plan at step {step} took {seconds:.1f} s, from the stop request to attempt {attempt}'s "
-            f"first step")
+            f"first step ({run.moved_s:.1f} s of it not training)")
