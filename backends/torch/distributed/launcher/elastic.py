@@ -696,7 +696,9 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
     from .supervisor import warm
 
     emit("launch --join: readying this machine's worker processes (their imports) before asking to join")
-    warm(wait=True)  # the workers' imports before the admission: a boundary must not wait for them (warm)
+    # The workers' imports before the admission: a boundary must not wait for them (warm); never rank 0's: world
+    # rank 0 stays on the coordinator's machine, which a joined machine never is (emission.plan).
+    warm(wait=True, rank_zero=False)
     admitted = join_run(addr, channel, token, pnode_file, join_timeout)
     machine, pid = int(admitted["machine"]), admitted["pnode_object"].id  # its own id names its directory
     emit(f"launch --join: admitted as machine {machine} with PNode {pid}"
