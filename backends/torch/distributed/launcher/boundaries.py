@@ -245,14 +245,14 @@ def boundary(run: Run) -> bool:
         queued, admission.queued = admission.queued, []
     requested = elastic.stop_requested_at(run.run_dir)
     (run.launch_dir / STOP_FILE).unlink(missing_ok=True)
+    asked_step, run.asked_step = run.asked_step, None  # this boundary's request, read once
     step = last_step(run)
     if not asked or step >= run.steps:
         admission.release(step)  # the run is over: a leaving machine goes (its `job` answer says released)
         return False
     run.home = {**(run.home or {}), **admission.home()}
     requested = requested if requested is not None else time.time()
-    asked, run.asked_step = run.asked_step, None
-    run.moving = (step, requested, trained_after_request(_tail_rows(run), asked, step))
+    run.moving = (step, requested, trained_after_request(_tail_rows(run), asked_step, step))
     released = admission.release(step)  # their workers ended with this boundary's checkpoint
     pnodes = sorted(set(run.home) - admission.departing())
     admission.event({"event": "boundary", "step": step, "pnodes": pnodes, "released": released,
