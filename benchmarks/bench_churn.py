@@ -41,10 +41,15 @@ re-plan predicted/measured: W` (X, Y: elastic's goodput over the other way's; Z 
 the elastic run's attempts after its first, the predicted/measured farthest from 1).  Issue 36's goals:
 X >= 1.3, Y >= 1.2, Z = 0, W within 0.75-1.25.
 
---smoke runs on loopback (no root): the tiny network, 1 machine then a join as soon as machine 0 has placed its
-first plan (a joiner takes ~10 s to start: later, the 8 steps are over), 8 steps, the elastic way only (each
-`vgraph launch` imports torch twice, launcher and forkserver, ~3 CPU-s each: three ways would cost the suite
-~40 CPU-s), PNode figures written slow so that the join pays for its boundary.
+--smoke runs every event once on loopback (no root), the elastic way only (each `vgraph launch` imports torch
+twice, launcher and forkserver, ~3 CPU-s each: three ways would cost the suite ~40 CPU-s): the tiny network at
+batch 3 (a sample for each of 3 machines, one micro-batch: a step is 15-40 ms), 1 machine, then 2 joiners started
+as soon as machine 0 has placed its first plan; the first leaves and the second is SIGKILLed, each once it trains in
+the running plan and the one before it is out of it (`Driver.elastic`: a joiner takes ~10 s to start, hundreds of
+these steps).  400 steps: on this 2-core VM at load 4 the joiners took part from step 115-150, the kill's plan
+ran from ~125 (the steps after it are what a fixed schedule costs).  --link-timeout 2 s,
+as the launch tests (a beat every 0.5 s).  PNode figures written slow so that a join pays for its boundary.  A
+way whose events did not all happen before its last step is reported failed.
 """
 from __future__ import annotations
 
@@ -87,7 +92,9 @@ class Schedule:
 
 
 FULL = Schedule(4, 2, 300, ((60, "join", 2), (120, "join", 3), (180, "leave", 2), (240, "kill", 3)))
-SMOKE = Schedule(2, 1, 8, ((0, "join", 1),))  # as soon as machine 0 placed its first plan
+# Both joiners as soon as machine 0 placed its first plan; the leave and the kill from steps 20 and 40 on, once
+# their host has trained in a plan (Driver.elastic)
+SMOKE = Schedule(3, 1, 400, ((0, "join", 1), (0, "join", 2), (20, "leave", 1), (40, "kill", 2)))
 
 
 # -- hosts: namespaces of the testbed, or processes on loopback --------------------------------------------
@@ -190,6 +197,8 @@ class Watch:
     plans: list[Plan] = field(default_factory=list)
     _current: float | None = None
     placed: bool = False  # a placement.json seen: the first plan's workers are starting
+    training: set[str] = field(default_factory=set)  # the PNodes of the newest row's `pnodes`: the running plan's
+    gone: set[str] = field(default_factory=set)  # the hosts' PNodes a leave or kill was sent to
 
     def poll(self) -> int:
         with contextlib.suppress(ValueError, KeyError, TypeError):  # being written: read again at the next poll
@@ -200,6 +209,7 @@ class Watch:
             try:
                 row = json.loads(line)
                 step, key = row["step"], (row["loss"], row["elapsed_s"])  # a step run again differs in both
+                pnodes = set(row.get("pnodes") or ())
             except (ValueError, KeyError, TypeError):
                 continue
             if self.rows.get(step) == key:
@@ -208,8 +218,17 @@ class Watch:
                 self.redone += 1  # logged before, dropped by a restart's resume, logged again
                 self.redone_steps.append(step)
             self.rows[step], self.priced[step] = key, self._current
+            if step >= self.top:
+                self.training = pnodes
             self.top = max(self.top, step)
         return self.top
+
+    def ready(self, what: str, host: int) -> bool:
+        """Whether an event may fire now (its step reached, the first plan placed).  A join: yes.  A leave or kill:
+        once its host trains in the running plan and no host that left or died before still does (that one's
+        boundary taken): sent earlier, a leave hits a joiner still importing, and a kill before a leave's
+        boundary is a race of its own (a leave's departing PNode in the failed attempt's shrink)."""
+        return what == "join" or (f"h{host}" in self.training and not self.gone & self.training)
 
     def measure(self) -> None:
         """The run's attempts, from its final metrics.jsonl (a step's row is the one of the attempt that ran it
@@ -341,8 +360,8 @@ class Driver:
                  for h in first}
         pending = list(s.events)
 
-        def on_step(step: int) -> None:
-            while pending and watch.placed and step >= pending[0][0]:  # step 0: the first plan's workers start
+        def on_step(step: int) -> None:  # step 0: the first plan's workers start
+            while pending and watch.placed and step >= pending[0][0] and watch.ready(*pending[0][1:]):
                 _, what, host = pending.pop(0)
                 if what == "join":
                     procs[host] = self.joiner(where, host, port)
@@ -350,10 +369,14 @@ class Driver:
                     procs[host].send_signal(signal.SIGTERM)  # the launcher: a volunteer's machine shutting down
                 else:
                     self.hosts.kill_host(host, procs[host])
+                if what != "join":
+                    watch.gone.add(f"h{host}")
                 print(f"  elastic: {what} host {host} at step {step}", file=sys.stderr, flush=True)
 
         self.wait(procs[0], watch, started, on_step)
         _settle([p for h, p in procs.items() if h], self.hosts)
+        if pending:  # the run ended first: a row without them would say nothing about churn
+            raise RuntimeError("the run ended before " + ", ".join(f"{w} host {h} (from step {s})" for s, w, h in pending))
 
     def restart_all(self, where: Path, port: int, watch: Watch, started: float) -> None:
         """Segment after segment: the hosts of the moment, `--resume`; every change kills them all."""
@@ -497,22 +520,26 @@ def refusal(args: argparse.Namespace, modes: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="loopback, the tiny network, one join, 8 steps, elastic only")
+    ap.add_argument("--smoke", action="store_true", help="loopback, the tiny network at batch 3 (1 micro-batch), 400 "
+                    "steps, 2 joins, a leave and a kill (once their hosts trained), --link-timeout 2, elastic only")
     ap.add_argument("--modes", default=None, help=f"ways to run, comma-separated (default: {','.join(MODES)}; "
                     "--smoke: elastic)")
     ap.add_argument("--network", default="tb-small", help="tb-small (default), tb-medium or tiny")
     ap.add_argument("--rate", default="1Gbit/s", help="every host's link each way")
     ap.add_argument("--cpu", type=float, default=CPU, help=f"cores per host (default {CPU}, as bench_testbed.py)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--batch", type=int, help="global batch (default 8; --smoke: 3)")
+    ap.add_argument("--micro-batches", type=int, help="default 4; --smoke: 1")
     ap.add_argument("--checkpoint-every", type=int, default=25, help="every way's periodic checkpoint (default 25: "
                     "see the docstring)")
     ap.add_argument("--on-failure", default="shrink", choices=("restart", "shrink"),
                     help="the elastic run's --on-failure (default shrink)")
-    ap.add_argument("--link-timeout", type=float, default=5.0, help="launch's --link-timeout (default 5 s)")
+    ap.add_argument("--link-timeout", type=float, help="launch's --link-timeout (default 5 s; --smoke: 2 s)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one way may take before it is stopped")
     ap.add_argument("--workdir", help="keep the runs and their logs here (default: a temporary directory)")
     args = ap.parse_args(argv)
+    for name, full, smoke in (("batch", 8, 3), ("micro_batches", 4, 1), ("link_timeout", 5.0, 2.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
     modes = (("elastic" if args.smoke else ",".join(MODES)) if args.modes is None else args.modes).split(",")
     refused = refusal(args, modes)
     if refused:

@@ -56,13 +56,17 @@ SMOKE: dict[str, list[str] | None] = {
                         "--", "benchmarks/bench_passes.py", "--sizes", "200", "--repeat", "1"],
     "bench_testbed.py": ["--smoke", "--plot", "{tmp}/testbed.png", "--workdir", "{tmp}/bench-testbed"],
     "bench_hop_latency.py": ["--smoke"],
-    # loopback, the tiny network: one machine, one joins as soon as the first plan is placed, 8 steps, elastic only
+    # loopback, the tiny network: one machine, two join as soon as the first plan is placed, one leaves, one is
+    # SIGKILLed (each once it trains), 400 steps, elastic only
     "bench_churn.py": ["--smoke", "--workdir", "{tmp}/bench-churn"],
     "bench_mirror.py": ["--smoke", "{tmp}/bench-mirror"],
     # the tiny network, 2 processes, 3 steps of each way, equal hosts only (--smoke); --data as above
     "bench_vs_torch.py": ["--smoke", "--data", "{root}/docs/plugins.md"],
 }
 NEEDS_ROOT = {"bench_testbed.py", "bench_hop_latency.py"}  # the netlab testbed (network namespaces, cgroups): CI runs as root
+# What a script's table must show besides numbers: bench_churn reports a way failed (and exits 0) when its launcher
+# failed, it logged too few steps or the run ended before an event of the schedule.
+SUCCEEDED = {"bench_churn.py": re.compile(r"^\| elastic \| \d", re.M)}
 # gpu_check.sh without CUDA runs bench_gpu.py and bench_launch_pair.py on tiny shapes (its CPU fallback);
 # its extra arguments go to bench_gpu.py: two variants keep the aot_eager compiles to two.
 GPU_CHECK = ["--variants", "fused,handwritten"]
@@ -101,6 +105,8 @@ def test_benchmark_runs_on_its_smallest_setting(script: str, tmp_path: Path) -> 
     assert r.returncode == 0, f"{script} {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}"
     assert TABLE.search(r.stdout), f"{script} printed no table:\n{r.stdout[-3000:]}"
     assert re.search(r"\d", r.stdout)
+    if script in SUCCEEDED:
+        assert SUCCEEDED[script].search(r.stdout), f"{script}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
 
 @pytest.mark.slow
