@@ -47,8 +47,9 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_grad_sync.py": ["--network", "tiny", "--procs", "2", "--mib", "1", "--rounds", "1", "--steps", "1",
                            "--batch", "2", "--micro-batches", "1"],
     "bench_data.py": ["--smoke", "--workdir", "{tmp}/bench-data"],
-    # the session's corpus cache ({cache}, conftest): the tiny corpus is prepared once for the suite, not again here
-    "bench_first_step.py": ["--runs", "1", "--cache", "{cache}"],
+    # the session's corpus cache ({cache}, conftest): the tiny corpus is prepared once for the suite, not again here;
+    # --runs 0: the first run only (a timed run is the same command again)
+    "bench_first_step.py": ["--runs", "0", "--cache", "{cache}"],
     "bench_compress.py": ["--smoke"],
     # Two checkouts alternated: here this checkout against itself, one round of the pass benchmark.
     "ab_checkouts.py": ["{root}", "{root}", "--rounds", "1",
@@ -143,5 +144,13 @@ def test_bench_testbed_refuses_a_file_for_its_workdir(tmp_path: Path) -> None:
 def test_bench_vs_torch_refuses_settings_that_compare_nothing(args: list[str], message: str, tmp_path: Path) -> None:
     """Refused before anything runs: exit 2, the option named, no traceback."""
     r = run_python([BENCH / "bench_vs_torch.py", *args], cwd=tmp_path, env=_env(), timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("runs, message", [("-1", "--runs must be 0 or more, got -1"), ("x", "invalid int value")])
+def test_bench_first_step_refuses_a_negative_or_non_integer_runs(runs: str, message: str, tmp_path: Path) -> None:
+    """--runs 0 is the smoke's first run alone; below that nothing is measured: exit 2 before any `vgraph train`."""
+    r = run_python([BENCH / "bench_first_step.py", "--runs", runs], cwd=tmp_path, env=_env(), timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []
