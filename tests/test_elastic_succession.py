@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from vgraph.backends.torch.distributed.launcher.membership import Machines, Mach
 
 from test_elastic_launch import (PNODE, TOKEN, Thread, admission, common, events, files, join, pnode_text,  # noqa: F401
                                  reference, same_training, wait_for)
+from test_succession import KILLED_RUN_COMM_TIMEOUT, start_after_machine_0
 
 MACHINE_0 = """
 import json, sys
@@ -32,16 +34,18 @@ launch(LaunchConfig(**settings))
 
 def machines_0_and_1(files: Path, tmp_path: Path, port: int, **options):
     """A `--nnodes 2:3` run on m0 and m1: machine 0 a process of its own session (to be SIGKILLed), held after
-    step 2; machine 1 a launch in a thread (its Thread, and the list its lines go to)."""
+    step 2; machine 1 a launch in a thread (its Thread, and the list its lines go to), started once machine 0
+    serves (test_succession.start_after_machine_0: --comm-timeout without a start-up margin)."""
     fleet = files / "two-wide.yml"
     fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
                      + PNODE.format(id="m1", memory="256MiB"))
     settings = dict(common(files), fleet=str(fleet), nnodes=2, max_nnodes=3, master_port=port, link_timeout=2.0,
-                    comm_timeout=20.0, **options)
+                    comm_timeout=KILLED_RUN_COMM_TIMEOUT, **options)
     zero = subprocess.Popen(
         [sys.executable, "-c", MACHINE_0, json.dumps({**settings, "node_rank": 0, "hold": ["m0", 2],
                                                       "out": str(tmp_path / "node0")})],
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    start_after_machine_0(zero, port, "machine 0's channel")
     lines: list[str] = []
     one = Thread(lambda: launch(LaunchConfig(**settings, node_rank=1, out=tmp_path / "node1", log=lines.append)))
     one.start()

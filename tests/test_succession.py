@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +42,39 @@ def wait_for(condition, what: str, alive=lambda: True, timeout: float = 120.0) -
     while not condition():
         assert alive() and time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def channel_open(port: int) -> bool:
+    """Whether machine 0's launchers' channel (--master-port - 1) accepts a connection on loopback."""
+    try:
+        socket.create_connection(("127.0.0.1", port - 1), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+def start_after_machine_0(zero: subprocess.Popen, port: int, what: str) -> None:
+    """Return once this process's workers' forkserver has its imports (supervisor.warm, as a joiner waits for
+    it) and machine 0's channel is open.  Why: --comm-timeout is also how long the others wait to reach machine 0
+    at start and, after its SIGKILL, how long they wait on it before taking its role (the rejoin timeout, plus
+    --link-timeout): started after machine 0 serves, with their workers ready to fork, the others need no
+    start-up margin in it."""
+    from vgraph.backends.torch.distributed.launcher.supervisor import warm
+
+    warm(wait=True)  # while machine 0 starts
+    wait_for(lambda: channel_open(port), what,
+             lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}"))
+
+
+# --comm-timeout of the runs whose machine 0 is SIGKILLed (here and in test_elastic_succession.py): the wait above
+# takes machine 0's start-up out of it (5.3 s at load 5), so it must cover what a worker waits on a peer in a
+# healthy run: the held worker (the test kills or releases it once machine 1 mirrored the step: 0.2-0.4 s after
+# the hold began, four runs at load 4-5; machine 1 mirrors every succession.MIRROR_EVERY_S = 1 s) and the first
+# rendezvous, where the workers of the machine whose forkserver was ready first wait for the others' (machine
+# 0's forkserver starts its imports (~5 CPU-s) only after its launcher's, so it can be the last; with 8 s and
+# this process's forkserver not waited for, a rendezvous timed out once at load 4-5).  12 s: those imports
+# twice over at half a core; the rejoin timeout the survivors wait out after the kill is 12 + 2 s, not 20 + 2.
+KILLED_RUN_COMM_TIMEOUT = 12.0
 
 
 def mirrored_steps(folder: Path) -> list[int]:
@@ -75,11 +109,13 @@ def test_machine_0_is_sigkilled_and_the_run_completes_on_the_survivors(files, re
         f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(count)))
     held = 5  # checkpoints every 2 steps: machine 0 has logged step 5 and saved step 4 when it is killed
     machines = dict(fleet=str(fleet), micro_batches=2, replicas=count, nnodes=count, master_port=port,
-                    on_failure=on_failure, link_timeout=2.0, comm_timeout=20.0, hold=("w0", held))  # all flush alike
+                    on_failure=on_failure, link_timeout=2.0, comm_timeout=KILLED_RUN_COMM_TIMEOUT,
+                    hold=("w0", held))  # all flush alike
     zero = subprocess.Popen(
         [sys.executable, "-c", MACHINE_0, json.dumps({**common(files), **machines, "node_rank": 0,
                                                        "out": str(tmp_path / "node0")})],
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    start_after_machine_0(zero, port, "machine 0's channel")
     box: dict = {}
 
     def survivor(rank: int) -> None:
