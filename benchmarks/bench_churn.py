@@ -45,11 +45,11 @@ X >= 1.3, Y >= 1.2, Z = 0, W within 0.75-1.25.
 twice, launcher and forkserver, ~3 CPU-s each: three ways would cost the suite ~40 CPU-s): the tiny network at
 batch 3 (a sample for each of 3 machines, one micro-batch: a step is 15-40 ms), 1 machine, then 2 joiners started
 as soon as machine 0 has placed its first plan; the first leaves and the second is SIGKILLed, each once it trains in
-the running plan and the one before it is out of it (`Driver.elastic`: a joiner takes ~10 s to start, hundreds of
-these steps).  400 steps: on this 2-core VM at load 4 the joiners took part from step 115-150, the kill's plan
-ran from ~125 (the steps after it are what a fixed schedule costs).  --link-timeout 2 s,
-as the launch tests (a beat every 0.5 s).  PNode figures written slow so that a join pays for its boundary.  A
-way whose events did not all happen before its last step is reported failed.
+the running plan and the one before it is out of it, and machine 0 is stopped (SIGTERM: it saves and exits 143)
+once the plan after the kill trains (`Watch.ready`).  By events, not steps: a joiner takes ~5 CPU-s to start, which
+machine 0 spends training, 115-150 of these steps on this 2-core VM at load 4 and some 500 on an idle one; the
+2,000 steps are a bound.  --link-timeout 2 s, as the launch tests (a beat every 0.5 s).  PNode figures written
+slow so that a join pays for its boundary.  A way whose events did not all happen is reported failed.
 """
 from __future__ import annotations
 
@@ -88,13 +88,14 @@ class Schedule:
     hosts: int  # hosts in the testbed
     start: int  # hosts 0 .. start-1 start the run
     steps: int
-    events: tuple[tuple[int, str, int], ...]  # (step, "join" | "leave" | "kill", host)
+    events: tuple[tuple[int, str, int], ...]  # (step, "join" | "leave" | "kill" | "stop", host; 0 for a stop)
 
 
 FULL = Schedule(4, 2, 300, ((60, "join", 2), (120, "join", 3), (180, "leave", 2), (240, "kill", 3)))
-# Both joiners as soon as machine 0 placed its first plan; the leave and the kill from steps 20 and 40 on, once
-# their host has trained in a plan (Driver.elastic)
-SMOKE = Schedule(3, 1, 400, ((0, "join", 1), (0, "join", 2), (20, "leave", 1), (40, "kill", 2)))
+# Both joiners as soon as machine 0 placed its first plan; the leave and the kill once their host trains in the
+# running plan, then machine 0 stopped (SIGTERM) once the plan after the kill trains (Watch.ready): at most 2,000
+# steps, however fast this machine trains while the joiners start
+SMOKE = Schedule(3, 1, 2000, ((0, "join", 1), (0, "join", 2), (0, "leave", 1), (0, "kill", 2), (0, "stop", 0)))
 
 
 # -- hosts: namespaces of the testbed, or processes on loopback --------------------------------------------
@@ -227,8 +228,11 @@ class Watch:
         """Whether an event may fire now (its step reached, the first plan placed).  A join: yes.  A leave or kill:
         once its host trains in the running plan and no host that left or died before still does (that one's
         boundary taken): sent earlier, a leave hits a joiner still importing, and a kill before a leave's
-        boundary is a race of its own (a leave's departing PNode in the failed attempt's shrink)."""
-        return what == "join" or (f"h{host}" in self.training and not self.gone & self.training)
+        boundary is a race of its own (a leave's departing PNode in the failed attempt's shrink).  A stop: once a
+        plan without them trains."""
+        if what == "join":
+            return True
+        return bool(self.training) and not self.gone & self.training and (what == "stop" or f"h{host}" in self.training)
 
     def measure(self) -> None:
         """The run's attempts, from its final metrics.jsonl (a step's row is the one of the attempt that ran it
@@ -313,6 +317,7 @@ class Driver:
         return path
 
     def run(self, mode: str, port: int) -> Outcome:
+        self.stopped = False  # a stop event was sent: machine 0 ends before the schedule's steps, by design
         where = self.work / mode
         shutil.rmtree(where, ignore_errors=True)
         where.mkdir(parents=True)
@@ -326,7 +331,7 @@ class Driver:
         watch.poll()
         watch.measure()
         out.steps, out.redone, out.plans, out.redone_steps = watch.top, watch.redone, watch.plans, watch.redone_steps
-        if not out.error and out.steps != self.schedule.steps:
+        if not out.error and out.steps != self.schedule.steps and not self.stopped:
             out.error = f"machine 0 logged {out.steps} of {self.schedule.steps} steps"
         if out.error:
             print(f"{mode}: {out.error}; machine 0's log ends:\n{_read(where / 'host0.log')[-3000:]}", file=sys.stderr)
@@ -342,7 +347,7 @@ class Driver:
             if on_step is not None:
                 on_step(step)
             time.sleep(0.05)
-        if lead.returncode != 0:
+        if lead.returncode != (128 + signal.SIGTERM if self.stopped else 0):  # stopped: it saved and says so
             raise RuntimeError(f"machine 0's launcher exited {lead.returncode}")
 
     def static(self, where: Path, port: int, watch: Watch, started: float) -> None:
@@ -365,11 +370,14 @@ class Driver:
                 _, what, host = pending.pop(0)
                 if what == "join":
                     procs[host] = self.joiner(where, host, port)
+                elif what == "stop":  # the run's end, once the churn is over: machine 0 saves and exits 143
+                    procs[0].send_signal(signal.SIGTERM)
+                    self.stopped = True
                 elif what == "leave":
                     procs[host].send_signal(signal.SIGTERM)  # the launcher: a volunteer's machine shutting down
                 else:
                     self.hosts.kill_host(host, procs[host])
-                if what != "join":
+                if what in ("leave", "kill"):
                     watch.gone.add(f"h{host}")
                 print(f"  elastic: {what} host {host} at step {step}", file=sys.stderr, flush=True)
 
@@ -508,6 +516,8 @@ def refusal(args: argparse.Namespace, modes: list[str]) -> str | None:
     """Why these settings cannot run (before any testbed or launcher), or None."""
     if not modes or any(m not in MODES for m in modes):
         return f"--modes takes {', '.join(MODES)} separated by commas, got {args.modes!r}"
+    if args.smoke and modes != ["elastic"]:
+        return f"--smoke runs the elastic way only (its schedule ends in a stop), got --modes {args.modes!r}"
     for name in ("batch", "micro_batches", "checkpoint_every"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
@@ -520,8 +530,9 @@ def refusal(args: argparse.Namespace, modes: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="loopback, the tiny network at batch 3 (1 micro-batch), 400 "
-                    "steps, 2 joins, a leave and a kill (once their hosts trained), --link-timeout 2, elastic only")
+    ap.add_argument("--smoke", action="store_true", help="loopback, the tiny network at batch 3 (1 micro-batch), 2 "
+                    "joins, a leave and a kill (each once its host trains), then machine 0 stopped; --link-timeout 2; "
+                    "elastic only")
     ap.add_argument("--modes", default=None, help=f"ways to run, comma-separated (default: {','.join(MODES)}; "
                     "--smoke: elastic)")
     ap.add_argument("--network", default="tb-small", help="tb-small (default), tb-medium or tiny")

@@ -64,8 +64,9 @@ def test_rows_a_restart_logs_again_are_steps_redone_and_each_plan_is_priced_on_i
 
 
 def test_a_leave_or_kill_waits_for_its_host_to_train_and_for_the_last_one_to_be_gone(bench, tmp_path):
-    """A joiner that is still starting is not left or killed (its SIGTERM would come before its admission), and
-    the kill after a leave waits for the leave's boundary: the running plan's PNodes are the newest row's."""
+    """A joiner that is still starting is not left or killed (its SIGTERM would come before its admission), the
+    kill after a leave waits for the leave's boundary, and the stop for the plan after the kill: the running
+    plan's PNodes are the newest row's."""
     run = tmp_path / "node0"
     run.mkdir()
     watch = bench.Watch(run)
@@ -81,9 +82,13 @@ def test_a_leave_or_kill_waits_for_its_host_to_train_and_for_the_last_one_to_be_
     log((range(1, 6), ["h0"]), (range(6, 9), ["h0", "h1", "h2"]))
     assert watch.training == {"h0", "h1", "h2"} and watch.ready("leave", 1) and watch.ready("kill", 2)
     watch.gone.add("h1")  # the leave was sent: the kill waits until a plan without h1 trains
-    assert not watch.ready("kill", 2)
+    assert not watch.ready("kill", 2) and not watch.ready("stop", 0)
     log((range(1, 6), ["h0"]), (range(6, 9), ["h0", "h1", "h2"]), (range(9, 11), ["h0", "h2"]))
     assert watch.ready("kill", 2) and not watch.ready("leave", 1)
+    watch.gone.add("h2")  # killed: the run is stopped once the plan without it trains
+    assert not watch.ready("stop", 0)
+    log((range(1, 6), ["h0"]), (range(6, 9), ["h0", "h1", "h2"]), (range(9, 11), ["h0", "h2"]), (range(11, 12), ["h0"]))
+    assert watch.ready("stop", 0)
 
 
 def test_an_attempt_on_the_same_pnodes_is_told_by_its_clock_starting_again(bench, tmp_path):
@@ -133,6 +138,8 @@ def test_a_failed_way_has_no_goodput_and_says_why(bench):
     (["--link-timeout=-1"], "must be finite positive numbers"),
     (["--cpu", "0"], "must be finite positive numbers"),
     (["--on-failure", "repartition"], "invalid choice: 'repartition'"),
+    (["--smoke", "--modes", "elastic,static"], "--smoke runs the elastic way only"),
+    (["--smoke", "--batch", "0"], "--batch must be at least 1, got 0"),
 ])
 def test_settings_it_cannot_run_with_are_refused_before_anything_starts(argv, message, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_churn.py"), *argv, "--workdir",

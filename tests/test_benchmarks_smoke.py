@@ -58,7 +58,7 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_testbed.py": ["--smoke", "--plot", "{tmp}/testbed.png", "--workdir", "{tmp}/bench-testbed"],
     "bench_hop_latency.py": ["--smoke"],
     # loopback, the tiny network: one machine, two join as soon as the first plan is placed, one leaves, one is
-    # SIGKILLed (each once it trains), 400 steps, elastic only
+    # SIGKILLed (each once it trains), then machine 0 is stopped; elastic only
     "bench_churn.py": ["--smoke", "--workdir", "{tmp}/bench-churn"],
     "bench_mirror.py": ["--smoke", "{tmp}/bench-mirror"],
     # the tiny network, 2 processes, 3 steps of each way, equal hosts only (--smoke); --data as above
