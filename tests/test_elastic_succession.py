@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,7 @@ from vgraph.backends.torch.distributed.launcher.membership import Machines, Mach
 
 from test_elastic_launch import (PNODE, TOKEN, Thread, admission, common, events, files, join, pnode_text,  # noqa: F401
                                  reference, same_training, wait_for)
-from test_succession import KILLED_RUN_COMM_TIMEOUT, start_after_machine_0
-
-MACHINE_0 = """
-import json, sys
-from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
-settings = json.loads(sys.argv[1])
-settings["hold"] = tuple(settings["hold"])
-launch(LaunchConfig(**settings))
-"""
+from test_succession import KILLED_RUN_COMM_TIMEOUT, MACHINE_0, start_after_machine_0
 
 
 def machines_0_and_1(files: Path, tmp_path: Path, port: int, **options):

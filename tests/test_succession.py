@@ -28,11 +28,14 @@ from vgraph.base.diagnostics import VGraphError
 from test_distributed_replicas import STEPS, common, files, reference, same_training  # noqa: F401 (fixtures)
 
 TOKEN = "succession-test-secret"
+# Machine 0's workers' forkserver has its imports before its launcher opens the channel (start_after_machine_0).
 MACHINE_0 = """
 import json, sys
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
+from vgraph.backends.torch.distributed.launcher.supervisor import warm
 settings = json.loads(sys.argv[1])
 settings["hold"] = tuple(settings["hold"])
+warm(wait=True)
 launch(LaunchConfig(**settings))
 """
 
@@ -55,10 +58,11 @@ def channel_open(port: int) -> bool:
 
 def start_after_machine_0(zero: subprocess.Popen, port: int, what: str) -> None:
     """Return once this process's workers' forkserver has its imports (supervisor.warm, as a joiner waits for
-    it) and machine 0's channel is open.  Why: --comm-timeout is also how long the others wait to reach machine 0
-    at start and, after its SIGKILL, how long they wait on it before taking its role (the rejoin timeout, plus
-    --link-timeout): started after machine 0 serves, with their workers ready to fork, the others need no
-    start-up margin in it."""
+    it) and machine 0's channel is open (machine 0, MACHINE_0, waits for its own forkserver before it opens it).
+    Why: --comm-timeout is also how long the others wait to reach machine 0 at start, how long the workers wait
+    for each other at their first rendezvous, and, after machine 0's SIGKILL, how long the others wait on it
+    before taking its role (the rejoin timeout, plus --link-timeout): started this way, no machine's start-up
+    or imports are in it."""
     from vgraph.backends.torch.distributed.launcher.supervisor import warm
 
     warm(wait=True)  # while machine 0 starts
@@ -66,14 +70,14 @@ def start_after_machine_0(zero: subprocess.Popen, port: int, what: str) -> None:
              lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}"))
 
 
-# --comm-timeout of the runs whose machine 0 is SIGKILLed (here and in test_elastic_succession.py): the wait above
-# takes machine 0's start-up out of it (5.3 s at load 5), so it must cover what a worker waits on a peer in a
-# healthy run: the held worker (the test kills or releases it once machine 1 mirrored the step: 0.2-0.4 s after
-# the hold began, four runs at load 4-5; machine 1 mirrors every succession.MIRROR_EVERY_S = 1 s) and the first
-# rendezvous, where the workers of the machine whose forkserver was ready first wait for the others' (machine
-# 0's forkserver starts its imports (~5 CPU-s) only after its launcher's, so it can be the last; with 8 s and
-# this process's forkserver not waited for, a rendezvous timed out once at load 4-5).  12 s: those imports
-# twice over at half a core; the rejoin timeout the survivors wait out after the kill is 12 + 2 s, not 20 + 2.
+# --comm-timeout of the runs whose machine 0 is SIGKILLed (here and in test_elastic_succession.py): with every
+# machine's workers' forkserver ready before the channel opens (start_after_machine_0), it covers what a worker
+# waits on a peer in a healthy run: the first rendezvous (the plan placed and published, a worker forked on each
+# machine) and the held worker (the test kills or releases it once machine 1 mirrored the step: 0.2-0.4 s after the
+# hold began, four runs at load 4-5; machine 1 mirrors every succession.MIRROR_EVERY_S = 1 s).  Measured without
+# the forkservers waited for, the rendezvous was what timed out: at 8 s (this process's forkserver importing) and
+# at 12 s (machine 0's), one run of four at load 4-5 each.  12 s with the imports out of it: 10x the hold.
+# The rejoin timeout the survivors wait out after the kill is 12 + 2 s where it was 20 + 2.
 KILLED_RUN_COMM_TIMEOUT = 12.0
 
 
