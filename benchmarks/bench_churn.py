@@ -384,7 +384,8 @@ class Driver:
         self.wait(procs[0], watch, started, on_step)
         _settle([p for h, p in procs.items() if h], self.hosts)
         if pending:  # the run ended first: a row without them would say nothing about churn
-            raise RuntimeError("the run ended before " + ", ".join(f"{w} host {h} (from step {s})" for s, w, h in pending))
+            left = ", ".join(f"{w} host {h} (from step {s})" for s, w, h in pending)
+            raise RuntimeError(f"the run ended before {left}")
 
     def restart_all(self, where: Path, port: int, watch: Watch, started: float) -> None:
         """Segment after segment: the hosts of the moment, `--resume`; every change kills them all."""

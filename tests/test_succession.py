@@ -62,12 +62,18 @@ def start_after_machine_0(zero: subprocess.Popen, port: int, what: str) -> None:
     Why: --comm-timeout is also how long the others wait to reach machine 0 at start, how long the workers wait
     for each other at their first rendezvous, and, after machine 0's SIGKILL, how long the others wait on it
     before taking its role (the rejoin timeout, plus --link-timeout): started this way, no machine's start-up
-    or imports are in it."""
+    or imports are in it.  Machine 0 (its own session) is killed if this fails."""
     from vgraph.backends.torch.distributed.launcher.supervisor import warm
 
-    warm(wait=True)  # while machine 0 starts
-    wait_for(lambda: channel_open(port), what,
-             lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}"))
+    try:
+        warm(wait=True)  # while machine 0 starts
+        wait_for(lambda: channel_open(port), what,
+                 lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}"))
+    except BaseException:
+        if zero.poll() is None:
+            os.killpg(zero.pid, signal.SIGKILL)
+            zero.wait()
+        raise
 
 
 # --comm-timeout of the runs whose machine 0 is SIGKILLed (here and in test_elastic_succession.py): with every
