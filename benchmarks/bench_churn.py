@@ -41,10 +41,15 @@ re-plan predicted/measured: W` (X, Y: elastic's goodput over the other way's; Z 
 the elastic run's attempts after its first, the predicted/measured farthest from 1).  Issue 36's goals:
 X >= 1.3, Y >= 1.2, Z = 0, W within 0.75-1.25.
 
---smoke runs on loopback (no root): the tiny network, 1 machine then a join as soon as machine 0 has placed its
-first plan (a joiner takes ~10 s to start: later, the 8 steps are over), 8 steps, the elastic way only (each
-`vgraph launch` imports torch twice, launcher and forkserver, ~3 CPU-s each: three ways would cost the suite
-~40 CPU-s), PNode figures written slow so that the join pays for its boundary.
+--smoke runs every event once on loopback (no root), the elastic way only (each `vgraph launch` imports torch
+twice, launcher and forkserver, ~3 CPU-s each: three ways would cost the suite ~40 CPU-s): the tiny network at
+batch 3 (a sample for each of 3 machines, one micro-batch: a step is 15-40 ms), 1 machine, then 2 joiners started
+as soon as machine 0 has placed its first plan; the first leaves and the second is SIGKILLed, each once it trains in
+the running plan and the one before it is out of it, and machine 0 is stopped (SIGTERM: it saves and exits 143)
+once the plan after the kill trains (`Watch.ready`).  By events, not steps: a joiner takes ~5 CPU-s to start, which
+machine 0 spends training, 115-150 of these steps on this 2-core VM at load 4 and some 500 on an idle one; the
+2,000 steps are a bound.  --link-timeout 2 s, as the launch tests (a beat every 0.5 s).  PNode figures written
+slow so that a join pays for its boundary.  A way whose events did not all happen is reported failed.
 """
 from __future__ import annotations
 
@@ -83,11 +88,14 @@ class Schedule:
     hosts: int  # hosts in the testbed
     start: int  # hosts 0 .. start-1 start the run
     steps: int
-    events: tuple[tuple[int, str, int], ...]  # (step, "join" | "leave" | "kill", host)
+    events: tuple[tuple[int, str, int], ...]  # (step, "join" | "leave" | "kill" | "stop", host; 0 for a stop)
 
 
 FULL = Schedule(4, 2, 300, ((60, "join", 2), (120, "join", 3), (180, "leave", 2), (240, "kill", 3)))
-SMOKE = Schedule(2, 1, 8, ((0, "join", 1),))  # as soon as machine 0 placed its first plan
+# Both joiners as soon as machine 0 placed its first plan; the leave and the kill once their host trains in the
+# running plan, then machine 0 stopped (SIGTERM) once the plan after the kill trains (Watch.ready): at most 2,000
+# steps, however fast this machine trains while the joiners start
+SMOKE = Schedule(3, 1, 2000, ((0, "join", 1), (0, "join", 2), (0, "leave", 1), (0, "kill", 2), (0, "stop", 0)))
 
 
 # -- hosts: namespaces of the testbed, or processes on loopback --------------------------------------------
@@ -190,6 +198,8 @@ class Watch:
     plans: list[Plan] = field(default_factory=list)
     _current: float | None = None
     placed: bool = False  # a placement.json seen: the first plan's workers are starting
+    training: set[str] = field(default_factory=set)  # the PNodes of the newest row's `pnodes`: the running plan's
+    gone: set[str] = field(default_factory=set)  # the hosts' PNodes a leave or kill was sent to
 
     def poll(self) -> int:
         with contextlib.suppress(ValueError, KeyError, TypeError):  # being written: read again at the next poll
@@ -200,6 +210,7 @@ class Watch:
             try:
                 row = json.loads(line)
                 step, key = row["step"], (row["loss"], row["elapsed_s"])  # a step run again differs in both
+                pnodes = set(row.get("pnodes") or ())
             except (ValueError, KeyError, TypeError):
                 continue
             if self.rows.get(step) == key:
@@ -208,8 +219,20 @@ class Watch:
                 self.redone += 1  # logged before, dropped by a restart's resume, logged again
                 self.redone_steps.append(step)
             self.rows[step], self.priced[step] = key, self._current
+            if step >= self.top:
+                self.training = pnodes
             self.top = max(self.top, step)
         return self.top
+
+    def ready(self, what: str, host: int) -> bool:
+        """Whether an event may fire now (its step reached, the first plan placed).  A join: yes.  A leave or kill:
+        once its host trains in the running plan and no host that left or died before still does (that one's
+        boundary taken): sent earlier, a leave hits a joiner still importing, and a kill before a leave's
+        boundary is a race of its own (a leave's departing PNode in the failed attempt's shrink).  A stop: once a
+        plan without them trains."""
+        if what == "join":
+            return True
+        return bool(self.training) and not self.gone & self.training and (what == "stop" or f"h{host}" in self.training)
 
     def measure(self) -> None:
         """The run's attempts, from its final metrics.jsonl (a step's row is the one of the attempt that ran it
@@ -294,6 +317,7 @@ class Driver:
         return path
 
     def run(self, mode: str, port: int) -> Outcome:
+        self.stopped = False  # a stop event was sent: machine 0 ends before the schedule's steps, by design
         where = self.work / mode
         shutil.rmtree(where, ignore_errors=True)
         where.mkdir(parents=True)
@@ -307,7 +331,7 @@ class Driver:
         watch.poll()
         watch.measure()
         out.steps, out.redone, out.plans, out.redone_steps = watch.top, watch.redone, watch.plans, watch.redone_steps
-        if not out.error and out.steps != self.schedule.steps:
+        if not out.error and out.steps != self.schedule.steps and not self.stopped:
             out.error = f"machine 0 logged {out.steps} of {self.schedule.steps} steps"
         if out.error:
             print(f"{mode}: {out.error}; machine 0's log ends:\n{_read(where / 'host0.log')[-3000:]}", file=sys.stderr)
@@ -323,7 +347,7 @@ class Driver:
             if on_step is not None:
                 on_step(step)
             time.sleep(0.05)
-        if lead.returncode != 0:
+        if lead.returncode != (128 + signal.SIGTERM if self.stopped else 0):  # stopped: it saved and says so
             raise RuntimeError(f"machine 0's launcher exited {lead.returncode}")
 
     def static(self, where: Path, port: int, watch: Watch, started: float) -> None:
@@ -341,19 +365,27 @@ class Driver:
                  for h in first}
         pending = list(s.events)
 
-        def on_step(step: int) -> None:
-            while pending and watch.placed and step >= pending[0][0]:  # step 0: the first plan's workers start
+        def on_step(step: int) -> None:  # step 0: the first plan's workers start
+            while pending and watch.placed and step >= pending[0][0] and watch.ready(*pending[0][1:]):
                 _, what, host = pending.pop(0)
                 if what == "join":
                     procs[host] = self.joiner(where, host, port)
+                elif what == "stop":  # the run's end, once the churn is over: machine 0 saves and exits 143
+                    procs[0].send_signal(signal.SIGTERM)
+                    self.stopped = True
                 elif what == "leave":
                     procs[host].send_signal(signal.SIGTERM)  # the launcher: a volunteer's machine shutting down
                 else:
                     self.hosts.kill_host(host, procs[host])
+                if what in ("leave", "kill"):
+                    watch.gone.add(f"h{host}")
                 print(f"  elastic: {what} host {host} at step {step}", file=sys.stderr, flush=True)
 
         self.wait(procs[0], watch, started, on_step)
         _settle([p for h, p in procs.items() if h], self.hosts)
+        if pending:  # the run ended first: a row without them would say nothing about churn
+            left = ", ".join(f"{w} host {h} (from step {s})" for s, w, h in pending)
+            raise RuntimeError(f"the run ended before {left}")
 
     def restart_all(self, where: Path, port: int, watch: Watch, started: float) -> None:
         """Segment after segment: the hosts of the moment, `--resume`; every change kills them all."""
@@ -510,6 +542,8 @@ def refusal(args: argparse.Namespace, modes: list[str]) -> str | None:
     """Why these settings cannot run (before any testbed or launcher), or None."""
     if not modes or any(m not in MODES for m in modes):
         return f"--modes takes {', '.join(MODES)} separated by commas, got {args.modes!r}"
+    if args.smoke and modes != ["elastic"]:
+        return f"--smoke runs the elastic way only (its schedule ends in a stop), got --modes {args.modes!r}"
     for name in ("batch", "micro_batches", "checkpoint_every"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
@@ -522,22 +556,27 @@ def refusal(args: argparse.Namespace, modes: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="loopback, the tiny network, one join, 8 steps, elastic only")
+    ap.add_argument("--smoke", action="store_true", help="loopback, the tiny network at batch 3 (1 micro-batch), 2 "
+                    "joins, a leave and a kill (each once its host trains), then machine 0 stopped; --link-timeout 2; "
+                    "elastic only")
     ap.add_argument("--modes", default=None, help=f"ways to run, comma-separated (default: {','.join(MODES)}; "
                     "--smoke: elastic)")
     ap.add_argument("--network", default="tb-small", help="tb-small (default), tb-medium or tiny")
     ap.add_argument("--rate", default="1Gbit/s", help="every host's link each way")
     ap.add_argument("--cpu", type=float, default=CPU, help=f"cores per host (default {CPU}, as bench_testbed.py)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--batch", type=int, help="global batch (default 8; --smoke: 3)")
+    ap.add_argument("--micro-batches", type=int, help="default 4; --smoke: 1")
     ap.add_argument("--checkpoint-every", type=int, default=25, help="every way's periodic checkpoint (default 25: "
                     "see the docstring)")
     ap.add_argument("--on-failure", default="shrink", choices=("restart", "shrink"),
                     help="the elastic run's --on-failure (default shrink)")
-    ap.add_argument("--link-timeout", type=float, default=5.0, help="launch's --link-timeout (default 5 s)")
+    ap.add_argument("--link-timeout", type=float, help="launch's --link-timeout (default 5 s; --smoke: 2 s)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one way may take before it is stopped")
     ap.add_argument("--workdir", help="keep the runs and their logs here (default: a temporary directory)")
     args = ap.parse_args(argv)
+    for name, full, smoke in (("batch", 8, 3), ("micro_batches", 4, 1), ("link_timeout", 5.0, 2.0)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
     modes = (("elastic" if args.smoke else ",".join(MODES)) if args.modes is None else args.modes).split(",")
     refused = refusal(args, modes)
     if refused:

@@ -1,7 +1,8 @@
-"""benchmarks/bench_churn.py's bookkeeping, without launching anything (its smoke run, one join on loopback, is in
-test_benchmarks_smoke.py): the rows a restart makes machine 0 log again are counted as steps redone, every
-plan the run took is priced against its own steps, the last line says what the issue asks in its words; and
-settings it cannot run with are refused before any testbed or launcher."""
+"""benchmarks/bench_churn.py's bookkeeping, without launching anything (its smoke run on loopback, two joins, a
+leave and a kill, is in test_benchmarks_smoke.py): the rows a restart makes machine 0 log again are counted as
+steps redone, every plan the run took is priced against its own steps, a leave or kill waits for its host to
+train, the last line says what the issue asks in its words; and settings it cannot run with are refused before
+any testbed or launcher."""
 from __future__ import annotations
 
 import json
@@ -60,6 +61,34 @@ def test_rows_a_restart_logs_again_are_steps_redone_and_each_plan_is_priced_on_i
     # Each plan's own steps, WARM after its start left out: the 0.1 s steps of the first, 0.04 s of the second
     # (the gap across the restart, from step 10 to 11, belongs to neither).
     assert first.measured == pytest.approx(0.1) and second.measured == pytest.approx(0.04)
+
+
+def test_a_leave_or_kill_waits_for_its_host_to_train_and_for_the_last_one_to_be_gone(bench, tmp_path):
+    """A joiner that is still starting is not left or killed (its SIGTERM would come before its admission), the
+    kill after a leave waits for the leave's boundary, and the stop for the plan after the kill: the running
+    plan's PNodes are the newest row's."""
+    run = tmp_path / "node0"
+    run.mkdir()
+    watch = bench.Watch(run)
+
+    def log(*plans: tuple[range, list[str]]) -> None:
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "elapsed_s": s * 0.1,
+                                                               "pnodes": {p: {} for p in pnodes}}) + "\n"
+                                                   for steps, pnodes in plans for s in steps))
+        watch.poll()
+
+    log((range(1, 6), ["h0"]))
+    assert watch.ready("join", 1) and not watch.ready("leave", 1) and not watch.ready("kill", 2)
+    log((range(1, 6), ["h0"]), (range(6, 9), ["h0", "h1", "h2"]))
+    assert watch.training == {"h0", "h1", "h2"} and watch.ready("leave", 1) and watch.ready("kill", 2)
+    watch.gone.add("h1")  # the leave was sent: the kill waits until a plan without h1 trains
+    assert not watch.ready("kill", 2) and not watch.ready("stop", 0)
+    log((range(1, 6), ["h0"]), (range(6, 9), ["h0", "h1", "h2"]), (range(9, 11), ["h0", "h2"]))
+    assert watch.ready("kill", 2) and not watch.ready("leave", 1)
+    watch.gone.add("h2")  # killed: the run is stopped once the plan without it trains
+    assert not watch.ready("stop", 0)
+    log((range(1, 6), ["h0"]), (range(6, 9), ["h0", "h1", "h2"]), (range(9, 11), ["h0", "h2"]), (range(11, 12), ["h0"]))
+    assert watch.ready("stop", 0)
 
 
 def test_an_attempt_on_the_same_pnodes_is_told_by_its_clock_starting_again(bench, tmp_path):
@@ -129,6 +158,8 @@ def test_a_failed_way_has_no_goodput_and_says_why(bench):
     (["--link-timeout=-1"], "must be finite positive numbers"),
     (["--cpu", "0"], "must be finite positive numbers"),
     (["--on-failure", "repartition"], "invalid choice: 'repartition'"),
+    (["--smoke", "--modes", "elastic,static"], "--smoke runs the elastic way only"),
+    (["--smoke", "--batch", "0"], "--batch must be at least 1, got 0"),
 ])
 def test_settings_it_cannot_run_with_are_refused_before_anything_starts(argv, message, tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_churn.py"), *argv, "--workdir",

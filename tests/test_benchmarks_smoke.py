@@ -47,8 +47,9 @@ SMOKE: dict[str, list[str] | None] = {
     "bench_grad_sync.py": ["--network", "tiny", "--procs", "2", "--mib", "1", "--rounds", "1", "--steps", "1",
                            "--batch", "2", "--micro-batches", "1"],
     "bench_data.py": ["--smoke", "--workdir", "{tmp}/bench-data"],
-    # the session's corpus cache ({cache}, conftest): the tiny corpus is prepared once for the suite, not again here
-    "bench_first_step.py": ["--runs", "1", "--cache", "{cache}"],
+    # the session's corpus cache ({cache}, conftest): the tiny corpus is prepared once for the suite, not again here;
+    # --runs 0: the first run only (a timed run is the same command again)
+    "bench_first_step.py": ["--runs", "0", "--cache", "{cache}"],
     "bench_compress.py": ["--smoke"],
     # Two checkouts alternated: here this checkout against itself, one round of the pass benchmark.
     "ab_checkouts.py": ["{root}", "{root}", "--rounds", "1",
@@ -56,13 +57,17 @@ SMOKE: dict[str, list[str] | None] = {
                         "--", "benchmarks/bench_passes.py", "--sizes", "200", "--repeat", "1"],
     "bench_testbed.py": ["--smoke", "--plot", "{tmp}/testbed.png", "--workdir", "{tmp}/bench-testbed"],
     "bench_hop_latency.py": ["--smoke"],
-    # loopback, the tiny network: one machine, one joins as soon as the first plan is placed, 8 steps, elastic only
+    # loopback, the tiny network: one machine, two join as soon as the first plan is placed, one leaves, one is
+    # SIGKILLed (each once it trains), then machine 0 is stopped; elastic only
     "bench_churn.py": ["--smoke", "--workdir", "{tmp}/bench-churn"],
     "bench_mirror.py": ["--smoke", "{tmp}/bench-mirror"],
     # the tiny network, 2 processes, 3 steps of each way, equal hosts only (--smoke); --data as above
     "bench_vs_torch.py": ["--smoke", "--data", "{root}/docs/plugins.md"],
 }
 NEEDS_ROOT = {"bench_testbed.py", "bench_hop_latency.py"}  # the netlab testbed (network namespaces, cgroups): CI runs as root
+# What a script's table must show besides numbers: bench_churn reports a way failed (and exits 0) when its launcher
+# failed, it logged too few steps or the run ended before an event of the schedule.
+SUCCEEDED = {"bench_churn.py": re.compile(r"^\| elastic \| \d", re.M)}
 # gpu_check.sh without CUDA runs bench_gpu.py and bench_launch_pair.py on tiny shapes (its CPU fallback);
 # its extra arguments go to bench_gpu.py: two variants keep the aot_eager compiles to two.
 GPU_CHECK = ["--variants", "fused,handwritten"]
@@ -101,6 +106,8 @@ def test_benchmark_runs_on_its_smallest_setting(script: str, tmp_path: Path) -> 
     assert r.returncode == 0, f"{script} {' '.join(args)} exited {r.returncode}:\n{r.stderr[-3000:]}"
     assert TABLE.search(r.stdout), f"{script} printed no table:\n{r.stdout[-3000:]}"
     assert re.search(r"\d", r.stdout)
+    if script in SUCCEEDED:
+        assert SUCCEEDED[script].search(r.stdout), f"{script}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
 
 
 @pytest.mark.slow
@@ -139,5 +146,13 @@ def test_bench_testbed_refuses_a_file_for_its_workdir(tmp_path: Path) -> None:
 def test_bench_vs_torch_refuses_settings_that_compare_nothing(args: list[str], message: str, tmp_path: Path) -> None:
     """Refused before anything runs: exit 2, the option named, no traceback."""
     r = run_python([BENCH / "bench_vs_torch.py", *args], cwd=tmp_path, env=_env(), timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("runs, message", [("-1", "--runs must be 0 or more, got -1"), ("x", "invalid int value")])
+def test_bench_first_step_refuses_a_negative_or_non_integer_runs(runs: str, message: str, tmp_path: Path) -> None:
+    """--runs 0 is the smoke's first run alone; below that nothing is measured: exit 2 before any `vgraph train`."""
+    r = run_python([BENCH / "bench_first_step.py", "--runs", runs], cwd=tmp_path, env=_env(), timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert list(tmp_path.iterdir()) == []

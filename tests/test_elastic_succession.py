@@ -20,28 +20,23 @@ from vgraph.backends.torch.distributed.launcher.membership import Machines, Mach
 
 from test_elastic_launch import (PNODE, TOKEN, Thread, admission, common, events, files, join, pnode_text,  # noqa: F401
                                  reference, same_training, wait_for)
-
-MACHINE_0 = """
-import json, sys
-from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
-settings = json.loads(sys.argv[1])
-settings["hold"] = tuple(settings["hold"])
-launch(LaunchConfig(**settings))
-"""
+from test_succession import KILLED_RUN_COMM_TIMEOUT, MACHINE_0, start_after_machine_0
 
 
 def machines_0_and_1(files: Path, tmp_path: Path, port: int, **options):
     """A `--nnodes 2:3` run on m0 and m1: machine 0 a process of its own session (to be SIGKILLed), held after
-    step 2; machine 1 a launch in a thread (its Thread, and the list its lines go to)."""
+    step 2; machine 1 a launch in a thread (its Thread, and the list its lines go to), started once machine 0
+    serves (test_succession.start_after_machine_0: --comm-timeout without a start-up margin)."""
     fleet = files / "two-wide.yml"
     fleet.write_text("name: two\npnodes:\n" + PNODE.format(id="m0", memory="256MiB")
                      + PNODE.format(id="m1", memory="256MiB"))
     settings = dict(common(files), fleet=str(fleet), nnodes=2, max_nnodes=3, master_port=port, link_timeout=2.0,
-                    comm_timeout=20.0, **options)
+                    comm_timeout=KILLED_RUN_COMM_TIMEOUT, **options)
     zero = subprocess.Popen(
         [sys.executable, "-c", MACHINE_0, json.dumps({**settings, "node_rank": 0, "hold": ["m0", 2],
                                                       "out": str(tmp_path / "node0")})],
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    start_after_machine_0(zero, port, "machine 0's channel")
     lines: list[str] = []
     one = Thread(lambda: launch(LaunchConfig(**settings, node_rank=1, out=tmp_path / "node1", log=lines.append)))
     one.start()
@@ -78,9 +73,12 @@ def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_j
                                                join_timeout=60, link_timeout=2, comm_timeout=120, emit=lines.append))
         joiner.start()
         mirror = tmp_path / "node1" / "launch" / "mirror"
+        # j1 holds the run's files before the kill: a joiner still fetching them from machine 0 fails with the
+        # reset (`cannot write: Connection reset by peer`, one run of eight at load 5-7), not a succession
         wait_for(lambda: "j1" in str(succession.mirrored_admission(tmp_path / "node1"))
-                 and (mirror / "latest").is_file() and (mirror / "latest").read_text().strip() == "step-00000002",
-                 "machine 1 to mirror the admission of j1 and the step-2 checkpoint", alive)
+                 and (mirror / "latest").is_file() and (mirror / "latest").read_text().strip() == "step-00000002"
+                 and any("received the run's corpus" in line for line in lines),
+                 "machine 1 to mirror the admission of j1 and the step-2 checkpoint, j1 to hold the files", alive)
         assert [r["pnode"] for r in events(tmp_path / "node0") if r["event"] == "join"] == ["j1"]
         os.killpg(zero.pid, signal.SIGKILL)  # the launcher and its workers: the whole machine
         assert zero.wait(timeout=30) == -signal.SIGKILL

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,11 +28,14 @@ from vgraph.base.diagnostics import VGraphError
 from test_distributed_replicas import STEPS, common, files, reference, same_training  # noqa: F401 (fixtures)
 
 TOKEN = "succession-test-secret"
+# Machine 0's workers' forkserver has its imports before its launcher opens the channel (start_after_machine_0).
 MACHINE_0 = """
 import json, sys
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
+from vgraph.backends.torch.distributed.launcher.supervisor import warm
 settings = json.loads(sys.argv[1])
 settings["hold"] = tuple(settings["hold"])
+warm(wait=True)
 launch(LaunchConfig(**settings))
 """
 
@@ -41,6 +45,46 @@ def wait_for(condition, what: str, alive=lambda: True, timeout: float = 120.0) -
     while not condition():
         assert alive() and time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def channel_open(port: int) -> bool:
+    """Whether machine 0's launchers' channel (--master-port - 1) accepts a connection on loopback."""
+    try:
+        socket.create_connection(("127.0.0.1", port - 1), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
+
+
+def start_after_machine_0(zero: subprocess.Popen, port: int, what: str) -> None:
+    """Return once this process's workers' forkserver has its imports (supervisor.warm, as a joiner waits for
+    it) and machine 0's channel is open (machine 0, MACHINE_0, waits for its own forkserver before it opens it).
+    Why: --comm-timeout is also how long the others wait to reach machine 0 at start, how long the workers wait
+    for each other at their first rendezvous, and, after machine 0's SIGKILL, how long the others wait on it
+    before taking its role (the rejoin timeout, plus --link-timeout): started this way, no machine's start-up
+    or imports are in it.  Machine 0 (its own session) is killed if this fails."""
+    from vgraph.backends.torch.distributed.launcher.supervisor import warm
+
+    try:
+        warm(wait=True)  # while machine 0 starts
+        wait_for(lambda: channel_open(port), what,
+                 lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}"))
+    except BaseException:
+        if zero.poll() is None:
+            os.killpg(zero.pid, signal.SIGKILL)
+            zero.wait()
+        raise
+
+
+# --comm-timeout of the runs whose machine 0 is SIGKILLed (here and in test_elastic_succession.py): with every
+# machine's workers' forkserver ready before the channel opens (start_after_machine_0), it covers what a worker
+# waits on a peer in a healthy run: the first rendezvous (the plan placed and published, a worker forked on each
+# machine) and the held worker (the test kills or releases it once machine 1 mirrored the step: 0.2-0.4 s after the
+# hold began, four runs at load 4-5; machine 1 mirrors every succession.MIRROR_EVERY_S = 1 s).  Measured without
+# the forkservers waited for, the rendezvous was what timed out: at 8 s (this process's forkserver importing) and
+# at 12 s (machine 0's), one run of four at load 4-5 each.  12 s with the imports out of it: 10x the hold.
+# The rejoin timeout the survivors wait out after the kill is 12 + 2 s where it was 20 + 2.
+KILLED_RUN_COMM_TIMEOUT = 12.0
 
 
 def mirrored_steps(folder: Path) -> list[int]:
@@ -75,11 +119,13 @@ def test_machine_0_is_sigkilled_and_the_run_completes_on_the_survivors(files, re
         f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(count)))
     held = 5  # checkpoints every 2 steps: machine 0 has logged step 5 and saved step 4 when it is killed
     machines = dict(fleet=str(fleet), micro_batches=2, replicas=count, nnodes=count, master_port=port,
-                    on_failure=on_failure, link_timeout=2.0, comm_timeout=20.0, hold=("w0", held))  # all flush alike
+                    on_failure=on_failure, link_timeout=2.0, comm_timeout=KILLED_RUN_COMM_TIMEOUT,
+                    hold=("w0", held))  # all flush alike
     zero = subprocess.Popen(
         [sys.executable, "-c", MACHINE_0, json.dumps({**common(files), **machines, "node_rank": 0,
                                                        "out": str(tmp_path / "node0")})],
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    start_after_machine_0(zero, port, "machine 0's channel")
     box: dict = {}
 
     def survivor(rank: int) -> None:
