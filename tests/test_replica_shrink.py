@@ -178,3 +178,18 @@ def test_shrink_caps_a_fast_survivor_at_the_samples_its_memory_holds(three_repli
     assert rebalanced_shares(placement.graph, exact, final, rows, BATCH, MICRO) == [4, BATCH - 4]
     short = _fleet_with(fleet, {rows[0][0]: need(4)[0] - 1, rows[0][1]: need(4)[1]})
     assert rebalanced_shares(placement.graph, short, final, rows, BATCH, MICRO) == [2, BATCH - 2]
+
+
+def test_shrink_drops_the_replica_of_a_machine_that_leaves(three_replicas):
+    """bench_churn's smoke (2026-12-07): a joined machine SIGKILLed while another one's leave waited for its
+    boundary stopped machine 0 with KeyError 'h1' in rebalanced_shares: the restart's fleet (the admission's
+    grown_fleet) lacks the leaving machine's PNodes, and shrink kept its replica.  Now that replica goes too, the
+    shares are priced on the replicas the next attempt runs, and without a whole replica left it says so."""
+    from vgraph.backends.torch import TrainingError
+
+    placement, fleet, _, _ = three_replicas
+    leaving = fleet.without(["mid0", "mid1"])  # the machine of replica 1 said it leaves
+    assignment, (rows, shares) = _shrink(placement, leaving, ["slow0"], "slow0 (rank 4, exit -9)", BATCH, MICRO)
+    assert rows == [["fast0", "fast1"]] and shares == [BATCH] and set(assignment.values()) == {"fast0", "fast1"}
+    with pytest.raises(TrainingError, match="no complete replica is left"):
+        _shrink(placement, fleet.without(["fast0", "fast1"]), ["slow0", "mid1"], "two workers", BATCH, MICRO)

@@ -156,11 +156,13 @@ def led_by(placement: Placement, fleet: Fleet, leads: set[str]
 def shrink(placement: Placement, fleet: Fleet, lost: list[str], described: str, batch: int, micro: int
             ) -> tuple[dict[str, str], tuple[list[list[str]], list[int]]]:
     """The plan without the replicas that lost a worker: the survivors keep their PNodes, replica 0's
-    assignment moves to the first survivor, and the global batch is shared out again by speed."""
-    rows = [row for row in placement.rows if not set(row) & set(lost)]
+    assignment moves to the first survivor, and the global batch is shared out again by speed.  A replica with
+    a PNode `fleet` lacks goes too: the next attempt cannot place it (an elastic run's machine that said it
+    leaves: a restart is its boundary, and the replica it held must not be priced on a fleet without it)."""
+    rows = [row for row in placement.rows if not set(row) & set(lost) and set(row) <= set(fleet.ids)]
     if not rows:
         raise TrainingError(f"worker {described} failed and no complete replica is left (--on-failure shrink "
-                            f"drops the replicas that lost a worker)")
+                            f"drops the replicas that lost a worker, and those of machines that leave)")
     stage = {p: s for s, p in enumerate(placement.rows[0])}
     assignment = {v: rows[0][stage[p]] for v, p in placement.assignment.items()}
     final = {v: rows[0][stage[p]] for v, p in placement.final.items()}
