@@ -666,15 +666,12 @@ def test_sigterm_to_a_joined_machine_that_holds_nothing_yet_exits_0_when_release
 def test_a_drift_watch_acts_only_on_the_running_attempts_own_rows(tmp_path):
     """The loop guard: a drift row from before the attempt started (the step it resumed from, or earlier) is
     not fresh evidence; one after it is, and a row being written is skipped."""
-    from types import SimpleNamespace
-
     from vgraph.backends.torch.distributed.launcher.boundaries import last_drift as _last_drift, last_step as _last_step
 
-    run = SimpleNamespace(run_dir=tmp_path)
     rows = [{"step": 4, "loss": 1.0}, {"step": 5, "loss": 1.0, "drift": {"step": 5, "pnodes": {}}}, {"step": 6}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "lo')
-    assert _last_drift(run, 4)["step"] == 5 and _last_drift(run, 5) is None and _last_drift(run, 6) is None
-    assert _last_step(run) == 6
+    assert _last_drift(tmp_path, 4)["step"] == 5 and _last_drift(tmp_path, 5) is None and _last_drift(tmp_path, 6) is None
+    assert _last_step(tmp_path) == 6
 
 
 def test_signals_on_a_leaving_machine_sigterm_twice_is_one_leave_a_second_ctrl_c_stops_now():

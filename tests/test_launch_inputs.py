@@ -23,7 +23,7 @@ FLEET = "name: three\npnodes:\n" + "".join(
     f"  - {{id: p{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(3))
 
 
-@pytest.mark.parametrize("module", ["attempts.py", "boundaries.py", "emission.py", "failures.py", "joins.py",
+@pytest.mark.parametrize("module", ["attempts.py", "boundaries.py", "emission.py", "failures.py",
                                     "placing.py"])
 def test_what_runs_after_the_inputs_takes_values_not_the_settings(module: str) -> None:
     """The attempt loop, the job emission, the boundaries, the failures, the joins and the placement never see

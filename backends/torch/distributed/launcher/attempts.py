@@ -148,7 +148,7 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
     # the step they start at), then the workers: each module asked once, in the order the attempt needs it.
     ended = threading.Event()
     if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision (`watch_drift`)
-        threading.Thread(target=watch_drift, args=(run, last_step(run), ended), daemon=True).start()
+        threading.Thread(target=watch_drift, args=(run, last_step(run.run_dir), ended), daemon=True).start()
     trouble = watch_move(run, attempt.number)
     lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
     supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,

@@ -26,7 +26,7 @@ from .boundaries import last_step
 from .elastic import TookOver, record_event
 from .emission import Attempt, plan as placed_as_planned
 from .inputs import Run
-from .joins import open_admission, serve_channel
+from .boundaries import open_admission, serve_channel
 from .membership import REQUEST_TIMEOUT_S, MachineLost, decide
 from .placing import shrink
 from .shard_transfer import send_shards
@@ -130,7 +130,7 @@ def _rescue(run: Run, attempt: Attempt, lost: list[str]) -> int:
     shards, refused = read_shards(folder, run=inputs["run"], attempt=attempt.number)
     latest = ckpt.latest_checkpoint(run.run_dir)
     floor = ckpt.checkpoint_step(latest) if latest is not None else 0
-    logged = last_step(run)
+    logged = last_step(run.run_dir)
     found = assemble(shards, keys=inputs["keys"], floor=floor, ceiling=run.steps, logged=logged, reached=logged,
                      refused=refused, per_rank_state=inputs["per_rank_state"])
     for why in found.refused:
