@@ -26,7 +26,7 @@ from ...training.rescue import RESCUE_DIR
 from . import elastic
 from .inputs import Run
 from .emission import plan
-from .placing import Placement, before_partition
+from .placing import Placement
 from .shard_transfer import ShardReceiver
 
 __all__ = ["MOVE_POLL_S", "open_admission", "serve_channel", "last_step", "last_drift", "overhead_s",
@@ -186,7 +186,7 @@ def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Se
         old = plan(run, target, placement.assignment, layout)
     views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
              for p in (old, new)]
-    sizes = state_bytes(before_partition(run.source, run.before, run.target))
+    sizes = state_bytes(new.assigned)  # the VNodes as plans assign them; their state is what moves
     gone = sorted(set(gone) | admission.departing())  # another leave at the same step: no sender either
     decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=overhead_s(run))
     handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
