@@ -71,6 +71,8 @@ def test_the_inputs_are_resolved_once_into_values(resolved) -> None:
     assert got.run_info["batch"] == 8 and got.run_info["data_digest"] == got.data_digest
     for name in ("network.yml", "tokenizer.json", got.tokenizer):  # the run's files, written once here
         assert (got.run_dir / name).is_file(), name
+    # The tokenizer's text kept: a rescue's checkpoint and a successor's run directory take it, not a read again
+    assert got.tokenizer_json.startswith("{") and got.tokenizer_json == (got.run_dir / got.tokenizer).read_text()
     assert Path(got.data_dir).is_absolute() and Path(got.data_dir).is_dir()
 
 

@@ -169,7 +169,7 @@ def _rescue_inputs(run: Run, attempt: Attempt) -> dict[str, Any]:
                               if compressing else "",
             "extra": {"layout": "unfused", "run": json.loads(json.dumps(job.run_info, default=str)),
                       "network_yaml": job.network_yaml,
-                      "tokenizer_json": read_input(run.run_dir / run.tokenizer, what="tokenizer"),
+                      "tokenizer_json": run.tokenizer_json,
                       "launch": {"ranks": job.ranks, "assignment": job.final_assignment, "micro_batches": run.micro,
                                  "attempt": attempt.number}}}
 
@@ -230,7 +230,7 @@ def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> succession.
     installed = succession.install(run.run_dir, run.rescued(), run.emit)
     run.lead = True
     atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
-    atomic_write(run.run_dir / TOKENIZER_JSON, read_input(run.run_dir / run.tokenizer, what="tokenizer"))
+    atomic_write(run.run_dir / TOKENIZER_JSON, run.tokenizer_json)
     mirror(run)
     row = {"event": "succession", "step": installed.step, "coordinator": run.node_rank, "lost": old,
            "address": run.machines.addr,
