@@ -66,7 +66,8 @@ from vgraph.run.files import CHECKPOINT_PREFIX, LATEST, LAUNCH_DIR, METRICS_JSON
 from ...training import checkpoint as ckpt
 from ...training.rescue import RESCUE_DIR, assemble, read_shards, save_rescued
 from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, _fetch
-from .membership import REQUEST_TIMEOUT_S, ask, follow_successor, serving  # noqa: F401 (this module's API too)
+from .membership import (REQUEST_TIMEOUT_S, ask, elect, follow_successor, rival,  # noqa: F401 (this module's API too)
+                         serving)
 
 __all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "follow_successor", "install", "newest_state",
            "superseded",
@@ -253,31 +254,6 @@ class Mirror:
         self.say(f"launch: mirrored {name} from the coordinator ({total:,} bytes in {seconds:.2f} s)")
 
 
-def elect(me: int, survivors: Iterable[int], serving: Callable[[int], bool]) -> int:
-    """The new coordinator as this machine sees it: the lowest-ranked survivor below it that answers as the
-    coordinator (`serving(k)`, which waits up to its window), else this machine itself."""
-    for k in sorted(set(survivors)):
-        if k >= me:
-            break
-        if serving(k):
-            return k
-    return me
-
-
-def _rival(machines: Any, survivors: set[int], every: float = 1.0) -> Callable[[], int | None]:
-    """A successor's check while it collects reports, at most once per `every` s: a survivor of lower rank
-    serving as coordinator too (two machines thought themselves next), or None."""
-    last = [0.0]
-
-    def check() -> int | None:
-        if time.monotonic() - last[0] < every:
-            return None
-        last[0] = time.monotonic()
-        lower = sorted(k for k in survivors if k < machines.node_rank)
-        return next((k for k in lower if serving(machines, k, 0.0)), None)
-    return check
-
-
 def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
             decide: Callable[[dict[int, dict], list[int]], dict], window: float,
             send: Callable[[], Any] = lambda: None, serve: Callable[[], Any] = lambda: None) -> dict:
@@ -317,7 +293,7 @@ def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
         return {**plan, "lost": sorted(set(plan["lost"]) | set(report["lost"])),  # ... and the lost coordinators'
                 "gone": sorted(set(plan.get("gone") or []) | set(report["lost"]))}
 
-    machines.superior = _rival(machines, set(survivors))
+    machines.superior = rival(machines, set(survivors))
     try:
         return machines.settle(report, decide_without_lost, wait_for_all=True)
     except SteppedDown as down:
