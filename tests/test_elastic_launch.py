@@ -696,7 +696,7 @@ def test_a_plan_that_moves_rank_0_off_the_coordinator_is_refused_at_the_decision
     """bench_churn's run 4 (2026-12-07): a join's plan put rank 0 on h1, a machine the run STARTED with (not a
     joined one); the decision took it and the run stopped at the boundary ("the replica of machine 0 was
     dropped").  Any machine but the coordinator's is refused, before a boundary is asked for."""
-    from vgraph.backends.torch.distributed.launcher.boundaries import rank_zero_elsewhere
+    from vgraph.backends.torch.distributed.launcher.emission import rank_zero_elsewhere
 
     homes = {"h0": 0, "h1": 1, "j2": 2}  # h0, h1 started the run; j2 joined
     assert rank_zero_elsewhere("h0", homes, 0) is None

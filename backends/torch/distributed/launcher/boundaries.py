@@ -25,12 +25,12 @@ from vgraph.run.files import MEASURED_FLEET, METRICS_JSONL
 from ...training.rescue import RESCUE_DIR
 from . import elastic
 from .inputs import Run
-from .emission import plan
+from .emission import plan, rank_zero_elsewhere
 from .placing import Placement
 from .shard_transfer import ShardReceiver
 
 __all__ = ["MOVE_POLL_S", "open_admission", "serve_channel", "last_step", "last_drift", "overhead_s",
-           "rank_zero_elsewhere", "replan", "watch_drift", "boundary", "watch_move", "move_measured"]
+           "replan", "watch_drift", "boundary", "watch_move", "move_measured"]
 
 MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
 
@@ -203,19 +203,6 @@ def overhead_s(run: Run) -> float:
     return run.moved_s if run.moved_s is not None else run.replan_overhead_s
 
 
-def rank_zero_elsewhere(pnode: str, homes: dict[str, int], coordinator: int) -> str | None:
-    """Why a plan whose rank 0 is `pnode` cannot run now, or None: the coordinator's machine holds the run (its
-    metrics, checkpoints and rank 0: emission._local_ranks stops a run whose rank 0 lands elsewhere).  The plan
-    (emission.plan) already moves rank 0 onto a PNode of the coordinator's machine when one can hold rank 0's
-    stage; a plan still putting it elsewhere is refused at the decision rather than stopping the run at its
-    boundary.  A PNode with no home yet runs on machine 0, as emission._local_ranks places it."""
-    machine = homes.get(pnode, 0)
-    if machine == coordinator:
-        return None
-    return (f"the planner's plan puts rank 0 on {pnode} (machine {machine}), and the coordinator, machine "
-            f"{coordinator}, keeps rank 0 (it holds the run)")
-
-
 def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
     """Machine 0, while an attempt runs (its own thread): a drift rank 0 reported in this attempt's rows (a
     metrics row with `drift`, at a step after `start`) is a re-plan decision on the measured fleet
@@ -268,7 +255,8 @@ def boundary(run: Run) -> bool:
     """Machine 0, every worker done: was it a re-plan boundary (`replan`: a join, a leave, a drift) with steps
     left?  Then the admitted machines get their PNodes' homes, the leaving ones are released (the boundary's
     checkpoint holds what they held), and the next attempt is placed on the fleet without them."""
-    taken = run.admission.close_boundary(last_step(run.run_dir), run.steps)
+    step = last_step(run.run_dir)
+    taken = run.admission.close_boundary(step, run.steps)
     if taken is None:
         return False
     run.home = {**(run.home or {}), **run.admission.home()}
