@@ -22,9 +22,9 @@ from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
 from ..rendezvous import free_port, probe_port
 from . import elastic
-from .boundaries import boundary, last_step, move_measured, watch_drift, watch_move
+from .boundaries import boundary, last_step, move_measured, take_admission, watch_drift, watch_move
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
-from .failures import after_failure, succeed_followed, take_admission
+from .failures import after_failure, succeed_followed
 from .inputs import Run
 from .supervisor import Supervisor
 

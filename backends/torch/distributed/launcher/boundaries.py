@@ -23,13 +23,13 @@ from vgraph.cost.fleet import Fleet
 from vgraph.run.files import MEASURED_FLEET, METRICS_JSONL
 
 from ...training.rescue import RESCUE_DIR
-from . import elastic
+from . import elastic, succession
 from .inputs import Run
 from .emission import plan, rank_zero_elsewhere
 from .placing import Placement
 from .shard_transfer import ShardReceiver
 
-__all__ = ["MOVE_POLL_S", "open_admission", "serve_channel", "last_step", "last_drift", "overhead_s",
+__all__ = ["MOVE_POLL_S", "open_admission", "take_admission", "serve_channel", "last_step", "last_drift", "overhead_s",
            "replan", "watch_drift", "boundary", "watch_move", "move_measured"]
 
 MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
@@ -53,6 +53,16 @@ def open_admission(run: Run) -> elastic.Admission:
         for key in ("bin", "idx"):  # the manifest's SHA-256 of each: a large corpus is not read again here
             admission.serve(shard[key], corpus / shard[key], shard[f"{key}_sha256"])
     return admission
+
+
+def take_admission(run: Run) -> None:
+    """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
+    machine; the channel's address moved with the role), with the machines it had admitted, released or was
+    releasing, from the record this machine mirrored (succession.mirrored_admission)."""
+    run.admission = open_admission(run)
+    run.admission.me = run.node_rank
+    run.admission.restore(succession.mirrored_admission(run.run_dir), run.emit)
+    run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
 
 
 def serve_channel(run: Run) -> None:

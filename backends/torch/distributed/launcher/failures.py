@@ -22,16 +22,15 @@ from ...training.config import TrainingError
 from ...training.rescue import RESCUE_DIR, assemble, clear_rescue, read_shards, run_identity, save_rescued
 from ..job import EXIT_USER_ERROR, Job
 from . import succession
-from .boundaries import last_step
+from .boundaries import last_step, serve_channel, take_admission
 from .elastic import TookOver, record_event
 from .emission import Attempt, plan as placed_as_planned
 from .inputs import Run
-from .boundaries import open_admission, serve_channel
 from .membership import REQUEST_TIMEOUT_S, MachineLost, decide
 from .placing import shrink
 from .shard_transfer import send_shards
 
-__all__ = ["after_failure", "fence", "mirror", "succeed_followed", "take_admission"]
+__all__ = ["after_failure", "fence", "mirror", "succeed_followed"]
 
 
 def fence(run: Run) -> None:
@@ -240,16 +239,6 @@ def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> succession.
     run.emit(f"launch: machine {run.node_rank} is the coordinator now (machine {old} lost): the run goes on in "
              f"{run.run_dir} from step {installed.step} ({installed.source}; {installed.redone} step(s) redone)")
     return installed
-
-
-def take_admission(run: Run) -> None:
-    """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
-    machine; the channel's address moved with the role), with the machines it had admitted, released or was
-    releasing, from the record this machine mirrored (succession.mirrored_admission)."""
-    run.admission = open_admission(run)
-    run.admission.me = run.node_rank
-    run.admission.restore(succession.mirrored_admission(run.run_dir), run.emit)
-    run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
 
 
 def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, Any] | None) -> dict[str, Any]:
