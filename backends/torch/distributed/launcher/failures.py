@@ -19,7 +19,7 @@ from vgraph.run.step_plan import make_plan
 
 from ...training import checkpoint as ckpt
 from ...training.config import TrainingError
-from ...training.rescue import RESCUE_DIR, assemble, clear_rescue, read_shards, run_identity, save_rescued
+from ...training.rescue import RESCUE_DIR, clear_rescue, rescue_saved, run_identity
 from ..job import EXIT_USER_ERROR, Job
 from . import succession
 from .boundaries import last_step, serve_channel, take_admission
@@ -125,24 +125,18 @@ def _rescue(run: Run, attempt: Attempt, lost: list[str]) -> int:
     """Machine 0 after a failed attempt: a checkpoint from the survivors' rescue shards when they hold every
     VNode at one step later than the last checkpoint (training/rescue.py), else the last checkpoint; either
     way the steps redone are said (the launcher's line, a fleet-events.jsonl row, the final summary)."""
-    folder, inputs = run.launch_dir / RESCUE_DIR, _rescue_inputs(run, attempt)
-    shards, refused = read_shards(folder, run=inputs["run"], attempt=attempt.number)
+    folder = run.launch_dir / RESCUE_DIR
     latest = ckpt.latest_checkpoint(run.run_dir)
     floor = ckpt.checkpoint_step(latest) if latest is not None else 0
     logged = last_step(run.run_dir)
-    found = assemble(shards, keys=inputs["keys"], floor=floor, ceiling=run.steps, logged=logged, reached=logged,
-                     refused=refused, per_rank_state=inputs["per_rank_state"])
-    for why in found.refused:
-        run.emit(f"launch: rescue shard refused: {why}")
-    if found.step is not None:
-        try:
-            where = save_rescued(run.run_dir, found, inputs["extra"], run.keep_checkpoints)
-        except OSError as exc:  # a full disk: the run still has its last checkpoint
-            found.why = f"its checkpoint could not be written: {exc.strerror or exc}"
-            found.step = None
+    found = rescue_saved(folder, run.run_dir, **_rescue_inputs(run, attempt), floor=floor, logged=logged,
+                         keep=run.keep_checkpoints, say=run.emit)
+    if found.unsaved:  # a full disk: the run still has its last checkpoint
+        found.why, found.step = f"its checkpoint could not be written: {found.unsaved}", None
     if found.step is not None:
         resume, source = found.step, "replicas"
-        said = f"the survivors hold every VNode at step {found.step} (ranks {found.ranks}): checkpoint {where}"
+        said = (f"the survivors hold every VNode at step {found.step} (ranks {found.ranks}): checkpoint "
+                f"{found.saved}")
     else:
         resume, source = floor, "checkpoint"
         said = f"no rescue ({found.why}); resuming from {latest or 'the start'}"
