@@ -481,6 +481,31 @@ def summary(outcomes: list[Outcome]) -> str:
             f"re-plan predicted/measured: {_f(worst, '.2f')}")
 
 
+def ceiling(outcomes: list[Outcome], schedule: Schedule) -> str:
+    """What the schedule lets any elastic run reach against static on these hosts: the goodput vs static of a
+    run whose changes cost nothing and take effect at their step, each segment of the schedule trained at the
+    step restart-all measured on that segment's hosts (its plan k is segment k's), scaled to static's 2-host step
+    (the two ways ran minutes apart and this machine drifts: only restart-all's speed-ups are used), and the
+    rest of static's wall (start, checkpoints, the end) the same.
+
+    Why print it: a goal of Y = 1.2 is met by no implementation when this ceiling is below it; run 7's
+    (2026-12-07, tb-small, batch 8) was about 1.1, the extra hosts there only 60% of the schedule and 2 to 4
+    hosts 1.4x faster at best."""
+    by = {o.mode: o for o in outcomes}
+    static, everyone = by.get("static"), by.get("restart-all")
+    bounds = [0, *(e[0] for e in schedule.events), schedule.steps]
+    segments = [b - a for a, b in zip(bounds, bounds[1:])]
+    if (static is None or everyone is None or static.error or everyone.error or len(static.plans) != 1
+            or len(everyone.plans) != len(segments) or not all(p.measured for p in [*static.plans, *everyone.plans])):
+        return "elastic's ceiling vs static: n/a (needs static and restart-all, each plan measured)"
+    base, first = static.plans[0].measured, everyone.plans[0].measured
+    rest = static.wall - schedule.steps * base
+    ideal = rest + sum(n * base * p.measured / first for n, p in zip(segments, everyone.plans))
+    return (f"elastic's ceiling vs static: {static.wall / ideal:.2f} (changes free and at their step; "
+            f"restart-all's speed-ups {', '.join(f'{first / p.measured:.2f}' for p in everyone.plans)} over "
+            f"{', '.join(map(str, segments))} steps; {rest:.1f} s of static's {static.wall:.1f} s not training)")
+
+
 def refusal(args: argparse.Namespace, modes: list[str]) -> str | None:
     """Why these settings cannot run (before any testbed or launcher), or None."""
     if not modes or any(m not in MODES for m in modes):
@@ -555,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                 hosts.close()
     print(table(outcomes))
     print(f"load after: {os.getloadavg()[0]:.2f}")
+    print(ceiling(outcomes, schedule))
     print(summary(outcomes))
     return 0
 

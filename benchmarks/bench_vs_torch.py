@@ -297,8 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", default=None, help="training text (default: the embedded corpus)")
     ap.add_argument("--uneven", action=argparse.BooleanOptionalAction, default=None,
                     help="also the unequal hosts (netlab testbed; default: when root)")
+    ap.add_argument("--equal", action=argparse.BooleanOptionalAction, default=True,
+                    help="the equal hosts' rounds (default; --no-equal with --uneven: the unequal hosts alone)")
     ap.add_argument("--smoke", action="store_true", help="the suite's setting: tiny network, 2 processes, 1 round")
     args = ap.parse_args(argv)
+    if not args.equal and args.uneven is not True:
+        ap.error("--no-equal leaves only the unequal hosts: give --uneven too")
     if args.smoke:
         args.network, args.procs, args.steps, args.warmup, args.rounds, args.uneven = "tiny", "2", 3, 1, 1, False
         args.batch, args.micro_batches = 4, 2
@@ -340,7 +344,7 @@ def run(args) -> int:
 
     spec = spec_of(args.network)
     cfg = HandwrittenConfig.from_spec(spec)
-    procs = [int(p) for p in args.procs.split(",")]
+    procs = [int(p) for p in args.procs.split(",")] if args.equal else []
     load = os.getloadavg()
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="bench_vs_torch_") as tmp:
@@ -392,6 +396,16 @@ def paired(medians: dict[str, list[float]], a: str, b: str) -> float:
 def report(args, cfg, procs, medians, last_loss, uneven, load, started) -> None:
     import torch
 
+    if not procs:  # --no-equal: the unequal hosts alone
+        name = "tiny_2l" if args.network == "tiny" else f"{args.network}-layer"
+        print(f"bench_vs_torch: {name} network (dim {cfg.dim}, {cfg.layers} blocks), global batch "
+              f"{args.batch}, gloo on CPU, torch {torch.__version__}, {os.cpu_count()} cores; started {started}, "
+              f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; unequal hosts only (--no-equal)")
+        print()
+        print(uneven)
+        load = os.getloadavg()
+        print(f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end")
+        return
     ref = last_loss[next(iter(last_loss))]
     spread = max(abs(v - ref) / abs(ref) for v in last_loss.values())
     print(f"bench_vs_torch: {args.network}-layer network" if args.network != "tiny" else
@@ -442,6 +456,7 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
     token = dict(os.environ, VGRAPH_LAUNCH_TOKEN="bench-vs-torch-secret-0123456789", OMP_NUM_THREADS="1")
     cores = (1.0, 0.5)
     times: dict[str, list[float]] = {"launch": [], "DDP": []}
+    losses: dict[str, float] = {}  # each way's last loss: the planner's shares train the same global batch
     with Testbed(2, cpu=list(cores)) as tb:
         fleet = work / "fleet-uneven.yml"
         # bench_testbed's probes: each host inside its quota, its link measured to the other, then the
@@ -451,8 +466,8 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
             for way in rotated(("launch", "DDP"), r):
                 port = 29600 + 10 * (2 * r + (way == "DDP"))
                 if way == "DDP":
-                    steps, _ = run_torch(dict(common, mode="ddp", world=2), work, f"uneven-r{r}", hosts=tb,
-                                         port=port)
+                    steps, losses[way] = run_torch(dict(common, mode="ddp", world=2), work, f"uneven-r{r}",
+                                                   hosts=tb, port=port)
                     times[way].append(statistics.median(after_warmup(steps, args.warmup, False)))
                     continue
                 where = work / f"uneven-r{r}"
@@ -470,6 +485,7 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
                         if line.strip()]
                 steps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:])]
                 times[way].append(statistics.median(after_warmup(steps, args.warmup, True)))
+                losses[way] = float(rows[-1]["loss"])
                 planned = json.loads((where / "node0" / "placement.json").read_text())
             print(f"uneven round {r + 1}/{args.rounds}: launch {times['launch'][-1] * 1e3:.1f} ms, DDP "
                   f"{times['DDP'][-1] * 1e3:.1f} ms", file=sys.stderr, flush=True)
@@ -485,6 +501,10 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
                   replicas=([["h0"], ["h1"]], [args.batch // 2, args.batch - args.batch // 2])).report
     predicted = equal["step_seconds"] / planned["step_seconds"]
     measured = paired_median(times["DDP"], times["launch"])
+    apart = abs(losses["launch"] - losses["DDP"]) / abs(losses["DDP"])
+    if apart > LOSS_RTOL:
+        raise SystemExit(f"bench_vs_torch: on the unequal hosts the last losses differ by {apart:.1e} (> "
+                         f"{LOSS_RTOL:g}): not the same training")
     return "\n".join([
         f"Unequal hosts (netlab: host h0 {cores[0]:g} core, h1 {cores[1]:g} core, cgroup quotas; fleet probed "
         f"inside them: the whole step alone priced at {alone}), 2 processes, batch {args.batch}, "
@@ -495,6 +515,7 @@ def uneven_hosts(args, network: Path, corpus: Path, common: dict, work: Path) ->
         f"{statistics.median(times['launch']) * 1e3:.1f} |",
         f"| DDP (equal split) | {[args.batch // 2, args.batch - args.batch // 2]} | {equal['step_seconds'] * 1e3:.1f} "
         f"(vgraph's price of it) | {statistics.median(times['DDP']) * 1e3:.1f} |", "",
+        f"last losses agree to {apart:.1e} (relative; checked against {LOSS_RTOL:g})", "",
         f"DDP / launch on unequal hosts: measured {measured:.2f}x, predicted {predicted:.2f}x "
         f"(measured / predicted {measured / predicted:.2f}; {rounds_note(args.rounds)})"])
 

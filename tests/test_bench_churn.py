@@ -91,6 +91,26 @@ def test_the_last_line_compares_the_elastic_goodput_and_takes_the_worst_re_plan(
     assert "| restart-all | 150.0 | 2.000 | 24 | - |" in table and "0: ? 0.2000 / n/a (n/a)" in table
 
 
+def test_the_ceiling_trains_each_segment_at_restart_alls_speed_up_over_statics_step(bench):
+    """Run 7's figures (BENCHMARKS.md): static 87.7 s at 0.1283 s a step, so 87.7 - 300 x 0.1283 = 49.21 s not
+    training; restart-all's plans 0.1784, 0.1408, 0.1273, 0.1547, 0.1423 over segments of 60 steps each: ideal
+    training 60 x 0.1283 x (0.1784 + 0.1408 + 0.1273 + 0.1547 + 0.1423) / 0.1784 = 32.08 s; ceiling
+    87.7 / (49.21 + 32.08) = 1.08, under the issue's 1.2 whatever an elastic run does."""
+    everyone = [0.1784, 0.1408, 0.1273, 0.1547, 0.1423]
+    outcomes = [outcome(bench, "restart-all", 237.1, 50, [(0.2, m) for m in everyone]),
+                outcome(bench, "static", 87.7, 0, [(0.1851, 0.1283)])]
+    ideal = 87.7 - 300 * 0.1283 + sum(60 * 0.1283 * m / 0.1784 for m in everyone)
+    line = bench.ceiling(outcomes, bench.FULL)
+    assert line.startswith(f"elastic's ceiling vs static: {87.7 / ideal:.2f} (") and f"{87.7 / ideal:.2f}" == "1.08"
+    assert "1.00, 1.27, 1.40, 1.15, 1.25 over 60, 60, 60, 60, 60 steps; 49.2 s of static's 87.7 s" in line
+    # Without both ways, or with a plan per segment missing or unmeasured, it says so instead of a number.
+    for broken in ([outcomes[1]], [outcome(bench, "restart-all", 237.1, 50, [(0.2, m) for m in everyone[:4]]),
+                                   outcomes[1]],
+                   [outcome(bench, "restart-all", 237.1, 50, [(0.2, None)] * 5), outcomes[1]],
+                   [outcomes[0], outcome(bench, "static", 87.7, 0, [(0.2, 0.1)], error="exited 1")]):
+        assert bench.ceiling(broken, bench.FULL).endswith("n/a (needs static and restart-all, each plan measured)")
+
+
 def test_a_failed_way_has_no_goodput_and_says_why(bench):
     outcomes = [outcome(bench, "elastic", 100.0, 0, error="machine 0's launcher exited 1"),
                 outcome(bench, "static", 130.0)]

@@ -133,6 +133,8 @@ def test_bench_testbed_refuses_a_file_for_its_workdir(tmp_path: Path) -> None:
     (["--batch", "8", "--micro-batches", "3"], "must split evenly"),
     (["--steps", "3", "--warmup", "2"], "exceed --warmup by at least 2"),
     (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--no-equal"], "give --uneven too"),
+    (["--no-equal", "--no-uneven"], "give --uneven too"),
 ])
 def test_bench_vs_torch_refuses_settings_that_compare_nothing(args: list[str], message: str, tmp_path: Path) -> None:
     """Refused before anything runs: exit 2, the option named, no traceback."""

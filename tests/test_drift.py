@@ -6,10 +6,13 @@ import math
 import pytest
 
 from conftest import TINY
+from test_replan import MB, SIZES, fleet, three_stage, two_stage  # plans for the decision's arithmetic
 from vgraph import VGraphError, load
 from vgraph.cost.fleet import loads_fleet
-from vgraph.placement.drift import (DriftWatch, busy_seconds, fleet_file_text, measured_fleet, predicted_busy)
+from vgraph.placement.drift import (DriftWatch, busy_seconds, fleet_file_text, measured_fleet, predicted_busy,
+                                    relative_spread)
 from vgraph.placement.export import placement_report
+from vgraph.placement.replan import decide
 from vgraph.transform.pipeline import run_pipeline
 
 FLEET = """name: two
@@ -110,6 +113,21 @@ def test_the_measured_figure_is_the_episodes_median() -> None:
     assert not watch.drifting and watch.measured()["p"] == pytest.approx(0.1)
 
 
+def test_the_report_carries_the_spread_of_its_episode() -> None:
+    """relative_spread: half the interquartile range over the median (inclusive quartiles): 1, 2, 3, 4, 5 ->
+    quartiles 2 and 4, median 3: 1/3.  A steady episode reports 0, an unsteady one its spread; one spike
+    among many steady steps does not widen it (quartiles)."""
+    assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1 / 3)
+    assert relative_spread([]) == relative_spread([2.0]) == 0.0 and relative_spread([0.0, 0.0]) == 0.0
+    assert relative_spread([1.0] * 9 + [50.0]) == 0.0
+    steady = feed(DriftWatch({"p": 0.1}, steps=2, warmup=0, window=1), [0.3] * 4)
+    (drift,) = steady.values()
+    assert drift.spread == {"p": 0.0} and drift.to_json()["pnodes"]["p"]["spread"] == 0.0
+    unsteady = feed(DriftWatch({"p": 0.1}, steps=3, warmup=0, window=1), [0.2, 0.4, 0.3, 0.5])
+    (drift,) = unsteady.values()  # the episode so far: 0.2 0.4 0.3 -> quartiles 0.25, 0.35, median 0.3
+    assert drift.spread["p"] == pytest.approx(0.05 / 0.3)
+
+
 def test_warmup_steps_are_ignored_and_zero_disables() -> None:
     watch = DriftWatch({"p": 0.1}, steps=2, warmup=4, window=1)
     assert feed(watch, [5.0] * 4 + [1.0] * 3) == {}  # the slow steps were all warm-up
@@ -148,3 +166,26 @@ def test_the_run_reader_keeps_a_drift_field_with_only_its_numbers() -> None:
     assert row["drift"] == {"pnodes": {"w1": {}}} and dropped == 4
     row, dropped = metrics_row({"step": 7, "drift": "slow"})
     assert "drift" not in row and dropped == 1
+
+
+def test_bench_churn_run_7s_first_drift_is_kept_once_its_spread_is_priced() -> None:
+    """Replayed from bench_churn run 7 (2026-12-07; the elastic way's first 8 rows, busy = step - idle, rounded to
+    0.1 ms): h1's window left the band at step 4 and the report at step 8 measured 0.1005 s against 0.1276 s,
+    as the run's own report did.  The run's decision (replan.decide) priced a gain of 5.17 s over 292 steps
+    against a 3.01 s change at 0.1703 s a step, and re-planned onto a plan that measured 0.24 s a step; the
+    episode's spread, 0.197, adds 0.197 x 0.1703 x 292 = 9.8 s: kept."""
+    busy = [{"h0": 0.4771, "h1": 0.5}, {"h0": 0.2954, "h1": 0.449}, {"h0": 0.0889, "h1": 0.1642},
+            {"h0": 0.0993, "h1": 0.0617}, {"h0": 0.1217, "h1": 0.0859}, {"h0": 0.1392, "h1": 0.1005},
+            {"h0": 0.1147, "h1": 0.1152}, {"h0": 0.1535, "h1": 0.0667}]
+    watch = DriftWatch({"h0": 0.0912, "h1": 0.1276})  # placement.json's compute_seconds; K, W, window as launch's
+    reports = {step: d for step, b in enumerate(busy, 1) if (d := watch.feed(step, b))}
+    (drift,) = reports.values()
+    assert list(reports) == [8] and list(drift.pnodes) == ["h1"]
+    assert drift.pnodes["h1"][0] == pytest.approx(0.1005) and drift.spread["h1"] == pytest.approx(0.197, abs=5e-3)
+    gain_per_step = 5.17 / 292
+    old, new = two_stage(0.1703), three_stage(0.1703 - gain_per_step)
+    f = fleet(100 * MB, 100 * MB, 100 * MB)
+    overhead = 3.01 - decide(old, new, SIZES, f, 292, overhead_s=0.0).move_seconds
+    assert decide(old, new, SIZES, f, 292, overhead_s=overhead).chosen == "new"  # as the run chose
+    kept = decide(old, new, SIZES, f, 292, overhead_s=overhead, uncertainty=drift.spread["h1"])
+    assert kept.chosen == "keep" and kept.margin_s == pytest.approx(9.8, abs=0.2)

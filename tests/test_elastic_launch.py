@@ -297,19 +297,65 @@ def test_only_offered_files_are_served_and_in_chunks(files, tmp_path):
     request = lambda op, timeout=None, **kw: adm.answer({"op": op, "machine": machine, **kw})  # noqa: E731
     meta = join(adm, pnode_text("j9"))  # beyond MAX: refused, and no file list
     assert "files" not in meta
-    data = elastic._fetch_bytes(request, "big.bin", big.stat().st_size, adm.files["big.bin"][2])
+    data = elastic._fetch_bytes(request, "big.bin", big.stat().st_size, adm.files["big.bin"][2], 5)
     assert data == big.read_bytes() and len(data) > 3 * elastic.CHUNK_BYTES
     for name in ("../one.yml", "/etc/passwd", str(files / "one.yml")):
         assert "no file" in request("fetch", name=name, offset=0)["error"]
     with pytest.raises(elastic.JoinRefused, match="SHA-256"):
-        elastic._fetch_bytes(request, "big.bin", big.stat().st_size, "0" * 64)
+        elastic._fetch_bytes(request, "big.bin", big.stat().st_size, "0" * 64, 5)
     out = tmp_path / "joined"
     out.mkdir()
     folder = OutputDir(out, command="launch --join")
-    elastic._fetch_file(request, "big.bin", big.stat().st_size, adm.files["big.bin"][2], folder)
+    elastic._fetch_file(request, "big.bin", big.stat().st_size, adm.files["big.bin"][2], folder, 5)
     assert (out / "big.bin").read_bytes() == big.read_bytes()
     with pytest.raises(elastic.JoinRefused, match="SHA-256"):  # a damaged transfer leaves the file as it was
-        elastic._fetch_file(request, "big.bin", big.stat().st_size, "1" * 64, folder)
+        elastic._fetch_file(request, "big.bin", big.stat().st_size, "1" * 64, folder, 5)
+    assert (out / "big.bin").read_bytes() == big.read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == [".vgraph-outputs.json", "big.bin"]  # no temporary left
+
+
+def test_a_stream_cut_midway_goes_on_from_the_machine_that_took_the_coordinators_role(files, tmp_path):
+    """Machine 0 SIGKILLed while a joiner streams a shard (the CI failure of 2026-12-07: "val-00000.idx: cannot
+    write: Connection reset by peer"): the chunk is asked for again; a coordinator silent for the whole window
+    is CoordinatorSilent, and `_receive` follows the successor (`lost`) and takes the file again from there,
+    keeping the files already received.  A wrong implementation (no retry, or a retry that skips the offset)
+    fails here: the bytes must equal the file's and pass its SHA-256."""
+    adm = admission(files, tmp_path)
+    big = tmp_path / "big.bin"
+    big.write_bytes(bytes(range(256)) * (3 * elastic.CHUNK_BYTES // 256 + 7))
+    adm.serve("big.bin", big)
+    machine = join(adm, pnode_text("j1"))["machine"]
+    size, digest = big.stat().st_size, adm.files["big.bin"][2]
+    asked: list[int] = []
+
+    def flaky(op, timeout=None, **kw):  # the second chunk's first ask meets a reset, then a successor's "wait"
+        asked.append(kw["offset"])
+        if asked.count(kw["offset"]) == 1 and kw["offset"] > 0:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        if asked.count(kw["offset"]) == 2 and kw["offset"] > 0:
+            return {"wait": "the coordinator is being taken over"}
+        return adm.answer({"op": op, "machine": machine, **kw})
+    assert elastic._fetch_bytes(flaky, "big.bin", size, digest, 5) == big.read_bytes()
+    assert asked[:4] == [0, elastic.CHUNK_BYTES, elastic.CHUNK_BYTES, elastic.CHUNK_BYTES]  # the same offset again
+
+    def dead(op, timeout=None, **kw):
+        raise ConnectionRefusedError(111, "Connection refused")
+    with pytest.raises(elastic.CoordinatorSilent, match="big.bin"):
+        elastic._fetch_bytes(dead, "big.bin", size, digest, 0.6)
+
+    out = tmp_path / "joined"
+    out.mkdir()
+    machines = type("M", (), {"request": staticmethod(dead)})()
+    followed: list[str] = []
+
+    def lost(why, attempt, report):  # the successor found: it answers from now on
+        followed.append(str(why))
+        machines.request = staticmethod(lambda op, timeout=None, **kw: adm.answer({"op": op, "machine": machine, **kw}))
+        return {}
+    result = elastic.Joined(machine, "j1", out)
+    elastic._receive(machines, {"big.bin": {"size": size, "sha256": digest}}, OutputDir(out, command="launch --join"),
+                     0.6, result, lost)
+    assert len(followed) == 1 and "big.bin" in followed[0] and result.received_bytes == size
     assert (out / "big.bin").read_bytes() == big.read_bytes()
     assert sorted(p.name for p in out.iterdir()) == [".vgraph-outputs.json", "big.bin"]  # no temporary left
 
@@ -575,7 +621,8 @@ def test_a_fleet_that_lies_is_replanned_from_the_measured_figures(files, referen
         decision["reason"])
     assert [e["kind"] for e in events(run_dir) if e["event"] == "replan"] == ["drift"]
     assert decision["drift"]["pnodes"]["w1"]["ratio"] > 1.25 and decision["new_step_s"] < decision["old_step_s"]
-    assert decision["gain_s"] > decision["move_s"] + decision["overhead_s"] and decision["bytes_moved"] > 0
+    assert decision["gain_s"] > decision["move_s"] + decision["overhead_s"] + decision["margin_s"]
+    assert decision["bytes_moved"] > 0 and "spread" in decision["drift"]["pnodes"]["w1"]
     drift_rows = [r for r in result.history if "drift" in r]
     assert drift_rows and drift_rows[0]["step"] == decision["step"] <= 6
     same_training(result.history, reference)

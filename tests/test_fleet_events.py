@@ -40,6 +40,19 @@ def test_a_decision_its_boundary_and_its_measured_move_are_one_replan(tmp_path: 
     assert history.counts == {"join admitted": 1, "replan": 1, "boundary": 1, "moved": 1}
     assert r.brief() == "re-plan @3 join j1: 2.4->1.2 s/step, 50.8 KiB, moved in 4.2 s"
     assert history.latest is r
+    assert r.lost_s is None  # a row of a launch before lost_s was written: the wall alone
+
+
+def test_the_part_of_the_move_that_was_not_training_is_read_and_shown(tmp_path: Path) -> None:
+    """`lost_s` (boundaries.trained_after_request: the steps after the stop request left out) beside the wall;
+    one that is not a number >= 0 is left out, never an error."""
+    history = read_fleet(write(tmp_path, DECISION, BOUNDARY, {**MOVED, "lost_s": 3.1}), 8)
+    (r,) = history.replans
+    assert (r.seconds, r.lost_s) == (4.25, 3.1)
+    assert r.brief() == "re-plan @3 join j1: 2.4->1.2 s/step, 50.8 KiB, moved in 4.2 s (3.1 s not training)"
+    for bad in (-1, "3", float("nan"), None, [1]):
+        (r,) = read_fleet(write(tmp_path, DECISION, BOUNDARY, {**MOVED, "lost_s": bad}), 8).replans
+        assert r.seconds == 4.25 and r.lost_s is None and "not training" not in r.brief()
 
 
 def test_until_the_move_is_measured_the_seconds_are_unknown(tmp_path: Path) -> None:

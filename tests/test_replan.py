@@ -113,6 +113,31 @@ def test_the_same_plan_is_kept_and_a_slower_one_is_never_chosen():
     assert decide(two_stage(), three_stage(1.5), SIZES, f, 1000).chosen == "keep"
 
 
+def test_a_gain_within_the_figures_spread_keeps_the_plan():
+    """A drift's decision prices the spread of its measured figures (replan module docstring): gain (1.0 - 0.8)
+    x 100 = 20 s; the change costs 3.12 s; a spread of 10% a step leaves 0.1 x 1.0 x 100 = 10 s uncertain
+    (20 > 13.12: re-plan), one of 20% leaves 20 s (20 < 23.12: keep).  Without a spread the same numbers
+    re-plan (the premise: it is the margin that keeps)."""
+    f = fleet(100 * MB, 100 * MB, 100 * MB)
+    r = decide(two_stage(), three_stage(), SIZES, f, 100, overhead_s=3.0, uncertainty=0.1)
+    assert r.chosen == "new" and r.margin_s == pytest.approx(10.0) and r.to_json()["margin_s"] == pytest.approx(10.0)
+    assert "±10% a step" in r.reason
+    r = decide(two_stage(), three_stage(), SIZES, f, 100, overhead_s=3.0, uncertainty=0.2)
+    assert r.chosen == "keep" and "saves only 20 s" in r.reason and "the 20 s its figures' spread" in r.reason
+    assert decide(two_stage(), three_stage(), SIZES, f, 100, overhead_s=3.0).margin_s == 0.0
+    # A plan that lost a PNode changes whatever the spread says (it cannot go on).
+    old = PlanView.of({"embed": "p0", "b1": "p1", "b2": "p1", "head": "p0"}, None, 1.0)
+    r = decide(old, PlanView.of(dict.fromkeys(SIZES, "p0"), None, 2.0), SIZES, fleet(100 * MB, 100 * MB), 10,
+               gone=["p1"], uncertainty=5.0)
+    assert r.chosen == "new" and r.margin_s == 0.0
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf, "0.1", True, None])
+def test_the_uncertainty_must_be_finite_and_not_negative(bad):
+    with pytest.raises(VGraphError, match="uncertainty"):
+        decide(two_stage(), three_stage(), SIZES, fleet(1e8, 1e8, 1e8), 10, uncertainty=bad)
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
 def test_steps_left_must_be_a_count(bad):
     with pytest.raises(VGraphError, match="steps left"):

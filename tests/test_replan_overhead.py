@@ -21,7 +21,7 @@ def test_the_next_decision_prices_the_boundary_this_run_measured(tmp_path) -> No
                           admission=SimpleNamespace(event=rows.append), say=said.append)
     assert overhead_s(run) == DEFAULT_REPLAN_OVERHEAD_S  # no boundary yet
     (tmp_path / METRICS_JSONL).write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
-    run.moving = (3, time.time() - 20.0)  # a boundary after step 3, asked 20 s ago
+    run.moving = (3, time.time() - 20.0, 0.0)  # a boundary after step 3, asked 20 s ago, no step trained since
     move_measured(run, 1)
     assert run.moving is not None and run.moved_s is None and not rows  # step 4 not logged yet: not measured
     with open(tmp_path / METRICS_JSONL, "a") as f:
@@ -30,6 +30,34 @@ def test_the_next_decision_prices_the_boundary_this_run_measured(tmp_path) -> No
     (row,) = rows
     assert row["event"] == "moved" and row["first_step"] == 4 and 20.0 <= row["seconds"] < 60.0
     assert run.moving is None and overhead_s(run) == run.moved_s == pytest.approx(row["seconds"], abs=5e-4)  # rounded
+    assert row["lost_s"] == pytest.approx(row["seconds"], abs=1e-3)
+    # Steps trained after the request are progress, not the boundary's cost: 5 s of them leave 15 s priced.
+    run.moving = (4, time.time() - 20.0, 5.0)
+    with open(tmp_path / METRICS_JSONL, "a") as f:
+        f.write(json.dumps({"step": 5, "loss": 1.0}) + "\n")
+    move_measured(run, 2)
+    assert rows[-1]["seconds"] - rows[-1]["lost_s"] == pytest.approx(5.0, abs=2e-3)
+    assert overhead_s(run) == run.moved_s == pytest.approx(rows[-1]["lost_s"], abs=5e-4) and 15.0 <= run.moved_s < 55.0
+
+
+def test_the_steps_trained_after_the_request_are_taken_at_the_old_attempts_median_step() -> None:
+    """trained_after_request: asked after step 8, boundary after step 15: steps 9..15 and the next attempt's
+    first, 8 steps, at the median of the last ten step gaps (0.2 s; one checkpoint's 1.5 s gap and a restart's
+    reset to a smaller elapsed_s left out by the median and the sign); 0 when the request's step is unknown or
+    later than the boundary, or no two consecutive rows have times."""
+    from vgraph.backends.torch.distributed.launcher.boundaries import trained_after_request
+
+    rows, t = [], 3.0
+    for step in range(1, 16):
+        t += 1.5 if step == 12 else 0.2
+        rows.append({"step": step, "elapsed_s": t if step != 6 else 0.1})
+    assert trained_after_request(rows, 8, 15) == pytest.approx(8 * 0.2)
+    assert trained_after_request(rows, 15, 15) == pytest.approx(0.2)  # only the next attempt's first step
+    assert trained_after_request(rows, None, 15) == 0.0 and trained_after_request(rows, 16, 15) == 0.0
+    assert trained_after_request([{"step": 3}, {"step": 4, "elapsed_s": "x"}], 2, 4) == 0.0
+    assert trained_after_request([{"step": 3, "elapsed_s": 1.0}, {"step": 5, "elapsed_s": 2.0}], 2, 5) == 0.0
+    nan = [{"step": 3, "elapsed_s": 1.0}, {"step": 4, "elapsed_s": float("nan")}, {"step": 5, "elapsed_s": float("inf")}]
+    assert trained_after_request(nan, 2, 5) == 0.0
 
 
 def test_a_drift_the_last_decision_priced_is_not_decided_again() -> None:
@@ -71,3 +99,17 @@ def test_a_decision_prices_the_state_of_the_vnodes_the_plan_assigned(tmp_path, g
     assert {n.id for n in placed.assigned.nodes} == set(placed.assignment) == {n.id for n in seen.nodes}
     sizes = state_bytes(placed.assigned)
     assert sum(sizes.values()) > 0 and sizes == state_bytes(seen)
+
+
+def test_a_drift_decision_prices_the_widest_spread_rank_0_reported() -> None:
+    """boundaries._spread: the widest of the drifting PNodes' spreads (placement/drift.relative_spread) from the
+    row rank 0 wrote; a spread that is missing, not a number, NaN, infinite, negative or above 10 counts as 0
+    (the figures priced as exact, as before spreads were reported) instead of stopping the decision."""
+    from vgraph.backends.torch.distributed.launcher.boundaries import _spread
+
+    assert _spread({"h0": {"measured_s": 0.1, "spread": 0.12}, "h1": {"measured_s": 0.2, "spread": 0.3}}) == 0.3
+    assert _spread({"h0": {"measured_s": 0.1}}) == 0.0 and _spread({}) == 0.0
+    for bad in (float("nan"), float("inf"), -0.1, 11.0, "0.2", True, None, [0.2]):
+        assert _spread({"h0": {"spread": bad}, "h1": {"spread": 0.05}}) == 0.05, bad
+    for junk in (None, [], "x", {"h0": 3}, {"h0": None}):
+        assert _spread(junk) == 0.0

@@ -17,8 +17,10 @@ main = sys.modules["__main__"]
 before = forkserver._forkserver._forkserver_pid
 supervisor._context()
 preload = list(forkserver._forkserver._preload_modules)  # what the workers' server imports
+supervisor._context(rank_zero=False)
+joiner = list(forkserver._forkserver._preload_modules)  # a joined machine's: never rank 0's
 import multiprocessing as mp
-def light():  # the same server with a light preload: torch's imports would cost this test ~10 CPU-s
+def light(rank_zero=True):  # the same server with a light preload: torch's imports would cost this test ~10 CPU-s
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["json"])
     return ctx
@@ -36,7 +38,7 @@ p.join(60)
 used = forkserver._forkserver._forkserver_pid
 print(json.dumps({"before": before, "warmed": warmed, "again": again, "alive": alive, "used": used,
                   "exit": p.exitcode, "main_kept": sys.modules["__main__"] is main,
-                  "preload": preload}))
+                  "preload": preload, "joiner": joiner}))
 """
 
 
@@ -49,3 +51,6 @@ def test_warm_starts_the_workers_forkserver_once_and_the_first_worker_forks_from
     assert got["before"] is None and isinstance(got["warmed"], int)  # the premise: no server before warm()
     assert got["again"] == got["used"] == got["warmed"] and got["alive"] and got["exit"] == 0
     assert got["main_kept"] and "torch._dynamo" in got["preload"]
+    # Rank 0's imports (the loss curve, TensorBoard) only where rank 0 may run: not on a joined machine.
+    assert "matplotlib.figure" in got["preload"] and "torch.utils.tensorboard" in got["preload"]
+    assert "torch._dynamo" in got["joiner"] and not {"matplotlib.figure", "torch.utils.tensorboard"} & set(got["joiner"])

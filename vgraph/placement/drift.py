@@ -18,7 +18,9 @@ for a step measured at 0.10-0.51 s).  A launch run already measures every PNode'
   predicted has stayed outside [1 / 1.25, 1.25] for K consecutive steps, after W warm-up steps, the ratio
   taken as the median of a short window so that one slow step (a checkpoint, a validation) never triggers it.
   One report per episode: a PNode reports again only after its ratio came back inside the band.  Its
-  measured figure (`DriftWatch.measured`) is the median over the episode so far, steadier than the window.
+  measured figure (`DriftWatch.measured`) is the median over the episode so far, steadier than the window,
+  and the report carries the episode's `relative_spread`, which a re-plan decision prices as the
+  uncertainty of its figures (vgraph/placement/replan.py: a gain within that spread is not evidence).
 
 What to do with a drift (re-plan now, or when the next membership change re-plans) is the launcher's: the seam
 is `measured_fleet` (the fleet the planner should price with) and `DriftWatch.feed`'s `Drift`.
@@ -29,7 +31,7 @@ import json
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,7 +40,7 @@ from vgraph.cost.fleet import Fleet, PNode, fleet_text
 from vgraph.cost.op_kinds import Efficiency, KindCost
 from vgraph.cost.update import Update
 
-__all__ = ["new_evidence", "DRIFT_TOLERANCE", "DEFAULT_DRIFT_STEPS", "DEFAULT_WARMUP", "DEFAULT_WINDOW", "MAX_FACTOR",
+__all__ = ["new_evidence", "relative_spread", "DRIFT_TOLERANCE", "DEFAULT_DRIFT_STEPS", "DEFAULT_WARMUP", "DEFAULT_WINDOW", "MAX_FACTOR",
            "MeasuredFleet", "measured_fleet", "fleet_file_text", "predicted_busy", "busy_seconds",
            "Drift", "DriftWatch"]
 
@@ -104,6 +106,21 @@ def new_evidence(measured: Mapping[str, float], decided: Mapping[str, float] | N
         return True
     return any(pid not in decided or not (decided[pid] / tolerance <= t <= decided[pid] * tolerance)
                for pid, t in measured.items())
+
+
+def relative_spread(values: Sequence[float]) -> float:
+    """Half the interquartile range of `values` over their median: how far one step's busy time strays from
+    the figure a decision prices, as a share of it (0 for fewer than two values).
+
+    Why quartiles and not the standard error of the median: the error that matters is the machine's, over the
+    hundreds of steps a plan change must pay back in, and a volunteer's load is not a stationary noise that
+    more samples average away (bench_churn run 7: one host's busy time 0.10, 0.21, 0.10, 0.075, 0.059 s at steps
+    8-216); the step-to-step spread is the run's own witness of how unsteady the host is.  Quartiles, so that
+    one checkpoint's step does not widen it."""
+    if len(values) < 2:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / 2 / median if median > 0 else 0.0
 
 
 def measured_fleet(fleet: Fleet, predicted: Mapping[str, float], measured: Mapping[str, float]) -> MeasuredFleet:
@@ -187,9 +204,11 @@ class Drift:
 
     step: int
     pnodes: dict[str, tuple[float, float]]
+    spread: dict[str, float] = field(default_factory=dict)  # per PNode, its episode's relative_spread
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "pnodes": {pid: {"measured_s": m, "predicted_s": p, "ratio": m / p}
+        return {"step": self.step, "pnodes": {pid: {"measured_s": m, "predicted_s": p, "ratio": m / p,
+                                                    **({"spread": self.spread[pid]} if pid in self.spread else {})}
                                               for pid, (m, p) in self.pnodes.items()}}
 
     def describe(self) -> str:
@@ -258,6 +277,7 @@ class DriftWatch:
                 continue  # neither counts nor breaks the run of steps outside the band
             self._recent.setdefault(pid, deque(maxlen=self.window)).append(float(value))
         started: dict[str, tuple[float, float]] = {}
+        spread: dict[str, float] = {}
         for pid, median in self.busy_medians().items():
             ratio = median / self.predicted[pid]
             if 1 / self.tolerance <= ratio <= self.tolerance:
@@ -273,4 +293,5 @@ class DriftWatch:
             if self._outside[pid] >= self.steps and pid not in self._reported:
                 self._reported.add(pid)
                 started[pid] = (median, self.predicted[pid])
-        return Drift(step, started) if started else None
+                spread[pid] = relative_spread(self._episode[pid])
+        return Drift(step, started, spread) if started else None

@@ -9,7 +9,16 @@ that price:
 
     gain   = (old_step - new_step) x steps_left
     cost   = move_seconds + overhead_s
-    choose the new plan  iff  gain > cost            (or the old plan lost a PNode: it cannot go on)
+    margin = uncertainty x old_step x steps_left
+    choose the new plan  iff  gain > cost + margin   (or the old plan lost a PNode: it cannot go on)
+
+`uncertainty` is how far the figures both steps were priced from may be off, as a share of the step: 0 for a
+join or a leave (the probe's figures, which the testbed checks), and for a drift the spread of the busy times
+it measured (placement/drift.relative_spread).  Why a margin: on bench_churn's 0.35-core hosts (2026-12-07, run
+7) one PNode's busy time read 0.10, 0.21, 0.10, 0.075 and 0.059 s at steps 8-216; two drift re-plans priced a
+gain of 5-7 s (3-10% of the step) from five steps of such figures, paid 5.6 and 5.9 s each, and the plan they
+chose measured 0.24 s a step against its 0.15 s predicted.  A gain smaller than what the figures' own spread
+can account for is not evidence.
 
 `move_seconds` prices the transfers as the step cost prices a pipeline's traffic (vgraph/cost/stepcost.py):
 each moved VNode comes from the old holder with the fastest link to its new holder (`Fleet.link`: the
@@ -110,6 +119,7 @@ class Replan:
     steps_left: int
     move: Move = field(repr=False)
     overhead_s: float
+    margin_s: float = 0.0  # what the figures' spread leaves uncertain over the steps left (module docstring)
 
     @property
     def bytes_moved(self) -> float:
@@ -137,6 +147,7 @@ class Replan:
                 "old_step_s": self.old_step if math.isfinite(self.old_step) else None, "new_step_s": self.new_step,
                 "steps_left": self.steps_left, "bytes_moved": self.bytes_moved, "move_s": self.move_seconds,
                 "overhead_s": self.overhead_s, "gain_s": gain if math.isfinite(gain) else None,
+                "margin_s": self.margin_s,
                 "vnodes_moved": len({v for v, *_ in self.move.transfers}),
                 "from_checkpoint": list(self.move.from_checkpoint)}
 
@@ -187,19 +198,22 @@ def price_move(old: PlanView, new: PlanView, sizes: Mapping[str, float], fleet: 
 
 
 def decide(old: PlanView, new: PlanView, sizes: Mapping[str, float], fleet: Fleet, steps_left: int, *,
-           gone: Iterable[str] = (), overhead_s: float = DEFAULT_REPLAN_OVERHEAD_S) -> Replan:
+           gone: Iterable[str] = (), overhead_s: float = DEFAULT_REPLAN_OVERHEAD_S, uncertainty: float = 0.0
+           ) -> Replan:
     """Keep `old` or change to `new` (module docstring), with the numbers that decided it."""
     if isinstance(steps_left, bool) or not isinstance(steps_left, int) or steps_left < 0:
         raise VGraphError(f"steps left must be a whole number >= 0, got {steps_left!r}")
-    if not (isinstance(overhead_s, (int, float)) and math.isfinite(overhead_s) and overhead_s >= 0):
-        raise VGraphError(f"the re-plan overhead must be a finite number of seconds >= 0, got {overhead_s!r}")
+    for what, value in (("the re-plan overhead", overhead_s), ("the figures' uncertainty", uncertainty)):
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            raise VGraphError(f"{what} must be a finite number >= 0, got {value!r}")
     lost = set(gone)
     move = price_move(old, new, sizes, fleet, lost)
     broken = sorted(old.pnodes & lost)
     old_step = math.inf if broken else old.step_seconds
+    margin = 0.0 if broken else uncertainty * old.step_seconds * steps_left
 
     def replan(chosen: str, reason: str) -> Replan:
-        return Replan(chosen, reason, old_step, new.step_seconds, steps_left, move, float(overhead_s))
+        return Replan(chosen, reason, old_step, new.step_seconds, steps_left, move, float(overhead_s), margin)
 
     if broken:
         return replan("new", f"the plan lost {', '.join(broken)}")
@@ -207,11 +221,14 @@ def decide(old: PlanView, new: PlanView, sizes: Mapping[str, float], fleet: Flee
         return replan("keep", "the planner's best plan is the current one")
     gain = (old.step_seconds - new.step_seconds) * steps_left
     cost = move.seconds + overhead_s
-    if gain > cost:
-        return replan("new", f"saves {gain:.3g} s over the steps left, more than the {cost:.3g} s the change costs")
+    spread = f" and the {margin:.3g} s its figures' spread (±{uncertainty:.0%} a step) leaves uncertain" if margin else ""
+    if gain > cost + margin:
+        return replan("new", f"saves {gain:.3g} s over the steps left, more than the {cost:.3g} s the change "
+                             f"costs{spread}")
     if new.step_seconds >= old.step_seconds:
         return replan("keep", "the new plan is not faster")
-    return replan("keep", f"saves only {gain:.3g} s over the steps left, not the {cost:.3g} s the change costs")
+    return replan("keep", f"saves only {gain:.3g} s over the steps left, not the {cost:.3g} s the change "
+                          f"costs{spread}")
 
 
 def best_plan(graph: Graph, fleet: Fleet, partition: str, target: str | None = None) -> tuple[PlanView, Graph]:

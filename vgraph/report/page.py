@@ -346,7 +346,8 @@ def _fleet_section(rec: RunRecord) -> str:
     caption = ("Machines: the machines whose workers trained each logged step (metrics.jsonl's <code>machines</code>; "
                "the PNodes are the step's measured ones). Re-plans: each decision of launch/fleet-events.jsonl, the "
                "predicted step before and after it, the bytes of state it moves and the seconds predicted for the "
-               "move and boundary; measured: from the stop request to the next attempt's first step."
+               "move and boundary; measured: from the stop request to the next attempt's first step, and of it the "
+               "part not training (the steps after the request left out), what the next decision prices."
                + (f" Events: {counts}." if counts else "")
                + "".join(f" Shown: {c}." for c in cut if c))
     return ('<section class="fleet"><h2>Fleet over time</h2><div class="charts">' + chart + "</div>" + spans_table
@@ -355,7 +356,8 @@ def _fleet_section(rec: RunRecord) -> str:
 
 def _replan_row(r: Any) -> str:
     cells = [str(r.step), "-" if r.boundary is None else str(r.boundary), r.kind, r.pnode or "-", r.chosen,
-             _num(r.old_step_s), _num(r.new_step_s), _bytes(r.bytes_moved), _num(r.predicted_s), _num(r.seconds),
+             _num(r.old_step_s), _num(r.new_step_s), _bytes(r.bytes_moved), _num(r.predicted_s),
+             _num(r.seconds) + (f" ({_num(r.lost_s)} not training)" if r.lost_s is not None else ""),
              ", ".join(r.pnodes) or "-", r.reason or "-"]
     text = {2, 3, 4, 10, 11}
     return "<tr>" + "".join(("<td>" if i in text else '<td class="num">') + html.escape(printable(c, 400)) + "</td>"

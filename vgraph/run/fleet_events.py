@@ -64,6 +64,7 @@ class Replan:
     boundary: int | None = None  # the step after which the workers stopped (chosen "new")
     pnodes: list[str] = field(default_factory=list)  # the next attempt's PNodes
     seconds: float | None = None  # measured: from the stop request to the next attempt's first step
+    lost_s: float | None = None  # of those, the part not training (the steps after the request left out)
     time: float | None = None
 
     def brief(self) -> str:
@@ -75,7 +76,9 @@ class Replan:
         if self.bytes_moved is not None:
             parts.append(_bytes(self.bytes_moved))
         if self.seconds is not None:
-            parts.append(f"moved in {self.seconds:.1f} s")
+            lost = (f" ({self.lost_s:.1f} s not training)"
+                    if self.lost_s is not None and round(self.lost_s, 1) != round(self.seconds, 1) else "")
+            parts.append(f"moved in {self.seconds:.1f} s{lost}")
         verb = "kept plan" if self.chosen != "new" else "re-plan" if self.boundary is not None else "re-plan asked"
         return f"{verb} @{at} {self.kind}{who}: {', '.join(parts)}"
 
@@ -162,10 +165,10 @@ def fleet_history(rows: Iterable[Mapping[str, Any]]) -> FleetHistory:
                 replan.boundary, replan.pnodes = row["step"], pnodes
             moving, pending = pending, []
         elif kind == "moved":
-            seconds = number_or_none(row.get("seconds"), low=0)
+            seconds, lost = number_or_none(row.get("seconds"), low=0), number_or_none(row.get("lost_s"), low=0)
             for replan in moving:
                 if replan.boundary == row["step"]:
-                    replan.seconds = seconds
+                    replan.seconds, replan.lost_s = seconds, lost
             moving = [r for r in moving if r.boundary != row["step"]]
     return history
 

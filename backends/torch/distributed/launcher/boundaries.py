@@ -12,7 +12,9 @@ logged steps are read here from metrics.jsonl's tail (`last_step`), without read
 """
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -29,8 +31,8 @@ from .emission import plan, rank_zero_elsewhere
 from .placing import Placement
 from .shard_transfer import ShardReceiver
 
-__all__ = ["MOVE_POLL_S", "open_admission", "take_admission", "serve_channel", "last_step", "last_drift", "overhead_s",
-           "replan", "watch_drift", "boundary", "watch_move", "move_measured"]
+__all__ = ["MOVE_POLL_S", "open_admission", "take_admission", "serve_channel", "last_step", "trained_after_request",
+           "last_drift", "overhead_s", "replan", "watch_drift", "boundary", "watch_move", "move_measured"]
 
 MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
 
@@ -125,25 +127,27 @@ def _tail_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def replan(run: Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet], fields_: dict[str, Any], *,
-            label: str, gone: Sequence[str] = (), measured: Fleet | None = None, why: str = "") -> None:
+            label: str, gone: Sequence[str] = (), measured: Fleet | None = None, why: str = "",
+            uncertainty: float = 0.0) -> None:
     """The one re-plan decision of a join, a leave and a drift (vgraph/placement/replan.py): the planner's plan
     on `target_of(the running attempt's fleet)` priced against the running plan over the steps left; when it
     pays (a leave: always, the running plan loses `gone`), ask the workers for a boundary: they stop after the
     current step with a checkpoint and the next attempt runs on that fleet (`boundary`).  A drift prices the
     running plan on the `measured` fleet too, so both steps come from the same figures.  Every decision is a
-    `replan` row of fleet-events.jsonl and one line."""
+    `replan` row of fleet-events.jsonl and one line.  `uncertainty`: a drift's spread (`_spread`), priced as
+    the margin a gain must clear besides the change's cost."""
     admission = run.admission
     row: dict[str, Any] = {"event": "replan", "kind": trigger, "step": step, **fields_}
     try:
         placement, fleet = _running(admission, wait_s=run.comm_timeout if gone else 0.0)
         target = target_of(fleet)
-        decision, machines, handed = _decision(run, placement, target, step, gone, measured is not None)
+        decision, machines, handed = _decision(run, placement, target, step, gone, measured is not None, uncertainty)
     except Exception as exc:  # in its own thread: whatever went wrong is said and recorded, the run goes on
         said = str(exc) if isinstance(exc, VGraphError) else f"{type(exc).__name__}: {exc}"
         admission.event({**row, "chosen": "new" if gone else "keep", "reason": said})
         run.emit(f"launch: {label} at step {step}: {'boundary all the same' if gone else 'no re-plan now'}: {said}")
         if gone:
-            admission.ask_boundary()
+            _ask_boundary(run)
         return
     if gone and machines < run.nnodes:  # documented: the run goes on below MIN (docs/distributed.md)
         row["below_min"] = machines
@@ -161,7 +165,7 @@ def replan(run: Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet
         if measured is not None:
             with admission.lock:
                 admission.next_fleet = measured
-        admission.ask_boundary()
+        _ask_boundary(run)
 
 
 def _running(admission: elastic.Admission, wait_s: float) -> tuple[Any, Fleet]:
@@ -177,8 +181,8 @@ def _running(admission: elastic.Admission, wait_s: float) -> tuple[Any, Fleet]:
         time.sleep(0.1)
 
 
-def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Sequence[str], reprice: bool
-              ) -> tuple[Any, int, float]:
+def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Sequence[str], reprice: bool,
+              uncertainty: float = 0.0) -> tuple[Any, int, float]:
     """(replan.Replan, machines left on `target`, state bytes of the VNodes only `gone` held): the planner's
     plan on `target` against `placement` (`reprice`: the running plan's step priced on `target` as well, a
     drift's measured figures)."""
@@ -198,19 +202,30 @@ def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Se
              for p in (old, new)]
     sizes = state_bytes(new.assigned)  # the VNodes as plans assign them; their state is what moves
     gone = sorted(set(gone) | admission.departing())  # another leave at the same step: no sender either
-    decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=overhead_s(run))
+    decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=overhead_s(run),
+                      uncertainty=uncertainty)
     handed = sum(sizes.get(v, 0.0) for v in decision.move.from_checkpoint)
     return decision, len({homes.get(p, 0) for p in target.ids}), handed
 
 
 def overhead_s(run: Run) -> float:
     """What a boundary costs besides moving state, for the next decision: this run's last boundary as measured
-    (its `moved` row: stop request to the next attempt's first step), else the launch's setting
+    (its `moved` row's `lost_s`: stop request to the next attempt's first step, less the steps trained in
+    between: `trained_after_request`), else the launch's setting
     (replan.DEFAULT_REPLAN_OVERHEAD_S, measured on a loopback run).  Why the run's own figure: a boundary
     costs what this fleet's slowest machine takes to stop, place and start again, 2-3 s on loopback and 20 s at
     0.35 of a core (bench_churn, 2026-12-07); a decision priced with the loopback figure takes changes that do
     not pay."""
     return run.moved_s if run.moved_s is not None else run.replan_overhead_s
+
+
+def _ask_boundary(run: Run) -> None:
+    """Ask this run's workers for a boundary (the admission's stop: `Admission.ask_boundary`), noting the last
+    logged step then: the steps trained after the request are progress, not the boundary's cost
+    (`trained_after_request`)."""
+    step = last_step(run.run_dir)
+    if run.admission.ask_boundary():
+        run.asked_step = step
 
 
 def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
@@ -247,10 +262,19 @@ def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
             f"{run.drift_steps} steps" for pid, p in sorted((pnodes if isinstance(pnodes, dict) else {}).items())
             if isinstance(p, dict) and all(isinstance(p.get(k), (int, float)) for k in ("measured_s", "predicted_s")))
         replan(run, "drift", seen, lambda fleet: run.admission.grown_fleet(measured), {"drift": row["drift"]},
-                label="drift", measured=measured, why=why)
+                label="drift", measured=measured, why=why, uncertainty=_spread(pnodes))
         with run.admission.lock:
             if run.admission.next_fleet is not None:
                 return
+
+
+def _spread(pnodes: Any) -> float:
+    """The uncertainty a drift's decision prices (replan.decide): the widest relative spread of the drifting
+    PNodes' busy times (placement/drift.relative_spread), from rank 0's row; a figure that is missing or not a
+    finite number from 0 to 10 counts as 0 (the decision then prices the figures as exact, as before)."""
+    spreads = [p.get("spread") for p in (pnodes.values() if isinstance(pnodes, dict) else ()) if isinstance(p, dict)]
+    return max([float(x) for x in spreads if isinstance(x, (int, float)) and not isinstance(x, bool)
+                and math.isfinite(x) and 0 <= x <= 10] or [0.0])
 
 
 def last_drift(run_dir: Path, after: int) -> dict[str, Any] | None:
@@ -266,14 +290,32 @@ def boundary(run: Run) -> bool:
     left?  Then the admitted machines get their PNodes' homes, the leaving ones are released (the boundary's
     checkpoint holds what they held), and the next attempt is placed on the fleet without them."""
     step = last_step(run.run_dir)
+    asked_step, run.asked_step = run.asked_step, None  # this boundary's request, read once
     taken = run.admission.close_boundary(step, run.steps)
     if taken is None:
         return False
     run.home = {**(run.home or {}), **run.admission.home()}
-    run.moving = (taken.step, taken.requested)
+    run.moving = (taken.step, taken.requested, trained_after_request(_tail_rows(run.run_dir), asked_step, taken.step))
     run.say(f"launch: re-plan boundary after step {taken.step}: the next attempt runs on {', '.join(taken.pnodes)}"
             f"{f'; machine(s) {taken.released} released' if taken.released else ''}")
     return True
+
+
+def trained_after_request(rows: Sequence[dict[str, Any]], asked: int | None, boundary: int) -> float:
+    """Seconds of a boundary's wall that were training, not the boundary's cost: the steps logged after the
+    stop request (`asked`: the last logged step then) up to the boundary, and the next attempt's first step,
+    each at the old attempt's median step (its rows' `elapsed_s` differences, a restart's reset left out).
+
+    Why: the workers finish the step they are in and agree on the stop at a sync point, so steps go on after
+    the request; bench_churn run 7's first drift boundary came 7 steps (1.7 s) after it, and its 5.6 s from
+    request to first step priced the next decisions' boundary a quarter too dear.  0 when the rows or the
+    request's step are unknown (the whole wall is priced, as before)."""
+    if asked is None or boundary < asked:
+        return 0.0
+    kept = [r for r in rows if r["step"] <= boundary and isinstance(r.get("elapsed_s"), (int, float))]
+    gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(kept[-11:], kept[-10:]) if b["step"] == a["step"] + 1]
+    gaps = [g for g in gaps if math.isfinite(g) and g > 0]
+    return (boundary - asked + 1) * statistics.median(gaps) if gaps else 0.0
 
 
 def watch_move(run: Run, attempt: int) -> Callable[[], str | None]:
@@ -294,14 +336,14 @@ def move_measured(run: Run, attempt: int) -> None:
     """When the attempt after a boundary has logged a step: its `moved` row (fleet-events.jsonl) and a line."""
     if run.moving is None or run.admission is None:
         return
-    step, requested = run.moving
+    step, requested, training = run.moving
     first = last_step(run.run_dir)
     if first <= step:
         return
     run.moving = None
     seconds = max(0.0, time.time() - requested)
-    run.moved_s = seconds
+    run.moved_s = max(0.0, seconds - training)
     run.admission.event({"event": "moved", "step": step, "first_step": first, "attempt": attempt,
-                         "seconds": round(seconds, 3)})
+                         "seconds": round(seconds, 3), "lost_s": round(run.moved_s, 3)})
     run.say(f"launch: the re-plan at step {step} took {seconds:.1f} s, from the stop request to attempt {attempt}'s "
-            f"first step")
+            f"first step ({run.moved_s:.1f} s of it not training)")

@@ -263,14 +263,16 @@ class _Stops:
     writes it) and the boundary it closes when they are done, with its row.  Kept apart from the joins: only
     the boundaries (boundaries.py) ask for them."""
 
-    def ask_boundary(self) -> None:
+    def ask_boundary(self) -> bool:
         """Ask the workers to stop after the current step with a checkpoint (once, while none is under way):
-        the stop file, as Ctrl-C writes it; its time is where the boundary's measured move starts."""
+        the stop file, as Ctrl-C writes it; its time is where the boundary's measured move starts.  False when
+        the run is over (nothing asked)."""
         with self.lock:
             if self.done:
-                return
+                return False
             self.replanning = True
         atomic_write(self.run_dir / LAUNCH_DIR / STOP_FILE, "boundary\n")
+        return True
 
     def close_boundary(self, step: int, steps: int) -> "_Boundary | None":
         """Every worker is done at `step` (the run's last logged one; `steps` the run's): the stop file read
@@ -636,14 +638,29 @@ def wait_for_job(request: Callable[..., dict], attempt: int, silence_s: float) -
         time.sleep(0.5)
 
 
-def _fetch(request: Callable[..., dict], name: str, size: int, sha256: str, sink: Callable[[bytes], None]) -> None:
-    """`name` from machine 0, chunk by chunk into `sink`, checked against the size and SHA-256 it announced
-    (a JoinRefused otherwise, after which what `sink` got must be thrown away)."""
-    digest, got = hashlib.sha256(), 0
+def _fetch(request: Callable[..., dict], name: str, size: int, sha256: str, sink: Callable[[bytes], None],
+           silence_s: float) -> None:
+    """`name` from the coordinator, chunk by chunk into `sink`, checked against the size and SHA-256 it
+    announced (a JoinRefused otherwise, after which what `sink` got must be thrown away).  A chunk that does
+    not come (the link failed, or a successor taking the run over answers "wait") is asked for again, at the
+    same offset, for as long as the coordinator stays silent less than `silence_s`; then CoordinatorSilent:
+    a follower's `lost` hook finds the machine that took its role, and the fetch goes on from there."""
+    digest, got, heard = hashlib.sha256(), 0, time.monotonic()
     while got < size:
-        reply = request("fetch", timeout=FETCH_TIMEOUT_S, name=name, offset=got)
+        try:
+            reply = request("fetch", timeout=FETCH_TIMEOUT_S, name=name, offset=got)
+        except (OSError, ValueError) as exc:
+            reply = {"wait": str(exc) or type(exc).__name__}
+        else:
+            heard = time.monotonic()
         if "error" in reply:
             raise JoinRefused(f"machine 0 would not send {name}: {reply['error']}")
+        if reply.get("wait"):
+            if time.monotonic() - heard > silence_s:
+                raise CoordinatorSilent(f"the coordinator has not sent {name} for {silence_s:g} s "
+                                        f"({quote(str(reply['wait']), 200)})")
+            time.sleep(0.5)
+            continue
         chunk = base64.b64decode(str(reply.get("data", "")), validate=True)
         if not chunk or got + len(chunk) > size:
             raise JoinRefused(f"{name}: machine 0 sent {got + len(chunk):,} bytes of {size:,}")
@@ -654,21 +671,38 @@ def _fetch(request: Callable[..., dict], name: str, size: int, sha256: str, sink
         raise JoinRefused(f"{name}: the {size:,} bytes that arrived do not have the SHA-256 machine 0 announced")
 
 
-def _fetch_bytes(request: Callable[..., dict], name: str, size: int, sha256: str) -> bytes:
+def _fetch_bytes(request: Callable[..., dict], name: str, size: int, sha256: str, silence_s: float) -> bytes:
     parts: list[bytes] = []
-    _fetch(request, name, size, sha256, parts.append)
+    _fetch(request, name, size, sha256, parts.append, silence_s)
     return b"".join(parts)
 
 
-def _fetch_file(request: Callable[..., dict], name: str, size: int, sha256: str, folder: OutputDir) -> None:
+def _fetch_file(request: Callable[..., dict], name: str, size: int, sha256: str, folder: OutputDir,
+                silence_s: float) -> None:
     """`name` into `folder`, streamed into a temporary beside it and renamed into place only when complete
     and checked (a shard may be large: it is never held in memory whole); recorded in the folder's manifest."""
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            _fetch(request, name, size, sha256, f.write)
+            _fetch(request, name, size, sha256, f.write, silence_s)
 
     atomic_write_with(folder.check(name), write)
     folder.wrote(name)
+
+
+def _receive(machines: Any, files: dict[str, dict], folder: OutputDir, silence_s: float, result: "Joined",
+             lost: Callable[[Exception, int, dict | None], dict]) -> None:
+    """The run's files into `folder`, each whole and checked.  The coordinator lost midway (machine 0 killed
+    while a shard streams): `lost` follows the machine that took its role, which offers the same files (its
+    own prepared corpus, by the manifest's names and digests), and the file under way starts again there; the
+    files already received are kept."""
+    for name, meta in files.items():
+        while True:
+            try:
+                _fetch_file(machines.request, name, int(meta["size"]), str(meta["sha256"]), folder, silence_s)
+                break
+            except CoordinatorSilent as exc:
+                lost(exc, -1, None)  # nothing to report: only follow
+        result.received_bytes += int(meta["size"])
 
 
 @dataclass
@@ -700,7 +734,9 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
     from .supervisor import warm
 
     emit("launch --join: readying this machine's worker processes (their imports) before asking to join")
-    warm(wait=True)  # the workers' imports before the admission: a boundary must not wait for them (warm)
+    # The workers' imports before the admission: a boundary must not wait for them (warm); never rank 0's: world
+    # rank 0 stays on the coordinator's machine, which a joined machine never is (emission.plan).
+    warm(wait=True, rank_zero=False)
     admitted = join_run(addr, channel, token, pnode_file, join_timeout)
     machine, pid = int(admitted["machine"]), admitted["pnode_object"].id  # its own id names its directory
     emit(f"launch --join: admitted as machine {machine} with PNode {pid}"
@@ -719,15 +755,17 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
     result = Joined(machine, pid, run_dir)
     if leave is not None:
         leave.attach(machines)
+    silence = comm_timeout + link_timeout
+    lost = _successor_of(machines, [int(k) for k in admitted.get("successors") or []], run_dir, emit)
     try:
-        for name, meta in files.items():
-            _fetch_file(machines.request, name, int(meta["size"]), str(meta["sha256"]), data)
-            result.received_bytes += int(meta["size"])
+        try:
+            _receive(machines, files, data, silence, result, lost)
+        except MachineLost as exc:  # no successor took the coordinator's role
+            raise JoinRefused(str(exc)) from None
         emit(f"launch --join: received the run's corpus and tokenizer ({human_bytes(result.received_bytes)}) "
              f"into {corpus_dir}")
         follow_attempts(machines, token, addr, master_port, run_dir, corpus_dir.absolute(),
-                        f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, comm_timeout + link_timeout, emit, result, leave,
-                        _successor_of(machines, [int(k) for k in admitted.get("successors") or []], run_dir, emit))
+                        f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, silence, emit, result, leave, lost)
         return result
     finally:
         if leave is not None:
@@ -773,6 +811,8 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
         while True:
             try:
                 reply = wait_for_job(machines.request, attempt, silence_s)
+                raw = b"" if reply.get("done") else _fetch_bytes(
+                    machines.request, str(reply["file"]), int(reply["size"]), str(reply["sha256"]), silence_s)
             except CoordinatorSilent as exc:  # lost between attempts (during a boundary, say)
                 if lost is None:
                     raise
@@ -786,7 +826,6 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
                     emit(f"launch: machine 0 released this machine (machine {result.machine}): it has left the run")
                 return result
             number, home = int(reply["attempt"]), {str(k): int(v) for k, v in dict(reply["home"]).items()}
-            raw = _fetch_bytes(machines.request, str(reply["file"]), int(reply["size"]), str(reply["sha256"]))
             job_path = run_dir / LAUNCH_DIR / f"job-{number}.json"
             atomic_write(job_path, raw)
             job = Job.read(job_path)  # checked field by field, as every worker reads it

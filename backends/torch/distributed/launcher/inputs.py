@@ -211,7 +211,9 @@ class Run:
     home: dict[str, int] | None = None  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
     admission: "elastic.Admission | None" = None  # machine 0 of a run that takes joins (elastic.py)
     leave: "elastic.Leaving | None" = None  # machine k != 0 of a run that takes joins: its graceful leave
-    moving: tuple[int, float] | None = None  # a boundary's step and its stop request's time, until the move is measured
+    moving: tuple[int, float, float] | None = None  # a boundary's step, its stop request's time and the seconds
+    # its workers trained after the request (boundaries.boundary), until the move is measured
+    asked_step: int | None = None  # the last logged step when the pending boundary was asked for
     moved_s: float | None = None  # the last boundary's measured seconds: the next decisions' overhead (boundaries.py)
     mirror: "succession.Mirror | None" = None  # a machine next in line: the coordinator's history (succession.py)
     rescued: Callable[[], list[Path]] = lambda: []  # other consistent states a successor may resume from

@@ -78,9 +78,15 @@ def _current_umask() -> int:
     return mask
 
 
-def _context() -> Any:
+WORKER_PRELOAD = ["vgraph.backends.torch.distributed.launcher.launch", "torch._dynamo"]
+RANK_ZERO_PRELOAD = ["matplotlib.figure", "matplotlib.backends.backend_agg", "torch.utils.tensorboard"]
+
+
+def _context(rank_zero: bool = True) -> Any:
     """Workers fork from a forkserver that imported vgraph and torch once: a worker (and a restart)
-    starts in milliseconds instead of seconds, and nothing is forked from the launcher's threads."""
+    starts in milliseconds instead of seconds, and nothing is forked from the launcher's threads.
+    `rank_zero`: this machine may run world rank 0 (only the coordinator's machine does: a joined machine
+    never), whose imports the server takes too; the preload counts only when the server starts."""
     import multiprocessing as mp
 
     if "forkserver" not in mp.get_all_start_methods():
@@ -88,23 +94,24 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     # torch._dynamo: the first optimizer built imports it (1-2 s), once here instead of in every worker.
     # matplotlib's figure and Agg canvas, TensorBoard's writer: rank 0 draws the loss curve at every checkpoint and
-    # at the end, and logs to TensorBoard (~1.1 CPU-s of imports), once here instead of in every attempt's rank 0.
-    ctx.set_forkserver_preload(["vgraph.backends.torch.distributed.launcher.launch", "torch._dynamo",
-                                "matplotlib.figure", "matplotlib.backends.backend_agg", "torch.utils.tensorboard"])
+    # at the end, and logs to TensorBoard (0.7-1.1 CPU-s of imports), once here instead of in every attempt's
+    # rank 0; a machine without rank 0 leaves them out (at 0.35 of a core, 2 s of a joiner's wait to be admitted).
+    ctx.set_forkserver_preload(WORKER_PRELOAD + (RANK_ZERO_PRELOAD if rank_zero else []))
     return ctx
 
 
-def warm(wait: bool = False) -> None:
+def warm(wait: bool = False, rank_zero: bool = True) -> None:
     """Start the forkserver the workers fork from now: it imports vgraph, torch and torch._dynamo in its own
     process while this launcher places the plan or receives its files.  `wait`: return only once it has
-    (a process forked from it and ended), which is what a joiner does before it asks to be admitted.
+    (a process forked from it and ended), which is what a joiner does before it asks to be admitted;
+    `rank_zero`: whether this machine may run world rank 0 (`_context`).
 
     Why: started at the first attempt instead, those imports are on the path of the first step, and a
     machine that joins runs its first attempt right after a boundary that every machine waits for: in
     bench_churn (0.35 of a core a host, 2026-12-07) the first join's boundary took 20-23 s where a leave's,
     every server warm, took 3.9 s; the fleet trains on while the newcomer imports.  Spawning the server does
     not wait for its imports (multiprocessing.forkserver.ensure_running); the first fork does."""
-    ctx = _context()
+    ctx = _context(rank_zero)
     if ctx.get_start_method() != "forkserver":
         return
     from multiprocessing import forkserver
