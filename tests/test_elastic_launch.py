@@ -239,6 +239,32 @@ def pnode_text(pid: str, memory: str = "256MiB") -> str:
     return "name: x\npnodes:\n" + PNODE.format(id=pid, memory=memory)
 
 
+def test_the_admission_owns_its_boundarys_stop_asked_once_read_once(files, tmp_path):
+    """elastic._Stops: `ask_boundary` writes the stop file and notes the last logged step then; `close_boundary`
+    reads the stop's time, removes the file and hands the step over once (the steps trained after the request
+    are progress: boundaries.trained_after_request); a request of an attempt that failed instead is dropped
+    when the next attempt is published; a run that is over asks for nothing."""
+    from vgraph.run.files import STOP_FILE
+
+    steps = iter([7, 9, 11])
+    adm = admission(files, tmp_path, homes=lambda: {"w0": 0})
+    adm.step = lambda: next(steps)
+    stop = tmp_path / "launch" / STOP_FILE
+    assert adm.ask_boundary() and stop.read_text() == "boundary\n" and adm.asked_step == 7
+    taken = adm.close_boundary(8, 100)
+    assert taken is not None and (taken.step, taken.asked, taken.pnodes) == (8, 7, ["w0"]) and not stop.exists()
+    assert abs(taken.requested - time.time()) < 60 and adm.asked_step is None and not adm.replanning
+    assert [e["event"] for e in events(tmp_path)] == ["boundary"] and events(tmp_path)[0]["step"] == 8
+    assert adm.close_boundary(9, 100) is None  # nothing asked: no boundary, no row
+    assert adm.ask_boundary() and adm.asked_step == 9
+    adm.publish(3, stop, {}, None, adm.fleet)  # the attempt failed instead: the next one is published
+    assert adm.asked_step is None
+    assert adm.close_boundary(100, 100) is None  # the run's last step: over, whatever was asked
+    adm.finish()
+    stop.unlink(missing_ok=True)
+    assert not adm.ask_boundary() and not stop.exists() and not adm.replanning
+
+
 def test_joins_beyond_max_or_with_a_taken_id_are_refused_with_a_reason(files, tmp_path):
     adm = admission(files, tmp_path)
     taken = join(adm, pnode_text("m0"))

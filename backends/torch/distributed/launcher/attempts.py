@@ -147,7 +147,6 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
     # The boundaries' watches first (a boundary's move measured while the workers run, a drift decided from
     # the step they start at), then the workers: each module asked once, in the order the attempt needs it.
     ended = threading.Event()
-    run.asked_step = None  # a boundary asked of an attempt that failed instead is not this attempt's
     if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision (`watch_drift`)
         threading.Thread(target=watch_drift, args=(run, last_step(run.run_dir), ended), daemon=True).start()
     trouble = watch_move(run, attempt.number)

@@ -147,7 +147,7 @@ def replan(run: Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet
         admission.event({**row, "chosen": "new" if gone else "keep", "reason": said})
         run.emit(f"launch: {label} at step {step}: {'boundary all the same' if gone else 'no re-plan now'}: {said}")
         if gone:
-            _ask_boundary(run)
+            admission.ask_boundary()
         return
     if gone and machines < run.nnodes:  # documented: the run goes on below MIN (docs/distributed.md)
         row["below_min"] = machines
@@ -165,7 +165,7 @@ def replan(run: Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet
         if measured is not None:
             with admission.lock:
                 admission.next_fleet = measured
-        _ask_boundary(run)
+        admission.ask_boundary()
 
 
 def _running(admission: elastic.Admission, wait_s: float) -> tuple[Any, Fleet]:
@@ -217,15 +217,6 @@ def overhead_s(run: Run) -> float:
     0.35 of a core (bench_churn, 2026-12-07); a decision priced with the loopback figure takes changes that do
     not pay."""
     return run.moved_s if run.moved_s is not None else run.replan_overhead_s
-
-
-def _ask_boundary(run: Run) -> None:
-    """Ask this run's workers for a boundary (the admission's stop: `Admission.ask_boundary`), noting the last
-    logged step then: the steps trained after the request are progress, not the boundary's cost
-    (`trained_after_request`)."""
-    step = last_step(run.run_dir)
-    if run.admission.ask_boundary():
-        run.asked_step = step
 
 
 def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
@@ -290,12 +281,11 @@ def boundary(run: Run) -> bool:
     left?  Then the admitted machines get their PNodes' homes, the leaving ones are released (the boundary's
     checkpoint holds what they held), and the next attempt is placed on the fleet without them."""
     step = last_step(run.run_dir)
-    asked_step, run.asked_step = run.asked_step, None  # this boundary's request, read once
     taken = run.admission.close_boundary(step, run.steps)
     if taken is None:
         return False
     run.home = {**(run.home or {}), **run.admission.home()}
-    run.moving = (taken.step, taken.requested, trained_after_request(_tail_rows(run.run_dir), asked_step, taken.step))
+    run.moving = (taken.step, taken.requested, trained_after_request(_tail_rows(run.run_dir), taken.asked, taken.step))
     run.say(f"launch: re-plan boundary after step {taken.step}: the next attempt runs on {', '.join(taken.pnodes)}"
             f"{f'; machine(s) {taken.released} released' if taken.released else ''}")
     return True

@@ -249,11 +249,12 @@ class _Handover:
 
 @dataclass(frozen=True)
 class _Boundary:
-    """A re-plan boundary taken (`Admission.close_boundary`): its step, when its stop was asked for, the PNodes
-    the next attempt runs on and the machines released."""
+    """A re-plan boundary taken (`Admission.close_boundary`): its step, when its stop was asked for and the step
+    logged then, the PNodes the next attempt runs on and the machines released."""
 
     step: int
     requested: float
+    asked: int | None  # the last logged step when the stop was asked for (None: unknown)
     pnodes: list[str]
     released: list[int]
 
@@ -271,6 +272,7 @@ class _Stops:
             if self.done:
                 return False
             self.replanning = True
+        self.asked_step = self.step()  # the steps logged after it are progress, not the boundary's cost
         atomic_write(self.run_dir / LAUNCH_DIR / STOP_FILE, "boundary\n")
         return True
 
@@ -283,6 +285,7 @@ class _Stops:
         with self.lock:
             asked, self.replanning = self.replanning, False
             queued, self.queued = self.queued, []
+            asked_step, self.asked_step = self.asked_step, None  # this boundary's request, read once
         try:
             requested = stop_file.stat().st_mtime
         except OSError:  # none: the stop was never written (measured from now)
@@ -295,7 +298,7 @@ class _Stops:
         pnodes = sorted(set(homes) - self.departing())
         self.event({"event": "boundary", "step": step, "pnodes": pnodes, "released": released,
                     "requested": round(requested, 3), "queued": [self.joined[m].pnode.id for m in queued]})
-        return _Boundary(step, requested, pnodes, released)
+        return _Boundary(step, requested, asked_step, pnodes, released)
 
 
 @dataclass
@@ -322,6 +325,7 @@ class Admission(_Departures, _Handover, _Stops):
     told_done: set[int] = field(default_factory=set)  # machines that read `done`
     current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
     next_fleet: Fleet | None = None  # the fleet a drift re-plan chose for the boundary's attempt
+    asked_step: int | None = None  # the last logged step when the pending boundary was asked for (`_Stops`)
     error: str = ""  # why the run ended, when it failed
     successors: list[int] = field(default_factory=list)  # machines that may take the coordinator's role, in order
     me: int = 0  # the machine serving this admission: 0, or the successor that took machine 0's role
@@ -371,6 +375,7 @@ class Admission(_Departures, _Handover, _Stops):
         self.serve(name, job_path)
         with self.lock:
             self.current = (placement, fleet)
+            self.asked_step = None  # a boundary asked of an attempt that failed instead is not this one's
             self.jobs[attempt] = {"attempt": attempt, "file": name, "home": dict(home)}
 
     def finish(self, error: str = "") -> None:

@@ -213,7 +213,6 @@ class Run:
     leave: "elastic.Leaving | None" = None  # machine k != 0 of a run that takes joins: its graceful leave
     moving: tuple[int, float, float] | None = None  # a boundary's step, its stop request's time and the seconds
     # its workers trained after the request (boundaries.boundary), until the move is measured
-    asked_step: int | None = None  # the last logged step when the pending boundary was asked for
     moved_s: float | None = None  # the last boundary's measured seconds: the next decisions' overhead (boundaries.py)
     mirror: "succession.Mirror | None" = None  # a machine next in line: the coordinator's history (succession.py)
     rescued: Callable[[], list[Path]] = lambda: []  # other consistent states a successor may resume from
