@@ -239,6 +239,32 @@ def pnode_text(pid: str, memory: str = "256MiB") -> str:
     return "name: x\npnodes:\n" + PNODE.format(id=pid, memory=memory)
 
 
+def test_the_admission_owns_its_boundarys_stop_asked_once_read_once(files, tmp_path):
+    """elastic._Stops: `ask_boundary` writes the stop file and notes the last logged step then; `close_boundary`
+    reads the stop's time, removes the file and hands the step over once (the steps trained after the request
+    are progress: boundaries.trained_after_request); a request of an attempt that failed instead is dropped
+    when the next attempt is published; a run that is over asks for nothing."""
+    from vgraph.run.files import STOP_FILE
+
+    steps = iter([7, 9, 11])
+    adm = admission(files, tmp_path, homes=lambda: {"w0": 0})
+    adm.step = lambda: next(steps)
+    stop = tmp_path / "launch" / STOP_FILE
+    assert adm.ask_boundary() and stop.read_text() == "boundary\n" and adm.asked_step == 7
+    taken = adm.close_boundary(8, 100)
+    assert taken is not None and (taken.step, taken.asked, taken.pnodes) == (8, 7, ["w0"]) and not stop.exists()
+    assert abs(taken.requested - time.time()) < 60 and adm.asked_step is None and not adm.replanning
+    assert [e["event"] for e in events(tmp_path)] == ["boundary"] and events(tmp_path)[0]["step"] == 8
+    assert adm.close_boundary(9, 100) is None  # nothing asked: no boundary, no row
+    assert adm.ask_boundary() and adm.asked_step == 9
+    adm.publish(3, stop, {}, None, adm.fleet)  # the attempt failed instead: the next one is published
+    assert adm.asked_step is None
+    assert adm.close_boundary(100, 100) is None  # the run's last step: over, whatever was asked
+    adm.finish()
+    stop.unlink(missing_ok=True)
+    assert not adm.ask_boundary() and not stop.exists() and not adm.replanning
+
+
 def test_joins_beyond_max_or_with_a_taken_id_are_refused_with_a_reason(files, tmp_path):
     adm = admission(files, tmp_path)
     taken = join(adm, pnode_text("m0"))
@@ -713,15 +739,12 @@ def test_sigterm_to_a_joined_machine_that_holds_nothing_yet_exits_0_when_release
 def test_a_drift_watch_acts_only_on_the_running_attempts_own_rows(tmp_path):
     """The loop guard: a drift row from before the attempt started (the step it resumed from, or earlier) is
     not fresh evidence; one after it is, and a row being written is skipped."""
-    from types import SimpleNamespace
-
     from vgraph.backends.torch.distributed.launcher.boundaries import last_drift as _last_drift, last_step as _last_step
 
-    run = SimpleNamespace(run_dir=tmp_path)
     rows = [{"step": 4, "loss": 1.0}, {"step": 5, "loss": 1.0, "drift": {"step": 5, "pnodes": {}}}, {"step": 6}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "lo')
-    assert _last_drift(run, 4)["step"] == 5 and _last_drift(run, 5) is None and _last_drift(run, 6) is None
-    assert _last_step(run) == 6
+    assert _last_drift(tmp_path, 4)["step"] == 5 and _last_drift(tmp_path, 5) is None and _last_drift(tmp_path, 6) is None
+    assert _last_step(tmp_path) == 6
 
 
 def test_signals_on_a_leaving_machine_sigterm_twice_is_one_leave_a_second_ctrl_c_stops_now():
@@ -746,7 +769,7 @@ def test_a_plan_that_moves_rank_0_off_the_coordinator_is_refused_at_the_decision
     """bench_churn's run 4 (2026-12-07): a join's plan put rank 0 on h1, a machine the run STARTED with (not a
     joined one); the decision took it and the run stopped at the boundary ("the replica of machine 0 was
     dropped").  Any machine but the coordinator's is refused, before a boundary is asked for."""
-    from vgraph.backends.torch.distributed.launcher.boundaries import rank_zero_elsewhere
+    from vgraph.backends.torch.distributed.launcher.emission import rank_zero_elsewhere
 
     homes = {"h0": 0, "h1": 1, "j2": 2}  # h0, h1 started the run; j2 joined
     assert rank_zero_elsewhere("h0", homes, 0) is None

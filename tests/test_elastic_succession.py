@@ -217,7 +217,7 @@ def test_a_join_that_arrives_while_the_successor_takes_over_waits_and_is_admitte
     wait (joins.serve_channel), and the joiner asks again instead of taking that for a refusal."""
     from types import SimpleNamespace
 
-    from vgraph.backends.torch.distributed.launcher.joins import serve_channel
+    from vgraph.backends.torch.distributed.launcher.boundaries import serve_channel
 
     port = launch_port()
     successor = Machines()
@@ -248,7 +248,7 @@ def test_a_join_that_arrives_while_the_successor_takes_over_waits_and_is_admitte
 def test_a_join_told_to_wait_for_longer_than_its_timeout_says_why(files, tmp_path):
     from types import SimpleNamespace
 
-    from vgraph.backends.torch.distributed.launcher.joins import serve_channel
+    from vgraph.backends.torch.distributed.launcher.boundaries import serve_channel
 
     port = launch_port()
     successor = Machines()

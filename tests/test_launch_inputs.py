@@ -23,7 +23,7 @@ FLEET = "name: three\npnodes:\n" + "".join(
     f"  - {{id: p{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(3))
 
 
-@pytest.mark.parametrize("module", ["attempts.py", "boundaries.py", "emission.py", "failures.py", "joins.py",
+@pytest.mark.parametrize("module", ["attempts.py", "boundaries.py", "emission.py", "failures.py",
                                     "placing.py"])
 def test_what_runs_after_the_inputs_takes_values_not_the_settings(module: str) -> None:
     """The attempt loop, the job emission, the boundaries, the failures, the joins and the placement never see
@@ -71,6 +71,8 @@ def test_the_inputs_are_resolved_once_into_values(resolved) -> None:
     assert got.run_info["batch"] == 8 and got.run_info["data_digest"] == got.data_digest
     for name in ("network.yml", "tokenizer.json", got.tokenizer):  # the run's files, written once here
         assert (got.run_dir / name).is_file(), name
+    # The tokenizer's text kept: a rescue's checkpoint and a successor's run directory take it, not a read again
+    assert got.tokenizer_json.startswith("{") and got.tokenizer_json == (got.run_dir / got.tokenizer).read_text()
     assert Path(got.data_dir).is_absolute() and Path(got.data_dir).is_dir()
 
 

@@ -97,7 +97,7 @@ def test_the_attempts_plan_moves_rank_0_only_across_machines_with_homes_and_wher
     assert plan(_run(graph, False), equal, homes=homes).world == free.world  # one machine: any rank is on it
     assert plan(_run(graph, True), equal).world == free.world  # attempt 0: homes follow the plan's ranks
     # machine 0's PNode too small for rank 0's stage: the plan is left as it was (the decision refuses it by
-    # name: boundaries.rank_zero_elsewhere), never a plan that does not fit
+    # name: emission.rank_zero_elsewhere), never a plan that does not fit
     small = fleet(("m0", "64KiB", "2M"), ("m1", "256MiB", "2M"), ("j2", "256MiB", "2M"), ("j3", "256MiB", "2M"))
     kept = plan(_run(graph, True), small, homes=homes)
     assert kept.world[0] != "m0" and all(info["fits"] for info in kept.report["pnodes"].values() if info["vnodes"])

@@ -73,6 +73,34 @@ def test_a_drift_the_last_decision_priced_is_not_decided_again() -> None:
     assert new_evidence({"h2": 0.05}, decided)  # a PNode the decision did not see
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_a_decision_prices_the_state_of_the_vnodes_the_plan_assigned(tmp_path, given: bool) -> None:
+    """boundaries._decision prices the move with `Placement.assigned`, the network as the partition pass saw
+    it, instead of running the passes before the partition on the source again: the same VNodes as the
+    assignment names, with the same state bytes (placed by the pass, or from a given assignment)."""
+    from pathlib import Path
+
+    from vgraph.backends.torch.distributed.launcher.placing import place, split_pipeline
+    from vgraph.backends.torch.training.setup import load_network
+    from vgraph.cost.fleet import loads_fleet
+    from vgraph.placement.replan import state_bytes
+    from vgraph.transform.pipeline import run_pipeline
+
+    source, _ = load_network(str(Path(__file__).parent / "fixtures" / "tiny_2l.yml"))
+    fleet = loads_fleet("name: two\npnodes:\n  - {id: a, memory: 8GiB, flops: 100G, bandwidth: 1Gbit/s}\n"
+                        "  - {id: b, memory: 8GiB, flops: 50G, bandwidth: 1Gbit/s}\n", "<two>")
+    before, partition, after = split_pipeline(None, True, {"batch": "4", "micro_batches": "2"})
+    seen = source.copy()
+    run_pipeline(seen, before, target="cpu")  # what the partition pass sees
+    assignment = {n.id: ("a" if i % 2 else "b") for i, n in enumerate(seen.topo_order())} if given else None
+    placed = place(source, fleet, before=before, partition=partition, after=after, target="cpu", batch=4,
+                   micro_batches=2, assignment=assignment)
+    assert placed.assigned is not None and placed.assigned is not placed.graph  # the premise: not the fused one
+    assert {n.id for n in placed.assigned.nodes} == set(placed.assignment) == {n.id for n in seen.nodes}
+    sizes = state_bytes(placed.assigned)
+    assert sum(sizes.values()) > 0 and sizes == state_bytes(seen)
+
+
 def test_a_drift_decision_prices_the_widest_spread_rank_0_reported() -> None:
     """boundaries._spread: the widest of the drifting PNodes' spreads (placement/drift.relative_spread) from the
     row rank 0 wrote; a spread that is missing, not a number, NaN, infinite, negative or above 10 counts as 0

@@ -52,6 +52,37 @@ def test_the_shards_at_one_step_make_the_checkpoint(tmp_path):
     assert saved.extra["rescued_from"] == [0, 1, 2] and saved.extra["layout"] == "unfused"
 
 
+def test_rescue_saved_assembles_saves_and_says_what_it_refused(tmp_path, monkeypatch):
+    """The one rescue machine 0 and a successor both make (rescue.rescue_saved): the shards assembled and
+    saved in the run directory, each refused shard said; a checkpoint that cannot be written (a full disk)
+    keeps the step found and says why, saving nothing."""
+    import errno
+
+    from vgraph.backends.torch.training import rescue as rescue_mod
+
+    folder = tmp_path / "shards"
+    shard(folder, 0, 5)
+    shard(folder, 1, 5, STAGE_B)
+    shard(folder, 2, 5, run=run_identity("name: other\n", {"seed": 1, "batch": 8}))  # another run's: refused
+    said: list[str] = []
+    kwargs = dict(run=RUN, attempt=0, keys=KEYS, floor=4, ceiling=100, logged=5, extra={"layout": "unfused"}, keep=3,
+                  say=said.append)
+    found = rescue_mod.rescue_saved(folder, tmp_path / "run", **kwargs)
+    assert found.step == 5 and found.ranks == [0, 1] and found.unsaved == ""
+    assert found.saved is not None and ckpt.latest_checkpoint(tmp_path / "run") == found.saved
+    assert ckpt.load_checkpoint(found.saved).step == 5
+    assert len(said) == 1 and said[0].startswith("launch: rescue shard refused: a0-r2")
+
+    def full(*args, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(rescue_mod, "save_rescued", full)
+    found = rescue_mod.rescue_saved(folder, tmp_path / "full", **kwargs)
+    assert found.step == 5 and found.saved is None and found.unsaved == "No space left on device"
+    assert not (tmp_path / "full").exists()
+    nothing = rescue_mod.rescue_saved(folder, tmp_path / "later", **{**kwargs, "floor": 5})  # no gain: not saved
+    assert nothing.step is None and nothing.saved is None and not (tmp_path / "later").exists()
+
+
 def test_a_rank_lost_between_the_control_all_reduce_and_the_optimizer_step(tmp_path):
     """Rank 0's all-reduce completed and it stepped to 4; its replica (rank 2) and stage B (rank 1) still
     waited in it at 3.  Step 3 is whole (rank 2 has stage A at 3): the checkpoint is at 3, never rank 0's step

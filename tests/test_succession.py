@@ -22,7 +22,7 @@ import pytest
 from ports import launch_port
 from vgraph.backends.torch.distributed.launcher import succession
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main
-from vgraph.backends.torch.distributed.launcher.membership import Machines, channel_key, decide
+from vgraph.backends.torch.distributed.launcher.membership import Machines, channel_key, decide, elect, rival
 from vgraph.base.diagnostics import VGraphError
 
 from test_distributed_replicas import STEPS, common, files, reference, same_training  # noqa: F401 (fixtures)
@@ -205,7 +205,7 @@ def test_two_survivors_that_both_take_over_settle_on_the_lower_rank():
     try:
         m2.take_over(0, {1, 2})  # 2 first: it did not hear 1 in time
         assert m2.coordinator == 2
-        m2.superior = succession._rival(m2, {1, 2}, every=0.2)
+        m2.superior = rival(m2, {1, 2}, every=0.2)
         threads = [threading.Thread(target=lambda: plans.update({2: _settle_or_step_down(m2)})),
                    threading.Thread(target=lambda: plans.update({1: succession.succeed(
                        m1, 0, {1, 2}, lost_report(["w0"]),
@@ -380,9 +380,9 @@ def test_elect_takes_the_lowest_rank_that_serves():
         asked.append(k)
         return k == 3
 
-    assert succession.elect(4, [1, 3, 4, 5], serving) == 3 and asked == [1, 3]
-    assert succession.elect(2, [1, 2, 3], lambda k: False) == 2
-    assert succession.elect(1, [1, 2], lambda k: pytest.fail("nobody below 1 is asked")) == 1
+    assert elect(4, [1, 3, 4, 5], serving) == 3 and asked == [1, 3]
+    assert elect(2, [1, 2, 3], lambda k: False) == 2
+    assert elect(1, [1, 2], lambda k: pytest.fail("nobody below 1 is asked")) == 1
 
 
 # whatever it is started with now; an elastic run (--nnodes MIN:MAX) alike

@@ -37,8 +37,8 @@ The pieces, each in its own module:
               (inputs.py), the placement (placing.py), each attempt's job file
               (emission.py), the attempts with their forkserver-started
               workers (attempts.py), failure detection, rescue and restarts
-              (failures.py), joins and re-plan boundaries (joins.py,
-              boundaries.py).
+              (failures.py), joins and re-plan boundaries
+              (boundaries.py).
 
 Dropout keyed by (seed, step, VNode, sample) lives one level up
 (`vgraph.backends.torch.lowering.dropout`): `vgraph train` uses it too.

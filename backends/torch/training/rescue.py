@@ -25,8 +25,8 @@ parameter key the network has; shards of other steps are not used, and two shard
 must agree exactly (replicas are identical at a step) or that step is not used.  A step no later than the
 run's latest checkpoint gains nothing and is not used either.
 
-Who reads this: launcher/failures.py (machine 0's decision after a failed attempt); the coordinator move (issue 36,
-item 3) reads the same shards on the survivor that takes machine 0's role.
+Who reads this: launcher/failures.py (machine 0's decision after a failed attempt) and launcher/succession.py (the
+survivor that takes machine 0's role reads the same shards), both through `rescue_saved`.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -46,7 +46,7 @@ from . import checkpoint as ckpt
 from .run_checkpoints import CHECKPOINT_PREFIX, prune_checkpoints
 
 __all__ = ["RESCUE_DIR", "SHARD_FILES", "SHARD_NAME", "Shard", "Rescue", "run_identity", "shard_name",
-           "write_shard", "read_shards", "assemble", "save_rescued", "clear_rescue"]
+           "write_shard", "read_shards", "assemble", "rescue_saved", "save_rescued", "clear_rescue"]
 
 RESCUE_DIR = "rescue"  # under RUN/launch/
 SHARD_NAME = re.compile(r"a(\d{1,9})-r(\d{1,9})")  # a<attempt>-r<world rank>
@@ -146,6 +146,8 @@ class Rescue:
     ranks: list[int] = field(default_factory=list)  # the shards used
     why: str = ""  # why no step was taken
     refused: list[str] = field(default_factory=list)
+    saved: Path | None = None  # its checkpoint in the run directory (`rescue_saved`)
+    unsaved: str = ""  # why that checkpoint could not be written (a full disk), when it could not
 
 
 def assemble(shards: list[Shard], *, keys: set[str], floor: int, ceiling: int, logged: int | None = None,
@@ -219,6 +221,28 @@ def _take(at: list[Shard], step: int, reached: int, keys: set[str], refused: lis
     boundary = merge_residuals([(s.state.extra.get("compression") or {}).get("boundary") or {} for s in at])
     extra = {"grad_scaler": first.extra.get("grad_scaler"), "compression": {"boundary": boundary, "powersgd": {}}}
     return Rescue(step, reached, model, optim, extra, first.rng_state, [s.rank for s in at], refused=refused)
+
+
+def rescue_saved(folder: Path, run_dir: Path, *, run: str, attempt: int, keys: set[str], floor: int, ceiling: int,
+                 logged: int, extra: Mapping[str, Any], keep: int, per_rank_state: str = "",
+                 say: Callable[[str], None] = lambda line: None) -> Rescue:
+    """The shards of `attempt` in `folder` assembled (`assemble`; `logged`, the log's last step, is also the
+    latest step reached) and, when they give a step, saved as a checkpoint in `run_dir` (`Rescue.saved`);
+    every refused shard said.  One rescue for both who make one: machine 0 after a failed attempt
+    (launcher/failures.py) and the machine that takes its role (launcher/succession.py).  A checkpoint that
+    cannot be written (a full disk) leaves `saved` None and says why in `unsaved`: the run still has its
+    last checkpoint."""
+    shards, refused = read_shards(folder, run=run, attempt=attempt)
+    found = assemble(shards, keys=keys, floor=floor, ceiling=ceiling, logged=logged, reached=logged,
+                     refused=refused, per_rank_state=per_rank_state)
+    for why in found.refused:
+        say(f"launch: rescue shard refused: {why}")
+    if found.step is not None:
+        try:
+            found.saved = save_rescued(run_dir, found, extra, keep)
+        except OSError as exc:
+            found.unsaved = str(exc.strerror or exc)
+    return found
 
 
 def save_rescued(run_dir: Path, rescue: Rescue, extra: Mapping[str, Any], keep: int) -> Path:

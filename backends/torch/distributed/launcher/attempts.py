@@ -22,9 +22,9 @@ from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
 from ..rendezvous import free_port, probe_port
 from . import elastic
-from .boundaries import boundary, last_step, move_measured, watch_drift, watch_move
+from .boundaries import boundary, last_step, move_measured, take_admission, watch_drift, watch_move
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
-from .failures import after_failure, succeed_followed, take_admission
+from .failures import after_failure, succeed_followed
 from .inputs import Run
 from .supervisor import Supervisor
 
@@ -147,9 +147,8 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
     # The boundaries' watches first (a boundary's move measured while the workers run, a drift decided from
     # the step they start at), then the workers: each module asked once, in the order the attempt needs it.
     ended = threading.Event()
-    run.asked_step = None  # a boundary asked of an attempt that failed instead is not this attempt's
     if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision (`watch_drift`)
-        threading.Thread(target=watch_drift, args=(run, last_step(run), ended), daemon=True).start()
+        threading.Thread(target=watch_drift, args=(run, last_step(run.run_dir), ended), daemon=True).start()
     trouble = watch_move(run, attempt.number)
     lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
     supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,

@@ -1,7 +1,10 @@
-"""Machine 0's re-plan boundaries: the one re-plan decision of a join, a leave and a drift (`replan`, priced by
-vgraph/placement/replan.py), the workers asked to stop after the current step with a checkpoint, the boundary
-taken when every worker is done (`boundary`: the admitted machines' homes, the leaving ones released), and the
-move measured from the stop request to the next attempt's first logged step (`moved`, fleet-events.jsonl).
+"""Machine 0's side of a run that takes joins: the admission opened (what it offers a joined machine, a join
+or a leave turned into a re-plan decision) and the channel's answers besides heartbeats and decisions (the
+other machines' rescue shards: shard_transfer.py, the joiners' requests: elastic.py); the one re-plan decision
+of a join, a leave and a drift (`replan`, priced by vgraph/placement/replan.py), the workers asked to stop after
+the current step with a checkpoint, the boundary taken when every worker is done (`boundary`: the admitted
+machines' homes, the leaving ones released), and the move measured from the stop request to the next
+attempt's first logged step (`moved`, fleet-events.jsonl).
 
 Apart from the attempt loop because it runs beside it: the decisions come on the admission's and the drift
 watch's threads, and what they leave for the loop is the boundary (elastic.Admission's fields).  The run's
@@ -14,36 +17,98 @@ import os
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.fleet import Fleet
 from vgraph.run.files import MEASURED_FLEET, METRICS_JSONL
 
-from ..job import STOP_FILE
-from . import elastic
+from ...training.rescue import RESCUE_DIR
+from . import elastic, succession
 from .inputs import Run
-from .emission import plan
-from .placing import Placement, before_partition
+from .emission import plan, rank_zero_elsewhere
+from .placing import Placement
+from .shard_transfer import ShardReceiver
 
-__all__ = ["MOVE_POLL_S", "last_step", "trained_after_request", "last_drift", "overhead_s", "rank_zero_elsewhere", "replan", "watch_drift",
-           "boundary", "watch_move", "move_measured"]
+__all__ = ["MOVE_POLL_S", "open_admission", "take_admission", "serve_channel", "last_step", "trained_after_request",
+           "last_drift", "overhead_s", "replan", "watch_drift", "boundary", "watch_move", "move_measured"]
 
 MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
 
 
-def last_step(run: Run) -> int:
+def open_admission(run: Run) -> elastic.Admission:
+    """Machine 0 of a run that takes joins: what it offers a joined machine (the prepared corpus's files,
+    by the names its manifest gives) and how it decides on a join, served on the launchers' channel."""
+    from vgraph.data.shards import MANIFEST, SPLITS, TOKENIZER_FILE, open_prepared
+
+    admission = elastic.Admission(run.run_dir, run.fleet, run.source, run.max_nnodes, run.nnodes,
+                                  step=lambda: last_step(run.run_dir), on_join=lambda adm, joined: _on_join(run, joined),
+                                  on_leave=lambda adm, machine, pnodes, step: _on_leave(run, machine, pnodes, step),
+                                  homes=lambda: {**(run.home or {}), **admission.home()},
+                                  successors=list(range(run.node_rank + 1, run.nnodes)) if run.succeeds else [])
+    corpus = Path(run.data_dir)
+    splits = open_prepared(corpus, verify="size").manifest["splits"]  # checked: names inside the directory
+    for name in (MANIFEST, TOKENIZER_FILE):
+        admission.serve(name, corpus / name)
+    for shard in (shard for split in SPLITS for shard in splits[split]["shards"]):
+        for key in ("bin", "idx"):  # the manifest's SHA-256 of each: a large corpus is not read again here
+            admission.serve(shard[key], corpus / shard[key], shard[f"{key}_sha256"])
+    return admission
+
+
+def take_admission(run: Run) -> None:
+    """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
+    machine; the channel's address moved with the role), with the machines it had admitted, released or was
+    releasing, from the record this machine mirrored (succession.mirrored_admission)."""
+    run.admission = open_admission(run)
+    run.admission.me = run.node_rank
+    run.admission.restore(succession.mirrored_admission(run.run_dir), run.emit)
+    run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
+
+
+def serve_channel(run: Run) -> None:
+    """Machine 0: what its channel answers besides heartbeats and decisions: the other machines' rescue shards
+    (shard_transfer.py) and, in a run that takes joins, the joiners' requests (elastic.py)."""
+    receiver = ShardReceiver(run.launch_dir / RESCUE_DIR)
+
+    def answer(request: dict) -> dict:
+        if str(request.get("op", "")).startswith("rescue-"):
+            return receiver.answer(request)
+        if run.admission is not None:
+            return run.admission.answer(request)
+        if run.elastic:  # a successor taking the run over: its admission opens once it decided (failures.py)
+            return {"wait": "the coordinator is being taken over"}
+        return {"error": "this run takes no joins (--nnodes MIN:MAX)"}
+
+    run.machines.serve_extra(answer)
+
+
+def _on_join(run: Run, joined: Any) -> None:
+    """A machine was admitted (its own thread): re-plan onto the grown fleet when it pays (`replan`)."""
+    replan(run, "join", joined.step, run.admission.grown_fleet,
+            {"pnode": joined.pnode.id, "machine": joined.machine}, label=f"join {joined.pnode.id}")
+
+
+def _on_leave(run: Run, machine: int, pnodes: list[str], step: int) -> None:
+    """Machine `machine` said it leaves (its own thread): the running plan cannot go on without its PNodes,
+    so the boundary is taken whatever the price; the decision's figures say what the next plan predicts."""
+    replan(run, "leave", step, run.admission.grown_fleet, {"pnodes": pnodes, "machine": machine},
+            label=f"leave {', '.join(pnodes)} (machine {machine})", gone=pnodes)
+
+
+def last_step(run_dir: Path) -> int:
     """The run's last logged step (rank 0 writes metrics.jsonl about once a second)."""
-    rows = _tail_rows(run)
+    rows = _tail_rows(run_dir)
     return max(0, rows[-1]["step"]) if rows else 0
 
 
-def _tail_rows(run: Run) -> list[dict[str, Any]]:
+def _tail_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The complete rows in the last 64 KiB of metrics.jsonl, in order: a join or a drift watch must not
     wait for a read of a long run's whole log."""
     from vgraph.base.jsonio import loads
 
-    path = run.run_dir / METRICS_JSONL
+    path = run_dir / METRICS_JSONL
     try:
         with open(path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 65536))
@@ -82,7 +147,7 @@ def replan(run: Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet
         admission.event({**row, "chosen": "new" if gone else "keep", "reason": said})
         run.emit(f"launch: {label} at step {step}: {'boundary all the same' if gone else 'no re-plan now'}: {said}")
         if gone:
-            _ask_boundary(run)
+            admission.ask_boundary()
         return
     if gone and machines < run.nnodes:  # documented: the run goes on below MIN (docs/distributed.md)
         row["below_min"] = machines
@@ -100,7 +165,7 @@ def replan(run: Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet
         if measured is not None:
             with admission.lock:
                 admission.next_fleet = measured
-        _ask_boundary(run)
+        admission.ask_boundary()
 
 
 def _running(admission: elastic.Admission, wait_s: float) -> tuple[Any, Fleet]:
@@ -135,7 +200,7 @@ def _decision(run: Run, placement: Placement, target: Fleet, step: int, gone: Se
         old = plan(run, target, placement.assignment, layout)
     views = [PlanView.of(p.assignment, p.rows, p.report.get("step_seconds", p.report["bottleneck_seconds"]))
              for p in (old, new)]
-    sizes = state_bytes(before_partition(run.source, run.before, run.target))
+    sizes = state_bytes(new.assigned)  # the VNodes as plans assign them; their state is what moves
     gone = sorted(set(gone) | admission.departing())  # another leave at the same step: no sender either
     decision = decide(*views, sizes, target, max(0, run.steps - step), gone=gone, overhead_s=overhead_s(run),
                       uncertainty=uncertainty)
@@ -154,30 +219,6 @@ def overhead_s(run: Run) -> float:
     return run.moved_s if run.moved_s is not None else run.replan_overhead_s
 
 
-def rank_zero_elsewhere(pnode: str, homes: dict[str, int], coordinator: int) -> str | None:
-    """Why a plan whose rank 0 is `pnode` cannot run now, or None: the coordinator's machine holds the run (its
-    metrics, checkpoints and rank 0: emission._local_ranks stops a run whose rank 0 lands elsewhere).  The plan
-    (emission.plan) already moves rank 0 onto a PNode of the coordinator's machine when one can hold rank 0's
-    stage; a plan still putting it elsewhere is refused at the decision rather than stopping the run at its
-    boundary.  A PNode with no home yet runs on machine 0, as emission._local_ranks places it."""
-    machine = homes.get(pnode, 0)
-    if machine == coordinator:
-        return None
-    return (f"the planner's plan puts rank 0 on {pnode} (machine {machine}), and the coordinator, machine "
-            f"{coordinator}, keeps rank 0 (it holds the run)")
-
-
-def _ask_boundary(run: Run) -> None:
-    """Ask this run's workers to stop after the current step with a checkpoint (once, while none is under way)."""
-    admission = run.admission
-    with admission.lock:
-        if admission.done:
-            return
-        admission.replanning = True
-    run.asked_step = last_step(run)
-    elastic.ask_stop(run.run_dir)
-
-
 def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
     """Machine 0, while an attempt runs (its own thread): a drift rank 0 reported in this attempt's rows (a
     metrics row with `drift`, at a step after `start`) is a re-plan decision on the measured fleet
@@ -192,7 +233,7 @@ def watch_drift(run: Run, start: int, ended: threading.Event) -> None:
 
     seen, decided = start, None
     while not ended.wait(0.5):
-        row = last_drift(run, seen)
+        row = last_drift(run.run_dir, seen)
         if row is None:
             continue
         seen = row["step"]
@@ -227,9 +268,9 @@ def _spread(pnodes: Any) -> float:
                 and math.isfinite(x) and 0 <= x <= 10] or [0.0])
 
 
-def last_drift(run: Run, after: int) -> dict[str, Any] | None:
+def last_drift(run_dir: Path, after: int) -> dict[str, Any] | None:
     """The last metrics row with a drift report at a step after `after`, or None (read from the log's tail)."""
-    for row in reversed(_tail_rows(run)):
+    for row in reversed(_tail_rows(run_dir)):
         if isinstance(row.get("drift"), dict) and row["step"] > after:
             return row
     return None
@@ -239,27 +280,14 @@ def boundary(run: Run) -> bool:
     """Machine 0, every worker done: was it a re-plan boundary (`replan`: a join, a leave, a drift) with steps
     left?  Then the admitted machines get their PNodes' homes, the leaving ones are released (the boundary's
     checkpoint holds what they held), and the next attempt is placed on the fleet without them."""
-    admission = run.admission
-    with admission.lock:
-        asked, admission.replanning = admission.replanning, False
-        queued, admission.queued = admission.queued, []
-    requested = elastic.stop_requested_at(run.run_dir)
-    (run.launch_dir / STOP_FILE).unlink(missing_ok=True)
-    asked_step, run.asked_step = run.asked_step, None  # this boundary's request, read once
-    step = last_step(run)
-    if not asked or step >= run.steps:
-        admission.release(step)  # the run is over: a leaving machine goes (its `job` answer says released)
+    step = last_step(run.run_dir)
+    taken = run.admission.close_boundary(step, run.steps)
+    if taken is None:
         return False
-    run.home = {**(run.home or {}), **admission.home()}
-    requested = requested if requested is not None else time.time()
-    run.moving = (step, requested, trained_after_request(_tail_rows(run), asked_step, step))
-    released = admission.release(step)  # their workers ended with this boundary's checkpoint
-    pnodes = sorted(set(run.home) - admission.departing())
-    admission.event({"event": "boundary", "step": step, "pnodes": pnodes, "released": released,
-                     "requested": round(requested, 3),
-                     "queued": [admission.joined[m].pnode.id for m in queued]})
-    run.say(f"launch: re-plan boundary after step {step}: the next attempt runs on {', '.join(pnodes)}"
-            f"{f'; machine(s) {released} released' if released else ''}")
+    run.home = {**(run.home or {}), **run.admission.home()}
+    run.moving = (taken.step, taken.requested, trained_after_request(_tail_rows(run.run_dir), taken.asked, taken.step))
+    run.say(f"launch: re-plan boundary after step {taken.step}: the next attempt runs on {', '.join(taken.pnodes)}"
+            f"{f'; machine(s) {taken.released} released' if taken.released else ''}")
     return True
 
 
@@ -299,7 +327,7 @@ def move_measured(run: Run, attempt: int) -> None:
     if run.moving is None or run.admission is None:
         return
     step, requested, training = run.moving
-    first = last_step(run)
+    first = last_step(run.run_dir)
     if first <= step:
         return
     run.moving = None

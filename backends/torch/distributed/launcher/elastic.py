@@ -71,7 +71,7 @@ from .shard_transfer import send_shards
 from ...training.rescue import RESCUE_DIR
 
 __all__ = ["Admission", "JoinRefused", "CoordinatorSilent", "TookOver", "Joined", "Leaving", "read_pnode_file", "check_pnode_memory", "smallest_share",
-           "join_run", "follow", "follow_attempts", "ask_stop", "stop_requested_at", "record_event", "CHUNK_BYTES",
+           "join_run", "follow", "follow_attempts", "record_event", "CHUNK_BYTES",
            "FETCH_TIMEOUT_S"]
 
 MAX_PNODE_TEXT = 64 * 1024  # a PNode file: a few hundred bytes, its per-kind figures a few more
@@ -247,12 +247,67 @@ class _Handover:
         self.released.update(self.leaving)
 
 
+@dataclass(frozen=True)
+class _Boundary:
+    """A re-plan boundary taken (`Admission.close_boundary`): its step, when its stop was asked for and the step
+    logged then, the PNodes the next attempt runs on and the machines released."""
+
+    step: int
+    requested: float
+    asked: int | None  # the last logged step when the stop was asked for (None: unknown)
+    pnodes: list[str]
+    released: list[int]
+
+
+class _Stops:
+    """An `Admission`'s side of a re-plan boundary: the stop it asks the workers for (the stop file, as Ctrl-C
+    writes it) and the boundary it closes when they are done, with its row.  Kept apart from the joins: only
+    the boundaries (boundaries.py) ask for them."""
+
+    def ask_boundary(self) -> bool:
+        """Ask the workers to stop after the current step with a checkpoint (once, while none is under way):
+        the stop file, as Ctrl-C writes it; its time is where the boundary's measured move starts.  False when
+        the run is over (nothing asked)."""
+        with self.lock:
+            if self.done:
+                return False
+            self.replanning = True
+        self.asked_step = self.step()  # the steps logged after it are progress, not the boundary's cost
+        atomic_write(self.run_dir / LAUNCH_DIR / STOP_FILE, "boundary\n")
+        return True
+
+    def close_boundary(self, step: int, steps: int) -> "_Boundary | None":
+        """Every worker is done at `step` (the run's last logged one; `steps` the run's): the stop file read
+        for its time and removed; a re-plan boundary with steps left gets its row and the leaving machines
+        their release, else (None) only the release (the run is over: a leaving machine goes).  Here because
+        the admission asked for the stop and keeps the homes, the leaves and the rows it is decided from."""
+        stop_file = self.run_dir / LAUNCH_DIR / STOP_FILE
+        with self.lock:
+            asked, self.replanning = self.replanning, False
+            queued, self.queued = self.queued, []
+            asked_step, self.asked_step = self.asked_step, None  # this boundary's request, read once
+        try:
+            requested = stop_file.stat().st_mtime
+        except OSError:  # none: the stop was never written (measured from now)
+            requested = time.time()
+        stop_file.unlink(missing_ok=True)
+        released = self.release(step)  # their workers ended with this boundary's checkpoint
+        if not asked or step >= steps:
+            return None
+        homes = self.homes() if self.homes is not None else self.home()
+        pnodes = sorted(set(homes) - self.departing())
+        self.event({"event": "boundary", "step": step, "pnodes": pnodes, "released": released,
+                    "requested": round(requested, 3), "queued": [self.joined[m].pnode.id for m in queued]})
+        return _Boundary(step, requested, asked_step, pnodes, released)
+
+
 @dataclass
-class Admission(_Departures, _Handover):
+class Admission(_Departures, _Handover, _Stops):
     """Machine 0's side of an elastic run: admits joins, serves files and jobs, records events.
 
     `on_join` runs in its own thread after an admission (the re-plan decision: it may take seconds, longer
-    than a request may wait); `step` reads the run's last logged step.  Leaves: `_Departures`."""
+    than a request may wait); `step` reads the run's last logged step.  Leaves: `_Departures`; a successor's
+    take-over: `_Handover`; a re-plan boundary's stop: `_Stops`."""
 
     run_dir: Path
     fleet: Fleet
@@ -270,6 +325,7 @@ class Admission(_Departures, _Handover):
     told_done: set[int] = field(default_factory=set)  # machines that read `done`
     current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
     next_fleet: Fleet | None = None  # the fleet a drift re-plan chose for the boundary's attempt
+    asked_step: int | None = None  # the last logged step when the pending boundary was asked for (`_Stops`)
     error: str = ""  # why the run ended, when it failed
     successors: list[int] = field(default_factory=list)  # machines that may take the coordinator's role, in order
     me: int = 0  # the machine serving this admission: 0, or the successor that took machine 0's role
@@ -319,6 +375,7 @@ class Admission(_Departures, _Handover):
         self.serve(name, job_path)
         with self.lock:
             self.current = (placement, fleet)
+            self.asked_step = None  # a boundary asked of an attempt that failed instead is not this one's
             self.jobs[attempt] = {"attempt": attempt, "file": name, "home": dict(home)}
 
     def finish(self, error: str = "") -> None:
@@ -530,20 +587,6 @@ class Leaving:
 
     def close(self) -> None:
         self._closed.set()
-
-
-def ask_stop(run_dir: Path) -> None:
-    """Ask this machine's workers to stop after the current step with a checkpoint (a boundary)."""
-    atomic_write(run_dir / LAUNCH_DIR / STOP_FILE, "boundary\n")
-
-
-def stop_requested_at(run_dir: Path) -> float | None:
-    """When the stop was asked for (the stop file's time, whoever wrote it), or None when there is none:
-    where a boundary's measured move starts (boundaries.py writes its `moved` row)."""
-    try:
-        return (run_dir / LAUNCH_DIR / STOP_FILE).stat().st_mtime
-    except OSError:
-        return None
 
 
 # -- the joiner ------------------------------------------------------------------------------------

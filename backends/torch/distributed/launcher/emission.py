@@ -32,7 +32,7 @@ from ..runtime.comm_choice import choose_comm
 from .inputs import Run
 from .placing import Placement, led_by, place
 
-__all__ = ["Attempt", "RankZeroJoined", "given_placement", "plan", "place_attempt", "emit_job"]
+__all__ = ["Attempt", "RankZeroJoined", "rank_zero_elsewhere", "given_placement", "plan", "place_attempt", "emit_job"]
 
 
 @dataclass
@@ -125,6 +125,19 @@ def plan(run: Run, fleet: Fleet, given: dict[str, str] | None = None, layout: An
 class RankZeroJoined(Exception):
     """A plan that puts rank 0 on a joined machine: machine 0 holds the run (its metrics, checkpoints and
     rank 0) until the coordinator can move (issue 36), so such a plan is not run; the joined PNodes wait."""
+
+
+def rank_zero_elsewhere(pnode: str, homes: dict[str, int], coordinator: int) -> str | None:
+    """Why a plan whose rank 0 is `pnode` cannot run now, or None: the coordinator's machine holds the run (its
+    metrics, checkpoints and rank 0: `_local_ranks` stops a run whose rank 0 lands elsewhere).  The plan
+    (`plan`) already moves rank 0 onto a PNode of the coordinator's machine when one can hold rank 0's
+    stage; a plan still putting it elsewhere is refused at the decision rather than stopping the run at its
+    boundary.  A PNode with no home yet runs on machine 0, as `_local_ranks` places it."""
+    machine = homes.get(pnode, 0)
+    if machine == coordinator:
+        return None
+    return (f"the planner's plan puts rank 0 on {pnode} (machine {machine}), and the coordinator, machine "
+            f"{coordinator}, keeps rank 0 (it holds the run)")
 
 
 def _local_ranks(run: Run, ranks: list[str], number: int) -> list[int]:

@@ -19,19 +19,18 @@ from vgraph.run.step_plan import make_plan
 
 from ...training import checkpoint as ckpt
 from ...training.config import TrainingError
-from ...training.rescue import RESCUE_DIR, assemble, clear_rescue, read_shards, run_identity, save_rescued
+from ...training.rescue import RESCUE_DIR, clear_rescue, rescue_saved, run_identity
 from ..job import EXIT_USER_ERROR, Job
 from . import succession
-from .boundaries import last_step
+from .boundaries import last_step, serve_channel, take_admission
 from .elastic import TookOver, record_event
 from .emission import Attempt, plan as placed_as_planned
 from .inputs import Run
-from .joins import open_admission, serve_channel
 from .membership import REQUEST_TIMEOUT_S, MachineLost, decide
 from .placing import shrink
 from .shard_transfer import send_shards
 
-__all__ = ["after_failure", "fence", "mirror", "succeed_followed", "take_admission"]
+__all__ = ["after_failure", "fence", "mirror", "succeed_followed"]
 
 
 def fence(run: Run) -> None:
@@ -126,24 +125,18 @@ def _rescue(run: Run, attempt: Attempt, lost: list[str]) -> int:
     """Machine 0 after a failed attempt: a checkpoint from the survivors' rescue shards when they hold every
     VNode at one step later than the last checkpoint (training/rescue.py), else the last checkpoint; either
     way the steps redone are said (the launcher's line, a fleet-events.jsonl row, the final summary)."""
-    folder, inputs = run.launch_dir / RESCUE_DIR, _rescue_inputs(run, attempt)
-    shards, refused = read_shards(folder, run=inputs["run"], attempt=attempt.number)
+    folder = run.launch_dir / RESCUE_DIR
     latest = ckpt.latest_checkpoint(run.run_dir)
     floor = ckpt.checkpoint_step(latest) if latest is not None else 0
-    logged = last_step(run)
-    found = assemble(shards, keys=inputs["keys"], floor=floor, ceiling=run.steps, logged=logged, reached=logged,
-                     refused=refused, per_rank_state=inputs["per_rank_state"])
-    for why in found.refused:
-        run.emit(f"launch: rescue shard refused: {why}")
-    if found.step is not None:
-        try:
-            where = save_rescued(run.run_dir, found, inputs["extra"], run.keep_checkpoints)
-        except OSError as exc:  # a full disk: the run still has its last checkpoint
-            found.why = f"its checkpoint could not be written: {exc.strerror or exc}"
-            found.step = None
+    logged = last_step(run.run_dir)
+    found = rescue_saved(folder, run.run_dir, **_rescue_inputs(run, attempt), floor=floor, logged=logged,
+                         keep=run.keep_checkpoints, say=run.emit)
+    if found.unsaved:  # a full disk: the run still has its last checkpoint
+        found.why, found.step = f"its checkpoint could not be written: {found.unsaved}", None
     if found.step is not None:
         resume, source = found.step, "replicas"
-        said = f"the survivors hold every VNode at step {found.step} (ranks {found.ranks}): checkpoint {where}"
+        said = (f"the survivors hold every VNode at step {found.step} (ranks {found.ranks}): checkpoint "
+                f"{found.saved}")
     else:
         resume, source = floor, "checkpoint"
         said = f"no rescue ({found.why}); resuming from {latest or 'the start'}"
@@ -169,7 +162,7 @@ def _rescue_inputs(run: Run, attempt: Attempt) -> dict[str, Any]:
                               if compressing else "",
             "extra": {"layout": "unfused", "run": json.loads(json.dumps(job.run_info, default=str)),
                       "network_yaml": job.network_yaml,
-                      "tokenizer_json": read_input(run.run_dir / run.tokenizer, what="tokenizer"),
+                      "tokenizer_json": run.tokenizer_json,
                       "launch": {"ranks": job.ranks, "assignment": job.final_assignment, "micro_batches": run.micro,
                                  "attempt": attempt.number}}}
 
@@ -230,7 +223,7 @@ def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> succession.
     installed = succession.install(run.run_dir, run.rescued(), run.emit)
     run.lead = True
     atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
-    atomic_write(run.run_dir / TOKENIZER_JSON, read_input(run.run_dir / run.tokenizer, what="tokenizer"))
+    atomic_write(run.run_dir / TOKENIZER_JSON, run.tokenizer_json)
     mirror(run)
     row = {"event": "succession", "step": installed.step, "coordinator": run.node_rank, "lost": old,
            "address": run.machines.addr,
@@ -240,16 +233,6 @@ def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> succession.
     run.emit(f"launch: machine {run.node_rank} is the coordinator now (machine {old} lost): the run goes on in "
              f"{run.run_dir} from step {installed.step} ({installed.source}; {installed.redone} step(s) redone)")
     return installed
-
-
-def take_admission(run: Run) -> None:
-    """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
-    machine; the channel's address moved with the role), with the machines it had admitted, released or was
-    releasing, from the record this machine mirrored (succession.mirrored_admission)."""
-    run.admission = open_admission(run)
-    run.admission.me = run.node_rank
-    run.admission.restore(succession.mirrored_admission(run.run_dir), run.emit)
-    run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
 
 
 def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, Any] | None) -> dict[str, Any]:

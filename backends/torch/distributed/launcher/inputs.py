@@ -203,6 +203,7 @@ class Run:
     comm: str
     bucket_bytes: int
     tokenizer: str = f"{LAUNCH_DIR}/tokenizer.json"  # relative to run_dir
+    tokenizer_json: str = ""  # its text: what a rescue's checkpoint and a successor's run directory carry
     run_info: dict[str, Any] = field(default_factory=dict)  # run.json's content, before the attempt's placement
     data_dir: str = ""  # the prepared corpus (absolute)
     data_digest: str = ""
@@ -212,7 +213,6 @@ class Run:
     leave: "elastic.Leaving | None" = None  # machine k != 0 of a run that takes joins: its graceful leave
     moving: tuple[int, float, float] | None = None  # a boundary's step, its stop request's time and the seconds
     # its workers trained after the request (boundaries.boundary), until the move is measured
-    asked_step: int | None = None  # the last logged step when the pending boundary was asked for
     moved_s: float | None = None  # the last boundary's measured seconds: the next decisions' overhead (boundaries.py)
     mirror: "succession.Mirror | None" = None  # a machine next in line: the coordinator's history (succession.py)
     rescued: Callable[[], list[Path]] = lambda: []  # other consistent states a successor may resume from
@@ -330,8 +330,8 @@ def _write_data(run: Run, cfg: LaunchConfig, vocab: int, seq_len: int) -> None:
     network.yml + tokenizer.json as `vgraph train` writes them; run_info, run.json's content."""
     data = prepare_data(cfg, vocab, seq_len, run.say)  # the corpus `vgraph train` would read
     run.data_dir, run.data_digest = str(data.dataset.corpus.root.absolute()), data.digest
-    tokenizer = data.tokenizer.to_str()
-    atomic_write(run.run_dir / run.tokenizer, tokenizer)
+    run.tokenizer_json = data.tokenizer.to_str()
+    atomic_write(run.run_dir / run.tokenizer, run.tokenizer_json)
     run.run_info = {
         "network": run.source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
         "data": data.description, "data_digest": data.digest, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
@@ -340,7 +340,7 @@ def _write_data(run: Run, cfg: LaunchConfig, vocab: int, seq_len: int) -> None:
     }
     if run.lead and (not (run.run_dir / NETWORK_YML).exists() or not cfg.resume):
         atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
-        atomic_write(run.run_dir / TOKENIZER_JSON, tokenizer)
+        atomic_write(run.run_dir / TOKENIZER_JSON, run.tokenizer_json)
 
 
 def job_folder(cfg: LaunchConfig) -> OutputDir:

@@ -73,7 +73,7 @@ trains nothing) also works, and so does `srun` (docs/distributed.md).
 
 Machines that join while the run goes on (`--nnodes MIN:MAX` on the machines the run starts with,
 `vgraph launch --join HOST:PORT --pnode PNODE.yml` on a newcomer): machine 0 admits them on the launchers'
-channel, decides whether re-planning onto the grown fleet pays (joins.py, boundaries.py, vgraph/placement/replan.py) and
+channel, decides whether re-planning onto the grown fleet pays (boundaries.py, vgraph/placement/replan.py) and
 then asks for a boundary: the workers stop after the current step with a checkpoint and the next attempt
 is placed on the grown fleet; the other machines run the jobs machine 0 publishes from then on
 (elastic.py).
@@ -82,8 +82,8 @@ The launch reads top to bottom in `launch`: its inputs resolved once (inputs.py:
 fleet and network read, run directory and data written), then the attempts (attempts.py), each placed and
 written (emission.py: placement, run.json, placement.json, the job file: job.py) and supervised (this
 machine's workers, supervisor.py); after a failure restarted, re-partitioned or shrunk, rescued, or given up
-(failures.py; across machines, machine 0 decides: membership.py); joins and leaves admitted (joins.py) and
-re-planned at a boundary (boundaries.py).  This module keeps the command: its options and `launch` itself.
+(failures.py; across machines, machine 0 decides: membership.py); joins and leaves admitted and re-planned
+at a boundary (boundaries.py).  This module keeps the command: its options and `launch` itself.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ from .emission import emit_job
 from .failures import mirror
 from .inputs import (ON_FAILURE, LaunchConfig, is_elastic, job_folder, read_placement,  # noqa: F401
                      read_placement_layout, resolve_inputs)
-from .joins import open_admission, serve_channel
+from .boundaries import open_admission, serve_channel
 from .membership import Machines
 from .supervisor import warm
 from .placing import Placement, place, shrink as _shrink, split_pipeline  # noqa: F401 (the package API)

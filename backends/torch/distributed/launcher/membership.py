@@ -32,7 +32,9 @@ carries the machines' addresses (each follower says its own), so every machine k
 with `--on-failure shrink` the coordinator role can move when machine 0 is lost (succession.py: the lowest
 surviving machine takes over, serving this channel on its own address and the same port); otherwise the
 other machines give up after --comm-timeout + --link-timeout without reaching it.  "Machine 0" below means
-the coordinator of the moment.
+the coordinator of the moment.  Who serves as the coordinator is asked on this channel, so it is answered
+here: `serving` (machine k answers as the coordinator), `elect` (the lowest surviving machine that does, as
+this machine sees it) and `rival` (a lower one serving too, while a successor collects reports).
 
 Why plain sockets and not torch's TCPStore, which the workers' rendezvous uses: a TCPStore client call on
 a link that goes dark blocks until the link returns, whatever its timeout (measured on the netlab
@@ -50,7 +52,7 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.base.jsonio import loads
@@ -484,6 +486,31 @@ def serving(machines: Any, k: int, window: float) -> bool:
         time.sleep(0.25)
 
 
+def elect(me: int, survivors: Iterable[int], serving: Callable[[int], bool]) -> int:
+    """The new coordinator as this machine sees it: the lowest-ranked survivor below it that answers as the
+    coordinator (`serving(k)`, which waits up to its window), else this machine itself."""
+    for k in sorted(set(survivors)):
+        if k >= me:
+            break
+        if serving(k):
+            return k
+    return me
+
+
+def rival(machines: Any, survivors: set[int], every: float = 1.0) -> Callable[[], int | None]:
+    """A successor's check while it collects reports, at most once per `every` s: a survivor of lower rank
+    serving as coordinator too (two machines thought themselves next), or None."""
+    last = [0.0]
+
+    def check() -> int | None:
+        if time.monotonic() - last[0] < every:
+            return None
+        last[0] = time.monotonic()
+        lower = sorted(k for k in survivors if k < machines.node_rank)
+        return next((k for k in lower if serving(machines, k, 0.0)), None)
+    return check
+
+
 def follow_successor(machines: Any, successors: list[int], report: dict | None, window: float,
                      send: Callable[[], Any] = lambda: None, say: Callable[[str], None] = lambda line: None) -> dict:
     """A machine that may not take the coordinator's role (one that joined an elastic run: it lacks the run's
@@ -527,6 +554,7 @@ def decide(reports: dict[int, dict], missing: list[int], home: dict[str, int], o
     return {"lost": lost, "described": described, "error": ""}
 
 
-__all__ = ["Machines", "MachineLost", "SteppedDown", "own_address", "decide", "ask", "channel_key", "serving",
+__all__ = ["Machines", "MachineLost", "SteppedDown", "own_address", "decide", "ask", "channel_key", "serving", "elect",
+           "rival",
            "follow_successor", "HEARTBEAT_S",
            "REQUEST_TIMEOUT_S", "MAX_LINE", "CHUNK_BYTES", "FETCH_TIMEOUT_S"]

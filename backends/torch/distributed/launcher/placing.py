@@ -21,7 +21,7 @@ from vgraph.transform.pipeline import DEFAULT_PIPELINE, Pipeline, available_pass
 from ...training.config import TrainingError
 from ...training.setup import NO_FUSE_PIPELINE
 
-__all__ = ["Placement", "split_pipeline", "place", "led_by", "shrink", "before_partition"]
+__all__ = ["Placement", "split_pipeline", "place", "led_by", "shrink"]
 
 
 def split_pipeline(passes: str | None, fuse: bool, options: dict[str, str]) -> tuple[Pipeline, Pipeline, Pipeline]:
@@ -53,6 +53,9 @@ class Placement:
     rows: list[list[str]] = field(default_factory=list)  # per replica, its PNodes in stage order
     shares: list[int] = field(default_factory=list)  # per replica, its samples of the global batch
     choices: dict[str, Any] = field(default_factory=dict)  # the partition's choices the passes after it read
+    # The network as the partition pass saw and assigned it (after the passes before it, before any fusion):
+    # the VNodes `assignment` names, whose state a re-plan moves (vgraph/placement/replan.state_bytes).
+    assigned: Graph | None = None
 
     @property
     def world(self) -> list[str]:
@@ -119,7 +122,7 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
         placed.meta["placement"].update(replica_pnodes=replicas[0], batch_shares=replicas[1])
     report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches)
     return Placement(placed, assignment, final, ranks, report, report["replica_pnodes"], report["batch_shares"],
-                     choices)
+                     choices, graph)
 
 
 def led_by(placement: Placement, fleet: Fleet, leads: set[str]
@@ -168,11 +171,3 @@ def shrink(placement: Placement, fleet: Fleet, lost: list[str], described: str, 
     final = {v: rows[0][stage[p]] for v, p in placement.final.items()}
     shares = rebalanced_shares(placement.graph, fleet, final, rows, batch, micro)
     return assignment, (rows, shares)
-
-
-def before_partition(source: Graph, before: Pipeline, target: str) -> Graph:
-    """The network as the partition pass sees it (after the passes before it): the VNodes plans assign."""
-    graph = source.copy()
-    if before:
-        run_pipeline(graph, before, target=target)
-    return graph

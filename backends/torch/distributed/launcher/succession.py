@@ -64,9 +64,10 @@ from vgraph.data.shards import sha256_file
 from vgraph.run.files import CHECKPOINT_PREFIX, LATEST, LAUNCH_DIR, METRICS_JSONL
 
 from ...training import checkpoint as ckpt
-from ...training.rescue import RESCUE_DIR, assemble, read_shards, save_rescued
+from ...training.rescue import RESCUE_DIR, rescue_saved
 from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, _fetch
-from .membership import REQUEST_TIMEOUT_S, ask, follow_successor, serving  # noqa: F401 (this module's API too)
+from .membership import (REQUEST_TIMEOUT_S, ask, elect, follow_successor, rival,  # noqa: F401 (this module's API too)
+                         serving)
 
 __all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "follow_successor", "install", "newest_state",
            "superseded",
@@ -254,31 +255,6 @@ class Mirror:
         self.say(f"launch: mirrored {name} from the coordinator ({total:,} bytes in {seconds:.2f} s)")
 
 
-def elect(me: int, survivors: Iterable[int], serving: Callable[[int], bool]) -> int:
-    """The new coordinator as this machine sees it: the lowest-ranked survivor below it that answers as the
-    coordinator (`serving(k)`, which waits up to its window), else this machine itself."""
-    for k in sorted(set(survivors)):
-        if k >= me:
-            break
-        if serving(k):
-            return k
-    return me
-
-
-def _rival(machines: Any, survivors: set[int], every: float = 1.0) -> Callable[[], int | None]:
-    """A successor's check while it collects reports, at most once per `every` s: a survivor of lower rank
-    serving as coordinator too (two machines thought themselves next), or None."""
-    last = [0.0]
-
-    def check() -> int | None:
-        if time.monotonic() - last[0] < every:
-            return None
-        last[0] = time.monotonic()
-        lower = sorted(k for k in survivors if k < machines.node_rank)
-        return next((k for k in lower if serving(machines, k, 0.0)), None)
-    return check
-
-
 def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
             decide: Callable[[dict[int, dict], list[int]], dict], window: float,
             send: Callable[[], Any] = lambda: None, serve: Callable[[], Any] = lambda: None) -> dict:
@@ -318,7 +294,7 @@ def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
         return {**plan, "lost": sorted(set(plan["lost"]) | set(report["lost"])),  # ... and the lost coordinators'
                 "gone": sorted(set(plan.get("gone") or []) | set(report["lost"]))}
 
-    machines.superior = _rival(machines, set(survivors))
+    machines.superior = rival(machines, set(survivors))
     try:
         return machines.settle(report, decide_without_lost, wait_for_all=True)
     except SteppedDown as down:
@@ -360,27 +336,23 @@ def rescued_state(run_dir: Path, *, run: str, attempt: int, keys: set[str], ceil
     the reason said.  Shards of another run or attempt (the old coordinator's, an earlier one's) and
     damaged ones are refused by read_shards/assemble and said."""
     mirror = run_dir / LAUNCH_DIR / MIRROR_DIR
+    logged = max((r["step"] for r in _rows(mirror / METRICS_JSONL)), default=0)
     mirrored = ckpt.latest_checkpoint(mirror) if (mirror / LATEST).exists() else None
     try:
         floor = ckpt.checkpoint_step(mirrored) if mirrored is not None else 0
     except (ckpt.CheckpointError, OSError):
         floor = 0  # damaged: install says so and skips it; the shards then compete with nothing
-    logged = max((r["step"] for r in _rows(mirror / METRICS_JSONL)), default=0)
-    shards, refused = read_shards(run_dir / LAUNCH_DIR / RESCUE_DIR, run=run, attempt=attempt)
-    found = assemble(shards, keys=keys, floor=floor, ceiling=ceiling, logged=logged, reached=logged, refused=refused,
-                     per_rank_state=per_rank_state)
-    for why in found.refused:
-        say(f"launch: rescue shard refused: {why}")
+    found = rescue_saved(run_dir / LAUNCH_DIR / RESCUE_DIR, run_dir, run=run, attempt=attempt, keys=keys, floor=floor,
+                         ceiling=ceiling, logged=logged, extra=extra, keep=keep, per_rank_state=per_rank_state, say=say)
     if found.step is None:
         say(f"launch: the survivors' shards give no newer state than the mirrored checkpoint: {found.why}")
         return []
     say(f"launch: the survivors hold every VNode at step {found.step} (the shards of ranks {found.ranks}; the "
         f"mirrored checkpoint is step {floor})")
-    try:
-        return [save_rescued(run_dir, found, extra, keep)]
-    except OSError as exc:  # a full disk: the mirrored checkpoint is still there
-        say(f"launch: the survivors' state at step {found.step} could not be written: {exc.strerror or exc}")
+    if found.saved is None:  # a full disk: the mirrored checkpoint is still there
+        say(f"launch: the survivors' state at step {found.step} could not be written: {found.unsaved}")
         return []
+    return [found.saved]
 
 
 def _rows(path: Path) -> list[dict]:
