@@ -89,13 +89,18 @@ class Schedule:
     start: int  # hosts 0 .. start-1 start the run
     steps: int
     events: tuple[tuple[int, str, int], ...]  # (step, "join" | "leave" | "kill" | "stop", host; 0 for a stop)
+    wait_for_hosts: bool = False  # a leave or a kill also waits for its host to train (Watch.ready)
 
 
+# The schedule: each event at its step, as a volunteer's machine leaves or dies whether or not the plan
+# placed it (run 8, 2026-12-07: with the smoke's wait the kill of host 3, whose join the planner declined, never
+# came and the elastic way was reported failed).
 FULL = Schedule(4, 2, 300, ((60, "join", 2), (120, "join", 3), (180, "leave", 2), (240, "kill", 3)))
 # Both joiners as soon as machine 0 placed its first plan; the leave and the kill once their host trains in the
 # running plan, then machine 0 stopped (SIGTERM) once the plan after the kill trains (Watch.ready): at most 2,000
 # steps, however fast this machine trains while the joiners start
-SMOKE = Schedule(3, 1, 2000, ((0, "join", 1), (0, "join", 2), (0, "leave", 1), (0, "kill", 2), (0, "stop", 0)))
+SMOKE = Schedule(3, 1, 2000, ((0, "join", 1), (0, "join", 2), (0, "leave", 1), (0, "kill", 2), (0, "stop", 0)),
+                 wait_for_hosts=True)
 
 
 # -- hosts: namespaces of the testbed, or processes on loopback --------------------------------------------
@@ -366,7 +371,8 @@ class Driver:
         pending = list(s.events)
 
         def on_step(step: int) -> None:  # step 0: the first plan's workers start
-            while pending and watch.placed and step >= pending[0][0] and watch.ready(*pending[0][1:]):
+            while (pending and watch.placed and step >= pending[0][0]
+                   and (not s.wait_for_hosts or watch.ready(*pending[0][1:]))):
                 _, what, host = pending.pop(0)
                 if what == "join":
                     procs[host] = self.joiner(where, host, port)

@@ -175,3 +175,12 @@ def test_a_file_for_its_workdir_is_refused_and_left_alone(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "is not a directory" in r.stderr and "Traceback" not in r.stderr
     assert taken.read_text() == "not a directory"
+
+
+def test_the_full_schedule_fires_each_event_at_its_step_and_only_the_smoke_waits_for_hosts(bench):
+    """The issue's schedule (2 hosts, +1 at 60, +1 at 120, a leave at 180, a SIGKILL at 240, 300 steps) fires at
+    its steps whether or not the planner placed the host (run 8: a declined join's host waited for never came,
+    and the way was reported failed); the smoke's events wait for their host to train (Watch.ready)."""
+    assert (bench.FULL.start, bench.FULL.steps, bench.FULL.events) == (
+        2, 300, ((60, "join", 2), (120, "join", 3), (180, "leave", 2), (240, "kill", 3)))
+    assert not bench.FULL.wait_for_hosts and bench.SMOKE.wait_for_hosts
