@@ -12,7 +12,6 @@ logged steps are read here from metrics.jsonl's tail (`last_step`), without read
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from vgraph.base.diagnostics import VGraphError
+from vgraph.base.numbers import number_or_none
 from vgraph.cost.fleet import Fleet
 from vgraph.run.files import MEASURED_FLEET, METRICS_JSONL
 
@@ -263,9 +263,9 @@ def _spread(pnodes: Any) -> float:
     """The uncertainty a drift's decision prices (replan.decide): the widest relative spread of the drifting
     PNodes' busy times (placement/drift.relative_spread), from rank 0's row; a figure that is missing or not a
     finite number from 0 to 10 counts as 0 (the decision then prices the figures as exact, as before)."""
-    spreads = [p.get("spread") for p in (pnodes.values() if isinstance(pnodes, dict) else ()) if isinstance(p, dict)]
-    return max([float(x) for x in spreads if isinstance(x, (int, float)) and not isinstance(x, bool)
-                and math.isfinite(x) and 0 <= x <= 10] or [0.0])
+    spreads = [number_or_none(p.get("spread"), low=0, high=10)
+               for p in (pnodes.values() if isinstance(pnodes, dict) else ()) if isinstance(p, dict)]
+    return max([float(x) for x in spreads if x is not None] or [0.0])
 
 
 def last_drift(run_dir: Path, after: int) -> dict[str, Any] | None:
@@ -302,9 +302,9 @@ def trained_after_request(rows: Sequence[dict[str, Any]], asked: int | None, bou
     request's step are unknown (the whole wall is priced, as before)."""
     if asked is None or boundary < asked:
         return 0.0
-    kept = [r for r in rows if r["step"] <= boundary and isinstance(r.get("elapsed_s"), (int, float))]
+    kept = [r for r in rows if r["step"] <= boundary and number_or_none(r.get("elapsed_s")) is not None]
     gaps = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(kept[-11:], kept[-10:]) if b["step"] == a["step"] + 1]
-    gaps = [g for g in gaps if math.isfinite(g) and g > 0]
+    gaps = [g for g in gaps if g > 0]
     return (boundary - asked + 1) * statistics.median(gaps) if gaps else 0.0
 
 

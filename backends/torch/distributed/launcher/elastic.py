@@ -622,25 +622,34 @@ def join_run(addr: str, port: int, token: str, pnode_file: str | Path, timeout: 
     return {**reply, "pnode_object": pnode}
 
 
-def wait_for_job(request: Callable[..., dict], attempt: int, silence_s: float) -> dict[str, Any]:
-    """Machine 0's job for attempt `attempt` or a later one, or {"done": True}; polls twice a second for as
-    long as machine 0 answers (a run that keeps its plan keeps a joined machine waiting for the next
-    boundary), and gives up when it has not answered for `silence_s`."""
+def _answered(request: Callable[..., dict], op: str, silence_s: float, waiting_for: str, **fields: Any) -> dict:
+    """The coordinator's first answer to `op` that is not "wait" (an error included), asked twice a second.
+    A failed request (the link, or a reply without the run's seal) is silence and a "wait" is an answer;
+    CoordinatorSilent once the coordinator has not answered for `silence_s` while this machine waited for
+    `waiting_for` (a follower's `lost` hook then finds the machine that took its role)."""
     heard = time.monotonic()
     while True:
         try:
-            reply = request("job", attempt=attempt)
+            reply = request(op, **fields)
             heard = time.monotonic()
         except (OSError, ValueError):
             reply = {"wait": True}
-        if "error" in reply:
-            raise JoinRefused(f"machine 0: {reply['error']}")
         if not reply.get("wait"):
             return reply
         if time.monotonic() - heard > silence_s:
             raise CoordinatorSilent(f"machine 0 has not answered for {silence_s:g} s while this machine waited for "
-                              f"attempt {attempt}: the run is over or its link is lost")
+                                    f"{waiting_for}: the run is over or its link is lost")
         time.sleep(0.5)
+
+
+def wait_for_job(request: Callable[..., dict], attempt: int, silence_s: float) -> dict[str, Any]:
+    """Machine 0's job for attempt `attempt` or a later one, or {"done": True}; polls twice a second for as
+    long as machine 0 answers (a run that keeps its plan keeps a joined machine waiting for the next
+    boundary), and gives up when it has not answered for `silence_s`."""
+    reply = _answered(request, "job", silence_s, f"attempt {attempt}", attempt=attempt)
+    if "error" in reply:
+        raise JoinRefused(f"machine 0: {reply['error']}")
+    return reply
 
 
 def _fetch(request: Callable[..., dict], name: str, size: int, sha256: str, sink: Callable[[bytes], None],
@@ -648,24 +657,12 @@ def _fetch(request: Callable[..., dict], name: str, size: int, sha256: str, sink
     """`name` from the coordinator, chunk by chunk into `sink`, checked against the size and SHA-256 it
     announced (a JoinRefused otherwise, after which what `sink` got must be thrown away).  A chunk that does
     not come (the link failed, or a successor taking the run over answers "wait") is asked for again, at the
-    same offset, for as long as the coordinator stays silent less than `silence_s`; then CoordinatorSilent:
-    a follower's `lost` hook finds the machine that took its role, and the fetch goes on from there."""
-    digest, got, heard = hashlib.sha256(), 0, time.monotonic()
+    same offset, until the coordinator has been silent for `silence_s` (`_answered`)."""
+    digest, got = hashlib.sha256(), 0
     while got < size:
-        try:
-            reply = request("fetch", timeout=FETCH_TIMEOUT_S, name=name, offset=got)
-        except (OSError, ValueError) as exc:
-            reply = {"wait": str(exc) or type(exc).__name__}
-        else:
-            heard = time.monotonic()
+        reply = _answered(request, "fetch", silence_s, name, timeout=FETCH_TIMEOUT_S, name=name, offset=got)
         if "error" in reply:
             raise JoinRefused(f"machine 0 would not send {name}: {reply['error']}")
-        if reply.get("wait"):
-            if time.monotonic() - heard > silence_s:
-                raise CoordinatorSilent(f"the coordinator has not sent {name} for {silence_s:g} s "
-                                        f"({quote(str(reply['wait']), 200)})")
-            time.sleep(0.5)
-            continue
         chunk = base64.b64decode(str(reply.get("data", "")), validate=True)
         if not chunk or got + len(chunk) > size:
             raise JoinRefused(f"{name}: machine 0 sent {got + len(chunk):,} bytes of {size:,}")
