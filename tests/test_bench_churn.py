@@ -132,6 +132,13 @@ def test_the_ceiling_trains_each_segment_at_restart_alls_speed_up_over_statics_s
     line = bench.ceiling(outcomes, bench.FULL)
     assert line.startswith(f"elastic's ceiling vs static: {87.7 / ideal:.2f} (") and f"{87.7 / ideal:.2f}" == "1.08"
     assert "1.00, 1.27, 1.40, 1.15, 1.25 over 60, 60, 60, 60, 60 steps; 49.2 s of static's 87.7 s" in line
+    assert line.endswith("; 1.00 at the planner's own speed-ups 1.00, 1.00, 1.00, 1.00, 1.00")  # all priced 0.2
+    # The planner's bound: the same sum over the predicted speed-ups (restart-all plans each segment's fleet).
+    priced = [0.2, 0.16, 0.1, 0.16, 0.2]
+    planned = [outcome(bench, "restart-all", 237.1, 50, list(zip(priced, everyone))), outcomes[1]]
+    bound = 87.7 / (87.7 - 300 * 0.1283 + sum(60 * 0.1283 * p / 0.2 for p in priced))
+    assert f"{bound:.2f}" == "1.09" and bench.ceiling(planned, bench.FULL).endswith(
+        f"; {bound:.2f} at the planner's own speed-ups 1.00, 1.25, 2.00, 1.25, 1.00")
     # Without both ways, or with a plan per segment missing or unmeasured, it says so instead of a number.
     for broken in ([outcomes[1]], [outcome(bench, "restart-all", 237.1, 50, [(0.2, m) for m in everyone[:4]]),
                                    outcomes[1]],
