@@ -17,6 +17,7 @@ from ports import launch_port
 from vgraph.backends.torch.distributed.launcher import elastic, succession
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.distributed.launcher.membership import Machines, MachineLost
+from vgraph.cost.fleet import Fleet
 
 from test_elastic_launch import (PNODE, TOKEN, Thread, admission, common, events, files, join, pnode_text,  # noqa: F401
                                  reference, same_training, wait_for)
@@ -179,6 +180,27 @@ def test_the_admission_record_round_trips_to_a_successor(files, tmp_path):
     assert successor.answer({"op": "job", "machine": 1, "attempt": 3})["released"] is True  # j1 exits 0
     assert join(successor, pnode_text("j3"))["machine"] == 3
     assert join(successor, pnode_text("j1"))["admitted"] is False  # its id is taken: the record said so
+
+
+def test_a_machine_lost_before_the_coordinator_is_not_placed_by_its_successor(files, tmp_path):
+    """A joined machine SIGKILLed (its replica dropped by shrink), then machine 0: the successor's fleet is the
+    last job's, which still names the dead machine's PNode.  Machine 0 records what vanished (failures.py:
+    `gone`) and the record carries it, so neither places it again (the netlab run of 2026-12-07 placed it and
+    waited out the 40 s rendezvous)."""
+    from vgraph.cost.fleet import load_fleet
+
+    zero = admission(files, tmp_path, max_machines=4)
+    assert join(zero, pnode_text("j1"))["admitted"] and join(zero, pnode_text("j2"))["admitted"]
+    fleet = load_fleet(files / "one.yml")
+    assert {"j1", "j2"} <= set(zero.grown_fleet(fleet).ids)  # the premise: both would be placed
+    zero.vanished(["j2"])
+    assert "j2" not in zero.grown_fleet(fleet).ids and "j1" in zero.grown_fleet(fleet).ids
+    (tmp_path / "next").mkdir()
+    successor = admission(files, tmp_path / "next", max_machines=4)
+    successor.restore(json.loads(json.dumps(zero.record())), lambda line: None)
+    with_j2 = Fleet.of("last job", *fleet.pnodes, *zero.pnodes)  # the last job's fleet still names j2
+    assert "j2" in with_j2.ids and "j2" not in successor.grown_fleet(with_j2).ids
+    assert "j1" in successor.grown_fleet(with_j2).ids
 
 
 @pytest.mark.parametrize("record,says", [

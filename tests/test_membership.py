@@ -162,3 +162,28 @@ def test_decisions() -> None:
 def test_gloo_is_pointed_at_the_interface_towards_the_master_only_off_loopback() -> None:
     assert interface_towards("127.0.0.1") is None and interface_towards("::1") is None
     assert interface_towards("not an address") is None
+
+
+def test_a_join_before_machine_0_answers_joins_is_told_to_wait_not_refused(pair, tmp_path) -> None:
+    """A volunteer that arrives while machine 0 still prepares the run (its channel open, the run not placed):
+    "wait", and `join_run` asks again until machine 0's answer to joins is installed (the netlab run of
+    2026-12-07 refused both joiners started beside machine 0 with "unknown request 'join'")."""
+    from vgraph.backends.torch.distributed.launcher import elastic
+
+    m0, _, port = pair
+    pnode = tmp_path / "j.yml"
+    pnode.write_text("name: j\npnodes:\n  - {id: j, memory: 256MiB, flops: 2M, bandwidth: 1GB/s, accelerator: cpu}\n")
+    asked: list[dict] = []
+
+    def admit(request: dict) -> dict:
+        asked.append(request)
+        return {"admitted": True, "machine": 2}
+
+    assert m0._board.answer({"op": "nonsense"}) == {"error": "unknown request 'nonsense'"}  # only joins wait
+    timer = threading.Timer(1.2, lambda: m0.serve_extra(admit))  # machine 0 placed its first plan
+    timer.start()
+    try:
+        reply = elastic.join_run("127.0.0.1", port, TOKEN, pnode, timeout=20)
+    finally:
+        timer.cancel()
+    assert reply["admitted"] and reply["machine"] == 2 and [r["op"] for r in asked] == ["join"]

@@ -56,7 +56,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import OutputDir, atomic_write, atomic_write_with, read_input
@@ -153,6 +153,13 @@ class _Departures:
         with self.lock:
             leaving = set(self.leaving)
             return set(self.left) | {p for p, m in homes.items() if m in leaving}
+
+    def vanished(self, pnodes: Iterable[str]) -> None:
+        """PNodes of machines that fell silent (failures.after_failure's `gone`): never placed again, like a
+        leaver's, and in the record a successor takes over (its fleet comes from the last job, which still
+        names them: placed there, its first attempt waited out the rendezvous for a dead machine)."""
+        with self.lock:
+            self.left.update(pnodes)
 
     def _leave(self, request: dict) -> dict:
         """Machine `machine` says it leaves (its launcher got SIGTERM).  Said again (a second signal, a retry

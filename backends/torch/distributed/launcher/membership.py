@@ -184,6 +184,8 @@ class _Board:
                 if plan is not None:
                     self.taken.setdefault(attempt, set()).add(machine)
                 return {"plan": plan}
+        if op == "join":  # machine 0 still preparing the run (data, placement): its answer to joins comes next
+            return {"wait": "machine 0 is preparing the run"}
         return {"error": f"unknown request {op!r}"}
 
 
