@@ -74,6 +74,8 @@ def files(tmp_path_factory):
 
 
 def settings(files: Path) -> dict:
+    """Checkpoints every 2 steps: machine 0's hold (after step 2) makes that step a sync point, and only machine
+    0's job says so; at a step the other machines do not sync at, its gather would wait on them forever."""
     return dict(network=str(files / "net.yml"), data=str(files / "corpus.txt"), steps=STEPS, batch=BATCH, lr=LR,
                 seed=SEED, val_every=20, checkpoint_every=2, threads=1, progress=False)
 
