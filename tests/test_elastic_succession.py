@@ -200,12 +200,13 @@ def test_a_damaged_admission_record_leaves_out_what_does_not_read(files, tmp_pat
     assert (says is None and not said) or (says is not None and any(says in s for s in said)), said
 
 
-def test_a_joined_machine_never_takes_the_role_and_says_when_nobody_does():
-    """follow_successor: a joined machine asks the machines that may take the role; when none serves (a run
-    started with one machine has none), it stops with the reason instead of waiting on silence."""
+def test_a_follower_that_cannot_take_the_role_says_when_nobody_does():
+    """follow_successor: a joined machine that holds no job yet (or of a run whose --on-failure moves no role)
+    asks the machines that may take the role; when none serves, it stops with the reason instead of waiting on
+    silence."""
     m = Machines()
     m.node_rank, m.coordinator, m.addrs, m.port, m.key = 3, 0, {0: "127.0.0.1", 3: "127.0.0.1"}, launch_port(), "k"
-    with pytest.raises(MachineLost, match="no machine that may take its role .none: the run started with one"):
+    with pytest.raises(MachineLost, match="no machine that may take its role .none: no other machine is in the run"):
         succession.follow_successor(m, [], {"lost": []}, 0.1)
     with pytest.raises(MachineLost, match=r"\(1, 2\) serves"):
         succession.follow_successor(m, [2, 1], {"lost": []}, 0.1)  # nobody listens on the port

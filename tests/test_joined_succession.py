@@ -198,11 +198,25 @@ def test_damaged_launch_settings_refuse_the_join_naming_the_field(change, says):
     assert says in str(err.value)
 
 
-@pytest.mark.parametrize("record", [None, [], "settings", {}, {"version": 1}])
-def test_missing_launch_settings_refuse_the_join(record):
-    """A coordinator of an older vgraph sends none: this machine could not take the role, and says so."""
+@pytest.mark.parametrize("record", [[], "settings", 0, {"version": 1}, {"version": 1, "on_failure": "restart"}])
+def test_incomplete_launch_settings_refuse_the_join(record):
     with pytest.raises(elastic.JoinRefused, match="could not take the coordinator's role"):
         read_launch_settings(record)
+
+
+@pytest.mark.parametrize("sent", [None, {}])
+def test_a_coordinator_that_sends_no_settings_is_followed_never_succeeded(tmp_path, sent):
+    """A coordinator of an earlier vgraph sends none: this machine joins, says it never takes the role, and
+    its loss hook is the follower's whatever job it holds."""
+    said: list[str] = []
+    followed: list[tuple] = []
+    chosen = JoinedSuccession(said.append)
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "job-0.json").write_text("{}")
+    lost = chosen.bind(Machines(), {"machine": 1, **({"settings": sent} if sent is not None else {})}, tmp_path,
+                       tmp_path, 2, None, lambda *a: followed.append(a) or {})
+    assert any("never takes the role" in line for line in said) and chosen.mirror is None
+    assert lost(RuntimeError("gone"), 0, None) == {} and chosen.run is None and len(followed) == 1
 
 
 def test_a_joined_machine_with_damaged_settings_does_not_join(files, tmp_path):

@@ -171,10 +171,14 @@ class JoinedSuccession:
              ) -> Callable[[Exception, int, dict | None], dict]:
         """This machine was admitted: the settings checked, the mirror started when it is next in line; the
         hook `follow_attempts` calls when the coordinator is lost."""
-        self.settings = read_launch_settings(admitted.get("settings"))
+        sent = admitted.get("settings")
+        self.settings = None if sent is None or sent == {} else read_launch_settings(sent)
         self.machines, self.machine, self.run_dir, self.corpus = machines, int(admitted["machine"]), run_dir, corpus
         self.port, self.leave, self.fallback = master_port, leave, fallback
-        self.succeeds = self.settings["on_failure"] in ("shrink", "restart")
+        if self.settings is None:  # a coordinator of an earlier vgraph: this machine joins as a follower only
+            self.emit("launch --join: the coordinator sent no launch settings (an earlier vgraph?): this machine "
+                      "follows whoever coordinates and never takes the role itself")
+        self.succeeds = self.settings is not None and self.settings["on_failure"] in ("shrink", "restart")
         if self.succeeds and self.machine <= succession.MIRRORS:
             self.mirror = succession.Mirror(machines.request, run_dir / LAUNCH_DIR / succession.MIRROR_DIR, self.emit,
                                             active=lambda: machines.coordinator != machines.node_rank,
@@ -192,17 +196,23 @@ class JoinedSuccession:
             cfg = joined_config(self.settings, job, machine=self.machine, network=network, corpus=self.corpus,
                                 run_dir=self.run_dir, master_addr=self.machines.addr, master_port=self.port,
                                 log=self.emit)
-            self.run = resolve_inputs(cfg, StopRequest(self.emit), self.machines)
+            self.stop = StopRequest(self.emit)
+            self.run = resolve_inputs(cfg, self.stop, self.machines)
             self.run.run_info = dict(job.run_info)  # the run's own (its data's description is machine 0's)
             self.run.mirror, self.run.leave = self.mirror, self.leave
         return succeed_followed(self.run, why, number, report)
 
     def coordinate(self, took: elastic.TookOver) -> LaunchResult:
-        """This machine took the coordinator's role: the attempts from there on, as machine 0 ran them."""
+        """This machine took the coordinator's role: the attempts from there on, as machine 0 ran them.  A
+        SIGTERM or Ctrl-C is now machine 0's stop (the workers stop after the step with a checkpoint), no
+        longer this machine's leave: the coordinator holds the run and has nobody to hand it to."""
         run = self.run
         assert run is not None and run.lead, "TookOver comes only from succeed_followed on this machine's Run"
+        if self.leave is not None:
+            self.leave.close()
         try:
-            return collect(run, run_attempts(run, StopRequest(self.emit), took))
+            with self.stop.installed():
+                return collect(run, run_attempts(run, self.stop, took))
         except BaseException as exc:
             if run.admission is not None:  # the joined machines hear why, instead of waiting on silence
                 run.admission.finish(error=str(exc) or type(exc).__name__)
