@@ -67,88 +67,109 @@ def kill(process: subprocess.Popen) -> None:
         process.wait()
 
 
-@pytest.mark.slow  # four launchers, three boundaries and two losses, the rejoin timeout waited out twice
-def test_a_run_started_with_one_machine_survives_joins_a_leave_a_kill_and_machine_0s_loss(
+def started(script: str, args: list[str], log: Path) -> subprocess.Popen:
+    """A launcher in a process of its own session (SIGKILLed with its workers), its lines into `log`."""
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-c", script, *args], start_new_session=True, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow  # five launchers, a boundary, three machines lost, the rejoin timeout waited out twice
+def test_a_run_started_with_one_machine_survives_joins_a_leave_kills_and_machine_0s_loss(
         files, reference, tmp_path, monkeypatch):
-    """The Acceptance's sequence on loopback: `--nnodes 1:4` on m0 alone (held after step 2); j1 joins (the join
-    pays: a boundary is asked for), j2 and j3 join behind it (queued); j2 leaves gracefully (admitted, not yet
-    placed: released at once, it ends as a released machine); the boundary (step 3) places m0, j1 and j3; j3 is
-    SIGKILLed as it receives that job (machine 0 counts it gone and re-plans: m0 and j1, a replica each, j1
-    held after step 5); machine 0 is SIGKILLed while j1 holds a replica of every VNode.  j1, machine 1, next in
-    line (it mirrored the run's history as a started machine does), takes the coordinator's role and finishes
-    the run in its own run directory: every step logged once there, the rows up to the resumed step being
-    machine 0's own (mirrored, not trained again), losses and final weights and optimizer state as `vgraph
-    train` with the same global batch."""
+    """The Acceptance's sequence on loopback, with the successor's own loss: `--nnodes 1:5` on m0 alone (held
+    after step 2).  j1 joins (the join pays: a boundary is asked for); j2, j3 and j4 join behind it (queued);
+    j4 leaves gracefully (admitted, not yet placed: released at once, it ends as a released machine).  The
+    boundary (step 3) places m0, j1, j2 and j3; j3 is SIGKILLed as it receives that job (machine 0 counts it
+    gone and re-plans on m0, j1 and j2, a replica each, j1 held after step 5).  Machine 0 is SIGKILLed while j1
+    and j2 each hold a replica of every VNode; j1, machine 1, first in line, is SIGKILLed as it begins its
+    succession (building its run from the settings and the job); j2, machine 2, next in line (it mirrored the
+    run's history as a started machine does), is elected around it, takes the coordinator's role and finishes
+    the run in its own run directory: every step logged once there, the rows up to the resumed step machine
+    0's own (mirrored, not trained again), losses, final weights and optimizer state as `vgraph train` with
+    the same global batch."""
     from weights_util import assert_same_weights
 
     monkeypatch.setenv("VGRAPH_LAUNCH_TOKEN", TOKEN)
     port = launch_port()
-    node0, dirs = tmp_path / "node0", {j: tmp_path / j for j in ("j1", "j2", "j3")}
-    settings = dict(common(files), fleet=str(files / "one.yml"), nnodes=1, max_nnodes=4, master_port=port,
+    node0, dirs = tmp_path / "node0", {j: tmp_path / j for j in ("j1", "j2", "j3", "j4")}
+    settings = dict(common(files), fleet=str(files / "one.yml"), nnodes=1, max_nnodes=5, master_port=port,
                     link_timeout=2.0, comm_timeout=KILLED_RUN_COMM_TIMEOUT, on_failure="restart", replicas="auto",
                     out=str(node0), hold=[["m0", 2], ["j1", 5, 2]])
-    zero = subprocess.Popen([sys.executable, "-c", COORDINATOR, json.dumps(settings)], start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    zero = started(COORDINATOR, [json.dumps(settings)], tmp_path / "node0.log")
     start_after_machine_0(zero, port, "machine 0's channel")
     lines: list[str] = []
     leaving = elastic.Leaving(lines.append)
+
+    def command(pid: str) -> subprocess.Popen:  # `vgraph launch --join`, as a volunteer types it
+        return started(JOINER, ["launch", "--join", f"127.0.0.1:{port}", "--pnode", str(pnode_file(files, pid)),
+                                "--out", str(dirs[pid]), "--link-timeout", "2", "--comm-timeout",
+                                str(KILLED_RUN_COMM_TIMEOUT)], tmp_path / f"{pid}.log")
 
     def joiner(pid: str, leave=None) -> Thread:
         return Thread(lambda: elastic.follow("127.0.0.1", port, pnode_file(files, pid), dirs[pid], join_timeout=60,
                                              link_timeout=2, comm_timeout=KILLED_RUN_COMM_TIMEOUT, emit=lines.append,
                                              leave=leave, successor=JoinedSuccession(lines.append)))
-    one, two, three = joiner("j1"), joiner("j2", leaving), None
+    one = three = None
+    two, four = joiner("j2"), joiner("j4", leaving)
+    said = lambda pid: (tmp_path / f"{pid}.log").read_text(errors="replace")[-3000:]  # noqa: E731
     try:
-        alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}")
-        joined = lambda pid: any(e.get("pnode") == pid and e.get("outcome") == "admitted" for e in events(node0))
+        alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {said('node0')}")  # noqa: E731
+        joined = lambda pid: any(e.get("pnode") == pid and e.get("outcome") == "admitted"  # noqa: E731
+                                 for e in events(node0))
         wait_for(lambda: (node0 / "launch" / "held-m0").exists(), "m0 held after step 2", alive)
-        one.start()
+        one = command("j1")
         wait_for(lambda: any(e.get("chosen") == "new" for e in events(node0)), "j1's join decided", alive)
         two.start()
         wait_for(lambda: joined("j2"), "j2 admitted", alive)
-        three = subprocess.Popen(
-            [sys.executable, "-c", JOINER, "launch", "--join", f"127.0.0.1:{port}", "--pnode",
-             str(pnode_file(files, "j3")), "--out", str(dirs["j3"]), "--link-timeout", "2", "--comm-timeout",
-             str(KILLED_RUN_COMM_TIMEOUT)], start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        three = command("j3")
         wait_for(lambda: joined("j3"), "j3 admitted", alive)
-        leaving.ask("SIGTERM")  # j2: admitted behind the boundary, never placed
-        two.join(timeout=60)
-        assert two.error is None and two.result.released and two.result.attempts == [], (two.error, lines[-20:])
+        four.start()
+        wait_for(lambda: joined("j4"), "j4 admitted", alive)
+        leaving.ask("SIGTERM")  # j4: admitted behind the boundary, never placed
+        four.join(timeout=60)
+        assert four.error is None and four.result.released and four.result.attempts == [], (four.error, lines[-20:])
         (node0 / "launch" / "release").write_text("go\n")
         wait_for(lambda: (dirs["j3"] / "launch" / "job-1.json").is_file(), "j3 to receive attempt 1's job", alive)
         boundary = next(e for e in events(node0) if e["event"] == "boundary")
-        assert boundary["pnodes"] == ["j1", "j3", "m0"] and boundary["step"] == 3, boundary  # the premise
+        assert boundary["pnodes"] == ["j1", "j2", "j3", "m0"] and boundary["step"] == 3, boundary  # the premise
         os.killpg(three.pid, signal.SIGKILL)
         assert three.wait(timeout=30) == -signal.SIGKILL
-        mirror = dirs["j1"] / "launch" / "mirror"
+        mirror = dirs["j2"] / "launch" / "mirror"
         wait_for(lambda: (dirs["j1"] / "launch" / "held-j1").exists()
                  and (mirror / "latest").is_file() and (mirror / "latest").read_text().strip() == "step-00000004"
                  and 5 in [r.get("step") for r in rows_of(mirror / "metrics.jsonl")],
-                 "attempt 2 on m0 and j1, j1 held after step 5, its mirror at the step-4 checkpoint and row 5", alive)
+                 "attempt 2 on m0, j1 and j2, j1 held after step 5, j2's mirror at the step-4 checkpoint and row 5",
+                 alive)
         placed = json.loads((node0 / "placement.json").read_text())
-        assert sorted(placed["replica_pnodes"]) == [["j1"], ["m0"]], placed  # the premise: j1 holds every VNode
+        assert sorted(placed["replica_pnodes"]) == [["j1"], ["j2"], ["m0"]], placed  # the premise: whole replicas
         kill(zero)
         assert zero.returncode == -signal.SIGKILL
+        wait_for(lambda: (dirs["j1"] / "launch" / "network.yml").is_file(), "j1 to begin its succession",
+                 lambda: one.poll() is None or pytest.fail(f"j1 ended: {said('j1')}"))
+        kill(one)  # first in line, lost during its own succession
+        assert one.returncode == -signal.SIGKILL
     finally:
-        kill(zero)
-        if three is not None:
-            kill(three)
-        one.join(timeout=240)
-        two.join(timeout=10)
-    assert one.error is None, (one.error, lines[-40:])
+        for process in (zero, one, three):
+            if process is not None:
+                kill(process)
+        two.join(timeout=240)
+        four.join(timeout=10)
+    assert two.error is None, (two.error, lines[-40:])
 
     rows = events(node0)  # every event really happened, machine 0 said so
-    assert [(e["pnode"], e["queued"]) for e in rows if e["event"] == "join"] == [("j1", False), ("j2", True),
-                                                                                  ("j3", True)]
-    assert [(e["machine"], e["outcome"]) for e in rows if e["event"] == "leave"] == [(2, "released")]
+    assert [(e["pnode"], e["queued"]) for e in rows if e["event"] == "join"] == [
+        ("j1", False), ("j2", True), ("j3", True), ("j4", True)]
+    assert [(e["machine"], e["outcome"]) for e in rows if e["event"] == "leave"] == [(4, "released")]
     (lost,) = [e for e in rows if e["event"] == "rescue"]
     assert lost["lost"] == ["j3"] and lost["attempt"] == 1, lost
+    assert "machine 1, joined) is in the line of succession" in said("j1")  # it had begun its succession
 
-    joined_result, result = one.result, one.result.coordinated
-    assert joined_result.machine == 1 and joined_result.attempts == [1, 2] and result is not None
-    run = dirs["j1"]
+    joined_result, result = two.result, two.result.coordinated
+    assert joined_result.machine == 2 and joined_result.attempts == [1, 2] and result is not None
+    run = dirs["j2"]
     (moved,) = [e for e in events(run) if e["event"] == "succession"]
-    assert moved["coordinator"] == 1 and moved["lost"] == 0 and moved["pnodes_lost"] == ["m0"], moved
+    assert moved["coordinator"] == 2 and moved["lost"] == 0 and moved["pnodes_lost"] == ["j1", "m0"], moved
     mirrored = [r["step"] for r in rows_of(mirror / "metrics.jsonl")]
     assert moved["resume_step"] >= 4 and moved["steps_redone"] == max(mirrored) - moved["resume_step"], moved
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -156,11 +177,14 @@ def test_a_run_started_with_one_machine_survives_joins_a_leave_a_kill_and_machin
     theirs = {r["step"]: r for r in rows_of(node0 / "metrics.jsonl")}
     assert all(r == theirs[r["step"]] for r in logged if r["step"] <= moved["resume_step"])  # not trained again
     same_training(result.history, reference)
-    last = result.attempts[-1]
-    assert last["ok"] and last["ranks"] == ["j1"] and last["attempt"] == 3, result.attempts
+    # The successor's attempts: machine 0's PNode never again; j1, missing from the decision like a machine whose
+    # report came late, may be placed once more (docs/distributed.md): that attempt fails at its rendezvous and
+    # the next runs without it.
+    assert all(set(a["ranks"]) <= {"j1", "j2"} for a in result.attempts), result.attempts
+    assert result.attempts[-1]["ok"] and result.attempts[-1]["ranks"] == ["j2"], result.attempts
     final = f"step-{STEPS:08d}"
     assert_same_weights(run / final, reference.run_dir / final, steps=STEPS, lr=LR)
-    assert any(f"machine 1 is the coordinator now (machine 0 lost): the run goes on in {run}" in line
+    assert any(f"machine 2 is the coordinator now (machine 0 lost): the run goes on in {run}" in line
                for line in lines), lines[-30:]
 
 

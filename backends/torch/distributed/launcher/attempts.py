@@ -190,6 +190,8 @@ class JoinedSuccession:
         if not self.succeeds or number < 0 or not job_path.is_file():
             return self.fallback(why, number, report)
         if self.run is None:
+            self.emit(f"launch: the coordinator is lost ({why}); this machine (machine {self.machine}, joined) is in "
+                      f"the line of succession: its run from the launch settings and {job_path.name}")
             job = Job.read(job_path)
             network = self.run_dir / LAUNCH_DIR / "network.yml"
             atomic_write(network, job.network_yaml)
