@@ -165,6 +165,7 @@ class JoinedSuccession:
         self.emit = emit
         self.run: Run | None = None
         self.mirror: succession.Mirror | None = None
+        self.stop = StopRequest(emit)  # the run's stop once this machine coordinates (`coordinate`)
 
     def bind(self, machines: Any, admitted: dict[str, Any], run_dir: Path, corpus: Path, master_port: int,
              leave: Any, fallback: Callable[[Exception, int, dict | None], dict]
@@ -186,6 +187,9 @@ class JoinedSuccession:
         return self.lost
 
     def lost(self, why: Exception, number: int, report: dict | None) -> dict:
+        """The coordinator is lost while this machine ran (or waited for) job `number`: elected as a started
+        machine (its Run built once, the first time), or only following (no job, no settings, or a run whose
+        --on-failure moves no role); the decision for the next attempt, or elastic.TookOver."""
         job_path = self.run_dir / LAUNCH_DIR / f"job-{number}.json"
         if not self.succeeds or number < 0 or not job_path.is_file():
             return self.fallback(why, number, report)
@@ -198,7 +202,6 @@ class JoinedSuccession:
             cfg = joined_config(self.settings, job, machine=self.machine, network=network, corpus=self.corpus,
                                 run_dir=self.run_dir, master_addr=self.machines.addr, master_port=self.port,
                                 log=self.emit)
-            self.stop = StopRequest(self.emit)
             self.run = resolve_inputs(cfg, self.stop, self.machines)
             self.run.run_info = dict(job.run_info)  # the run's own (its data's description is machine 0's)
             self.run.mirror, self.run.leave = self.mirror, self.leave

@@ -752,7 +752,8 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
 
     emit("launch --join: readying this machine's worker processes (their imports) before asking to join")
     # The workers' imports before the admission: a boundary must not wait for them (warm); never rank 0's: world
-    # rank 0 stays on the coordinator's machine, which a joined machine never is (emission.plan).
+    # rank 0 stays on the coordinator's machine (emission.plan), which a joined machine is only after a succession
+    # (its rank 0 then imports what it needs when it starts).
     warm(wait=True, rank_zero=False)
     admitted = join_run(addr, channel, token, pnode_file, join_timeout)
     machine, pid = int(admitted["machine"]), admitted["pnode_object"].id  # its own id names its directory
