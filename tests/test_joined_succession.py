@@ -84,7 +84,8 @@ def test_a_run_started_with_one_machine_survives_joins_a_leave_kills_and_machine
     gone and re-plans on m0, j1 and j2, a replica each, j1 held after step 5).  Machine 0 is SIGKILLed while j1
     and j2 each hold a replica of every VNode; j1, machine 1, first in line, is SIGKILLed as it begins its
     succession (building its run from the settings and the job); j2, machine 2, next in line (it mirrored the
-    run's history as a started machine does), is elected around it, takes the coordinator's role and finishes
+    run's history as a started machine does; j1, j2 and j3 are the real `vgraph launch --join` command), is
+    elected around it, takes the coordinator's role and finishes
     the run in its own run directory: every step logged once there, the rows up to the resumed step machine
     0's own (mirrored, not trained again), losses, final weights and optimizer state as `vgraph train` with
     the same global batch."""
@@ -110,17 +111,17 @@ def test_a_run_started_with_one_machine_survives_joins_a_leave_kills_and_machine
         return Thread(lambda: elastic.follow("127.0.0.1", port, pnode_file(files, pid), dirs[pid], join_timeout=60,
                                              link_timeout=2, comm_timeout=KILLED_RUN_COMM_TIMEOUT, emit=lines.append,
                                              leave=leave, successor=JoinedSuccession(lines.append)))
-    one = three = None
-    two, four = joiner("j2"), joiner("j4", leaving)
-    said = lambda pid: (tmp_path / f"{pid}.log").read_text(errors="replace")[-3000:]  # noqa: E731
+    one = two = three = None
+    four = joiner("j4", leaving)
+    said = lambda pid: (tmp_path / f"{pid}.log").read_text(errors="replace")  # noqa: E731
     try:
-        alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {said('node0')}")  # noqa: E731
+        alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {said('node0')[-3000:]}")  # noqa: E731
         joined = lambda pid: any(e.get("pnode") == pid and e.get("outcome") == "admitted"  # noqa: E731
                                  for e in events(node0))
         wait_for(lambda: (node0 / "launch" / "held-m0").exists(), "m0 held after step 2", alive)
         one = command("j1")
         wait_for(lambda: any(e.get("chosen") == "new" for e in events(node0)), "j1's join decided", alive)
-        two.start()
+        two = command("j2")
         wait_for(lambda: joined("j2"), "j2 admitted", alive)
         three = command("j3")
         wait_for(lambda: joined("j3"), "j3 admitted", alive)
@@ -146,16 +147,15 @@ def test_a_run_started_with_one_machine_survives_joins_a_leave_kills_and_machine
         kill(zero)
         assert zero.returncode == -signal.SIGKILL
         wait_for(lambda: (dirs["j1"] / "launch" / "network.yml").is_file(), "j1 to begin its succession",
-                 lambda: one.poll() is None or pytest.fail(f"j1 ended: {said('j1')}"))
+                 lambda: one.poll() is None or pytest.fail(f"j1 ended: {said('j1')[-3000:]}"))
         kill(one)  # first in line, lost during its own succession
         assert one.returncode == -signal.SIGKILL
+        assert two.wait(timeout=240) == 0, said("j2")[-3000:]  # the real command, which took the role, exits 0
     finally:
-        for process in (zero, one, three):
+        for process in (zero, one, two, three):
             if process is not None:
                 kill(process)
-        two.join(timeout=240)
         four.join(timeout=10)
-    assert two.error is None, (two.error, lines[-40:])
 
     rows = events(node0)  # every event really happened, machine 0 said so
     assert [(e["pnode"], e["queued"]) for e in rows if e["event"] == "join"] == [
@@ -165,9 +165,9 @@ def test_a_run_started_with_one_machine_survives_joins_a_leave_kills_and_machine
     assert lost["lost"] == ["j3"] and lost["attempt"] == 1, lost
     assert "machine 1, joined) is in the line of succession" in said("j1")  # it had begun its succession
 
-    joined_result, result = two.result, two.result.coordinated
-    assert joined_result.machine == 2 and joined_result.attempts == [1, 2] and result is not None
-    run = dirs["j2"]
+    run, out = dirs["j2"], said("j2")
+    assert "admitted as machine 2 with PNode j2" in out and "launch: attempt 2: j2" in out, out[-3000:]
+    assert f"{run}: step {STEPS}, loss" in out and "restart(s)" in out, out[-3000:]  # the run's result, printed there
     (moved,) = [e for e in events(run) if e["event"] == "succession"]
     assert moved["coordinator"] == 2 and moved["lost"] == 0 and moved["pnodes_lost"] == ["j1", "m0"], moved
     mirrored = [r["step"] for r in rows_of(mirror / "metrics.jsonl")]
@@ -176,16 +176,17 @@ def test_a_run_started_with_one_machine_survives_joins_a_leave_kills_and_machine
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))  # every step once, in the successor's run
     theirs = {r["step"]: r for r in rows_of(node0 / "metrics.jsonl")}
     assert all(r == theirs[r["step"]] for r in logged if r["step"] <= moved["resume_step"])  # not trained again
-    same_training(result.history, reference)
+    same_training(logged, reference)
     # The successor's attempts: machine 0's PNode never again; j1, missing from the decision like a machine whose
     # report came late, may be placed once more (docs/distributed.md): that attempt fails at its rendezvous and
     # the next runs without it.
-    assert all(set(a["ranks"]) <= {"j1", "j2"} for a in result.attempts), result.attempts
-    assert result.attempts[-1]["ok"] and result.attempts[-1]["ranks"] == ["j2"], result.attempts
+    placed = json.loads((run / "placement.json").read_text())
+    assert placed["replica_pnodes"] == [["j2"]], placed
+    assert all(set(json.loads(job.read_text())["ranks"]) <= {"j1", "j2"}
+               for job in (run / "launch").glob("job-*.json") if int(job.stem[4:]) > 2)
     final = f"step-{STEPS:08d}"
     assert_same_weights(run / final, reference.run_dir / final, steps=STEPS, lr=LR)
-    assert any(f"machine 2 is the coordinator now (machine 0 lost): the run goes on in {run}" in line
-               for line in lines), lines[-30:]
+    assert f"machine 2 is the coordinator now (machine 0 lost): the run goes on in {run}" in out, out[-3000:]
 
 
 # -- the settings a joined machine takes the role with --------------------------------------------------
