@@ -292,3 +292,31 @@ def test_holds_name_their_attempt():
     specs = [("m0", 2), ("j1", 5, 2)]
     assert held(specs, 0, True) == ("m0", 2) and held(specs, 1, False) is None and held(specs, 2, False) == ("j1", 5)
     assert held(None, 0, True) is None
+
+
+def test_a_joined_machine_builds_its_settings_from_the_record_and_the_job(files, tmp_path):
+    """joined_config: the launch-only settings from the admission's record, the training options, network and
+    fleet from the job (declared once: job.py), this machine's copies of them as files in its launch folder
+    (the command that continues the run names files it has), its node rank its machine number."""
+    from vgraph.backends.torch.distributed.job import Job
+    from vgraph.backends.torch.distributed.launcher.inputs import _check, _continue_with, joined_config
+    from vgraph.backends.torch.distributed.launcher.launch import launch as run_launch
+    from vgraph.base.diagnostics import VGraphError
+
+    run_launch(LaunchConfig(**common(files), fleet=str(files / "one.yml"), out=tmp_path / "run",
+                            emit_job=tmp_path / "job", log=lambda line: None))
+    job = Job.read(tmp_path / "job" / "job.json")
+    mine = tmp_path / "joiner"
+    cfg = joined_config({**GOOD, "on_failure": "shrink", "max_restarts": 5}, job, machine=3,
+                        corpus=mine / "launch" / "corpus", run_dir=mine, master_addr="127.0.0.1", master_port=2950,
+                        log=lambda line: None)
+    assert (cfg.on_failure, cfg.max_restarts, cfg.nnodes, cfg.max_nnodes, cfg.link_timeout) == ("shrink", 5, 1, 4, 2.0)
+    assert (cfg.steps, cfg.batch, cfg.lr, cfg.seed, cfg.micro_batches) == (STEPS, 8, LR, 7, 2)  # the job's
+    assert cfg.node_rank == 3 and cfg.joined and cfg.replicas == "auto" and cfg.out == mine and not cfg.resume
+    assert Path(cfg.network).read_text() == job.network_yaml and Path(cfg.fleet).read_text() == job.fleet_yaml
+    assert cfg.data == str(mine / "launch" / "corpus")
+    _check(cfg)  # a node rank past --nnodes MIN is a joined machine's own
+    assert f"--fleet {mine / 'launch' / 'fleet.yml'} --out {mine}" in _continue_with(cfg, mine)
+    cfg.joined = False
+    with pytest.raises(VGraphError, match="--node-rank must be in 0..0"):
+        _check(cfg)  # a started machine's is still held to MIN

@@ -197,11 +197,8 @@ class JoinedSuccession:
             self.emit(f"launch: the coordinator is lost ({why}); this machine (machine {self.machine}, joined) is in "
                       f"the line of succession: its run from the launch settings and {job_path.name}")
             job = Job.read(job_path)
-            network = self.run_dir / LAUNCH_DIR / "network.yml"
-            atomic_write(network, job.network_yaml)
-            cfg = joined_config(self.settings, job, machine=self.machine, network=network, corpus=self.corpus,
-                                run_dir=self.run_dir, master_addr=self.machines.addr, master_port=self.port,
-                                log=self.emit)
+            cfg = joined_config(self.settings, job, machine=self.machine, corpus=self.corpus, run_dir=self.run_dir,
+                                master_addr=self.machines.addr, master_port=self.port, log=self.emit)
             self.run = resolve_inputs(cfg, self.stop, self.machines)
             self.run.run_info = dict(job.run_info)  # the run's own (its data's description is machine 0's)
             self.run.mirror, self.run.leave = self.mirror, self.leave

@@ -334,7 +334,7 @@ class Admission(_Departures, _Handover, _Stops):
     next_fleet: Fleet | None = None  # the fleet a drift re-plan chose for the boundary's attempt
     asked_step: int | None = None  # the last logged step when the pending boundary was asked for (`_Stops`)
     error: str = ""  # why the run ended, when it failed
-    successors: list[int] = field(default_factory=list)  # machines that may take the coordinator's role, in order
+    successors: list[int] = field(default_factory=list)  # started machines in line (joined ones: the table's)
     me: int = 0  # the machine serving this admission: 0, or the successor that took machine 0's role
     settings: dict[str, Any] = field(default_factory=dict)  # the launch settings a joiner takes the role with
     # (inputs.launch_settings), sent with its admission

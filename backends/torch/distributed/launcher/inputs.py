@@ -200,19 +200,21 @@ def read_launch_settings(record: Any) -> dict[str, Any]:
         raise refuse(str(exc)) from None
 
 
-def joined_config(settings: dict[str, Any], job: Any, *, machine: int, network: Path, corpus: Path, run_dir: Path,
+def joined_config(settings: dict[str, Any], job: Any, *, machine: int, corpus: Path, run_dir: Path,
                   master_addr: str, master_port: int, log: Callable[[str], None]) -> LaunchConfig:
     """The settings of a machine that joined, about to take the coordinator's role: those its admission carried
     (`read_launch_settings`'s), the latest job's training options as machine 0 resolved them (job.py: the
-    same `TrainConfig`), and this machine's own copies: the network written from the job (`network`), the
-    corpus it received (`corpus`, a prepared corpus), its run directory.  The placement is the partition
-    pass's (replicas auto, as after any succession)."""
-    from vgraph.cost.fleet import loads_fleet
-
+    same `TrainConfig`), and this machine's own copies: the job's network and fleet written as files into its
+    launch folder (so the command that continues the run names files this machine has), the corpus it
+    received (`corpus`, a prepared corpus), its run directory.  The placement is the partition pass's
+    (replicas auto, as after any succession)."""
+    network, fleet = run_dir / LAUNCH_DIR / "network.yml", run_dir / LAUNCH_DIR / "fleet.yml"
+    atomic_write(network, job.network_yaml)
+    atomic_write(fleet, job.fleet_yaml)
     train = {f.name: getattr(job.train, f.name) for f in fields(TrainConfig)}
     train.update(network=str(network), data=str(corpus), out=run_dir, resume=False, continue_command=None)
     return LaunchConfig(
-        **train, fleet=loads_fleet(job.fleet_yaml, f"{job.path} (its fleet)"), micro_batches=job.micro_batches,
+        **train, fleet=str(fleet), micro_batches=job.micro_batches,
         pipeline=job.pipeline, on_failure=settings["on_failure"], replicas="auto",
         max_restarts=settings["max_restarts"], comm_timeout=job.comm_timeout, bucket_bytes=job.bucket_bytes,
         link_timeout=settings["link_timeout"], grad_compress=job.grad_compress, nnodes=settings["nnodes"],
