@@ -320,3 +320,33 @@ def test_a_joined_machine_builds_its_settings_from_the_record_and_the_job(files,
     cfg.joined = False
     with pytest.raises(VGraphError, match="--node-rank must be in 0..0"):
         _check(cfg)  # a started machine's is still held to MIN
+
+
+def test_a_machine_that_vanished_is_never_placed_again_nor_by_a_successor(files, tmp_path):
+    """Admission.vanished (a decision's `gone`): a joined machine SIGKILLed is left out of every later fleet, and
+    the mirrored record says so, so a successor's admission leaves it out too (its missing workers would stall
+    the rendezvous of every attempt it is placed in)."""
+    from test_elastic_launch import admission, join, pnode_text
+
+    zero = admission(files, tmp_path, max_machines=4)
+    assert join(zero, pnode_text("j1"))["machine"] == 1 and join(zero, pnode_text("j2"))["machine"] == 2
+    assert zero.grown_fleet(zero.fleet).ids == ["m0", "j1", "j2"]  # the premise
+    zero.vanished(["j2"])
+    assert zero.grown_fleet(zero.fleet).ids == ["m0", "j1"]
+    (tmp_path / "next").mkdir()
+    successor = admission(files, tmp_path / "next", max_machines=4)
+    successor.restore(json.loads(json.dumps(zero.record())), lambda line: None)
+    assert successor.grown_fleet(successor.fleet).ids == ["m0", "j1"]
+
+
+def test_a_joined_coordinators_own_pnode_is_not_a_followers(files, tmp_path):
+    """Admission.home on a joined machine that took the role (`me`): its own PNode is not a follower's, so the
+    plan keeping rank 0 there is not refused as "rank 0 on a joined machine" (emission.RankZeroJoined)."""
+    from test_elastic_launch import admission, join, pnode_text
+
+    adm = admission(files, tmp_path, max_machines=4)
+    join(adm, pnode_text("j1"))
+    join(adm, pnode_text("j2"))
+    assert adm.home() == {"j1": 1, "j2": 2}
+    adm.me = 1
+    assert adm.home() == {"j2": 2} and [p.id for p in adm.pnodes] == ["j1", "j2"]  # still admitted, still placed
