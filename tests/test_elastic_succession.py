@@ -17,7 +17,6 @@ from ports import launch_port
 from vgraph.backends.torch.distributed.launcher import elastic, succession
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.distributed.launcher.membership import Machines, MachineLost
-from vgraph.cost.fleet import Fleet
 
 from test_elastic_launch import (PNODE, TOKEN, Thread, admission, common, events, files, join, pnode_text,  # noqa: F401
                                  reference, same_training, wait_for)
@@ -182,27 +181,6 @@ def test_the_admission_record_round_trips_to_a_successor(files, tmp_path):
     assert join(successor, pnode_text("j1"))["admitted"] is False  # its id is taken: the record said so
 
 
-def test_a_machine_lost_before_the_coordinator_is_not_placed_by_its_successor(files, tmp_path):
-    """A joined machine SIGKILLed (its replica dropped by shrink), then machine 0: the successor's fleet is the
-    last job's, which still names the dead machine's PNode.  Machine 0 records what vanished (failures.py:
-    `gone`) and the record carries it, so neither places it again (the netlab run of 2026-12-07 placed it and
-    waited out the 40 s rendezvous)."""
-    from vgraph.cost.fleet import load_fleet
-
-    zero = admission(files, tmp_path, max_machines=4)
-    assert join(zero, pnode_text("j1"))["admitted"] and join(zero, pnode_text("j2"))["admitted"]
-    fleet = load_fleet(files / "one.yml")
-    assert {"j1", "j2"} <= set(zero.grown_fleet(fleet).ids)  # the premise: both would be placed
-    zero.vanished(["j2"])
-    assert "j2" not in zero.grown_fleet(fleet).ids and "j1" in zero.grown_fleet(fleet).ids
-    (tmp_path / "next").mkdir()
-    successor = admission(files, tmp_path / "next", max_machines=4)
-    successor.restore(json.loads(json.dumps(zero.record())), lambda line: None)
-    with_j2 = Fleet.of("last job", *fleet.pnodes, *zero.pnodes)  # the last job's fleet still names j2
-    assert "j2" in with_j2.ids and "j2" not in successor.grown_fleet(with_j2).ids
-    assert "j1" in successor.grown_fleet(with_j2).ids
-
-
 @pytest.mark.parametrize("record,says", [
     ({"joined": {"1": {"pnode": "pnodes: [[[", "step": 1}}}, "machine '1' is left out"),
     ({"joined": {"x": {"pnode": "", "step": 1}}}, "machine 'x' is left out"),
@@ -222,12 +200,13 @@ def test_a_damaged_admission_record_leaves_out_what_does_not_read(files, tmp_pat
     assert (says is None and not said) or (says is not None and any(says in s for s in said)), said
 
 
-def test_a_joined_machine_never_takes_the_role_and_says_when_nobody_does():
-    """follow_successor: a joined machine asks the machines that may take the role; when none serves (a run
-    started with one machine has none), it stops with the reason instead of waiting on silence."""
+def test_a_follower_that_cannot_take_the_role_says_when_nobody_does():
+    """follow_successor: a joined machine that holds no job yet (or of a run whose --on-failure moves no role)
+    asks the machines that may take the role; when none serves, it stops with the reason instead of waiting on
+    silence."""
     m = Machines()
     m.node_rank, m.coordinator, m.addrs, m.port, m.key = 3, 0, {0: "127.0.0.1", 3: "127.0.0.1"}, launch_port(), "k"
-    with pytest.raises(MachineLost, match="no machine that may take its role .none: the run started with one"):
+    with pytest.raises(MachineLost, match="no machine that may take its role .none: no other machine is in the run"):
         succession.follow_successor(m, [], {"lost": []}, 0.1)
     with pytest.raises(MachineLost, match=r"\(1, 2\) serves"):
         succession.follow_successor(m, [2, 1], {"lost": []}, 0.1)  # nobody listens on the port

@@ -12,23 +12,24 @@ import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from vgraph.base.safeio import atomic_write
-from vgraph.run.files import METRICS_JSONL, WORKERS_JSON, RunLock
+from vgraph.run.files import LAUNCH_DIR, METRICS_JSONL, WORKERS_JSON, RunLock
 
 from ...training import checkpoint as ckpt
 from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
 from ..rendezvous import free_port, probe_port
-from . import elastic
+from . import elastic, succession
 from .boundaries import boundary, last_step, move_measured, take_admission, watch_drift, watch_move
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
 from .failures import after_failure, succeed_followed
-from .inputs import Run
+from ..job import Job
+from .inputs import Run, joined_config, read_launch_settings, resolve_inputs
 from .supervisor import Supervisor
 
-__all__ = ["LaunchResult", "run_attempts", "collect", "micro_per_replica"]
+__all__ = ["LaunchResult", "run_attempts", "collect", "micro_per_replica", "JoinedSuccession"]
 
 
 @dataclass
@@ -45,10 +46,15 @@ class LaunchResult:
     steps_redone: int = 0  # machine 0: steps trained again after failures (0 when every rescue found its step)
 
 
-def run_attempts(run: Run, stop: StopRequest) -> LaunchResult:
-    """Attempt after attempt until the workers finish, fail for good, or a stop is asked for."""
+def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = None) -> LaunchResult:
+    """Attempt after attempt until the workers finish, fail for good, or a stop is asked for; after `took` (a
+    machine that joined took the coordinator's role: `JoinedSuccession`), from the attempt after the one it
+    followed, on the fleet its succession decided."""
     result = LaunchResult(run.run_dir, 0, None, None, None)
     fleet, hold, number, replanned = run.fleet, run.hold, 0, False
+    if took is not None:
+        fleet, number, hold, replanned = took.args[1], took.args[0] + 1, None, True
+        result.restarts, result.steps_redone = 1, int(took.args[2])
     shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
     while True:
         if stop.requested:
@@ -56,13 +62,13 @@ def run_attempts(run: Run, stop: StopRequest) -> LaunchResult:
                                    f"{run.continue_with}")
         given = given_placement(run, number, shrunk, replanned)
         try:
-            attempt = place_attempt(run, fleet, number, *given, hold)
+            attempt = place_attempt(run, fleet, number, *given, held(run.hold, number, hold is not None))
         except RankZeroJoined as exc:
             waiting = sorted(set(run.admission.home()) & set(fleet.ids))
             run.admission.event({"event": "placement", "attempt": number, "waiting": waiting,
                                  "reason": f"the plan puts rank 0 on joined PNode {exc}: machine 0 keeps it"})
             fleet = fleet.without(waiting)
-            attempt = place_attempt(run, fleet, number, *given, hold)
+            attempt = place_attempt(run, fleet, number, *given, held(run.hold, number, hold is not None))
         if attempt is None:
             return result
         if run.admission is not None:
@@ -101,6 +107,17 @@ def run_attempts(run: Run, stop: StopRequest) -> LaunchResult:
         hold = None
 
 
+def held(hold: Any, number: int, first: bool) -> tuple[str, int] | None:
+    """The test hook's hold in attempt `number` (LaunchConfig.hold): (PNode, step) holds this machine's first
+    attempt (`first`); a list of (PNode, step, attempt) holds each in the attempt it names, so a test can stop
+    the run at a step of any attempt (a later event's premise) whoever's worker it is."""
+    specs = hold if isinstance(hold, list) else [hold] if hold else []
+    for spec in specs:
+        if (len(spec) == 2 and first) or (len(spec) == 3 and spec[2] == number):
+            return str(spec[0]), int(spec[1])
+    return None
+
+
 def _follow(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchResult, fleet: Any
             ) -> tuple[Any, int, Any] | None:
     """A machine an elastic run started with, after its first attempt: report a failure, then run the
@@ -127,6 +144,82 @@ def _follow(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchRe
     if followed.released:
         result.attempts.append({"released": True})
     return None
+
+
+class JoinedSuccession:
+    """A machine that joined (`launch --join`) in the line of succession: the coordinator's role moves to the
+    lowest surviving machine number, started or joined (issue 36 item 3: a run started with one machine has a
+    successor once a machine joined).
+
+    At its admission (`bind`): the launch settings the admission carried (inputs.launch_settings), checked as
+    any input (a JoinRefused: it does not join rather than fail at the loss), and, when its machine number is
+    among the succession.MIRRORS next in line, the run's history mirrored as a started machine mirrors it.
+    When the coordinator is lost (`lost`: elastic.follow_attempts' hook), the `Run` a started machine has from
+    its command line is built from those settings, the job of the attempt it ran or waited on (the training
+    options, network and fleet, job.py) and the corpus it received; then it is elected as a started machine is
+    (failures.succeed_followed).  Elected, it raises elastic.TookOver, and `coordinate` runs the attempt loop
+    from the next attempt, the run going on in this machine's run directory (its --out, runs/join-PNODE by
+    default).  Before it holds a job (still receiving the run's files) it only follows (`fallback`)."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self.emit = emit
+        self.run: Run | None = None
+        self.mirror: succession.Mirror | None = None
+        self.stop = StopRequest(emit)  # the run's stop once this machine coordinates (`coordinate`)
+
+    def bind(self, machines: Any, admitted: dict[str, Any], run_dir: Path, corpus: Path, master_port: int,
+             leave: Any, fallback: Callable[[Exception, int, dict | None], dict]
+             ) -> Callable[[Exception, int, dict | None], dict]:
+        """This machine was admitted: the settings checked, the mirror started when it is next in line; the
+        hook `follow_attempts` calls when the coordinator is lost."""
+        sent = admitted.get("settings")
+        self.settings = None if sent is None or sent == {} else read_launch_settings(sent)
+        self.machines, self.machine, self.run_dir, self.corpus = machines, int(admitted["machine"]), run_dir, corpus
+        self.port, self.leave, self.fallback = master_port, leave, fallback
+        if self.settings is None:  # a coordinator of an earlier vgraph: this machine joins as a follower only
+            self.emit("launch --join: the coordinator sent no launch settings (an earlier vgraph?): this machine "
+                      "follows whoever coordinates and never takes the role itself")
+        self.succeeds = self.settings is not None and self.settings["on_failure"] in ("shrink", "restart")
+        if self.succeeds and self.machine <= succession.MIRRORS:
+            self.mirror = succession.Mirror(machines.request, run_dir / LAUNCH_DIR / succession.MIRROR_DIR, self.emit,
+                                            active=lambda: machines.coordinator != machines.node_rank,
+                                            over=lambda: not machines.active).start()
+        return self.lost
+
+    def lost(self, why: Exception, number: int, report: dict | None) -> dict:
+        """The coordinator is lost while this machine ran (or waited for) job `number`: elected as a started
+        machine (its Run built once, the first time), or only following (no job, no settings, or a run whose
+        --on-failure moves no role); the decision for the next attempt, or elastic.TookOver."""
+        job_path = self.run_dir / LAUNCH_DIR / f"job-{number}.json"
+        if not self.succeeds or number < 0 or not job_path.is_file():
+            return self.fallback(why, number, report)
+        if self.run is None:
+            self.emit(f"launch: the coordinator is lost ({why}); this machine (machine {self.machine}, joined) is in "
+                      f"the line of succession: its run from the launch settings and {job_path.name}")
+            job = Job.read(job_path)
+            cfg = joined_config(self.settings, job, machine=self.machine, corpus=self.corpus, run_dir=self.run_dir,
+                                master_addr=self.machines.addr, master_port=self.port, log=self.emit)
+            self.run = resolve_inputs(cfg, self.stop, self.machines)
+            self.run.run_info = dict(job.run_info)  # the run's own (its data's description is machine 0's)
+            self.run.mirror, self.run.leave = self.mirror, self.leave
+        return succeed_followed(self.run, why, number, report)
+
+    def coordinate(self, took: elastic.TookOver) -> LaunchResult:
+        """This machine took the coordinator's role: the attempts from there on, as machine 0 ran them.  A
+        SIGTERM or Ctrl-C is now machine 0's stop (the workers stop after the step with a checkpoint), no
+        longer this machine's leave: the coordinator holds the run and has nobody to hand it to."""
+        run = self.run
+        assert run is not None and run.lead, "TookOver comes only from succeed_followed on this machine's Run"
+        if self.leave is not None:
+            self.leave.close()
+        try:
+            with self.stop.installed():
+                return collect(run, run_attempts(run, self.stop, took))
+        except BaseException as exc:
+            if run.admission is not None:  # the joined machines hear why, instead of waiting on silence
+                run.admission.finish(error=str(exc) or type(exc).__name__)
+                run.admission.wait_told(min(run.link_timeout, 5.0))
+            raise
 
 
 def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from vgraph.run.files import MEASURED_FLEET, METRICS_JSONL
 
 from ...training.rescue import RESCUE_DIR
 from . import elastic, succession
-from .inputs import Run
+from .inputs import Run, launch_settings
 from .emission import plan, rank_zero_elsewhere
 from .placing import Placement
 from .shard_transfer import ShardReceiver
@@ -46,7 +46,8 @@ def open_admission(run: Run) -> elastic.Admission:
                                   step=lambda: last_step(run.run_dir), on_join=lambda adm, joined: _on_join(run, joined),
                                   on_leave=lambda adm, machine, pnodes, step: _on_leave(run, machine, pnodes, step),
                                   homes=lambda: {**(run.home or {}), **admission.home()},
-                                  successors=list(range(run.node_rank + 1, run.nnodes)) if run.succeeds else [])
+                                  successors=list(range(run.node_rank + 1, run.nnodes)) if run.succeeds else [],
+                                  settings=launch_settings(run))
     corpus = Path(run.data_dir)
     splits = open_prepared(corpus, verify="size").manifest["splits"]  # checked: names inside the directory
     for name in (MANIFEST, TOKENIZER_FILE):

@@ -56,7 +56,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.safeio import OutputDir, atomic_write, atomic_write_with, read_input
@@ -64,7 +64,7 @@ from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import Fleet, FleetError, PNode, human_bytes, load_fleet, loads_fleet
 from vgraph.cost.host_memory import available_host_memory
 from vgraph.ir.graph import Graph
-from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, STOP_FILE
+from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, STOP_FILE, RunLock
 
 from .membership import CHUNK_BYTES, FETCH_TIMEOUT_S, REQUEST_TIMEOUT_S, ask, channel_key
 from .shard_transfer import send_shards
@@ -154,13 +154,6 @@ class _Departures:
             leaving = set(self.leaving)
             return set(self.left) | {p for p, m in homes.items() if m in leaving}
 
-    def vanished(self, pnodes: Iterable[str]) -> None:
-        """PNodes of machines that fell silent (failures.after_failure's `gone`): never placed again, like a
-        leaver's, and in the record a successor takes over (its fleet comes from the last job, which still
-        names them: placed there, its first attempt waited out the rendezvous for a dead machine)."""
-        with self.lock:
-            self.left.update(pnodes)
-
     def _leave(self, request: dict) -> dict:
         """Machine `machine` says it leaves (its launcher got SIGTERM).  Said again (a second signal, a retry
         whose answer was lost): the same answer, nothing more.  A machine whose PNodes the running attempt
@@ -196,6 +189,13 @@ class _Departures:
         if outcome == "boundary" and self.on_leave is not None:
             threading.Thread(target=self.on_leave, args=(self, machine, pnodes, step), daemon=True).start()
         return {"leaving": True, "released": outcome == "released", "step": step}
+
+    def vanished(self, pnodes: list[str]) -> None:
+        """PNodes of machines that vanished (a decision's `gone`): never placed again, as those that left; a
+        machine admitted and then SIGKILLed would otherwise be placed again at the next boundary (or by a
+        successor, from the mirrored record) and its missing workers stall that attempt's rendezvous."""
+        with self.lock:
+            self.left.update(pnodes)
 
     def release(self, step: int) -> list[int]:
         """At a boundary, before the next attempt is placed: the leaving machines may go (their workers ended
@@ -334,8 +334,10 @@ class Admission(_Departures, _Handover, _Stops):
     next_fleet: Fleet | None = None  # the fleet a drift re-plan chose for the boundary's attempt
     asked_step: int | None = None  # the last logged step when the pending boundary was asked for (`_Stops`)
     error: str = ""  # why the run ended, when it failed
-    successors: list[int] = field(default_factory=list)  # machines that may take the coordinator's role, in order
+    successors: list[int] = field(default_factory=list)  # started machines in line (joined ones: the table's)
     me: int = 0  # the machine serving this admission: 0, or the successor that took machine 0's role
+    settings: dict[str, Any] = field(default_factory=dict)  # the launch settings a joiner takes the role with
+    # (inputs.launch_settings), sent with its admission
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
@@ -373,7 +375,9 @@ class Admission(_Departures, _Handover, _Stops):
         return Fleet.of(fleet.name, *fleet.pnodes, *extra, links=fleet.links, collectives=fleet.collectives)
 
     def home(self) -> dict[str, int]:
-        return {j.pnode.id: j.machine for j in self.joined.values()}
+        """Where the joined PNodes run (PNode -> machine), but this machine's own: a joined machine that took
+        the coordinator's role (succession.py) holds rank 0 on its PNode and is nobody's follower."""
+        return {j.pnode.id: j.machine for j in self.joined.values() if j.machine != self.me}
 
     def publish(self, attempt: int, job_path: Path, home: dict[str, int], placement: Any, fleet: Fleet) -> None:
         """Attempt `attempt`'s job, for the machines that follow machine 0 (the joined ones); its placement
@@ -443,6 +447,7 @@ class Admission(_Departures, _Handover, _Stops):
             threading.Thread(target=self.on_join, args=(self, joined), daemon=True).start()
         return {"admitted": True, "machine": machine, "pnode": pnode.id, "queued": queued,
                 "successors": list(self.successors),
+                "settings": dict(self.settings),
                 "files": {n: {"size": s, "sha256": d} for n, (_, s, d) in self.files.items()
                           if not n.startswith("job-")}}
 
@@ -724,14 +729,17 @@ class Joined:
     attempts: list[int] = field(default_factory=list)
     received_bytes: int = 0
     released: bool = False  # it left the run (Leaving) and machine 0 released it
+    coordinated: Any = None  # the LaunchResult of the attempts it ran as the coordinator, when it took the role
 
 
 def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path | None, *, join_timeout: float,
            link_timeout: float, comm_timeout: float, emit: Callable[[str], None],
-           leave: Leaving | None = None) -> Joined:
+           leave: Leaving | None = None, successor: Any = None) -> Joined:
     """`vgraph launch --join ADDR:PORT --pnode FILE`: be admitted, receive the run's files into this machine's
     run directory, then run this machine's workers in every attempt machine 0 places them in, until machine 0
-    says the run is done (`follow_attempts`)."""
+    says the run is done (`follow_attempts`).  With `successor` (attempts.JoinedSuccession) this machine is in
+    the line of succession: should the coordinator be lost while it is the lowest surviving machine, it takes
+    the role and the run goes on here (`Joined.coordinated`)."""
     from ..rendezvous import TOKEN_ENV, check_token
     from .membership import Machines, MachineLost
 
@@ -744,7 +752,8 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
 
     emit("launch --join: readying this machine's worker processes (their imports) before asking to join")
     # The workers' imports before the admission: a boundary must not wait for them (warm); never rank 0's: world
-    # rank 0 stays on the coordinator's machine, which a joined machine never is (emission.plan).
+    # rank 0 stays on the coordinator's machine (emission.plan), which a joined machine is only after a succession
+    # (its rank 0 then imports what it needs when it starts).
     warm(wait=True, rank_zero=False)
     admitted = join_run(addr, channel, token, pnode_file, join_timeout)
     machine, pid = int(admitted["machine"]), admitted["pnode_object"].id  # its own id names its directory
@@ -767,14 +776,20 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
     silence = comm_timeout + link_timeout
     lost = _successor_of(machines, [int(k) for k in admitted.get("successors") or []], run_dir, emit)
     try:
-        try:
-            _receive(machines, files, data, silence, result, lost)
-        except MachineLost as exc:  # no successor took the coordinator's role
-            raise JoinRefused(str(exc)) from None
-        emit(f"launch --join: received the run's corpus and tokenizer ({human_bytes(result.received_bytes)}) "
-             f"into {corpus_dir}")
-        follow_attempts(machines, token, addr, master_port, run_dir, corpus_dir.absolute(),
-                        f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, silence, emit, result, leave, lost)
+        if successor is not None:  # the settings checked (a JoinRefused) before any file is fetched
+            lost = successor.bind(machines, admitted, run_dir, corpus_dir.absolute(), master_port, leave, lost)
+        with RunLock.held():  # the run directory's lock, taken should this machine take the coordinator's role
+            try:
+                _receive(machines, files, data, silence, result, lost)
+            except MachineLost as exc:  # no successor took the coordinator's role
+                raise JoinRefused(str(exc)) from None
+            emit(f"launch --join: received the run's corpus and tokenizer ({human_bytes(result.received_bytes)}) "
+                 f"into {corpus_dir}")
+            try:
+                follow_attempts(machines, token, addr, master_port, run_dir, corpus_dir.absolute(),
+                                f"{LAUNCH_DIR}/corpus/tokenizer.json", 0, silence, emit, result, leave, lost)
+            except TookOver as took:
+                result.coordinated = successor.coordinate(took)
         return result
     finally:
         if leave is not None:
@@ -784,15 +799,18 @@ def follow(addr: str, master_port: int, pnode_file: str | Path, out: str | Path 
 
 def _successor_of(machines: Any, successors: list[int], run_dir: Path, emit: Callable[[str], None]
                   ) -> Callable[[Exception, int, dict | None], dict]:
-    """A joined machine's answer to the coordinator's loss: follow the machine that takes its role (one the
-    run started with: a joined machine lacks the run's command and never takes it), sending it this machine's
-    rescue shards of the attempt first (succession.follow_successor)."""
+    """A joined machine's answer to the coordinator's loss while it cannot take the role itself (it holds no
+    job yet, or the run's --on-failure moves no role): follow the machine that takes it (one of `successors`,
+    the machines the run started with, or another machine the coordinator's table names: a joined one in
+    line, attempts.JoinedSuccession), sending it this machine's rescue shards of the attempt first
+    (succession.follow_successor)."""
     from .membership import REQUEST_TIMEOUT_S as REQUEST_S, follow_successor
 
     def lost(why: Exception, attempt: int, report: dict | None) -> dict:
         emit(f"launch: machine {machines.coordinator} (the coordinator) is lost: {why}; looking for the machine "
-             f"that takes its role among {', '.join(map(str, successors)) or 'none'}")
-        return follow_successor(machines, successors, report, 2 * (machines.link_timeout + REQUEST_S),
+             f"that takes its role among {', '.join(map(str, successors)) or 'the others'}")
+        others = sorted(set(successors) | set(machines.addrs))  # the machines the last beats' answers named
+        return follow_successor(machines, others, report, 2 * (machines.link_timeout + REQUEST_S),
                                 lambda: send_shards(machines.request, run_dir / LAUNCH_DIR / RESCUE_DIR, attempt, emit),
                                 emit)
     return lost

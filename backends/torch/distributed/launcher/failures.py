@@ -86,7 +86,7 @@ def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], restarts: 
             fence(run)  # before going on without machines: none of them took this run over meanwhile
         lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
         gone = list(plan.get("gone") or [])
-        if gone and run.admission is not None:
+        if run.admission is not None and gone:
             run.admission.vanished(gone)
     else:
         gone = []

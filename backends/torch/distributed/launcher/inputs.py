@@ -46,7 +46,8 @@ from .membership import MachineLost, Machines
 from .placing import split_pipeline
 
 __all__ = ["LaunchConfig", "Run", "ON_FAILURE", "resolve_inputs", "is_elastic", "succeeds", "job_folder",
-           "read_placement_layout", "read_placement"]
+           "read_placement_layout", "read_placement", "SETTINGS_VERSION", "launch_settings", "read_launch_settings",
+           "joined_config"]
 
 ON_FAILURE = ("restart", "repartition", "shrink", "stop")
 
@@ -71,13 +72,15 @@ class LaunchConfig(TrainConfig):
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # default: a free port (one machine), 29500 (several)
     placement: dict[str, str] | str | Path | None = None  # VNode -> PNode, or a placement.json: no partition pass
-    hold: tuple[str, int] | None = None  # test hook: the worker of PNode [0] stops after step [1] (1st attempt)
+    hold: Any = None  # test hook: the worker of PNode [0] stops after step [1] (1st attempt); a list of (PNode,
+    # step, attempt): each in its attempt (attempts.held)
     comm: str = "auto"  # auto | gloo | nccl-on-gloo (test hook: the nccl path's code over gloo), comm_choice.py
     log: Callable[[str], None] | None = None  # where status and worker lines go (default stderr)
     emit_job: str | Path | None = None  # write the run directory and DIR/job.json, train nothing (torchrun, srun)
     drift_steps: int = DEFAULT_DRIFT_STEPS  # steps off the plan by > 25% before a drift is reported (0: never; drift.py)
     replan_overhead_s: float = DEFAULT_REPLAN_OVERHEAD_S  # what a boundary costs besides the move (replan.py)
     leaving: Any = None  # machine k != 0 of a run that takes joins: the elastic.Leaving to leave by (SIGTERM's)
+    joined: bool = False  # a machine that joined (`joined_config`): node_rank is its machine number, its channel open
 
 
 def _check(cfg: LaunchConfig) -> tuple[str, tuple[Any, Any]]:
@@ -90,7 +93,7 @@ def _check(cfg: LaunchConfig) -> tuple[str, tuple[Any, Any]]:
         raise VGraphError(f"comm must be one of {', '.join(COMM_MODES)}, not {cfg.comm!r}")
     if cfg.on_failure not in ON_FAILURE:
         raise VGraphError(f"--on-failure must be one of {', '.join(ON_FAILURE)}, not {cfg.on_failure!r}")
-    if cfg.nnodes < 1 or not 0 <= cfg.node_rank < cfg.nnodes:
+    if cfg.nnodes < 1 or not (0 <= cfg.node_rank < cfg.nnodes or (cfg.joined and cfg.node_rank >= cfg.nnodes)):
         raise VGraphError(f"--node-rank must be in 0..{cfg.nnodes - 1} (--nnodes {cfg.nnodes}), got {cfg.node_rank}")
     if cfg.nnodes > 1 and cfg.on_failure == "repartition":
         raise VGraphError("--on-failure repartition needs all workers on one machine; use restart or shrink with "
@@ -141,11 +144,83 @@ def is_elastic(cfg: LaunchConfig) -> bool:
 
 
 def succeeds(cfg: LaunchConfig) -> bool:
-    """A run whose coordinator role can move when machine 0 is lost (succession.py): several machines started
-    with the run's command (--nnodes N, or an elastic run's MIN > 1: a machine that joined lacks the command
-    and never takes the role), and `shrink` (a lost machine costs its replicas, so another replica can carry
-    on) or `restart` (the next attempt is re-planned on the machines left, as for any machine that vanished)."""
-    return cfg.nnodes > 1 and cfg.on_failure in ("shrink", "restart")
+    """A run whose coordinator role can move when machine 0 is lost (succession.py): several machines (--nnodes
+    N > 1, or an elastic run whatever its MIN: a machine that joined takes the role from the settings its
+    admission carried, `launch_settings`, and the latest job), and `shrink` (a lost machine costs its
+    replicas, so another replica can carry on) or `restart` (the next attempt is re-planned on the machines
+    left, as for any machine that vanished)."""
+    return (cfg.nnodes > 1 or is_elastic(cfg)) and cfg.on_failure in ("shrink", "restart")
+
+
+SETTINGS_VERSION = 1  # the admission's launch settings (`launch_settings`): a joiner refuses another version's
+
+
+def launch_settings(run: "Run") -> dict[str, Any]:
+    """What a joined machine needs, besides the latest job, to act as the coordinator should machine 0 be lost:
+    the launch-only settings a started machine has from its command line.  The training options, the network,
+    the fleet, the micro-batches, the schedule, the timeouts the workers use and the gradient settings are in
+    every job (job.py), declared once; only what no job carries travels here, in the admission's answer."""
+    return {"version": SETTINGS_VERSION, "on_failure": run.on_failure, "max_restarts": run.max_restarts,
+            "nnodes": run.nnodes, "max_nnodes": run.max_nnodes, "link_timeout": run.link_timeout,
+            "comm": run.comm, "replan_overhead_s": run.replan_overhead_s}
+
+
+def read_launch_settings(record: Any) -> dict[str, Any]:
+    """The admission's launch settings checked as any input (a coordinator of another version, or a damaged
+    answer): a JoinRefused naming the field, never a traceback later, when this machine would take the role."""
+    from vgraph.base.numbers import NumberError, checked_number
+
+    def refuse(why: str) -> elastic.JoinRefused:
+        return elastic.JoinRefused(f"the coordinator's launch settings (its admission's answer): {why}; this "
+                                   f"machine could not take the coordinator's role, so it does not join")
+
+    if not isinstance(record, dict):
+        raise refuse(f"expected a record of settings, got {quote(record, 60)}")
+    if record.get("version") != SETTINGS_VERSION:
+        raise refuse(f"version {quote(record.get('version'), 20)}, this vgraph reads {SETTINGS_VERSION}")
+    unknown = sorted(set(record) - {"version", "on_failure", "max_restarts", "nnodes", "max_nnodes", "link_timeout",
+                                    "comm", "replan_overhead_s"})
+    if unknown:
+        raise refuse(f"unknown field {quote(unknown[0], 40)}")
+    if record.get("on_failure") not in ON_FAILURE:
+        raise refuse(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {quote(record.get('on_failure'), 40)}")
+    if record.get("comm") not in COMM_MODES:
+        raise refuse(f"comm must be one of {', '.join(COMM_MODES)}, got {quote(record.get('comm'), 40)}")
+    try:
+        nnodes = checked_number(record.get("nnodes"), "nnodes", integer=True, low=1, high=1_000_000)
+        return {**record, "nnodes": nnodes,
+                "max_nnodes": checked_number(record.get("max_nnodes"), "max_nnodes", integer=True, low=nnodes,
+                                             high=1_000_000),
+                "max_restarts": checked_number(record.get("max_restarts"), "max_restarts", integer=True, low=0,
+                                               high=2**31),
+                "link_timeout": checked_number(record.get("link_timeout"), "link_timeout", low=1e-3, high=86400),
+                "replan_overhead_s": checked_number(record.get("replan_overhead_s"), "replan_overhead_s", low=0,
+                                                    high=86400)}
+    except NumberError as exc:
+        raise refuse(str(exc)) from None
+
+
+def joined_config(settings: dict[str, Any], job: Any, *, machine: int, corpus: Path, run_dir: Path,
+                  master_addr: str, master_port: int, log: Callable[[str], None]) -> LaunchConfig:
+    """The settings of a machine that joined, about to take the coordinator's role: those its admission carried
+    (`read_launch_settings`'s), the latest job's training options as machine 0 resolved them (job.py: the
+    same `TrainConfig`), and this machine's own copies: the job's network and fleet written as files into its
+    launch folder (so the command that continues the run names files this machine has), the corpus it
+    received (`corpus`, a prepared corpus), its run directory.  The placement is the partition pass's
+    (replicas auto, as after any succession)."""
+    network, fleet = run_dir / LAUNCH_DIR / "network.yml", run_dir / LAUNCH_DIR / "fleet.yml"
+    atomic_write(network, job.network_yaml)
+    atomic_write(fleet, job.fleet_yaml)
+    train = {f.name: getattr(job.train, f.name) for f in fields(TrainConfig)}
+    train.update(network=str(network), data=str(corpus), out=run_dir, resume=False, continue_command=None)
+    return LaunchConfig(
+        **train, fleet=str(fleet), micro_batches=job.micro_batches,
+        pipeline=job.pipeline, on_failure=settings["on_failure"], replicas="auto",
+        max_restarts=settings["max_restarts"], comm_timeout=job.comm_timeout, bucket_bytes=job.bucket_bytes,
+        link_timeout=settings["link_timeout"], grad_compress=job.grad_compress, nnodes=settings["nnodes"],
+        max_nnodes=settings["max_nnodes"], node_rank=machine, master_addr=master_addr, master_port=master_port,
+        comm=settings["comm"], drift_steps=job.drift_steps, replan_overhead_s=settings["replan_overhead_s"],
+        log=log, joined=True)
 
 
 @dataclass
@@ -191,7 +266,7 @@ class Run:
     # when a worker fails, or the fleet changes
     on_failure: str
     max_restarts: int
-    hold: tuple[str, int] | None  # test hook: the worker of PNode [0] stops after step [1] (1st attempt)
+    hold: Any  # test hook: LaunchConfig.hold (attempts.held)
     continue_with: str  # the command that continues the run
     keep_checkpoints: int
     drift_steps: int
@@ -242,7 +317,7 @@ def resolve_inputs(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> 
     target = device_target(device)
     run_dir = Path(cfg.out) if cfg.out is not None else Path("runs") / run_slug(source.name)
     lead = cfg.node_rank == 0
-    if channel:
+    if channel and not machines.active:  # a machine that joined has its channel open already
         if lead:  # whatever its options now: a run another machine took over stays there
             _refuse_superseded(run_dir, token)
         try:

@@ -101,7 +101,7 @@ from ...training.interrupt import StopRequest
 from ...training.options import add_train_options, print_result, train_settings
 from ..rendezvous import check_master_addr, free_port  # noqa: F401 (free_port: tests pick their ports here)
 from . import elastic
-from .attempts import LaunchResult, collect, micro_per_replica as _micro_per_replica, run_attempts  # noqa: F401
+from .attempts import JoinedSuccession, LaunchResult, collect, micro_per_replica as _micro_per_replica, run_attempts  # noqa: F401
 from .emission import emit_job
 from .failures import mirror
 from .inputs import (ON_FAILURE, LaunchConfig, is_elastic, job_folder, read_placement,  # noqa: F401
@@ -296,9 +296,12 @@ def _run_join(args: argparse.Namespace) -> int:
     try:
         joined = elastic.follow(host, port, args.pnode, args.out, join_timeout=args.join_timeout,
                                 link_timeout=args.link_timeout, comm_timeout=args.comm_timeout, emit=emit,
-                                leave=leave)  # JoinRefused: exit 2
+                                leave=leave, successor=JoinedSuccession(emit))  # JoinRefused: exit 2
     finally:
         restore()
+    if joined.coordinated is not None:  # it took the coordinator's role: the run's result is here
+        result = joined.coordinated
+        print_result(result, f"{result.restarts} restart(s)", f"{result.steps_redone} step(s) redone")
     say(f"launch --join: done: machine {joined.machine} (PNode {joined.pnode}) ran in attempt(s) "
         f"{', '.join(map(str, joined.attempts)) or 'none'}{'; released: it left the run' if joined.released else ''}")
     return 0

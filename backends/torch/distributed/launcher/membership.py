@@ -515,11 +515,12 @@ def rival(machines: Any, survivors: set[int], every: float = 1.0) -> Callable[[]
 
 def follow_successor(machines: Any, successors: list[int], report: dict | None, window: float,
                      send: Callable[[], Any] = lambda: None, say: Callable[[str], None] = lambda line: None) -> dict:
-    """A machine that may not take the coordinator's role (one that joined an elastic run: it lacks the run's
-    command), after it lost the coordinator: follow the lowest of `successors` above the lost one that serves
-    the channel within `window` s each (they elect among themselves by rank: succession.succeed), send it this
-    machine's shards (`send`), report, and return its decision; without a `report` (the machine was waiting
-    for a job, not running one), only follow: {}.  MachineLost when none serves: the run cannot go on without
+    """A machine that may not take the coordinator's role (one that joined an elastic run and holds no job
+    yet, or whose run's --on-failure moves no role: attempts.JoinedSuccession), after it lost the coordinator:
+    follow the lowest of `successors` above the lost one that serves the channel within `window` s each (they
+    elect among themselves by rank: succession.succeed), send it this machine's shards (`send`), report, and
+    return its decision; without a `report` (the machine was waiting for a job, not running one), only
+    follow: {}.  MachineLost when none serves: the run cannot go on without
     a coordinator, and this machine says so instead of waiting on silence."""
     lost = machines.coordinator
     for k in sorted(k for k in set(successors) if k > lost and k != machines.node_rank):
@@ -530,7 +531,7 @@ def follow_successor(machines: Any, successors: list[int], report: dict | None, 
                 return {}
             send()
             return machines.settle(report, lambda reports, missing: {}, wait_for_all=True)
-    named = ", ".join(map(str, sorted(successors))) or "none: the run started with one machine"
+    named = ", ".join(map(str, sorted(successors))) or "none: no other machine is in the run"
     raise MachineLost(f"machine {lost}, the coordinator, is lost and no machine that may take its role ({named}) "
                       f"serves the launchers' channel: the run cannot go on (its run directory is machine {lost}'s)")
 

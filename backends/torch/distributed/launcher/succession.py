@@ -1,5 +1,5 @@
 """No single holder: the run survives the loss of machine 0 (the coordinator) when another replica holds
-every VNode (`--on-failure shrink` or `restart`, `--nnodes N`, or `--nnodes MIN:MAX` with MIN > 1).
+every VNode (`--on-failure shrink` or `restart`, `--nnodes N`, or `--nnodes MIN:MAX`, MIN = 1 included).
 
 Why: machine 0's launcher serves the launchers' channel, and its rank 0 writes metrics.jsonl and the
 checkpoints into ITS run directory.  Everything else a successor needs it already has: the job's settings
@@ -35,9 +35,12 @@ is the run's history, so it is mirrored, and the coordinator role moves:
 An elastic run (`--nnodes MIN:MAX`) carries more: the machines that joined.  The coordinator's admission
 (elastic.Admission.record: each admitted machine's PNode figures, the machines that left) travels with the
 rows (`admission.json` in the mirror), so the successor admits as machine 0 did and knows the machines still
-waiting for a boundary; the fleet of the attempt that was running is in its job.  Only a machine the run
-started with takes the role (it has the run's command); a machine that joined follows the one that does
-(`follow_successor`), and a later joiner asks the successor.
+waiting for a boundary; the fleet of the attempt that was running is in its job.  The line of succession is
+the lowest surviving machine number, started or joined: a machine that joined has the launch settings its
+admission carried (inputs.launch_settings) and the latest job (the training options, network and fleet), and
+builds from them the `Run` a started machine has from its command (attempts.JoinedSuccession); joined machines
+numbered up to MIRRORS mirror as started ones do.  A joined machine without a job yet (still receiving the
+run's files) follows whoever takes the role (`follow_successor`), and a later joiner asks the successor.
 
 The newest state wins (`newest_state`): the mirrored checkpoint, or any other consistent checkpoint handed to
 `install`, whichever has the higher step; a checkpoint that does not load is skipped and said.  The other
