@@ -33,7 +33,8 @@ import numpy as np
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import CostModel
 from vgraph.cost.fleet import Fleet
-from vgraph.cost.stepcost import FleetArrays, replica_assignment, stage_loads, step_cost
+from vgraph.cost.stepcost import FleetArrays, replica_assignment, step_cost
+from vgraph.cost.tasks import stage_loads
 from vgraph.ir.graph import Graph
 
 __all__ = ["with_replicas", "replica_layout", "format_plan", "rebalanced_shares", "step_prediction_gap",
