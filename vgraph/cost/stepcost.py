@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
+from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import CostModel
 from vgraph.cost.makespan import Durations, compile_program, makespan
 from vgraph.cost.op_kinds import KINDS
@@ -90,7 +91,7 @@ if TYPE_CHECKING:
 __all__ = ["StageLoads", "StepCost", "FleetArrays", "LoadColumns", "stage_loads", "step_cost", "step_cost_of",
            "compute_per_sample", "stage_overhead", "compute_seconds", "effective_flops", "vnode_kinds",
            "stage_rates", "ring_allreduce_bytes", "bubble", "resident_array", "pipeline_seconds",
-           "resident_samples", "replica_assignment", "batch_shares", "balanced_shares", "allreduce_seconds",
+           "resident_samples", "replica_assignment", "batch_shares", "balanced_shares", "shares_by_speed", "allreduce_seconds",
            "step_lower_bound"]
 
 
@@ -510,6 +511,30 @@ def balanced_shares(seconds: Callable[[np.ndarray, np.ndarray], np.ndarray], bat
         if not edge.any() or width >= batch:
             return shares.tolist(), table[np.arange(R), shares - lo]
         width *= 4
+
+
+def shares_by_speed(loads: StageLoads, fleet: "Fleet", rows: Sequence[Sequence[str]], batch: int,
+                    micro_batches: int) -> list[int]:
+    """Batch shares for the replicas `rows` (per replica, its PNodes in stage order) of the cut `loads`: each
+    replica's share in proportion to its speed (water-filled on the linear model, then balanced on the
+    simulated pipelines), within its memory."""
+    fa = FleetArrays(fleet)
+    idx = np.array([[fa.index[p] for p in row] for row in rows], dtype=np.int64)
+    per_sample, fixed, latency = stage_rates(loads, fa, idx)
+    S = idx.shape[1]
+    # The largest share every stage of a replica holds: a stage keeps resident_samples(b) samples' activations
+    # (as `step_cost` prices one replica's memory), which grows with b, so count the shares that fit.
+    resident = resident_array(np.arange(1, batch + 1), micro_batches, S).astype(float)
+    need = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
+    caps = [int((need <= fa.memory[row][None, :]).all(axis=1).cumprod().sum()) for row in idx]
+    guess = batch_shares(batch, bubble(micro_batches, S) * per_sample.max(axis=1), fixed.max(axis=1) + latency,
+                         caps)
+    if guess is None:
+        raise VGraphError(f"{len(rows)} replica(s) cannot hold the batch of {batch} (memory, or fewer samples "
+                          f"than replicas)")
+    shares, _ = balanced_shares(lambda r, b: pipeline_seconds(loads, fa, idx, b, micro_batches, rows=r), batch,
+                                guess, caps)
+    return shares
 
 
 def _fill_from_below(table: np.ndarray, samples: int) -> np.ndarray:
