@@ -91,8 +91,8 @@ if TYPE_CHECKING:
 __all__ = ["StageLoads", "StepCost", "FleetArrays", "LoadColumns", "stage_loads", "step_cost", "step_cost_of",
            "compute_per_sample", "stage_overhead", "compute_seconds", "effective_flops", "vnode_kinds",
            "stage_rates", "ring_allreduce_bytes", "bubble", "resident_array", "pipeline_seconds",
-           "resident_samples", "replica_assignment", "batch_shares", "balanced_shares", "shares_by_speed", "allreduce_seconds",
-           "step_lower_bound"]
+           "resident_samples", "replica_assignment", "batch_shares", "balanced_shares", "shares_by_speed",
+           "allreduce_seconds", "step_lower_bound"]
 
 
 def effective_flops(cm: CostModel, fleet: "Fleet") -> np.ndarray:

@@ -179,7 +179,7 @@ class LoadColumns:
     into any cut of the network into stages (a planner prices dozens of cuts of a 100k-VNode network)."""
 
     def __init__(self, cm: CostModel) -> None:
-        col = cm.array
+        col = cm.column
         self.ids: list[str] = cm.node_columns["id"]
         self.flops = cm.train_flops_per_sample()  # forward + backward (+ recomputed forwards, remat)
         self.forward_flops = col("flops").astype(float)
