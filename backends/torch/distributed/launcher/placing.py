@@ -108,9 +108,9 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
         choices = dict(choices or {})
     placed = apply_assignment(source, before, assignment, after, target, choices)
     final = assignment_of(placed)
+    cm = cost_model(placed, batch=batch, micro_batches=micro_batches, grad_compress=grad_compress)  # one, for all
     stage = {p: s for s, p in enumerate(replicas[0][0])} if replicas is not None else {}  # replica 0's, in order
-    cut = (stage_loads(cost_model(placed, batch=batch, micro_batches=micro_batches),
-                       {v: stage[p] for v, p in final.items()}, len(stage))
+    cut = (stage_loads(cm, {v: stage[p] for v, p in final.items()}, len(stage))
            if stage and set(final.values()) <= stage.keys() else None)  # else a layout the report refuses
     if planned_here and cut is not None:
         # The partition pass balanced the shares before the fusions, counting per-VNode overheads on every VNode
@@ -125,7 +125,7 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
                                 "pipeline": pipeline, **choices}  # the schedule the step is priced as
     if replicas is not None:
         placed.meta["placement"].update(replica_pnodes=replicas[0], batch_shares=replicas[1])
-    report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches)
+    report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches, cm=cm)
     return Placement(placed, assignment, final, ranks, report, report["replica_pnodes"], report["batch_shares"],
                      choices, graph, cut)
 
