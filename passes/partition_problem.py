@@ -129,14 +129,14 @@ def build_problem(graph: Graph, fleet: Fleet, *, batch: int = DEFAULT_BATCH, mic
     ids = cm.node_columns["id"]
     index = np.fromiter((unit_of[nid] for nid in ids), dtype=np.int64, count=len(ids))
     flops = effective_flops(cm, fleet)  # FLOPs, or time in FLOPs of the peak when the fleet was probed
-    columns = (cm.array("param_bytes"), cm.array("grad_bytes"), cm.array("master_bytes") + cm.array("adam_bytes"),
-               cm.array("activation_bytes").astype(float) * resident)  # float: int64 wraps at batch 1e16
+    columns = (cm.column("param_bytes"), cm.column("grad_bytes"), cm.column("master_bytes") + cm.column("adam_bytes"),
+               cm.column("activation_bytes").astype(float) * resident)  # float: int64 wraps at batch 1e16
     compute = np.bincount(index, weights=flops, minlength=n)
     breakdown = np.stack([np.bincount(index, weights=col.astype(float), minlength=n) for col in columns], axis=1)
     memory = breakdown.sum(axis=1)
     # unit graph: cut edges aggregated per unit pair, p < q
-    src = index[cm.array("edge:src").astype(np.int64)]
-    dst = index[cm.array("edge:dst").astype(np.int64)]
+    src = index[cm.column("edge:src").astype(np.int64)]
+    dst = index[cm.column("edge:dst").astype(np.int64)]
     w = cm.edge_round_trip() * cm.batch
     ties: list[tuple[int, int, int]] = []
     for t in cm.ties:

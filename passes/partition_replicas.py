@@ -57,9 +57,9 @@ import numpy as np
 
 from vgraph.cost.costmodel import DEFAULT_BATCH, CostModel, cost_model
 from vgraph.cost.fleet import Fleet, PNode
-from vgraph.cost.stepcost import (FleetArrays, LoadColumns, StageLoads, StepCost, balanced_shares, batch_shares,
-                                  bubble, pipeline_seconds, resident_samples, stage_rates, step_cost_of,
-                                  step_lower_bound)
+from vgraph.cost.stepcost import (FleetArrays, StepCost, balanced_shares, batch_shares, bubble, pipeline_seconds,
+                                  resident_samples, stage_rates, step_cost_of, step_lower_bound)
+from vgraph.cost.tasks import LoadColumns, StageLoads
 from vgraph.ir.graph import Graph
 
 from vgraph.passes.partition_plan import Plan, plan_partition

@@ -128,9 +128,9 @@ TARGETS: dict[str, Target] = {
     "stepcost": Target(
         "vgraph/cost/stepcost.py", ("tests/test_stepcost.py", "tests/test_replica_shares.py", "tests/test_op_kinds.py",
                                     "tests/test_makespan.py", "tests/test_collectives.py"),
-        functions=("bubble", "resident_samples", "resident_array", "ring_allreduce_bytes", "loads", "link",
+        functions=("bubble", "resident_samples", "resident_array", "ring_allreduce_bytes", "link",
                    "stage_rates", "compute_per_sample", "stage_overhead", "compute_seconds", "step_cost_of",
-                   "_slowest_link", "pipeline_seconds", "balanced_shares", "_fill_from_below", "tasks",
+                   "_slowest_link", "pipeline_seconds", "balanced_shares", "shares_by_speed", "_fill_from_below",
                    "allreduce_seconds", "step_lower_bound"),
         timeout=600.0, why="the predicted step of S stages x R replicas and its bytes, which the planner optimises"),
     "makespan": Target(
@@ -143,8 +143,10 @@ TARGETS: dict[str, Target] = {
         timeout=600.0, why="the per-rank op orders the workers run and the cost model prices (1F1B, GPipe)"),
     "tasks": Target(
         "vgraph/cost/tasks.py", ("tests/test_makespan.py", "tests/test_stepcost.py"),
-        functions=("scheduled", "tied_pairs", "depth", "_topological", "chain_tasks"),
-        timeout=600.0, why="the tasks of a cut as the workers run them (stage x depth) and the tensors between"),
+        functions=("scheduled", "tied_pairs", "depth", "_topological", "chain_tasks", "loads", "tasks",
+                   "__post_init__"),
+        timeout=600.0, why="a cut as one value: its stages' loads, its tasks as the workers run them (stage x "
+                           "depth) and the tensors between"),
     "partition-replicas": Target(
         "passes/partition_replicas.py",
         ("tests/test_replica_shares.py", "tests/test_partition_replicas.py", "-k",

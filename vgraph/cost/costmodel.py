@@ -180,7 +180,7 @@ class CostModel:
                 per_group[g] = per_group.get(g, 0) + size
         return max(per_group.values(), default=0)
 
-    def array(self, column: str) -> np.ndarray:
+    def column(self, column: str) -> np.ndarray:
         """A node column (e.g. "flops", "param_bytes") or edge column ("edge:src", ...) as numpy."""
         if column.startswith("edge:"):
             return np.asarray(self.edge_columns[column[5:]])

@@ -7,7 +7,7 @@ backward pass they average their gradients with a ring all-reduce, and every
 replica steps identically.  Replica r trains on `shares[r]` samples of the
 global batch B (integers summing to B; a slow replica gets fewer).
 
-With the per-stage loads of `stage_loads` (from `vgraph.cost.costmodel`), replica r
+With the per-stage loads of `stage_loads` (vgraph/cost/tasks.py), replica r
 with batch share b, M_r = min(M, b) micro-batches and stage s on PNode p:
 
     compute(r, s) = b * flops(s) / flops(p)                   compute
@@ -79,11 +79,11 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
-from vgraph.cost.grad_compression import per_node
+from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import CostModel
-from vgraph.cost.makespan import Durations, TaskEdge, compile_program, makespan
-from vgraph.cost.op_kinds import KINDS, op_kind
-from vgraph.cost.tasks import FORWARD_SHARE, TaskGraphIndex, TaskLoads, chain_tasks
+from vgraph.cost.makespan import Durations, compile_program, makespan
+from vgraph.cost.op_kinds import KINDS
+from vgraph.cost.tasks import LoadColumns, StageLoads, stage_loads, vnode_kinds
 
 if TYPE_CHECKING:
     from vgraph.cost.fleet import Fleet, PNode
@@ -91,50 +91,8 @@ if TYPE_CHECKING:
 __all__ = ["StageLoads", "StepCost", "FleetArrays", "LoadColumns", "stage_loads", "step_cost", "step_cost_of",
            "compute_per_sample", "stage_overhead", "compute_seconds", "effective_flops", "vnode_kinds",
            "stage_rates", "ring_allreduce_bytes", "bubble", "resident_array", "pipeline_seconds",
-           "resident_samples", "replica_assignment", "batch_shares", "balanced_shares", "allreduce_seconds",
-           "step_lower_bound"]
-
-
-@dataclass
-class StageLoads:
-    """One pipeline's stages, whoever runs them: per-sample work and traffic, per-step sync, memory."""
-
-    flops: np.ndarray  # [S] training FLOPs per sample
-    p2p: np.ndarray  # [S, S] bytes per sample between stages (activation + gradient), symmetric
-    sync: np.ndarray  # [S, S] bytes per step of tied-weight sync, symmetric
-    grad_bytes: np.ndarray  # [S] gradients a stage all-reduces across replicas
-    static_bytes: np.ndarray  # [S] parameters + gradients + optimizer state (+ tied-weight replicas)
-    activation_bytes: np.ndarray  # [S] kept for backward, per sample
-    kind_flops: np.ndarray | None = None  # [K, S] training FLOPs per sample by op kind (op_kinds.KINDS)
-    kind_ops: np.ndarray | None = None  # [K, S] VNodes by op kind
-    # Gradient compression (vgraph/cost/grad_compression.py), with replicas only: FLOPs a stage member spends
-    # compressing its gradients per step, the memory it keeps for that, all-reduces per bucket.
-    reduce_flops: np.ndarray | None = None  # [S]
-    reduce_memory: np.ndarray | None = None  # [S] bytes
-    reduce_rounds: int = 1
-    send: np.ndarray | None = None  # [S, S] bytes per sample stage a sends stage b (p2p = send + send.T)
-    # The stages' tasks (vgraph/cost/tasks.py): what the workers schedule; None for hand-made loads, which
-    # are then one task per stage in a chain (`task_view`).
-    tasks: TaskLoads | None = None
-    params: np.ndarray | None = None  # [S] parameters a stage trains (its ranks' optimizer step); None: 0
-
-    @property
-    def stages(self) -> int:
-        return len(self.flops)
-
-    def task_view(self) -> TaskLoads:
-        """The tasks the workers run for these stages (one per stage in a chain when none were derived)."""
-        if self.tasks is None:
-            send = self.send if self.send is not None else self.p2p / 2
-            self.tasks = chain_tasks(self.flops, send, self.kind_flops, self.kind_ops)
-        return self.tasks
-
-
-def vnode_kinds(cm: CostModel) -> np.ndarray:
-    """Each VNode's op kind (an index into op_kinds.KINDS), in the cost model's order."""
-    at = {k: i for i, k in enumerate(KINDS)}
-    return np.fromiter((at[op_kind(t, f)] for t, f in zip(cm.node_columns["type"], cm.node_columns["flops"])),
-                       dtype=np.int64, count=len(cm.node_columns["id"]))
+           "resident_samples", "replica_assignment", "batch_shares", "balanced_shares", "shares_by_speed",
+           "allreduce_seconds", "step_lower_bound"]
 
 
 def effective_flops(cm: CostModel, fleet: "Fleet") -> np.ndarray:
@@ -149,111 +107,6 @@ def effective_flops(cm: CostModel, fleet: "Fleet") -> np.ndarray:
     kind = vnode_kinds(cm)
     of_peak, overhead = np.median(fa.of_peak, axis=1), np.median(fa.overhead, axis=1)
     return flops / of_peak[kind] + cm.micro_batches * overhead[kind] * float(np.median(fa.flops))
-
-
-class LoadColumns:
-    """A cost model's per-VNode and per-edge numbers as numpy columns, read once; `loads` aggregates them
-    into any cut of the network into stages (a planner prices dozens of cuts of a 100k-VNode network)."""
-
-    def __init__(self, cm: CostModel) -> None:
-        col = cm.array
-        self.ids: list[str] = cm.node_columns["id"]
-        self.flops = cm.train_flops_per_sample()  # forward + backward (+ recomputed forwards, remat)
-        self.forward_flops = col("flops").astype(float)
-        # What a stage all-reduces, the compression's FLOPs and memory (compression.py; plain: the gradients).
-        self.rounds = 3 if cm.grad_compress.enabled else 1
-        self.grad, self.reduce_flops, self.reduce_memory = per_node(
-            cm.node_columns.get("trained_shapes") or [()] * len(self.ids), col("grad_bytes").astype(float),
-            col("params").astype(float), cm.grad_compress)
-        self.static = (col("param_bytes") + col("grad_bytes") + col("master_bytes") + col("adam_bytes")).astype(float)
-        self.act = col("activation_bytes").astype(float)
-        self.params = col("params").astype(float)
-        if len(cm.edge_columns["src"]):
-            self.src = col("edge:src").astype(np.int64)
-            self.dst = col("edge:dst").astype(np.int64)
-            self.edge_act = col("edge:bytes_per_sample").astype(float)  # forward, src -> dst (its wire format)
-            self.edge_grad = col("edge:back_bytes_per_sample").astype(float)  # backward, dst -> src
-            self.edge_flops = col("edge:codec_flops").astype(float)
-            self.edge_has_grad = col("edge:gradient").astype(bool)
-        else:
-            self.src = self.dst = np.zeros(0, dtype=np.int64)
-            self.edge_act = self.edge_grad = self.edge_flops = np.zeros(0)
-            self.edge_has_grad = np.zeros(0, dtype=bool)
-        self.graph_index = TaskGraphIndex(len(self.ids), self.src, self.dst)
-        self.kind = vnode_kinds(cm)
-        at = {nid: i for i, nid in enumerate(self.ids)} if cm.ties else {}
-        self.ties = [(at[t.publisher], at[t.user], float(t.sync_bytes_per_step), float(t.replica_bytes))
-                     for t in cm.ties]
-
-    def where(self, stage_of: Mapping[str, int]) -> np.ndarray:
-        """VNode -> stage as an array over the cost model's VNodes."""
-        return np.fromiter((stage_of[i] for i in self.ids), dtype=np.int64, count=len(self.ids))
-
-    def loads(self, where: np.ndarray, stages: int) -> StageLoads:
-        """The stages' loads when VNode i (cost model order) is in stage `where[i]`."""
-        flops = np.bincount(where, weights=self.flops, minlength=stages)
-        grad = np.bincount(where, weights=self.grad, minlength=stages)
-        static = np.bincount(where, weights=self.static, minlength=stages)
-        act = np.bincount(where, weights=self.act, minlength=stages)
-        kind_flops = np.zeros((len(KINDS), stages))
-        kind_ops = np.zeros((len(KINDS), stages))
-        np.add.at(kind_flops, (self.kind, where), self.flops)
-        np.add.at(kind_ops, (self.kind, where), 1.0)
-        send = np.zeros((stages, stages))
-        if len(self.src):
-            s, t = where[self.src], where[self.dst]
-            cut = s != t
-            np.add.at(send, (s[cut], t[cut]), self.edge_act[cut])
-            np.add.at(send, (t[cut], s[cut]), self.edge_grad[cut])
-            codec = np.bincount(s[cut], weights=self.edge_flops[cut], minlength=stages)  # compressed edges
-            flops = flops + codec
-            kind_flops[KINDS.index("elementwise")] += codec
-        p2p = send + send.T
-        sync = np.zeros((stages, stages))
-        for pub, user, sync_bytes, replica_bytes in self.ties:
-            a, b = where[pub], where[user]
-            if a != b:
-                sync[a, b] += sync_bytes
-                sync[b, a] += sync_bytes
-                static[b] += replica_bytes
-        return StageLoads(flops, p2p, sync, grad, static, act, kind_flops, kind_ops,
-                          reduce_flops=np.bincount(where, weights=self.reduce_flops, minlength=stages),
-                          reduce_memory=np.bincount(where, weights=self.reduce_memory, minlength=stages),
-                          reduce_rounds=self.rounds, send=send, tasks=self.tasks(where, stages),
-                          params=np.bincount(where, weights=self.params, minlength=stages))
-
-    def tasks(self, where: np.ndarray, stages: int) -> TaskLoads:
-        """The tasks of the cut `where` (vgraph/cost/tasks.py): per (stage, depth), its work; per pair of
-        tasks, the bytes between them (a cut edge's compression FLOPs go to its producer's task)."""
-        depth = self.graph_index.depth(where)
-        keys, task_of = np.unique(depth * stages + where, return_inverse=True)
-        T = len(keys)
-        flops = np.bincount(task_of, weights=self.flops, minlength=T)
-        forward = np.bincount(task_of, weights=self.forward_flops, minlength=T)
-        share = np.divide(forward, flops, out=np.full(T, FORWARD_SHARE), where=flops > 0)
-        kind_flops, kind_ops = np.zeros((len(KINDS), T)), np.zeros((len(KINDS), T))
-        np.add.at(kind_flops, (self.kind, task_of), self.flops)
-        np.add.at(kind_ops, (self.kind, task_of), 1.0)
-        edges: tuple[TaskEdge, ...] = ()
-        act = grad = np.zeros(0)
-        if len(self.src):
-            a, b = task_of[self.src], task_of[self.dst]
-            cross = a != b
-            codec = np.bincount(a[cross], weights=self.edge_flops[cross], minlength=T)
-            flops = flops + codec
-            kind_flops[KINDS.index("elementwise")] += codec
-            pairs, inv = np.unique(a[cross] * T + b[cross], return_inverse=True)
-            act = np.bincount(inv, weights=self.edge_act[cross], minlength=len(pairs))
-            grad = np.bincount(inv, weights=self.edge_grad[cross], minlength=len(pairs))
-            flows = np.bincount(inv, weights=self.edge_has_grad[cross], minlength=len(pairs)) > 0
-            edges = tuple(TaskEdge(int(p // T), int(p % T), bool(g)) for p, g in zip(pairs.tolist(), flows))
-        return TaskLoads(keys % stages, keys // stages, flops, share, kind_flops, kind_ops, edges, act, grad)
-
-
-def stage_loads(cm: CostModel, stage_of: Mapping[str, int], stages: int) -> StageLoads:
-    """Aggregate the cost model's VNodes and edges into `stages` stages (`stage_of`: VNode -> stage)."""
-    cols = LoadColumns(cm)
-    return cols.loads(cols.where(stage_of), stages)
 
 
 def bubble(micro_batches: int, stages: int) -> float:
@@ -441,7 +294,7 @@ def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares
     (makespan.py), plus the link's latency and the fleet's measured hop among `ranks` ranks (default: all
     of `idx`; collectives.py); a tied pair's sync takes its bytes, half each way, plus both latencies each
     way."""
-    tasks = loads.task_view()
+    tasks = loads.tasks
     S = idx.shape[1]
     rows = np.arange(len(idx)) if rows is None else np.asarray(rows, dtype=np.int64)
     b = np.maximum(np.asarray(shares, dtype=np.int64), 1)
@@ -457,7 +310,7 @@ def pipeline_seconds(loads: StageLoads, fa: FleetArrays, idx: np.ndarray, shares
     act, grad = tasks.act / bw, tasks.grad / bw_back  # [R, E] seconds per sample
     bucket = fa.burst[idx] / fa.bandwidth[idx]  # [R, S] seconds of its own rate a rank's burst holds
     cpu = (fa.cpu_speedup[idx], fa.cpu_bucket[idx]) if np.any(fa.cpu_bucket[idx] > 0) else None  # [R, S] each
-    ties, pairs = TaskLoads.tied_pairs(loads.sync)
+    ties, pairs = loads.tied
     tie = np.zeros((len(idx), len(pairs)))
     for p, (a, c) in enumerate(pairs):
         there, lat = fa.link(idx[:, a], idx[:, c])
@@ -658,6 +511,30 @@ def balanced_shares(seconds: Callable[[np.ndarray, np.ndarray], np.ndarray], bat
         if not edge.any() or width >= batch:
             return shares.tolist(), table[np.arange(R), shares - lo]
         width *= 4
+
+
+def shares_by_speed(loads: StageLoads, fleet: "Fleet", rows: Sequence[Sequence[str]], batch: int,
+                    micro_batches: int) -> list[int]:
+    """Batch shares for the replicas `rows` (per replica, its PNodes in stage order) of the cut `loads`: each
+    replica's share in proportion to its speed (water-filled on the linear model, then balanced on the
+    simulated pipelines), within its memory."""
+    fa = FleetArrays(fleet)
+    idx = np.array([[fa.index[p] for p in row] for row in rows], dtype=np.int64)
+    per_sample, fixed, latency = stage_rates(loads, fa, idx)
+    S = idx.shape[1]
+    # The largest share every stage of a replica holds: a stage keeps resident_samples(b) samples' activations
+    # (as `step_cost` prices one replica's memory), which grows with b, so count the shares that fit.
+    resident = resident_array(np.arange(1, batch + 1), micro_batches, S).astype(float)
+    need = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
+    caps = [int((need <= fa.memory[row][None, :]).all(axis=1).cumprod().sum()) for row in idx]
+    guess = batch_shares(batch, bubble(micro_batches, S) * per_sample.max(axis=1), fixed.max(axis=1) + latency,
+                         caps)
+    if guess is None:
+        raise VGraphError(f"{len(rows)} replica(s) cannot hold the batch of {batch} (memory, or fewer samples "
+                          f"than replicas)")
+    shares, _ = balanced_shares(lambda r, b: pipeline_seconds(loads, fa, idx, b, micro_batches, rows=r), batch,
+                                guess, caps)
+    return shares
 
 
 def _fill_from_below(table: np.ndarray, samples: int) -> np.ndarray:

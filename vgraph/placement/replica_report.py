@@ -28,12 +28,11 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import CostModel
 from vgraph.cost.fleet import Fleet
-from vgraph.cost.stepcost import FleetArrays, replica_assignment, stage_loads, step_cost
+from vgraph.cost.stepcost import replica_assignment, shares_by_speed, step_cost
+from vgraph.cost.tasks import stage_loads
 from vgraph.ir.graph import Graph
 
 __all__ = ["with_replicas", "replica_layout", "format_plan", "rebalanced_shares", "step_prediction_gap",
@@ -157,31 +156,13 @@ def format_plan(report: dict[str, Any], shown: int = 8) -> str:
 def rebalanced_shares(graph: Graph, fleet: Fleet, assignment: dict[str, str], rows: list[list[str]], batch: int,
                       micro_batches: int) -> list[int]:
     """Batch shares for the replicas `rows` of the graph's stages (after a replica was lost, say): each
-    replica's share in proportion to its speed, within its memory (`stepcost.batch_shares`)."""
+    replica's share in proportion to its speed, within its memory (`stepcost.shares_by_speed`)."""
     from vgraph.cost.costmodel import cost_model
-    from vgraph.cost.stepcost import (balanced_shares, batch_shares, bubble, pipeline_seconds, resident_array,
-                                      stage_rates)
 
     cm = cost_model(graph, batch=batch, micro_batches=micro_batches)
     stage_of_pnode = {p: s for s, p in enumerate(rows[0])}
     loads = stage_loads(cm, {v: stage_of_pnode[p] for v, p in assignment.items()}, len(rows[0]))
-    fa = FleetArrays(fleet)
-    idx = np.array([[fa.index[p] for p in row] for row in rows], dtype=np.int64)
-    per_sample, fixed, latency = stage_rates(loads, fa, idx)
-    S = len(rows[0])
-    # The largest share every stage of a replica holds: a stage keeps resident_samples(b) samples' activations
-    # (as `step_cost` prices one replica's memory), which grows with b, so count the shares that fit.
-    resident = resident_array(np.arange(1, batch + 1), micro_batches, S).astype(float)
-    need = loads.static_bytes[None, :] + loads.activation_bytes[None, :] * resident[:, None]
-    caps = [int((need <= fa.memory[row][None, :]).all(axis=1).cumprod().sum()) for row in idx]
-    guess = batch_shares(batch, bubble(micro_batches, S) * per_sample.max(axis=1), fixed.max(axis=1) + latency,
-                         caps)
-    if guess is None:
-        raise VGraphError(f"{len(rows)} replica(s) cannot hold the batch of {batch} (memory, or fewer samples "
-                          f"than replicas)")
-    shares, _ = balanced_shares(lambda r, b: pipeline_seconds(loads, fa, idx, b, micro_batches, rows=r), batch,
-                                guess, caps)
-    return shares
+    return shares_by_speed(loads, fleet, rows, batch, micro_batches)
 
 
 #: A predicted step more than this factor off the measured one (either way) is flagged (`vgraph report`,

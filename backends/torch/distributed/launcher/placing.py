@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vgraph.base.diagnostics import VGraphError
+from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import Fleet
+from vgraph.cost.stepcost import shares_by_speed
+from vgraph.cost.tasks import StageLoads, stage_loads
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
 from vgraph.placement.replica_report import rebalanced_shares
@@ -56,6 +59,9 @@ class Placement:
     # The network as the partition pass saw and assigned it (after the passes before it, before any fusion):
     # the VNodes `assignment` names, whose state a re-plan moves (vgraph/placement/replan.state_bytes).
     assigned: Graph | None = None
+    # With replicas: `graph` cut by replica 0's stages (vgraph/cost/tasks.py), as its shares were priced; a
+    # layout of the same stages on other PNodes (`led_by`) is priced on it without building it again.
+    cut: StageLoads | None = None
 
     @property
     def world(self) -> list[str]:
@@ -71,11 +77,9 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
           pipeline: str = "1f1b", choices: dict[str, Any] | None = None) -> Placement:
     """Partition `source` onto `fleet` (or take `assignment`) and build the placed graph the workers build.
 
-    A given `assignment` names the VNodes as the partition pass would see them
-    (after the passes before it, i.e. before any fusion); `replicas` (rows of
-    PNodes per replica, batch shares) goes with it when the run has replicas,
-    and `choices` the partition's choices it was made with (a re-placed plan).
-    """
+    A given `assignment` names the VNodes as the partition pass would see them (after the passes before it,
+    i.e. before any fusion); `replicas` (rows of PNodes per replica, batch shares) goes with it when the run
+    has replicas, and `choices` the partition's choices it was made with (a re-placed plan)."""
     graph = source.copy()
     if before:
         run_pipeline(graph, before, target=target)
@@ -104,14 +108,15 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
         choices = dict(choices or {})
     placed = apply_assignment(source, before, assignment, after, target, choices)
     final = assignment_of(placed)
-    if planned_here and replicas is not None:
-        # The partition pass balanced the shares on the graph before the fusions, counting per-VNode overheads
-        # (probed on the fused program's VNodes) on every VNode the fusions merge: a block's attention heads,
-        # their broadcast and stack, where the workers run one fused attention.  A slow host pays them at its
-        # own rate, so it got too few samples (issue 42: [5, 3] chosen where the step cost of the graph that
-        # runs priced [4, 4] 1.8% lower).  The layout stays; the shares are balanced on the graph that runs.
+    cm = cost_model(placed, batch=batch, micro_batches=micro_batches, grad_compress=grad_compress)  # one, for all
+    stage = {p: s for s, p in enumerate(replicas[0][0])} if replicas is not None else {}  # replica 0's, in order
+    cut = (stage_loads(cm, {v: stage[p] for v, p in final.items()}, len(stage))
+           if stage and set(final.values()) <= stage.keys() else None)  # else a layout the report refuses
+    if planned_here and cut is not None:
+        # The partition pass balanced the shares before the fusions, counting per-VNode overheads on every VNode
+        # they merge, where the workers run one fused op (issue 42); they are balanced on the graph that runs.
         try:
-            shares = rebalanced_shares(placed, fleet, final, replicas[0], batch, micro_batches)
+            shares = shares_by_speed(cut, fleet, replicas[0], batch, micro_batches)
         except VGraphError:  # the placed graph's memory count cannot hold the batch in these rows (a fleet sized
             shares = replicas[1]  # to the pass's count, which fits: tests/test_distributed_replicas.py): as before
         replicas = (replicas[0], shares)
@@ -120,9 +125,9 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
                                 "pipeline": pipeline, **choices}  # the schedule the step is priced as
     if replicas is not None:
         placed.meta["placement"].update(replica_pnodes=replicas[0], batch_shares=replicas[1])
-    report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches)
+    report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches, cm=cm)
     return Placement(placed, assignment, final, ranks, report, report["replica_pnodes"], report["batch_shares"],
-                     choices, graph)
+                     choices, graph, cut)
 
 
 def led_by(placement: Placement, fleet: Fleet, leads: set[str]
@@ -148,10 +153,9 @@ def led_by(placement: Placement, fleet: Fleet, leads: set[str]
         lead = min(p for p in leads if p in fleet.ids)
         swap = {rows[0][first]: lead, lead: rows[0][first]}
         rows = [[swap.get(p, p) for p in row] for row in rows]
-        if len(rows) > 1:
-            final = {v: rows[0][stage[p]] for v, p in placement.final.items()}
-            shares = rebalanced_shares(placement.graph, fleet, final, rows, placement.report["batch"],
-                                       placement.report["micro_batches"])
+        if len(rows) > 1:  # the same stages on other PNodes: the plan's cut, priced on them
+            shares = shares_by_speed(placement.cut, fleet, rows, placement.report["batch"],
+                                     placement.report["micro_batches"])
     assignment = {v: rows[0][stage[p]] for v, p in placement.assignment.items()}
     return assignment, ((rows, shares) if len(rows) > 1 else None)
 
