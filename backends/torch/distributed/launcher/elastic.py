@@ -201,6 +201,12 @@ class _Departures:
         with self.lock:
             self.left.update(pnodes)
 
+    def joined_present(self) -> int:
+        """The joined machines still in the run (under the lock): what MAX counts, so that one that left or
+        vanished frees its place (its number is never given again: numbers name machines on the channel and in
+        the mirrored record)."""
+        return sum(1 for m, j in self.joined.items() if m not in self.released and j.pnode.id not in self.left)
+
     def release(self, step: int) -> list[int]:
         """At a boundary, before the next attempt is placed: the leaving machines may go (their workers ended
         with the boundary's checkpoint, which holds what they held); their PNodes are never placed again."""
@@ -462,10 +468,7 @@ class Admission(_Departures, _Handover, _Stops):
                     f"back joins under a new id (vgraph probe --id)")
         if pnode.id in set(self.fleet.ids) | {j.pnode.id for j in self.joined.values()}:
             return f"PNode id {pnode.id!r} is already in the run: every machine needs its own id (vgraph probe --id)"
-        # MAX counts the machines in the run now: a joined machine that left or vanished frees its place (its
-        # number is never given again: numbers name machines on the channel and in the mirrored record)
-        present = sum(1 for m, j in self.joined.items() if m not in self.released and j.pnode.id not in self.left)
-        if self.static_machines + present >= self.max_machines:
+        if self.static_machines + self.joined_present() >= self.max_machines:
             return f"the run has its {self.max_machines} machines (--nnodes {self.static_machines}:{self.max_machines})"
         if pnode.memory < need:
             return (f"PNode {pnode.id!r} has {human_bytes(pnode.memory)} of memory; no plan can give it a share: the "
