@@ -22,8 +22,8 @@ from ...training.config import TrainingError
 from ...training.rescue import RESCUE_DIR, clear_rescue, rescue_saved, run_identity
 from ..job import EXIT_USER_ERROR, Job
 from . import succession
-from .boundaries import last_step, serve_channel, take_admission
-from .elastic import TookOver, record_event
+from .boundaries import last_step, record_event, serve_channel, take_admission
+from .elastic import TookOver
 from .emission import Attempt, plan as placed_as_planned
 from .inputs import Run
 from .membership import REQUEST_TIMEOUT_S, MachineLost, decide

@@ -284,7 +284,7 @@ class Run:
     data_digest: str = ""
     # state: what the attempts learn and change on the way
     home: dict[str, int] | None = None  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
-    admission: "elastic.Admission | None" = None  # machine 0 of a run that takes joins (elastic.py)
+    admission: Any = None  # machine 0 of a run that takes joins: boundaries.Admission (that module imports this)
     leave: "elastic.Leaving | None" = None  # machine k != 0 of a run that takes joins: its graceful leave
     moving: tuple[int, float, float] | None = None  # a boundary's step, its stop request's time and the seconds
     # its workers trained after the request (boundaries.boundary), until the move is measured

@@ -33,7 +33,7 @@ is the run's history, so it is mirrored, and the coordinator role moves:
   (`superseded`: a VGraphError naming the coordinator, exit 2), so the run is never split in two.
 
 An elastic run (`--nnodes MIN:MAX`) carries more: the machines that joined.  The coordinator's admission
-(elastic.Admission.record: each admitted machine's PNode figures, the machines that left) travels with the
+(boundaries.Admission.record: each admitted machine's PNode figures, the machines that left) travels with the
 rows (`admission.json` in the mirror), so the successor admits as machine 0 did and knows the machines still
 waiting for a boundary; the fleet of the attempt that was running is in its job.  The line of succession is
 the lowest surviving machine number, started or joined: a machine that joined has the launch settings its
@@ -82,7 +82,7 @@ MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
 MACHINES_JSON = "machines.json"  # in the coordinator's RUN/launch/: the machines' addresses and the channel port
 MIRRORS = 2  # the successor, and the next in line should the successor die during its succession
 MIRROR_EVERY_S = 1.0  # rows: metrics.jsonl is written about once a second (metrics_log.py); see docs
-ADMISSION_JSON = "admission.json"  # in the mirror: an elastic run's admitted machines (elastic.Admission.record)
+ADMISSION_JSON = "admission.json"  # in the mirror: an elastic run's admitted machines (boundaries.Admission.record)
 TAIL_BYTES = 64  # the last bytes a mirror holds, sent with its offset: a rewritten metrics.jsonl is noticed
 
 
@@ -94,7 +94,7 @@ class MirrorSource:
 
     def __init__(self, run_dir: Path, admission: Callable[[], dict | None] = lambda: None) -> None:
         self.run_dir = run_dir
-        self.admission = admission  # an elastic run's admitted machines (elastic.Admission.record), or None
+        self.admission = admission  # an elastic run's admitted machines (boundaries.Admission.record), or None
         self._listed: tuple[str, dict[str, tuple[int, str]]] | None = None  # (checkpoint, file -> (size, sha))
         self._lock = threading.Lock()
 
@@ -405,7 +405,7 @@ def install(run_dir: Path, rescued: Iterable[Path] = (), say: Callable[[str], No
 
 def mirrored_admission(run_dir: Path) -> dict | None:
     """The admission record this machine mirrored (an elastic run's admitted machines), or None when there is
-    none or it does not read (then only the machines of the last job are known: elastic.Admission.restore)."""
+    none or it does not read (then only the machines of the last job are known: boundaries.Admission.restore)."""
     from vgraph.base.safeio import read_json
 
     path = run_dir / LAUNCH_DIR / MIRROR_DIR / ADMISSION_JSON
