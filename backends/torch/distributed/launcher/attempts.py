@@ -21,12 +21,14 @@ from ...training import checkpoint as ckpt
 from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
 from ..rendezvous import free_port, probe_port
-from . import elastic, succession
+from . import elastic
 from .boundaries import boundary, last_step, move_measured, take_admission, watch_drift, watch_move
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
-from .failures import after_failure, succeed_followed
+from .failures import after_failure
 from ..job import Job
 from .inputs import Run, joined_config, read_launch_settings, resolve_inputs
+from .mirror import MIRROR_DIR, MIRRORS, Mirror
+from .succession import succeed_followed
 from .supervisor import Supervisor
 
 __all__ = ["LaunchResult", "run_attempts", "collect", "micro_per_replica", "JoinedSuccession"]
@@ -153,18 +155,18 @@ class JoinedSuccession:
 
     At its admission (`bind`): the launch settings the admission carried (inputs.launch_settings), checked as
     any input (a JoinRefused: it does not join rather than fail at the loss), and, when its machine number is
-    among the succession.MIRRORS next in line, the run's history mirrored as a started machine mirrors it.
+    among the MIRRORS next in line, the run's history mirrored as a started machine mirrors it.
     When the coordinator is lost (`lost`: elastic.follow_attempts' hook), the `Run` a started machine has from
     its command line is built from those settings, the job of the attempt it ran or waited on (the training
     options, network and fleet, job.py) and the corpus it received; then it is elected as a started machine is
-    (failures.succeed_followed).  Elected, it raises elastic.TookOver, and `coordinate` runs the attempt loop
+    (succession.succeed_followed).  Elected, it raises elastic.TookOver, and `coordinate` runs the attempt loop
     from the next attempt, the run going on in this machine's run directory (its --out, runs/join-PNODE by
     default).  Before it holds a job (still receiving the run's files) it only follows (`fallback`)."""
 
     def __init__(self, emit: Callable[[str], None]) -> None:
         self.emit = emit
         self.run: Run | None = None
-        self.mirror: succession.Mirror | None = None
+        self.mirror: Mirror | None = None
         self.stop = StopRequest(emit)  # the run's stop once this machine coordinates (`coordinate`)
 
     def bind(self, machines: Any, admitted: dict[str, Any], run_dir: Path, corpus: Path, master_port: int,
@@ -180,8 +182,8 @@ class JoinedSuccession:
             self.emit("launch --join: the coordinator sent no launch settings (an earlier vgraph?): this machine "
                       "follows whoever coordinates and never takes the role itself")
         self.succeeds = self.settings is not None and self.settings["on_failure"] in ("shrink", "restart")
-        if self.succeeds and self.machine <= succession.MIRRORS:
-            self.mirror = succession.Mirror(machines.request, run_dir / LAUNCH_DIR / succession.MIRROR_DIR, self.emit,
+        if self.succeeds and self.machine <= MIRRORS:
+            self.mirror = Mirror(machines.request, run_dir / LAUNCH_DIR / MIRROR_DIR, self.emit,
                                             active=lambda: machines.coordinator != machines.node_rank,
                                             over=lambda: not machines.active).start()
         return self.lost

@@ -35,8 +35,9 @@ from vgraph.ir.graph import Graph
 from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, MEASURED_FLEET, METRICS_JSONL, STOP_FILE
 
 from ...training.rescue import RESCUE_DIR
-from . import elastic, succession
+from . import elastic
 from .inputs import Run, launch_settings
+from .mirror import mirrored_admission
 from .membership import CHUNK_BYTES
 from .emission import plan, rank_zero_elsewhere
 from .placing import Placement
@@ -481,10 +482,10 @@ def open_admission(run: Run) -> Admission:
 def take_admission(run: Run) -> None:
     """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
     machine; the channel's address moved with the role), with the machines it had admitted, released or was
-    releasing, from the record this machine mirrored (succession.mirrored_admission)."""
+    releasing, from the record this machine mirrored (mirrored_admission)."""
     run.admission = open_admission(run)
     run.admission.me = run.node_rank
-    run.admission.restore(succession.mirrored_admission(run.run_dir), run.emit)
+    run.admission.restore(mirrored_admission(run.run_dir), run.emit)
     run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
 
 

@@ -88,7 +88,7 @@ class CoordinatorSilent(JoinRefused):
 
 
 class TookOver(Exception):
-    """This machine took the coordinator's role while it followed jobs (failures.succeed_followed): the attempt
+    """This machine took the coordinator's role while it followed jobs (succession.succeed_followed): the attempt
     loop goes on as the coordinator, from attempt `args[0]` + 1 on fleet `args[1]`."""
 
 
