@@ -9,7 +9,6 @@ Every step takes the launch's resolved inputs and the state the attempts change 
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -22,7 +21,7 @@ from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
 from ..rendezvous import free_port, probe_port
 from . import elastic
-from .boundaries import boundary, last_step, move_measured, take_admission, watch_drift, watch_move
+from .boundaries import boundary, take_admission, watching
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
 from .failures import after_failure
 from ..job import Job
@@ -62,15 +61,16 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
         if stop.requested:
             raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
                                    f"{run.continue_with}")
+        holding = held(run.hold, number, hold is not None)
         given = given_placement(run, number, shrunk, replanned)
         try:
-            attempt = place_attempt(run, fleet, number, *given, held(run.hold, number, hold is not None))
+            attempt = place_attempt(run, fleet, number, *given, holding)
         except RankZeroJoined as exc:
             waiting = sorted(set(run.admission.home()) & set(fleet.ids))
             run.admission.event({"event": "placement", "attempt": number, "waiting": waiting,
                                  "reason": f"the plan puts rank 0 on joined PNode {exc}: machine 0 keeps it"})
             fleet = fleet.without(waiting)
-            attempt = place_attempt(run, fleet, number, *given, held(run.hold, number, hold is not None))
+            attempt = place_attempt(run, fleet, number, *given, holding)
         if attempt is None:
             return result
         if run.admission is not None:
@@ -239,27 +239,20 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
             f"{attempt.comm.describe()}, {micro_per_replica(run.micro, placement.shares)} {run.pipeline}, predicted "
             f"traffic {placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt "
             f"{attempt.number}")
-    # The boundaries' watches first (a boundary's move measured while the workers run, a drift decided from
-    # the step they start at), then the workers: each module asked once, in the order the attempt needs it.
-    ended = threading.Event()
-    if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision (`watch_drift`)
-        threading.Thread(target=watch_drift, args=(run, last_step(run.run_dir), ended), daemon=True).start()
-    trouble = watch_move(run, attempt.number)
     lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
     supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
                             lock_key=lock.key if lock is not None else "")
     try:
-        supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), run.master_addr, port,
-                         attempt.threads)
-        atomic_write(run.launch_dir / WORKERS_JSON,
-                     json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
-        ok, codes, lost = supervisor.wait(trouble=trouble)
-        move_measured(run, attempt.number)  # an attempt too short for the watch to see its first step
+        with watching(run, attempt.number) as trouble:  # the boundaries' watches while the workers run
+            supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), run.master_addr,
+                             port, attempt.threads)
+            atomic_write(run.launch_dir / WORKERS_JSON,
+                         json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
+            ok, codes, lost = supervisor.wait(trouble=trouble)
     except BaseException:
         supervisor.stop()
         raise
     finally:
-        ended.set()
         if run.bar is not None:
             run.bar.close()  # the attempt's bar ends; a restart draws its own from the resumed step
     ranks = attempt.ranks

@@ -16,6 +16,7 @@ logged steps are read here from metrics.jsonl's tail (`last_step`), without read
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.numbers import number_or_none
@@ -45,7 +46,7 @@ from .shard_transfer import ShardReceiver
 
 __all__ = ["Admission", "record_event", "smallest_share", "MOVE_POLL_S", "open_admission", "take_admission", "serve_channel",
            "last_step", "trained_after_request",
-           "last_drift", "overhead_s", "replan", "watch_drift", "boundary", "watch_move", "move_measured"]
+           "last_drift", "overhead_s", "replan", "watch_drift", "boundary", "watch_move", "move_measured", "watching"]
 
 MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
 
@@ -742,6 +743,22 @@ def watch_move(run: Run, attempt: int) -> Callable[[], str | None]:
             move_measured(run, attempt)
         return trouble()
     return poll
+
+
+@contextlib.contextmanager
+def watching(run: Run, attempt: int) -> Iterator[Callable[[], str | None]]:
+    """While this machine's workers of `attempt` run: the boundaries' watches, the supervisor's `trouble` poll
+    given (`watch_move`: a boundary's move measured while they run) and a drift decided from the step they
+    start at (`watch_drift`, its own thread, ended with the block); once they are done, the move of an attempt
+    too short for the poll to see its first step."""
+    ended = threading.Event()
+    if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision
+        threading.Thread(target=watch_drift, args=(run, last_step(run.run_dir), ended), daemon=True).start()
+    try:
+        yield watch_move(run, attempt)
+        move_measured(run, attempt)
+    finally:
+        ended.set()
 
 
 def move_measured(run: Run, attempt: int) -> None:
