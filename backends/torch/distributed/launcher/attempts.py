@@ -26,7 +26,7 @@ from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
 from .failures import after_failure
 from ..job import Job
 from .inputs import Run, joined_config, read_launch_settings, resolve_inputs
-from .mirror import MIRROR_DIR, MIRRORS, Mirror
+from .mirror import MIRRORS, Mirror, pull_history
 from .succession import succeed_followed
 from .supervisor import Supervisor
 
@@ -183,9 +183,7 @@ class JoinedSuccession:
                       "follows whoever coordinates and never takes the role itself")
         self.succeeds = self.settings is not None and self.settings["on_failure"] in ("shrink", "restart")
         if self.succeeds and self.machine <= MIRRORS:
-            self.mirror = Mirror(machines.request, run_dir / LAUNCH_DIR / MIRROR_DIR, self.emit,
-                                            active=lambda: machines.coordinator != machines.node_rank,
-                                            over=lambda: not machines.active).start()
+            self.mirror = pull_history(machines, run_dir / LAUNCH_DIR, self.emit)
         return self.lost
 
     def lost(self, why: Exception, number: int, report: dict | None) -> dict:

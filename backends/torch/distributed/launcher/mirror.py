@@ -32,7 +32,7 @@ from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, _fetch
 from .membership import REQUEST_TIMEOUT_S, ask
 
 __all__ = ["MirrorSource", "Mirror", "MIRROR_DIR", "MACHINES_JSON", "ADMISSION_JSON", "MIRRORS", "MIRROR_EVERY_S",
-           "mirrored_admission", "record_machines", "superseded"]
+           "mirrored_admission", "record_machines", "superseded", "serve_history", "pull_history"]
 
 MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
 MACHINES_JSON = "machines.json"  # in the coordinator's RUN/launch/: the machines' addresses and the channel port
@@ -211,6 +211,22 @@ class Mirror:
         seconds = time.monotonic() - began
         self.figures.append({"checkpoint": name, "bytes": total, "seconds": round(seconds, 3)})
         self.say(f"launch: mirrored {name} from the coordinator ({total:,} bytes in {seconds:.2f} s)")
+
+
+def serve_history(machines: Any, run_dir: Path, admission: Callable[[], dict | None]) -> None:
+    """The coordinator: serve the run's history (`MirrorSource`, with the admission's record) on the channel and
+    record where the machines are (`record_machines`) now and whenever a beat changes them."""
+    machines.serve_mirror(MirrorSource(run_dir, admission).answer)
+    port = machines.port
+    machines.on_addresses(lambda addrs: record_machines(run_dir, port, addrs))
+
+
+def pull_history(machines: Any, launch_dir: Path, say: Callable[[str], None]) -> Mirror:
+    """A machine next in line (started or joined): pull the coordinator's history into launch/mirror/ while
+    another machine coordinates and the channel is up."""
+    return Mirror(machines.request, launch_dir / MIRROR_DIR, say,
+                  active=lambda: machines.coordinator != machines.node_rank,
+                  over=lambda: not machines.active).start()
 
 
 def mirrored_admission(run_dir: Path) -> dict | None:

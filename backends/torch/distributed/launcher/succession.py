@@ -79,7 +79,7 @@ from .emission import Attempt, plan as placed_as_planned, rescue_inputs
 from .inputs import Run
 from .membership import (REQUEST_TIMEOUT_S, MachineLost, decide, elect, follow_successor, rival,  # noqa: F401
                          serving)  # (elect, serving, follow_successor: this module's API too)
-from .mirror import MIRROR_DIR, MIRRORS, Mirror, MirrorSource, record_machines, superseded
+from .mirror import MIRROR_DIR, MIRRORS, pull_history, serve_history, superseded
 from .shard_transfer import send_shards
 
 __all__ = ["elect", "serving", "succeed", "follow_successor", "install", "newest_state", "rescued_state", "Installed",
@@ -244,16 +244,10 @@ def fence(run: Run) -> None:
 def mirror(run: Run) -> None:
     """The coordinator serves the run's history and records where the machines are; the machines next in
     line (MIRRORS of them) pull it into RUN/launch/mirror/."""
-    machines = run.machines
     if run.lead:
-        machines.serve_mirror(MirrorSource(
-            run.run_dir, lambda: run.admission.record() if run.admission is not None else None).answer)
-        port = machines.port
-        machines.on_addresses(lambda addrs: record_machines(run.run_dir, port, addrs))
+        serve_history(run.machines, run.run_dir, lambda: run.admission.record() if run.admission is not None else None)
     elif run.node_rank <= MIRRORS:
-        run.mirror = Mirror(machines.request, run.launch_dir / MIRROR_DIR, run.say,
-                                       active=lambda: machines.coordinator != machines.node_rank,
-                                       over=lambda: not machines.active).start()
+        run.mirror = pull_history(run.machines, run.launch_dir, run.say)
 
 
 def rescue_of(run: Run, attempt: Attempt) -> Callable[[], list[Path]]:
