@@ -18,7 +18,7 @@ from ports import launch_port
 import vgraph
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch import TrainConfig, train
-from vgraph.backends.torch.distributed.launcher import elastic
+from vgraph.backends.torch.distributed.launcher import boundaries, elastic
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.base import options
@@ -223,15 +223,15 @@ def test_a_join_that_does_not_pay_waits_for_the_next_restart(files, reference, t
 
 # -- refusals ---------------------------------------------------------------------------------------
 
-def admission(files: Path, tmp_path: Path, **kw) -> elastic.Admission:
+def admission(files: Path, tmp_path: Path, **kw) -> boundaries.Admission:
     from vgraph.cost.fleet import load_fleet
 
     (tmp_path / "launch").mkdir(parents=True, exist_ok=True)
-    return elastic.Admission(tmp_path, load_fleet(files / "one.yml"), tiny(), kw.pop("max_machines", 2), 1,
+    return boundaries.Admission(tmp_path, load_fleet(files / "one.yml"), tiny(), kw.pop("max_machines", 2), 1,
                              step=lambda: 5, **kw)
 
 
-def join(adm: elastic.Admission, text: str, file: str = "me.yml") -> dict:
+def join(adm: boundaries.Admission, text: str, file: str = "me.yml") -> dict:
     return adm.answer({"op": "join", "machine": -1, "pnode": text, "file": file})
 
 
@@ -240,7 +240,7 @@ def pnode_text(pid: str, memory: str = "256MiB") -> str:
 
 
 def test_the_admission_owns_its_boundarys_stop_asked_once_read_once(files, tmp_path):
-    """elastic._Stops: `ask_boundary` writes the stop file and notes the last logged step then; `close_boundary`
+    """boundaries._Stops: `ask_boundary` writes the stop file and notes the last logged step then; `close_boundary`
     reads the stop's time, removes the file and hands the step over once (the steps trained after the request
     are progress: boundaries.trained_after_request); a request of an attempt that failed instead is dropped
     when the next attempt is published; a run that is over asks for nothing."""
@@ -310,7 +310,7 @@ def test_a_join_during_a_replan_is_queued_not_refused(files, tmp_path):
 
 def test_a_pnode_whose_memory_holds_no_share_is_refused(files, tmp_path):
     adm = admission(files, tmp_path)
-    group, need = elastic.smallest_share(tiny())
+    group, need = boundaries.smallest_share(tiny())
     assert need > 1024  # the premise: the smallest share is more than the file's memory below
     reply = join(adm, pnode_text("j1", memory="1KiB"))
     assert not reply["admitted"] and "no plan can give it a share" in reply["reason"] and group in reply["reason"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ports import launch_port
-from vgraph.backends.torch.distributed.launcher import elastic, succession
+from vgraph.backends.torch.distributed.launcher import elastic, mirror as mirroring, succession
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.distributed.launcher.membership import Machines, MachineLost
 
@@ -75,7 +75,7 @@ def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_j
         mirror = tmp_path / "node1" / "launch" / "mirror"
         # j1 holds the run's files before the kill: a joiner still fetching them from machine 0 fails with the
         # reset (`cannot write: Connection reset by peer`, one run of eight at load 5-7), not a succession
-        wait_for(lambda: "j1" in str(succession.mirrored_admission(tmp_path / "node1"))
+        wait_for(lambda: "j1" in str(mirroring.mirrored_admission(tmp_path / "node1"))
                  and (mirror / "latest").is_file() and (mirror / "latest").read_text().strip() == "step-00000002"
                  and any("received the run's corpus" in line for line in lines),
                  "machine 1 to mirror the admission of j1 and the step-2 checkpoint, j1 to hold the files", alive)
@@ -186,7 +186,7 @@ def test_the_admission_record_round_trips_to_a_successor(files, tmp_path):
     ({"joined": {"x": {"pnode": "", "step": 1}}}, "machine 'x' is left out"),
     ({"joined": {"0": {"pnode": None, "step": 1}}}, "machine '0' is left out"),
     ({"joined": {"2000000": {"pnode": "name: a\npnodes:\n" + PNODE.format(id="j9", memory="1GiB"), "step": 1}}},
-     "machine '2000000' is left out"),  # past elastic.MAX_MACHINE_NUMBER (numbers past MAX are a run's own)
+     "machine '2000000' is left out"),  # past boundaries.MAX_MACHINE_NUMBER (numbers past MAX are a run's own)
     ({"joined": "everything", "left": [1, None], "released": ["a"], "leaving": {"..": "x"}}, None),
     ([], None),
     (None, None),

@@ -1,7 +1,7 @@
 """A machine that JOINED an elastic run takes the coordinator's role (issue 36 item 3, "No single holder", and the
 Acceptance's first bullet): a run started with one machine (`--nnodes 1:4`) survives machine 0's loss once a
 joined machine holds a replica of every VNode.  attempts.JoinedSuccession, inputs.launch_settings /
-read_launch_settings / joined_config, failures.succeed_followed; docs/distributed.md, "Machine 0 is lost in an
+read_launch_settings / joined_config, succession.succeed_followed; docs/distributed.md, "Machine 0 is lost in an
 elastic run".  Loopback launchers as machines, the tiny network of tests/test_elastic_launch.py."""
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ports import launch_port
-from vgraph.backends.torch.distributed.launcher import succession
+from vgraph.backends.torch.distributed.launcher import mirror as mirroring, succession
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch, main as launch_main
 from vgraph.backends.torch.distributed.launcher.membership import Machines, channel_key, decide, elect, rival
 from vgraph.base.diagnostics import VGraphError
@@ -80,7 +80,7 @@ def start_after_machine_0(zero: subprocess.Popen, port: int, what: str) -> None:
 # machine's workers' forkserver ready before the channel opens (start_after_machine_0), it covers what a worker
 # waits on a peer in a healthy run: the first rendezvous (the plan placed and published, a worker forked on each
 # machine) and the held worker (the test kills or releases it once machine 1 mirrored the step: 0.2-0.4 s after the
-# hold began, four runs at load 4-5; machine 1 mirrors every succession.MIRROR_EVERY_S = 1 s).  Measured without
+# hold began, four runs at load 4-5; machine 1 mirrors every mirroring.MIRROR_EVERY_S = 1 s).  Measured without
 # the forkservers waited for, the rendezvous was what timed out: at 8 s (this process's forkserver importing) and
 # at 12 s (machine 0's), one run of four at load 4-5 each.  12 s with the imports out of it: 10x the hold.
 # The rejoin timeout the survivors wait out after the kill is 12 + 2 s where it was 20 + 2.
@@ -395,12 +395,12 @@ def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path
     port = launch_port()
     run = tmp_path / "node0"
     (run / "launch").mkdir(parents=True)
-    succession.record_machines(run, port - 1, {0: "127.0.0.1", 1: "127.0.0.1"})
+    mirroring.record_machines(run, port - 1, {0: "127.0.0.1", 1: "127.0.0.1"})
     successor = machine(1, port - 1, "127.0.0.1", {0: "127.0.0.1", 1: "127.0.0.1"})
     successor.take_over(0, {1})
     try:
-        assert "machine 1 (127.0.0.1) took over this run" in succession.superseded(run, channel_key(TOKEN))
-        assert succession.superseded(run, channel_key("another-secret-entirely")) is None  # no answer: no claim
+        assert "machine 1 (127.0.0.1) took over this run" in mirroring.superseded(run, channel_key(TOKEN))
+        assert mirroring.superseded(run, channel_key("another-secret-entirely")) is None  # no answer: no claim
         assert launch_main(["launch", str(files / "net.yml"), "--fleet", str(files / "wide2.yml"), "--data",
                             str(files / "corpus.txt"), "--steps", "2", "--nnodes", nnodes, "--node-rank", "0",
                             "--master-port", str(port), "--on-failure", on_failure, "--out", str(run), "--resume"]) == 2
@@ -414,7 +414,7 @@ def test_a_machine_0_that_comes_back_after_succession_is_refused(files, tmp_path
 def test_a_damaged_machines_record_claims_nothing(tmp_path, text):
     (tmp_path / "launch").mkdir()
     (tmp_path / "launch" / "machines.json").write_text(text)
-    assert succession.superseded(tmp_path, channel_key(TOKEN)) is None
+    assert mirroring.superseded(tmp_path, channel_key(TOKEN)) is None
 
 
 def test_the_mirror_follows_rows_and_checkpoints_and_starts_over_on_a_rewrite(tmp_path):
@@ -427,8 +427,8 @@ def test_the_mirror_follows_rows_and_checkpoints_and_starts_over_on_a_rewrite(tm
     (run / "latest").write_text("step-00000002\n")
     rows = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(1, 4)]
     (run / "metrics.jsonl").write_text("".join(rows))
-    source = succession.MirrorSource(run)
-    mirror = succession.Mirror(lambda op, timeout=None, **kw: source.answer({"op": op, **kw}), tmp_path / "mirror")
+    source = mirroring.MirrorSource(run)
+    mirror = mirroring.Mirror(lambda op, timeout=None, **kw: source.answer({"op": op, **kw}), tmp_path / "mirror")
     mirror.folder.mkdir()
     mirror.pull()
     assert mirrored_steps(mirror.folder) == [1, 2, 3]
@@ -462,7 +462,7 @@ def test_hostile_mirror_requests_get_an_error_never_a_file_outside(tmp_path, req
     (run / "step-00000002" / "state.json").write_text('{"step": 2}')
     (run / "latest").write_text("step-00000002\n")
     (tmp_path / "secret").write_text("do not send")
-    source = succession.MirrorSource(run)
+    source = mirroring.MirrorSource(run)
     source.answer({"op": "mirror", "offset": 0})  # lists the checkpoint, as a first round does
     reply = source.answer(request_)
     assert "error" in reply and "data" not in reply and "rows" not in reply
@@ -471,7 +471,7 @@ def test_hostile_mirror_requests_get_an_error_never_a_file_outside(tmp_path, req
 def test_a_mirror_refuses_names_that_leave_its_folder(tmp_path):
     answers = {"mirror": {"offset": 0, "rows": "", "size": 0,
                           "checkpoint": {"name": "step-1", "files": {"../escape": {"size": 1, "sha256": "0" * 64}}}}}
-    mirror = succession.Mirror(lambda op, timeout=None, **kw: answers[op], tmp_path / "mirror")
+    mirror = mirroring.Mirror(lambda op, timeout=None, **kw: answers[op], tmp_path / "mirror")
     mirror.folder.mkdir()
     with pytest.raises(ValueError, match="checkpoint file"):
         mirror.pull()
@@ -543,7 +543,7 @@ def test_a_checkpoint_that_arrives_damaged_is_thrown_away(tmp_path):
     (run / "step-00000002").mkdir(parents=True)
     (run / "step-00000002" / "state.json").write_text('{"step": 2}')
     (run / "latest").write_text("step-00000002\n")
-    source = succession.MirrorSource(run)
+    source = mirroring.MirrorSource(run)
     calls = {"n": 0}
 
     def request(op, timeout=None, **kw):
@@ -553,7 +553,7 @@ def test_a_checkpoint_that_arrives_damaged_is_thrown_away(tmp_path):
             reply = {**reply, "data": "AAAA"}  # three zero bytes instead of the file
         return reply
 
-    mirror = succession.Mirror(request, tmp_path / "mirror")
+    mirror = mirroring.Mirror(request, tmp_path / "mirror")
     mirror.folder.mkdir()
     with pytest.raises(VGraphError, match="bytes of|SHA-256"):
         mirror.pull()
@@ -566,11 +566,11 @@ def test_the_machines_record_keeps_machines_not_heard_again(tmp_path):
     """A machine 0 started again records itself before the others beat: the machine that took its run over
     stays in the record (so it is still asked); a record for another port is replaced."""
     (tmp_path / "launch").mkdir()
-    succession.record_machines(tmp_path, 5000, {0: "10.0.0.1", 1: "10.0.0.2"})
-    succession.record_machines(tmp_path, 5000, {0: "10.0.0.9"})
+    mirroring.record_machines(tmp_path, 5000, {0: "10.0.0.1", 1: "10.0.0.2"})
+    mirroring.record_machines(tmp_path, 5000, {0: "10.0.0.9"})
     assert json.loads((tmp_path / "launch" / "machines.json").read_text())["machines"] == \
         {"0": "10.0.0.9", "1": "10.0.0.2"}
-    succession.record_machines(tmp_path, 6000, {0: "10.0.0.1"})
+    mirroring.record_machines(tmp_path, 6000, {0: "10.0.0.1"})
     assert json.loads((tmp_path / "launch" / "machines.json").read_text()) == {"port": 6000,
                                                                                "machines": {"0": "10.0.0.1"}}
 
@@ -581,13 +581,13 @@ def test_a_coordinator_going_on_without_machines_stops_if_one_took_the_run_over(
     that asks itself (a successor going on without machine 2) is no objection."""
     from types import SimpleNamespace
 
-    from vgraph.backends.torch.distributed.launcher.failures import fence as _fence
+    from vgraph.backends.torch.distributed.launcher.succession import fence as _fence
     from vgraph.backends.torch.distributed.launcher.inputs import succeeds
     from vgraph.backends.torch.training.config import TrainingError
 
     port = launch_port()
     (tmp_path / "launch").mkdir()
-    succession.record_machines(tmp_path, port, {0: "127.0.0.1", 1: "127.0.0.2"})
+    mirroring.record_machines(tmp_path, port, {0: "127.0.0.1", 1: "127.0.0.2"})
     cfg = LaunchConfig("net.yml", nnodes=3, on_failure="shrink", node_rank=0)
     run = SimpleNamespace(run_dir=tmp_path, token=TOKEN, succeeds=succeeds(cfg), node_rank=0)  # inputs.Run's fields
     assert run.succeeds  # the premise: a run whose coordinator role can move

@@ -2,7 +2,7 @@
 
 Why a reader of its own: a `vgraph launch` run whose fleet changes (machines join, leave, vanish; the plan
 drifts) records each change as rows of one file, written by one writer (the launcher's
-`elastic.Admission.event`, which stamps `time`), and four places show them: the progress line, TensorBoard
+`boundaries.Admission.event`, which stamps `time`), and four places show them: the progress line, TensorBoard
 (rank 0), `vgraph report` and the tests.  They all read it here, through `RunReader` (bounded, no symlink
 followed, numbers checked), so a damaged or hostile file is read the same way everywhere and never raises.
 

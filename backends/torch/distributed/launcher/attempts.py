@@ -9,7 +9,6 @@ Every step takes the launch's resolved inputs and the state the attempts change 
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,12 +20,14 @@ from ...training import checkpoint as ckpt
 from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
 from ..rendezvous import free_port, probe_port
-from . import elastic, succession
-from .boundaries import boundary, last_step, move_measured, take_admission, watch_drift, watch_move
+from . import elastic
+from .boundaries import boundary, take_admission, watching
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
-from .failures import after_failure, succeed_followed
+from .failures import after_failure
 from ..job import Job
 from .inputs import Run, joined_config, read_launch_settings, resolve_inputs
+from .mirror import MIRRORS, Mirror, pull_history
+from .succession import succeed_followed
 from .supervisor import Supervisor
 
 __all__ = ["LaunchResult", "run_attempts", "collect", "micro_per_replica", "JoinedSuccession"]
@@ -60,15 +61,16 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
         if stop.requested:
             raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
                                    f"{run.continue_with}")
+        holding = held(run.hold, number, hold is not None)
         given = given_placement(run, number, shrunk, replanned)
         try:
-            attempt = place_attempt(run, fleet, number, *given, held(run.hold, number, hold is not None))
+            attempt = place_attempt(run, fleet, number, *given, holding)
         except RankZeroJoined as exc:
             waiting = sorted(set(run.admission.home()) & set(fleet.ids))
             run.admission.event({"event": "placement", "attempt": number, "waiting": waiting,
                                  "reason": f"the plan puts rank 0 on joined PNode {exc}: machine 0 keeps it"})
             fleet = fleet.without(waiting)
-            attempt = place_attempt(run, fleet, number, *given, held(run.hold, number, hold is not None))
+            attempt = place_attempt(run, fleet, number, *given, holding)
         if attempt is None:
             return result
         if run.admission is not None:
@@ -153,18 +155,18 @@ class JoinedSuccession:
 
     At its admission (`bind`): the launch settings the admission carried (inputs.launch_settings), checked as
     any input (a JoinRefused: it does not join rather than fail at the loss), and, when its machine number is
-    among the succession.MIRRORS next in line, the run's history mirrored as a started machine mirrors it.
+    among the MIRRORS next in line, the run's history mirrored as a started machine mirrors it.
     When the coordinator is lost (`lost`: elastic.follow_attempts' hook), the `Run` a started machine has from
     its command line is built from those settings, the job of the attempt it ran or waited on (the training
     options, network and fleet, job.py) and the corpus it received; then it is elected as a started machine is
-    (failures.succeed_followed).  Elected, it raises elastic.TookOver, and `coordinate` runs the attempt loop
+    (succession.succeed_followed).  Elected, it raises elastic.TookOver, and `coordinate` runs the attempt loop
     from the next attempt, the run going on in this machine's run directory (its --out, runs/join-PNODE by
     default).  Before it holds a job (still receiving the run's files) it only follows (`fallback`)."""
 
     def __init__(self, emit: Callable[[str], None]) -> None:
         self.emit = emit
         self.run: Run | None = None
-        self.mirror: succession.Mirror | None = None
+        self.mirror: Mirror | None = None
         self.stop = StopRequest(emit)  # the run's stop once this machine coordinates (`coordinate`)
 
     def bind(self, machines: Any, admitted: dict[str, Any], run_dir: Path, corpus: Path, master_port: int,
@@ -180,10 +182,8 @@ class JoinedSuccession:
             self.emit("launch --join: the coordinator sent no launch settings (an earlier vgraph?): this machine "
                       "follows whoever coordinates and never takes the role itself")
         self.succeeds = self.settings is not None and self.settings["on_failure"] in ("shrink", "restart")
-        if self.succeeds and self.machine <= succession.MIRRORS:
-            self.mirror = succession.Mirror(machines.request, run_dir / LAUNCH_DIR / succession.MIRROR_DIR, self.emit,
-                                            active=lambda: machines.coordinator != machines.node_rank,
-                                            over=lambda: not machines.active).start()
+        if self.succeeds and self.machine <= MIRRORS:
+            self.mirror = pull_history(machines, run_dir / LAUNCH_DIR, self.emit)
         return self.lost
 
     def lost(self, why: Exception, number: int, report: dict | None) -> dict:
@@ -237,27 +237,20 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
             f"{attempt.comm.describe()}, {micro_per_replica(run.micro, placement.shares)} {run.pipeline}, predicted "
             f"traffic {placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt "
             f"{attempt.number}")
-    # The boundaries' watches first (a boundary's move measured while the workers run, a drift decided from
-    # the step they start at), then the workers: each module asked once, in the order the attempt needs it.
-    ended = threading.Event()
-    if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision (`watch_drift`)
-        threading.Thread(target=watch_drift, args=(run, last_step(run.run_dir), ended), daemon=True).start()
-    trouble = watch_move(run, attempt.number)
     lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
     supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
                             lock_key=lock.key if lock is not None else "")
     try:
-        supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), run.master_addr, port,
-                         attempt.threads)
-        atomic_write(run.launch_dir / WORKERS_JSON,
-                     json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
-        ok, codes, lost = supervisor.wait(trouble=trouble)
-        move_measured(run, attempt.number)  # an attempt too short for the watch to see its first step
+        with watching(run, attempt.number) as trouble:  # the boundaries' watches while the workers run
+            supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), run.master_addr,
+                             port, attempt.threads)
+            atomic_write(run.launch_dir / WORKERS_JSON,
+                         json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
+            ok, codes, lost = supervisor.wait(trouble=trouble)
     except BaseException:
         supervisor.stop()
         raise
     finally:
-        ended.set()
         if run.bar is not None:
             run.bar.close()  # the attempt's bar ends; a restart draws its own from the resumed step
     ranks = attempt.ranks

@@ -1,48 +1,483 @@
-"""Machine 0's side of a run that takes joins: the admission opened (what it offers a joined machine, a join
-or a leave turned into a re-plan decision) and the channel's answers besides heartbeats and decisions (the
-other machines' rescue shards: shard_transfer.py, the joiners' requests: elastic.py); the one re-plan decision
+"""Machine 0's side of a run that takes joins: the `Admission` (a join admitted or refused with a reason, the
+files and jobs it serves, the leaves, the handover to a successor, the boundary's stop request;
+launch/fleet-events.jsonl's one writer: `record_event`; the conversation is described in elastic.py, the
+joiner's side), the admission opened (what it offers a joined machine, a join or a leave turned into a re-plan
+decision) and the channel's answers besides heartbeats and decisions (the other machines' rescue shards:
+shard_transfer.py, the joiners' requests); the one re-plan decision
 of a join, a leave and a drift (`replan`, priced by vgraph/placement/replan.py), the workers asked to stop after
 the current step with a checkpoint, the boundary taken when every worker is done (`boundary`: the admitted
 machines' homes, the leaving ones released), and the move measured from the stop request to the next
 attempt's first logged step (`moved`, fleet-events.jsonl).
 
 Apart from the attempt loop because it runs beside it: the decisions come on the admission's and the drift
-watch's threads, and what they leave for the loop is the boundary (elastic.Admission's fields).  The run's
+watch's threads, and what they leave for the loop is the boundary (Admission's fields).  The run's
 logged steps are read here from metrics.jsonl's tail (`last_step`), without reading a long run's whole log.
 """
 from __future__ import annotations
 
+import base64
+import contextlib
+import hashlib
+import json
 import os
 import statistics
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-from vgraph.base.diagnostics import VGraphError
+from vgraph.base.diagnostics import VGraphError, quote
 from vgraph.base.numbers import number_or_none
-from vgraph.cost.fleet import Fleet
-from vgraph.run.files import MEASURED_FLEET, METRICS_JSONL
+from vgraph.base.safeio import atomic_write
+from vgraph.cost.costmodel import cost_model
+from vgraph.cost.fleet import Fleet, FleetError, PNode, human_bytes, loads_fleet
+from vgraph.ir.graph import Graph
+from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, MEASURED_FLEET, METRICS_JSONL, STOP_FILE
 
 from ...training.rescue import RESCUE_DIR
-from . import elastic, succession
+from . import elastic
 from .inputs import Run, launch_settings
+from .mirror import mirrored_admission
+from .membership import CHUNK_BYTES
 from .emission import plan, rank_zero_elsewhere
 from .placing import Placement
 from .shard_transfer import ShardReceiver
 
-__all__ = ["MOVE_POLL_S", "open_admission", "take_admission", "serve_channel", "last_step", "trained_after_request",
-           "last_drift", "overhead_s", "replan", "watch_drift", "boundary", "watch_move", "move_measured"]
+__all__ = ["Admission", "record_event", "smallest_share", "MOVE_POLL_S", "open_admission", "take_admission", "serve_channel",
+           "last_step", "trained_after_request",
+           "last_drift", "overhead_s", "replan", "watch_drift", "boundary", "watch_move", "move_measured", "watching"]
 
 MOVE_POLL_S = 0.1  # how often the launcher looks for the first step after a boundary (metrics.jsonl's tail)
 
 
-def open_admission(run: Run) -> elastic.Admission:
+# -- the admission: joins, leaves, the handover to a successor, the boundary's stop -----------------
+
+MAX_MACHINE_NUMBER = 1 << 20  # machine numbers grow with every join, MAX counting only those present: a bound
+# on what an admission record may name, far above any run's joins
+
+
+def smallest_share(graph: Graph) -> tuple[str, int]:
+    """(colocation group or VNode, bytes) of the least any plan can give a PNode: the smallest group that must
+    stay together, its parameters, gradients and optimizer state, with one sample's activations."""
+    need: dict[str, int] = {}
+    for c in cost_model(graph, batch=1).nodes.values():
+        key = c.group or c.id
+        need[key] = need.get(key, 0) + c.memory_bytes(1)
+    name = min(need, key=lambda k: need[k])
+    return name, need[name]
+
+
+@dataclass
+class _Joined:
+    machine: int
+    pnode: PNode
+    step: int  # the run's last logged step when it was admitted
+
+
+@dataclass(kw_only=True)
+class _Departures:
+    """Machine 0's side of graceful leaves (`Leaving` is the leaver's): its own conversation on the channel
+    (`leave`, then the `job` answer that releases) with its own state, kept apart from the joins'.
+    `Admission` is one: `on_leave` runs in its own thread when a leave needs a boundary; `homes` says whose
+    PNodes a leaving machine takes along (PNode -> machine, the launcher's run.home)."""
+
+    on_leave: Callable[[Any, int, list[str], int], None] | None = None  # (admission, machine, its PNodes, step)
+    homes: Callable[[], dict[str, int]] | None = None
+    leaving: dict[int, int] = field(default_factory=dict)  # machine -> the step it said it leaves at
+    left: set[str] = field(default_factory=set)  # PNodes of machines that left (never placed again)
+    released: set[int] = field(default_factory=set)  # leaving machines told to go (their `job` answers so)
+
+    def departing(self) -> set[str]:
+        """The PNodes of the machines that left or said they leave."""
+        homes = self.homes() if self.homes is not None else self.home()
+        with self.lock:
+            leaving = set(self.leaving)
+            return set(self.left) | {p for p, m in homes.items() if m in leaving}
+
+    def _leave(self, request: dict) -> dict:
+        """Machine `machine` says it leaves (its launcher got SIGTERM).  Said again (a second signal, a retry
+        whose answer was lost): the same answer, nothing more.  A machine whose PNodes the running attempt
+        does not use (admitted and waiting, or not placed yet) is released at once; else `on_leave` takes a
+        boundary (or, when one is under way, the leave waits for it), and the machine is released when the
+        next attempt is placed without it (`release`)."""
+        machine = int(request["machine"])
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run (not machine 0) leaves it"}
+        step = self.step()
+        homes = self.homes() if self.homes is not None else self.home()
+        pnodes = sorted(p for p, m in homes.items() if m == machine)
+        if machine in self.joined and self.joined[machine].pnode.id not in pnodes:
+            pnodes.append(self.joined[machine].pnode.id)
+        with self.lock:
+            if machine in self.leaving or machine in self.released or self.done:
+                return {"leaving": True, "released": machine in self.released or self.done, "again": True}
+            self.leaving[machine] = step
+            placement = self.current[0] if self.current is not None else None
+            # Before the first attempt is placed, a machine the run started with is in it all the same.
+            if placement is not None:
+                running = set(placement.world)
+            else:
+                running = set(pnodes) if machine < self.static_machines else set()
+            queued = self.replanning
+            if not set(pnodes) & running:  # not in the running attempt: nothing of it to hand off
+                self.released.add(machine)
+                self.left.update(pnodes)
+                outcome = "released"
+            else:
+                outcome = "queued" if queued else "boundary"
+        self.event({"event": "leave", "machine": machine, "pnodes": pnodes, "step": step, "outcome": outcome})
+        if outcome == "boundary" and self.on_leave is not None:
+            threading.Thread(target=self.on_leave, args=(self, machine, pnodes, step), daemon=True).start()
+        return {"leaving": True, "released": outcome == "released", "step": step}
+
+    def vanished(self, pnodes: list[str]) -> None:
+        """PNodes of machines that vanished (a decision's `gone`): never placed again, as those that left; a
+        machine admitted and then SIGKILLed would otherwise be placed again at the next boundary (or by a
+        successor, from the mirrored record) and its missing workers stall that attempt's rendezvous."""
+        with self.lock:
+            self.left.update(pnodes)
+
+    def joined_present(self) -> int:
+        """The joined machines still in the run (under the lock): what MAX counts, so that one that left or
+        vanished frees its place (its number is never given again: numbers name machines on the channel and in
+        the mirrored record)."""
+        return sum(1 for m, j in self.joined.items() if m not in self.released and j.pnode.id not in self.left)
+
+    def release(self, step: int) -> list[int]:
+        """At a boundary, before the next attempt is placed: the leaving machines may go (their workers ended
+        with the boundary's checkpoint, which holds what they held); their PNodes are never placed again."""
+        homes = self.homes() if self.homes is not None else self.home()
+        with self.lock:
+            going = sorted(m for m in self.leaving if m not in self.released)
+            self.released.update(going)
+            self.left.update(p for p, m in homes.items() if m in going)
+            self.left.update(self.joined[m].pnode.id for m in going if m in self.joined)
+        for m in going:
+            self.event({"event": "release", "machine": m, "step": step,
+                        "pnodes": sorted(p for p, h in homes.items() if h == m)})
+        return going
+
+
+class _Handover:
+    """What a successor takes over of an `Admission` when machine 0 is lost (succession.py mirrors `record`;
+    the successor's admission `restore`s it).  Kept apart from the joins and the leaves: only a succession
+    reads it."""
+
+    def record(self) -> dict[str, Any]:
+        """What a successor needs to admit as this admission does (succession.py mirrors it): every admitted
+        machine with its PNode's figures (a fleet file of one) and the step it was admitted at, the machines
+        that left, were released or are leaving."""
+        from vgraph.placement.drift import fleet_file_text
+
+        with self.lock:
+            return {"joined": {str(m): {"pnode": fleet_file_text(Fleet.of(j.pnode.id, j.pnode)), "step": j.step}
+                               for m, j in self.joined.items()},
+                    "left": sorted(self.left), "released": sorted(self.released),
+                    "leaving": {str(m): s for m, s in self.leaving.items()}}
+
+    def restore(self, record: Any, say: Callable[[str], None]) -> None:
+        """A successor's admission: take over the admitted machines, leaves and releases of the lost
+        coordinator's `record` (a machine that was leaving is released); a malformed entry is said and left out (the machine it names is then refused
+        when it asks for a job, and ends with that message, instead of the run stopping here)."""
+        if not isinstance(record, dict):
+            return
+        joined = record.get("joined") if isinstance(record.get("joined"), dict) else {}
+        for key, entry in joined.items():
+            try:
+                machine = int(key)
+                fleet = loads_fleet(str(entry["pnode"]), f"<the admission record of machine {machine}>")
+                if len(fleet) != 1 or not self.static_machines <= machine < MAX_MACHINE_NUMBER:
+                    raise ValueError(f"machine {machine}: not one joined PNode")
+                self.joined[machine] = _Joined(machine, fleet.pnodes[0], int(entry["step"]))
+            except (KeyError, TypeError, ValueError, FleetError) as exc:
+                say(f"launch: the admission record's machine {quote(str(key), 20)} is left out: {quote(str(exc), 200)}")
+        self.left.update(str(p) for p in record.get("left") or [] if isinstance(p, str))
+        self.released.update(int(m) for m in record.get("released") or [] if isinstance(m, int))
+        leaving = record.get("leaving") if isinstance(record.get("leaving"), dict) else {}
+        self.leaving.update({int(m): int(s) for m, s in leaving.items() if str(m).isdigit() and isinstance(s, int)})
+        # A machine that was leaving goes now: its workers stopped with the lost coordinator's attempt, and the
+        # successor's next one is placed without it (`departing`), so no boundary of its own is owed to it.
+        self.released.update(self.leaving)
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """A re-plan boundary taken (`Admission.close_boundary`): its step, when its stop was asked for and the step
+    logged then, the PNodes the next attempt runs on and the machines released."""
+
+    step: int
+    requested: float
+    asked: int | None  # the last logged step when the stop was asked for (None: unknown)
+    pnodes: list[str]
+    released: list[int]
+
+
+class _Stops:
+    """An `Admission`'s side of a re-plan boundary: the stop it asks the workers for (the stop file, as Ctrl-C
+    writes it) and the boundary it closes when they are done, with its row.  Kept apart from the joins: only
+    the boundaries (boundaries.py) ask for them."""
+
+    def ask_boundary(self) -> bool:
+        """Ask the workers to stop after the current step with a checkpoint (once, while none is under way):
+        the stop file, as Ctrl-C writes it; its time is where the boundary's measured move starts.  False when
+        the run is over (nothing asked)."""
+        with self.lock:
+            if self.done:
+                return False
+            self.replanning = True
+        self.asked_step = self.step()  # the steps logged after it are progress, not the boundary's cost
+        atomic_write(self.run_dir / LAUNCH_DIR / STOP_FILE, "boundary\n")
+        return True
+
+    def close_boundary(self, step: int, steps: int) -> "_Boundary | None":
+        """Every worker is done at `step` (the run's last logged one; `steps` the run's): the stop file read
+        for its time and removed; a re-plan boundary with steps left gets its row and the leaving machines
+        their release, else (None) only the release (the run is over: a leaving machine goes).  Here because
+        the admission asked for the stop and keeps the homes, the leaves and the rows it is decided from."""
+        stop_file = self.run_dir / LAUNCH_DIR / STOP_FILE
+        with self.lock:
+            asked, self.replanning = self.replanning, False
+            queued, self.queued = self.queued, []
+            asked_step, self.asked_step = self.asked_step, None  # this boundary's request, read once
+        try:
+            requested = stop_file.stat().st_mtime
+        except OSError:  # none: the stop was never written (measured from now)
+            requested = time.time()
+        stop_file.unlink(missing_ok=True)
+        released = self.release(step)  # their workers ended with this boundary's checkpoint
+        if not asked or step >= steps:
+            return None
+        homes = self.homes() if self.homes is not None else self.home()
+        pnodes = sorted(set(homes) - self.departing())
+        self.event({"event": "boundary", "step": step, "pnodes": pnodes, "released": released,
+                    "requested": round(requested, 3), "queued": [self.joined[m].pnode.id for m in queued]})
+        return _Boundary(step, requested, asked_step, pnodes, released)
+
+
+@dataclass
+class Admission(_Departures, _Handover, _Stops):
+    """Machine 0's side of an elastic run: admits joins, serves files and jobs, records events.
+
+    `on_join` runs in its own thread after an admission (the re-plan decision: it may take seconds, longer
+    than a request may wait); `step` reads the run's last logged step.  Leaves: `_Departures`; a successor's
+    take-over: `_Handover`; a re-plan boundary's stop: `_Stops`."""
+
+    run_dir: Path
+    fleet: Fleet
+    graph: Graph  # the network, for the smallest share a PNode must hold
+    max_machines: int
+    static_machines: int  # the machines the run started with (--nnodes MIN)
+    step: Callable[[], int]
+    on_join: Callable[["Admission", _Joined], None] | None = None
+    files: dict[str, tuple[Path, int, str]] = field(default_factory=dict)  # name -> (path, size, sha256)
+    joined: dict[int, _Joined] = field(default_factory=dict)
+    jobs: dict[int, dict[str, Any]] = field(default_factory=dict)  # attempt -> what followers need
+    done: bool = False
+    replanning: bool = False  # a boundary was asked for and its next attempt is not placed yet
+    queued: list[int] = field(default_factory=list)  # machines admitted during a re-plan: placed at its boundary
+    told_done: set[int] = field(default_factory=set)  # machines that read `done`
+    current: tuple[Any, Fleet] | None = None  # the running attempt's placement (launch.Placement) and fleet
+    next_fleet: Fleet | None = None  # the fleet a drift re-plan chose for the boundary's attempt
+    asked_step: int | None = None  # the last logged step when the pending boundary was asked for (`_Stops`)
+    error: str = ""  # why the run ended, when it failed
+    successors: list[int] = field(default_factory=list)  # started machines in line (joined ones: the table's)
+    me: int = 0  # the machine serving this admission: 0, or the successor that took machine 0's role
+    settings: dict[str, Any] = field(default_factory=dict)  # the launch settings a joiner takes the role with
+    # (inputs.launch_settings), sent with its admission
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
+        """Offer `path` to admitted machines as `name`: its size now and its SHA-256 (given, as a corpus's
+        manifest records its shards', or computed here a megabyte at a time)."""
+        size = path.stat().st_size
+        if sha256 is None:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            sha256 = digest.hexdigest()
+        self.files[name] = (path, size, sha256)
+
+    def event(self, row: dict[str, Any]) -> None:
+        """One row of launch/fleet-events.jsonl (appended; the file is machine 0's, in the run it owns)."""
+        with self.lock:
+            record_event(self.run_dir, row)
+
+    @property
+    def pnodes(self) -> list[PNode]:
+        """The joined PNodes, in order of admission."""
+        return [j.pnode for j in sorted(self.joined.values(), key=lambda j: j.machine)]
+
+    def grown_fleet(self, fleet: Fleet) -> Fleet:
+        """`fleet` with every admitted PNode it lacks and without the PNodes of machines that left or are
+        leaving (the regions and links kept)."""
+        gone = self.departing()
+        have = set(fleet.ids)
+        extra = [p for p in self.pnodes if p.id not in have and p.id not in gone]
+        if gone & have:
+            fleet = fleet.without(gone)
+        if not extra:
+            return fleet
+        return Fleet.of(fleet.name, *fleet.pnodes, *extra, links=fleet.links, collectives=fleet.collectives)
+
+    def home(self) -> dict[str, int]:
+        """Where the joined PNodes run (PNode -> machine), but this machine's own: a joined machine that took
+        the coordinator's role (succession.py) holds rank 0 on its PNode and is nobody's follower."""
+        return {j.pnode.id: j.machine for j in self.joined.values() if j.machine != self.me}
+
+    def publish(self, attempt: int, job_path: Path, home: dict[str, int], placement: Any, fleet: Fleet) -> None:
+        """Attempt `attempt`'s job, for the machines that follow machine 0 (the joined ones); its placement
+        and fleet are what the next join's decision starts from."""
+        name = f"job-{attempt}.json"
+        self.serve(name, job_path)
+        with self.lock:
+            self.current = (placement, fleet)
+            self.asked_step = None  # a boundary asked of an attempt that failed instead is not this one's
+            self.jobs[attempt] = {"attempt": attempt, "file": name, "home": dict(home)}
+
+    def finish(self, error: str = "") -> None:
+        """The run is over (with machine 0's `error` when it failed): followers stop waiting for jobs."""
+        with self.lock:
+            self.done, self.error = True, error
+
+    # -- requests -------------------------------------------------------------------------------
+    def answer(self, request: dict) -> dict:
+        op = request.get("op")
+        try:
+            if op == "join":
+                return self._join(request)
+            if op == "fetch":
+                return self._fetch(request)
+            if op == "job":
+                return self._job(request)
+            if op == "leave":
+                return self._leave(request)
+        except (TypeError, ValueError, KeyError) as exc:
+            return {"error": f"malformed {op} request: {quote(str(exc), 120)}"}
+        return {"error": f"unknown request {quote(str(op), 40)}"}
+
+    def _join(self, request: dict) -> dict:
+        text, file = request.get("pnode"), request.get("file")
+        if (not isinstance(text, str) or not isinstance(file, str) or len(text) > elastic.MAX_PNODE_TEXT
+                or len(file) > 300):
+            return self._refuse(None, "the join request carries no PNode file text (or an oversized one)")
+        file = "".join(c if c.isprintable() else "?" for c in file)
+        try:
+            fleet = loads_fleet(text, file)
+        except FleetError as exc:
+            return self._refuse(None, str(exc))
+        if len(fleet) != 1:
+            return self._refuse(None, f"{file}: a PNode file describes one machine; this one lists {len(fleet)}")
+        pnode = fleet.pnodes[0]
+        group, need = smallest_share(self.graph)
+        try:
+            Fleet.of(self.fleet.name, *self.fleet.pnodes, pnode, links=self.fleet.links,
+                     collectives=self.fleet.collectives)
+            fits = ""
+        except FleetError as exc:
+            fits = str(exc)
+        step = self.step()
+        with self.lock:  # checked and taken at once: two joins racing for the last place get one each
+            reason = self._refusal(pnode, need, group, fits)
+            if reason is None:
+                machine = self.static_machines + len(self.joined)
+                joined = _Joined(machine, pnode, step)
+                self.joined[machine] = joined
+                queued = self.replanning
+                if queued:
+                    self.queued.append(machine)
+        if reason is not None:
+            return self._refuse(pnode.id, reason)
+        self.event({"event": "join", "pnode": pnode.id, "machine": machine, "step": joined.step,
+                    "outcome": "admitted", "queued": queued})
+        if self.on_join is not None and not queued:
+            threading.Thread(target=self.on_join, args=(self, joined), daemon=True).start()
+        return {"admitted": True, "machine": machine, "pnode": pnode.id, "queued": queued,
+                "successors": list(self.successors),
+                "settings": dict(self.settings),
+                "files": {n: {"size": s, "sha256": d} for n, (_, s, d) in self.files.items()
+                          if not n.startswith("job-")}}
+
+    def _refusal(self, pnode: PNode, need: int, group: str, fits: str) -> str | None:
+        """Why `pnode` may not join now, or None (under the lock)."""
+        if pnode.id in self.left:
+            return (f"PNode id {pnode.id!r} was in the run and is gone (it left or was lost): a machine that comes "
+                    f"back joins under a new id (vgraph probe --id)")
+        if pnode.id in set(self.fleet.ids) | {j.pnode.id for j in self.joined.values()}:
+            return f"PNode id {pnode.id!r} is already in the run: every machine needs its own id (vgraph probe --id)"
+        if self.static_machines + self.joined_present() >= self.max_machines:
+            return f"the run has its {self.max_machines} machines (--nnodes {self.static_machines}:{self.max_machines})"
+        if pnode.memory < need:
+            return (f"PNode {pnode.id!r} has {human_bytes(pnode.memory)} of memory; no plan can give it a share: the "
+                    f"smallest, {group!r} with one sample, needs {human_bytes(need)}")
+        if fits:
+            return f"PNode {pnode.id!r} does not fit the run's fleet: {fits}"
+        return None
+
+    def _refuse(self, pnode: str | None, reason: str) -> dict:
+        self.event({"event": "join", "pnode": pnode, "outcome": "refused", "reason": reason})
+        return {"admitted": False, "reason": reason}
+
+    def _fetch(self, request: dict) -> dict:
+        machine, name, offset = int(request["machine"]), str(request["name"]), int(request["offset"])
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run fetches its files"}
+        if name not in self.files:
+            return {"error": f"no file {quote(name, 80)} is offered"}
+        path, size, digest = self.files[name]
+        if not 0 <= offset <= size:
+            return {"error": f"offset {offset} outside {name} ({size} bytes)"}
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(CHUNK_BYTES)
+        return {"data": base64.b64encode(data).decode("ascii"), "size": size, "sha256": digest}
+
+    def _job(self, request: dict) -> dict:
+        machine, attempt = int(request["machine"]), int(request["attempt"])
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run reads its jobs"}
+        with self.lock:
+            if machine in self.released:
+                self.told_done.add(machine)
+                return {"done": True, "released": True, "failure": ""}
+            later = sorted(a for a in self.jobs if a >= attempt)
+            if later:
+                job = self.jobs[later[0]]
+                name = job["file"]
+                _, size, digest = self.files[name]
+                return {**job, "size": size, "sha256": digest}
+            if self.done:
+                self.told_done.add(machine)
+                return {"done": True, "failure": self.error}
+            return {"wait": True}
+
+    def wait_told(self, timeout: float) -> None:
+        """Machine 0 at the end: give the other machines up to `timeout` s to read `done`
+        (they would otherwise wait for machine 0 until their link timeout and end with an error)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                others = (set(self.joined) | set(range(self.me + 1, self.static_machines))) - {self.me}
+                if others <= self.told_done | self.released:
+                    return
+            time.sleep(0.05)
+
+
+def record_event(run_dir: Path, row: dict[str, Any]) -> None:
+    """Append one row to machine 0's launch/fleet-events.jsonl: joins, re-plans, boundaries, rescues."""
+    line = json.dumps({"time": round(time.time(), 3), **row}, allow_nan=False) + "\n"
+    with open(run_dir / LAUNCH_DIR / FLEET_EVENTS_JSONL, "a", encoding="utf-8") as f:
+        f.write(line)
+
+
+
+def open_admission(run: Run) -> Admission:
     """Machine 0 of a run that takes joins: what it offers a joined machine (the prepared corpus's files,
     by the names its manifest gives) and how it decides on a join, served on the launchers' channel."""
     from vgraph.data.shards import MANIFEST, SPLITS, TOKENIZER_FILE, open_prepared
 
-    admission = elastic.Admission(run.run_dir, run.fleet, run.source, run.max_nnodes, run.nnodes,
+    admission = Admission(run.run_dir, run.fleet, run.source, run.max_nnodes, run.nnodes,
                                   step=lambda: last_step(run.run_dir), on_join=lambda adm, joined: _on_join(run, joined),
                                   on_leave=lambda adm, machine, pnodes, step: _on_leave(run, machine, pnodes, step),
                                   homes=lambda: {**(run.home or {}), **admission.home()},
@@ -61,10 +496,10 @@ def open_admission(run: Run) -> elastic.Admission:
 def take_admission(run: Run) -> None:
     """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
     machine; the channel's address moved with the role), with the machines it had admitted, released or was
-    releasing, from the record this machine mirrored (succession.mirrored_admission)."""
+    releasing, from the record this machine mirrored (mirrored_admission)."""
     run.admission = open_admission(run)
     run.admission.me = run.node_rank
-    run.admission.restore(succession.mirrored_admission(run.run_dir), run.emit)
+    run.admission.restore(mirrored_admission(run.run_dir), run.emit)
     run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
 
 
@@ -169,7 +604,7 @@ def replan(run: Run, trigger: str, step: int, target_of: Callable[[Fleet], Fleet
         admission.ask_boundary()
 
 
-def _running(admission: elastic.Admission, wait_s: float) -> tuple[Any, Fleet]:
+def _running(admission: Admission, wait_s: float) -> tuple[Any, Fleet]:
     """The running attempt's (placement, fleet); a leave before the first attempt is placed waits for it."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -321,6 +756,22 @@ def watch_move(run: Run, attempt: int) -> Callable[[], str | None]:
             move_measured(run, attempt)
         return trouble()
     return poll
+
+
+@contextlib.contextmanager
+def watching(run: Run, attempt: int) -> Iterator[Callable[[], str | None]]:
+    """While this machine's workers of `attempt` run: the boundaries' watches, the supervisor's `trouble` poll
+    given (`watch_move`: a boundary's move measured while they run) and a drift decided from the step they
+    start at (`watch_drift`, its own thread, ended with the block); once they are done, the move of an attempt
+    too short for the poll to see its first step."""
+    ended = threading.Event()
+    if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision
+        threading.Thread(target=watch_drift, args=(run, last_step(run.run_dir), ended), daemon=True).start()
+    try:
+        yield watch_move(run, attempt)
+        move_measured(run, attempt)
+    finally:
+        ended.set()
 
 
 def move_measured(run: Run, attempt: int) -> None:

@@ -24,15 +24,18 @@ from vgraph.placement.drift import fleet_file_text
 from vgraph.plugins import loaded_files
 from vgraph.run.compiled_graph import network_changes, plugin_distributions, weight_keeping_changes
 from vgraph.run.files import PLACEMENT_JSON, RUN_JSON
+from vgraph.run.step_plan import make_plan
 
 from ...training.config import TrainingError
+from ...training.rescue import run_identity
 from ..job import JOB_FILE, Job
 from ..rendezvous import TOKEN_ENV
 from ..runtime.comm_choice import choose_comm
 from .inputs import Run
 from .placing import Placement, led_by, place
 
-__all__ = ["Attempt", "RankZeroJoined", "rank_zero_elsewhere", "given_placement", "plan", "place_attempt", "emit_job"]
+__all__ = ["Attempt", "RankZeroJoined", "rank_zero_elsewhere", "given_placement", "plan", "place_attempt", "emit_job",
+           "rescue_inputs"]
 
 
 @dataclass
@@ -214,3 +217,20 @@ def emit_job(run: Run, folder: OutputDir) -> dict[str, Any]:
              f"  srun --ntasks {world} --ntasks-per-node {per_node} python -m {module} {path}   "
              f"(with {TOKEN_ENV} exported)")
     return attempt.placement.report
+
+
+def rescue_inputs(attempt: Attempt, steps: int, tokenizer_json: str, micro: int) -> dict[str, Any]:
+    """What a rescue of `attempt` is assembled against (training/rescue.py): the run's identity, the network's
+    parameter keys, whether state is each rank's own, and what its checkpoint carries besides the shards'."""
+    job, graph = attempt.job, attempt.placement.graph
+    plan = make_plan(graph, attempt.placement.final, list(attempt.placement.ranks))
+    compressing = job.grad_compress != "none" or graph.nodes_of_type("compress")
+    return {"run": run_identity(job.network_yaml, job.run_info), "attempt": attempt.number, "ceiling": steps,
+            "keys": set().union(*(plan.param_keys(r) for r in range(plan.world_size))),
+            "per_rank_state": "the run compresses with error feedback, whose buffers are each rank's own"
+                              if compressing else "",
+            "extra": {"layout": "unfused", "run": json.loads(json.dumps(job.run_info, default=str)),
+                      "network_yaml": job.network_yaml,
+                      "tokenizer_json": tokenizer_json,
+                      "launch": {"ranks": job.ranks, "assignment": job.final_assignment, "micro_batches": micro,
+                                 "attempt": attempt.number}}}

@@ -41,8 +41,9 @@ from ..rendezvous import TOKEN_ENV, check_master_addr, check_token, probe_port
 from ..runtime.comm_choice import COMM_MODES
 from ..runtime.grad_sync import DEFAULT_BUCKET_BYTES
 from ..runtime.progress import LaunchBar
-from . import elastic, succession
+from . import elastic
 from .membership import MachineLost, Machines
+from .mirror import Mirror, superseded
 from .placing import split_pipeline
 
 __all__ = ["LaunchConfig", "Run", "ON_FAILURE", "resolve_inputs", "is_elastic", "succeeds", "job_folder",
@@ -284,12 +285,12 @@ class Run:
     data_digest: str = ""
     # state: what the attempts learn and change on the way
     home: dict[str, int] | None = None  # PNode -> machine, fixed by the first attempt: a PNode stays where it ran
-    admission: "elastic.Admission | None" = None  # machine 0 of a run that takes joins (elastic.py)
+    admission: Any = None  # machine 0 of a run that takes joins: boundaries.Admission (that module imports this)
     leave: "elastic.Leaving | None" = None  # machine k != 0 of a run that takes joins: its graceful leave
     moving: tuple[int, float, float] | None = None  # a boundary's step, its stop request's time and the seconds
     # its workers trained after the request (boundaries.boundary), until the move is measured
     moved_s: float | None = None  # the last boundary's measured seconds: the next decisions' overhead (boundaries.py)
-    mirror: "succession.Mirror | None" = None  # a machine next in line: the coordinator's history (succession.py)
+    mirror: "Mirror | None" = None  # a machine next in line: the coordinator's history (mirror.py)
     rescued: Callable[[], list[Path]] = lambda: []  # other consistent states a successor may resume from
 
     @property
@@ -395,7 +396,7 @@ def _refuse_superseded(run_dir: Path, token: str) -> None:
     """Machine 0 started again on a run another machine took over: refused, never a second run beside it."""
     from .membership import channel_key
 
-    why = succession.superseded(run_dir, channel_key(token))
+    why = superseded(run_dir, channel_key(token))
     if why is not None:
         raise VGraphError(f"{run_dir}: {why}")
 

@@ -103,7 +103,7 @@ from ..rendezvous import check_master_addr, free_port  # noqa: F401 (free_port: 
 from . import elastic
 from .attempts import JoinedSuccession, LaunchResult, collect, micro_per_replica as _micro_per_replica, run_attempts  # noqa: F401
 from .emission import emit_job
-from .failures import mirror
+from .succession import mirror
 from .inputs import (ON_FAILURE, LaunchConfig, is_elastic, job_folder, read_placement,  # noqa: F401
                      read_placement_layout, resolve_inputs)
 from .boundaries import open_admission, serve_channel

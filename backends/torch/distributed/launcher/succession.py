@@ -33,7 +33,7 @@ is the run's history, so it is mirrored, and the coordinator role moves:
   (`superseded`: a VGraphError naming the coordinator, exit 2), so the run is never split in two.
 
 An elastic run (`--nnodes MIN:MAX`) carries more: the machines that joined.  The coordinator's admission
-(elastic.Admission.record: each admitted machine's PNode figures, the machines that left) travels with the
+(boundaries.Admission.record: each admitted machine's PNode figures, the machines that left) travels with the
 rows (`admission.json` in the mirror), so the successor admits as machine 0 did and knows the machines still
 waiting for a boundary; the fleet of the attempt that was running is in its job.  The line of succession is
 the lowest surviving machine number, started or joined: a machine that joined has the launch settings its
@@ -48,214 +48,42 @@ candidate is the survivors' rescue shards (`rescued_state`, training/rescue.py's
 sends its own to the coordinator it follows before its report (`succeed`'s `send`), so the successor holds
 every survivor's shards once it has every report, and a replica that survived gives the step the workers
 reached: 0 steps redone, provided that step's row was mirrored (the log must hold every step once).
+
+Where: the history's mirror, the machines' record and a returning machine 0's refusal are mirror.py (they run
+all along, beside the attempts); this module is the role moving, from the failure that loses the coordinator
+(`lost_coordinator`, asked by failures.after_failure; `succeed_followed` for a machine following jobs) through
+the election (`succeed`) to the new coordinator's run directory (`install`), so a successor's steps after a
+failure are one module's, called one way.
 """
 from __future__ import annotations
 
-import base64
 import json
 import os
 import shutil
-import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from vgraph.base.diagnostics import VGraphError, quote
+from vgraph.base.diagnostics import VGraphError
 from vgraph.base.safeio import atomic_write
-from vgraph.data.shards import sha256_file
-from vgraph.run.files import CHECKPOINT_PREFIX, LATEST, LAUNCH_DIR, METRICS_JSONL
+from vgraph.cost.fleet import Fleet, loads_fleet
+from vgraph.run.files import LATEST, LAUNCH_DIR, METRICS_JSONL, NETWORK_YML, TOKENIZER_JSON, RunLock
 
 from ...training import checkpoint as ckpt
+from ...training.config import TrainingError
 from ...training.rescue import RESCUE_DIR, rescue_saved
-from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, _fetch
-from .membership import (REQUEST_TIMEOUT_S, ask, elect, follow_successor, rival,  # noqa: F401 (this module's API too)
-                         serving)
+from ..job import Job
+from .boundaries import record_event, serve_channel, take_admission
+from .elastic import TookOver
+from .emission import Attempt, plan as placed_as_planned, rescue_inputs
+from .inputs import Run
+from .membership import (REQUEST_TIMEOUT_S, MachineLost, decide, elect, follow_successor, rival,  # noqa: F401
+                         serving)  # (elect, serving, follow_successor: this module's API too)
+from .mirror import MIRROR_DIR, MIRRORS, pull_history, serve_history, superseded
+from .shard_transfer import send_shards
 
-__all__ = ["MirrorSource", "Mirror", "elect", "serving", "succeed", "follow_successor", "install", "newest_state",
-           "superseded",
-           "record_machines", "rescued_state",
-           "MIRROR_DIR", "MACHINES_JSON", "ADMISSION_JSON", "mirrored_admission", "MIRRORS", "MIRROR_EVERY_S",
-           "Installed"]
-
-MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
-MACHINES_JSON = "machines.json"  # in the coordinator's RUN/launch/: the machines' addresses and the channel port
-MIRRORS = 2  # the successor, and the next in line should the successor die during its succession
-MIRROR_EVERY_S = 1.0  # rows: metrics.jsonl is written about once a second (metrics_log.py); see docs
-ADMISSION_JSON = "admission.json"  # in the mirror: an elastic run's admitted machines (elastic.Admission.record)
-TAIL_BYTES = 64  # the last bytes a mirror holds, sent with its offset: a rewritten metrics.jsonl is noticed
-
-
-
-class MirrorSource:
-    """The coordinator's side: answers `mirror` (new metrics bytes, the latest checkpoint's file list) and
-    `mirror-fetch` (a chunk of one of that checkpoint's files, named by the list it sent: never a path the
-    request makes up)."""
-
-    def __init__(self, run_dir: Path, admission: Callable[[], dict | None] = lambda: None) -> None:
-        self.run_dir = run_dir
-        self.admission = admission  # an elastic run's admitted machines (elastic.Admission.record), or None
-        self._listed: tuple[str, dict[str, tuple[int, str]]] | None = None  # (checkpoint, file -> (size, sha))
-        self._lock = threading.Lock()
-
-    def answer(self, request: dict) -> dict:
-        try:
-            if request.get("op") == "mirror":
-                return self._rows(int(request.get("offset", 0)), str(request.get("tail", "")))
-            return self._chunk(str(request["checkpoint"]), str(request["name"]), int(request["offset"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            return {"error": f"malformed mirror request: {quote(str(exc), 120)}"}
-        except (OSError, ckpt.CheckpointError) as exc:  # a checkpoint pruned or being replaced: ask again later
-            return {"error": f"not available now: {quote(str(exc), 200)}"}
-
-    def _rows(self, offset: int, tail: str) -> dict:
-        path = self.run_dir / METRICS_JSONL
-        held = base64.b64decode(tail, validate=True)  # a ValueError when it is not base64: said, not served
-        try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if not 0 <= offset <= size or len(held) > TAIL_BYTES or len(held) > offset:
-                    offset = 0
-                elif held:
-                    f.seek(offset - len(held))
-                    if f.read(len(held)) != held:  # rewritten (a restart cut it back): start over
-                        offset = 0
-                f.seek(offset)
-                data = f.read(CHUNK_BYTES)
-        except FileNotFoundError:
-            offset, data, size = 0, b"", 0
-        return {"offset": offset, "rows": base64.b64encode(data).decode("ascii"), "size": size,
-                "checkpoint": self._latest(), "admission": self.admission()}
-
-    def _latest(self) -> dict | None:
-        latest = ckpt.latest_checkpoint(self.run_dir)
-        if latest is None:
-            return None
-        with self._lock:
-            if self._listed is None or self._listed[0] != latest.name:
-                files = {p.name: (p.stat().st_size, sha256_file(p)) for p in sorted(latest.iterdir())
-                         if p.is_file()}
-                self._listed = (latest.name, files)
-            name, files = self._listed
-        return {"name": name, "files": {n: {"size": s, "sha256": d} for n, (s, d) in files.items()}}
-
-    def _chunk(self, checkpoint: str, name: str, offset: int) -> dict:
-        with self._lock:
-            listed = self._listed
-        if listed is None or listed[0] != checkpoint or name not in listed[1]:
-            return {"error": f"{quote(checkpoint, 60)}/{quote(name, 60)} is not offered (a newer checkpoint?)"}
-        size, digest = listed[1][name]
-        if not 0 <= offset <= size:
-            return {"error": f"offset {offset} outside {name} ({size} bytes)"}
-        with open(self.run_dir / checkpoint / name, "rb") as f:
-            f.seek(offset)
-            data = f.read(CHUNK_BYTES)
-        return {"data": base64.b64encode(data).decode("ascii"), "size": size, "sha256": digest}
-
-
-@dataclass
-class Mirror:
-    """A follower's side: pulls the coordinator's history into RUN/launch/mirror/ (see the module docstring).
-    `request(op, timeout, **fields)` asks the coordinator of the moment (membership.Machines.request)."""
-
-    request: Callable[..., dict]
-    folder: Path
-    say: Callable[[str], None] = lambda line: None
-    every: float = MIRROR_EVERY_S
-    active: Callable[[], bool] = lambda: True  # False while this machine is itself the coordinator
-    over: Callable[[], bool] = lambda: False  # True once this machine's channel is closed: the thread ends
-    offset: int = 0
-    checkpoint: str | None = None
-    admission: dict | None = None  # the last admission record written (elastic runs)
-    figures: list[dict[str, Any]] = field(default_factory=list)  # per mirrored checkpoint: bytes, seconds
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> "Mirror":
-        """Start pulling, into a fresh folder (a mirror left by an earlier run of this directory is not this
-        run's history)."""
-        shutil.rmtree(self.folder, ignore_errors=True)
-        self.folder.mkdir(parents=True)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="vgraph-mirror")
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop pulling; a round under way finishes first (its files are complete or thrown away)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * FETCH_TIMEOUT_S)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every) and not self.over():
-            if not self.active():
-                continue
-            try:
-                self.pull()
-            except (OSError, ValueError, TypeError, KeyError, VGraphError):
-                # The coordinator is busy or gone (the channel's own clocks decide what that means), or its answer
-                # was not what this version reads: the mirror keeps what it holds and asks again.
-                continue
-
-    def pull(self) -> None:
-        """One round: the new rows, then the latest checkpoint when it is not the one held."""
-        rows = self.folder / METRICS_JSONL
-        tail = b""
-        if self.offset:
-            with open(rows, "rb") as f:
-                f.seek(max(0, self.offset - TAIL_BYTES))
-                tail = f.read(TAIL_BYTES)
-        reply = self.request("mirror", REQUEST_TIMEOUT_S, offset=self.offset,
-                             tail=base64.b64encode(tail).decode("ascii"))
-        if "error" in reply:
-            return
-        start, data = int(reply["offset"]), base64.b64decode(str(reply["rows"]), validate=True)
-        if start not in (0, self.offset):  # the coordinator answers from the offset asked, or from the start
-            raise ValueError(f"the coordinator answered rows from offset {start}, not {self.offset} or 0")
-        with open(rows, "r+b" if rows.exists() else "wb") as f:
-            f.truncate(start)
-            f.seek(start)
-            f.write(data)
-        self.offset = start + len(data)
-        admitted = reply.get("admission")
-        if isinstance(admitted, dict) and admitted != self.admission:  # an elastic run's machines, as they change
-            atomic_write(self.folder / ADMISSION_JSON, json.dumps(admitted) + "\n")
-            self.admission = admitted
-        latest = reply.get("checkpoint")
-        if isinstance(latest, dict) and latest.get("name") != self.checkpoint:
-            self._fetch_checkpoint(str(latest["name"]), dict(latest["files"]))
-
-    def _fetch_checkpoint(self, name: str, files: dict[str, Any]) -> None:
-        if not name.startswith(CHECKPOINT_PREFIX) or Path(name).name != name or not name.isprintable():
-            raise ValueError(f"the coordinator names a checkpoint {quote(name, 60)}")
-        began, total = time.monotonic(), 0
-        incoming = self.folder / f".incoming-{name}"
-        shutil.rmtree(incoming, ignore_errors=True)
-        incoming.mkdir()
-
-        def ask_chunk(op: str, timeout: float = FETCH_TIMEOUT_S, **kw: Any) -> dict:
-            return self.request("mirror-fetch", timeout, checkpoint=name, **kw)
-
-        try:
-            for file, meta in files.items():
-                if Path(file).name != file or file in (".", "..") or not file.isprintable():
-                    raise ValueError(f"the coordinator names a checkpoint file {quote(file, 60)}")
-                with open(incoming / file, "wb") as f:
-                    # silence 0: a chunk that does not come ends this round (the next round starts over)
-                    _fetch(ask_chunk, file, int(meta["size"]), str(meta["sha256"]), f.write, 0)
-                total += int(meta["size"])
-            target = self.folder / name
-            shutil.rmtree(target, ignore_errors=True)
-            os.rename(incoming, target)
-        finally:
-            shutil.rmtree(incoming, ignore_errors=True)
-        atomic_write(self.folder / LATEST, name + "\n")
-        previous, self.checkpoint = self.checkpoint, name
-        if previous and previous != name:
-            shutil.rmtree(self.folder / previous, ignore_errors=True)
-        seconds = time.monotonic() - began
-        self.figures.append({"checkpoint": name, "bytes": total, "seconds": round(seconds, 3)})
-        self.say(f"launch: mirrored {name} from the coordinator ({total:,} bytes in {seconds:.2f} s)")
+__all__ = ["elect", "serving", "succeed", "follow_successor", "install", "newest_state", "rescued_state", "Installed",
+           "fence", "mirror", "succeed_followed", "lost_coordinator", "rescue_of"]
 
 
 def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
@@ -403,62 +231,131 @@ def install(run_dir: Path, rescued: Iterable[Path] = (), say: Callable[[str], No
     return Installed(step, max(0, last - step), source)
 
 
-def mirrored_admission(run_dir: Path) -> dict | None:
-    """The admission record this machine mirrored (an elastic run's admitted machines), or None when there is
-    none or it does not read (then only the machines of the last job are known: elastic.Admission.restore)."""
-    from vgraph.base.safeio import read_json
+def fence(run: Run) -> None:
+    """The coordinator, about to go on without machines it lost: stop if one of them coordinates the run now (a
+    machine 0 started again within the rejoin timeout heard the others before they took the run over)."""
+    from .membership import channel_key
 
-    path = run_dir / LAUNCH_DIR / MIRROR_DIR / ADMISSION_JSON
-    if not path.is_file():
-        return None
-    try:
-        record = read_json(path, what="the mirrored admission record")
-    except VGraphError:
-        return None
-    return record if isinstance(record, dict) else None
+    why = superseded(run.run_dir, channel_key(run.token), run.node_rank) if run.succeeds else None
+    if why is not None:
+        raise TrainingError(why)
 
 
-def _recorded(run_dir: Path) -> tuple[int, dict[int, str]] | None:
-    """(port, machine -> address) of launch/machines.json, or None when there is none or it is damaged."""
-    from vgraph.base.safeio import read_json
-
-    path = run_dir / LAUNCH_DIR / MACHINES_JSON
-    if not path.is_file():
-        return None
-    try:
-        data = read_json(path, what="launch/machines.json")
-        return int(data["port"]), {int(m): str(a) for m, a in dict(data["machines"]).items()}
-    except (VGraphError, KeyError, TypeError, ValueError):
-        return None  # not ours to judge: a damaged record names no coordinator
+def mirror(run: Run) -> None:
+    """The coordinator serves the run's history and records where the machines are; the machines next in
+    line (MIRRORS of them) pull it into RUN/launch/mirror/."""
+    if run.lead:
+        serve_history(run.machines, run.run_dir, lambda: run.admission.record() if run.admission is not None else None)
+    elif run.node_rank <= MIRRORS:
+        run.mirror = pull_history(run.machines, run.launch_dir, run.say)
 
 
-def record_machines(run_dir: Path, port: int, addrs: dict[int, str]) -> None:
-    """The coordinator: where the machines are (launch/machines.json), for a machine 0 that comes back.  Merged
-    with what the file held for the same port: a machine 0 started again has not heard every machine yet, and
-    the one that took its run over must still be asked (`superseded`)."""
-    before = _recorded(run_dir)
-    table = {**(before[1] if before is not None and before[0] == port else {}), **addrs}
-    atomic_write(run_dir / LAUNCH_DIR / MACHINES_JSON,
-                 json.dumps({"port": port, "machines": {str(m): a for m, a in sorted(table.items())}}) + "\n")
+def rescue_of(run: Run, attempt: Attempt) -> Callable[[], list[Path]]:
+    """What this machine, should it become the coordinator, assembles from the survivors' rescue shards of
+    `attempt` (`rescued_state`), asked only once it is elected (`Run.rescued`)."""
+    return lambda: rescued_state(run.run_dir, **rescue_inputs(attempt, run.steps, run.tokenizer_json, run.micro),
+                                 keep=run.keep_checkpoints, say=run.emit)
 
 
-def superseded(run_dir: Path, key: str, me: int = 0, timeout: float = 1.0) -> str | None:
-    """Machine `me` starting on, or going on with, a run it coordinated: why it must not (another machine
-    coordinates the run now: its rank and address), or None.  It asks every machine recorded in
-    launch/machines.json who serves the channel; silence is no objection (the run is over, or those machines
-    are gone)."""
-    recorded = _recorded(run_dir)
-    if recorded is None:
-        return None
-    port, addrs = recorded
-    for addr in dict.fromkeys(addrs.values()):
+def lost_coordinator(run: Run, report: dict[str, Any], lost: MachineLost, attempt: int) -> dict[str, Any]:
+    """This machine lost the coordinator (succession.py): the lowest surviving machine takes its role, the
+    others follow it; the decision for the next attempt, with the lost coordinator's PNodes lost (shrink
+    drops its replicas, restart re-plans on the rest).  The followers send their rescue shards of `attempt`
+    to it (the successor resumes from the newest consistent state: `Run.rescued`).  A coordinator followed
+    and lost in turn is elected around the same way.  The run stops (TrainingError) when the coordinator role
+    cannot move: another --on-failure, or nobody left."""
+    machines = run.machines
+    if not run.succeeds or run.lead:
+        raise TrainingError(str(lost)) from None
+    home = run.home or {}
+    survivors = set(home.values()) | {run.node_rank}
+    window = 2 * (run.link_timeout + REQUEST_TIMEOUT_S)  # a lower-ranked survivor noticed the loss by then
+    gone: set[str] = set()
+    dead: set[int] = set()
+    while True:
+        old = machines.coordinator
+        survivors.discard(old)
+        gone.update(p for p, m in home.items() if m == old)
+        # Only the lost machines' PNodes count (as membership.decide rules for a missing machine): the workers
+        # here failed because of them.
+        report = {**report, "lost": sorted(gone), "described": f"{', '.join(sorted(gone))} (machine(s) "
+                                                              f"{', '.join(map(str, sorted(dead | {old})))} lost)"}
+        dead.add(old)
+        run.emit(f"launch: machine {old} (the coordinator) is lost: {lost}; electing a successor among machine(s) "
+                 f"{', '.join(map(str, sorted(survivors)))}")
         try:
-            reply = ask(addr, port, key, {"op": "coordinator", "machine": me}, timeout)
-        except (OSError, ValueError):
-            continue
-        who = reply.get("coordinator")
-        if isinstance(who, int) and who != me:
-            return (f"machine {who} ({addr}) took over this run as its coordinator after machine {me} was lost, "
-                    f"and it goes on there: going on here would split it in two. Its metrics and checkpoints "
-                    f"are in machine {who}'s run directory; stop that run first to continue here with --resume")
-    return None
+            plan = succeed(
+                machines, old, survivors, report, lambda reports, missing: decide(reports, missing, home, run.on_failure),
+                window, send=lambda: send_shards(machines.request, run.launch_dir / RESCUE_DIR, attempt, run.emit),
+                serve=lambda: serve_channel(run))
+            break
+        except MachineLost as again:
+            lost = again
+    run.master_addr = machines.addr  # the workers' rendezvous: the coordinator's
+    if machines.coordinator == run.node_rank:
+        plan = {**plan, "redone": _become_coordinator(run, old, plan).redone}
+    else:
+        run.emit(f"launch: machine {machines.coordinator} ({machines.addr}) is the coordinator now; this machine "
+                 f"follows it")
+    return plan
+
+
+def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> Installed:
+    """This machine took the coordinator role: its run directory becomes the run's (locked, the newest state
+    installed, network.yml and tokenizer.json written) and it serves the history to the next in line."""
+    if run.mirror is not None:
+        run.mirror.stop()
+    # This launcher's own --out (a follower's: its launch/ folder and mirror); open_run_dir would refuse it
+    # as not yet a run, and it becomes one here, under the lock.
+    lock = RunLock.acquire(run.run_dir, "vgraph launch (the coordinator, after succession)")
+    if lock.note:
+        run.emit(lock.note)
+    installed = install(run.run_dir, run.rescued(), run.emit)
+    run.lead = True
+    atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
+    atomic_write(run.run_dir / TOKENIZER_JSON, run.tokenizer_json)
+    mirror(run)
+    row = {"event": "succession", "step": installed.step, "coordinator": run.node_rank, "lost": old,
+           "address": run.machines.addr,
+           "resume_step": installed.step, "steps_redone": installed.redone, "state": installed.source,
+           "pnodes_lost": plan.get("lost", [])}
+    record_event(run.run_dir, row)
+    run.emit(f"launch: machine {run.node_rank} is the coordinator now (machine {old} lost): the run goes on in "
+             f"{run.run_dir} from step {installed.step} ({installed.source}; {installed.redone} step(s) redone)")
+    return installed
+
+
+def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, Any] | None) -> dict[str, Any]:
+    """A machine an elastic run started with lost the coordinator while it ran (or waited for) the coordinator's
+    job `number` (elastic.follow_attempts' `lost`): elected as `lost_coordinator` elects.  Following another machine:
+    that one's decision.  Taking the role: elastic.TookOver with the next attempt's fleet: the job's fleet
+    (the grown one: every joined PNode's figures travel in it) without the lost machines' PNodes, with the
+    admitted machines that waited, re-planned by the partition pass (as `restart` re-plans around a machine
+    that vanished, whichever of shrink or restart the run has: the job's replicas are not this machine's to
+    shrink)."""
+    report = report or {"lost": [], "described": "", "error": ""}  # waiting for a job: nothing of its own lost
+    job_path = run.launch_dir / f"job-{number}.json"
+    job = Job.read(job_path)
+    fleet = loads_fleet(job.fleet_yaml, f"{job_path} (its fleet)")
+    run.home = {**(run.home or {}), **job.machines}
+    followed = _followed(run, job, job_path, fleet)
+    run.rescued = rescue_of(run, followed)
+    plan = lost_coordinator(run, report, why if isinstance(why, MachineLost) else MachineLost(str(why)), number)
+    if not run.lead:
+        return plan
+    if plan.get("error"):
+        raise TrainingError(plan["error"])
+    take_admission(run)
+    run.given = (None, None)
+    run.partition = run.partition.with_options("partition", replicas="auto")
+    raise TookOver(number, run.admission.grown_fleet(fleet.without(list(plan.get("gone") or plan["lost"]))),
+                   int(plan.get("redone", 0)))
+
+
+def _followed(run: Run, job: Job, job_path: Path, fleet: Fleet) -> Attempt:
+    """The attempt a follower ran from the coordinator's job, placed again as the job says (its assignment,
+    replicas and choices): what a rescue of it is assembled against (emission.rescue_inputs)."""
+    size = len(job.plan_ranks)
+    layout = ([job.ranks[i:i + size] for i in range(0, len(job.ranks), size)], list(job.batch_shares))
+    placement = placed_as_planned(run, fleet, job.assignment, layout, choices=job.plan_choices)
+    return Attempt(job.attempt, placement, job, job_path, [], job.train.threads or 1, None)
