@@ -278,6 +278,29 @@ def test_joins_beyond_max_or_with_a_taken_id_are_refused_with_a_reason(files, tm
     assert ("j1", "admitted") in outcomes and ("j2", "refused") in outcomes
 
 
+def test_a_place_freed_by_a_machine_that_left_or_vanished_takes_a_new_join(files, tmp_path):
+    """--nnodes 1:3: MAX counts the machines in the run, not every machine that ever joined (a volunteer run
+    that had lost two machines refused every later join); numbers are never given twice, a gone PNode id does
+    not come back under its old name, and a successor reads the record of numbers past MAX."""
+    adm = admission(files, tmp_path, max_machines=3)
+    assert [join(adm, pnode_text(p))["machine"] for p in ("j1", "j2")] == [1, 2]
+    assert "has its 3 machines" in join(adm, pnode_text("j3"))["reason"]  # the premise: the run is full
+    adm.vanished(["j2"])  # SIGKILLed (failures.after_failure's `gone`)
+    assert join(adm, pnode_text("j3"))["machine"] == 3
+    assert "has its 3 machines" in join(adm, pnode_text("j4"))["reason"]
+    adm.released.add(1)  # j1 left gracefully
+    adm.left.add("j1")
+    assert join(adm, pnode_text("j4"))["machine"] == 4
+    back = join(adm, pnode_text("j2"))  # the SIGKILLed machine, started again under its old id
+    assert not back["admitted"] and "was in the run and is gone" in back["reason"] and "new id" in back["reason"]
+    (tmp_path / "next").mkdir()
+    successor = admission(files, tmp_path / "next", max_machines=3)
+    said: list[str] = []
+    successor.restore(json.loads(json.dumps(adm.record())), said.append)
+    assert sorted(successor.joined) == [1, 2, 3, 4] and not said
+    assert "has its 3 machines" in join(successor, pnode_text("j5"))["reason"]  # j3 and j4 are present
+
+
 def test_a_join_during_a_replan_is_queued_not_refused(files, tmp_path):
     adm = admission(files, tmp_path, max_machines=3)
     adm.replanning = True

@@ -181,8 +181,8 @@ def test_the_admission_record_round_trips_to_a_successor(files, tmp_path):
     ({"joined": {"1": {"pnode": "pnodes: [[[", "step": 1}}}, "machine '1' is left out"),
     ({"joined": {"x": {"pnode": "", "step": 1}}}, "machine 'x' is left out"),
     ({"joined": {"0": {"pnode": None, "step": 1}}}, "machine '0' is left out"),
-    ({"joined": {"99": {"pnode": "name: a\npnodes:\n" + PNODE.format(id="j9", memory="1GiB"), "step": 1}}},
-     "machine '99' is left out"),
+    ({"joined": {"2000000": {"pnode": "name: a\npnodes:\n" + PNODE.format(id="j9", memory="1GiB"), "step": 1}}},
+     "machine '2000000' is left out"),  # past elastic.MAX_MACHINE_NUMBER (numbers past MAX are a run's own)
     ({"joined": "everything", "left": [1, None], "released": ["a"], "leaving": {"..": "x"}}, None),
     ([], None),
     (None, None),

@@ -1,16 +1,16 @@
 """Issue 36's acceptance sequence on the netlab testbed (tools/netlab.py): four hosts, each a network namespace
 with its own address, one `vgraph launch` per host and nothing shared but the secret.  The run starts on
-machines 0 and 1 (`--nnodes 2:4`); hosts 2 and 3 join with `launch --join` and their PNode files alone; host 2
-leaves gracefully (SIGTERM), host 3 is SIGKILLed with everything in its cgroup, then machine 0 is SIGKILLed while
-machine 1 holds a whole replica: machine 1 takes the coordinator's role and the run completes there, every step
-logged once, losses and final weights as `vgraph train` with the same global batch.
+machine 0 alone (`--nnodes 1:4`); hosts 1, 2 and 3 join with `launch --join` and their PNode files alone; host 2
+leaves gracefully (SIGTERM), host 3 is SIGKILLed with everything in its cgroup, then machine 0 is SIGKILLed
+while host 1, a machine that joined, holds a whole replica: host 1 takes the coordinator's role and the run
+completes there, every step logged once, losses and final weights as `vgraph train` with the same global batch.
 
-The same sequence over loopback launchers is in tests/test_elastic_launch.py and test_elastic_succession.py;
-this one is the machines' own addresses and interfaces (the workers' rendezvous, the launchers' channel and the
-joiners' downloads across veth links).  The joiners start first and ask until machine 0 answers joins; machine 0
-is held after step 2 (LaunchConfig.hold) until both are admitted, so their start-up (torch's import, ~5 CPU-s
-each) costs no steps and the run's 24 steps are plenty for the events that follow, each fired once the plan
-before it trains."""
+The same sequence over loopback launchers is tests/test_joined_succession.py (with the successor's own loss);
+this one is the machines' own addresses and interfaces (the workers' rendezvous, the launchers' channel, the
+joiners' downloads and the mirror across veth links).  Machine 0 trains alone and is held after step 2
+(LaunchConfig.hold: no peer waits on it) while the joiners start (torch's import, ~5 CPU-s each) and are
+admitted, host 1 first so that it is machine 1, next in line; the run's 24 steps are plenty for the events
+that follow, each fired once the plan before it trains."""
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +27,7 @@ import torch
 
 from conftest import ROOT
 from test_elastic_launch import PNODE, TOKEN, tiny
+from test_succession import KILLED_RUN_COMM_TIMEOUT
 from tools.netlab import Testbed
 from weights_util import assert_same_weights
 import vgraph
@@ -42,12 +43,12 @@ pytestmark = [pytest.mark.slow,
 VGRAPH = str(Path(sys.executable).with_name("vgraph"))
 STEPS, BATCH, MICRO, LR, SEED = 24, 8, 2, 1e-3, 5
 PORT = 29500
-# --comm-timeout: how long machine 1's worker waits on machine 0's held one (the joiners, started first, may still
-# be importing torch when machine 0 reaches step 2: ~10 CPU-s apiece, 5-10 s on this 2-core VM), with room to
-# spare; it is also the rejoin window the survivors wait out after machine 0's kill (+ --link-timeout).
-COMM_TIMEOUT = 20.0
+# --comm-timeout, as tests/test_succession.py derives it: a worker's wait on a peer in a healthy run (no one waits
+# on machine 0's held worker: it trains alone then), and the rejoin window the survivors wait out after
+# machine 0's kill (+ --link-timeout).
+COMM_TIMEOUT = KILLED_RUN_COMM_TIMEOUT
 # A started machine's launcher as `vgraph launch` runs it, with the test's hold (machine 0 after step 2) and its
-# forkserver warmed first (a joiner waits for its own: supervisor.warm).
+# forkserver warmed first (as a joiner waits for its own: supervisor.warm).
 STARTED = """
 import json, sys
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
@@ -67,8 +68,6 @@ def files(tmp_path_factory):
     # boundary and the planner takes one replica per host.
     for i in range(4):
         (d / f"h{i}.yml").write_text(f"name: h{i}\npnodes:\n" + PNODE.format(id=f"h{i}", memory="256MiB"))
-    (d / "start.yml").write_text("name: start\npnodes:\n" + "".join(PNODE.format(id=f"h{i}", memory="256MiB")
-                                                                 for i in range(2)))
     (d / "corpus.txt").write_text("\n\n".join(default_corpus_documents(max_bytes=20_000)), encoding="utf-8")
     return d
 
@@ -118,17 +117,17 @@ class Hosts:
             self.procs[i] = self.tb.popen(i, argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                           cwd=str(ROOT), start_new_session=True)
 
-    def started(self, i: int, **extra) -> None:
-        s = dict(settings(self.files), fleet=str(self.files / "start.yml"), micro_batches=MICRO, nnodes=2,
-                 max_nnodes=4, node_rank=i, master_addr=self.tb.ips[0], master_port=PORT, link_timeout=2.0,
-                 comm_timeout=COMM_TIMEOUT, on_failure="shrink", replicas="auto",
-                 out=str(self.work / f"node{i}"), **extra)
-        self._start(i, [sys.executable, "-c", STARTED, json.dumps(s)])
+    def machine_0(self, **extra) -> None:
+        s = dict(settings(self.files), fleet=str(self.files / "h0.yml"), micro_batches=MICRO, nnodes=1,
+                 max_nnodes=4, master_addr=self.tb.ips[0], master_port=PORT, link_timeout=2.0,
+                 comm_timeout=COMM_TIMEOUT, on_failure="shrink", replicas="auto", out=str(self.work / "node0"),
+                 **extra)
+        self._start(0, [sys.executable, "-c", STARTED, json.dumps(s)])
 
     def joiner(self, i: int) -> None:
         self._start(i, [VGRAPH, "launch", "--join", f"{self.tb.ips[0]}:{PORT}", "--pnode",
                         str(self.files / f"h{i}.yml"), "--out", str(self.work / f"node{i}"), "--link-timeout", "2",
-                        "--comm-timeout", "120"])
+                        "--comm-timeout", str(COMM_TIMEOUT)])
 
     def kill(self, i: int) -> None:
         """Host i dies: its launcher's process group, then whatever else runs in its cgroup."""
@@ -162,17 +161,19 @@ def wait_for(condition, what: str, hosts: Hosts, watched: tuple[int, ...], timeo
         time.sleep(0.05)
 
 
-def test_joins_a_leave_and_two_kills_machine_0_included_over_namespace_hosts(files, reference, tmp_path):
+def test_one_machine_then_joins_a_leave_and_two_kills_machine_0_included_over_namespace_hosts(
+        files, reference, tmp_path):
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     with Testbed(4) as tb:
         hosts = Hosts(tb, files, tmp_path)
         try:
-            hosts.joiner(2)  # first: they ready their workers, then ask until machine 0 answers joins
+            hosts.machine_0(hold=["h0", 2])
+            wait_for(lambda: (node0 / "launch" / "held-h0").exists(), "machine 0 held after step 2", hosts, (0,))
+            hosts.joiner(1)
+            wait_for(lambda: admitted(node0) == {"h1"}, "host 1 admitted", hosts, (0, 1))
+            hosts.joiner(2)
             hosts.joiner(3)
-            hosts.started(0, hold=["h0", 2])
-            hosts.started(1)
-            wait_for(lambda: ((node0 / "launch" / "held-h0").exists() or training(node0) >= {"h2", "h3"})
-                     and admitted(node0) == {"h2", "h3"}, "both joiners admitted", hosts, (0, 1, 2, 3))
+            wait_for(lambda: admitted(node0) == {"h1", "h2", "h3"}, "hosts 2 and 3 admitted", hosts, (0, 1, 2, 3))
             (node0 / "launch" / RELEASE_FILE).write_text("go\n")
             wait_for(lambda: training(node0) == {"h0", "h1", "h2", "h3"}, "the plan on all four hosts to train",
                      hosts, (0, 1, 2, 3))
@@ -188,7 +189,7 @@ def test_joins_a_leave_and_two_kills_machine_0_included_over_namespace_hosts(fil
             step_at_kill = rows_of(node0)[-1]["step"]
             assert step_at_kill < STEPS - 2, "the run trained past the kill's moment: nothing would be tested"
             hosts.kill(0)
-            assert hosts.procs[1].wait(timeout=240) == 0, hosts.log(1)
+            assert hosts.procs[1].wait(timeout=240) == 0, hosts.log(1)  # the joined machine, which took the role
         finally:
             hosts.close()
     rows = rows_of(node1)
@@ -197,11 +198,14 @@ def test_joins_a_leave_and_two_kills_machine_0_included_over_namespace_hosts(fil
                                torch.tensor([r["loss"] for r in reference.history], dtype=torch.float64),
                                rtol=1e-5, atol=0)  # the suite's bound for replicas (test_distributed_replicas.py)
     assert_same_weights(latest_checkpoint(node1), latest_checkpoint(reference.run_dir), steps=STEPS, lr=LR)
+    joins = {e["pnode"]: e["machine"] for e in events(node0) if e["event"] == "join"}
     leaves = [e for e in events(node0) if e["event"] == "leave"]
-    assert admitted(node0) == {"h2", "h3"} and [e["pnodes"] for e in leaves] == [["h2"]], leaves  # the premises
+    assert joins["h1"] == 1 and [e["pnodes"] for e in leaves] == [["h2"]], (joins, leaves)  # the premises
     after = events(node1)
     (moved,) = [e for e in after if e["event"] == "succession"]
     assert moved["coordinator"] == 1 and moved["lost"] == 0 and moved["resume_step"] >= step_at_kill - 4, moved
+    theirs = {r["step"]: r for r in rows_of(node0)}
+    assert all(r == theirs[r["step"]] for r in rows if r["step"] <= moved["resume_step"])  # mirrored, not retrained
     # Machine 1 placed no machine that was gone before machine 0 (host 3, vanished; host 2, released): no attempt
     # of its own failed (each waited out the rendezvous for host 3 and was rescued around it, until 2026-12-07).
     assert not [e for e in after if e["event"] == "rescue" and e["time"] > moved["time"]], after

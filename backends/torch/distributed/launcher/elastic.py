@@ -77,6 +77,10 @@ __all__ = ["Admission", "JoinRefused", "CoordinatorSilent", "TookOver", "Joined"
 MAX_PNODE_TEXT = 64 * 1024  # a PNode file: a few hundred bytes, its per-kind figures a few more
 
 
+MAX_MACHINE_NUMBER = 1 << 20  # machine numbers grow with every join, MAX counting only those present: a bound
+# on what an admission record may name, far above any run's joins
+
+
 class JoinRefused(VGraphError):
     """Machine 0 refused this machine (its reason), or this machine refuses to join (its own check)."""
 
@@ -197,6 +201,12 @@ class _Departures:
         with self.lock:
             self.left.update(pnodes)
 
+    def joined_present(self) -> int:
+        """The joined machines still in the run (under the lock): what MAX counts, so that one that left or
+        vanished frees its place (its number is never given again: numbers name machines on the channel and in
+        the mirrored record)."""
+        return sum(1 for m, j in self.joined.items() if m not in self.released and j.pnode.id not in self.left)
+
     def release(self, step: int) -> list[int]:
         """At a boundary, before the next attempt is placed: the leaving machines may go (their workers ended
         with the boundary's checkpoint, which holds what they held); their PNodes are never placed again."""
@@ -240,7 +250,7 @@ class _Handover:
             try:
                 machine = int(key)
                 fleet = loads_fleet(str(entry["pnode"]), f"<the admission record of machine {machine}>")
-                if len(fleet) != 1 or machine < self.static_machines or machine >= self.max_machines:
+                if len(fleet) != 1 or not self.static_machines <= machine < MAX_MACHINE_NUMBER:
                     raise ValueError(f"machine {machine}: not one joined PNode")
                 self.joined[machine] = _Joined(machine, fleet.pnodes[0], int(entry["step"]))
             except (KeyError, TypeError, ValueError, FleetError) as exc:
@@ -453,9 +463,12 @@ class Admission(_Departures, _Handover, _Stops):
 
     def _refusal(self, pnode: PNode, need: int, group: str, fits: str) -> str | None:
         """Why `pnode` may not join now, or None (under the lock)."""
+        if pnode.id in self.left:
+            return (f"PNode id {pnode.id!r} was in the run and is gone (it left or was lost): a machine that comes "
+                    f"back joins under a new id (vgraph probe --id)")
         if pnode.id in set(self.fleet.ids) | {j.pnode.id for j in self.joined.values()}:
             return f"PNode id {pnode.id!r} is already in the run: every machine needs its own id (vgraph probe --id)"
-        if self.static_machines + len(self.joined) >= self.max_machines:
+        if self.static_machines + self.joined_present() >= self.max_machines:
             return f"the run has its {self.max_machines} machines (--nnodes {self.static_machines}:{self.max_machines})"
         if pnode.memory < need:
             return (f"PNode {pnode.id!r} has {human_bytes(pnode.memory)} of memory; no plan can give it a share: the "
