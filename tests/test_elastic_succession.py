@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from vgraph.backends.torch.distributed.launcher.membership import Machines, Mach
 
 from test_elastic_launch import (PNODE, TOKEN, Thread, admission, common, events, files, join, pnode_text,  # noqa: F401
                                  reference, same_training, wait_for)
-from test_succession import KILLED_RUN_COMM_TIMEOUT, MACHINE_0, start_after_machine_0
+from test_succession import KILLED_RUN_COMM_TIMEOUT, log_tail, machine_0, start_after_machine_0
 
 
 def machines_0_and_1(files: Path, tmp_path: Path, port: int, **options):
@@ -32,11 +30,9 @@ def machines_0_and_1(files: Path, tmp_path: Path, port: int, **options):
                      + PNODE.format(id="m1", memory="256MiB"))
     settings = dict(common(files), fleet=str(fleet), nnodes=2, max_nnodes=3, master_port=port, link_timeout=2.0,
                     comm_timeout=KILLED_RUN_COMM_TIMEOUT, **options)
-    zero = subprocess.Popen(
-        [sys.executable, "-c", MACHINE_0, json.dumps({**settings, "node_rank": 0, "hold": ["m0", 2],
-                                                      "out": str(tmp_path / "node0")})],
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    start_after_machine_0(zero, port, "machine 0's channel")
+    log = tmp_path / "node0.log"
+    zero = machine_0({**settings, "node_rank": 0, "hold": ["m0", 2], "out": str(tmp_path / "node0")}, log)
+    start_after_machine_0(zero, port, "machine 0's channel", log)
     lines: list[str] = []
     one = Thread(lambda: launch(LaunchConfig(**settings, node_rank=1, out=tmp_path / "node1", log=lines.append)))
     one.start()
@@ -67,7 +63,7 @@ def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_j
     zero, one, lines = machines_0_and_1(files, tmp_path, port, replicas=2, on_failure="restart")
     joiner = None
     try:
-        alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}")
+        alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {log_tail(tmp_path / 'node0.log')}")
         wait_for(lambda: (tmp_path / "node0" / "launch" / "held-m0").exists(), "m0 held after step 2", alive)
         joiner = Thread(lambda: elastic.follow("127.0.0.1", port, files / "j1.yml", tmp_path / "joiner",
                                                join_timeout=60, link_timeout=2, comm_timeout=120, emit=lines.append))
@@ -116,7 +112,7 @@ def test_machine_0_killed_after_a_boundary_the_follower_takes_over_with_the_grow
     joiner = None
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     try:
-        alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}")
+        alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {log_tail(tmp_path / 'node0.log')}")
         wait_for(lambda: (node0 / "launch" / "held-m0").exists(), "m0 held after step 2", alive)
         joiner = Thread(lambda: elastic.follow("127.0.0.1", port, files / "j1.yml", tmp_path / "joiner",
                                                join_timeout=60, link_timeout=2, comm_timeout=120, emit=lines.append))

@@ -9,8 +9,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,8 @@ from vgraph.backends.torch.distributed.launcher.membership import Machines
 
 from test_elastic_launch import (LR, PNODE, STEPS, TOKEN, Thread, common, events, files, reference,  # noqa: F401
                                  same_training, wait_for)
-from test_succession import KILLED_RUN_COMM_TIMEOUT, start_after_machine_0
+from test_succession import KILLED_RUN_COMM_TIMEOUT, in_session, machine_0, start_after_machine_0
+from zygote import Child
 
 # Machine 0 in a process of its own session (SIGKILLed with its workers); the test hook's holds as a list of
 # (PNode, step, attempt) where one names its attempt (attempts.held).
@@ -61,19 +60,23 @@ def rows_of(path: Path) -> list[dict]:
     return rows
 
 
-def kill(process: subprocess.Popen) -> None:
+def kill(process: Child) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
 
 
-def started(script: str, args: list[str], log: Path) -> subprocess.Popen:
-    """A launcher in a process of its own session (SIGKILLed with its workers), its lines into `log`."""
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-c", script, *args], start_new_session=True, stdout=out,
-                                stderr=subprocess.STDOUT)
 
 
+# --comm-timeout: test_succession.KILLED_RUN_COMM_TIMEOUT, whose derivation holds here unchanged.  What a worker
+# waits on a peer in this run's healthy stretches: the first rendezvous of attempts 1 and 2 (every machine's
+# workers' forkserver has its imports before then: machine 0's COORDINATOR waits for its own before its channel
+# opens, a joiner for its own before it asks to join, elastic.follow -> supervisor.warm), and j1's hold after
+# step 5 (m0 and j2 wait on it until j2 mirrored row 5 and the step-4 checkpoint: one or two of
+# succession.MIRROR_EVERY_S = 1 s).  Machine 0's hold after step 2 has no peer waiting (it trains alone).  What
+# the test then waits out is idle (the launchers poll; 2026-12-07, from the run's files): m0's loss to j1's
+# succession 14 s (rejoin 12 + link 2), j1's loss to j2 taking the role 20 s, and the successor's attempt that
+# places j1 once more (docs/distributed.md) failing at its rendezvous 24 s: wall, not CPU.
 @pytest.mark.slow  # five launchers, a boundary, three machines lost, the rejoin timeout waited out twice
 def test_a_run_started_with_one_machine_survives_joins_a_leave_kills_and_machine_0s_loss(
         files, reference, tmp_path, monkeypatch):
@@ -97,13 +100,14 @@ def test_a_run_started_with_one_machine_survives_joins_a_leave_kills_and_machine
     settings = dict(common(files), fleet=str(files / "one.yml"), nnodes=1, max_nnodes=5, master_port=port,
                     link_timeout=2.0, comm_timeout=KILLED_RUN_COMM_TIMEOUT, on_failure="restart", replicas="auto",
                     out=str(node0), hold=[["m0", 2], ["j1", 5, 2]])
-    zero = started(COORDINATOR, [json.dumps(settings)], tmp_path / "node0.log")
-    start_after_machine_0(zero, port, "machine 0's channel")
+    zero = machine_0(settings, tmp_path / "node0.log", COORDINATOR)  # a zygote child: torch imported once
+    said = lambda pid: (tmp_path / f"{pid}.log").read_text(errors="replace")  # noqa: E731
+    start_after_machine_0(zero, port, "machine 0's channel", tmp_path / "node0.log")
     lines: list[str] = []
     leaving = elastic.Leaving(lines.append)
 
-    def command(pid: str) -> subprocess.Popen:  # `vgraph launch --join`, as a volunteer types it
-        return started(JOINER, ["launch", "--join", f"127.0.0.1:{port}", "--pnode", str(pnode_file(files, pid)),
+    def command(pid: str) -> Child:  # `vgraph launch --join`, as a volunteer types it (a zygote child as m0)
+        return in_session(JOINER, ["launch", "--join", f"127.0.0.1:{port}", "--pnode", str(pnode_file(files, pid)),
                                 "--out", str(dirs[pid]), "--link-timeout", "2", "--comm-timeout",
                                 str(KILLED_RUN_COMM_TIMEOUT)], tmp_path / f"{pid}.log")
 
@@ -113,7 +117,6 @@ def test_a_run_started_with_one_machine_survives_joins_a_leave_kills_and_machine
                                              leave=leave, successor=JoinedSuccession(lines.append)))
     one = two = three = None
     four = joiner("j4", leaving)
-    said = lambda pid: (tmp_path / f"{pid}.log").read_text(errors="replace")  # noqa: E731
     try:
         alive = lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {said('node0')[-3000:]}")  # noqa: E731
         joined = lambda pid: any(e.get("pnode") == pid and e.get("outcome") == "admitted"  # noqa: E731

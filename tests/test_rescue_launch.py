@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ import pytest
 
 from conftest import ROOT
 from test_distributed_replicas import common, files, reference, same_training  # noqa: F401 - fixtures
+from zygote import STDOUT, popen
 from ports import launch_port
 from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
 from vgraph.backends.torch.training import checkpoint as ckpt
@@ -57,11 +56,13 @@ def kill_machine_1(files_dir: Path, tmp_path: Path, monkeypatch, replicas: int, 
     for t in threads:
         t.start()
     thread = threads[0]
-    with open(tmp_path / "machine1.log", "w") as log:
-        other = subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps({**base, "node_rank": 1,
-                                                                           "out": str(tmp_path / "node1")})],
-                                 cwd=str(ROOT), env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+    runner = tmp_path / "machine1.py"
+    runner.write_text(RUNNER)
+    # A child of the tests' zygote (torch imported once, tests/zygote.py) in a session of its own: the signal
+    # takes its forkserver and workers with it
+    other = popen([runner, json.dumps({**base, "node_rank": 1, "out": str(tmp_path / "node1")})], cwd=ROOT,
+                  env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=tmp_path / "machine1.log", stderr=STDOUT,
+                  start_new_session=True)
     try:
         held = tmp_path / "node1" / "launch" / f"held-{victim}"
         deadline = time.monotonic() + 180

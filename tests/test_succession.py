@@ -11,8 +11,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -40,6 +38,28 @@ launch(LaunchConfig(**settings))
 """
 
 
+def in_session(script: str, args: list[str], log: Path):
+    """`python SCRIPT ARGS` (a launcher) in a session of its own, so os.killpg SIGKILLs it with its forkserver
+    and workers as a lost machine; its lines into `log` (SCRIPT written beside it).  A child of the tests'
+    zygote (tests/zygote.py): torch is not imported again for it (2.5-3.5 CPU-s on the CI machine kind); its
+    workers' forkserver is still its own, a fresh interpreter as in any launch."""
+    from zygote import STDOUT, popen
+
+    path = log.with_suffix(".py")
+    path.write_text(script)
+    return popen([path, *args], stdout=log, stderr=STDOUT, start_new_session=True)
+
+
+def machine_0(settings: dict, log: Path, script: str = MACHINE_0):
+    """Machine 0's launcher (`script`: MACHINE_0 unless told) with its LaunchConfig's `settings`, `in_session`."""
+    return in_session(script, [json.dumps(settings)], log)
+
+
+def log_tail(log: Path) -> str:
+    """The last of what a launcher started by `machine_0` wrote (for a failure's message)."""
+    return log.read_text(errors="replace")[-3000:] if log.exists() else ""
+
+
 def wait_for(condition, what: str, alive=lambda: True, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -56,19 +76,20 @@ def channel_open(port: int) -> bool:
         return False
 
 
-def start_after_machine_0(zero: subprocess.Popen, port: int, what: str) -> None:
+def start_after_machine_0(zero, port: int, what: str, log: Path) -> None:
     """Return once this process's workers' forkserver has its imports (supervisor.warm, as a joiner waits for
     it) and machine 0's channel is open (machine 0, MACHINE_0, waits for its own forkserver before it opens it).
     Why: --comm-timeout is also how long the others wait to reach machine 0 at start, how long the workers wait
     for each other at their first rendezvous, and, after machine 0's SIGKILL, how long the others wait on it
     before taking its role (the rejoin timeout, plus --link-timeout): started this way, no machine's start-up
-    or imports are in it.  Machine 0 (its own session) is killed if this fails."""
+    or imports are in it.  Machine 0 (its own session, started by `machine_0`, writing to `log`) is killed if this
+    fails."""
     from vgraph.backends.torch.distributed.launcher.supervisor import warm
 
     try:
         warm(wait=True)  # while machine 0 starts
         wait_for(lambda: channel_open(port), what,
-                 lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}"))
+                 lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {log_tail(log)}"))
     except BaseException:
         if zero.poll() is None:
             os.killpg(zero.pid, signal.SIGKILL)
@@ -121,11 +142,9 @@ def test_machine_0_is_sigkilled_and_the_run_completes_on_the_survivors(files, re
     machines = dict(fleet=str(fleet), micro_batches=2, replicas=count, nnodes=count, master_port=port,
                     on_failure=on_failure, link_timeout=2.0, comm_timeout=KILLED_RUN_COMM_TIMEOUT,
                     hold=("w0", held))  # all flush alike
-    zero = subprocess.Popen(
-        [sys.executable, "-c", MACHINE_0, json.dumps({**common(files), **machines, "node_rank": 0,
-                                                       "out": str(tmp_path / "node0")})],
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    start_after_machine_0(zero, port, "machine 0's channel")
+    log = tmp_path / "node0.log"
+    zero = machine_0({**common(files), **machines, "node_rank": 0, "out": str(tmp_path / "node0")}, log)
+    start_after_machine_0(zero, port, "machine 0's channel", log)
     box: dict = {}
 
     def survivor(rank: int) -> None:
@@ -142,7 +161,7 @@ def test_machine_0_is_sigkilled_and_the_run_completes_on_the_survivors(files, re
         wait_for(lambda: (tmp_path / "node0" / "launch" / "held-w0").exists() and held in mirrored_steps(mirror)
                  and (mirror / "latest").is_file() and (mirror / "latest").read_text().strip() == "step-00000004",
                  "machine 0 to hold after step 5 and machine 1 to mirror it",
-                 lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {zero.stdout.read().decode()[-3000:]}"))
+                 lambda: zero.poll() is None or pytest.fail(f"machine 0 ended: {log_tail(log)}"))
         placed = json.loads((tmp_path / "node0" / "placement.json").read_text())
         assert placed["replica_pnodes"] == [[f"w{i}"] for i in range(count)]  # the premise: machine 0 holds one
         os.killpg(zero.pid, signal.SIGKILL)  # the launcher and its workers: the whole machine
@@ -154,7 +173,7 @@ def test_machine_0_is_sigkilled_and_the_run_completes_on_the_survivors(files, re
         for thread in threads:
             thread.join(timeout=240)
     failed = {r: b for r, b in box.items() if isinstance(b, BaseException)}
-    assert not any(t.is_alive() for t in threads) and not failed, (failed, zero.stdout.read().decode()[-3000:])
+    assert not any(t.is_alive() for t in threads) and not failed, (failed, log_tail(log))
     result = box[1]
     run = tmp_path / "node1"
     same_training(result.history, reference, run)  # steps 1..6 once each, losses and final weights

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zygote import popen, run_python
+from zygote import STDOUT, popen, run_python
 
 SCRIPT = '''
 import atexit, json, os, sys, threading, time
@@ -82,3 +82,48 @@ def test_children_that_end_together_are_each_seen_to_end(tmp_path: Path) -> None
     children = [popen([script, str(at)], cwd=tmp_path) for _ in range(6)]
     assert [child.wait(timeout=30) for child in reversed(children)] == [0] * 6
     assert all(child.communicate() == ("", "") for child in children)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_command_in_a_session_of_its_own_is_killed_with_its_children(tmp_path: Path) -> None:
+    """start_new_session, as Popen's: the launcher a test SIGKILLs as a lost machine takes its forkserver and
+    workers with it (os.killpg); without it the command shares the zygote's session and group."""
+    import signal
+
+    script = tmp_path / "parent.py"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                      "print(os.getsid(0), os.getpgid(0), child.pid, flush=True)\n"
+                      "time.sleep(60)\n")
+    out = tmp_path / "out"
+    own = popen([script], stdout=out, stderr=STDOUT, start_new_session=True)
+    shared = popen([script], stdout=tmp_path / "out2", stderr=STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while len(out.read_text().split()) < 3 or len((tmp_path / "out2").read_text().split()) < 3:
+            assert time.monotonic() < deadline, (out.read_text(), own.poll())
+            time.sleep(0.05)
+        sid, pgid, grandchild = map(int, out.read_text().split())
+        assert sid == pgid == own.pid  # a session and process group of its own
+        assert int((tmp_path / "out2").read_text().split()[0]) != shared.pid  # the premise: not without it
+        os.killpg(own.pid, signal.SIGKILL)
+        assert own.wait(timeout=30) == -signal.SIGKILL
+        while _alive(grandchild):
+            assert time.monotonic() < deadline, "the command's own child outlived the group's SIGKILL"
+            time.sleep(0.05)
+    finally:
+        for child in (own, shared):
+            child.kill()
+            child.wait(timeout=30)
+        shared_child = (tmp_path / "out2").read_text().split()
+        if len(shared_child) == 3:
+            try:
+                os.kill(int(shared_child[2]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -123,7 +123,7 @@ class Child:
     signals, and (for the streams it was not given files for) communicate."""
 
     def __init__(self, argv: list, cwd: str | Path | None, env: dict[str, str] | None,
-                 stdout: str | Path | None, stderr: str | Path | None) -> None:
+                 stdout: str | Path | None, stderr: str | Path | None, start_new_session: bool = False) -> None:
         self.args = [sys.executable, *[str(a) for a in argv]]
         env = dict(os.environ if env is None else env)
         self._zygote = _zygote(env)
@@ -132,7 +132,8 @@ class Child:
         self.stdout_path = Path(stdout) if stdout is not None else Path(f"{stem}.out")
         self.stderr_path = self.stdout_path if stderr == STDOUT else Path(stderr) if stderr else Path(f"{stem}.err")
         self.pid = self._zygote.start({"argv": self.args[1:], "cwd": str(Path(cwd or os.getcwd()).resolve()),
-                                       "env": env, "stdout": str(self.stdout_path), "stderr": str(self.stderr_path)})
+                                       "env": env, "stdout": str(self.stdout_path), "stderr": str(self.stderr_path),
+                                       "new_session": start_new_session})
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -171,11 +172,13 @@ STDOUT = "stdout"  #: stderr=STDOUT: both streams to stdout's file, as subproces
 
 
 def popen(argv: list, *, cwd: str | Path | None = None, env: dict[str, str] | None = None,
-          stdout: str | Path | None = None, stderr: str | Path | None = None) -> Child:
+          stdout: str | Path | None = None, stderr: str | Path | None = None,
+          start_new_session: bool = False) -> Child:
     """`python ARGV...` (a script path, or "-m", MODULE) started in a child of the zygote, as subprocess.Popen
     starts it; stdout and stderr go to the files named (stderr=STDOUT: stdout's), or to files of its own that
-    communicate() reads."""
-    return Child(argv, cwd, env, stdout, stderr)
+    communicate() reads.  start_new_session as Popen's (the child calls setsid): a launcher a test SIGKILLs
+    with its forkserver and workers, `os.killpg(child.pid, SIGKILL)`, as a machine is lost."""
+    return Child(argv, cwd, env, stdout, stderr, start_new_session)
 
 
 def run_python(argv: list, *, cwd: str | Path | None = None, env: dict[str, str] | None = None,
@@ -234,6 +237,8 @@ def _become_the_command(request: dict) -> None:
     import io
     import runpy
 
+    if request.get("new_session"):
+        os.setsid()  # before anything it starts (a forkserver, workers): they are in its process group
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
