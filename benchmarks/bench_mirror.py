@@ -5,7 +5,7 @@
 
 For each run directory (one with a checkpoint and metrics.jsonl, e.g. from `vgraph train --steps 1
 --checkpoint-every 1`), machine 0 serves it on the launchers' channel on loopback (membership.Machines, sealed
-lines) and machine 1 pulls it once (succession.Mirror: the rows, then the latest checkpoint in 512 KiB
+lines) and machine 1 pulls it once (mirror.Mirror: the rows, then the latest checkpoint in 512 KiB
 chunks): the bytes, the seconds the pull took here and the CPU seconds of both sides together (the channel's own
 cost: HMAC, base64, SHA-256, no link),
 and what the same bytes take over a 100 Mbit/s and a 1 Gbit/s link.  Those decide the cadence: rows every
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from vgraph.backends.torch.distributed.launcher.membership import Machines
-from vgraph.backends.torch.distributed.launcher.succession import Mirror, MirrorSource
+from vgraph.backends.torch.distributed.launcher.mirror import Mirror, MirrorSource
 from vgraph.backends.torch.distributed.rendezvous import free_port
 
 TOKEN = "bench-mirror-secret-0123456789"

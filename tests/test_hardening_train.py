@@ -67,6 +67,7 @@ def test_a_network_named_dotdot_trains_inside_runs(tmp_path: Path, corpus: str, 
 def test_first_interrupt_checkpoints_and_says_how_to_resume(signum: int, tmp_path: Path, corpus: str,
                                                             capsys) -> None:
     out = tmp_path / "run"
+    before = signal.getsignal(signal.SIGINT)  # Python's default, or SIG_IGN in a job a shell started with `&`
     with signal_after_rows(out / "metrics.jsonl", 2, signum):
         code = cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), "--steps", "1000000", "--batch",
                          "2", "--val-every", "0", "--checkpoint-every", "0", "--quiet"])
@@ -78,7 +79,7 @@ def test_first_interrupt_checkpoints_and_says_how_to_resume(signum: int, tmp_pat
     assert latest is not None
     step = ckpt.load_checkpoint(latest).step
     assert step >= 2 and f"stopped at step {step}" in err
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers are put back
+    assert signal.getsignal(signal.SIGINT) is before  # handlers are put back
     assert cli.main(["train", str(TINY), "--data", corpus, "--out", str(out), "--steps", str(step + 1), "--batch",
                      "2", "--val-every", "0", "--resume", "--quiet"]) == 0
 

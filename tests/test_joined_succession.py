@@ -73,7 +73,7 @@ def kill(process: Child) -> None:
 # workers' forkserver has its imports before then: machine 0's COORDINATOR waits for its own before its channel
 # opens, a joiner for its own before it asks to join, elastic.follow -> supervisor.warm), and j1's hold after
 # step 5 (m0 and j2 wait on it until j2 mirrored row 5 and the step-4 checkpoint: one or two of
-# succession.MIRROR_EVERY_S = 1 s).  Machine 0's hold after step 2 has no peer waiting (it trains alone).  What
+# mirror.MIRROR_EVERY_S = 1 s).  Machine 0's hold after step 2 has no peer waiting (it trains alone).  What
 # the test then waits out is idle (the launchers poll; 2026-12-07, from the run's files): m0's loss to j1's
 # succession 14 s (rejoin 12 + link 2), j1's loss to j2 taking the role 20 s, and the successor's attempt that
 # places j1 once more (docs/distributed.md) failing at its rendezvous 24 s: wall, not CPU.

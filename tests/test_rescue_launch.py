@@ -93,11 +93,15 @@ def rescue_rows(run: Path) -> list[dict]:
 
 
 def resumed_after(rows: list[dict]) -> int:
-    """The step the second attempt resumed from, read from metrics.jsonl: each attempt's rows time from its own
-    start (`elapsed_s`), so the first row whose clock went back is the resumed attempt's first step."""
-    back = [a["step"] for a, b in zip(rows, rows[1:]) if b["elapsed_s"] < a["elapsed_s"]]
-    assert len(back) == 1, [(r["step"], r["elapsed_s"]) for r in rows]
-    return back[0]
+    """The step the second attempt resumed from, read from metrics.jsonl: the first attempt's rows name both
+    machines' PNodes (`pnodes`: every PNode that trained the step), the resumed one's w0 alone.  Not the clock
+    (`elapsed_s` times each attempt from its own start): it goes back at the resumed step only when the new
+    attempt's first step is quicker than the old one's run to it (the full suite of 2026-12-07: 0.311 s after
+    0.303 s, and the test failed on a correct run)."""
+    trained = [(r["step"], sorted(r.get("pnodes") or {})) for r in rows]
+    changed = [a[0] for a, b in zip(trained, trained[1:]) if a[1] != b[1]]
+    assert len(changed) == 1 and trained[0][1] == ["w0", "w1"] and trained[-1][1] == ["w0"], trained
+    return changed[0]
 
 
 def first_job(run: Path) -> dict:

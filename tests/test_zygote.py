@@ -102,12 +102,13 @@ def test_a_command_in_a_session_of_its_own_is_killed_with_its_children(tmp_path:
                       "print(os.getsid(0), os.getpgid(0), child.pid, flush=True)\n"
                       "time.sleep(60)\n")
     out = tmp_path / "out"
+    said = lambda path: path.read_text().split() if path.exists() else []  # noqa: E731 (the child opens it)
     own = popen([script], stdout=out, stderr=STDOUT, start_new_session=True)
     shared = popen([script], stdout=tmp_path / "out2", stderr=STDOUT)
     try:
         deadline = time.monotonic() + 60
-        while len(out.read_text().split()) < 3 or len((tmp_path / "out2").read_text().split()) < 3:
-            assert time.monotonic() < deadline, (out.read_text(), own.poll())
+        while len(said(out)) < 3 or len(said(tmp_path / "out2")) < 3:
+            assert time.monotonic() < deadline, (said(out), own.poll())
             time.sleep(0.05)
         sid, pgid, grandchild = map(int, out.read_text().split())
         assert sid == pgid == own.pid  # a session and process group of its own
@@ -121,7 +122,7 @@ def test_a_command_in_a_session_of_its_own_is_killed_with_its_children(tmp_path:
         for child in (own, shared):
             child.kill()
             child.wait(timeout=30)
-        shared_child = (tmp_path / "out2").read_text().split()
+        shared_child = said(tmp_path / "out2")
         if len(shared_child) == 3:
             try:
                 os.kill(int(shared_child[2]), signal.SIGKILL)
