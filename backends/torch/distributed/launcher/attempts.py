@@ -54,8 +54,8 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
     result = LaunchResult(run.run_dir, 0, None, None, None)
     fleet, hold, number, replanned = run.fleet, run.hold, 0, False
     if took is not None:
-        fleet, number, hold, replanned = took.args[1], took.args[0] + 1, None, True
-        result.restarts, result.steps_redone = 1, int(took.args[2])
+        fleet, number, hold, replanned = took.fleet, took.next_attempt, None, True
+        result.restarts, result.steps_redone = 1, took.redone
     shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
     while True:
         if stop.requested:
@@ -140,8 +140,8 @@ def _follow(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchRe
                                 if run.succeeds else None)
     except elastic.TookOver as took:
         result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
-        result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + took.args[2]
-        return took.args[1], took.args[0] + 1, None
+        result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + took.redone
+        return took.fleet, took.next_attempt, None
     result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
     if followed.released:
         result.attempts.append({"released": True})

@@ -72,7 +72,7 @@ from .membership import CHUNK_BYTES, FETCH_TIMEOUT_S, REQUEST_TIMEOUT_S, ask, ch
 from .shard_transfer import send_shards
 from ...training.rescue import RESCUE_DIR
 
-__all__ = ["JoinRefused", "CoordinatorSilent", "TookOver", "Joined", "Leaving", "read_pnode_file", "check_pnode_memory",
+__all__ = ["JoinRefused", "CoordinatorSilent", "TookOver", "fetch_chunks", "Joined", "Leaving", "read_pnode_file", "check_pnode_memory",
            "join_run", "follow", "follow_attempts", "CHUNK_BYTES", "FETCH_TIMEOUT_S", "MAX_PNODE_TEXT"]
 
 MAX_PNODE_TEXT = 64 * 1024  # a PNode file: a few hundred bytes, its per-kind figures a few more
@@ -89,7 +89,11 @@ class CoordinatorSilent(JoinRefused):
 
 class TookOver(Exception):
     """This machine took the coordinator's role while it followed jobs (succession.succeed_followed): the attempt
-    loop goes on as the coordinator, from attempt `args[0]` + 1 on fleet `args[1]`."""
+    loop goes on as the coordinator from attempt `next_attempt` on `fleet`, `redone` steps to train again."""
+
+    def __init__(self, followed: int, fleet: Any, redone: int) -> None:
+        super().__init__(followed, fleet, redone)
+        self.next_attempt, self.fleet, self.redone = followed + 1, fleet, redone
 
 
 # -- the joiner's own checks --------------------------------------------------------------------------
@@ -262,7 +266,7 @@ def wait_for_job(request: Callable[..., dict], attempt: int, silence_s: float) -
     return reply
 
 
-def _fetch(request: Callable[..., dict], name: str, size: int, sha256: str, sink: Callable[[bytes], None],
+def fetch_chunks(request: Callable[..., dict], name: str, size: int, sha256: str, sink: Callable[[bytes], None],
            silence_s: float) -> None:
     """`name` from the coordinator, chunk by chunk into `sink`, checked against the size and SHA-256 it
     announced (a JoinRefused otherwise, after which what `sink` got must be thrown away).  A chunk that does
@@ -285,7 +289,7 @@ def _fetch(request: Callable[..., dict], name: str, size: int, sha256: str, sink
 
 def _fetch_bytes(request: Callable[..., dict], name: str, size: int, sha256: str, silence_s: float) -> bytes:
     parts: list[bytes] = []
-    _fetch(request, name, size, sha256, parts.append, silence_s)
+    fetch_chunks(request, name, size, sha256, parts.append, silence_s)
     return b"".join(parts)
 
 
@@ -295,7 +299,7 @@ def _fetch_file(request: Callable[..., dict], name: str, size: int, sha256: str,
     and checked (a shard may be large: it is never held in memory whole); recorded in the folder's manifest."""
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            _fetch(request, name, size, sha256, f.write, silence_s)
+            fetch_chunks(request, name, size, sha256, f.write, silence_s)
 
     atomic_write_with(folder.check(name), write)
     folder.wrote(name)

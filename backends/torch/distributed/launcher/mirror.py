@@ -28,7 +28,7 @@ from vgraph.data.shards import sha256_file
 from vgraph.run.files import CHECKPOINT_PREFIX, LATEST, LAUNCH_DIR, METRICS_JSONL
 
 from ...training import checkpoint as ckpt
-from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, _fetch
+from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, fetch_chunks
 from .membership import REQUEST_TIMEOUT_S, ask
 
 __all__ = ["MirrorSource", "Mirror", "MIRROR_DIR", "MACHINES_JSON", "ADMISSION_JSON", "MIRRORS", "MIRROR_EVERY_S",
@@ -197,7 +197,7 @@ class Mirror:
                     raise ValueError(f"the coordinator names a checkpoint file {quote(file, 60)}")
                 with open(incoming / file, "wb") as f:
                     # silence 0: a chunk that does not come ends this round (the next round starts over)
-                    _fetch(ask_chunk, file, int(meta["size"]), str(meta["sha256"]), f.write, 0)
+                    fetch_chunks(ask_chunk, file, int(meta["size"]), str(meta["sha256"]), f.write, 0)
                 total += int(meta["size"])
             target = self.folder / name
             shutil.rmtree(target, ignore_errors=True)
