@@ -143,10 +143,7 @@ class Namespaces:
     def kill_host(self, i: int, proc: subprocess.Popen) -> None:
         """The whole host dies: its launcher's process group, then whatever else runs in its cgroup."""
         _killpg(proc)
-        procs = self.tb.hosts[i].cgroup / "cgroup.procs"
-        for pid in procs.read_text().split() if procs.exists() else []:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        self.tb.kill(i)
 
     def close(self) -> None:
         pass  # the Testbed stops everything it started when it closes

@@ -55,8 +55,9 @@ def common(files: Path) -> dict:
 
 
 def events(run_dir: Path) -> list[dict]:
+    """machine 0's fleet-events.jsonl; a line it is appending while a test polls is read at the next poll."""
     path = run_dir / "launch" / FLEET_EVENTS_JSONL
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
 
 
 def wait_for(predicate, what: str, alive, seconds: float = 120) -> None:

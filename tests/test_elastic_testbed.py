@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from test_elastic_launch import PNODE, TOKEN, tiny
+from test_elastic_launch import PNODE, TOKEN, events, tiny
+from test_joined_succession import rows_of as rows_in
 from test_succession import KILLED_RUN_COMM_TIMEOUT
 from tools.netlab import Testbed
 from weights_util import assert_same_weights
@@ -34,7 +35,7 @@ import vgraph
 from vgraph.backends.torch import TrainConfig, train
 from vgraph.backends.torch.training.batches import default_corpus_documents
 from vgraph.backends.torch.training.checkpoint import latest_checkpoint
-from vgraph.run.files import FLEET_EVENTS_JSONL, RELEASE_FILE
+from vgraph.run.files import RELEASE_FILE
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0 and not os.environ.get("CI"),
@@ -85,13 +86,7 @@ def reference(files, tmp_path_factory):
 
 
 def rows_of(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
-
-
-def events(run: Path) -> list[dict]:
-    path = run / "launch" / FLEET_EVENTS_JSONL
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+    return rows_in(run / "metrics.jsonl")
 
 
 def admitted(run: Path) -> set[str]:
@@ -130,13 +125,8 @@ class Hosts:
                         "--comm-timeout", str(COMM_TIMEOUT)])
 
     def kill(self, i: int) -> None:
-        """Host i dies: its launcher's process group, then whatever else runs in its cgroup."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.procs[i].pid, signal.SIGKILL)
-        procs = self.tb.hosts[i].cgroup / "cgroup.procs"
-        for pid in procs.read_text().split() if procs.exists() else []:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        """Host i dies: everything in its cgroup (its launcher, forkserver and workers)."""
+        self.tb.kill(i)
         self.procs[i].wait(timeout=30)
 
     def log(self, i: int) -> str:

@@ -221,6 +221,27 @@ def test_the_sweeper_removes_what_a_killed_owner_left_and_spares_live_ones(owner
     assert leftovers(mine.tag) == []
 
 
+def test_killing_a_host_takes_everything_it_runs_and_only_that() -> None:
+    """Testbed.kill: a machine that dies, whatever its processes' sessions (a launcher in a session of its own
+    and the processes it started); the other host's process lives on, and the host can run commands again."""
+    script = "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)'], " \
+             "start_new_session=True); time.sleep(60)"
+    with Testbed(2) as tb:
+        dies = tb.popen(0, [sys.executable, "-c", script], start_new_session=True)
+        lives = tb.popen(1, [sys.executable, "-c", script])
+        procs = tb.hosts[0].cgroup / "cgroup.procs"
+        deadline = time.monotonic() + 30
+        while len(procs.read_text().split()) < 2:  # the python (sh and ip exec into it), its child elsewhere
+            assert time.monotonic() < deadline, procs.read_text()
+            time.sleep(0.05)
+        tb.kill(0)
+        assert dies.wait(timeout=30) == -signal.SIGKILL and procs.read_text().split() == []
+        assert lives.poll() is None
+        assert tb.run(0, ["true"]).returncode == 0
+        lives.kill()
+        lives.wait(timeout=30)
+
+
 def test_the_command_line_measures_and_runs_in_every_host() -> None:
     out = subprocess.run([sys.executable, NETLAB, "run", "--hosts", "2", "--cpu", "0.5", "--", "sh", "-c",
                           'echo "$NETLAB_HOST $NETLAB_IP $NETLAB_CPU"'], capture_output=True, text=True, timeout=60)

@@ -365,6 +365,11 @@ class Testbed:
     def ips(self) -> list[str]:
         return [h.ip for h in self.hosts]
 
+    def kill(self, i: int, timeout: float = 10.0) -> None:
+        """Host i dies as a machine does: every process in its cgroup SIGKILLed (what it started, whatever its
+        session or process group), until none is left or `timeout` s have passed; the host stays up."""
+        _kill_cgroup(self._host(i).cgroup, time.monotonic() + timeout)
+
     def command(self, i: int, argv: Sequence[str]) -> list[str]:
         """The argv that runs `argv` inside host i: its cgroup first, then its namespace."""
         h = self._host(i)
