@@ -87,6 +87,7 @@ class Row:
     predicted: float
     measured: float
     pick: bool = False
+    without_burst: float = math.nan  # the prediction with the PNodes' `cpu_burst` left out (priced_without_burst)
 
     @property
     def ratio(self) -> float:
@@ -106,7 +107,7 @@ def network_file(name: str, where: Path) -> Path:
 
 
 def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds: int, smoke: bool = False,
-                batch: int = 8, micro: int = 4) -> None:
+                batch: int = 8, micro: int = 4, cpu_burst: bool = True) -> None:
     """Each host's entry from `vgraph probe` inside its quota, its link measured to the next host; the entries
     joined into `fleet`, then the collectives table of all hosts.
 
@@ -114,7 +115,8 @@ def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds:
     disagree by more than AGREE (`settle`): one probe taken in a short slow spell of this shared machine
     otherwise prices a whole pass (run 14: host h1's probe priced pipeline x2 at 1.6x the next pass's probes
     while the plan itself ran as fast in both passes).  The smoke run probes both hosts at once, once, --quick:
-    see the module docstring."""
+    see the module docstring.  `cpu_burst`: each probe also times its quota's burst (`vgraph probe
+    --cpu-burst`), which the step cost charges a pipeline stage's compute from."""
     from vgraph.cost.fleet import fleet_text, load_fleet
 
     n = len(tb.hosts)
@@ -127,7 +129,8 @@ def probe_hosts(tb: Testbed, network: Path, fleet: Path, seconds: float, rounds:
         out = {i: fleet.with_name(f"{fleet.stem}-h{i}-{tag}.yml") for i in group}
         done = tb.run_all([[VGRAPH, "probe", str(network), "--id", f"h{i}", "--peer",
                             f"{tb.ips[(i + 1) % n]}:{29400 + i}", "--seconds", str(seconds), "--threads", "1",
-                            "--no-precisions", *(["--quick"] if smoke else []), "-o", str(out[i])]
+                            "--no-precisions", *(["--quick"] if smoke else []),
+                            *(["--cpu-burst"] if cpu_burst else []), "-o", str(out[i])]
                            if i in group else None for i in range(n)], env=secret, timeout=600)
         for i, d in enumerate(done):
             if d is not None and d.returncode != 0:
@@ -165,8 +168,8 @@ def settle(samples: list, price, again):
     seconds = [price(p) for p in samples]
     rates = [p.bandwidth for p in samples]
     apart = max(max(seconds) / min(seconds), max(rates) / min(rates))
-    where = f"  probe of {samples[0].id}: " + ", ".join(f"{s * 1e3:.2f} ms at {r / 1e6:.3g} MB/s"
-                                                          for s, r in zip(seconds, rates))
+    where = f"  probe of {samples[0].id}: " + ", ".join(f"{s * 1e3:.2f} ms at {r / 1e6:.3g} MB/s{_burst(p)}"
+                                                          for s, r, p in zip(seconds, rates, samples))
     if len(samples) < 2 or apart <= AGREE:
         print(f"{where}: kept the last", file=sys.stderr, flush=True)
         return samples[-1]
@@ -174,7 +177,7 @@ def settle(samples: list, price, again):
     samples, seconds, rates = [*samples, third], [*seconds, price(third)], [*rates, third.bandwidth]
     compute = sorted(range(3), key=seconds.__getitem__)[1]
     link = samples[sorted(range(3), key=rates.__getitem__)[1]]
-    print(f"{where} ({apart:.2f}x apart), then {seconds[2] * 1e3:.2f} ms at {rates[2] / 1e6:.3g} MB/s: kept "
+    print(f"{where} ({apart:.2f}x apart), then {seconds[2] * 1e3:.2f} ms at {rates[2] / 1e6:.3g} MB/s{_burst(third)}: kept "
           f"{seconds[compute] * 1e3:.2f} ms at {link.bandwidth / 1e6:.3g} MB/s", file=sys.stderr, flush=True)
     return dataclasses.replace(samples[compute], bandwidth=link.bandwidth, burst=link.burst)
 
@@ -201,6 +204,31 @@ def host_pricer(network: Path, batch: int, micro: int):
                      micro_batches=micro, assignment=everything).report["step_seconds"]
 
     return price
+
+
+def _burst(pnode) -> str:
+    """A probe's CPU burst as the probe lines show it ('' where it found none)."""
+    b = pnode.cpu_burst
+    return f" (burst {b.speedup:.3g}x for {b.bucket * 1e3:.3g} ms)" if b else ""
+
+
+def priced_without_burst(network: Path, fleet_path: Path, placement: Path, batch: int, micro: int) -> float:
+    """The step `placement` is priced at on the fleet with every PNode's `cpu_burst` left out: the prediction
+    the model made before it charged a stage's compute from its quota's burst, beside the one it makes now."""
+    import dataclasses
+
+    import vgraph
+    from vgraph.backends.torch.distributed.launcher.launch import place, split_pipeline
+    from vgraph.cost.fleet import load_fleet
+
+    fleet = load_fleet(fleet_path)
+    plain = dataclasses.replace(fleet, pnodes=tuple(dataclasses.replace(p, cpu_burst=None) for p in fleet.pnodes))
+    layout = json.loads(placement.read_text())
+    before, partition, after = split_pipeline(None, True, {})
+    replicas = (layout["replica_pnodes"], layout["batch_shares"]) if len(layout["replica_pnodes"]) > 1 else None
+    return place(vgraph.load(network), plain, before=before, partition=partition, after=after, target="cpu",
+                 batch=batch, micro_batches=micro, assignment=layout["assignment"],
+                 replicas=replicas).report["step_seconds"]
 
 
 def forced_placement(network: Path, fleet_path: Path, stages: int, replicas: int, batch: int, micro: int,
@@ -304,7 +332,7 @@ def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: 
     fleets = [work / f"{stem}.yml"] + [work / f"{stem}-pass{k + 1}.yml" for k in range(1, args.passes)]
     fleet = fleets[0]
     probe_hosts(tb, network, fleet, args.link_seconds, rounds=args.rounds, smoke=args.smoke,
-                batch=args.batch, micro=args.micro_batches)
+                batch=args.batch, micro=args.micro_batches, cpu_burst=args.cpu_burst)
     pick = planner_pick(network, fleet, args.batch, args.micro_batches)
     shapes = {k: v for k, v in SHAPES.items() if v[0] * v[1] <= len(tb.hosts)
               and (with_one_host or v != (1, 1))}
@@ -317,28 +345,32 @@ def group(tb: Testbed, name: str, network: Path, rate: str, work: Path, corpus: 
         placements[plan] = work / f"placement-{name}-{rate.replace('/', '')}-{S}x{R}.json"
         forced_placement(network, fleet, S, R, args.batch, args.micro_batches, placements[plan])
     predicted: dict[str, list[float]] = {plan: [] for plan in shapes}
+    plain: dict[str, list[float]] = {plan: [] for plan in shapes}
     times: dict[str, list[float]] = {plan: [] for plan in shapes}
     for k in range(args.passes):
         if k:
             probe_hosts(tb, network, fleets[k], args.link_seconds, rounds=args.rounds, smoke=args.smoke,
-                        batch=args.batch, micro=args.micro_batches)
+                        batch=args.batch, micro=args.micro_batches, cpu_burst=args.cpu_burst)
         for plan in (list(shapes) if k % 2 == 0 else list(reversed(shapes))):
             S, R = shapes[plan]
             priced, steps = run_plan(tb, network, fleets[k], corpus, placements[plan], S * R, work / "run", args)
             predicted[plan].append(priced)
+            plain[plan].append(priced_without_burst(network, fleets[k], placements[plan], args.batch,
+                                                    args.micro_batches))
             times[plan] += steps
-            print(f"  {name} {rate} {plan} (pass {k + 1}): predicted {priced:.4f} s, measured "
-                  f"{statistics.median(steps):.4f} s", file=sys.stderr, flush=True)
+            print(f"  {name} {rate} {plan} (pass {k + 1}): predicted {priced:.4f} s ({plain[plan][-1]:.4f} s "
+                  f"without cpu_burst), measured {statistics.median(steps):.4f} s", file=sys.stderr, flush=True)
     return [Row(name, rate, plan, S, R, statistics.fmean(predicted[plan]), statistics.median(times[plan]),
-                pick=(S, R) == pick) for plan, (S, R) in shapes.items()]
+                pick=(S, R) == pick, without_burst=statistics.fmean(plain[plan]))
+            for plan, (S, R) in shapes.items()]
 
 
 def table(rows: list[Row]) -> str:
-    out = ["| network | link | plan | predicted s | measured s | predicted/measured |",
-           "|---|---|---|---:|---:|---:|"]
+    out = ["| network | link | plan | predicted s | measured s | predicted/measured | without cpu_burst |",
+           "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         out.append(f"| {r.network} | {'-' if r.plan == 'one host' else r.rate} | {r.plan}{' (pick)' if r.pick else ''} "
-                   f"| {r.predicted:.4f} | {r.measured:.4f} | {r.ratio:.2f} |")
+                   f"| {r.predicted:.4f} | {r.measured:.4f} | {r.ratio:.2f} | {r.without_burst / r.measured:.2f} |")
     return "\n".join(out)
 
 
@@ -405,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-seconds", type=float, default=3.0, help="length of each probe's link measurement")
     ap.add_argument("--plan-timeout", type=float, default=900.0)
     ap.add_argument("--rounds", type=int, default=100, help="timed repetitions of `vgraph probe --collectives`")
+    ap.add_argument("--no-cpu-burst", dest="cpu_burst", action="store_false",
+                    help="probe without timing the hosts' quota bursts (`vgraph probe --cpu-burst`): the fleets "
+                         "and predictions of the runs before 2026-12-07")
     ap.add_argument("--plot", default="testbed_plans.png")
     ap.add_argument("--workdir", help="keep the probed fleets, placements and runs here (default: a temporary "
                     "directory, removed at the end)")
