@@ -131,24 +131,62 @@ def test_a_probe_writes_a_fleet_entry_the_cost_model_prices(quick, tmp_path, cap
     assert step(shown) > step(capsys.readouterr().out) if slower else step(shown) == step(capsys.readouterr().out)
 
 
-def test_the_cpu_burst_is_the_speed_after_idling_and_the_saving_of_a_long_run(monkeypatch) -> None:
-    """A GEMM takes 1 ms continuously (the quota's rate); right after idling one takes 0.4 ms (speedup 2.5),
-    and a run of 30 (30 ms at the rate) takes 25 ms: the 5 ms saved are bucket x speedup, so 2 ms.  A CPU as
-    fast after idling as continuously (no quota) has no burst."""
+class _QuotaCpu:
+    """A CPU under a quota, as the step cost models one (vgraph/cost/cpu_quota.py), with a clock: a call of
+    the probe's small ops takes `each` seconds at the quota's average rate, `speedup` times faster while its
+    bucket lasts; idling fills the bucket (`bucket` seconds of work at the CPU's own speed); the first call
+    after idling also pays `cold` seconds (caches), which the model has no term for."""
+
+    def __init__(self, each: float, speedup: float, bucket: float, cold: float) -> None:
+        self.each, self.speedup, self.bucket, self.cold = each, speedup, bucket, cold
+        self.now, self.tokens, self.idled = 0.0, 0.0, False
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.tokens, self.idled = self.bucket, True
+
+    def call(self) -> None:
+        import numpy as np
+
+        from vgraph.cost.cpu_quota import burst_seconds
+
+        took, left = burst_seconds(np.array([self.each]), np.array([self.tokens]), np.array([self.speedup]))
+        self.now += float(took[0]) + (self.cold if self.idled else 0.0)
+        self.tokens, self.idled = float(left[0]), False
+
+
+@pytest.mark.parametrize("each, speedup, bucket", [(2e-3, 4.0, 1.5e-3), (1e-3, 2.5, 2e-3), (0.5e-3, 6.0, 0.4e-3)])
+def test_the_cpu_burst_fitted_from_runs_after_idling_is_the_quotas(monkeypatch, each, speedup, bucket) -> None:
+    """Runs of 1 call to 30 ms of calls after idling, on a simulated quota'd CPU whose first call after each idle
+    also pays cold caches: the fit reads the quota's own speedup and bucket back (within the fit grid's steps:
+    0.02 of speedup, 6% of bucket), the cold caches taken off first."""
     from vgraph.cost.cpu_quota import CpuBurst
 
-    ms = 1e-3
-    monkeypatch.setattr(P, "timed_in_turn", lambda fns, device, repeats=None, least=None: [ms])
-    monkeypatch.setattr(P.time, "sleep", lambda s: None)
+    cpu = _QuotaCpu(each, speedup, bucket, cold=0.6 * each / speedup)
+    monkeypatch.setattr(P, "_small_ops", lambda: cpu.call)
+    monkeypatch.setattr(P, "timed_in_turn", lambda fns, device, repeats=None, least=None: [each])
+    monkeypatch.setattr(P.time, "sleep", cpu.sleep)
+    monkeypatch.setattr(P.time, "perf_counter", lambda: cpu.now)
+    got = P.cpu_burst(repeats=3)
+    assert isinstance(got, CpuBurst)
+    assert got.speedup == pytest.approx(speedup, abs=0.03)
+    assert got.bucket == pytest.approx(bucket, rel=0.07)
 
-    def clock(first: float, run: float):
-        ticks = iter([t for _ in range(3) for t in (0.0, first, 0.0, run)])
-        return lambda: next(ticks)
 
-    monkeypatch.setattr(P.time, "perf_counter", clock(0.4 * ms, 25 * ms))
-    assert P.cpu_burst(repeats=3) == CpuBurst(pytest.approx(2.5), pytest.approx(2 * ms))
-    monkeypatch.setattr(P.time, "perf_counter", clock(1.0 * ms, 30 * ms))
+def test_a_cpu_as_fast_after_idling_as_in_a_loop_has_no_burst(monkeypatch) -> None:
+    """No quota: every call takes its loop time after idling too (the first one's cold caches aside)."""
+    cpu = _QuotaCpu(1e-3, 1.0, 0.0, cold=0.4e-3)
+    monkeypatch.setattr(P, "_small_ops", lambda: cpu.call)
+    monkeypatch.setattr(P, "timed_in_turn", lambda fns, device, repeats=None, least=None: [1e-3])
+    monkeypatch.setattr(P.time, "sleep", cpu.sleep)
+    monkeypatch.setattr(P.time, "perf_counter", lambda: cpu.now)
     assert P.cpu_burst(repeats=3) is None
+
+
+def test_the_small_ops_run_forward_and_backward_and_leave_no_gradient_behind() -> None:
+    call = P._small_ops()
+    call()
+    call()  # a second call would fail or accumulate if the first had left its graph or gradient
 
 
 def test_the_cpu_burst_is_written_only_when_asked(quick, tmp_path, capsys, monkeypatch) -> None:

@@ -353,41 +353,76 @@ def _batch_draw(graph: Graph, where: Path, batch: int) -> Callable[[int], Any]:
 # -- a CPU quota's burst ------------------------------------------------------------------------------
 
 BURST_IDLE_S = 0.12  # idle before a timed burst: longer than the kernel's default CFS period (100 ms)
-BURST_LONG_S = 0.03  # a run after idling long enough to spend any quota's burst (netlab: 2 ms a period)
+BURST_LONG_S = 0.03  # the longest run timed after idling: past any quota's burst (netlab: 2 ms a period)
 BURST_MIN_SPEEDUP = 1.15  # below this the CPU computes as fast after idling as continuously: no quota seen
+BURST_SPEEDUPS = np.linspace(1.0, 8.0, 351)  # the fit's grid (a quota of 1/8 core runs 8x faster after idling)
+BURST_BUCKETS = np.geomspace(2e-5, 2e-2, 121)  # seconds of work at the CPU's own speed: 20 us to 20 ms
+
+
+def _small_ops() -> Callable[[], None]:
+    """A block of a transformer at a micro-batch of 2 and width 64, forward and backward: a few ops of tens of
+    microseconds each, bound by each op's overhead as a network's ops are at a small micro-batch.  Why not a
+    GEMM: under a quota the two pay a throttle differently (measured in one 0.35-core testbed host,
+    2026-12-07: a 128^3 GEMM ran 1.7x faster after idling, these ops 3x, the first call included), and a
+    pipeline stage of tb-small ran 1.9x faster than the probe's figures while it waited half of each step."""
+    x = torch.randn(2, 32, 64)
+    w = torch.randn(64, 64, requires_grad=True)
+
+    def call() -> None:
+        y = torch.nn.functional.layer_norm(torch.nn.functional.gelu(x @ w), (64,))
+        y.sum().backward()
+        w.grad = None
+
+    return call
+
+
+def fit_cpu_burst(continuous: float, chunks: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """(speedup, bucket) whose `burst_seconds` curve is nearest (in log time) to `seconds`, the time `chunks[i]`
+    calls took right after idling, each call `continuous` seconds at the quota's average rate: the model's
+    own two figures fitted to the model's own curve, over a grid."""
+    from vgraph.cost.cpu_quota import burst_seconds
+
+    work = np.asarray(chunks, dtype=float) * continuous
+    s = BURST_SPEEDUPS[:, None, None]
+    b = BURST_BUCKETS[None, :, None]
+    predicted, _ = burst_seconds(work[None, None, :], np.broadcast_to(b, (len(BURST_SPEEDUPS), len(BURST_BUCKETS),
+                                                                          len(work))), s)
+    error = ((np.log(predicted) - np.log(np.maximum(np.asarray(seconds, dtype=float), 1e-12))) ** 2).sum(axis=2)
+    i, j = np.unravel_index(int(np.argmin(error)), error.shape)
+    return float(BURST_SPEEDUPS[i]), float(BURST_BUCKETS[j])
 
 
 def cpu_burst(repeats: int | None = None) -> CpuBurst | None:
-    """A CPU quota's burst (vgraph/cost/cpu_quota.py), timed with a small GEMM: continuously (the rate every
-    other figure is taken at), one call right after idling (the CPU's own speed: `speedup`), and a run of
-    BURST_LONG_S after idling, whose saving over the continuous rate is bucket x speedup (the bucket drains at
-    1 - 1/speedup a second and saves 1/speedup - 1 seconds a second while it lasts).  Medians of `repeats`
-    (default REPEATS) idles each; None where the first call after idling is not BURST_MIN_SPEEDUP faster.
+    """A CPU quota's burst (vgraph/cost/cpu_quota.py): small ops (`_small_ops`) timed continuously (the rate
+    every other figure is taken at), then runs of 1 call up to BURST_LONG_S of calls, each right after
+    idling; `fit_cpu_burst` reads the speedup and the bucket off the runs' times (medians of `repeats`,
+    default REPEATS).  None where the fitted speedup is under BURST_MIN_SPEEDUP.
 
-    Why measured and not read from the cgroup: inside a network namespace host (tools/netlab.py) /sys is the
-    namespace's and the quota's files are not there, and a container's limit may be set where it cannot read."""
-    a, b = torch.randn(128, 128), torch.randn(128, 128)
-
-    def call() -> None:
-        torch.mm(a, b)
-
+    Why runs of several lengths: the first call after idling also pays cold caches (taken off every run as
+    the first call's time over the second's: the model has no term for it), so one call alone under-reads
+    the speed (the GEMM this replaced read 1.46x where a pipeline stage ran 1.9x), and runs past the bucket
+    say how long the speed lasts.  Why measured and not read from the cgroup: inside a network namespace
+    host (tools/netlab.py) /sys is the namespace's and the quota's files are not there, a container's limit
+    may be set where it cannot read, and a throttle costs more than the time it takes away (cold caches
+    after each), which no setting says."""
+    call = _small_ops()
     one = timed_in_turn([call], torch.device("cpu"), least=3 * BURST_LONG_S)[0]  # the quota's average rate
-    n = max(2, round(BURST_LONG_S / max(one, 1e-9)))
-    firsts, saved = [], []
+    longest = max(2, round(BURST_LONG_S / max(one, 1e-9)))
+    chunks = sorted({1, 2, *(max(1, round(longest ** (k / 5))) for k in range(6))})
+    taken: list[list[float]] = [[] for _ in chunks]
     for _ in range(repeats or REPEATS):
-        time.sleep(BURST_IDLE_S)
-        start = time.perf_counter()
-        call()
-        firsts.append(time.perf_counter() - start)
-        time.sleep(BURST_IDLE_S)
-        start = time.perf_counter()
-        for _ in range(n):
-            call()
-        saved.append(n * one - (time.perf_counter() - start))
-    speedup = one / max(statistics.median(firsts), 1e-12)
+        for n, mine in zip(chunks, taken):
+            time.sleep(BURST_IDLE_S)
+            start = time.perf_counter()
+            for _ in range(n):
+                call()
+            mine.append(time.perf_counter() - start)
+    runs = [statistics.median(t) for t in taken]
+    cold = max(0.0, 2 * runs[0] - runs[1])  # the first call's cold caches: it over the second's time
+    speedup, bucket = fit_cpu_burst(one, chunks, [max(t - cold, 1e-9) for t in runs])
     if not speedup >= BURST_MIN_SPEEDUP:
         return None
-    return CpuBurst(min(speedup, 1000.0), max(0.0, statistics.median(saved)) / speedup)
+    return CpuBurst(speedup, bucket)
 
 
 # -- from timings to the fleet entry's figures ------------------------------------------------------
