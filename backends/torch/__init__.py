@@ -28,7 +28,7 @@ from typing import Any
 
 # Each public name and the module it lives in, imported on first use (PEP 562): `vgraph launch` (its launcher
 # process: membership, joins, supervision) and `vgraph launch --help` import this package without torch, which
-# costs 3-4 CPU-s (issue 36: at 0.35 of a core, a joiner's admission waited ~10 s on it); its workers import
+# costs 3-4 CPU-s (issue 36: at 0.35 of a core, a joiner asked to join ~7 s later for it); its workers import
 # torch once, in the forkserver (distributed/launcher/supervisor.py).
 _HOME = {
     **dict.fromkeys(("CheckpointError", "capture_rng_state", "checked_tokenizer", "latest_checkpoint",
@@ -45,14 +45,7 @@ _HOME = {
                     ".training.train"),
 }
 
-__all__ = [
-    "VGraphModule", "compile_network", "compute_dtype", "feed_name", "init_state", "to_graph_layout",
-    "to_unfused_layout", "interpret", "register_lowering", "LowerCtx", "LOWERINGS", "MemoryEstimate",
-    "MemoryRefused", "check_memory", "estimate_training_memory", "TrainConfig", "TrainResult",
-    "TrainingError", "train", "load_trained", "prepare_graph", "CheckpointError", "latest_checkpoint",
-    "load_checkpoint", "checked_tokenizer", "network_vocab", "save_checkpoint", "capture_rng_state", "CausalLM",
-    "load_model", "resolve_checkpoint",
-]
+__all__ = list(_HOME)
 
 
 def __getattr__(name: str) -> Any:

@@ -58,11 +58,7 @@ _HOME = {
     **dict.fromkeys(("dropout_key", "keyed_dropout"), "..lowering.dropout"),
 }
 
-__all__ = [
-    "LaunchConfig", "LaunchResult", "launch", "place", "register_launch", "split_pipeline",
-    "DistPlan", "Task", "Tie", "Transfer", "make_plan", "rank_ops", "schedule_ops",
-    "dropout_key", "keyed_dropout",
-]
+__all__ = list(_HOME)
 
 
 def __getattr__(name: str) -> Any:
