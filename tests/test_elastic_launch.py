@@ -731,7 +731,8 @@ def test_leaves_before_during_and_at_a_boundary_are_recorded_and_released(files,
 def test_sigterm_to_a_joined_machine_that_holds_nothing_yet_exits_0_when_released(files, tmp_path):
     """The real signal on the real command: `vgraph launch --join` admitted to a run whose running attempt does
     not use it (machine 0 here: its channel and admission); SIGTERM makes it leave, machine 0 releases it at
-    once, and it exits 0, having said so."""
+    once, and it exits 0, having said so.  Its launcher imported no torch on the way (issue 36: its workers'
+    forkserver does; the probe says at its exit, as `vgraph` runs `main`)."""
     import subprocess
     import sys
 
@@ -743,7 +744,9 @@ def test_sigterm_to_a_joined_machine_that_holds_nothing_yet_exits_0_when_release
     adm = admission(files, tmp_path)
     server.serve_extra(adm.answer)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "vgraph.cli.main", "launch", "--join", f"127.0.0.1:{port}",
+        probe = ("import atexit, sys\natexit.register(lambda: print('launcher imported torch:', 'torch' in sys.modules, "
+                 "file=sys.stderr))\nfrom vgraph.cli.main import main\nsys.exit(main())")
+        proc = subprocess.Popen([sys.executable, "-c", probe, "launch", "--join", f"127.0.0.1:{port}",
                                  "--pnode", str(files / "j1.yml"), "--out", str(tmp_path / "j")],
                                 env={**os.environ, "VGRAPH_LAUNCH_TOKEN": TOKEN}, stderr=subprocess.PIPE, text=True)
         try:
@@ -754,6 +757,7 @@ def test_sigterm_to_a_joined_machine_that_holds_nothing_yet_exits_0_when_release
             proc.kill()
         assert proc.returncode == 0, err
         assert "leaving the run" in err and "released this machine" in err and "Traceback" not in err, err
+        assert "launcher imported torch: False" in err, err
         leaves = [(e["pnodes"], e["outcome"]) for e in events(tmp_path) if e["event"] == "leave"]
         assert leaves == [(["j1"], "released")]
     finally:

@@ -51,6 +51,9 @@ def test_warm_starts_the_workers_forkserver_once_and_the_first_worker_forks_from
     assert got["before"] is None and isinstance(got["warmed"], int)  # the premise: no server before warm()
     assert got["again"] == got["used"] == got["warmed"] and got["alive"] and got["exit"] == 0
     assert got["main_kept"] and "torch._dynamo" in got["preload"]
+    # The workers' own module (torch, the lowering, the loop): the launcher no longer imports it for them.
+    assert "vgraph.backends.torch.distributed.runtime.worker" in got["preload"]
+    assert "vgraph.backends.torch.distributed.runtime.worker" in got["joiner"]
     # Rank 0's imports (the loss curve, TensorBoard) only where rank 0 may run: not on a joined machine.
     assert "matplotlib.figure" in got["preload"] and "torch.utils.tensorboard" in got["preload"]
     assert "torch._dynamo" in got["joiner"] and not {"matplotlib.figure", "torch.utils.tensorboard"} & set(got["joiner"])

@@ -23,21 +23,39 @@
 """
 from __future__ import annotations
 
-from .training.checkpoint import (CheckpointError, capture_rng_state, checked_tokenizer, latest_checkpoint, load_checkpoint,
-                         network_vocab, resolve_checkpoint, save_checkpoint)
-from .lowering.interpreter import interpret
-from .lowering.lower import (VGraphModule, compile_network, compute_dtype, feed_name, init_state, to_graph_layout,
-                    to_unfused_layout)
-from .model_api import CausalLM, load_model
-from .training.memory import MemoryEstimate, MemoryRefused, check_memory, estimate_training_memory
-from .lowering.ops import LOWERINGS, LowerCtx, register_lowering
-from .training.train import TrainConfig, TrainingError, TrainResult, load_trained, prepare_graph, train
+import importlib
+from typing import Any
 
-__all__ = [
-    "VGraphModule", "compile_network", "compute_dtype", "feed_name", "init_state", "to_graph_layout",
-    "to_unfused_layout", "interpret", "register_lowering", "LowerCtx", "LOWERINGS", "MemoryEstimate",
-    "MemoryRefused", "check_memory", "estimate_training_memory", "TrainConfig", "TrainResult",
-    "TrainingError", "train", "load_trained", "prepare_graph", "CheckpointError", "latest_checkpoint",
-    "load_checkpoint", "checked_tokenizer", "network_vocab", "save_checkpoint", "capture_rng_state", "CausalLM",
-    "load_model", "resolve_checkpoint",
-]
+# Each public name and the module it lives in, imported on first use (PEP 562): `vgraph launch` (its launcher
+# process: membership, joins, supervision) and `vgraph launch --help` import this package without torch, which
+# costs 3-4 CPU-s (issue 36: at 0.35 of a core, a joiner asked to join ~7 s later for it); its workers import
+# torch once, in the forkserver (distributed/launcher/supervisor.py).
+_HOME = {
+    **dict.fromkeys(("CheckpointError", "capture_rng_state", "checked_tokenizer", "latest_checkpoint",
+                     "load_checkpoint", "network_vocab", "resolve_checkpoint", "save_checkpoint"),
+                    ".training.checkpoint"),
+    "interpret": ".lowering.interpreter",
+    **dict.fromkeys(("VGraphModule", "compile_network", "compute_dtype", "feed_name", "init_state",
+                     "to_graph_layout", "to_unfused_layout"), ".lowering.lower"),
+    **dict.fromkeys(("CausalLM", "load_model"), ".model_api"),
+    **dict.fromkeys(("MemoryEstimate", "MemoryRefused", "check_memory", "estimate_training_memory"),
+                    ".training.memory"),
+    **dict.fromkeys(("LOWERINGS", "LowerCtx", "register_lowering"), ".lowering.ops"),
+    **dict.fromkeys(("TrainConfig", "TrainingError", "TrainResult", "load_trained", "prepare_graph", "train"),
+                    ".training.train"),
+}
+
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:  # a submodule (`from vgraph.backends.torch import cli`) is then imported by the import system
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

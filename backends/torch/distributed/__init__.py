@@ -45,12 +45,30 @@ Dropout keyed by (seed, step, VNode, sample) lives one level up
 """
 from __future__ import annotations
 
-from .launcher.launch import LaunchConfig, LaunchResult, launch, place, register_launch, split_pipeline
-from vgraph.run.step_plan import DistPlan, Task, Tie, Transfer, make_plan, rank_ops, schedule_ops
-from ..lowering.dropout import dropout_key, keyed_dropout
+import importlib
+from typing import Any
 
-__all__ = [
-    "LaunchConfig", "LaunchResult", "launch", "place", "register_launch", "split_pipeline",
-    "DistPlan", "Task", "Tie", "Transfer", "make_plan", "rank_ops", "schedule_ops",
-    "dropout_key", "keyed_dropout",
-]
+# Imported on first use (PEP 562), as the backend's package does (its __init__): a worker importing
+# `distributed.job` does not import the launcher, and the launcher does not import torch through dropout.
+_HOME = {
+    **dict.fromkeys(("LaunchConfig", "LaunchResult", "launch", "place", "register_launch", "split_pipeline"),
+                    ".launcher.launch"),
+    **dict.fromkeys(("DistPlan", "Task", "Tie", "Transfer", "make_plan", "rank_ops", "schedule_ops"),
+                    "vgraph.run.step_plan"),
+    **dict.fromkeys(("dropout_key", "keyed_dropout"), "..lowering.dropout"),
+}
+
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:  # a submodule (`from ...distributed import job`) is then imported by the import system
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

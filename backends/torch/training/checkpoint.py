@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+# torch (and safetensors.torch) are imported by the functions that handle tensors: the launcher of `vgraph launch`
+# finds checkpoints and their steps through this module (latest_checkpoint, checkpoint_step) without importing
+# torch, which its workers import (backends/torch/__init__.py says why).
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from vgraph.base.diagnostics import VGraphError, printable, quote
 from vgraph.base.jsonio import loads
@@ -140,6 +141,8 @@ def save_checkpoint(
         raise ValueError(f"invalid checkpoint directory name: {target.name!r}")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int; got {step!r}")
+
+    import torch
 
     # Encode everything first: an unsupported value must fail before any
     # file is touched.
@@ -332,6 +335,8 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 
 def capture_rng_state() -> dict[str, Any]:
     """Snapshot every RNG a training step may draw from (python, numpy, torch, CUDA)."""
+    import torch
+
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if np is not None:
         state["numpy"] = np.random.get_state()
@@ -342,6 +347,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
     """Restore a :func:`capture_rng_state` snapshot (missing entries are left alone)."""
+    import torch
+
     if "python" in state:
         random.setstate(state["python"])
     if "torch" in state:
@@ -374,6 +381,8 @@ def _encode(obj: Any, path: tuple[str, ...], tensors: dict[str, torch.Tensor]) -
     Every JSON object produced is a tag (``__dict__``, ``__tuple__``,
     ``__tensor__``, ...), so decoding is unambiguous whatever the user keys.
     """
+    import torch
+
     if obj is None or isinstance(obj, (bool, str)):
         return obj
     if isinstance(obj, int):
@@ -481,6 +490,8 @@ def _dedupe(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
 
 
 def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
     unique, aliases = _dedupe(tensors)
     metadata = {"format": "pt", _ALIASES_METADATA_KEY: json.dumps(aliases, sort_keys=True)}
     # Through the core's writer: save_file alone leaves the file 0600 whatever the umask (safeio.py).

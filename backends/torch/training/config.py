@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vgraph.base.diagnostics import VGraphError
+from vgraph.data.stdlib_corpus import DEFAULT_CORPUS_MAX_BYTES
 from vgraph.ir.graph import Graph
-
-from . import batches as D
 
 __all__ = ["TrainConfig", "TrainResult", "TrainingError"]
 
@@ -52,7 +51,7 @@ class TrainConfig:
     grad_clip: float | None = None
     weight_decay: float = 0.0  # decoupled (AdamW) decay of Adam nodes' matrices; 0: plain Adam, as before
     grad_accum: int = 1  # micro-batches of `batch` per optimizer step: the step trains grad_accum x batch samples
-    corpus_bytes: int = D.DEFAULT_CORPUS_MAX_BYTES
+    corpus_bytes: int = DEFAULT_CORPUS_MAX_BYTES
     memory_limit: int | None = None
     compile: bool = False
     progress: bool = True

@@ -38,12 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import torch
-
 from vgraph.base.diagnostics import printable
+from vgraph.run.files import CHECKPOINT_PREFIX
 
-from . import checkpoint as ckpt
-from .run_checkpoints import CHECKPOINT_PREFIX, prune_checkpoints
+from . import checkpoint as ckpt  # torch-free until tensors are read or written (its imports say why)
 
 __all__ = ["RESCUE_DIR", "SHARD_FILES", "SHARD_NAME", "Shard", "Rescue", "run_identity", "shard_name",
            "write_shard", "read_shards", "assemble", "rescue_saved", "save_rescued", "clear_rescue"]
@@ -195,6 +193,8 @@ def assemble(shards: list[Shard], *, keys: set[str], floor: int, ceiling: int, l
 
 
 def _disagreement(at: list[Shard]) -> str:
+    import torch
+
     seen: dict[str, tuple[str, torch.Tensor]] = {}
     for shard in at:
         for key, value in shard.state.model_state.items():
@@ -248,6 +248,8 @@ def rescue_saved(folder: Path, run_dir: Path, *, run: str, attempt: int, keys: s
 def save_rescued(run_dir: Path, rescue: Rescue, extra: Mapping[str, Any], keep: int) -> Path:
     """Rescue's checkpoint `step-<s>` in the run directory (as a worker set writes one: `latest` moved, old
     ones pruned); `extra` adds what every checkpoint carries (the run, the network, the tokenizer)."""
+    from .run_checkpoints import prune_checkpoints  # the training loop's (torch, the lowering)
+
     assert rescue.step is not None
     path = ckpt.save_checkpoint(run_dir / f"{CHECKPOINT_PREFIX}{rescue.step:08d}", step=rescue.step,
                                 model_state=rescue.model, optimizer_states=rescue.optim, rng_state=rescue.rng,

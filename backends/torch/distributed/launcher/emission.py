@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from vgraph.base.safeio import OutputDir, atomic_write
 from vgraph.cost.fleet import Fleet
 from vgraph.placement.drift import fleet_file_text
@@ -166,6 +164,8 @@ def _job(run: Run, placement: Placement, info: dict[str, Any], number: int, loca
     """The job file's content (job.py), with the transport this machine's `local` workers use (comm_choice.py);
     `run_dir` relative to the folder the job is written to; `fleet`: the attempt's, for rank 0's measured
     figures (vgraph/placement/drift.py)."""
+    import torch  # loaded already: `run.device` is a torch.device (inputs.resolve_inputs)
+
     comm = choose_comm(run.device.type, len(local), torch.cuda.device_count() if run.device.type == "cuda" else 0,
                        torch.distributed.is_nccl_available(), run.comm)
     train = dataclasses.replace(run.train, threads=threads)

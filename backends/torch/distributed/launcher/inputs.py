@@ -31,15 +31,12 @@ from vgraph.run.step_plan import PIPELINES
 from vgraph.transform.pipeline import Pipeline
 
 from ...training.config import TrainConfig, TrainingError
-from ...training.corpus import prepare_data
 from ...training.interrupt import StopRequest
 from ...training.options import check_train_config
 from ...training.run_files import run_slug
-from ...training.setup import device_target, load_network, open_run_dir, resolve_device, vocab_and_seq
 from ..job import JOB_FILE, LAUNCH_DIR, STOP_FILE
 from ..rendezvous import TOKEN_ENV, check_master_addr, check_token, probe_port
-from ..runtime.comm_choice import COMM_MODES
-from ..runtime.grad_sync import DEFAULT_BUCKET_BYTES
+from ..runtime.comm_choice import COMM_MODES, DEFAULT_BUCKET_BYTES
 from ..runtime.progress import LaunchBar
 from . import elastic
 from .membership import MachineLost, Machines
@@ -303,6 +300,9 @@ def resolve_inputs(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> 
 
     Long because it is the launch's one walk through its settings, in the order the run needs them: each
     setting read, checked and turned into the value the attempts use, so none of them goes back to it."""
+    # torch's (setup.py): the device resolved here is the workers'; a launcher that only joins imports neither.
+    from ...training.setup import device_target, load_network, open_run_dir, resolve_device, vocab_and_seq
+
     emitting = cfg.emit_job is not None
     emit, bar = _outputs(cfg.log, cfg.progress and not emitting)
     grad_compress, given = _check(cfg)
@@ -404,6 +404,8 @@ def _refuse_superseded(run_dir: Path, token: str) -> None:
 def _write_data(run: Run, cfg: LaunchConfig, vocab: int, seq_len: int) -> None:
     """The corpus every worker reads (prepared and verified once: corpus.py), its tokenizer, and
     network.yml + tokenizer.json as `vgraph train` writes them; run_info, run.json's content."""
+    from ...training.corpus import prepare_data  # its token shards are torch's (batches.py)
+
     data = prepare_data(cfg, vocab, seq_len, run.say)  # the corpus `vgraph train` would read
     run.data_dir, run.data_digest = str(data.dataset.corpus.root.absolute()), data.digest
     run.tokenizer_json = data.tokenizer.to_str()

@@ -18,11 +18,10 @@ from vgraph.cost.tasks import StageLoads, stage_loads
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
 from vgraph.placement.replica_report import rebalanced_shares
-from vgraph.run.compiled_graph import PLAN_CHOICES, apply_assignment
+from vgraph.run.compiled_graph import NO_FUSE_PIPELINE, PLAN_CHOICES, apply_assignment
 from vgraph.transform.pipeline import DEFAULT_PIPELINE, Pipeline, available_passes, run_pipeline
 
 from ...training.config import TrainingError
-from ...training.setup import NO_FUSE_PIPELINE
 
 __all__ = ["Placement", "split_pipeline", "place", "led_by", "shrink"]
 

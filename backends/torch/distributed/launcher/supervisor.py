@@ -78,7 +78,11 @@ def _current_umask() -> int:
     return mask
 
 
-WORKER_PRELOAD = ["vgraph.backends.torch.distributed.launcher.launch", "torch._dynamo"]
+# What a worker runs (its module: torch, the lowering, the training loop; the supervisor's fork target) and writes
+# (safetensors' torch writer: checkpoints, rescue shards), imported once in the server: the launcher itself imports
+# none of it (backends/torch/__init__.py says why).
+WORKER_PRELOAD = ["vgraph.backends.torch.distributed.runtime.worker", "vgraph.backends.torch.distributed.launcher.supervisor",
+                  "safetensors.torch", "torch._dynamo"]
 RANK_ZERO_PRELOAD = ["matplotlib.figure", "matplotlib.backends.backend_agg", "torch.utils.tensorboard"]
 
 

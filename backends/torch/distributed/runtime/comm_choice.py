@@ -20,14 +20,19 @@ Decisions (`choose_comm`):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from vgraph.base.diagnostics import VGraphError
 
-__all__ = ["CommChoice", "COMM_MODES", "choose_comm", "worker_device"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CommChoice", "COMM_MODES", "DEFAULT_BUCKET_BYTES", "choose_comm", "worker_device"]
 
 COMM_MODES = ("auto", "gloo", "nccl-on-gloo")
+# The replicas' gradient buckets (grad_sync.py), here with the other settings the launcher checks and writes into
+# the job without importing torch (backends/torch/__init__.py says why).
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ def choose_comm(device_type: str, local_workers: int, cuda_devices: int, nccl_av
 
 def worker_device(device: str, local_rank: int, cuda_devices: int) -> torch.device:
     """The device of the worker with `local_rank` on its machine: its own GPU (round robin when shared)."""
+    import torch
+
     if device != "cuda":
         return torch.device("cpu")
     if cuda_devices < 1:  # the job's mistake (or the machine's), not a crash torchrun should restart

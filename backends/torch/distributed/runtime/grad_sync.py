@@ -80,10 +80,11 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from .comm_choice import DEFAULT_BUCKET_BYTES  # the launcher's default too, read without torch
+
 __all__ = ["GradientSync", "Bucket", "DEFAULT_BUCKET_BYTES", "allreduce_sum", "summed", "ring_bytes_sent",
            "bucket_layout"]
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's bucket_cap_mb default
 
 CommHook = Callable[[Any, "Bucket"], "torch.futures.Future[torch.Tensor]"]
 
