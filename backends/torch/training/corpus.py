@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vgraph.data.cache import default_corpus, text_corpus
+from vgraph.data.cache import cached, embedded_recipe, files_recipe
 from vgraph.data.shards import DataError, PreparedCorpus, is_prepared, open_prepared
 from vgraph.data.tokenizer import load_tokenizer
 
@@ -39,10 +39,9 @@ def open_corpus(config: TrainConfig, vocab: int, say: Callable[[str], None]) -> 
         corpus = open_prepared(config.data, verify="full")
         say(f"data: prepared corpus {config.data} checked against its manifest ({time.perf_counter() - t0:.2f} s)")
         return corpus, str(config.data)
-    if config.data:
-        return text_corpus([str(config.data)], vocab, say, config.cache_dir), str(config.data)
-    return (default_corpus(config.corpus_bytes, vocab, say, config.cache_dir),
-            f"default corpus ({config.corpus_bytes} bytes)")
+    recipe = files_recipe([str(config.data)], vocab) if config.data else embedded_recipe(config.corpus_bytes, vocab)
+    return (cached(recipe, say, config.cache_dir),
+            str(config.data) if config.data else f"default corpus ({config.corpus_bytes} bytes)")
 
 
 def prepare_data(config: TrainConfig, vocab: int, seq_len: int, say: Callable[[str], None] = lambda m: None
