@@ -40,7 +40,7 @@ from vgraph.data.shards import FORMAT_VERSION, DataError, PreparedCorpus, open_p
 from vgraph.data.sources import Source, find_sources
 from vgraph.data.stdlib_corpus import default_corpus_documents, stdlib_dir
 
-__all__ = ["cache_root", "CorpusRecipe", "embedded_recipe", "files_recipe", "default_corpus", "text_corpus", "cached"]
+__all__ = ["cache_root", "CorpusRecipe", "embedded_recipe", "files_recipe", "default_corpus", "cached"]
 
 Say = Callable[[str], None]
 
@@ -105,11 +105,6 @@ def files_recipe(inputs: Sequence[str], vocab: int) -> CorpusRecipe:
 def default_corpus(corpus_bytes: int, vocab: int, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
     """The embedded corpus capped at `corpus_bytes`, prepared with a `vocab`-token tokenizer."""
     return cached(embedded_recipe(corpus_bytes, vocab), say, root)
-
-
-def text_corpus(inputs: Sequence[str], vocab: int, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
-    """`files_recipe(inputs, vocab)`'s corpus, from the cache."""
-    return cached(files_recipe(inputs, vocab), say, root)
 
 
 def cached(recipe: CorpusRecipe, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
