@@ -234,3 +234,21 @@ def test_text_given_to_data_is_found_once_so_the_cache_key_names_the_files_prepa
     said.clear()
     cached(recipe, said.append, tmp_path / "cache")
     assert any("from the cache" in s for s in said) and not any("skipp" in s for s in said)  # ... not when read
+
+
+def test_a_run_loads_the_tokenizer_it_checked_without_reading_the_file_again(prepared, tmp_path, monkeypatch) -> None:
+    """Opened in full, a corpus keeps its tokenizer's text as its ids were checked; the run's tokenizer is
+    built from that text (a file swapped after the check is never what the run tokenizes with)."""
+    import vgraph.data.tokenizer as tokenizer_module
+    from vgraph.backends.torch.training.corpus import prepare_data
+
+    text = (prepared / "tokenizer.json").read_text(encoding="utf-8")
+    assert open_prepared(prepared, verify="full").tokenizer_json == text
+    assert open_prepared(prepared, verify="size").tokenizer_json is None  # a worker's open reads no tokenizer
+    reads: list[str] = []
+    real = tokenizer_module.read_input
+    monkeypatch.setattr(tokenizer_module, "read_input", lambda path, **kw: reads.append(str(path)) or real(path, **kw))
+    data = prepare_data(TrainConfig(network=str(TINY), data=str(prepared)), 96, 16)
+    assert reads == []
+    assert data.tokenizer.to_str() == tokenizer_module.load_tokenizer(str(prepared / "tokenizer.json")).to_str()
+    assert reads == [str(prepared / "tokenizer.json")]  # the premise: load_tokenizer reads through read_input
