@@ -208,3 +208,47 @@ def test_hostile_prepared_corpora_are_refused_before_training(prepared, tmp_path
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "e.txt").write_text("\n\n")
     assert "the corpus is empty" in run(tmp_path / "empty")
+
+
+def test_text_given_to_data_is_found_once_so_the_cache_key_names_the_files_prepared(tmp_path) -> None:
+    """The cache keys `--data` text by the content of the files it found; prepare reads those files, not a
+    second look at the directory (a file added in between would be in an entry keyed without it)."""
+    from vgraph.data.cache import cached, files_recipe
+
+    folder = tmp_path / "text"
+    folder.mkdir()
+    docs = default_corpus_documents(max_bytes=6_000)
+    (folder / "a.txt").write_text("\n<|endoftext|>\n".join(docs[:10]), encoding="utf-8")
+    (folder / "logo.png").write_bytes(b"\x89PNG not text")
+    recipe = files_recipe([str(folder)], 64)
+    assert [Path(s.path).name for s in recipe.sources] == ["a.txt"] and len(recipe.skipped) == 1
+    (folder / "b.txt").write_text("\n<|endoftext|>\n".join(docs[10:20]), encoding="utf-8")  # after the key
+    said: list[str] = []
+    corpus = cached(recipe, said.append, tmp_path / "cache")
+    assert [Path(s["path"]).name for s in corpus.manifest["sources"]] == ["a.txt"]
+    assert json.loads((corpus.root / "cache-key.json").read_text())["content"] == recipe.key["content"]
+    assert said.count(recipe.skipped[0]) == 1  # the skipped file is said when the entry is built ...
+    said.clear()
+    again = cached(files_recipe([str(folder)], 64), said.append, tmp_path / "cache")  # b.txt now: another key
+    assert again.root != corpus.root and len(again.manifest["sources"]) == 2
+    said.clear()
+    cached(recipe, said.append, tmp_path / "cache")
+    assert any("from the cache" in s for s in said) and not any("skipp" in s for s in said)  # ... not when read
+
+
+def test_a_run_loads_the_tokenizer_it_checked_without_reading_the_file_again(prepared, tmp_path, monkeypatch) -> None:
+    """Opened in full, a corpus keeps its tokenizer's text as its ids were checked; the run's tokenizer is
+    built from that text (a file swapped after the check is never what the run tokenizes with)."""
+    import vgraph.data.tokenizer as tokenizer_module
+    from vgraph.backends.torch.training.corpus import prepare_data
+
+    text = (prepared / "tokenizer.json").read_text(encoding="utf-8")
+    assert open_prepared(prepared, verify="full").tokenizer_json == text
+    assert open_prepared(prepared, verify="size").tokenizer_json is None  # a worker's open reads no tokenizer
+    reads: list[str] = []
+    real = tokenizer_module.read_input
+    monkeypatch.setattr(tokenizer_module, "read_input", lambda path, **kw: reads.append(str(path)) or real(path, **kw))
+    data = prepare_data(TrainConfig(network=str(TINY), data=str(prepared)), 96, 16)
+    assert reads == []
+    assert data.tokenizer.to_str() == tokenizer_module.load_tokenizer(str(prepared / "tokenizer.json")).to_str()
+    assert reads == [str(prepared / "tokenizer.json")]  # the premise: load_tokenizer reads through read_input

@@ -29,6 +29,7 @@ import platform
 import shutil
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -36,10 +37,10 @@ from vgraph.base.diagnostics import printable
 
 from vgraph.data.prepare import PrepareOptions, prepare
 from vgraph.data.shards import FORMAT_VERSION, DataError, PreparedCorpus, open_prepared
-from vgraph.data.sources import find_sources
+from vgraph.data.sources import Source, find_sources
 from vgraph.data.stdlib_corpus import default_corpus_documents, stdlib_dir
 
-__all__ = ["cache_root", "default_corpus", "text_corpus", "cached"]
+__all__ = ["cache_root", "CorpusRecipe", "embedded_recipe", "files_recipe", "default_corpus", "cached"]
 
 Say = Callable[[str], None]
 
@@ -60,27 +61,35 @@ def _versions() -> dict:
     return {"format": FORMAT_VERSION, "tokenizers": tokenizers.__version__}
 
 
-def default_corpus(corpus_bytes: int, vocab: int, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
+@dataclass(frozen=True)
+class CorpusRecipe:
+    """One cache entry as a value: what it is built from and its key, everything the prepared corpus depends
+    on.  The text given to `--data` is found once (`sources`), so the files keyed are the files prepared;
+    the embedded corpus is read only when its entry is built (seconds of parsing)."""
+
+    name: str  # the entry's prefix: "stdlib" | "files"
+    key: dict
+    what: str  # how the status lines name it
+    vocab: int
+    corpus_bytes: int = 0  # the embedded corpus's cap
+    inputs: tuple[str, ...] = ()  # the text given to `--data`, as given ...
+    sources: tuple[Source, ...] = ()  # ... and the files found for it
+    skipped: tuple[str, ...] = ()  # what find_sources said it skipped: said when the entry is built, as prepare says it
+
+
+def embedded_recipe(corpus_bytes: int, vocab: int) -> CorpusRecipe:
     """The embedded corpus capped at `corpus_bytes`, prepared with a `vocab`-token tokenizer."""
     key = {"corpus": "stdlib-docstrings", "python": f"{platform.python_implementation()} {platform.python_version()}",
            "stdlib": str(stdlib_dir()), "corpus_bytes": corpus_bytes, "vocab": vocab, **_versions()}
     what = f"the embedded corpus (standard library docstrings, at most {corpus_bytes:,} bytes, vocabulary {vocab})"
-
-    def build(tmp: Path) -> None:
-        t0 = time.perf_counter()
-        documents = default_corpus_documents(corpus_bytes)
-        say(f"data: read {len(documents):,} docstrings ({sum(map(len, documents)) / 1e6:.1f} MB) from "
-            f"{stdlib_dir()} ({time.perf_counter() - t0:.1f} s)")
-        prepare([], tmp, PrepareOptions(vocab=vocab), say=say, progress=False, documents=documents,
-                description="stdlib docstrings")
-
-    return cached("stdlib", key, what, build, say, root)
+    return CorpusRecipe("stdlib", key, what, vocab, corpus_bytes=corpus_bytes)
 
 
-def text_corpus(inputs: Sequence[str], vocab: int, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
+def files_recipe(inputs: Sequence[str], vocab: int) -> CorpusRecipe:
     """Text, JSONL, Parquet or dataset files given to `--data` (not a prepared directory), prepared with a
-    `vocab`-token tokenizer trained on them, cached by their content."""
-    sources = find_sources(inputs)
+    `vocab`-token tokenizer trained on them, keyed by their content."""
+    skipped: list[str] = []
+    sources = find_sources(inputs, report=skipped.append)
     digest = hashlib.sha256()
     for source in sources:
         digest.update(f"{source.kind} {source.size}\n".encode())
@@ -89,19 +98,20 @@ def text_corpus(inputs: Sequence[str], vocab: int, say: Say, root: str | os.Path
                 digest.update(block)
     key = {"corpus": "files", "content": digest.hexdigest(), "vocab": vocab, **_versions()}
     what = f"{', '.join(printable(i) for i in inputs)} (vocabulary {vocab})"
-
-    def build(tmp: Path) -> None:
-        prepare(list(inputs), tmp, PrepareOptions(vocab=vocab), say=say, progress=False)
-
-    return cached("files", key, what, build, say, root)
+    return CorpusRecipe("files", key, what, vocab, inputs=tuple(inputs), sources=tuple(sources),
+                        skipped=tuple(skipped))
 
 
-def cached(name: str, key: dict, what: str, build: Callable[[Path], None], say: Say,
-           root: str | os.PathLike | None = None) -> PreparedCorpus:
-    """The cache entry for `key` (under `root`, default `cache_root()`), built with `build(directory)` when
-    missing or damaged."""
+def default_corpus(corpus_bytes: int, vocab: int, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
+    """The embedded corpus capped at `corpus_bytes`, prepared with a `vocab`-token tokenizer."""
+    return cached(embedded_recipe(corpus_bytes, vocab), say, root)
+
+
+def cached(recipe: CorpusRecipe, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
+    """The cache entry of `recipe` (under `root`, default `cache_root()`), built when missing or damaged."""
     corpora = cache_root(root) / "corpora"
-    entry = corpora / f"{name}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}"
+    key, what = recipe.key, recipe.what
+    entry = corpora / f"{recipe.name}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}"
     t0 = time.perf_counter()
     corpus = _open_entry(entry)
     if isinstance(corpus, PreparedCorpus):
@@ -126,7 +136,7 @@ def cached(name: str, key: dict, what: str, build: Callable[[Path], None], say: 
         tmp = corpora / f".tmp-{entry.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            build(tmp)
+            _build(recipe, tmp, say)
             (tmp / "cache-key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n", encoding="utf-8")
             os.rename(tmp, entry)
         finally:
@@ -134,6 +144,21 @@ def cached(name: str, key: dict, what: str, build: Callable[[Path], None], say: 
         corpus = open_prepared(entry)
     say(f"data: built the cache of {what} in {time.perf_counter() - t0:.1f} s")
     return corpus
+
+
+def _build(recipe: CorpusRecipe, tmp: Path, say: Say) -> None:
+    """Prepare `recipe`'s corpus into `tmp` (prepare.py, as `vgraph data prepare` would)."""
+    options = PrepareOptions(vocab=recipe.vocab)
+    if recipe.name == "stdlib":
+        t0 = time.perf_counter()
+        documents = default_corpus_documents(recipe.corpus_bytes)
+        say(f"data: read {len(documents):,} docstrings ({sum(map(len, documents)) / 1e6:.1f} MB) from "
+            f"{stdlib_dir()} ({time.perf_counter() - t0:.1f} s)")
+        prepare([], tmp, options, say=say, progress=False, documents=documents, description="stdlib docstrings")
+        return
+    for line in recipe.skipped:
+        say(line)
+    prepare(list(recipe.inputs), tmp, options, say=say, progress=False, sources=recipe.sources)
 
 
 def _open_entry(entry: Path) -> PreparedCorpus | str | None:

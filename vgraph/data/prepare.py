@@ -90,10 +90,12 @@ class PrepareOptions:
 def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptions, *,
             say: Callable[[str], None] = lambda m: print(m, file=sys.stderr), progress: bool = True,
             documents: Sequence[str] | None = None, description: str | None = None,
-            warn: Callable[[str], None] | None = None) -> PreparedCorpus:
+            warn: Callable[[str], None] | None = None, sources: Sequence[Source] | None = None) -> PreparedCorpus:
     """Prepare `inputs` (or the in-memory `documents`, named `description`) into `out`; see the module
     docstring.  Returns the prepared corpus, opened.  `warn` (default `say`) gets what the user should
-    read even when status lines are off (a tokenizer smaller than asked, inputs skipped)."""
+    read even when status lines are off (a tokenizer smaller than asked, inputs skipped).  `sources`: the
+    files `find_sources(inputs)` found for a caller that needed them first (the cache keys a corpus by
+    their content), so the files keyed are the files prepared, found once."""
     warn = warn or say
     if (options.vocab is None) == (options.tokenizer is None):
         raise DataError("give exactly one of --vocab N (train a tokenizer) and --tokenizer FILE")
@@ -103,7 +105,7 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptio
     t0 = time.perf_counter()
     given = load_tokenizer(options.tokenizer) if options.tokenizer is not None else None  # read bounded, checked
     if documents is None:
-        sources = find_sources(inputs, options.include, report=warn)
+        sources = list(sources) if sources is not None else find_sources(inputs, options.include, report=warn)
         check_output_dir(root, [s.path for s in sources] + list(inputs) + [t for t in [options.tokenizer] if t])
         units = plan_units(sources, options.unit_bytes)
     else:

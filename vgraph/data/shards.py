@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from vgraph.base.diagnostics import VGraphError, printable
-from vgraph.base.jsonio import loads
+from vgraph.base.jsonio import decode_text, loads
 from vgraph.base.safeio import read_input
 
 __all__ = ["DataError", "FORMAT", "FORMAT_VERSION", "IDX_MAGIC", "SPLITS", "MANIFEST", "TOKENIZER_FILE",
@@ -135,6 +135,9 @@ class PreparedCorpus:
     digest: str  # SHA-256 of manifest.json: names this exact corpus (run.json, resume, launch workers)
     train: TokenStream
     val: TokenStream
+    # verify="full": the tokenizer file's text as its ids were checked, so a run loads the tokenizer that was
+    # checked without reading the file again (None: not read, verify="size")
+    tokenizer_json: str | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -175,11 +178,11 @@ def open_prepared(path: str | os.PathLike, *, verify: str = "full") -> PreparedC
     _check_manifest(manifest, manifest_path)
     tokenizer = root / TOKENIZER_FILE
     _check_file(tokenizer, None, manifest["tokenizer"]["sha256"], verify)
-    if verify == "full":
-        _check_tokenizer_ids(tokenizer, manifest["vocab_size"], manifest["dtype"])
+    tokenizer_json = (_check_tokenizer_ids(tokenizer, manifest["vocab_size"], manifest["dtype"]) if verify == "full"
+                      else None)
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
     streams = [_open_split(root, name, manifest["splits"][name], dtype, verify) for name in SPLITS]
-    return PreparedCorpus(root, manifest, hashlib.sha256(raw).hexdigest(), *streams)
+    return PreparedCorpus(root, manifest, hashlib.sha256(raw).hexdigest(), *streams, tokenizer_json=tokenizer_json)
 
 
 # -- the manifest's schema -------------------------------------------------------------------------------
@@ -259,11 +262,13 @@ def _hex(value: str, where: Path, what: str) -> None:
 # -- the files ------------------------------------------------------------------------------------------
 
 
-def _check_tokenizer_ids(path: Path, vocab: int, dtype: str) -> None:
-    """The tokenizer's largest id (model vocabulary and added tokens) is inside the manifest's vocabulary."""
+def _check_tokenizer_ids(path: Path, vocab: int, dtype: str) -> str:
+    """The tokenizer's text, once its largest id (model vocabulary and added tokens) is inside the manifest's
+    vocabulary."""
+    shown = printable(str(path))
+    text = decode_text(read_input(path, what="tokenizer", limit=512 * 2**20, binary=True), shown, error=DataError)
     try:
-        doc = loads(read_input(path, what="tokenizer", limit=512 * 2**20, binary=True), printable(str(path)),
-                    limit=512 * 2**20, error=DataError)
+        doc = loads(text, shown, limit=512 * 2**20, error=DataError)
         model_vocab = doc["model"].get("vocab") if isinstance(doc.get("model"), dict) else None
         ids = [t["id"] for t in doc.get("added_tokens") or [] if isinstance(t, dict) and "id" in t]
         if isinstance(model_vocab, dict):
@@ -276,6 +281,7 @@ def _check_tokenizer_ids(path: Path, vocab: int, dtype: str) -> None:
     if top >= vocab:
         raise DataError(f"{printable(str(path))}: holds token id {top}, outside the manifest's vocabulary of {vocab} "
                         f"({dtype} shards); prepare the corpus again")
+    return text
 
 
 def _check_file(path: Path, size: int | None, sha256: str, verify: str) -> None:

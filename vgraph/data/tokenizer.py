@@ -29,7 +29,8 @@ from vgraph.base.safeio import read_input
 from vgraph.data.shards import DataError
 
 __all__ = ["EOT_TOKEN", "PAD_TOKEN", "UNK_TOKEN", "SPECIAL_TOKENS", "MIN_BPE_VOCAB", "train_tokenizer",
-           "MAX_TRAINED_VOCAB", "MAX_PIECE_BYTES", "load_tokenizer", "tokenizer_kind", "vocabulary_span"]
+           "MAX_TRAINED_VOCAB", "MAX_PIECE_BYTES", "load_tokenizer", "tokenizer_from_json", "tokenizer_kind",
+           "vocabulary_span"]
 
 EOT_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -111,9 +112,13 @@ def char_tokenizer(documents: Iterable[str], vocab_size: int):
 
 def load_tokenizer(path: str, *, what: str = "tokenizer"):
     """A `tokenizers` JSON file, checked: it loads and has an end-of-text token."""
+    return tokenizer_from_json(read_input(path, what=what, limit=MAX_TOKENIZER_BYTES), path)
+
+
+def tokenizer_from_json(text: str, path: str):
+    """`load_tokenizer` of the text already read from `path` (a prepared corpus's, as its ids were checked)."""
     from tokenizers import Tokenizer
 
-    text = read_input(path, what=what, limit=MAX_TOKENIZER_BYTES)
     try:
         tokenizer = Tokenizer.from_str(text)
     except Exception as exc:  # the library raises plain Exception subclasses for every malformed file

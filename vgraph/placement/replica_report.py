@@ -57,11 +57,11 @@ def replica_layout(graph: Graph, assignment: dict[str, str], batch: int) -> tupl
     return rows, [int(x) for x in shares]
 
 
-def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostModel, pipeline: str = "1f1b",
-                  sent: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
+def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostModel, pipeline: str = "1f1b", *,
+                  sent: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """`report` (a placement report of replica 0 at the global batch) with the replica fields added; the
     pipeline priced as the workers run it under `pipeline` (1f1b or gpipe: vgraph/cost/schedule.py).
-    `sent`: `cm.bytes_sent` of the report's assignment, when the caller has it already."""
+    `sent`: `cm.bytes_sent` of the report's assignment, which the report has priced already."""
     assign = report["assignment"]
     rows, shares = replica_layout(graph, assign, cm.batch)
     pnode_of = {p.id: p for p in fleet}
@@ -94,8 +94,7 @@ def with_replicas(report: dict[str, Any], graph: Graph, fleet: Fleet, cm: CostMo
     pnodes = {pid: dict(info) for pid, info in report["pnodes"].items()}
     flops = loads.flops
     computed = cost.compute_seconds  # as the step was priced
-    sent = sent if sent is not None else cm.bytes_sent(assign)  # by replica 0's PNodes, i.e. by stage
-    sent_by_stage = [sent.get(pid, (0, 0)) for pid in rows[0]]
+    sent_by_stage = [sent.get(pid, (0, 0)) for pid in rows[0]]  # `sent` is by replica 0's PNodes: by stage
     for r, row in enumerate(rows):
         for s, pid in enumerate(row):
             p = pnode_of[pid]

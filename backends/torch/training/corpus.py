@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from vgraph.data.cache import default_corpus, text_corpus
+from vgraph.data.cache import cached, embedded_recipe, files_recipe
 from vgraph.data.shards import DataError, PreparedCorpus, is_prepared, open_prepared
-from vgraph.data.tokenizer import load_tokenizer
+from vgraph.data.tokenizer import tokenizer_from_json
 
 from .batches import TokenShards
 from .config import TrainConfig, TrainingError
@@ -33,16 +33,16 @@ class PreparedData:
 
 
 def open_corpus(config: TrainConfig, vocab: int, say: Callable[[str], None]) -> tuple[PreparedCorpus, str]:
-    """(the prepared corpus, its description) for `config.data`: see the module docstring."""
+    """(the prepared corpus, its description) for `config.data`: see the module docstring.  Every way opens
+    it verified in full, so it carries its tokenizer's text as checked (`PreparedCorpus.tokenizer_json`)."""
     t0 = time.perf_counter()
     if config.data and is_prepared(config.data):
         corpus = open_prepared(config.data, verify="full")
         say(f"data: prepared corpus {config.data} checked against its manifest ({time.perf_counter() - t0:.2f} s)")
         return corpus, str(config.data)
-    if config.data:
-        return text_corpus([str(config.data)], vocab, say, config.cache_dir), str(config.data)
-    return (default_corpus(config.corpus_bytes, vocab, say, config.cache_dir),
-            f"default corpus ({config.corpus_bytes} bytes)")
+    recipe = files_recipe([str(config.data)], vocab) if config.data else embedded_recipe(config.corpus_bytes, vocab)
+    return (cached(recipe, say, config.cache_dir),
+            str(config.data) if config.data else f"default corpus ({config.corpus_bytes} bytes)")
 
 
 def prepare_data(config: TrainConfig, vocab: int, seq_len: int, say: Callable[[str], None] = lambda m: None
@@ -51,7 +51,7 @@ def prepare_data(config: TrainConfig, vocab: int, seq_len: int, say: Callable[[s
     try:
         corpus, description = open_corpus(config, vocab, say)
         dataset = TokenShards(corpus, seq_len=seq_len, vocab=vocab, seed=config.seed)
-        tokenizer = load_tokenizer(str(corpus.tokenizer_path))
+        tokenizer = tokenizer_from_json(corpus.tokenizer_json, str(corpus.tokenizer_path))  # read once, checked
     except DataError as exc:
         raise TrainingError(f"training data: {exc}") from None
     if corpus.vocab_size < vocab:
