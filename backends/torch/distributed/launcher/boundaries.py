@@ -37,7 +37,7 @@ from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, MEASURED_FLEET, MET
 
 from ...training.rescue import RESCUE_DIR
 from . import elastic
-from .inputs import Run, launch_settings
+from .inputs import Run
 from .mirror import mirrored_admission
 from .membership import CHUNK_BYTES
 from .emission import plan, rank_zero_elsewhere
@@ -284,7 +284,7 @@ class Admission(_Departures, _Handover, _Stops):
     successors: list[int] = field(default_factory=list)  # started machines in line (joined ones: the table's)
     me: int = 0  # the machine serving this admission: 0, or the successor that took machine 0's role
     settings: dict[str, Any] = field(default_factory=dict)  # the launch settings a joiner takes the role with
-    # (inputs.launch_settings), sent with its admission
+    # (inputs.launch_settings: Run.settings), sent with its admission
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
@@ -482,7 +482,7 @@ def open_admission(run: Run) -> Admission:
                                   on_leave=lambda adm, machine, pnodes, step: _on_leave(run, machine, pnodes, step),
                                   homes=lambda: {**(run.home or {}), **admission.home()},
                                   successors=list(range(run.node_rank + 1, run.nnodes)) if run.succeeds else [],
-                                  settings=launch_settings(run))
+                                  settings=run.settings)
     corpus = Path(run.data_dir)
     splits = open_prepared(corpus, verify="size").manifest["splits"]  # checked: names inside the directory
     for name in (MANIFEST, TOKENIZER_FILE):

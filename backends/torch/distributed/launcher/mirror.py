@@ -32,7 +32,7 @@ from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, fetch_chunks
 from .membership import REQUEST_TIMEOUT_S, ask
 
 __all__ = ["MirrorSource", "Mirror", "MIRROR_DIR", "MACHINES_JSON", "ADMISSION_JSON", "MIRRORS", "MIRROR_EVERY_S",
-           "mirrored_admission", "record_machines", "superseded", "serve_history", "pull_history"]
+           "mirrored_admission", "record_machines", "superseded", "serve_history", "pull_history", "keep_history"]
 
 MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
 MACHINES_JSON = "machines.json"  # in the coordinator's RUN/launch/: the machines' addresses and the channel port
@@ -211,6 +211,17 @@ class Mirror:
         seconds = time.monotonic() - began
         self.figures.append({"checkpoint": name, "bytes": total, "seconds": round(seconds, 3)})
         self.say(f"launch: mirrored {name} from the coordinator ({total:,} bytes in {seconds:.2f} s)")
+
+
+def keep_history(machines: Any, run_dir: Path, lead: bool, admission: Any, say: Callable[[str], None]
+                 ) -> Mirror | None:
+    """A run whose coordinator role can move, at its start: the coordinator (`lead`) serves the run's history
+    with its `admission`'s record (boundaries.Admission, or None: a run that takes no joins); a machine next in
+    line pulls it (its `Mirror`, the successor's history); the others keep none (None)."""
+    if not lead:
+        return pull_history(machines, run_dir / LAUNCH_DIR, say) if machines.node_rank <= MIRRORS else None
+    serve_history(machines, run_dir, admission.record if admission is not None else lambda: None)
+    return None
 
 
 def serve_history(machines: Any, run_dir: Path, admission: Callable[[], dict | None]) -> None:

@@ -79,11 +79,11 @@ from .emission import Attempt, plan as placed_as_planned, rescue_inputs
 from .inputs import Run
 from .membership import (REQUEST_TIMEOUT_S, MachineLost, decide, elect, follow_successor, rival,  # noqa: F401
                          serving)  # (elect, serving, follow_successor: this module's API too)
-from .mirror import MIRROR_DIR, MIRRORS, pull_history, serve_history, superseded
+from .mirror import MIRROR_DIR, serve_history, superseded
 from .shard_transfer import send_shards
 
 __all__ = ["elect", "serving", "succeed", "follow_successor", "install", "newest_state", "rescued_state", "Installed",
-           "fence", "mirror", "succeed_followed", "lost_coordinator", "rescue_of"]
+           "fence", "succeed_followed", "lost_coordinator", "rescue_of"]
 
 
 def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
@@ -241,15 +241,6 @@ def fence(run: Run) -> None:
         raise TrainingError(why)
 
 
-def mirror(run: Run) -> None:
-    """The coordinator serves the run's history and records where the machines are; the machines next in
-    line (MIRRORS of them) pull it into RUN/launch/mirror/."""
-    if run.lead:
-        serve_history(run.machines, run.run_dir, lambda: run.admission.record() if run.admission is not None else None)
-    elif run.node_rank <= MIRRORS:
-        run.mirror = pull_history(run.machines, run.launch_dir, run.say)
-
-
 def rescue_of(run: Run, attempt: Attempt) -> Callable[[], list[Path]]:
     """What this machine, should it become the coordinator, assembles from the survivors' rescue shards of
     `attempt` (`rescued_state`), asked only once it is elected (`Run.rescued`)."""
@@ -314,7 +305,8 @@ def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> Installed:
     run.lead = True
     atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
     atomic_write(run.run_dir / TOKENIZER_JSON, run.tokenizer_json)
-    mirror(run)
+    # The history served from here on; an elastic run's admission is taken after this (take_admission).
+    serve_history(run.machines, run.run_dir, lambda: run.admission.record() if run.admission is not None else None)
     row = {"event": "succession", "step": installed.step, "coordinator": run.node_rank, "lost": old,
            "address": run.machines.addr,
            "resume_step": installed.step, "steps_redone": installed.redone, "state": installed.source,
