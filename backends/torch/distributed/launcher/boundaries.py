@@ -38,7 +38,6 @@ from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, MEASURED_FLEET, MET
 from ...training.rescue import RESCUE_DIR
 from . import elastic
 from .inputs import Run
-from .mirror import mirrored_admission
 from .membership import CHUNK_BYTES
 from .emission import plan, rank_zero_elsewhere
 from .placing import Placement
@@ -496,10 +495,11 @@ def open_admission(run: Run) -> Admission:
 def take_admission(run: Run) -> None:
     """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
     machine; the channel's address moved with the role), with the machines it had admitted, released or was
-    releasing, from the record this machine mirrored (mirrored_admission)."""
+    releasing, from the record this machine mirrored (its `Mirror`'s, launch/mirror/admission.json; none on a
+    machine that mirrored nothing: then only the machines of the last job are known)."""
     run.admission = open_admission(run)
     run.admission.me = run.node_rank
-    run.admission.restore(mirrored_admission(run.run_dir), run.emit)
+    run.admission.restore(run.mirror.admission if run.mirror is not None else None, run.emit)
     run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
 
 

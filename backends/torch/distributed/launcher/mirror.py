@@ -32,7 +32,7 @@ from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, fetch_chunks
 from .membership import REQUEST_TIMEOUT_S, ask
 
 __all__ = ["MirrorSource", "Mirror", "MIRROR_DIR", "MACHINES_JSON", "ADMISSION_JSON", "MIRRORS", "MIRROR_EVERY_S",
-           "mirrored_admission", "record_machines", "superseded", "serve_history", "pull_history", "keep_history"]
+           "record_machines", "superseded", "serve_history", "pull_history", "keep_history"]
 
 MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
 MACHINES_JSON = "machines.json"  # in the coordinator's RUN/launch/: the machines' addresses and the channel port
@@ -238,19 +238,6 @@ def pull_history(machines: Any, launch_dir: Path, say: Callable[[str], None]) ->
     return Mirror(machines.request, launch_dir / MIRROR_DIR, say,
                   active=lambda: machines.coordinator != machines.node_rank,
                   over=lambda: not machines.active).start()
-
-
-def mirrored_admission(run_dir: Path) -> dict | None:
-    """The admission record this machine mirrored (an elastic run's admitted machines), or None when there is
-    none or it does not read (then only the machines of the last job are known: boundaries.Admission.restore)."""
-    path = run_dir / LAUNCH_DIR / MIRROR_DIR / ADMISSION_JSON
-    if not path.is_file():
-        return None
-    try:
-        record = read_json(path, what="the mirrored admission record")
-    except VGraphError:
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _recorded(run_dir: Path) -> tuple[int, dict[int, str]] | None:

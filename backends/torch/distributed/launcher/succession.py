@@ -338,10 +338,10 @@ def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, An
     if plan.get("error"):
         raise TrainingError(plan["error"])
     take_admission(run)
+    fleet = run.admission.grown_fleet(fleet.without(list(plan.get("gone") or plan["lost"])))
     run.given = (None, None)
     run.partition = run.partition.with_options("partition", replicas="auto")
-    raise TookOver(number, run.admission.grown_fleet(fleet.without(list(plan.get("gone") or plan["lost"]))),
-                   int(plan.get("redone", 0)))
+    raise TookOver(number, fleet, int(plan.get("redone", 0)))
 
 
 def _followed(run: Run, job: Job, job_path: Path, fleet: Fleet) -> Attempt:
