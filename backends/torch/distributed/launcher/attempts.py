@@ -73,9 +73,7 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
             attempt = place_attempt(run, fleet, number, *given, holding)
         if attempt is None:
             return result
-        if run.admission is not None:
-            run.admission.publish(number, attempt.job_path, dict(run.home or {}), attempt.placement, fleet)
-        record = supervise(run, attempt)
+        record = supervise(run, attempt)  # machine 0 of a run that takes joins publishes its job (watching)
         result.attempts.append(record)
         result.placement = attempt.placement.report
         if record["ok"] and run.admission is not None and not stop.requested and boundary(run):
@@ -239,7 +237,7 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
             f"{attempt.number}")
     lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
     try:
-        with watching(run, attempt.number) as trouble:  # the boundaries' watches while the workers run
+        with watching(run, attempt) as trouble:  # the boundaries' side while the workers run
             supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
                                     lock_key=lock.key if lock is not None else "")
             try:

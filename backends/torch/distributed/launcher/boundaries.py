@@ -39,7 +39,7 @@ from ...training.rescue import RESCUE_DIR
 from . import elastic
 from .inputs import Run
 from .membership import CHUNK_BYTES
-from .emission import plan, rank_zero_elsewhere
+from .emission import Attempt, plan, rank_zero_elsewhere
 from .placing import Placement
 from .shard_transfer import ShardReceiver
 
@@ -759,17 +759,22 @@ def watch_move(run: Run, attempt: int) -> Callable[[], str | None]:
 
 
 @contextlib.contextmanager
-def watching(run: Run, attempt: int) -> Iterator[Callable[[], str | None]]:
-    """While this machine's workers of `attempt` run: the boundaries' watches, the supervisor's `trouble` poll
-    given (`watch_move`: a boundary's move measured while they run) and a drift decided from the step they
-    start at (`watch_drift`, its own thread, ended with the block); once they are done, the move of an attempt
-    too short for the poll to see its first step."""
+def watching(run: Run, attempt: Attempt) -> Iterator[Callable[[], str | None]]:
+    """While this machine's workers of `attempt` run, the boundaries' side of it: the attempt's job published to
+    the machines that follow (`Admission.publish`: its placement and fleet are what the next join is decided
+    from), the supervisor's `trouble` poll given (`watch_move`: a boundary's move measured while they run) and
+    a drift decided from the step they start at (`watch_drift`, its own thread, ended with the block); once
+    they are done, the move of an attempt too short for the poll to see its first step."""
+    if run.admission is not None:
+        run.admission.publish(attempt.number, attempt.job_path, dict(run.home or {}), attempt.placement,
+                              attempt.fleet)
+    number = attempt.number
     ended = threading.Event()
     if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision
         threading.Thread(target=watch_drift, args=(run, last_step(run.run_dir), ended), daemon=True).start()
     try:
-        yield watch_move(run, attempt)
-        move_measured(run, attempt)
+        yield watch_move(run, number)
+        move_measured(run, number)
     finally:
         ended.set()
 
