@@ -71,7 +71,8 @@ def test_machine_0_of_an_elastic_run_is_sigkilled_and_the_successor_places_the_j
         mirror = tmp_path / "node1" / "launch" / "mirror"
         # j1 holds the run's files before the kill: a joiner still fetching them from machine 0 fails with the
         # reset (`cannot write: Connection reset by peer`, one run of eight at load 5-7), not a succession
-        wait_for(lambda: "j1" in str(mirroring.mirrored_admission(tmp_path / "node1"))
+        record = mirror / mirroring.ADMISSION_JSON
+        wait_for(lambda: record.is_file() and "j1" in record.read_text()
                  and (mirror / "latest").is_file() and (mirror / "latest").read_text().strip() == "step-00000002"
                  and any("received the run's corpus" in line for line in lines),
                  "machine 1 to mirror the admission of j1 and the step-2 checkpoint, j1 to hold the files", alive)

@@ -504,6 +504,54 @@ def test_a_mirror_refuses_names_that_leave_its_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mirror"] and not (tmp_path / "mirror" / "latest").exists()
 
 
+class _Channel:
+    """What keep_history uses of membership.Machines, recorded."""
+
+    port, coordinator, active = 7, 0, True
+
+    def __init__(self, node_rank: int) -> None:
+        self.node_rank, self.answer, self.on_change = node_rank, None, None
+
+    def serve_mirror(self, answer):
+        self.answer = answer
+
+    def on_addresses(self, hook):
+        self.on_change = hook
+
+    def request(self, op, timeout, **fields):
+        return {"error": "not now"}
+
+
+class _Admission:
+    def record(self):
+        return {"joined": {"5": {"step": 3}}}
+
+
+def test_keep_history_serves_the_admissions_record_pulls_next_in_line_and_leaves_the_rest(tmp_path):
+    """At a launch's start: the coordinator serves the history with its admission's record (none without an
+    admission) and records the machines; a machine next in line gets its Mirror; the others keep nothing."""
+    lead = _Channel(0)
+    assert mirroring.keep_history(lead, tmp_path / "lead", True, _Admission(), print) is None
+    assert lead.answer({"op": "mirror", "offset": 0, "tail": ""})["admission"] == {"joined": {"5": {"step": 3}}}
+    (tmp_path / "lead" / "launch").mkdir(parents=True)
+    lead.on_change({0: "10.0.0.1", 1: "10.0.0.2"})
+    recorded = json.loads((tmp_path / "lead" / "launch" / mirroring.MACHINES_JSON).read_text())
+    assert recorded == {"port": 7, "machines": {"0": "10.0.0.1", "1": "10.0.0.2"}}
+    plain = _Channel(0)
+    mirroring.keep_history(plain, tmp_path / "plain", True, None, print)
+    assert plain.answer({"op": "mirror", "offset": 0, "tail": ""})["admission"] is None
+    beyond = _Channel(mirroring.MIRRORS + 1)
+    assert mirroring.keep_history(beyond, tmp_path / "beyond", False, _Admission(), print) is None
+    assert beyond.answer is None and not (tmp_path / "beyond").exists()
+    follower = _Channel(1)
+    pulled = mirroring.keep_history(follower, tmp_path / "next", False, None, print)
+    try:
+        assert isinstance(pulled, mirroring.Mirror) and pulled.folder == tmp_path / "next" / "launch" / "mirror"
+        assert pulled.folder.is_dir() and follower.answer is None
+    finally:
+        pulled.stop()
+
+
 def test_install_takes_the_newest_state_it_is_given(tmp_path):
     """The mirrored checkpoint or a rescue (surviving replicas' state), whichever has the higher step; the
     mirrored rows up to it; one that does not load is skipped and said."""
@@ -527,7 +575,7 @@ def test_install_takes_the_newest_state_it_is_given(tmp_path):
     assert (got.step, got.redone) == (5, 1) and "rescued" in got.source
     assert (run / "latest").read_text().strip() == "step-00000005" and (run / "step-00000005" / "state.json").is_file()
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
-    assert any("step-00000009" in line for line in said)
+    assert any(line.startswith("launch: not resuming from ") and "step-00000009" in line for line in said)
     got = succession.install(run, [], said.append)  # the mirrored one alone
     assert (got.step, got.redone, got.source) == (4, 2, "mirrored checkpoint")
 

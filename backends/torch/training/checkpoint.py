@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 # torch (and safetensors.torch) are imported by the functions that handle tensors: the launcher of `vgraph launch`
 # finds checkpoints and their steps through this module (latest_checkpoint, checkpoint_step) without importing
@@ -70,6 +70,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "newest_loadable",
     "checkpoint_step",
     "resolve_checkpoint",
     "capture_rng_state",
@@ -312,6 +313,23 @@ def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     if not (target / STATE_JSON_FILE).is_file():
         raise CheckpointError(f"{pointer} points to {target}, which is not a complete checkpoint")
     return target
+
+
+def newest_loadable(candidates: Iterable[Path], refused: Callable[[Path, Exception], None] = lambda path, exc: None
+                    ) -> tuple[Path, int] | None:
+    """(folder, step) of the candidate checkpoint with the highest step that loads whole (tensors included),
+    None when none does; each that does not load is `refused` with why.  Used by a run that may resume
+    from several states (a launch's successor: its mirrored checkpoint and a rescue)."""
+    best: tuple[Path, int] | None = None
+    for path in candidates:
+        try:
+            step = load_checkpoint(path, map_location="cpu").step
+        except (CheckpointError, OSError, VGraphError) as exc:
+            refused(path, exc)
+            continue
+        if best is None or step > best[1]:
+            best = (path, step)
+    return best
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:

@@ -73,9 +73,7 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
             attempt = place_attempt(run, fleet, number, *given, holding)
         if attempt is None:
             return result
-        if run.admission is not None:
-            run.admission.publish(number, attempt.job_path, dict(run.home or {}), attempt.placement, fleet)
-        record = supervise(run, attempt)
+        record = supervise(run, attempt)  # machine 0 of a run that takes joins publishes its job (watching)
         result.attempts.append(record)
         result.placement = attempt.placement.report
         if record["ok"] and run.admission is not None and not stop.requested and boundary(run):
@@ -238,18 +236,19 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
             f"traffic {placement.report['bytes_per_step']:,.0f} bytes/step, all-reduce included); attempt "
             f"{attempt.number}")
     lock = RunLock.of(run.run_dir)  # machine 0's; its rank 0 writes the run under it
-    supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
-                            lock_key=lock.key if lock is not None else "")
     try:
-        with watching(run, attempt.number) as trouble:  # the boundaries' watches while the workers run
-            supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks), run.master_addr,
-                             port, attempt.threads)
-            atomic_write(run.launch_dir / WORKERS_JSON,
-                         json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
-            ok, codes, lost = supervisor.wait(trouble=trouble)
-    except BaseException:
-        supervisor.stop()
-        raise
+        with watching(run, attempt) as trouble:  # the boundaries' side while the workers run
+            supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
+                                    lock_key=lock.key if lock is not None else "")
+            try:
+                supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks),
+                                 run.master_addr, port, attempt.threads)
+                atomic_write(run.launch_dir / WORKERS_JSON,
+                             json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
+                ok, codes, lost = supervisor.wait(trouble=trouble)
+            except BaseException:  # the workers stopped before the watches end
+                supervisor.stop()
+                raise
     finally:
         if run.bar is not None:
             run.bar.close()  # the attempt's bar ends; a restart draws its own from the resumed step

@@ -37,10 +37,9 @@ from vgraph.run.files import FLEET_EVENTS_JSONL, LAUNCH_DIR, MEASURED_FLEET, MET
 
 from ...training.rescue import RESCUE_DIR
 from . import elastic
-from .inputs import Run, launch_settings
-from .mirror import mirrored_admission
+from .inputs import Run
 from .membership import CHUNK_BYTES
-from .emission import plan, rank_zero_elsewhere
+from .emission import Attempt, plan, rank_zero_elsewhere
 from .placing import Placement
 from .shard_transfer import ShardReceiver
 
@@ -284,7 +283,7 @@ class Admission(_Departures, _Handover, _Stops):
     successors: list[int] = field(default_factory=list)  # started machines in line (joined ones: the table's)
     me: int = 0  # the machine serving this admission: 0, or the successor that took machine 0's role
     settings: dict[str, Any] = field(default_factory=dict)  # the launch settings a joiner takes the role with
-    # (inputs.launch_settings), sent with its admission
+    # (inputs.launch_settings: Run.settings), sent with its admission
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
@@ -482,7 +481,7 @@ def open_admission(run: Run) -> Admission:
                                   on_leave=lambda adm, machine, pnodes, step: _on_leave(run, machine, pnodes, step),
                                   homes=lambda: {**(run.home or {}), **admission.home()},
                                   successors=list(range(run.node_rank + 1, run.nnodes)) if run.succeeds else [],
-                                  settings=launch_settings(run))
+                                  settings=run.settings)
     corpus = Path(run.data_dir)
     splits = open_prepared(corpus, verify="size").manifest["splits"]  # checked: names inside the directory
     for name in (MANIFEST, TOKENIZER_FILE):
@@ -496,10 +495,11 @@ def open_admission(run: Run) -> Admission:
 def take_admission(run: Run) -> None:
     """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
     machine; the channel's address moved with the role), with the machines it had admitted, released or was
-    releasing, from the record this machine mirrored (mirrored_admission)."""
+    releasing, from the record this machine mirrored (its `Mirror`'s, launch/mirror/admission.json; none on a
+    machine that mirrored nothing: then only the machines of the last job are known)."""
     run.admission = open_admission(run)
     run.admission.me = run.node_rank
-    run.admission.restore(mirrored_admission(run.run_dir), run.emit)
+    run.admission.restore(run.mirror.admission if run.mirror is not None else None, run.emit)
     run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
 
 
@@ -759,17 +759,22 @@ def watch_move(run: Run, attempt: int) -> Callable[[], str | None]:
 
 
 @contextlib.contextmanager
-def watching(run: Run, attempt: int) -> Iterator[Callable[[], str | None]]:
-    """While this machine's workers of `attempt` run: the boundaries' watches, the supervisor's `trouble` poll
-    given (`watch_move`: a boundary's move measured while they run) and a drift decided from the step they
-    start at (`watch_drift`, its own thread, ended with the block); once they are done, the move of an attempt
-    too short for the poll to see its first step."""
+def watching(run: Run, attempt: Attempt) -> Iterator[Callable[[], str | None]]:
+    """While this machine's workers of `attempt` run, the boundaries' side of it: the attempt's job published to
+    the machines that follow (`Admission.publish`: its placement and fleet are what the next join is decided
+    from), the supervisor's `trouble` poll given (`watch_move`: a boundary's move measured while they run) and
+    a drift decided from the step they start at (`watch_drift`, its own thread, ended with the block); once
+    they are done, the move of an attempt too short for the poll to see its first step."""
+    if run.admission is not None:
+        run.admission.publish(attempt.number, attempt.job_path, dict(run.home or {}), attempt.placement,
+                              attempt.fleet)
+    number = attempt.number
     ended = threading.Event()
     if run.admission is not None and run.drift_steps:  # a drift is a re-plan decision
         threading.Thread(target=watch_drift, args=(run, last_step(run.run_dir), ended), daemon=True).start()
     try:
-        yield watch_move(run, attempt)
-        move_measured(run, attempt)
+        yield watch_move(run, number)
+        move_measured(run, number)
     finally:
         ended.set()
 

@@ -47,6 +47,7 @@ class Attempt:
     local: list[int]  # world ranks this machine starts
     threads: int
     comm: Any  # comm_choice.CommChoice
+    fleet: Fleet | None = None  # the fleet it was placed on (None: a followed job's, placed again)
 
     @property
     def ranks(self) -> list[str]:
@@ -95,7 +96,7 @@ def place_attempt(run: Run, fleet: Fleet, number: int, given: Any, layout: Any, 
         atomic_write(run.run_dir / RUN_JSON, json.dumps(info, indent=2, default=str) + "\n")
         atomic_write(run.run_dir / PLACEMENT_JSON, json.dumps(placement.report, indent=2) + "\n")
     job_path = job.write(run.launch_dir / f"job-{number}.json")
-    return Attempt(number, placement, job, job_path, local, threads, comm)
+    return Attempt(number, placement, job, job_path, local, threads, comm, fleet)
 
 
 def plan(run: Run, fleet: Fleet, given: dict[str, str] | None = None, layout: Any = None,

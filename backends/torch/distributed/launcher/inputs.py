@@ -289,6 +289,7 @@ class Run:
     moved_s: float | None = None  # the last boundary's measured seconds: the next decisions' overhead (boundaries.py)
     mirror: "Mirror | None" = None  # a machine next in line: the coordinator's history (mirror.py)
     rescued: Callable[[], list[Path]] = lambda: []  # other consistent states a successor may resume from
+    settings: dict[str, Any] = field(default_factory=dict)  # `launch_settings`: what an admission sends a joiner
 
     @property
     def launch_dir(self) -> Path:
@@ -357,6 +358,7 @@ def resolve_inputs(cfg: LaunchConfig, stop: StopRequest, machines: Machines) -> 
         max_restarts=cfg.max_restarts, hold=cfg.hold, continue_with=_continue_with(cfg, run_dir),
         keep_checkpoints=cfg.keep_checkpoints, drift_steps=cfg.drift_steps, replan_overhead_s=cfg.replan_overhead_s,
         run_dir=run_dir, train=train, threads=cfg.threads, comm=cfg.comm, bucket_bytes=cfg.bucket_bytes)
+    run.settings = launch_settings(run)  # built once: the admission sends it to every joiner
     _write_data(run, cfg, vocab, seq_len)
     return run
 

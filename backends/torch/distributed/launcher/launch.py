@@ -103,7 +103,7 @@ from ..rendezvous import check_master_addr, free_port  # noqa: F401 (free_port: 
 from . import elastic
 from .attempts import JoinedSuccession, LaunchResult, collect, micro_per_replica as _micro_per_replica, run_attempts  # noqa: F401
 from .emission import emit_job
-from .succession import mirror
+from .mirror import keep_history
 from .inputs import (ON_FAILURE, LaunchConfig, is_elastic, job_folder, read_placement,  # noqa: F401
                      read_placement_layout, resolve_inputs)
 from .boundaries import open_admission, serve_channel
@@ -135,8 +135,6 @@ def launch(config: LaunchConfig) -> LaunchResult:
             if jobs is None:
                 warm()  # the workers' imports beside the placement (supervisor.warm)
             run = resolve_inputs(config, stop, machines)
-            if run.succeeds and jobs is None:
-                mirror(run)  # the machines next in line keep the coordinator's history (succession.py)
             if leave is not None:
                 run.leave = leave
                 leave.attach(machines)
@@ -144,6 +142,8 @@ def launch(config: LaunchConfig) -> LaunchResult:
                 run.admission = open_admission(run)
             if run.lead and machines.active:
                 serve_channel(run)
+            if run.succeeds and jobs is None:  # the machines next in line keep the coordinator's history
+                run.mirror = keep_history(machines, run.run_dir, run.lead, run.admission, run.say)
             if jobs is not None:
                 return LaunchResult(run.run_dir, 0, None, None, None, placement=emit_job(run, jobs))
             try:

@@ -32,7 +32,7 @@ from .elastic import CHUNK_BYTES, FETCH_TIMEOUT_S, fetch_chunks
 from .membership import REQUEST_TIMEOUT_S, ask
 
 __all__ = ["MirrorSource", "Mirror", "MIRROR_DIR", "MACHINES_JSON", "ADMISSION_JSON", "MIRRORS", "MIRROR_EVERY_S",
-           "mirrored_admission", "record_machines", "superseded", "serve_history", "pull_history"]
+           "record_machines", "superseded", "serve_history", "pull_history", "keep_history"]
 
 MIRROR_DIR = "mirror"  # in the follower's RUN/launch/
 MACHINES_JSON = "machines.json"  # in the coordinator's RUN/launch/: the machines' addresses and the channel port
@@ -213,6 +213,17 @@ class Mirror:
         self.say(f"launch: mirrored {name} from the coordinator ({total:,} bytes in {seconds:.2f} s)")
 
 
+def keep_history(machines: Any, run_dir: Path, lead: bool, admission: Any, say: Callable[[str], None]
+                 ) -> Mirror | None:
+    """A run whose coordinator role can move, at its start: the coordinator (`lead`) serves the run's history
+    with its `admission`'s record (boundaries.Admission, or None: a run that takes no joins); a machine next in
+    line pulls it (its `Mirror`, the successor's history); the others keep none (None)."""
+    if not lead:
+        return pull_history(machines, run_dir / LAUNCH_DIR, say) if machines.node_rank <= MIRRORS else None
+    serve_history(machines, run_dir, admission.record if admission is not None else lambda: None)
+    return None
+
+
 def serve_history(machines: Any, run_dir: Path, admission: Callable[[], dict | None]) -> None:
     """The coordinator: serve the run's history (`MirrorSource`, with the admission's record) on the channel and
     record where the machines are (`record_machines`) now and whenever a beat changes them."""
@@ -227,19 +238,6 @@ def pull_history(machines: Any, launch_dir: Path, say: Callable[[str], None]) ->
     return Mirror(machines.request, launch_dir / MIRROR_DIR, say,
                   active=lambda: machines.coordinator != machines.node_rank,
                   over=lambda: not machines.active).start()
-
-
-def mirrored_admission(run_dir: Path) -> dict | None:
-    """The admission record this machine mirrored (an elastic run's admitted machines), or None when there is
-    none or it does not read (then only the machines of the last job are known: boundaries.Admission.restore)."""
-    path = run_dir / LAUNCH_DIR / MIRROR_DIR / ADMISSION_JSON
-    if not path.is_file():
-        return None
-    try:
-        record = read_json(path, what="the mirrored admission record")
-    except VGraphError:
-        return None
-    return record if isinstance(record, dict) else None
 
 
 def _recorded(run_dir: Path) -> tuple[int, dict[int, str]] | None:

@@ -42,8 +42,9 @@ builds from them the `Run` a started machine has from its command (attempts.Join
 numbered up to MIRRORS mirror as started ones do.  A joined machine without a job yet (still receiving the
 run's files) follows whoever takes the role (`follow_successor`), and a later joiner asks the successor.
 
-The newest state wins (`newest_state`): the mirrored checkpoint, or any other consistent checkpoint handed to
-`install`, whichever has the higher step; a checkpoint that does not load is skipped and said.  The other
+The newest state wins (`install`, through training/checkpoint.newest_loadable): the mirrored checkpoint, or
+any other consistent checkpoint handed to `install`, whichever has the higher step; a checkpoint that does not
+load is skipped and said.  The other
 candidate is the survivors' rescue shards (`rescued_state`, training/rescue.py's assembly): each follower
 sends its own to the coordinator it follows before its report (`succeed`'s `send`), so the successor holds
 every survivor's shards once it has every report, and a replica that survived gives the step the workers
@@ -79,11 +80,11 @@ from .emission import Attempt, plan as placed_as_planned, rescue_inputs
 from .inputs import Run
 from .membership import (REQUEST_TIMEOUT_S, MachineLost, decide, elect, follow_successor, rival,  # noqa: F401
                          serving)  # (elect, serving, follow_successor: this module's API too)
-from .mirror import MIRROR_DIR, MIRRORS, pull_history, serve_history, superseded
+from .mirror import MIRROR_DIR, serve_history, superseded
 from .shard_transfer import send_shards
 
-__all__ = ["elect", "serving", "succeed", "follow_successor", "install", "newest_state", "rescued_state", "Installed",
-           "fence", "mirror", "succeed_followed", "lost_coordinator", "rescue_of"]
+__all__ = ["elect", "serving", "succeed", "follow_successor", "install", "rescued_state", "Installed",
+           "fence", "succeed_followed", "lost_coordinator", "rescue_of"]
 
 
 def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
@@ -143,21 +144,6 @@ class Installed:
     source: str  # where the state came from
 
 
-def newest_state(candidates: Iterable[Path], say: Callable[[str], None]) -> tuple[Path, int] | None:
-    """(checkpoint folder, step) of the candidate with the highest step that loads; None when none does.
-    Candidates are checkpoint folders in `vgraph train`'s format (the mirrored one, a rescue)."""
-    best: tuple[Path, int] | None = None
-    for path in candidates:
-        try:
-            step = ckpt.load_checkpoint(path, map_location="cpu").step
-        except (ckpt.CheckpointError, OSError, VGraphError) as exc:
-            say(f"launch: not resuming from {path}: {exc}")
-            continue
-        if best is None or step > best[1]:
-            best = (path, step)
-    return best
-
-
 def rescued_state(run_dir: Path, *, run: str, attempt: int, keys: set[str], ceiling: int, extra: dict[str, Any],
                   keep: int, per_rank_state: str = "", say: Callable[[str], None] = lambda line: None) -> list[Path]:
     """The successor's candidate from the survivors' rescue shards of `attempt` (its own, and those the others
@@ -210,10 +196,11 @@ def install(run_dir: Path, rescued: Iterable[Path] = (), say: Callable[[str], No
     with the mirrored rows up to that step (the rank 0 of the next attempt resumes there and logs the
     rest once)."""
     mirror = run_dir / LAUNCH_DIR / MIRROR_DIR
-    mirrored = ckpt.latest_checkpoint(mirror) if (mirror / LATEST).exists() else None
     rows = _rows(mirror / METRICS_JSONL)
     last = max((r["step"] for r in rows), default=0)
-    chosen = newest_state([p for p in (mirrored, *rescued) if p is not None], say)
+    mirrored = ckpt.latest_checkpoint(mirror) if (mirror / LATEST).exists() else None
+    chosen = ckpt.newest_loadable([p for p in (mirrored, *rescued) if p is not None],
+                                  lambda path, exc: say(f"launch: not resuming from {path}: {exc}"))
     if chosen is None:
         atomic_write(run_dir / METRICS_JSONL, "")
         return Installed(0, last, "none: from the start")
@@ -239,15 +226,6 @@ def fence(run: Run) -> None:
     why = superseded(run.run_dir, channel_key(run.token), run.node_rank) if run.succeeds else None
     if why is not None:
         raise TrainingError(why)
-
-
-def mirror(run: Run) -> None:
-    """The coordinator serves the run's history and records where the machines are; the machines next in
-    line (MIRRORS of them) pull it into RUN/launch/mirror/."""
-    if run.lead:
-        serve_history(run.machines, run.run_dir, lambda: run.admission.record() if run.admission is not None else None)
-    elif run.node_rank <= MIRRORS:
-        run.mirror = pull_history(run.machines, run.launch_dir, run.say)
 
 
 def rescue_of(run: Run, attempt: Attempt) -> Callable[[], list[Path]]:
@@ -314,7 +292,8 @@ def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> Installed:
     run.lead = True
     atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
     atomic_write(run.run_dir / TOKENIZER_JSON, run.tokenizer_json)
-    mirror(run)
+    # The history served from here on; an elastic run's admission is taken after this (take_admission).
+    serve_history(run.machines, run.run_dir, lambda: run.admission.record() if run.admission is not None else None)
     row = {"event": "succession", "step": installed.step, "coordinator": run.node_rank, "lost": old,
            "address": run.machines.addr,
            "resume_step": installed.step, "steps_redone": installed.redone, "state": installed.source,
@@ -346,10 +325,10 @@ def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, An
     if plan.get("error"):
         raise TrainingError(plan["error"])
     take_admission(run)
+    fleet = run.admission.grown_fleet(fleet.without(list(plan.get("gone") or plan["lost"])))
     run.given = (None, None)
     run.partition = run.partition.with_options("partition", replicas="auto")
-    raise TookOver(number, run.admission.grown_fleet(fleet.without(list(plan.get("gone") or plan["lost"]))),
-                   int(plan.get("redone", 0)))
+    raise TookOver(number, fleet, int(plan.get("redone", 0)))
 
 
 def _followed(run: Run, job: Job, job_path: Path, fleet: Fleet) -> Attempt:
