@@ -65,8 +65,13 @@ def test_every_pass_is_priced_on_a_fleet_probed_just_before_it(bench, tmp_path, 
     class TwoHosts:
         hosts = [0, 1]
 
-    monkeypatch.setattr(bench, "probe_hosts", lambda tb, network, fleet, *a, **k: probed.append(fleet))
+    bursts = []
+    monkeypatch.setattr(bench, "probe_hosts", lambda tb, network, fleet, *a, **k: probed.append(fleet)
+                        or bursts.append(k["cpu_burst"]))
     monkeypatch.setattr(bench, "planner_pick", lambda *a: (2, 1))
+    # the same placement priced on pass k's fleet with the PNodes' cpu_burst left out
+    monkeypatch.setattr(bench, "priced_without_burst", lambda network, fleet, placement, batch, micro:
+                        0.5 if fleet == probed[0] else 0.8)
     monkeypatch.setattr(bench, "forced_placement", lambda *a: {})
 
     def run_plan(tb, network, fleet, corpus, placement, hosts, where, args):
@@ -74,7 +79,8 @@ def test_every_pass_is_priced_on_a_fleet_probed_just_before_it(bench, tmp_path, 
         return (0.01 if fleet == probed[0] else 0.03) * hosts, [0.02 * hosts] * 3
 
     monkeypatch.setattr(bench, "run_plan", run_plan)
-    args = argparse.Namespace(passes=3, link_seconds=1.0, rounds=1, smoke=False, batch=8, micro_batches=4)
+    args = argparse.Namespace(passes=3, link_seconds=1.0, rounds=1, smoke=False, batch=8, micro_batches=4,
+                              cpu_burst=True)
     rows = bench.group(TwoHosts(), "net", tmp_path / "net.yml", "1Gbit/s", tmp_path, tmp_path / "c.txt", args,
                        with_one_host=True)
     assert len(probed) == 3 and len(set(probed)) == 3  # one fleet file per pass, each probed before its pass
@@ -83,6 +89,9 @@ def test_every_pass_is_priced_on_a_fleet_probed_just_before_it(bench, tmp_path, 
     assert by_plan["one host"].predicted == pytest.approx((0.01 + 0.03 + 0.03) / 3)
     assert by_plan["pipeline x2"].predicted == pytest.approx((0.02 + 0.06 + 0.06) / 3)
     assert by_plan["pipeline x2"].measured == pytest.approx(0.04) and by_plan["pipeline x2"].pick
+    assert bursts == [True] * 3  # every pass's probes time the quota's burst
+    assert by_plan["pipeline x2"].without_burst == pytest.approx((0.5 + 0.8 + 0.8) / 3)
+    assert "| 0.04" in bench.table(rows) and bench.table(rows).splitlines()[0].endswith("without cpu_burst |")
 
 
 def _pnode(seconds: float, rate: float, burst: int = 1000):

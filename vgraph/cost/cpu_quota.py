@@ -24,13 +24,14 @@ figures' rate after (`burst_seconds`).  A rank that never waits gets no tokens b
 its op at the figures' rate already is: one-host and replica plans are priced as before, and a PNode
 without the figure (no quota) too.
 
-Status: `vgraph probe --cpu-burst` writes the figure only when asked.  It is not yet checked against a
-quiet testbed run, and it is not all of the AMD miss: on a fleet probed at load 12 (tb-small, 0.35-core
-hosts, the figure set to a quiet 0.35-core host's speedup 2.86 and a 1.3 ms bucket: 2 ms of quota a
-5.7 ms period at 0.65 drain) it prices pipeline x2 13% lower, less than the 24-31% the AMD run asks for,
-and pipeline x4 18% and 2x2 replicas 12% lower, where the Intel runs measured both within 5-9% of the
-price without it.  The testbed's four hosts share two cores, so their bursts compete, which a per-host
-figure cannot see.
+Status: `vgraph probe --cpu-burst` writes the figure only when asked (since 2026-12-07 fitted to runs of small
+ops after idling: backends/torch/probe/measure.py `cpu_burst`).  Checked on a quiet testbed run (AMD EPYC,
+0.35-core hosts, tb-small, BENCHMARKS.md): every plan within 0.80-1.04 of its measured step and the pick the
+fastest, where the same fleets without the figure priced the pipelines 1.05-1.29x their step (worst 1.29).
+It now errs the other way: the lowest rows (0.80) are 2x2 replicas at 1 Gbit/s and both pipelines at 20 Mbit/s.
+Not modelled: hosts that share the cores they burst on (the testbed's four hosts on two cores) cannot all burst
+at once, and a stage's first op after a wait pays cold caches (the probe takes them off its fit).  Not yet
+checked on an Intel machine, where the runs before it met the goal without the figure.
 """
 from __future__ import annotations
 
