@@ -183,6 +183,14 @@ def test_a_cpu_as_fast_after_idling_as_in_a_loop_has_no_burst(monkeypatch) -> No
     assert P.cpu_burst(repeats=3) is None
 
 
+@pytest.mark.parametrize("one, two, cold", [(1.0, 1.6, 0.4), (1.0, 2.0, 0.0), (1.0, 3.0, 0.0), (1.0, 1.0, 0.0),
+                                           (1.0, 0.9, 0.0)])
+def test_the_cold_caches_are_the_first_calls_time_over_the_seconds(one, two, cold) -> None:
+    """1 call 1.0, 2 calls 1.6: the second took 0.6, so the first paid 0.4 for its caches; a second call as
+    long or longer: nothing; runs of two no longer than one (a hiccup): nothing either, never a negative run."""
+    assert P.cold_caches(one, two) == pytest.approx(cold)
+
+
 def test_the_small_ops_run_forward_and_backward_and_leave_no_gradient_behind() -> None:
     call = P._small_ops()
     call()

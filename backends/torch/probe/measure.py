@@ -392,6 +392,13 @@ def fit_cpu_burst(continuous: float, chunks: Sequence[int], seconds: Sequence[fl
     return float(BURST_SPEEDUPS[i]), float(BURST_BUCKETS[j])
 
 
+def cold_caches(one_call: float, two_calls: float) -> float:
+    """What the first call after idling pays for its cold caches: its time over the second call's (the run of
+    two less the run of one), 0 where the runs do not say (two calls no longer than one: a hiccup)."""
+    second = two_calls - one_call
+    return max(0.0, one_call - second) if second > 0 else 0.0
+
+
 def cpu_burst(repeats: int | None = None) -> CpuBurst | None:
     """A CPU quota's burst (vgraph/cost/cpu_quota.py): small ops (`_small_ops`) timed continuously (the rate
     every other figure is taken at), then runs of 1 call up to BURST_LONG_S of calls, each right after
@@ -418,7 +425,7 @@ def cpu_burst(repeats: int | None = None) -> CpuBurst | None:
                 call()
             mine.append(time.perf_counter() - start)
     runs = [statistics.median(t) for t in taken]
-    cold = max(0.0, 2 * runs[0] - runs[1])  # the first call's cold caches: it over the second's time
+    cold = cold_caches(runs[0], runs[1])
     speedup, bucket = fit_cpu_burst(one, chunks, [max(t - cold, 1e-9) for t in runs])
     if not speedup >= BURST_MIN_SPEEDUP:
         return None
@@ -519,5 +526,6 @@ def probe(graph: Graph, device: torch.device, micro_batch: int, *, per_precision
 
 
 __all__ = ["ProbeResult", "probe", "peak_flops", "vnode_times", "program_line", "fit_line",
-           "update_costs", "cpu_burst", "calibrate", "precision_rates", "supported_precisions", "accelerator_of",
+           "update_costs", "cpu_burst", "cold_caches", "fit_cpu_burst",
+           "calibrate", "precision_rates", "supported_precisions", "accelerator_of",
            "training_nodes", "timed", "timed_in_turn", "quick_timings"]
