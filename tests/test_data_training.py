@@ -149,6 +149,27 @@ def test_the_embedded_corpus_is_built_once_then_read_from_the_cache(tmp_path, mo
     assert cache_root() == tmp_path / "cache"
 
 
+def test_a_cache_lock_file_planted_as_a_symlink_is_refused_and_nothing_is_made_at_its_target(tmp_path) -> None:
+    """The cache's lock is opened as prepare's is (prepare.exclusive): without following a link, so a symlink
+    planted where the lock goes cannot make the cache create a file elsewhere; the user is told which file."""
+    import hashlib
+    import json
+
+    from vgraph.data.cache import cached, embedded_recipe
+    from vgraph.data.shards import DataError
+
+    recipe = embedded_recipe(30000, 96)
+    name = f"{recipe.name}-{hashlib.sha256(json.dumps(recipe.key, sort_keys=True).encode()).hexdigest()[:20]}"
+    corpora = tmp_path / "cache" / "corpora"
+    corpora.mkdir(parents=True)
+    target = tmp_path / "elsewhere" / "planted"
+    target.parent.mkdir()
+    (corpora / f".{name}.lock").symlink_to(target)
+    with pytest.raises(DataError, match=r"cannot open the lock file .*symbolic link"):
+        cached(recipe, lambda line: None, tmp_path / "cache")
+    assert not target.exists() and not (corpora / name).exists()
+
+
 def test_cache_root_honours_xdg_and_vgraph_cache_dir(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("VGRAPH_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

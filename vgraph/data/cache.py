@@ -21,21 +21,19 @@ and every later run opens it in milliseconds.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import platform
 import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from vgraph.base.diagnostics import printable
 
-from vgraph.data.prepare import PrepareOptions, prepare
+from vgraph.data.prepare import PrepareOptions, exclusive, prepare
 from vgraph.data.shards import FORMAT_VERSION, DataError, PreparedCorpus, open_prepared
 from vgraph.data.sources import Source, find_sources
 from vgraph.data.stdlib_corpus import default_corpus_documents, stdlib_dir
@@ -122,7 +120,8 @@ def cached(recipe: CorpusRecipe, say: Say, root: str | os.PathLike | None = None
     except OSError as exc:
         raise DataError(f"{printable(str(corpora))}: cannot create the cache directory ({exc.strerror}); set "
                         f"VGRAPH_CACHE_DIR to a writable directory") from None
-    with _lock(corpora / f".{entry.name}.lock", say, what):
+    with exclusive(corpora / f".{entry.name}.lock",
+                   lambda: say(f"data: another process is building the cache of {what}; waiting for it")):
         corpus = _open_entry(entry)  # another process may have built it while this one waited
         if isinstance(corpus, PreparedCorpus):
             say(f"data: {what} from the cache {entry} ({time.perf_counter() - t0:.2f} s)")
@@ -169,17 +168,3 @@ def _open_entry(entry: Path) -> PreparedCorpus | str | None:
         return open_prepared(entry, verify="full")
     except DataError as exc:
         return str(exc)
-
-
-@contextmanager
-def _lock(path: Path, say: Say, what: str) -> Iterator[None]:
-    with open(path, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"data: another process is building the cache of {what}; waiting for it")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -59,7 +59,7 @@ from vgraph.data.shards import (FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, TOKENI
 from vgraph.data.sources import Source, Unit, find_sources, plan_units, read_unit
 from vgraph.data.tokenizer import EOT_TOKEN, load_tokenizer, tokenizer_kind, train_tokenizer, vocabulary_span
 
-__all__ = ["PrepareOptions", "prepare", "check_output_dir", "WORK_DIR"]
+__all__ = ["PrepareOptions", "prepare", "check_output_dir", "WORK_DIR", "exclusive"]
 
 WORK_DIR = ".prepare"
 LOCK_FILE = ".prepare.lock"
@@ -113,7 +113,7 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptio
     outputs = _output_dir(root, ([s.path for s in sources] if documents is None else []) + [options.tokenizer])
     _refuse_foreign(root, outputs)
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root), _stoppable():
+    with exclusive(root / LOCK_FILE), _stoppable():  # one prepare at a time per directory
         try:
             plan = _plan(sources, units, options, given)
             done = _restart_state(root, plan, say, outputs)
@@ -230,21 +230,27 @@ def _output_dir(root: Path, inputs: Sequence[str | None]) -> OutputDir:
 
 
 @contextmanager
-def _locked(root: Path) -> Iterator[None]:
-    """One prepare at a time per directory (a second one waits, then finds the work done).  The lock file
-    is opened without following a link: a planted symlink would make prepare create a file elsewhere."""
+def exclusive(path: Path, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+    """Hold `path`'s lock file (created if missing) for the block: one process at a time; `on_wait` is called
+    once when another holds it, then this one waits.  The file is opened without following a link and must be
+    a regular file: a planted symlink would make the lock create or open a file elsewhere."""
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(root / LOCK_FILE, flags, 0o666)
+        fd = os.open(path, flags, 0o666)
     except OSError as exc:
-        raise DataError(f"{printable(str(root / LOCK_FILE))}: cannot open the lock file ({exc.strerror}"
-                        f"{'; it is a symbolic link' if os.path.islink(root / LOCK_FILE) else ''}); remove it "
+        raise DataError(f"{printable(str(path))}: cannot open the lock file ({exc.strerror}"
+                        f"{'; it is a symbolic link' if os.path.islink(path) else ''}); remove it "
                         f"or choose another directory") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise DataError(f"{printable(str(root / LOCK_FILE))}: not a regular file; remove it or choose "
+            raise DataError(f"{printable(str(path))}: not a regular file; remove it or choose "
                             f"another directory")
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
