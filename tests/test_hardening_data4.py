@@ -491,3 +491,25 @@ def test_a_tokenizer_smaller_than_asked_is_said_and_under_half_refused(tmp_path,
     assert code == 0 and "Warning" not in err and f"came out at {actual:,} tokens of the 5,000 asked" in err, err
     code, err = run_cli(str(src), "-o", str(tmp_path / "o3"), "--vocab", str(actual + 10), "--quiet", capsys=capsys)
     assert code == 0 and f"came out at {actual:,} tokens of the {actual + 10:,} asked" in err, err  # over half: said
+
+
+def test_stopping_the_workers_waits_for_the_pools_manager_thread_too() -> None:
+    """A stopped prepare exits only after the executor's manager thread has ended: Python 3.11's exit hook
+    writes to that thread's wake-up pipe without a lock, and an exit while the thread was closing it printed a
+    traceback under the stop message (one CI run).  Before the fix the thread was still alive here 15 times in
+    20; the premise (the workers were running when stopped) is asserted."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from vgraph.data.prepare import _stop_workers
+
+    for _ in range(3):
+        pool = cf.ProcessPoolExecutor(2, mp_context=mp.get_context("fork"))
+        pending = {pool.submit(time.sleep, 30) for _ in range(2)}
+        deadline = time.monotonic() + 30
+        while not all(f.running() for f in pending) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(f.running() for f in pending), "premise: both workers are running a unit"
+        manager = pool._executor_manager_thread
+        _stop_workers(pool, pending)
+        assert not manager.is_alive()

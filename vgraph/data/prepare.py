@@ -552,10 +552,14 @@ def _stop_workers(pool: cf.ProcessPoolExecutor, pending: set) -> None:
     Why not just leave the `with` block: `shutdown(wait=True)` lets every running unit finish and write its
     shards, after the command has ended (a SIGTERM used to leave workers writing for seconds).  The
     executor has no public way to kill its workers before Python 3.14 (`terminate_workers`), hence
-    `_processes`."""
+    `_processes`.  The executor's manager thread is waited for too (`_executor_manager_thread`, which
+    shutdown forgets): Python 3.11's exit hook wakes it through a pipe the thread closes as it ends, checked
+    and written without a lock, and an exit while it was still ending printed "Exception ignored ... Bad file
+    descriptor" with a traceback under the stop message (a CI run, 2026-12-07; left running 15 times in 20)."""
     for future in pending:
         future.cancel()
     processes = list(getattr(pool, "_processes", {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
@@ -565,6 +569,8 @@ def _stop_workers(pool: cf.ProcessPoolExecutor, pending: set) -> None:
         if process.is_alive():
             process.kill()
             process.join()
+    if manager is not None:
+        manager.join(timeout=30)
 
 
 def _unit_bytes(source: Source, unit: Unit, units: list[Unit]) -> int:
