@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from vgraph.cost.costmodel import cost_model
-from vgraph.cost.cpu_quota import CpuBurst
+from vgraph.cost.cpu_quota import CpuBurst, burst_seconds
 from vgraph.cost.op_kinds import KINDS, Efficiency, KindCost, op_kind
 from vgraph.cost.update import Update
 from vgraph.ir.graph import Graph
@@ -380,8 +380,6 @@ def fit_cpu_burst(continuous: float, chunks: Sequence[int], seconds: Sequence[fl
     """(speedup, bucket) whose `burst_seconds` curve is nearest (in log time) to `seconds`, the time `chunks[i]`
     calls took right after idling, each call `continuous` seconds at the quota's average rate: the model's
     own two figures fitted to the model's own curve, over a grid."""
-    from vgraph.cost.cpu_quota import burst_seconds
-
     work = np.asarray(chunks, dtype=float) * continuous
     s = BURST_SPEEDUPS[:, None, None]
     b = BURST_BUCKETS[None, :, None]
