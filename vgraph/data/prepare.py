@@ -101,6 +101,7 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptio
 
 
 def _check_options(options: PrepareOptions) -> None:
+    """Refuse options that cannot prepare anything: `prepare` checks them before it searches the inputs."""
     if (options.vocab is None) == (options.tokenizer is None):
         raise DataError("give exactly one of --vocab N (train a tokenizer) and --tokenizer FILE")
     if not 0.0 < options.val_fraction < 1.0:
