@@ -12,7 +12,10 @@ import pytest
 from tools.gen_networks import TransformerSpec, transformer
 from vgraph.backends.torch.distributed.launcher.emission import plan
 from vgraph.backends.torch.distributed.launcher.placing import led_by, place, split_pipeline
+from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import loads_fleet
+from vgraph.cost.stepcost import shares_by_speed
+from vgraph.cost.tasks import stage_loads
 
 PNODE = "  - {{id: {id}, memory: {memory}, flops: {flops}, bandwidth: 1GB/s, accelerator: cpu}}\n"
 BATCH, MICRO = 8, 2
@@ -71,6 +74,18 @@ def test_a_lead_the_plan_left_out_replaces_rank_0_and_the_plan_is_priced_as_it_w
     q = placed(graph, f, led=led_by(p, f, {"m0"}))
     assert q.world == ["m0"] and set(q.assignment.values()) == {"m0"}
     assert q.report["step_seconds"] > 5 * p.report["step_seconds"]  # m0 is 10x slower: the price says so
+
+
+def test_a_lead_swapped_into_a_replica_gets_the_share_its_speed_earns_when_placed(graph):
+    f = fleet(("m0", "256MiB", "2M"), ("j1", "256MiB", "20M"), ("j2", "256MiB", "20M"))
+    p = placed(graph, f, replicas="2")
+    assert sorted(map(tuple, p.rows)) == [("j1",), ("j2",)] and p.shares == [BATCH // 2] * 2  # the premise
+    assignment, (rows, shares) = led_by(p, f, {"m0"})
+    assert rows == [["m0"], [p.rows[1][0]]] and shares is None  # place deals them, on the graph that runs
+    q = placed(graph, f, led=(assignment, (rows, shares)))
+    assert q.rows == rows and sum(q.shares) == BATCH and q.shares[0] < q.shares[1]  # m0 is 10x slower
+    cut = stage_loads(cost_model(q.graph, batch=BATCH, micro_batches=MICRO), {v: 0 for v in q.final}, 1)
+    assert q.shares == shares_by_speed(cut, f, rows, BATCH, MICRO)
 
 
 def test_a_plan_already_on_a_lead_is_left_alone(graph):

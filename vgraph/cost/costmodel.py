@@ -42,7 +42,7 @@ from typing import Iterable, Mapping, NamedTuple
 import numpy as np
 
 from vgraph.cost.analyze import human
-from vgraph.cost.grad_compression import NO_GRAD_COMPRESSION, GradCompression, parse_grad_compress
+from vgraph.cost.grad_compression import NO_GRAD_COMPRESSION, GradCompression, parse_grad_compress, per_node
 from vgraph.cost.remat import NO_REMAT, RematLayout, marked_ids, remat_layout
 from vgraph.ir.graph import Graph, VNode
 from vgraph.ops import REGISTRY, OpDef
@@ -137,7 +137,8 @@ class CostModel:
         self.remat = remat if remat is not None else NO_REMAT
         self.batch = batch
         self.micro_batches = micro_batches
-        self.node_columns = node_columns  # id, type, group, params, param_dtype, param_bytes, ...
+        self.node_columns = node_columns  # id, type, group, params, param_dtype, param_bytes, ..., reduce_bytes,
+        # reduce_flops, reduce_memory (what replicas all-reduce of each VNode under `grad_compress`)
         # src (node index), src_slot, dst (node index), dst_slot, bytes_per_sample, gradient,
         # back_bytes_per_sample, codec_flops (training FLOPs per sample the producer spends when the edge is cut:
         # 0 unless priced compressed by compression.with_compressed_edges)
@@ -397,7 +398,11 @@ def cost_model(graph: Graph, *, batch: int = DEFAULT_BATCH, micro_batches: int =
                 pub, pub_dtype = published.get(alias, (None, None))
                 if pub is not None and pub.id != n.id:
                     ties.append(TieCost(alias, pub.id, n.id, prod(shape) * dtype_bytes[pub_dtype]))
-    cols["trained_shapes"] = trained_shapes
+    # What each VNode all-reduces when replicas sync its gradients, the compression's FLOPs and memory
+    # (grad_compression.py): priced once here, beside its gradient bytes, for every cut a planner reads.
+    cols["reduce_bytes"], cols["reduce_flops"], cols["reduce_memory"] = per_node(
+        trained_shapes, np.asarray(cols["grad_bytes"], dtype=float), np.asarray(cols["params"], dtype=float),
+        grad_compress)
     ecols["codec_flops"] = [0] * len(ecols["src"])
     cols["recompute_bytes"] = [0] * len(cols["id"])
     cols["recompute_flops"] = [0] * len(cols["id"])

@@ -22,7 +22,6 @@ from typing import Mapping
 import numpy as np
 
 from vgraph.cost.costmodel import CostModel
-from vgraph.cost.grad_compression import per_node
 from vgraph.cost.makespan import TaskEdge
 from vgraph.cost.op_kinds import KINDS, op_kind
 from vgraph.ir.depth import depths
@@ -183,11 +182,11 @@ class LoadColumns:
         self.ids: list[str] = cm.node_columns["id"]
         self.flops = cm.train_flops_per_sample()  # forward + backward (+ recomputed forwards, remat)
         self.forward_flops = col("flops").astype(float)
-        # What a stage all-reduces, the compression's FLOPs and memory (compression.py; plain: the gradients).
+        # What a stage all-reduces, the compression's FLOPs and memory (the cost model's; plain: the gradients).
         self.rounds = 3 if cm.grad_compress.enabled else 1
-        self.grad, self.reduce_flops, self.reduce_memory = per_node(
-            cm.node_columns.get("trained_shapes") or [()] * len(self.ids), col("grad_bytes").astype(float),
-            col("params").astype(float), cm.grad_compress)
+        self.grad = col("reduce_bytes").astype(float)
+        self.reduce_flops = col("reduce_flops").astype(float)
+        self.reduce_memory = col("reduce_memory").astype(float)
         self.static = (col("param_bytes") + col("grad_bytes") + col("master_bytes") + col("adam_bytes")).astype(float)
         self.act = col("activation_bytes").astype(float)
         self.params = col("params").astype(float)

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 from vgraph.base.diagnostics import printable
 
-from vgraph.data.prepare import PrepareOptions, exclusive, prepare
+from vgraph.data.prepare import PrepareOptions, exclusive, prepare_corpus
 from vgraph.data.shards import FORMAT_VERSION, DataError, PreparedCorpus, open_prepared
 from vgraph.data.sources import Source, find_sources
 from vgraph.data.stdlib_corpus import default_corpus_documents, stdlib_dir
@@ -153,11 +153,11 @@ def _build(recipe: CorpusRecipe, tmp: Path, say: Say) -> None:
         documents = default_corpus_documents(recipe.corpus_bytes)
         say(f"data: read {len(documents):,} docstrings ({sum(map(len, documents)) / 1e6:.1f} MB) from "
             f"{stdlib_dir()} ({time.perf_counter() - t0:.1f} s)")
-        prepare([], tmp, options, say=say, progress=False, documents=documents, description="stdlib docstrings")
+        prepare_corpus(tmp, options, documents=documents, description="stdlib docstrings", say=say, progress=False)
         return
     for line in recipe.skipped:
         say(line)
-    prepare(list(recipe.inputs), tmp, options, say=say, progress=False, sources=recipe.sources)
+    prepare_corpus(tmp, options, sources=recipe.sources, inputs=recipe.inputs, say=say, progress=False)
 
 
 def _open_entry(entry: Path) -> PreparedCorpus | str | None:

@@ -59,7 +59,7 @@ from vgraph.data.shards import (FORMAT, FORMAT_VERSION, MANIFEST, SPLITS, TOKENI
 from vgraph.data.sources import Source, Unit, find_sources, plan_units, read_unit
 from vgraph.data.tokenizer import EOT_TOKEN, load_tokenizer, tokenizer_kind, train_tokenizer, vocabulary_span
 
-__all__ = ["PrepareOptions", "prepare", "check_output_dir", "WORK_DIR", "exclusive"]
+__all__ = ["PrepareOptions", "prepare", "prepare_corpus", "check_output_dir", "WORK_DIR", "exclusive"]
 
 WORK_DIR = ".prepare"
 LOCK_FILE = ".prepare.lock"
@@ -89,23 +89,41 @@ class PrepareOptions:
 
 def prepare(inputs: Sequence[str], out: str | os.PathLike, options: PrepareOptions, *,
             say: Callable[[str], None] = lambda m: print(m, file=sys.stderr), progress: bool = True,
-            documents: Sequence[str] | None = None, description: str | None = None,
-            warn: Callable[[str], None] | None = None, sources: Sequence[Source] | None = None) -> PreparedCorpus:
-    """Prepare `inputs` (or the in-memory `documents`, named `description`) into `out`; see the module
-    docstring.  Returns the prepared corpus, opened.  `warn` (default `say`) gets what the user should
-    read even when status lines are off (a tokenizer smaller than asked, inputs skipped).  `sources`: the
-    files `find_sources(inputs)` found for a caller that needed them first (the cache keys a corpus by
-    their content), so the files keyed are the files prepared, found once."""
+            warn: Callable[[str], None] | None = None) -> PreparedCorpus:
+    """Prepare the files `inputs` name into `out`: the inputs found first (`find_sources`, the module
+    docstring's first step), then `prepare_corpus`.  Returns the prepared corpus, opened.  `warn` (default
+    `say`) gets what the user should read even when status lines are off (a tokenizer smaller than asked,
+    inputs skipped)."""
     warn = warn or say
+    _check_options(options)
+    return prepare_corpus(out, options, sources=find_sources(inputs, options.include, report=warn), inputs=inputs,
+                          say=say, progress=progress, warn=warn)
+
+
+def _check_options(options: PrepareOptions) -> None:
+    """Refuse options that cannot prepare anything: `prepare` checks them before it searches the inputs."""
     if (options.vocab is None) == (options.tokenizer is None):
         raise DataError("give exactly one of --vocab N (train a tokenizer) and --tokenizer FILE")
     if not 0.0 < options.val_fraction < 1.0:
         raise DataError(f"--val-fraction must be between 0 and 1 (exclusive), not {options.val_fraction}")
+
+
+def prepare_corpus(out: str | os.PathLike, options: PrepareOptions, *, sources: Sequence[Source] | None = None,
+                   inputs: Sequence[str] = (), documents: Sequence[str] | None = None, description: str | None = None,
+                   say: Callable[[str], None] = lambda m: print(m, file=sys.stderr), progress: bool = True,
+                   warn: Callable[[str], None] | None = None) -> PreparedCorpus:
+    """Prepare into `out` the files found already for `inputs` (`sources`: `prepare` finds them; the cache
+    finds them first, to key a corpus by their content, so the files keyed are the files prepared, found once)
+    or the in-memory `documents`, named `description`.  Returns the prepared corpus, opened."""
+    warn = warn or say
+    _check_options(options)
     root = Path(out)
     t0 = time.perf_counter()
     given = load_tokenizer(options.tokenizer) if options.tokenizer is not None else None  # read bounded, checked
     if documents is None:
-        sources = list(sources) if sources is not None else find_sources(inputs, options.include, report=warn)
+        if sources is None:
+            raise ValueError("prepare_corpus needs the files found (sources) or documents")
+        sources = list(sources)
         check_output_dir(root, [s.path for s in sources] + list(inputs) + [t for t in [options.tokenizer] if t])
         units = plan_units(sources, options.unit_bytes)
     else:

@@ -14,7 +14,7 @@ from vgraph.base.diagnostics import VGraphError
 from vgraph.cost.costmodel import cost_model
 from vgraph.cost.fleet import Fleet
 from vgraph.cost.stepcost import shares_by_speed
-from vgraph.cost.tasks import StageLoads, stage_loads
+from vgraph.cost.tasks import stage_loads
 from vgraph.ir.graph import Graph
 from vgraph.placement.export import assignment_of, placement_report
 from vgraph.placement.replica_report import rebalanced_shares
@@ -58,9 +58,6 @@ class Placement:
     # The network as the partition pass saw and assigned it (after the passes before it, before any fusion):
     # the VNodes `assignment` names, whose state a re-plan moves (vgraph/placement/replan.state_bytes).
     assigned: Graph | None = None
-    # With replicas: `graph` cut by replica 0's stages (vgraph/cost/tasks.py), as its shares were priced; a
-    # layout of the same stages on other PNodes (`led_by`) is priced on it without building it again.
-    cut: StageLoads | None = None
 
     @property
     def world(self) -> list[str]:
@@ -78,7 +75,8 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
 
     A given `assignment` names the VNodes as the partition pass would see them (after the passes before it,
     i.e. before any fusion); `replicas` (rows of PNodes per replica, batch shares) goes with it when the run
-    has replicas, and `choices` the partition's choices it was made with (a re-placed plan)."""
+    has replicas, and `choices` the partition's choices it was made with (a re-placed plan).  Shares None:
+    dealt here by speed, as for the partition pass's plans (a plan whose PNodes changed: `led_by`)."""
     graph = source.copy()
     if before:
         run_pipeline(graph, before, target=target)
@@ -111,13 +109,18 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
     stage = {p: s for s, p in enumerate(replicas[0][0])} if replicas is not None else {}  # replica 0's, in order
     cut = (stage_loads(cm, {v: stage[p] for v, p in final.items()}, len(stage))
            if stage and set(final.values()) <= stage.keys() else None)  # else a layout the report refuses
-    if planned_here and cut is not None:
+    if cut is not None and (planned_here or replicas[1] is None):
         # The partition pass balanced the shares before the fusions, counting per-VNode overheads on every VNode
         # they merge, where the workers run one fused op (issue 42); they are balanced on the graph that runs.
         try:
             shares = shares_by_speed(cut, fleet, replicas[0], batch, micro_batches)
-        except VGraphError:  # the placed graph's memory count cannot hold the batch in these rows (a fleet sized
-            shares = replicas[1]  # to the pass's count, which fits: tests/test_distributed_replicas.py): as before
+        except VGraphError:
+            # The placed graph's memory count cannot hold the batch in these rows (a fleet sized to the pass's
+            # count, which fits: tests/test_distributed_replicas.py): the pass's shares, as before; rows given
+            # without shares (led_by's) have none to fall back on.
+            if replicas[1] is None:
+                raise
+            shares = replicas[1]
         replicas = (replicas[0], shares)
     ranks = list(dict.fromkeys(final[n.id] for n in placed.topo_order()))
     placed.meta["placement"] = {"batch": batch, "micro_batches": micro_batches, "grad_compress": grad_compress,
@@ -126,7 +129,7 @@ def place(source: Graph, fleet: Fleet, *, before: str | Pipeline, partition: str
         placed.meta["placement"].update(replica_pnodes=replicas[0], batch_shares=replicas[1])
     report = placement_report(placed, fleet, batch=batch, micro_batches=micro_batches, cm=cm)
     return Placement(placed, assignment, final, ranks, report, report["replica_pnodes"], report["batch_shares"],
-                     choices, graph, cut)
+                     choices, graph)
 
 
 def led_by(placement: Placement, fleet: Fleet, leads: set[str]
@@ -137,8 +140,9 @@ def led_by(placement: Placement, fleet: Fleet, leads: set[str]
     where the coordinator keeps it, so across machines it must run on a PNode of the coordinator's machine,
     and the partition pass prices plans, not machines.  The same plan with the replicas in another order costs
     the same, so a replica whose rank-0 stage is a lead goes first; else the lead PNode takes rank 0's place
-    and rank 0's PNode the lead's (unused: dropped), the shares dealt again by speed.  The caller places the
-    result, which prices it as it will run (a swap between PNodes of unequal figures changes the step)."""
+    and rank 0's PNode the lead's (unused: dropped), with no shares: `place` deals them by speed.  The caller
+    places the result, which prices it as it will run (a swap between PNodes of unequal figures changes the
+    step and the shares)."""
     stage = {p: s for s, p in enumerate(placement.rows[0])}
     first = stage[placement.ranks[0]]  # world rank 0 is replica 0's PNode at this stage
     rows, shares = placement.rows, placement.shares
@@ -151,10 +155,7 @@ def led_by(placement: Placement, fleet: Fleet, leads: set[str]
     else:
         lead = min(p for p in leads if p in fleet.ids)
         swap = {rows[0][first]: lead, lead: rows[0][first]}
-        rows = [[swap.get(p, p) for p in row] for row in rows]
-        if len(rows) > 1:  # the same stages on other PNodes: the plan's cut, priced on them
-            shares = shares_by_speed(placement.cut, fleet, rows, placement.report["batch"],
-                                     placement.report["micro_batches"])
+        rows, shares = [[swap.get(p, p) for p in row] for row in rows], None
     assignment = {v: rows[0][stage[p]] for v, p in placement.assignment.items()}
     return assignment, ((rows, shares) if len(rows) > 1 else None)
 
