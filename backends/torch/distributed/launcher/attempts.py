@@ -8,18 +8,15 @@ Every step takes the launch's resolved inputs and the state the attempts change 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from vgraph.base.safeio import atomic_write
 from vgraph.run.files import LAUNCH_DIR, METRICS_JSONL, WORKERS_JSON, RunLock
 
 from ...training import checkpoint as ckpt
 from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
-from ..rendezvous import free_port, probe_port
 from . import elastic
 from .boundaries import boundary, take_admission, watching
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
@@ -224,12 +221,8 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
     """Start this machine's workers of `attempt`, relay their output, wait for the outcome (its record).
 
     The rendezvous port: --master-port (29500 across machines) moved up by the attempt's number, else a free
-    one."""
+    one (supervisor.Supervisor.start)."""
     placement = attempt.placement
-    base_port = run.base_port
-    port = (base_port + attempt.number) if base_port else free_port(run.master_addr)
-    if run.lead:
-        probe_port(run.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
     run.say(f"launch: {run.source.name} on {len(attempt.ranks)} worker(s) {', '.join(attempt.ranks)} of fleet "
             f"{run.fleet.name!r} ({len(placement.rows)} replica(s), batch shares {placement.shares}; "
             f"{attempt.comm.describe()}, {micro_per_replica(run.micro, placement.shares)} {run.pipeline}, predicted "
@@ -240,15 +233,10 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
         with watching(run, attempt) as trouble:  # the boundaries' side while the workers run
             supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
                                     lock_key=lock.key if lock is not None else "")
-            try:
-                supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks),
-                                 run.master_addr, port, attempt.threads)
-                atomic_write(run.launch_dir / WORKERS_JSON,
-                             json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
-                ok, codes, lost = supervisor.wait(trouble=trouble)
-            except BaseException:  # the workers stopped before the watches end
-                supervisor.stop()
-                raise
+            ok, codes, lost = supervisor.run(attempt.job_path, attempt.local, attempt.ranks, run.master_addr,
+                                             run.base_port + attempt.number if run.base_port else None,
+                                             attempt.threads, hosts=run.lead, trouble=trouble,
+                                             pids=(run.launch_dir / WORKERS_JSON, attempt.number))
     finally:
         if run.bar is not None:
             run.bar.close()  # the attempt's bar ends; a restart draws its own from the resumed step

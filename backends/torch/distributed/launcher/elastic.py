@@ -468,14 +468,9 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
                 continue
             emit(f"launch: attempt {number}: {', '.join(job.ranks[r] for r in local)} of {len(job.ranks)} "
                  f"worker(s)")
-            supervisor = Supervisor(emit, token)
-            try:
-                supervisor.start(job_path, local, job.ranks, len(job.ranks), machines.addr, master_port + number,
-                                 job.train.threads or max(1, (os.cpu_count() or 1) // len(local)))
-                ok, codes, failed = supervisor.wait(trouble=machines.trouble)
-            except BaseException:
-                supervisor.stop()
-                raise
+            ok, codes, failed = Supervisor(emit, token).run(
+                job_path, local, job.ranks, machines.addr, master_port + number,
+                job.train.threads or max(1, (os.cpu_count() or 1) // len(local)), trouble=machines.trouble)
             result.attempts.append(number)
             if not ok:
                 send_shards(machines.request, run_dir / LAUNCH_DIR / RESCUE_DIR, number, emit)
