@@ -456,8 +456,7 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
                 return result
             number, home = int(reply["attempt"]), {str(k): int(v) for k, v in dict(reply["home"]).items()}
             job_path = run_dir / LAUNCH_DIR / f"job-{number}.json"
-            atomic_write(job_path, raw)
-            job = Job.read(job_path)  # checked field by field, as every worker reads it
+            job = Job.loads(raw, job_path)  # checked field by field, as every worker reads it
             job.run_dir, job.data_dir, job.tokenizer, job.plugins = "..", str(data_dir), tokenizer, []
             job.write(job_path)
             local = [r for r, p in enumerate(job.ranks) if home.get(p) == result.machine]
