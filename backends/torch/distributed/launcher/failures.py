@@ -44,7 +44,6 @@ def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], restarts: 
     if run.machines.active:  # every machine reports; machine 0 decides for all (membership.py)
         if not run.lead:  # this machine's survivors' shards first: machine 0 decides once it has every report
             send_shards(run.machines.request, run.launch_dir / RESCUE_DIR, attempt.number, run.emit)
-            run.rescued = succession.rescue_of(run, attempt)  # a successor's
         report = {"lost": lost_pnodes, "described": described, "error": errors}
         try:
             plan = run.machines.settle(report,
@@ -52,7 +51,7 @@ def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], restarts: 
                                        wait_for_all=run.on_failure == "restart")
         except MachineLost as exc:
             # The coordinator is lost: a survivor takes its role, or the run stops.
-            plan = succession.lost_coordinator(run, report, exc, attempt.number)
+            plan = succession.lost_coordinator(run, report, exc, attempt)
         if run.lead and plan["lost"]:
             succession.fence(run)  # before going on without machines: none of them took this run over meanwhile
         lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]
