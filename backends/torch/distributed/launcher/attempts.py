@@ -18,7 +18,7 @@ from ...training import checkpoint as ckpt
 from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
 from . import elastic
-from .boundaries import boundary, take_admission, watching
+from .boundaries import boundary, watching
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
 from .failures import after_failure
 from ..job import Job
@@ -95,9 +95,6 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
                 run.admission.finish()
                 run.admission.wait_told(run.link_timeout)
             return result
-        if run.admission is not None:  # a restart is a boundary too: the admitted machines take part
-            fleet = run.admission.grown_fleet(fleet)
-            run.home = {**(run.home or {}), **run.admission.home()}
         fleet, shrunk, redone = after_failure(run, attempt, record, result.restarts, fleet)
         result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
         number += 1
@@ -122,10 +119,9 @@ def _follow(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchRe
     coordinator's role (succession.py): then (fleet, number, shrunk plan) of its first attempt as coordinator."""
     if not record["ok"]:
         fleet, shrunk, redone = after_failure(run, attempt, record, result.restarts, fleet)  # its report
-        if run.lead:  # it took the role: the admission too, and the loop goes on here as the coordinator
-            take_admission(run)
+        if run.lead:  # it took the role (and machine 0's admission): the loop goes on here as the coordinator
             result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
-            return run.admission.grown_fleet(fleet), attempt.number + 1, shrunk
+            return fleet, attempt.number + 1, shrunk
     followed = elastic.Joined(run.node_rank, "", run.run_dir)
     try:
         elastic.follow_attempts(run.machines, run.token, run.master_addr, run.base_port, run.run_dir,

@@ -492,15 +492,17 @@ def open_admission(run: Run) -> Admission:
     return admission
 
 
-def take_admission(run: Run) -> None:
+def take_admission(run: Run, fleet: Fleet) -> Fleet:
     """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
     machine; the channel's address moved with the role), with the machines it had admitted, released or was
     releasing, from the record this machine mirrored (its `Mirror`'s, launch/mirror/admission.json; none on a
-    machine that mirrored nothing: then only the machines of the last job are known)."""
+    machine that mirrored nothing: then only the machines of the last job are known); the next attempt's
+    fleet: `fleet` with the admitted machines and without the leaving ones (`Admission.grown_fleet`)."""
     run.admission = open_admission(run)
     run.admission.me = run.node_rank
     run.admission.restore(run.mirror.admission if run.mirror is not None else None, run.emit)
     run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
+    return run.admission.grown_fleet(fleet)
 
 
 def serve_channel(run: Run) -> None:

@@ -304,8 +304,7 @@ def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, An
         return plan
     if plan.get("error"):
         raise TrainingError(plan["error"])
-    take_admission(run)
-    fleet = run.admission.grown_fleet(fleet.without(list(plan.get("gone") or plan["lost"])))
+    fleet = take_admission(run, fleet.without(list(plan.get("gone") or plan["lost"])))
     run.given = (None, None)
     run.partition = run.partition.with_options("partition", replicas="auto")
     raise TookOver(number, fleet, int(plan.get("redone", 0)))
