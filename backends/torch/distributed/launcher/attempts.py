@@ -73,11 +73,9 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
         record = supervise(run, attempt)  # machine 0 of a run that takes joins publishes its job (watching)
         result.attempts.append(record)
         result.placement = attempt.placement.report
-        if record["ok"] and run.admission is not None and not stop.requested and boundary(run):
-            with run.admission.lock:  # a drift re-plan's measured fleet, once
-                measured, run.admission.next_fleet = run.admission.next_fleet, None
-            fleet = run.admission.grown_fleet(measured or fleet)
-            shrunk, number, hold, replanned = None, number + 1, None, True  # the planner places it from now on
+        grown = boundary(run, fleet) if record["ok"] and run.admission is not None and not stop.requested else None
+        if grown is not None:
+            fleet, shrunk, number, hold, replanned = grown, None, number + 1, None, True  # the planner places it now
             continue
         if run.elastic and not run.lead and not stop.requested:  # only machine 0 knows the grown fleet
             taken = _follow(run, attempt, record, result, fleet)
