@@ -47,7 +47,18 @@ class LaunchResult:
 def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = None) -> LaunchResult:
     """Attempt after attempt until the workers finish, fail for good, or a stop is asked for; after `took` (a
     machine that joined took the coordinator's role: `JoinedSuccession`), from the attempt after the one it
-    followed, on the fleet its succession decided."""
+    followed, on the fleet its succession decided.  The run's result (`collect`); when it ends in an error,
+    the machines that joined hear why first, instead of waiting on silence."""
+    try:
+        return collect(run, _attempts(run, stop, took))
+    except BaseException as exc:
+        if run.admission is not None:
+            run.admission.finish(error=str(exc) or type(exc).__name__)
+            run.admission.wait_told(min(run.link_timeout, 5.0))
+        raise
+
+
+def _attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None) -> LaunchResult:
     result = LaunchResult(run.run_dir, 0, None, None, None)
     fleet, hold, number, replanned = run.fleet, run.hold, 0, False
     if took is not None:
@@ -201,14 +212,8 @@ class JoinedSuccession:
         assert run is not None and run.lead, "TookOver comes only from succeed_followed on this machine's Run"
         if self.leave is not None:
             self.leave.close()
-        try:
-            with self.stop.installed():
-                return collect(run, run_attempts(run, self.stop, took))
-        except BaseException as exc:
-            if run.admission is not None:  # the joined machines hear why, instead of waiting on silence
-                run.admission.finish(error=str(exc) or type(exc).__name__)
-                run.admission.wait_told(min(run.link_timeout, 5.0))
-            raise
+        with self.stop.installed():
+            return run_attempts(run, self.stop, took)
 
 
 def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
