@@ -44,9 +44,10 @@ run's files) follows whoever takes the role (`follow_successor`), and a later jo
 
 The newest state wins (`install`, which reads the mirror and the shards once, and writes the run directory
 once): the mirrored checkpoint when it loads whole (one that does not is skipped and said), or, later, the
-survivors' rescue shards assembled into a checkpoint (training/rescue.py): each follower sends its own to the coordinator it follows before its report (`succeed`'s `send`), so the successor holds
-every survivor's shards once it has every report, and a replica that survived gives the step the workers
-reached: 0 steps redone, provided that step's row was mirrored (the log must hold every step once).
+survivors' rescue shards assembled into a checkpoint (training/rescue.py): each follower sends its own to the
+coordinator it follows before its report (`succeed`'s `send`), so the successor holds every survivor's shards
+once it has every report, and a replica that survived gives the step the workers reached: 0 steps redone,
+provided that step's row was mirrored (the log must hold every step once).
 
 Where: the history's mirror, the machines' record and a returning machine 0's refusal are mirror.py (they run
 all along, beside the attempts); this module is the role moving, from the failure that loses the coordinator
@@ -243,7 +244,8 @@ def lost_coordinator(run: Run, report: dict[str, Any], lost: MachineLost, attemp
         try:
             plan = succeed(
                 machines, old, survivors, report, lambda reports, missing: decide(reports, missing, home, run.on_failure),
-                window, send=lambda: send_shards(machines.request, run.launch_dir / RESCUE_DIR, attempt.number, run.emit),
+                window,
+                send=lambda: send_shards(machines.request, run.launch_dir / RESCUE_DIR, attempt.number, run.emit),
                 serve=lambda: serve_channel(run))
             break
         except MachineLost as again:
