@@ -77,6 +77,22 @@ def test_a_busy_port_is_refused_before_anything_starts(tmp_path: Path, capsys) -
     assert not (tmp_path / "run").exists()  # no worker, no restart, no run directory
 
 
+def test_the_supervisor_probes_the_port_it_hosts_before_any_worker_starts(tmp_path: Path) -> None:
+    """Each attempt's port (--master-port + attempt) is probed where the workers' rendezvous is built, on the
+    machine that hosts it: a port taken since the launch began is a diagnostic, not a burnt restart."""
+    from vgraph.backends.torch.distributed.launcher.supervisor import Supervisor
+
+    supervisor = Supervisor(lambda line: None)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RendezvousError, match=f"port {port} on 127.0.0.1 is in use"):
+            supervisor.run(tmp_path / "job-3.json", [0], ["w0"], "127.0.0.1", port, 1, hosts=True,
+                           pids=(tmp_path / "workers.json", 3))
+    assert supervisor.workers == [] and not (tmp_path / "workers.json").exists()
+
+
 def test_several_machines_without_a_token_is_a_diagnostic(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     fleet = tmp_path / "fleet.yml"

@@ -225,6 +225,17 @@ def test_a_damaged_job_is_refused_naming_its_field(emitted: Path, tmp_path: Path
     with pytest.raises(JobError, match=message) as exc:
         Job.read(path)
     assert str(path) in str(exc.value)
+    received = tmp_path / "received" / "job-1.json"  # a follower's: the bytes fetched from machine 0, never written
+    with pytest.raises(JobError, match=message) as exc:
+        Job.loads(path.read_bytes(), received)
+    assert str(received) in str(exc.value) and not received.parent.exists()
+
+
+def test_a_received_job_reads_as_its_file_does(emitted: Path, tmp_path: Path) -> None:
+    path = emitted / "jobs" / "job.json"
+    received = Job.loads(path.read_bytes(), tmp_path / "job-0.json")
+    assert received.path == tmp_path / "job-0.json" and received.ranks == Job.read(path).ranks
+    assert received == Job.read(path)  # every field but where it came from
 
 
 @pytest.mark.parametrize("text, message", [
@@ -237,6 +248,8 @@ def test_a_job_that_is_not_json_or_holds_nan_is_refused(tmp_path: Path, text: st
     path.write_text(text)
     with pytest.raises(JobError, match=message):
         Job.read(path)
+    with pytest.raises(JobError, match=message):
+        Job.loads(text.encode(), path)
 
 
 @pytest.mark.parametrize("what", ["directory", "fifo", "missing", "binary"])

@@ -325,9 +325,16 @@ def test_a_followers_shards_reach_the_successor_before_it_decides(tmp_path):
     finally:
         m2.close()
     assert m2.coordinator == 2 and plan["gone"] == ["w0", "w1"]
-    got = succession.rescued_state(outbox.parent.parent, run="run-a", attempt=0, keys={"w.weight"}, ceiling=10,
-                                   extra={}, keep=3, say=said.append)
-    assert [p.name for p in got] == ["step-00000005"]  # its own shard, kept after sending it
+    run = outbox.parent.parent
+    installed = succession.install(run, _against(0, {"w.weight"}), keep=3, say=said.append)
+    assert (installed.step, installed.redone) == (5, 1) and installed.source.startswith("rescued state")
+    assert (run / "latest").read_text().strip() == "step-00000005"  # its own shard, kept after sending it
+
+
+def _against(attempt: int, keys: set[str], per_rank_state: str = "") -> dict:
+    """What the shards of `attempt` of run "run-a" are assembled against (emission.rescue_inputs' keys)."""
+    return {"run": "run-a", "attempt": attempt, "keys": keys, "ceiling": 10, "extra": {},
+            "per_rank_state": per_rank_state}
 
 
 def _mirrored_run(tmp_path: Path, rows: int, name: str = "run") -> Path:
@@ -357,13 +364,10 @@ def test_the_successor_resumes_from_the_survivors_shards_not_from_stale_ones(tmp
     _shard(rescue, attempt=2, rank=0, step=9, weights={**a, **b})  # an earlier attempt's
     _shard(rescue, attempt=3, rank=3, step=7, weights={**a, **b}, run="run-b")  # another run's
     said: list[str] = []
-    keys = {"a.weight", "b.weight"}
-    got = succession.rescued_state(run, run="run-a", attempt=3, keys=keys, ceiling=10, extra={}, keep=3,
-                                   say=said.append)
-    assert [p.name for p in got] == ["step-00000006"]
-    assert any("r3" in line and "another run" in line for line in said)
-    installed = succession.install(run, got, said.append)
+    installed = succession.install(run, _against(3, {"a.weight", "b.weight"}), keep=3, say=said.append)
     assert (installed.step, installed.redone) == (6, 0) and installed.source.startswith("rescued state")
+    assert (run / "latest").read_text().strip() == "step-00000006"
+    assert any("r3" in line and "another run" in line for line in said)
     from vgraph.backends.torch.training.checkpoint import load_checkpoint
 
     state = load_checkpoint(run / "step-00000006", map_location="cpu")
@@ -383,13 +387,11 @@ def test_the_successor_falls_back_to_the_mirror_when_the_shards_do_not_do(tmp_pa
     if case != "half":
         _shard(rescue, attempt=0, rank=2, step=6, weights={"b.weight": torch.ones(2)})
     said: list[str] = []
-    got = succession.rescued_state(run, run="run-a", attempt=0, keys={"a.weight", "b.weight"}, ceiling=10, extra={},
-                                   keep=3, per_rank_state="error feedback" if case == "compress" else "",
-                                   say=said.append)
-    assert got == [] and not list(run.glob("step-*"))
+    installed = succession.install(run, _against(0, {"a.weight", "b.weight"},
+                                                 "error feedback" if case == "compress" else ""), 3, said.append)
     assert {"rows": "no row in the log", "half": "hold 1 of 2", "compress": "error feedback"}[case] in said[-1]
-    installed = succession.install(run, got, said.append)
     assert installed.step == 4 and installed.source == "mirrored checkpoint"
+    assert [p.name for p in run.glob("step-*")] == ["step-00000004"]  # the mirrored one alone: nothing rescued
 
 
 def test_elect_takes_the_lowest_rank_that_serves():
@@ -552,32 +554,34 @@ def test_keep_history_serves_the_admissions_record_pulls_next_in_line_and_leaves
         pulled.stop()
 
 
-def test_install_takes_the_newest_state_it_is_given(tmp_path):
-    """The mirrored checkpoint or a rescue (surviving replicas' state), whichever has the higher step; the
-    mirrored rows up to it; one that does not load is skipped and said."""
-    from vgraph.backends.torch.training.checkpoint import capture_rng_state, save_checkpoint
+def test_install_takes_the_newest_state(tmp_path):
+    """The mirrored checkpoint or the survivors' shards, whichever has the higher step; the mirrored rows up to
+    it; a mirrored checkpoint that does not load is skipped and said, and the shards then compete with nothing
+    (a step of theirs before its step counts)."""
     import torch
 
-    run = tmp_path / "run"
+    run = _mirrored_run(tmp_path, rows=6)
     mirror = run / "launch" / "mirror"
-    mirror.mkdir(parents=True)
-    weights = {"w.weight": torch.ones(2)}
-    save_checkpoint(mirror / "step-00000004", step=4, model_state=weights, optimizer_states={},
-                    rng_state=capture_rng_state())
-    (mirror / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)) + '{"st')
-    rescue = tmp_path / "rescue" / "step-00000005"
-    save_checkpoint(rescue, step=5, model_state=weights, optimizer_states={},
-                    rng_state=capture_rng_state())
-    broken = tmp_path / "broken" / "step-00000009"
-    broken.mkdir(parents=True)
+    with open(mirror / "metrics.jsonl", "a") as f:
+        f.write('{"st')  # a row being mirrored: cut off
+    _shard(run / "launch" / "rescue", attempt=0, rank=1, step=5, weights={"w.weight": torch.ones(3)})
     said: list[str] = []
-    got = succession.install(run, [broken, rescue], said.append)
+    got = succession.install(run, _against(0, {"w.weight"}), 3, said.append)
     assert (got.step, got.redone) == (5, 1) and "rescued" in got.source
     assert (run / "latest").read_text().strip() == "step-00000005" and (run / "step-00000005" / "state.json").is_file()
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
-    assert any(line.startswith("launch: not resuming from ") and "step-00000009" in line for line in said)
-    got = succession.install(run, [], said.append)  # the mirrored one alone
+    got = succession.install(run, None, 3, said.append)  # the mirrored one alone
     assert (got.step, got.redone, got.source) == (4, 2, "mirrored checkpoint")
+    assert not any("not resuming" in line for line in said)
+
+    damaged = _mirrored_run(tmp_path, rows=6, name="damaged")
+    (damaged / "launch" / "mirror" / "step-00000004" / "model.safetensors").write_bytes(b"not tensors")
+    _shard(damaged / "launch" / "rescue", attempt=0, rank=1, step=3, weights={"w.weight": torch.ones(3)})
+    got = succession.install(damaged, _against(0, {"w.weight"}), 3, said.append)
+    assert (got.step, got.redone) == (3, 3) and "rescued" in got.source  # older than the damaged one's step 4
+    assert any(line.startswith("launch: not resuming from ") and "step-00000004" in line for line in said)
+    got = succession.install(damaged, None, 3, said.append)
+    assert (got.step, got.source) == (0, "none: from the start")
 
 
 def test_install_with_nothing_mirrored_starts_from_the_beginning(tmp_path):

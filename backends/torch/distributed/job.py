@@ -36,7 +36,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Union
 
-from vgraph.base.diagnostics import VGraphError, quote
+from vgraph.base.diagnostics import VGraphError, printable, quote
+from vgraph.base.jsonio import loads
 from vgraph.base.safeio import atomic_write, read_json
 from vgraph.cost.grad_compression import parse_grad_compress
 from vgraph.run.compiled_graph import PLAN_CHOICES
@@ -177,8 +178,17 @@ class Job:
     @classmethod
     def read(cls, path: str | os.PathLike) -> "Job":
         """The job in `path`, checked field by field (a JobError naming the file and field otherwise)."""
+        return cls._checked(read_json(path, what="job file", error=JobError), path)
+
+    @classmethod
+    def loads(cls, raw: bytes, path: str | os.PathLike) -> "Job":
+        """The job whose file `raw` is, received for `path` (a machine that follows the coordinator's jobs:
+        launcher/elastic.py), checked as `read` checks a file, before anything of it is written."""
+        return cls._checked(loads(raw, printable(str(path)), error=JobError), path)
+
+    @classmethod
+    def _checked(cls, data: Any, path: str | os.PathLike) -> "Job":
         where = str(path)
-        data = read_json(path, what="job file", error=JobError)
         if not isinstance(data, dict):
             raise JobError(f"{where}: not a job file (expected a JSON object)")
         version = data.get("version")

@@ -8,20 +8,17 @@ Every step takes the launch's resolved inputs and the state the attempts change 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from vgraph.base.safeio import atomic_write
 from vgraph.run.files import LAUNCH_DIR, METRICS_JSONL, WORKERS_JSON, RunLock
 
 from ...training import checkpoint as ckpt
 from ...training.interrupt import StopRequest
 from ...training.metrics_log import read_rows
-from ..rendezvous import free_port, probe_port
 from . import elastic
-from .boundaries import boundary, take_admission, watching
+from .boundaries import boundary, watching
 from .emission import Attempt, RankZeroJoined, given_placement, place_attempt
 from .failures import after_failure
 from ..job import Job
@@ -50,7 +47,18 @@ class LaunchResult:
 def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = None) -> LaunchResult:
     """Attempt after attempt until the workers finish, fail for good, or a stop is asked for; after `took` (a
     machine that joined took the coordinator's role: `JoinedSuccession`), from the attempt after the one it
-    followed, on the fleet its succession decided."""
+    followed, on the fleet its succession decided.  The run's result (`collect`); when it ends in an error,
+    the machines that joined hear why first, instead of waiting on silence."""
+    try:
+        return collect(run, _attempts(run, stop, took))
+    except BaseException as exc:
+        if run.admission is not None:
+            run.admission.finish(error=str(exc) or type(exc).__name__)
+            run.admission.wait_told(min(run.link_timeout, 5.0))
+        raise
+
+
+def _attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None) -> LaunchResult:
     result = LaunchResult(run.run_dir, 0, None, None, None)
     fleet, hold, number, replanned = run.fleet, run.hold, 0, False
     if took is not None:
@@ -76,11 +84,9 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
         record = supervise(run, attempt)  # machine 0 of a run that takes joins publishes its job (watching)
         result.attempts.append(record)
         result.placement = attempt.placement.report
-        if record["ok"] and run.admission is not None and not stop.requested and boundary(run):
-            with run.admission.lock:  # a drift re-plan's measured fleet, once
-                measured, run.admission.next_fleet = run.admission.next_fleet, None
-            fleet = run.admission.grown_fleet(measured or fleet)
-            shrunk, number, hold, replanned = None, number + 1, None, True  # the planner places it from now on
+        grown = boundary(run, fleet) if record["ok"] and run.admission is not None and not stop.requested else None
+        if grown is not None:
+            fleet, shrunk, number, hold, replanned = grown, None, number + 1, None, True  # the planner places it now
             continue
         if run.elastic and not run.lead and not stop.requested:  # only machine 0 knows the grown fleet
             taken = _follow(run, attempt, record, result, fleet)
@@ -98,9 +104,6 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
                 run.admission.finish()
                 run.admission.wait_told(run.link_timeout)
             return result
-        if run.admission is not None:  # a restart is a boundary too: the admitted machines take part
-            fleet = run.admission.grown_fleet(fleet)
-            run.home = {**(run.home or {}), **run.admission.home()}
         fleet, shrunk, redone = after_failure(run, attempt, record, result.restarts, fleet)
         result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
         number += 1
@@ -125,10 +128,9 @@ def _follow(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchRe
     coordinator's role (succession.py): then (fleet, number, shrunk plan) of its first attempt as coordinator."""
     if not record["ok"]:
         fleet, shrunk, redone = after_failure(run, attempt, record, result.restarts, fleet)  # its report
-        if run.lead:  # it took the role: the admission too, and the loop goes on here as the coordinator
-            take_admission(run)
+        if run.lead:  # it took the role (and machine 0's admission): the loop goes on here as the coordinator
             result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
-            return run.admission.grown_fleet(fleet), attempt.number + 1, shrunk
+            return fleet, attempt.number + 1, shrunk
     followed = elastic.Joined(run.node_rank, "", run.run_dir)
     try:
         elastic.follow_attempts(run.machines, run.token, run.master_addr, run.base_port, run.run_dir,
@@ -210,26 +212,16 @@ class JoinedSuccession:
         assert run is not None and run.lead, "TookOver comes only from succeed_followed on this machine's Run"
         if self.leave is not None:
             self.leave.close()
-        try:
-            with self.stop.installed():
-                return collect(run, run_attempts(run, self.stop, took))
-        except BaseException as exc:
-            if run.admission is not None:  # the joined machines hear why, instead of waiting on silence
-                run.admission.finish(error=str(exc) or type(exc).__name__)
-                run.admission.wait_told(min(run.link_timeout, 5.0))
-            raise
+        with self.stop.installed():
+            return run_attempts(run, self.stop, took)
 
 
 def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
     """Start this machine's workers of `attempt`, relay their output, wait for the outcome (its record).
 
     The rendezvous port: --master-port (29500 across machines) moved up by the attempt's number, else a free
-    one."""
+    one (supervisor.Supervisor.start)."""
     placement = attempt.placement
-    base_port = run.base_port
-    port = (base_port + attempt.number) if base_port else free_port(run.master_addr)
-    if run.lead:
-        probe_port(run.master_addr, port)  # a busy port is a diagnostic, not a burnt restart
     run.say(f"launch: {run.source.name} on {len(attempt.ranks)} worker(s) {', '.join(attempt.ranks)} of fleet "
             f"{run.fleet.name!r} ({len(placement.rows)} replica(s), batch shares {placement.shares}; "
             f"{attempt.comm.describe()}, {micro_per_replica(run.micro, placement.shares)} {run.pipeline}, predicted "
@@ -240,15 +232,10 @@ def supervise(run: Run, attempt: Attempt) -> dict[str, Any]:
         with watching(run, attempt) as trouble:  # the boundaries' side while the workers run
             supervisor = Supervisor(run.emit, run.token, take=run.bar.take if run.bar is not None else None,
                                     lock_key=lock.key if lock is not None else "")
-            try:
-                supervisor.start(attempt.job_path, attempt.local, attempt.ranks, len(attempt.ranks),
-                                 run.master_addr, port, attempt.threads)
-                atomic_write(run.launch_dir / WORKERS_JSON,
-                             json.dumps({"attempt": attempt.number, "pids": supervisor.pids()}))
-                ok, codes, lost = supervisor.wait(trouble=trouble)
-            except BaseException:  # the workers stopped before the watches end
-                supervisor.stop()
-                raise
+            ok, codes, lost = supervisor.run(attempt.job_path, attempt.local, attempt.ranks, run.master_addr,
+                                             run.base_port + attempt.number if run.base_port else None,
+                                             attempt.threads, hosts=run.lead, trouble=trouble,
+                                             pids=(run.launch_dir / WORKERS_JSON, attempt.number))
     finally:
         if run.bar is not None:
             run.bar.close()  # the attempt's bar ends; a restart draws its own from the resumed step

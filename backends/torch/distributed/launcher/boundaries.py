@@ -492,15 +492,17 @@ def open_admission(run: Run) -> Admission:
     return admission
 
 
-def take_admission(run: Run) -> None:
+def take_admission(run: Run, fleet: Fleet) -> Fleet:
     """An elastic run's successor: the admission machine 0 held, served from here (later joiners ask this
     machine; the channel's address moved with the role), with the machines it had admitted, released or was
     releasing, from the record this machine mirrored (its `Mirror`'s, launch/mirror/admission.json; none on a
-    machine that mirrored nothing: then only the machines of the last job are known)."""
+    machine that mirrored nothing: then only the machines of the last job are known); the next attempt's
+    fleet: `fleet` with the admitted machines and without the leaving ones (`Admission.grown_fleet`)."""
     run.admission = open_admission(run)
     run.admission.me = run.node_rank
     run.admission.restore(run.mirror.admission if run.mirror is not None else None, run.emit)
     run.home = {**(run.home or {}), **run.admission.home()}  # where the admitted machines' PNodes run
+    return run.admission.grown_fleet(fleet)
 
 
 def serve_channel(run: Run) -> None:
@@ -535,7 +537,10 @@ def _on_leave(run: Run, machine: int, pnodes: list[str], step: int) -> None:
 
 def last_step(run_dir: Path) -> int:
     """The run's last logged step (rank 0 writes metrics.jsonl about once a second)."""
-    rows = _tail_rows(run_dir)
+    return _last_of(_tail_rows(run_dir))
+
+
+def _last_of(rows: Sequence[dict[str, Any]]) -> int:
     return max(0, rows[-1]["step"]) if rows else 0
 
 
@@ -712,19 +717,22 @@ def last_drift(run_dir: Path, after: int) -> dict[str, Any] | None:
     return None
 
 
-def boundary(run: Run) -> bool:
+def boundary(run: Run, fleet: Fleet) -> Fleet | None:
     """Machine 0, every worker done: was it a re-plan boundary (`replan`: a join, a leave, a drift) with steps
-    left?  Then the admitted machines get their PNodes' homes, the leaving ones are released (the boundary's
-    checkpoint holds what they held), and the next attempt is placed on the fleet without them."""
-    step = last_step(run.run_dir)
-    taken = run.admission.close_boundary(step, run.steps)
+    left?  Then the next attempt's fleet: `fleet`, or the measured one a drift re-plan chose, with the admitted
+    machines (their PNodes' homes given) and without the leaving ones (released: the boundary's checkpoint
+    holds what they held); else None.  The log's tail is read once: the workers are done, it no longer moves."""
+    rows = _tail_rows(run.run_dir)
+    taken = run.admission.close_boundary(_last_of(rows), run.steps)
     if taken is None:
-        return False
+        return None
     run.home = {**(run.home or {}), **run.admission.home()}
-    run.moving = (taken.step, taken.requested, trained_after_request(_tail_rows(run.run_dir), taken.asked, taken.step))
+    run.moving = (taken.step, taken.requested, trained_after_request(rows, taken.asked, taken.step))
     run.say(f"launch: re-plan boundary after step {taken.step}: the next attempt runs on {', '.join(taken.pnodes)}"
             f"{f'; machine(s) {taken.released} released' if taken.released else ''}")
-    return True
+    with run.admission.lock:  # a drift re-plan's measured fleet, once
+        measured, run.admission.next_fleet = run.admission.next_fleet, None
+    return run.admission.grown_fleet(measured or fleet)
 
 
 def trained_after_request(rows: Sequence[dict[str, Any]], asked: int | None, boundary: int) -> float:

@@ -456,8 +456,7 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
                 return result
             number, home = int(reply["attempt"]), {str(k): int(v) for k, v in dict(reply["home"]).items()}
             job_path = run_dir / LAUNCH_DIR / f"job-{number}.json"
-            atomic_write(job_path, raw)
-            job = Job.read(job_path)  # checked field by field, as every worker reads it
+            job = Job.loads(raw, job_path)  # checked field by field, as every worker reads it
             job.run_dir, job.data_dir, job.tokenizer, job.plugins = "..", str(data_dir), tokenizer, []
             job.write(job_path)
             local = [r for r, p in enumerate(job.ranks) if home.get(p) == result.machine]
@@ -468,14 +467,9 @@ def follow_attempts(machines: Any, token: str, addr: str, master_port: int, run_
                 continue
             emit(f"launch: attempt {number}: {', '.join(job.ranks[r] for r in local)} of {len(job.ranks)} "
                  f"worker(s)")
-            supervisor = Supervisor(emit, token)
-            try:
-                supervisor.start(job_path, local, job.ranks, len(job.ranks), machines.addr, master_port + number,
-                                 job.train.threads or max(1, (os.cpu_count() or 1) // len(local)))
-                ok, codes, failed = supervisor.wait(trouble=machines.trouble)
-            except BaseException:
-                supervisor.stop()
-                raise
+            ok, codes, failed = Supervisor(emit, token).run(
+                job_path, local, job.ranks, machines.addr, master_port + number,
+                job.train.threads or max(1, (os.cpu_count() or 1) // len(local)), trouble=machines.trouble)
             result.attempts.append(number)
             if not ok:
                 send_shards(machines.request, run_dir / LAUNCH_DIR / RESCUE_DIR, number, emit)

@@ -20,7 +20,7 @@ from ...training.config import TrainingError
 from ...training.rescue import RESCUE_DIR, clear_rescue, rescue_saved
 from ..job import EXIT_USER_ERROR
 from . import succession
-from .boundaries import last_step, record_event
+from .boundaries import last_step, record_event, take_admission
 from .emission import Attempt, rescue_inputs
 from .inputs import Run
 from .membership import MachineLost, decide
@@ -33,7 +33,23 @@ __all__ = ["after_failure"]
 def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], restarts: int, fleet: Fleet
                   ) -> tuple[Fleet, Any, int]:
     """A failed attempt (after `restarts` restarts): raise when it must not restart; else the fleet (and shrunk
-    plan) of the next one, and the steps it will train again (machine 0's rescue)."""
+    plan) of the next one, and the steps it will train again (machine 0's rescue).  In a run that takes joins
+    the next attempt is a boundary too: the admitted machines take part (the admission's fleet and homes), and
+    a machine that took the coordinator's role here takes machine 0's admission with it (take_admission)."""
+    was_lead = run.lead
+    if run.admission is not None:
+        fleet = run.admission.grown_fleet(fleet)
+        run.home = {**(run.home or {}), **run.admission.home()}
+    fleet, shrunk, redone = _next_attempt(run, attempt, record, restarts, fleet)
+    if run.lead and not was_lead and run.elastic:
+        fleet = take_admission(run, fleet)
+    return fleet, shrunk, redone
+
+
+def _next_attempt(run: Run, attempt: Attempt, record: dict[str, Any], restarts: int, fleet: Fleet
+                  ) -> tuple[Fleet, Any, int]:
+    """What the machines decide after the failure (machine 0 for all; a successor when it is lost), the
+    survivors' state rescued, and the next attempt's fleet and plan from the decision."""
     codes, lost = record.pop("codes"), record.pop("lost_ranks")
     errors = _user_errors(run.launch_dir)
     if not errors and any(c == EXIT_USER_ERROR for c in codes.values()):
@@ -44,7 +60,6 @@ def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], restarts: 
     if run.machines.active:  # every machine reports; machine 0 decides for all (membership.py)
         if not run.lead:  # this machine's survivors' shards first: machine 0 decides once it has every report
             send_shards(run.machines.request, run.launch_dir / RESCUE_DIR, attempt.number, run.emit)
-            run.rescued = succession.rescue_of(run, attempt)  # a successor's
         report = {"lost": lost_pnodes, "described": described, "error": errors}
         try:
             plan = run.machines.settle(report,
@@ -52,7 +67,7 @@ def after_failure(run: Run, attempt: Attempt, record: dict[str, Any], restarts: 
                                        wait_for_all=run.on_failure == "restart")
         except MachineLost as exc:
             # The coordinator is lost: a survivor takes its role, or the run stops.
-            plan = succession.lost_coordinator(run, report, exc, attempt.number)
+            plan = succession.lost_coordinator(run, report, exc, attempt)
         if run.lead and plan["lost"]:
             succession.fence(run)  # before going on without machines: none of them took this run over meanwhile
         lost_pnodes, described, errors = plan["lost"], plan["described"] or "on another machine", plan["error"]

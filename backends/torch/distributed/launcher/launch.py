@@ -101,7 +101,7 @@ from ...training.interrupt import StopRequest
 from ...training.options import add_train_options, print_result, train_settings
 from ..rendezvous import check_master_addr, free_port  # noqa: F401 (free_port: tests pick their ports here)
 from . import elastic
-from .attempts import JoinedSuccession, LaunchResult, collect, micro_per_replica as _micro_per_replica, run_attempts  # noqa: F401
+from .attempts import JoinedSuccession, LaunchResult, micro_per_replica as _micro_per_replica, run_attempts  # noqa: F401
 from .emission import emit_job
 from .mirror import keep_history
 from .inputs import (ON_FAILURE, LaunchConfig, is_elastic, job_folder, read_placement,  # noqa: F401
@@ -146,13 +146,7 @@ def launch(config: LaunchConfig) -> LaunchResult:
                 run.mirror = keep_history(machines, run.run_dir, run.lead, run.admission, run.say)
             if jobs is not None:
                 return LaunchResult(run.run_dir, 0, None, None, None, placement=emit_job(run, jobs))
-            try:
-                return collect(run, run_attempts(run, stop))
-            except BaseException as exc:
-                if run.admission is not None:  # the joined machines hear why, instead of waiting on silence
-                    run.admission.finish(error=str(exc) or type(exc).__name__)
-                    run.admission.wait_told(min(config.link_timeout, 5.0))
-                raise
+            return run_attempts(run, stop)
     finally:
         if leave is not None:
             leave.close()

@@ -42,13 +42,12 @@ builds from them the `Run` a started machine has from its command (attempts.Join
 numbered up to MIRRORS mirror as started ones do.  A joined machine without a job yet (still receiving the
 run's files) follows whoever takes the role (`follow_successor`), and a later joiner asks the successor.
 
-The newest state wins (`install`, through training/checkpoint.newest_loadable): the mirrored checkpoint, or
-any other consistent checkpoint handed to `install`, whichever has the higher step; a checkpoint that does not
-load is skipped and said.  The other
-candidate is the survivors' rescue shards (`rescued_state`, training/rescue.py's assembly): each follower
-sends its own to the coordinator it follows before its report (`succeed`'s `send`), so the successor holds
-every survivor's shards once it has every report, and a replica that survived gives the step the workers
-reached: 0 steps redone, provided that step's row was mirrored (the log must hold every step once).
+The newest state wins (`install`, which reads the mirror and the shards once, and writes the run directory
+once): the mirrored checkpoint when it loads whole (one that does not is skipped and said), or, later, the
+survivors' rescue shards assembled into a checkpoint (training/rescue.py): each follower sends its own to the
+coordinator it follows before its report (`succeed`'s `send`), so the successor holds every survivor's shards
+once it has every report, and a replica that survived gives the step the workers reached: 0 steps redone,
+provided that step's row was mirrored (the log must hold every step once).
 
 Where: the history's mirror, the machines' record and a returning machine 0's refusal are mirror.py (they run
 all along, beside the attempts); this module is the role moving, from the failure that loses the coordinator
@@ -63,7 +62,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from vgraph.base.diagnostics import VGraphError
 from vgraph.base.safeio import atomic_write
@@ -83,8 +82,8 @@ from .membership import (REQUEST_TIMEOUT_S, MachineLost, decide, elect, follow_s
 from .mirror import MIRROR_DIR, serve_history, superseded
 from .shard_transfer import send_shards
 
-__all__ = ["elect", "serving", "succeed", "follow_successor", "install", "rescued_state", "Installed",
-           "fence", "succeed_followed", "lost_coordinator", "rescue_of"]
+__all__ = ["elect", "serving", "succeed", "follow_successor", "install", "Installed", "fence", "succeed_followed",
+           "lost_coordinator"]
 
 
 def succeed(machines: Any, lost: int, survivors: set[int], report: dict,
@@ -144,34 +143,6 @@ class Installed:
     source: str  # where the state came from
 
 
-def rescued_state(run_dir: Path, *, run: str, attempt: int, keys: set[str], ceiling: int, extra: dict[str, Any],
-                  keep: int, per_rank_state: str = "", say: Callable[[str], None] = lambda line: None) -> list[Path]:
-    """The successor's candidate from the survivors' rescue shards of `attempt` (its own, and those the others
-    sent it: RUN/launch/rescue/): a checkpoint in `run_dir` at the latest step they hold every VNode of
-    (`keys`) later than the mirrored checkpoint, and no later than the last mirrored row (a step without its
-    row would be missing from the log, as rescue.assemble rules for machine 0's log); [] when there is none,
-    the reason said.  Shards of another run or attempt (the old coordinator's, an earlier one's) and
-    damaged ones are refused by read_shards/assemble and said."""
-    mirror = run_dir / LAUNCH_DIR / MIRROR_DIR
-    logged = max((r["step"] for r in _rows(mirror / METRICS_JSONL)), default=0)
-    mirrored = ckpt.latest_checkpoint(mirror) if (mirror / LATEST).exists() else None
-    try:
-        floor = ckpt.checkpoint_step(mirrored) if mirrored is not None else 0
-    except (ckpt.CheckpointError, OSError):
-        floor = 0  # damaged: install says so and skips it; the shards then compete with nothing
-    found = rescue_saved(run_dir / LAUNCH_DIR / RESCUE_DIR, run_dir, run=run, attempt=attempt, keys=keys, floor=floor,
-                         ceiling=ceiling, logged=logged, extra=extra, keep=keep, per_rank_state=per_rank_state, say=say)
-    if found.step is None:
-        say(f"launch: the survivors' shards give no newer state than the mirrored checkpoint: {found.why}")
-        return []
-    say(f"launch: the survivors hold every VNode at step {found.step} (the shards of ranks {found.ranks}; the "
-        f"mirrored checkpoint is step {floor})")
-    if found.saved is None:  # a full disk: the mirrored checkpoint is still there
-        say(f"launch: the survivors' state at step {found.step} could not be written: {found.unsaved}")
-        return []
-    return [found.saved]
-
-
 def _rows(path: Path) -> list[dict]:
     """The complete rows of a mirrored metrics.jsonl (the last line may be cut off mid-row)."""
     rows = []
@@ -189,18 +160,34 @@ def _rows(path: Path) -> list[dict]:
     return rows
 
 
-def install(run_dir: Path, rescued: Iterable[Path] = (), say: Callable[[str], None] = lambda line: None
-            ) -> Installed:
-    """Make `run_dir` (the new coordinator's, locked by the caller) hold the run's newest state: the newest
-    checkpoint among the mirrored one and `rescued`, copied in with its `latest` pointer, and metrics.jsonl
-    with the mirrored rows up to that step (the rank 0 of the next attempt resumes there and logs the
-    rest once)."""
+def install(run_dir: Path, rescue: dict[str, Any] | None = None, keep: int = 1,
+            say: Callable[[str], None] = lambda line: None) -> Installed:
+    """Make `run_dir` (the new coordinator's, locked by the caller) hold the run's newest state, from the mirror
+    and the survivors' shards read once: the mirrored checkpoint when it loads whole, or, newer, the checkpoint
+    the rescue shards of the attempt `rescue` describes (emission.rescue_inputs; RUN/launch/rescue/: this
+    machine's own and those the others sent it) add up to (training/rescue.py: a step later than the mirrored
+    checkpoint's and no later than the last mirrored row, since a step without its row would be missing from
+    the log; shards of another run or attempt, or damaged ones, refused and said); written into `run_dir`
+    with its `latest` pointer (`keep` checkpoints kept), and metrics.jsonl with the mirrored rows up to its
+    step (the rank 0 of the next attempt resumes there and logs the rest once)."""
     mirror = run_dir / LAUNCH_DIR / MIRROR_DIR
     rows = _rows(mirror / METRICS_JSONL)
     last = max((r["step"] for r in rows), default=0)
     mirrored = ckpt.latest_checkpoint(mirror) if (mirror / LATEST).exists() else None
-    chosen = ckpt.newest_loadable([p for p in (mirrored, *rescued) if p is not None],
+    chosen = ckpt.newest_loadable([mirrored] if mirrored is not None else [],
                                   lambda path, exc: say(f"launch: not resuming from {path}: {exc}"))
+    floor = chosen[1] if chosen is not None else 0  # damaged: the shards then compete with nothing
+    found = rescue_saved(run_dir / LAUNCH_DIR / RESCUE_DIR, run_dir, **rescue, floor=floor, logged=last, keep=keep,
+                         say=say) if rescue is not None else None
+    if found is not None and found.step is None:
+        say(f"launch: the survivors' shards give no newer state than the mirrored checkpoint: {found.why}")
+    elif found is not None:
+        say(f"launch: the survivors hold every VNode at step {found.step} (the shards of ranks {found.ranks}; the "
+            f"mirrored checkpoint is step {floor})")
+        if found.saved is None:  # a full disk: the mirrored checkpoint is still there
+            say(f"launch: the survivors' state at step {found.step} could not be written: {found.unsaved}")
+        else:
+            chosen = (found.saved, found.step)
     if chosen is None:
         atomic_write(run_dir / METRICS_JSONL, "")
         return Installed(0, last, "none: from the start")
@@ -228,18 +215,11 @@ def fence(run: Run) -> None:
         raise TrainingError(why)
 
 
-def rescue_of(run: Run, attempt: Attempt) -> Callable[[], list[Path]]:
-    """What this machine, should it become the coordinator, assembles from the survivors' rescue shards of
-    `attempt` (`rescued_state`), asked only once it is elected (`Run.rescued`)."""
-    return lambda: rescued_state(run.run_dir, **rescue_inputs(attempt, run.steps, run.tokenizer_json, run.micro),
-                                 keep=run.keep_checkpoints, say=run.emit)
-
-
-def lost_coordinator(run: Run, report: dict[str, Any], lost: MachineLost, attempt: int) -> dict[str, Any]:
-    """This machine lost the coordinator (succession.py): the lowest surviving machine takes its role, the
-    others follow it; the decision for the next attempt, with the lost coordinator's PNodes lost (shrink
-    drops its replicas, restart re-plans on the rest).  The followers send their rescue shards of `attempt`
-    to it (the successor resumes from the newest consistent state: `Run.rescued`).  A coordinator followed
+def lost_coordinator(run: Run, report: dict[str, Any], lost: MachineLost, attempt: Attempt) -> dict[str, Any]:
+    """This machine lost the coordinator (succession.py) in `attempt`: the lowest surviving machine takes its
+    role, the others follow it; the decision for the next attempt, with the lost coordinator's PNodes lost
+    (shrink drops its replicas, restart re-plans on the rest).  The followers send their rescue shards of
+    `attempt` to it (the successor resumes from the newest consistent state: `install`).  A coordinator followed
     and lost in turn is elected around the same way.  The run stops (TrainingError) when the coordinator role
     cannot move: another --on-failure, or nobody left."""
     machines = run.machines
@@ -264,23 +244,25 @@ def lost_coordinator(run: Run, report: dict[str, Any], lost: MachineLost, attemp
         try:
             plan = succeed(
                 machines, old, survivors, report, lambda reports, missing: decide(reports, missing, home, run.on_failure),
-                window, send=lambda: send_shards(machines.request, run.launch_dir / RESCUE_DIR, attempt, run.emit),
+                window,
+                send=lambda: send_shards(machines.request, run.launch_dir / RESCUE_DIR, attempt.number, run.emit),
                 serve=lambda: serve_channel(run))
             break
         except MachineLost as again:
             lost = again
     run.master_addr = machines.addr  # the workers' rendezvous: the coordinator's
     if machines.coordinator == run.node_rank:
-        plan = {**plan, "redone": _become_coordinator(run, old, plan).redone}
+        plan = {**plan, "redone": _become_coordinator(run, old, plan, attempt).redone}
     else:
         run.emit(f"launch: machine {machines.coordinator} ({machines.addr}) is the coordinator now; this machine "
                  f"follows it")
     return plan
 
 
-def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> Installed:
+def _become_coordinator(run: Run, old: int, plan: dict[str, Any], attempt: Attempt) -> Installed:
     """This machine took the coordinator role: its run directory becomes the run's (locked, the newest state
-    installed, network.yml and tokenizer.json written) and it serves the history to the next in line."""
+    installed: the mirrored one or the survivors' of `attempt`, network.yml and tokenizer.json written) and it
+    serves the history to the next in line."""
     if run.mirror is not None:
         run.mirror.stop()
     # This launcher's own --out (a follower's: its launch/ folder and mirror); open_run_dir would refuse it
@@ -288,7 +270,8 @@ def _become_coordinator(run: Run, old: int, plan: dict[str, Any]) -> Installed:
     lock = RunLock.acquire(run.run_dir, "vgraph launch (the coordinator, after succession)")
     if lock.note:
         run.emit(lock.note)
-    installed = install(run.run_dir, run.rescued(), run.emit)
+    rescue = rescue_inputs(attempt, run.steps, run.tokenizer_json, run.micro)  # what the shards are assembled against
+    installed = install(run.run_dir, rescue, run.keep_checkpoints, run.emit)
     run.lead = True
     atomic_write(run.run_dir / NETWORK_YML, run.yaml_text)
     atomic_write(run.run_dir / TOKENIZER_JSON, run.tokenizer_json)
@@ -318,14 +301,12 @@ def succeed_followed(run: Run, why: Exception, number: int, report: dict[str, An
     fleet = loads_fleet(job.fleet_yaml, f"{job_path} (its fleet)")
     run.home = {**(run.home or {}), **job.machines}
     followed = _followed(run, job, job_path, fleet)
-    run.rescued = rescue_of(run, followed)
-    plan = lost_coordinator(run, report, why if isinstance(why, MachineLost) else MachineLost(str(why)), number)
+    plan = lost_coordinator(run, report, why if isinstance(why, MachineLost) else MachineLost(str(why)), followed)
     if not run.lead:
         return plan
     if plan.get("error"):
         raise TrainingError(plan["error"])
-    take_admission(run)
-    fleet = run.admission.grown_fleet(fleet.without(list(plan.get("gone") or plan["lost"])))
+    fleet = take_admission(run, fleet.without(list(plan.get("gone") or plan["lost"])))
     run.given = (None, None)
     run.partition = run.partition.with_options("partition", replicas="auto")
     raise TookOver(number, fleet, int(plan.get("redone", 0)))

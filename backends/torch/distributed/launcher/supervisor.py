@@ -11,6 +11,7 @@ PR_SET_PDEATHSIG), and watched until all succeed or the first one fails
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -22,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+from vgraph.base.safeio import atomic_write
 from vgraph.run.files import RUN_LOCK_ENV
 
 from ..job import RESCUE_SIGNAL
 from ..runtime.progress import PROGRESS_ENV
-from ..rendezvous import TOKEN_ENV, gloo_environment
+from ..rendezvous import TOKEN_ENV, free_port, gloo_environment, probe_port
 
 __all__ = ["Supervisor", "TERMINATE_GRACE_S", "RESCUE_GRACE_S", "warm"]
 
@@ -161,8 +163,30 @@ class Supervisor:
         self.take = take  # rank 0's progress events go there instead of the output (progress.LaunchBar)
         self.workers: list[_Worker] = []
 
-    def start(self, job_path: Path, ranks: Sequence[int], pnodes: Sequence[str], world: int, addr: str, port: int,
-              threads: int) -> None:
+    def run(self, job_path: Path, ranks: Sequence[int], pnodes: Sequence[str], addr: str, port: int | None,
+            threads: int, *, hosts: bool = False, trouble: Callable[[], str | None] | None = None,
+            pids: tuple[Path, int] | None = None) -> tuple[bool, dict[int, int], list[int]]:
+        """One attempt of this machine's workers `ranks` (world ranks of `pnodes`, the attempt's every rank): started
+        (`start`), their pids recorded in `pids` (the file and the attempt: RUN/launch/workers.json, for an outside
+        supervisor), waited for (`wait`: its outcome); stopped when anything ends that early (an error, Ctrl-C)."""
+        try:
+            self.start(job_path, ranks, pnodes, len(pnodes), addr, port, threads, hosts=hosts)
+            if pids is not None:
+                atomic_write(pids[0], json.dumps({"attempt": pids[1], "pids": self.pids()}))
+            return self.wait(trouble=trouble)
+        except BaseException:
+            self.stop()
+            raise
+
+    def start(self, job_path: Path, ranks: Sequence[int], pnodes: Sequence[str], world: int, addr: str,
+              port: int | None, threads: int, hosts: bool = False) -> None:
+        """Fork the workers with the torchrun environment; their rendezvous is on `addr`:`port` (None: a port free
+        there now).  `hosts`: this machine hosts the rendezvous (its rank 0 serves the store), so the port is
+        probed first: a busy port is a diagnostic, not a burnt restart."""
+        if port is None:
+            port = free_port(addr)
+        if hosts:
+            probe_port(addr, port)
         ctx = _context()
         for local_rank, rank in enumerate(ranks):
             env = dict(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
