@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vgraph.base.diagnostics import VGraphError
-from vgraph.base.safeio import OutputDir, atomic_write, atomic_write_with, read_input
+from vgraph.base.safeio import OutputDir, atomic_write_with, read_input
 from vgraph.cost.fleet import PNode, human_bytes, load_fleet
 from vgraph.cost.host_memory import available_host_memory
 from vgraph.run.files import LAUNCH_DIR, RunLock

@@ -288,7 +288,6 @@ class Run:
     # its workers trained after the request (boundaries.boundary), until the move is measured
     moved_s: float | None = None  # the last boundary's measured seconds: the next decisions' overhead (boundaries.py)
     mirror: "Mirror | None" = None  # a machine next in line: the coordinator's history (mirror.py)
-    rescued: Callable[[], list[Path]] = lambda: []  # other consistent states a successor may resume from
     settings: dict[str, Any] = field(default_factory=dict)  # `launch_settings`: what an admission sends a joiner
 
     @property
