@@ -58,27 +58,49 @@ def run_attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None = No
         raise
 
 
+@dataclass(frozen=True)
+class NextAttempt:
+    """The attempt the loop places next, as the one place that decided it left it: the start (or a successor's
+    `took`), a re-plan boundary, a followed run handing over (`_follow`), or a failure (failures.py).  One value
+    rather than loose variables, so that each branch states the whole of the next attempt (loose, a field a
+    branch did not reassign silently carried over).
+
+    `fleet`: the PNodes it is placed on.  `number`: its number (job-N.json, the rendezvous port's offset, the
+    attempt a hold names).  `shrunk`: the (assignment, replica layout) a shrink decided, which it must use;
+    None lets the partition pass or --placement decide.  `replanned`: the fleet is no longer the one --placement
+    was for (after a boundary, or once this machine took the coordinator's role), so the partition pass places
+    it; a failure's restart keeps the previous attempt's, its fleet being that one's again.  `first`: this
+    machine's first attempt of the run it started, the one a (PNode, step) hold stops (`held`); never a
+    successor's."""
+
+    fleet: Any
+    number: int
+    shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
+    replanned: bool = False
+    first: bool = False
+
+
 def _attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None) -> LaunchResult:
     result = LaunchResult(run.run_dir, 0, None, None, None)
-    fleet, hold, number, replanned = run.fleet, run.hold, 0, False
+    n = NextAttempt(run.fleet, 0, first=run.hold is not None)
     if took is not None:
-        fleet, number, hold, replanned = took.fleet, took.next_attempt, None, True
+        n = NextAttempt(took.fleet, took.next_attempt, replanned=True)
         result.restarts, result.steps_redone = 1, took.redone
-    shrunk: tuple[dict[str, str], tuple[list[list[str]], list[int]]] | None = None
     while True:
         if stop.requested:
-            raise stop.interrupted(f"{run.run_dir}: stopped before attempt {number} started; continue with: "
+            raise stop.interrupted(f"{run.run_dir}: stopped before attempt {n.number} started; continue with: "
                                    f"{run.continue_with}")
-        holding = held(run.hold, number, hold is not None)
-        given = given_placement(run, number, shrunk, replanned)
+        holding = held(run.hold, n.number, n.first)
+        given = given_placement(run, n.number, n.shrunk, n.replanned)
+        fleet = n.fleet  # this attempt's, less the joined machines that must wait when rank 0 would land there
         try:
-            attempt = place_attempt(run, fleet, number, *given, holding)
+            attempt = place_attempt(run, fleet, n.number, *given, holding)
         except RankZeroJoined as exc:
             waiting = sorted(set(run.admission.home()) & set(fleet.ids))
-            run.admission.event({"event": "placement", "attempt": number, "waiting": waiting,
+            run.admission.event({"event": "placement", "attempt": n.number, "waiting": waiting,
                                  "reason": f"the plan puts rank 0 on joined PNode {exc}: machine 0 keeps it"})
             fleet = fleet.without(waiting)
-            attempt = place_attempt(run, fleet, number, *given, holding)
+            attempt = place_attempt(run, fleet, n.number, *given, holding)
         if attempt is None:
             return result
         record = supervise(run, attempt)  # machine 0 of a run that takes joins publishes its job (watching)
@@ -86,13 +108,12 @@ def _attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None) -> Lau
         result.placement = attempt.placement.report
         grown = boundary(run, fleet) if record["ok"] and run.admission is not None and not stop.requested else None
         if grown is not None:
-            fleet, shrunk, number, hold, replanned = grown, None, number + 1, None, True  # the planner places it now
+            n = NextAttempt(grown, n.number + 1, replanned=True)  # the planner places it now
             continue
         if run.elastic and not run.lead and not stop.requested:  # only machine 0 knows the grown fleet
-            taken = _follow(run, attempt, record, result, fleet)
-            if taken is None:
+            n = _follow(run, attempt, record, result, fleet)
+            if n is None:
                 return result
-            fleet, number, shrunk, hold, replanned = taken[0], taken[1], taken[2], None, taken[2] is None
             continue
         if stop.requested:
             where = ckpt.latest_checkpoint(run.run_dir) if run.lead else None
@@ -106,8 +127,7 @@ def _attempts(run: Run, stop: StopRequest, took: elastic.TookOver | None) -> Lau
             return result
         fleet, shrunk, redone = after_failure(run, attempt, record, result.restarts, fleet)
         result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
-        number += 1
-        hold = None
+        n = NextAttempt(fleet, n.number + 1, shrunk, replanned=n.replanned)
 
 
 def held(hold: Any, number: int, first: bool) -> tuple[str, int] | None:
@@ -122,15 +142,16 @@ def held(hold: Any, number: int, first: bool) -> tuple[str, int] | None:
 
 
 def _follow(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchResult, fleet: Any
-            ) -> tuple[Any, int, Any] | None:
+            ) -> NextAttempt | None:
     """A machine an elastic run started with, after its first attempt: report a failure, then run the
     coordinator's jobs (elastic.follow_attempts) until the run ends (None), or until this machine takes the
-    coordinator's role (succession.py): then (fleet, number, shrunk plan) of its first attempt as coordinator."""
+    coordinator's role (succession.py): then its first attempt as coordinator, placed by the partition pass
+    unless a shrink decided it."""
     if not record["ok"]:
         fleet, shrunk, redone = after_failure(run, attempt, record, result.restarts, fleet)  # its report
         if run.lead:  # it took the role (and machine 0's admission): the loop goes on here as the coordinator
             result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + redone
-            return fleet, attempt.number + 1, shrunk
+            return NextAttempt(fleet, attempt.number + 1, shrunk, replanned=shrunk is None)
     followed = elastic.Joined(run.node_rank, "", run.run_dir)
     try:
         elastic.follow_attempts(run.machines, run.token, run.master_addr, run.base_port, run.run_dir,
@@ -141,7 +162,7 @@ def _follow(run: Run, attempt: Attempt, record: dict[str, Any], result: LaunchRe
     except elastic.TookOver as took:
         result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
         result.restarts, result.steps_redone = result.restarts + 1, result.steps_redone + took.redone
-        return took.fleet, took.next_attempt, None
+        return NextAttempt(took.fleet, took.next_attempt, replanned=True)
     result.attempts += [{"attempt": a, "followed": True} for a in followed.attempts]
     if followed.released:
         result.attempts.append({"released": True})
