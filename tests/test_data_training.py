@@ -152,14 +152,11 @@ def test_the_embedded_corpus_is_built_once_then_read_from_the_cache(tmp_path, mo
 def test_a_cache_lock_file_planted_as_a_symlink_is_refused_and_nothing_is_made_at_its_target(tmp_path) -> None:
     """The cache's lock is opened as prepare's is (prepare.exclusive): without following a link, so a symlink
     planted where the lock goes cannot make the cache create a file elsewhere; the user is told which file."""
-    import hashlib
-    import json
-
     from vgraph.data.cache import cached, embedded_recipe
     from vgraph.data.shards import DataError
 
     recipe = embedded_recipe(30000, 96)
-    name = f"{recipe.name}-{hashlib.sha256(json.dumps(recipe.key, sort_keys=True).encode()).hexdigest()[:20]}"
+    name = recipe.entry_name
     corpora = tmp_path / "cache" / "corpora"
     corpora.mkdir(parents=True)
     target = tmp_path / "elsewhere" / "planted"

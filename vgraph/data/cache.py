@@ -74,6 +74,12 @@ class CorpusRecipe:
     sources: tuple[Source, ...] = ()  # ... and the files found for it
     skipped: tuple[str, ...] = ()  # what find_sources said it skipped: said when the entry is built, as prepare says it
 
+    @property
+    def entry_name(self) -> str:
+        """The entry's directory under the cache's corpora/: its prefix and a digest of its key (an entry per
+        key; its lock file is `.NAME.lock` beside it)."""
+        return f"{self.name}-{hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]}"
+
 
 def embedded_recipe(corpus_bytes: int, vocab: int) -> CorpusRecipe:
     """The embedded corpus capped at `corpus_bytes`, prepared with a `vocab`-token tokenizer."""
@@ -108,8 +114,8 @@ def default_corpus(corpus_bytes: int, vocab: int, say: Say, root: str | os.PathL
 def cached(recipe: CorpusRecipe, say: Say, root: str | os.PathLike | None = None) -> PreparedCorpus:
     """The cache entry of `recipe` (under `root`, default `cache_root()`), built when missing or damaged."""
     corpora = cache_root(root) / "corpora"
-    key, what = recipe.key, recipe.what
-    entry = corpora / f"{recipe.name}-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}"
+    what = recipe.what
+    entry = corpora / recipe.entry_name
     t0 = time.perf_counter()
     corpus = _open_entry(entry)
     if isinstance(corpus, PreparedCorpus):
@@ -136,7 +142,7 @@ def cached(recipe: CorpusRecipe, say: Say, root: str | os.PathLike | None = None
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             _build(recipe, tmp, say)
-            (tmp / "cache-key.json").write_text(json.dumps(key, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            (tmp / "cache-key.json").write_text(json.dumps(recipe.key, indent=1, sort_keys=True) + "\n", encoding="utf-8")
             os.rename(tmp, entry)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
