@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import re
 import threading
@@ -132,12 +133,25 @@ class PreparedCorpus:
 
     root: Path
     manifest: dict[str, Any]
-    digest: str  # SHA-256 of manifest.json: names this exact corpus (run.json, resume, launch workers)
+    digest: str  # SHA-256 of manifest.json: names this exact corpus (run.json, a launch worker's copy checked)
     train: TokenStream
     val: TokenStream
     # verify="full": the tokenizer file's text as its ids were checked, so a run loads the tokenizer that was
     # checked without reading the file again (None: not read, verify="size")
     tokenizer_json: str | None = None
+
+    @property
+    def content_digest(self) -> str:
+        """SHA-256 of what a run reads: the encoding, the tokenizer's file and every shard's tokens (their hashes),
+        without how the corpus was built (its sources, settings, plan, the tokenizers version).  A resume compares
+        this rather than `digest`: the same text prepared again under a tokenizers patch release writes the same
+        files and a manifest that differs only in its provenance, and refusing that run would strand it."""
+        m = self.manifest
+        content = {"format": m["format"], "version": m["version"], "dtype": m["dtype"], "vocab_size": m["vocab_size"],
+                   "eot_id": m["eot_id"], "val_split": m.get("val_split"),
+                   "tokenizer": {k: m["tokenizer"].get(k) for k in ("sha256", "kind", "vocab_size")},
+                   "splits": {name: m["splits"][name] for name in SPLITS}}
+        return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
     @property
     def vocab_size(self) -> int:

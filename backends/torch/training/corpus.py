@@ -30,6 +30,13 @@ class PreparedData:
     tokenizer_kind: str  # "bpe" | "char" | "given"
     description: str  # where the text came from, for the run info and the log
     digest: str  # SHA-256 of the corpus's manifest: which exact corpus a run read
+    content_digest: str  # SHA-256 of its tokens and tokenizer, whatever built them (PreparedCorpus.content_digest)
+
+    def run_fields(self) -> dict[str, str]:
+        """What run.json and every checkpoint record of the data (`vgraph train` and `vgraph launch` alike); a
+        resume compares them (run_checkpoints.changed_identity)."""
+        return {"data": self.description, "data_digest": self.digest, "data_content": self.content_digest,
+                "tokenizer": self.tokenizer_kind}
 
 
 def open_corpus(config: TrainConfig, vocab: int, say: Callable[[str], None]) -> tuple[PreparedCorpus, str]:
@@ -58,4 +65,4 @@ def prepare_data(config: TrainConfig, vocab: int, seq_len: int, say: Callable[[s
         say(f"note: the tokenizer has {corpus.vocab_size} tokens, the network's vocabulary {vocab}: ids "
             f"{corpus.vocab_size}..{vocab - 1} are never fed")
     kind = str(corpus.manifest["tokenizer"].get("kind", "given"))
-    return PreparedData(dataset, tokenizer, kind, description, corpus.digest)
+    return PreparedData(dataset, tokenizer, kind, description, corpus.digest, corpus.content_digest)

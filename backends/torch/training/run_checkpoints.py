@@ -115,6 +115,20 @@ def save_run_checkpoint(run_dir: Path, step: int, state: TrainingState, run_info
     prune_checkpoints(run_dir, keep, path)
     return path
 
+
+def changed_identity(run_dir: Path, before: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
+    """Why resuming `run_dir` (its checkpoint's run info `before`) as the run `now` describes would make another
+    run, or None.  The data is compared by content (`data_content`: the tokens and tokenizer,
+    PreparedCorpus.content_digest) when both record it, so a corpus prepared again under another tokenizers
+    version still resumes; a checkpoint written before the field existed is compared by its manifest's digest."""
+    data = "data_content" if "data_content" in before and "data_content" in now else "data_digest"
+    for key in ("seed", "batch", "seq_len", "data", data, "vocab_size", "tokenizer"):
+        if key in before and before[key] != now[key]:
+            return (f"cannot resume {run_dir}: it was trained with {key}={before[key]!r}, this run has "
+                    f"{key}={now[key]!r}; resuming must not change it")
+    return None
+
+
 def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable[[str], None], *,
                yaml_text: str | None = None, network: str = "the given network",
                accept_network_change: bool = False) -> int:
@@ -139,10 +153,9 @@ def resume_run(latest: Path, state: TrainingState, run_info: dict, say: Callable
         run_info["network_changes"] = list(before.get("network_changes") or [])
         if change is not None:
             run_info["network_changes"].append({**change, "at_step": saved.step})
-    for key in ("seed", "batch", "seq_len", "data", "data_digest", "vocab_size", "tokenizer"):
-        if key in before and before[key] != run_info[key]:
-            raise TrainingError(f"cannot resume {latest.parent}: it was trained with {key}={before[key]!r}, "
-                                f"this run has {key}={run_info[key]!r}; resuming must not change it")
+    refused = changed_identity(latest.parent, before, run_info)
+    if refused is not None:
+        raise TrainingError(refused)
     if saved.extra.get("tokenizer_json"):  # the checkpoint's own tokenizer must fit its network too
         ckpt.checked_tokenizer(saved.extra["tokenizer_json"], int(run_info["vocab_size"]), str(latest))
     for key in ("lr", "warmup", "schedule"):

@@ -248,8 +248,7 @@ def set_up_run(cfg: TrainConfig, say: Callable[[str], None]) -> RunSetup:
         details.append(f"{data.description}, {data.dataset.train_tokens:,} train / {data.dataset.val_tokens:,} val "
                        f"tokens, read a window at a time")
     run_info = {"network": source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
-                "data": data.description, "data_digest": data.digest, "tokenizer": data.tokenizer_kind,
-                "vocab_size": vocab,
+                **data.run_fields(), "vocab_size": vocab,
                 "passes": cfg.passes, "fuse": cfg.fuse, "device": str(device), "precision": precision,
                 "lr": cfg.lr, "steps": cfg.steps, "warmup": cfg.warmup, "schedule": cfg.schedule,
                 # recorded when set: a run with the defaults writes what it wrote before they existed

@@ -413,7 +413,7 @@ def _write_data(run: Run, cfg: LaunchConfig, vocab: int, seq_len: int) -> None:
     atomic_write(run.run_dir / run.tokenizer, run.tokenizer_json)
     run.run_info = {
         "network": run.source.name, "seed": cfg.seed, "batch": cfg.batch, "seq_len": seq_len,
-        "data": data.description, "data_digest": data.digest, "tokenizer": data.tokenizer_kind, "vocab_size": vocab,
+        **data.run_fields(), "vocab_size": vocab,
         "passes": cfg.passes, "fuse": cfg.fuse, "device": str(run.device), "lr": cfg.lr, "steps": cfg.steps,
         "warmup": cfg.warmup, "schedule": cfg.schedule, "grad_compress": run.grad_compress,
     }

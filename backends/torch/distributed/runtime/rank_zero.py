@@ -40,8 +40,8 @@ from .progress import RankZeroProgress
 from .stage_runner import StageRunner
 from ...training import checkpoint as ckpt
 from ...lowering.wire_formats import merge_residuals
-from ...training.run_checkpoints import (CHECKPOINT_PREFIX, clean_stale, optimizer_state_to_graph,
-                               optimizer_state_to_unfused, prune_checkpoints)
+from ...training.run_checkpoints import (CHECKPOINT_PREFIX, changed_identity, clean_stale, optimizer_state_to_graph,
+                                         optimizer_state_to_unfused, prune_checkpoints)
 from ...training.config import TrainingError
 from ...training.loop import merge_entries, row_columns
 from ...training.metrics_log import MetricsLog
@@ -197,10 +197,9 @@ class GatheredCheckpoints:
                 ckpt.checked_tokenizer(state.extra["tokenizer_json"], int(info["vocab_size"]), str(latest))
             except VGraphError as exc:
                 return [{"error": f"cannot resume: {exc.diagnostics[0]}"}] * self.ctrl.world
-        for key in ("seed", "batch", "seq_len", "data", "data_digest", "vocab_size", "tokenizer"):
-            if key in before and before[key] != info[key]:
-                return [{"error": f"cannot resume {self.run_dir}: it was trained with {key}={before[key]!r}, "
-                                  f"this run has {key}={info[key]!r}; resuming must not change it"}] * self.ctrl.world
+        refused = changed_identity(self.run_dir, before, info)
+        if refused is not None:
+            return [{"error": refused}] * self.ctrl.world
         out = []
         for r in range(self.ctrl.world):
             keys = self.stages.plan.param_keys(r % self.stages.plan.world_size)  # world rank -> plan rank
