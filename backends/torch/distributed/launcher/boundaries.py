@@ -254,13 +254,48 @@ class _Stops:
         return _Boundary(step, requested, asked_step, pnodes, released)
 
 
+@dataclass(kw_only=True)
+class _Offered:
+    """The files machine 0 offers admitted machines (the corpus, network and tokenizer, each attempt's job),
+    by name with their size and SHA-256, and the `fetch` requests that read them a chunk at a time (elastic.py
+    is the fetching side).  `Admission` is one: who may fetch is its members (`joined`, `static_machines`)."""
+
+    files: dict[str, tuple[Path, int, str]] = field(default_factory=dict)  # name -> (path, size, sha256)
+
+    def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
+        """Offer `path` to admitted machines as `name`: its size now and its SHA-256 (given, as a corpus's
+        manifest records its shards', or computed here a megabyte at a time)."""
+        size = path.stat().st_size
+        if sha256 is None:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            sha256 = digest.hexdigest()
+        self.files[name] = (path, size, sha256)
+
+    def _fetch(self, request: dict) -> dict:
+        machine, name, offset = int(request["machine"]), str(request["name"]), int(request["offset"])
+        if machine not in self.joined and not 0 < machine < self.static_machines:
+            return {"error": "only a machine of the run fetches its files"}
+        if name not in self.files:
+            return {"error": f"no file {quote(name, 80)} is offered"}
+        path, size, digest = self.files[name]
+        if not 0 <= offset <= size:
+            return {"error": f"offset {offset} outside {name} ({size} bytes)"}
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(CHUNK_BYTES)
+        return {"data": base64.b64encode(data).decode("ascii"), "size": size, "sha256": digest}
+
+
 @dataclass
-class Admission(_Departures, _Handover, _Stops):
+class Admission(_Offered, _Departures, _Handover, _Stops):
     """Machine 0's side of an elastic run: admits joins, serves files and jobs, records events.
 
     `on_join` runs in its own thread after an admission (the re-plan decision: it may take seconds, longer
     than a request may wait); `step` reads the run's last logged step.  Leaves: `_Departures`; a successor's
-    take-over: `_Handover`; a re-plan boundary's stop: `_Stops`."""
+    take-over: `_Handover`; a re-plan boundary's stop: `_Stops`; the files it offers: `_Offered`."""
 
     run_dir: Path
     fleet: Fleet
@@ -269,7 +304,6 @@ class Admission(_Departures, _Handover, _Stops):
     static_machines: int  # the machines the run started with (--nnodes MIN)
     step: Callable[[], int]
     on_join: Callable[["Admission", _Joined], None] | None = None
-    files: dict[str, tuple[Path, int, str]] = field(default_factory=dict)  # name -> (path, size, sha256)
     joined: dict[int, _Joined] = field(default_factory=dict)
     jobs: dict[int, dict[str, Any]] = field(default_factory=dict)  # attempt -> what followers need
     done: bool = False
@@ -285,18 +319,6 @@ class Admission(_Departures, _Handover, _Stops):
     settings: dict[str, Any] = field(default_factory=dict)  # the launch settings a joiner takes the role with
     # (inputs.launch_settings: Run.settings), sent with its admission
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def serve(self, name: str, path: Path, sha256: str | None = None) -> None:
-        """Offer `path` to admitted machines as `name`: its size now and its SHA-256 (given, as a corpus's
-        manifest records its shards', or computed here a megabyte at a time)."""
-        size = path.stat().st_size
-        if sha256 is None:
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
-            sha256 = digest.hexdigest()
-        self.files[name] = (path, size, sha256)
 
     def event(self, row: dict[str, Any]) -> None:
         """One row of launch/fleet-events.jsonl (appended; the file is machine 0's, in the run it owns)."""
@@ -417,20 +439,6 @@ class Admission(_Departures, _Handover, _Stops):
     def _refuse(self, pnode: str | None, reason: str) -> dict:
         self.event({"event": "join", "pnode": pnode, "outcome": "refused", "reason": reason})
         return {"admitted": False, "reason": reason}
-
-    def _fetch(self, request: dict) -> dict:
-        machine, name, offset = int(request["machine"]), str(request["name"]), int(request["offset"])
-        if machine not in self.joined and not 0 < machine < self.static_machines:
-            return {"error": "only a machine of the run fetches its files"}
-        if name not in self.files:
-            return {"error": f"no file {quote(name, 80)} is offered"}
-        path, size, digest = self.files[name]
-        if not 0 <= offset <= size:
-            return {"error": f"offset {offset} outside {name} ({size} bytes)"}
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read(CHUNK_BYTES)
-        return {"data": base64.b64encode(data).decode("ascii"), "size": size, "sha256": digest}
 
     def _job(self, request: dict) -> dict:
         machine, attempt = int(request["machine"]), int(request["attempt"])
