@@ -8,6 +8,7 @@ data_digest=..."): a patch release of a dependency stranded a run whose every to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -22,7 +23,11 @@ from vgraph.backends.torch.training.run_checkpoints import changed_identity
 from vgraph.backends.torch.training.train import TrainConfig, train
 from vgraph.data.stdlib_corpus import default_corpus_documents
 
-TEXT = "\n<|endoftext|>\n".join(default_corpus_documents(max_bytes=30_000))
+
+@functools.cache
+def text() -> str:
+    """The corpus text (30 KB of the embedded corpus), made once per process and not while collecting."""
+    return "\n<|endoftext|>\n".join(default_corpus_documents(max_bytes=30_000))
 
 
 def _common(tmp_path: Path, data: Path) -> dict:
@@ -37,7 +42,7 @@ def _run(run: Path) -> dict:
 
 def test_a_corpus_prepared_again_under_another_tokenizers_version_resumes_bitwise(tmp_path, monkeypatch) -> None:
     data = tmp_path / "text.txt"
-    data.write_text(TEXT, encoding="utf-8")
+    data.write_text(text(), encoding="utf-8")
     common = _common(tmp_path, data)
     train(TrainConfig(**common, steps=6, out=tmp_path / "whole"))
     train(TrainConfig(**common, steps=3, out=tmp_path / "parts"))
@@ -55,17 +60,17 @@ def test_a_corpus_prepared_again_under_another_tokenizers_version_resumes_bitwis
 
 def test_other_tokens_under_the_same_name_are_still_refused(tmp_path) -> None:
     data = tmp_path / "text.txt"
-    data.write_text(TEXT, encoding="utf-8")
+    data.write_text(text(), encoding="utf-8")
     common = _common(tmp_path, data)
     train(TrainConfig(**common, steps=3, out=tmp_path / "run"))
-    data.write_text(TEXT.replace("the", "a"), encoding="utf-8")  # the same path: the run's "data" is unchanged
+    data.write_text(text().replace("the", "a"), encoding="utf-8")  # the same path: the run's "data" is unchanged
     with pytest.raises(TrainingError, match=r"cannot resume .*data_content=.*resuming must not change it"):
         train(TrainConfig(**common, steps=6, out=tmp_path / "run", resume=True))
 
 
 def test_the_content_digest_ignores_provenance_and_sees_every_token_and_the_tokenizer(tmp_path) -> None:
     data = tmp_path / "text.txt"
-    data.write_text(TEXT, encoding="utf-8")
+    data.write_text(text(), encoding="utf-8")
     corpus, _ = open_corpus(TrainConfig(**_common(tmp_path, data)), 96, lambda line: None)
     m = corpus.manifest
 
@@ -117,7 +122,7 @@ def test_a_launch_resumes_across_the_corpus_prepared_again(tmp_path, monkeypatch
     from vgraph.backends.torch.distributed.launcher.launch import main as launch_main
 
     data = tmp_path / "text.txt"
-    data.write_text(TEXT, encoding="utf-8")
+    data.write_text(text(), encoding="utf-8")
     (tmp_path / "fleet.yml").write_text("name: two\npnodes:\n" + "".join(
         f"  - {{id: w{i}, memory: 1GiB, flops: 1G, bandwidth: 1GB/s, accelerator: cpu}}\n" for i in range(2)))
     monkeypatch.setenv("VGRAPH_CACHE_DIR", str(tmp_path / "cache"))

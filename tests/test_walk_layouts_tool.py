@@ -58,19 +58,37 @@ def test_the_table_carries_each_walks_figures_and_the_drafts_merge_what_they_say
                                                                                   capsys) -> None:
     assert walk_layouts.main([]) == 0
     out = capsys.readouterr().out
+    root, launcher_dir = walk_layouts.ROOT, Path(walk_layouts.LAUNCHER)
+    n = len(walk_layouts.folder_files(root, launcher_dir))
     assert "| today | 12 | 5 | 7 |" in out
-    assert "| the launcher's modules as one room | 11 | 5 | 5 |" in out
+    assert f"| the {n} modules of {walk_layouts.LAUNCHER} as one room | 11 | 5 | 5 |" in out
     assert "| each of the 3 folders the walk enters as one room | 10 | 5 | 6 |" in out
-    launcher, folders = (json.loads((fake_studio / f"{n}.json").read_text())["split"] for n in (1, 2))
+    launcher, folders = (json.loads((fake_studio / f"{i}.json").read_text())["split"] for i in (1, 2))
 
     def merge(folder: Path) -> dict:
-        modules = walk_layouts.folder_files(folder)
+        modules = walk_layouts.folder_files(root, folder)
         assert len(modules) > 1  # the premise: a folder of several modules, all merged (not only those walked)
         return {m.as_posix(): {modules[0].as_posix(): ["first", "Second"]} for m in modules[1:]}
 
-    assert launcher == merge(Path(walk_layouts.LAUNCHER))
+    assert launcher == merge(launcher_dir)
     # by folder: the launcher's, vgraph/base's and vgraph/'s own modules (plugins.py's folder), each into one
-    assert folders == {**merge(Path(walk_layouts.LAUNCHER)), **merge(Path("vgraph/base")), **merge(Path("vgraph"))}
+    assert folders == {**merge(launcher_dir), **merge(Path("vgraph/base")), **merge(Path("vgraph"))}
+
+
+def test_another_checkout_is_walked_where_its_launcher_stood(fake_studio: Path, tmp_path: Path, capsys) -> None:
+    other = tmp_path / "other"
+    for f in ("backends/torch/distributed/launch.py", "backends/torch/distributed/worker.py",
+              "backends/torch/distributed/launcher/launch.py", "backends/torch/distributed/launcher/attempts.py",
+              "vgraph/base/safeio.py", "vgraph/plugins.py"):
+        (other / f).parent.mkdir(parents=True, exist_ok=True)
+        (other / f).write_text("")
+    assert walk_layouts.main(["--repo", str(other), "--walk", "backends/torch/distributed/launch.py:launch:config",
+                              "--launcher", "backends/torch/distributed"]) == 0
+    assert "| the 2 modules of backends/torch/distributed as one room |" in capsys.readouterr().out
+    launcher = json.loads((fake_studio / "1.json").read_text())["split"]
+    assert launcher == {"backends/torch/distributed/worker.py": {"backends/torch/distributed/launch.py":
+                                                                 ["first", "Second"]}}
+
 
 def test_a_walk_without_its_figures_is_refused_in_a_line(fake_studio: Path, monkeypatch) -> None:
     monkeypatch.setenv("FAKE_STUDIO_BROKEN", "1")
@@ -90,3 +108,24 @@ def test_bad_stops_are_refused_by_the_parser(bad: str, capsys) -> None:
         walk_layouts.main(["--stops", bad])
     assert exit_.value.code == 2
     assert "--stops" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given, says", [
+    (["--repo", "/nonexistent/x"], "is not a directory"),
+    (["--repo", "a\x00b"], "is not a directory"),
+    (["--walk", "launch.py"], "is not FILE:FUNCTION:PARAM"),
+    (["--walk", "no/such.py:launch:config"], "is not FILE:FUNCTION:PARAM"),
+    (["--walk", "../main/backends/torch/distributed/launcher/launch.py:launch:config"], "is not FILE:FUNCTION:PARAM"),
+    (["--walk", "backends/torch/cli.py:main:argv\nx"], "is not FILE:FUNCTION:PARAM"),
+    (["--launcher", "/etc"], "is not a folder inside"),
+    (["--launcher", "../x"], "is not a folder inside"),
+    (["--launcher", "no/such"], "is not a folder inside"),
+    (["--launcher", "tools/walk_layouts.py"], "is not a folder inside"),
+    (["--launcher", "networks"], "fewer than two modules"),  # YAML files and an __init__.py
+    (["--launcher", ""], "fewer than two modules"),
+])
+def test_a_bad_repo_walk_or_launcher_is_refused_in_a_line(given, says, fake_studio: Path, capsys) -> None:
+    assert walk_layouts.main(given) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert not list(fake_studio.glob("*.json"))  # refused before any draft was pinned
