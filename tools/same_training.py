@@ -5,8 +5,9 @@
                                                                  # metric equal bitwise (timings excepted)
 
 A refactoring ("behaviour unchanged") is claimed with this, not with equal losses: each scenario's final
-checkpoint is compared tensor by tensor (`torch.equal`, so -0.0 vs 0.0 or one ulp is a difference), its
-state.json key by key, and metrics.jsonl row by row without the wall-clock figures.  `record` runs the
+checkpoint is compared tensor by tensor, byte for byte (dtype, shape and bytes: -0.0 vs 0.0 or one ulp is a
+difference), its state.json key by key, and metrics.jsonl row by row without the wall-clock figures; each
+difference is named by where it is (`extra.run.seed: A 7, B 8`).  `record` runs the
 `vgraph` executable given (default: the one next to this Python), so the same script records the checkout
 before and after a change, each with its own .venv.
 """
@@ -71,9 +72,58 @@ def _rows(path: Path) -> list[dict]:
     return [_untimed(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def compare(a: Path, b: Path) -> list[str]:
+def _plain(value):
+    """JSON as the checkpoint's encoder wrote it, with its objects ({"__dict__": [[key, value], ...]}) read back as
+    mappings, so that a difference is named by its keys, not by positions in a list of pairs."""
+    if isinstance(value, dict):
+        pairs = value.get("__dict__") if len(value) == 1 else None
+        if isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
+            return {k: _plain(v) for k, v in pairs}
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def where_differs(a, b, path: str = "", most: int = 5) -> list[str]:
+    """The first `most` places where two JSON values differ, as `key.key[index]` with what each side holds
+    there (a reader acts on "extra.run.data_content only in B", not on "state.json differs")."""
+    out: list[str] = []
+
+    def walk(x, y, at: str) -> None:
+        if len(out) >= most:
+            return
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y), key=str):
+                here = f"{at}.{k}" if at else str(k)
+                if k not in y:
+                    out.append(f"{here} only in A")
+                elif k not in x:
+                    out.append(f"{here} only in B")
+                else:
+                    walk(x[k], y[k], here)
+        elif isinstance(x, list) and isinstance(y, list):
+            if len(x) != len(y):
+                out.append(f"{at}: A has {len(x)} items, B {len(y)}")
+            for i, (u, v) in enumerate(zip(x, y)):
+                walk(u, v, f"{at}[{i}]")
+        elif x != y or type(x) is not type(y):
+            out.append(f"{at or '(the whole value)'}: A {json.dumps(x)[:60]}, B {json.dumps(y)[:60]}")
+
+    walk(_plain(a), _plain(b), path)
+    return out
+
+
+def bitwise_equal(a, b) -> bool:
+    """The same dtype, shape and bytes: `torch.equal` compares values, so it takes -0.0 for 0.0 and a NaN for
+    different from the same NaN; a refactoring's claim is about the bytes."""
     import torch
 
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)))
+
+
+def compare(a: Path, b: Path) -> list[str]:
     diffs = []
     for name in ("train", "resume", "launch"):
         ra, rb = a / name, b / name
@@ -88,16 +138,15 @@ def compare(a: Path, b: Path) -> list[str]:
                 if ta.keys() != tb.keys():
                     diffs.append(f"{name}/{f}: tensor names differ")
                 diffs += [f"{name}/{f}: {k} differs" for k in sorted(ta.keys() & tb.keys())
-                          if not k.startswith(UNRECORDED.get(name, ())) and not torch.equal(ta[k], tb[k])]
+                          if not k.startswith(UNRECORDED.get(name, ())) and not bitwise_equal(ta[k], tb[k])]
             elif f.endswith(".json"):
                 ja, jb = (json.loads(p.read_text()) for p in (fa, fb))
                 for key in UNRECORDED.get(name, ()):
                     for doc in (ja, jb):
                         doc.pop(key, None) if isinstance(doc, dict) else None
-                if ja != jb:
-                    diffs.append(f"{name}/{f} differs")
-        if _rows(ra / "metrics.jsonl") != _rows(rb / "metrics.jsonl"):
-            diffs.append(f"{name}: metrics.jsonl rows differ")
+                diffs += [f"{name}/{f}: {w}" for w in where_differs(ja, jb)]
+        diffs += [f"{name}/metrics.jsonl: {w}" for w in where_differs(_rows(ra / "metrics.jsonl"),
+                                                                      _rows(rb / "metrics.jsonl"), "rows")]
     return diffs
 
 
