@@ -43,6 +43,13 @@ ADAM_RTOL_PER_STEP = 4.7e-5 / 4  # the calibration below: 4.7e-5 after 4 Adam st
 ADAM_MAX_STEP = 3.2  # |update| / lr of one Adam step, at most (1 - beta1) / sqrt(1 - beta2) with the defaults
 
 
+def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bit for bit: the same dtype, shape and bytes (torch.equal compares values: -0.0 equals 0.0 there, and a
+    NaN differs from itself)."""
+    return (x.dtype == y.dtype and x.shape == y.shape
+            and torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)))
+
+
 def _zero_gradient(key: str) -> bool:
     return key.split(":", 1)[0].endswith(".bk")
 
@@ -70,8 +77,8 @@ def assert_same_weights(a: str | Path, b: str | Path, *, steps: int = 0, lr: flo
                 pairs.append((f"{key}:{name}", sa[name], sb[name]))
     for key, x, y in pairs:
         assert x.shape == y.shape and x.dtype == y.dtype, key
-        if bitwise:
-            assert torch.equal(x, y), f"{key}: differs (max {float((x - y).abs().max()):.3g})"
+        if bitwise:  # the bytes: torch.equal compares values, taking -0.0 for 0.0 and a NaN for unequal to itself
+            assert same_bytes(x, y), f"{key}: differs (max {float((x.double() - y.double()).abs().max()):.3g})"
             continue
         diff = float((x.double() - y.double()).abs().max())
         if _zero_gradient(key):
@@ -150,6 +157,6 @@ def assert_replicas_identical(directory: Path, replicas: int) -> int:
                 other = torch.load(directory / f"rank{r * P + s}-{n}.pt")
                 assert other.keys() == first.keys(), (s, r)
                 for key, value in first.items():
-                    assert torch.equal(other[key], value), \
+                    assert same_bytes(other[key], value), \
                         f"replica {r} of stage rank {s}, checkpoint {n}: {key} differs from replica 0's"
     return min(per_rank)
