@@ -189,8 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    if args.smoke:
-        args.size_mb, args.small_mb, args.unit_mb, args.steps, args.batch, args.threads, args.warm = 1, 0.25, 0.25, 3, 2, 1, 1
+    if args.smoke:  # the big corpus still 4 units (both workers of both sides busy), the small one 1
+        # (0.5 MB: the stdlib walk behind the corpus and the tokenizer's sample costs ~1.2 CPU-s a MB)
+        args.size_mb, args.small_mb, args.unit_mb = 0.5, 0.125, 0.125
+        args.steps, args.batch, args.threads, args.warm = 3, 2, 1, 1
         args.network = TINY
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import gc
 import itertools
@@ -81,6 +82,9 @@ NETWORKS = {
     "8": (ROOT / "networks" / "distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml",
           PRODUCTION["distributed_attention_example_8_swiglu_head_vocab32768_seq512.yml"]),
     "tiny": (ROOT / "tests" / "fixtures" / "tiny_2l.yml", TINY["tiny_2l.yml"]),
+    # tiny's one-block twin (same shapes and precision policy), written from its spec as tools/gen_networks.py
+    # writes the fixtures: the suite's smoke compiles it (dynamo's tracing and AOT autograd cost ~1.3 CPU-s a block)
+    "tiny-1l": (None, dataclasses.replace(TINY["tiny_2l.yml"], name="tiny-1l", layers=1)),
 }
 # kind -> prepare_graph arguments (None: the production pipeline; fuse=False: `--no-fuse`)
 PIPELINES = {"fused": {}, "unfused": {"fuse": False}, "no-lm-fuse": {"passes": "dead-nodes,precision,fuse-heads"},
@@ -369,6 +373,18 @@ def ratio_lines(variants: list[Variant]) -> list[str]:
     return out
 
 
+def network(name: str):
+    """(graph, TransformerSpec) of a NETWORKS entry: its file loaded, or one with no file written from its spec
+    (the YAML `tools/gen_networks.py` would check in) and loaded back, as a file is."""
+    path, spec = NETWORKS[name]
+    if path is not None:
+        return vgraph.load(path), spec
+    from tools.gen_networks import transformer
+    from vgraph.yamlio import dumps, loads
+
+    return loads(dumps(transformer(spec)), file=f"<{spec.name}>"), spec
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -399,8 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # float32 stays float32, as in `vgraph train`
 
-    path, spec = NETWORKS[args.network]
-    graph = vgraph.load(path)
+    graph, spec = network(args.network)
     cfg = HandwrittenConfig.from_spec(spec)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab, (args.batch, cfg.seq_len), generator=gen).to(device)

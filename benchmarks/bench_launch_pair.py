@@ -12,7 +12,8 @@ for the embedded corpus has to be trained first.  With `--rounds N` both run N
 times in an order that turns every round; a row gives the median over rounds,
 and the last line launch / train, the median of the rounds' own ratios.
 
-    python benchmarks/bench_launch_pair.py [--network 8] [--batch 32] [--steps 6] [--device cuda] [--rounds 1] [--out FILE]
+    python benchmarks/bench_launch_pair.py [--network 8] [--batch 32] [--steps 6] [--device cuda] [--rounds 1]
+        [--words 60000] [--out FILE]
 """
 from __future__ import annotations
 
@@ -66,16 +67,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each, alternated (default 1)")
+    ap.add_argument("--words", type=int, default=60_000,
+                    help="words of the synthetic corpus (default 60,000; the CPU fallback of gpu_check.sh: 6,000)")
     ap.add_argument("--out", type=Path, help="also write the markdown table here")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    if args.words < 1:
+        ap.error(f"--words must be at least 1, got {args.words}")
 
     import torch
 
     import vgraph
     from vgraph.backends.torch import TrainConfig, train
     from vgraph.backends.torch.distributed.launcher.launch import LaunchConfig, launch
+    from vgraph.backends.torch.training.config import TrainingError
 
     cuda = args.device.startswith("cuda")
     if cuda and torch.cuda.device_count() < args.workers:
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     graph = vgraph.load(path)
     work = Path(tempfile.mkdtemp(prefix="bench_launch_pair_"))
     try:
-        corpus(work / "corpus.txt")
+        corpus(work / "corpus.txt", args.words)
         (work / "fleet.yml").write_text("name: pair\npnodes:\n" + "".join(
             f"  - {{id: w{i}, memory: 64GiB, flops: 100T, bandwidth: 50GB/s, "
             f"accelerator: {'cuda-sm80' if cuda else 'cpu'}}}\n" for i in range(args.workers)))
@@ -106,7 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for way in rotated(list(runs), r):
                 start = time.perf_counter()
-                history = runs[way](r)
+                try:
+                    history = runs[way](r)
+                except TrainingError as exc:  # e.g. a --words corpus too small for a window of the network
+                    print(f"bench_launch_pair: {way}: {exc}", file=sys.stderr)
+                    return 1
                 walls[way].append(time.perf_counter() - start)
                 steps[way].append(step_seconds(history))
                 last[way] = history[-1]["loss"]

@@ -474,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         from vgraph.backends.torch.training.batches import default_corpus_documents
 
         corpus = work / "corpus.txt"
-        corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=200_000)), encoding="utf-8")
+        # --smoke: 30 KB, thousands of tokens for its 4 steps of 8 x 8 (the stdlib walk costs ~1.2 CPU-s a MB)
+        corpus.write_text("\n\n".join(default_corpus_documents(max_bytes=30_000 if args.smoke else 200_000)),
+                          encoding="utf-8")
         for name in networks:
             network = network_file(name, work)
             for k, rate in enumerate(rates):

@@ -15,7 +15,8 @@
 #
 # Without CUDA (a CPU machine, or the test suite's smoke test) the same code runs on tiny
 # shapes: the tiny network at batch 4, torch.compile with the aot_eager backend (dynamo and
-# AOT autograd without code generation), the launch with two CPU workers over gloo.
+# AOT autograd without code generation), the launch with two CPU workers over gloo on a smaller
+# synthetic corpus.
 #
 # Python: the machine's own torch is used when there is one (the GPU machine has CUDA torch
 # preinstalled and no network), with vgraph laid out in a temporary site directory beside
@@ -104,7 +105,8 @@ else
   BENCH=(--network tiny --batch 4 --device cpu --variants fused,unfused,handwritten --compile
          --compile-variants fused --compile-backend aot_eager --rounds 2 --steps-per-round 1 --warmup 1
          --budget-s 200)
-  LAUNCH=(--network tiny --batch 4 --steps 3 --device cpu --workers 2)
+  # a tenth of the synthetic corpus: 3 steps of batch 4 x 16 tokens need thousands of tokens, not 60,000 words
+  LAUNCH=(--network tiny --batch 4 --steps 3 --device cpu --workers 2 --words 6000)
   # a train and a 2-worker launch of the tiny network took 83-101 s at load 11-15 on the shared 2-core VM
   LAUNCH_S=180
 fi

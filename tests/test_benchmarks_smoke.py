@@ -69,8 +69,9 @@ NEEDS_ROOT = {"bench_testbed.py", "bench_hop_latency.py"}  # the netlab testbed 
 # failed, it logged too few steps or the run ended before an event of the schedule.
 SUCCEEDED = {"bench_churn.py": re.compile(r"^\| elastic \| \d", re.M)}
 # gpu_check.sh without CUDA runs bench_gpu.py and bench_launch_pair.py on tiny shapes (its CPU fallback);
-# its extra arguments go to bench_gpu.py: two variants keep the aot_eager compiles to two.
-GPU_CHECK = ["--variants", "fused,handwritten"]
+# its extra arguments go to bench_gpu.py: two variants keep the aot_eager compiles to two, and tiny's one-block
+# twin (same shapes and precision policy) is what they trace (~1.2 CPU-s less than two blocks).
+GPU_CHECK = ["--variants", "fused,handwritten", "--network", "tiny-1l"]
 
 # A table: a markdown separator row (|---|---:|), the dashed underline of an aligned text table, or
 # (bench_partition) a header and rows of three or more columns aligned by runs of spaces.
@@ -121,6 +122,22 @@ def test_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
     for table in ("gpu_results.md", "launch_results.md"):
         assert TABLE.search((results / table).read_text(encoding="utf-8")), table
     assert (results / "gpu_results.json").is_file()
+    assert "on cpu: tiny-1l," in (results / "gpu_results.md").read_text(encoding="utf-8")  # the override took
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_gpu.py", ["--network", "tiny-3l"], "invalid choice: 'tiny-3l'"),
+    ("bench_launch_pair.py", ["--words", "0"], "--words must be at least 1, got 0"),
+    ("bench_launch_pair.py", ["--words", "-5"], "--words must be at least 1, got -5"),
+    ("bench_launch_pair.py", ["--words", "nan"], "invalid int value: 'nan'"),
+    ("bench_launch_pair.py", ["--words", "2.5"], "invalid int value: '2.5'"),
+])
+def test_gpu_check_scripts_refuse_a_network_or_corpus_they_cannot_run(script: str, args: list[str], message: str,
+                                                                      tmp_path: Path) -> None:
+    """The smoke's settings of gpu_check.sh's two scripts, wrong: exit 2 at parsing, nothing written."""
+    r = run_python([BENCH / script, *args], cwd=tmp_path, env=_env(), timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bench_testbed_refuses_a_file_for_its_workdir(tmp_path: Path) -> None:
