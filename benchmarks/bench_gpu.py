@@ -68,7 +68,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 import vgraph  # noqa: E402
 from handwritten_model import HandwrittenConfig, HandwrittenTransformer, load_vgraph_state  # noqa: E402
 from rounds import paired_median, rotated, rounds_note  # noqa: E402
-from tools.gen_networks import PRODUCTION, TINY  # noqa: E402
+from tools.gen_networks import PRODUCTION, TINY, transformer  # noqa: E402
 from vgraph.backends.torch import compile_network, compute_dtype, prepare_graph  # noqa: E402
 from vgraph.backends.torch.lowering import kernels as K  # noqa: E402
 from vgraph.backends.torch.lowering.graph_breaks import explain_program  # noqa: E402
@@ -379,7 +379,6 @@ def network(name: str):
     path, spec = NETWORKS[name]
     if path is not None:
         return vgraph.load(path), spec
-    from tools.gen_networks import transformer
     from vgraph.yamlio import dumps, loads
 
     return loads(dumps(transformer(spec)), file=f"<{spec.name}>"), spec

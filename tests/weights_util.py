@@ -37,17 +37,11 @@ from typing import Iterator
 
 import torch
 
+from tools.same_training import bitwise_equal as same_bytes  # dtype, shape and bytes: one rule for both
 from vgraph.backends.torch.training.checkpoint import load_checkpoint
 
 ADAM_RTOL_PER_STEP = 4.7e-5 / 4  # the calibration below: 4.7e-5 after 4 Adam steps
 ADAM_MAX_STEP = 3.2  # |update| / lr of one Adam step, at most (1 - beta1) / sqrt(1 - beta2) with the defaults
-
-
-def same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Bit for bit: the same dtype, shape and bytes (torch.equal compares values: -0.0 equals 0.0 there, and a
-    NaN differs from itself)."""
-    return (x.dtype == y.dtype and x.shape == y.shape
-            and torch.equal(x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8)))
 
 
 def _zero_gradient(key: str) -> bool:
